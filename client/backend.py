@@ -1,0 +1,104 @@
+"""What the hooks need from a store: a request verb and the pool it hands out extents of.
+
+Two implementations: ``DaemonConnection`` (stormd over ZeroMQ) and
+``EmbeddedStore`` (the same Service, in this process). ``open_backend``
+chooses between them for ``mode='auto' | 'daemon' | 'embedded'`` and keeps
+one per process and endpoint, so every step reuses its session and pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from stormd.config import ipc_path, normalize_endpoint, parse_size
+from stormd.pool import SharedPool
+
+from .errors import StormRequestError, StormUnavailable
+
+log = logging.getLogger("storm")
+
+MODES = ("auto", "daemon", "embedded")
+POOL_SIZE_ENV = "STORM_POOL_SIZE"
+DEFAULT_EMBEDDED_POOL = "2GiB"
+
+
+class Backend(Protocol):
+    pool: SharedPool
+    name: str
+
+    def request(self, op: str, **fields: Any) -> Future:
+        """Send a request; the future gives the reply's fields or raises StormRequestError."""
+
+    def close(self) -> None: ...
+
+
+def settle(fut: Future, reply: dict[str, Any]) -> None:
+    """Complete ``fut`` from a reply map: its fields, or StormRequestError for an error reply."""
+    if reply.get("ok"):
+        fut.set_result(reply)
+    else:
+        fut.set_exception(StormRequestError(str(reply.get("error")), str(reply.get("message"))))
+
+
+_lock = threading.Lock()
+_backends: dict[tuple, Backend] = {}
+_announced: set[str] = set()
+
+
+def open_backend(mode: str, socket: str | None = None, pool_size: str | int | None = None) -> Backend:
+    """The process's backend for this mode and endpoint, created on first use."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    endpoint = normalize_endpoint(socket)
+    size = parse_size(pool_size or os.environ.get(POOL_SIZE_ENV) or DEFAULT_EMBEDDED_POOL)
+    with _lock:
+        if mode in ("auto", "daemon"):
+            b = _backends.get(("daemon", endpoint))
+            if b is not None:
+                return b
+            try:
+                b = _connect(endpoint)
+                _backends[("daemon", endpoint)] = b
+                _announce(f"storm: offloading through {b.name}")
+                return b
+            except StormUnavailable as e:
+                if mode == "daemon":
+                    raise
+                why = str(e)
+        else:
+            why = "mode='embedded'"
+        b = _backends.get(("embedded", size))
+        if b is None:
+            from .embedded import EmbeddedStore
+            b = _backends[("embedded", size)] = EmbeddedStore(size)
+        _announce(f"storm: using the embedded store ({b.pool.size} byte pool): {why}")
+        return b
+
+
+def _connect(endpoint: str) -> Backend:
+    path = ipc_path(endpoint)
+    if path is not None and not path.exists():
+        raise StormUnavailable(f"no stormd socket at {path}; start one with `stormd`, set STORMD_SOCKET, "
+                               f"or use mode='embedded'")
+    from .connection import DaemonConnection
+    return DaemonConnection(endpoint)
+
+
+def _announce(line: str) -> None:
+    if line not in _announced:  # once per process and mode: nothing per step
+        _announced.add(line)
+        log.info(line)
+
+
+def close_backends() -> None:
+    """Close every backend of this process (BYE to daemons)."""
+    with _lock:
+        for b in _backends.values():
+            b.close()
+        _backends.clear()
+        _announced.clear()
+

@@ -1,0 +1,133 @@
+"""Connection to stormd: one DEALER socket, owned by one I/O thread.
+
+ZeroMQ sockets are not thread-safe, and both the training thread (unpack) and
+the mover thread (PUT, GET) issue requests. So callers enqueue requests and
+wake the I/O thread through a pipe; it sends, matches replies to futures by
+id, and pings the daemon every ``heartbeat`` seconds so the daemon knows the
+client is alive while no tensors flow.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from stormd.pool import PoolError, SharedPool
+from stormd.protocol import PROTOCOL_VERSION, pack, unpack
+
+from .backend import settle
+from .errors import StormUnavailable
+
+CONNECT_TIMEOUT = 2.0
+HEARTBEAT = 1.0
+
+
+class DaemonConnection:
+    def __init__(self, endpoint: str, connect_timeout: float = CONNECT_TIMEOUT, heartbeat: float = HEARTBEAT):
+        self.endpoint = endpoint
+        self.heartbeat = heartbeat
+        self._ids = itertools.count(1)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[int, Future] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)  # a full pipe already means "wake up"
+        self._closed = threading.Event()
+        self._auth: dict[str, Any] = {}
+        self._ctx = zmq.Context()
+        self._thread = threading.Thread(target=self._run, name="storm-io", daemon=True)
+        self._thread.start()
+        try:
+            hello = self.request("HELLO", version=PROTOCOL_VERSION, pid=os.getpid(),
+                                 host=socket.gethostname()).result(connect_timeout)
+        except TimeoutError:
+            self._shutdown()
+            raise StormUnavailable(f"no stormd answered at {endpoint} within {connect_timeout:g} s") from None
+        except Exception:
+            self._shutdown()
+            raise
+        self._auth = {"session": hello["session"], "token": hello["token"]}
+        self.session = hello["session"]
+        self.name = f"stormd at {endpoint} (session {self.session}, {hello['server']})"
+        try:
+            self.pool = SharedPool.attach(hello["pool"]["path"], hello["pool"]["size"])
+        except PoolError as e:
+            self.close()
+            raise StormUnavailable(f"connected to {endpoint} but cannot map its pool: {e}") from None
+
+    def request(self, op: str, **fields: Any) -> Future:
+        fut: Future = Future()
+        if self._closed.is_set():
+            fut.set_exception(StormUnavailable(f"connection to {self.endpoint} is closed"))
+            return fut
+        msg = {"op": op, "id": next(self._ids), **(self._auth if op != "HELLO" else {}), **fields}
+        self._outbox.put((msg, fut))
+        self._wake()
+        return fut
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass
+
+    def _run(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        last_sent = time.monotonic()
+        try:
+            while not self._closed.is_set():
+                events = dict(poller.poll(timeout=int(self.heartbeat * 1000)))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 4096)
+                while not self._outbox.empty():
+                    msg, fut = self._outbox.get()
+                    self._pending[msg["id"]] = fut
+                    sock.send(pack(msg))
+                    last_sent = time.monotonic()
+                while sock.poll(0, zmq.POLLIN):
+                    reply = unpack(sock.recv())
+                    fut = self._pending.pop(reply.get("id"), None)
+                    if fut is not None:
+                        settle(fut, reply)
+                if self._auth and time.monotonic() - last_sent >= self.heartbeat:
+                    self._pending[ping := next(self._ids)] = Future()
+                    sock.send(pack({"op": "PING", "id": ping, **self._auth}))
+                    last_sent = time.monotonic()
+        finally:
+            sock.close(linger=0)
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(StormUnavailable(f"connection to {self.endpoint} closed"))
+            self._pending.clear()
+
+    def _shutdown(self) -> None:
+        self._closed.set()
+        self._wake()
+        self._thread.join(timeout=5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._ctx.term()
+
+    def close(self) -> None:
+        """Say BYE (the daemon frees everything of this session) and stop the I/O thread."""
+        if self._closed.is_set():
+            return
+        try:
+            self.request("BYE").result(timeout=1.0)
+        except Exception:
+            pass  # the daemon reclaims the session on its own when the heartbeats stop
+        self._shutdown()
+        if getattr(self, "pool", None) is not None:
+            self.pool.close()

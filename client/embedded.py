@@ -1,0 +1,45 @@
+"""The embedded store: stormd's Service and pool inside the training process.
+
+It is what ``mode='auto'`` falls back to when no daemon answers, so a new user
+gets offload with nothing to start. Requests go through the same validation
+and store code as the daemon's, minus ZeroMQ; they complete at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from stormd.pool import SharedPool
+from stormd.protocol import PROTOCOL_VERSION
+from stormd.service import Service
+
+from .backend import settle
+
+
+class EmbeddedStore:
+    def __init__(self, pool_size: int):
+        self.pool = SharedPool.anonymous(pool_size)
+        self.service = Service(self.pool)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # the mover thread and the training thread both call in
+        hello = self.request("HELLO", version=PROTOCOL_VERSION, pid=os.getpid(), host=socket.gethostname()).result()
+        self._auth = {"session": hello["session"], "token": hello["token"]}
+        self.session = hello["session"]
+        self.name = "embedded store"
+
+    def request(self, op: str, **fields: Any) -> Future:
+        fut: Future = Future()
+        auth = getattr(self, "_auth", {}) if op != "HELLO" else {}
+        with self._lock:
+            reply = self.service.handle_message({"op": op, "id": next(self._ids), **auth, **fields})
+        settle(fut, reply)
+        return fut
+
+    def close(self) -> None:
+        self.request("BYE")
+        self.pool.close()

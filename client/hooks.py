@@ -1,0 +1,116 @@
+"""``storm.offload``: autograd's saved tensors go to the store during forward and
+come back, prefetched, during backward.
+
+    with storm.offload():
+        loss = model(x).sum()
+    loss.backward()
+
+Built on ``torch.autograd.graph.saved_tensors_hooks``: pack (at save time)
+hands the tensor's storage to the mover and returns a small handle without
+waiting for the store; unpack (in backward) rebuilds the exact view (dtype,
+shape, strides, storage offset) from the fetched bytes.
+
+Semantics worth knowing:
+
+* What stays where it is, and why: see ``policy.Keep`` (parameters, leaves
+  that require grad, tensors under ``min_bytes``, subclasses, non-strided
+  layouts, lazy conj/neg views, and anything the store has no room for).
+* In-place modification of a saved tensor. Autograd's own version check does
+  not run while saved-tensor hooks are active. STORM compares the tensor's
+  version when its copy has finished (checked at the next save, unpack or
+  context exit, or at ``synchronize()``): if it changed, unpack raises
+  ``StormInPlaceError``; a modification after that point cannot reach the
+  stored copy, and backward uses the value as it was at save time. So a
+  gradient is never computed from a value other than the saved one; which of
+  the two outcomes a given program gets depends on when the copy finished.
+* retain_graph: unpack may run twice; the bytes stay in the store until
+  autograd drops the graph (the last handle), then they are freed.
+* Nested hooks: torch applies the innermost ``saved_tensors_hooks`` only. A
+  ``storm.offload`` (or ``save_on_cpu``, or non-reentrant checkpointing)
+  inside another one takes over the tensors saved in its scope; the outer one
+  sees none of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from .policy import DEFAULT_MIN_BYTES, Policy
+from .session import DEFAULT_PREFETCH_BYTES, ClientSession, OffloadStats, Step, session_for
+
+class Offload(contextlib.ContextDecorator):
+    """One offload scope (a step). Use through ``storm.offload(...)``."""
+
+    def __init__(self, *, mode: str = "auto", socket: str | None = None, min_bytes: int = DEFAULT_MIN_BYTES,
+                 prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, pool_size: str | int | None = None,
+                 modules: nn.Module | Iterable[nn.Module] | None = None):
+        if min_bytes < 0 or prefetch_bytes < 0:
+            raise ValueError("min_bytes and prefetch_bytes must be >= 0")
+        self._options = dict(mode=mode, socket=socket, min_bytes=min_bytes, prefetch_bytes=prefetch_bytes,
+                             pool_size=pool_size, modules=modules)
+        self._policy = Policy.protecting(modules, min_bytes)
+        self._session: ClientSession | None = None
+        self._step: Step | None = None
+        self._hooks: Any = None
+
+    def _recreate_cm(self) -> "Offload":
+        return Offload(**self._options)  # each decorated call is its own step
+
+    def __enter__(self) -> "Offload":
+        if self._hooks is not None:
+            raise RuntimeError("this storm.offload context is already active; create a new one per step")
+        o = self._options
+        self._session = session_for(o["mode"], o["socket"], o["pool_size"])
+        self._session.prefetch_bytes = o["prefetch_bytes"]
+        self._step = self._session.new_step()
+        session, step, policy = self._session, self._step, self._policy
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            lambda t: session.save(t, step, policy), session.load)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
+        self._session.poll()
+
+    @property
+    def stats(self) -> OffloadStats:
+        """Counters of this step (fetch counters grow as its backward runs)."""
+        if self._step is None:
+            raise RuntimeError("storm.offload has not been entered yet")
+        return self._step.stats
+
+    @property
+    def backend_name(self) -> str:
+        if self._session is None:
+            raise RuntimeError("storm.offload has not been entered yet")
+        return self._session.backend.name
+
+    def synchronize(self) -> None:
+        """Wait for this session's copies in flight; after it, saved tensors may be modified in place."""
+        if self._session is not None:
+            self._session.synchronize()
+
+
+def offload(fn: Callable | None = None, /, **options: Any) -> Any:
+    """Offload the tensors autograd saves inside this scope.
+
+    Context manager (``with storm.offload(...):``) or decorator (``@storm.offload``
+    or ``@storm.offload(...)``). Options: ``mode`` ("auto": the daemon if one
+    answers, else the embedded store; "daemon": fail without one;
+    "embedded"), ``socket`` (path or endpoint; default $STORMD_SOCKET, else the
+    per-user runtime directory), ``min_bytes`` (smaller tensors stay; default
+    64 KiB), ``prefetch_bytes`` (how far ahead backward fetches), ``pool_size``
+    (embedded store; default $STORM_POOL_SIZE or 2GiB), ``modules`` (whose
+    parameters and buffers are never offloaded).
+    """
+    if fn is None:
+        return Offload(**options)
+    if not callable(fn):
+        raise TypeError(f"storm.offload takes keyword options, or decorates a function; got {type(fn).__name__}")
+    return Offload(**options)(fn)

@@ -1,0 +1,64 @@
+"""Which saved tensors to offload, and why the others stay where they are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+DEFAULT_MIN_BYTES = 64 << 10  # below this the bookkeeping costs more than the bytes saved
+
+
+class Keep:
+    """Reasons a saved tensor stays where it is (the keys of OffloadStats.kept)."""
+
+    PARAMETER = "parameter"        # alive anyway (the module holds it) and changed in place by the optimizer
+    LEAF = "leaf requiring grad"   # a user input that requires grad: alive anyway, offloading frees nothing
+    MODULE_STATE = "module state"  # a parameter or buffer of the modules passed as modules=
+    SMALL = "below min_bytes"
+    SUBCLASS = "tensor subclass"   # wrappers (DTensor, FakeTensor, ...) carry state beyond their storage
+    LAYOUT = "not strided"         # sparse, mkldnn, nested: no single storage to copy
+    DEVICE = "unsupported device"  # only cpu and cuda memory is copied
+    LAZY_VIEW = "lazy conj/neg view"  # the conj/neg bit is not in the storage
+    POOL_FULL = "pool full"        # the store had no room: the tensor stays, the step goes on
+    STORE_ERROR = "store error"    # the store refused or went away: the tensor stays
+
+
+@dataclass(frozen=True)
+class Policy:
+    min_bytes: int = DEFAULT_MIN_BYTES
+    protected: frozenset[int] = frozenset()  # storage addresses of module parameters and buffers
+
+    @staticmethod
+    def protecting(modules: nn.Module | Iterable[nn.Module] | None, min_bytes: int) -> "Policy":
+        if modules is None:
+            return Policy(min_bytes)
+        mods = [modules] if isinstance(modules, nn.Module) else list(modules)
+        ptrs = {t.untyped_storage().data_ptr() for m in mods
+                for t in [*m.parameters(), *m.buffers()] if t.numel()}
+        return Policy(min_bytes, frozenset(ptrs))
+
+    def keep_reason(self, t: torch.Tensor) -> str | None:
+        """None when ``t`` should be offloaded, else the reason it stays."""
+        if isinstance(t, nn.Parameter):
+            return Keep.PARAMETER
+        if type(t) is not torch.Tensor:
+            return Keep.SUBCLASS
+        base = t._base if t._base is not None else t
+        if isinstance(base, nn.Parameter):
+            return Keep.PARAMETER
+        if base.is_leaf and base.requires_grad:
+            return Keep.LEAF
+        if t.layout != torch.strided:
+            return Keep.LAYOUT
+        if t.device.type not in ("cpu", "cuda"):
+            return Keep.DEVICE
+        if t.is_conj() or t.is_neg() or t._is_zerotensor():
+            return Keep.LAZY_VIEW
+        if t.numel() * t.element_size() < self.min_bytes or t.untyped_storage().nbytes() == 0:
+            return Keep.SMALL
+        if self.protected and t.untyped_storage().data_ptr() in self.protected:
+            return Keep.MODULE_STATE
+        return None

@@ -1,0 +1,344 @@
+"""A process's side of one store session: which saved tensors are where.
+
+Each offloaded storage is a ``Stored``: held (its tensor kept alive) until the
+mover has copied it, then released, so the memory is freed; fetched back on
+unpack, with the next ones in reverse saving order prefetched. Each saved view
+is a ``Handle`` onto a Stored (a storage saved twice is stored once); when the
+last Handle dies (autograd freed the graph) the key is freed in the store.
+
+All state changes happen under one lock in ``poll``, ``save`` and ``load``;
+Handle finalizers only enqueue, because they run wherever Python drops them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .backend import Backend, close_backends, open_backend
+from .errors import StormError, StormInPlaceError, StormRequestError
+from .policy import Keep, Policy
+from .transfer import Mover, PutRequest, storage_bytes
+
+log = logging.getLogger("storm")
+
+DEFAULT_PREFETCH_BYTES = 256 << 20
+DEFAULT_MAX_HELD_BYTES = 512 << 20  # saving blocks on the mover beyond this much not yet copied
+
+
+class State:
+    HELD = "held"            # copy in flight; the tensor is still referenced
+    OFFLOADED = "offloaded"  # in the store; the tensor was let go
+    KEPT = "kept"            # the store had no room or failed: the tensor stays referenced
+    MODIFIED = "modified"    # changed in place before the copy was checked: the saved value is lost
+    FREED = "freed"
+
+
+@dataclass
+class OffloadStats:
+    """What one ``storm.offload`` step did; fetch counters grow during its backward."""
+
+    saved: int = 0                 # pack calls
+    offloaded: int = 0             # storages sent to the store
+    offloaded_bytes: int = 0
+    deduplicated: int = 0          # saves of a storage already stored in this step
+    kept: dict[str, int] = field(default_factory=dict)  # reason -> count (see policy.Keep)
+    kept_bytes: int = 0
+    fetched: int = 0
+    fetched_bytes: int = 0
+    prefetch_hits: int = 0
+    fetch_wait_s: float = 0.0      # time unpack waited for bytes that were not there yet
+
+    def keep(self, reason: str, nbytes: int) -> None:
+        self.kept[reason] = self.kept.get(reason, 0) + 1
+        self.kept_bytes += nbytes
+
+
+class Step:
+    """The saves of one ``storm.offload`` context, in saving order (for prefetch)."""
+
+    def __init__(self, number: int):
+        self.number = number
+        self.order: list[Stored] = []
+        self.by_storage: dict[int, Stored] = {}
+        self.cursor = 0  # order[cursor:] has been considered for prefetch
+        self.stats = OffloadStats()
+
+
+class Stored:
+    def __init__(self, key: int, step: Step, t: torch.Tensor):
+        self.key = key
+        self.step = step
+        self.index = len(step.order)
+        self.nbytes = t.untyped_storage().nbytes()
+        self.device = t.device
+        self.tensor: torch.Tensor | None = t
+        self.version = t._version
+        self.weak = StorageWeakRef(t.untyped_storage())
+        self.described = _describe(t)
+        self.state = State.HELD
+        self.put: Future | None = None
+        self.refs = 0
+        self.in_store = False
+
+
+class Handle:
+    """What autograd keeps in place of a saved tensor."""
+
+    __slots__ = ("stored", "dtype", "shape", "strides", "storage_offset", "_session", "__weakref__")
+
+    def __init__(self, session: "ClientSession", stored: Stored, t: torch.Tensor):
+        self._session = session
+        self.stored = stored
+        self.dtype = t.dtype
+        self.shape = tuple(t.shape)
+        self.strides = t.stride()
+        self.storage_offset = t.storage_offset()
+        stored.refs += 1
+
+    def view_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=storage.device).set_(
+            storage, self.storage_offset, self.shape, self.strides)
+
+    def __del__(self) -> None:
+        self._session.dropped.put(self.stored)
+
+
+class Kept:
+    """A saved tensor that stays where it is, with its version, so unpack can still
+    detect in-place changes (autograd's own check is off under saved_tensors_hooks)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise StormInPlaceError(f"a saved {_describe(self.tensor)} was modified in place after autograd "
+                                    f"saved it; {_FIX}")
+        return self.tensor
+
+
+def _describe(t: torch.Tensor) -> str:
+    producer = type(t.grad_fn).__name__ if t.grad_fn is not None else "no grad_fn"
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor ({producer})"
+
+
+_FIX = ("make the op out of place (e.g. relu instead of relu_, x = x + y instead of x += y) "
+        "or clone the tensor before modifying it")
+
+
+class ClientSession:
+    def __init__(self, backend: Backend, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+                 max_held_bytes: int = DEFAULT_MAX_HELD_BYTES):
+        self.backend = backend
+        self.mover = Mover(backend)
+        self.prefetch_bytes = prefetch_bytes
+        self.max_held_bytes = max_held_bytes
+        self.dropped: queue.SimpleQueue[Stored] = queue.SimpleQueue()
+        self._lock = threading.RLock()
+        self._keys = itertools.count(1)
+        self._steps = itertools.count(1)
+        self._held: collections.deque[Stored] = collections.deque()
+        self._held_bytes = 0
+        self._prefetched: dict[int, Future] = {}
+        self._prefetched_bytes = 0
+        self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
+
+    def new_step(self) -> Step:
+        return Step(next(self._steps))
+
+    # --- saving -------------------------------------------------------------
+
+    def save(self, t: torch.Tensor, step: Step, policy: Policy) -> Handle | Kept:
+        """pack: a Handle for an offloaded tensor, or a Kept when it stays where it is."""
+        step.stats.saved += 1
+        reason = policy.keep_reason(t)
+        if reason is not None:
+            step.stats.keep(reason, t.numel() * t.element_size())
+            return Kept(t)
+        self.poll()
+        with self._lock:
+            sid = StorageWeakRef(t.untyped_storage()).cdata
+            stored = step.by_storage.get(sid)
+            if stored is not None and stored.state != State.FREED and not stored.weak.expired() \
+                    and stored.version == t._version and stored.nbytes == t.untyped_storage().nbytes():
+                step.stats.deduplicated += 1
+                return Handle(self, stored, t)
+            stored = Stored(next(self._keys), step, t)
+            step.order.append(stored)
+            step.by_storage[sid] = stored
+            handle = Handle(self, stored, t)
+            ready = None
+            if t.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(t.device))
+            meta = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                    "strides": list(t.stride()), "storage_offset": t.storage_offset()}
+            stored.put = self.mover.put(PutRequest(stored.key, step.number, storage_bytes(t), meta, ready))
+            self._held.append(stored)
+            self._held_bytes += stored.nbytes
+            step.stats.offloaded += 1
+            step.stats.offloaded_bytes += stored.nbytes
+            oldest = self._held[0].put if self._held_bytes > self.max_held_bytes else None
+        if oldest is not None:  # bound what waits on the mover; wait outside the lock
+            oldest.exception()
+            self.poll()
+        return handle
+
+    def poll(self) -> None:
+        """Let go of tensors whose copy finished, and free keys nobody holds any more."""
+        frees: list[int] = []
+        with self._lock:
+            while self._held and self._held[0].put.done():
+                frees.extend(self._release(self._held.popleft()))
+            while True:
+                try:
+                    stored = self.dropped.get_nowait()
+                except queue.Empty:
+                    break
+                stored.refs -= 1
+                if stored.refs == 0 and stored.state != State.HELD:
+                    frees.extend(self._forget(stored))
+        self.mover.free(frees)
+
+    def _release(self, stored: Stored) -> list[int]:
+        """The copy of ``stored`` finished: let its tensor go. Returns keys to free."""
+        self._held_bytes -= stored.nbytes
+        err = stored.put.exception()
+        if err is not None:
+            reason = Keep.POOL_FULL if isinstance(err, StormRequestError) and err.code in (
+                "POOL_FULL", "TOO_LARGE") else Keep.STORE_ERROR
+            if reason == Keep.STORE_ERROR:
+                log.warning("storm: keeping a saved tensor where it is: %s", err)
+            stored.state = State.KEPT
+            stored.step.stats.offloaded -= 1
+            stored.step.stats.offloaded_bytes -= stored.nbytes
+            stored.step.stats.keep(reason, stored.nbytes)
+            return self._forget(stored) if stored.refs == 0 else []
+        stored.in_store = True
+        # The version is read here, on the training thread between two ops, so an
+        # in-place op that raced the copy has finished and bumped it by now.
+        stored.state = State.OFFLOADED if stored.tensor._version == stored.version else State.MODIFIED
+        stored.tensor = None
+        return self._forget(stored) if stored.refs == 0 else []  # its handles died during the copy
+
+    def _forget(self, stored: Stored) -> list[int]:
+        stored.state = State.FREED
+        stored.tensor = None
+        stored.step.by_storage.pop(stored.weak.cdata, None)
+        self._take_prefetched(stored)
+        self._restored.pop(stored.key, None)
+        if stored.in_store:
+            stored.in_store = False
+            return [stored.key]
+        return []
+
+    def synchronize(self) -> None:
+        """Wait until every copy in flight has finished and been checked."""
+        with self._lock:
+            pending = [s.put for s in self._held]
+        for fut in pending:
+            fut.exception()
+        self.poll()
+
+    # --- loading ------------------------------------------------------------
+
+    def load(self, handle: Handle | Kept) -> torch.Tensor:
+        """unpack: the saved view, rebuilt from the store or from the still-held tensor."""
+        if isinstance(handle, Kept):
+            return handle.unpack()
+        self.poll()
+        stored = handle.stored
+        stats = stored.step.stats
+        with self._lock:
+            if stored.state in (State.HELD, State.KEPT):
+                if stored.tensor._version != stored.version:
+                    stored.state = State.MODIFIED
+                else:
+                    return handle.view_of(stored.tensor.untyped_storage())
+            if stored.state == State.MODIFIED:
+                raise StormInPlaceError(f"a saved {stored.described} was modified in place after autograd saved "
+                                        f"it and before STORM finished copying it, so its saved value is gone; {_FIX}")
+            if stored.state == State.FREED:
+                raise StormError(f"saved {stored.described} was already freed (its graph was released)")
+            ref = self._restored.get(stored.key)
+            base = ref() if ref is not None else None
+            fut = None
+            if base is None:
+                fut = self._take_prefetched(stored)
+                if fut is not None:
+                    stats.prefetch_hits += 1
+                else:
+                    fut = self.mover.get(stored.key, stored.nbytes)
+            self._prefetch_ahead(stored)
+        if base is None:
+            t0 = time.perf_counter()
+            cpu = fut.result()
+            stats.fetch_wait_s += time.perf_counter() - t0
+            stats.fetched += 1
+            stats.fetched_bytes += stored.nbytes
+            base = cpu if stored.device.type == "cpu" else cpu.to(stored.device)
+            with self._lock:
+                self._restored[stored.key] = weakref.ref(base)
+        return handle.view_of(base.untyped_storage())
+
+    def _prefetch_ahead(self, current: Stored) -> None:
+        """Start fetching the storages saved before ``current``, within the byte window."""
+        step = current.step
+        if current.index >= step.cursor:  # a new backward pass (retain_graph) or out of order
+            step.cursor = current.index
+        while step.cursor > 0 and self._prefetched_bytes < self.prefetch_bytes:
+            step.cursor -= 1
+            s = step.order[step.cursor]
+            ref = self._restored.get(s.key)
+            if s.state != State.OFFLOADED or s.key in self._prefetched or (ref is not None and ref() is not None):
+                continue
+            self._prefetched[s.key] = self.mover.get(s.key, s.nbytes)
+            self._prefetched_bytes += s.nbytes
+
+    def _take_prefetched(self, stored: Stored) -> Future | None:
+        fut = self._prefetched.pop(stored.key, None)
+        if fut is not None:
+            self._prefetched_bytes -= stored.nbytes
+        return fut
+
+    def close(self) -> None:
+        self.mover.close()
+
+
+_sessions: dict[int, ClientSession] = {}  # id(backend) -> the session over it
+
+
+def session_for(mode: str, socket: str | None, pool_size: str | int | None) -> ClientSession:
+    """The process's session for this mode and endpoint (one per backend, reused by every step)."""
+    backend = open_backend(mode, socket, pool_size)
+    s = _sessions.get(id(backend))
+    if s is None or s.backend is not backend:
+        s = _sessions[id(backend)] = ClientSession(backend)
+    return s
+
+
+def close_all() -> None:
+    """Finish the copies in flight and close every session and backend of this process."""
+    for s in _sessions.values():
+        s.close()
+    _sessions.clear()
+    close_backends()
+
+
+atexit.register(close_all)

@@ -1,0 +1,115 @@
+"""Extent allocator for the host pool: best fit, O(log n) alloc and free, coalescing.
+
+The pool is one contiguous segment; the allocator only does arithmetic on
+offsets and never touches the memory. Free extents are indexed twice: by
+(size, offset) to find the best fit, and by offset to merge neighbours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sortedcontainers import SortedDict, SortedList
+
+DEFAULT_ALIGNMENT = 256  # a cache line multiple and enough for every dtype and for vector copies
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    capacity: int
+    used: int
+    peak: int
+    free_extents: int
+    largest_free: int
+    allocations: int
+
+    @property
+    def fragmentation(self) -> float:
+        """1 - largest free extent / free bytes: 0 when all free space is one extent."""
+        free = self.capacity - self.used
+        return 0.0 if free == 0 else 1.0 - self.largest_free / free
+
+
+class ExtentAllocator:
+    def __init__(self, capacity: int, alignment: int = DEFAULT_ALIGNMENT):
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        if capacity < alignment:
+            raise ValueError(f"capacity {capacity} is smaller than the alignment {alignment}")
+        self.alignment = alignment
+        self.capacity = capacity - capacity % alignment
+        self._by_size: SortedList = SortedList([(self.capacity, 0)])
+        self._by_offset: SortedDict = SortedDict({0: self.capacity})
+        self._used: dict[int, int] = {}  # offset -> aligned size
+        self._used_bytes = 0
+        self._peak = 0
+
+    def _round(self, nbytes: int) -> int:
+        return -(-max(nbytes, 1) // self.alignment) * self.alignment
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a new extent of at least ``nbytes``, or None when none is free."""
+        size = self._round(nbytes)
+        i = self._by_size.bisect_left((size, -1))
+        if i == len(self._by_size):
+            return None
+        free_size, offset = self._by_size.pop(i)
+        del self._by_offset[offset]
+        if free_size > size:
+            self._insert_free(offset + size, free_size - size)
+        self._used[offset] = size
+        self._used_bytes += size
+        self._peak = max(self._peak, self._used_bytes)
+        return offset
+
+    def free(self, offset: int) -> int:
+        """Return an extent; merges it with free neighbours. Returns its size."""
+        size = self._used.pop(offset, None)
+        if size is None:
+            raise KeyError(f"offset {offset} is not an allocated extent")
+        self._used_bytes -= size
+        start, end = offset, offset + size
+        i = self._by_offset.bisect_left(offset)
+        if i > 0:
+            prev_off, prev_size = self._by_offset.peekitem(i - 1)
+            if prev_off + prev_size == start:
+                self._remove_free(prev_off, prev_size)
+                start = prev_off
+        nxt = self._by_offset.get(end)
+        if nxt is not None:
+            self._remove_free(end, nxt)
+            end += nxt
+        self._insert_free(start, end - start)
+        return size
+
+    def size_of(self, offset: int) -> int:
+        return self._used[offset]
+
+    def _insert_free(self, offset: int, size: int) -> None:
+        self._by_offset[offset] = size
+        self._by_size.add((size, offset))
+
+    def _remove_free(self, offset: int, size: int) -> None:
+        del self._by_offset[offset]
+        self._by_size.remove((size, offset))
+
+    def stats(self) -> AllocatorStats:
+        largest = self._by_size[-1][0] if self._by_size else 0
+        return AllocatorStats(self.capacity, self._used_bytes, self._peak,
+                              len(self._by_offset), largest, len(self._used))
+
+    def check(self) -> None:
+        """Verify the invariants; raises AssertionError naming the first one broken."""
+        assert len(self._by_size) == len(self._by_offset), "the two free indexes disagree in length"
+        assert set(self._by_size) == {(s, o) for o, s in self._by_offset.items()}, "free indexes disagree"
+        extents = sorted([(o, s, "free") for o, s in self._by_offset.items()]
+                         + [(o, s, "used") for o, s in self._used.items()])
+        pos, prev_kind = 0, None
+        for off, size, kind in extents:
+            assert off == pos, f"gap or overlap at offset {pos} (next extent starts at {off})"
+            assert size > 0 and size % self.alignment == 0 and off % self.alignment == 0, \
+                f"misaligned extent ({off}, {size})"
+            assert not (kind == "free" and prev_kind == "free"), f"free extents not coalesced at {off}"
+            pos, prev_kind = off + size, kind
+        assert pos == self.capacity, f"extents cover {pos} bytes of {self.capacity}"
+        assert self._used_bytes == sum(self._used.values()), "used byte count drifted"

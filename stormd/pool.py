@@ -1,0 +1,151 @@
+"""The host pool: one shared-memory segment the daemon owns and clients map.
+
+The daemon creates a file in a tmpfs (``/dev/shm`` by default), reserves its
+pages up front with ``posix_fallocate`` (so a full tmpfs is a clear start-up
+error, not a SIGBUS in the middle of a step) and maps it. Clients map the same
+file from the path in the HELLO reply and copy tensors in and out of it.
+The embedded store uses an anonymous mapping of the same class.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SEGMENT_PREFIX = "stormd-"
+
+
+class PoolError(RuntimeError):
+    """The pool cannot be created or mapped; the message names the limit and the fix."""
+
+
+@dataclass(frozen=True)
+class PoolDescriptor:
+    path: str
+    size: int
+
+    def to_wire(self) -> dict:
+        return {"path": self.path, "size": self.size}
+
+
+class SharedPool:
+    def __init__(self, mapping: mmap.mmap, size: int, path: str | None, owner: bool):
+        self._mmap = mapping
+        self.size = size
+        self.path = path
+        self._owner = owner
+        self._bytes: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
+
+    @classmethod
+    def create(cls, size: int, directory: str = "/dev/shm") -> "SharedPool":
+        """Create, reserve and map a new segment; refuse clearly when it cannot fit."""
+        if size <= 0:
+            raise PoolError(f"pool size must be positive, got {size}")
+        d = Path(directory)
+        if not d.is_dir():
+            raise PoolError(f"pool directory {directory} does not exist; set --pool-dir to a tmpfs such as /dev/shm")
+        remove_stale_segments(d)
+        st = os.statvfs(d)
+        avail = st.f_bavail * st.f_frsize
+        if size > avail:
+            raise PoolError(
+                f"pool of {size} bytes does not fit in {directory} ({avail} bytes free); "
+                f"lower --pool-size or enlarge the tmpfs (docker: --shm-size or --ipc=host)")
+        path = d / f"{SEGMENT_PREFIX}{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                os.unlink(path)
+                raise PoolError(f"cannot reserve {size} bytes in {directory}: {e.strerror}; "
+                                f"lower --pool-size or free space there") from None
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(mapping, size, str(path), owner=True)
+
+    @classmethod
+    def anonymous(cls, size: int) -> "SharedPool":
+        """A private pool for the embedded store; pages are only committed when written."""
+        if size <= 0:
+            raise PoolError(f"pool size must be positive, got {size}")
+        return cls(mmap.mmap(-1, size), size, None, owner=False)
+
+    @classmethod
+    def attach(cls, path: str, size: int) -> "SharedPool":
+        """Map a segment a daemon created (client side)."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise PoolError(f"cannot open the daemon's pool {path}: {e.strerror}") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise PoolError(f"pool {path} has {actual} bytes, the daemon announced {size}")
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(mapping, size, path, owner=False)
+
+    @property
+    def descriptor(self) -> PoolDescriptor:
+        return PoolDescriptor(self.path or "", self.size)
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over [offset, offset + nbytes) of the pool (no copy)."""
+        if self._bytes is None:
+            raise PoolError("pool is closed")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise PoolError(f"extent [{offset}, {offset + nbytes}) lies outside the pool of {self.size} bytes")
+        return self._bytes[offset:offset + nbytes]
+
+    def close(self) -> None:
+        self._bytes = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes when the last view does
+        if self._owner and self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self._owner = False
+
+
+_SEGMENT_RE = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-(\d+)-[0-9a-f]+$")
+
+
+def remove_stale_segments(directory: Path) -> list[str]:
+    """Unlink segments of this uid whose daemon is gone (a kill -9 leaves them behind)."""
+    removed = []
+    for p in directory.iterdir():
+        m = _SEGMENT_RE.match(p.name)
+        if not m or int(m.group(1)) != os.getuid():
+            continue
+        pid = int(m.group(2))
+        if pid == os.getpid() or _alive(pid):
+            continue
+        try:
+            p.unlink()
+            removed.append(str(p))
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,229 @@
+"""The stormd wire protocol: every message, its fields and its errors, in one place.
+
+Transport: one ZeroMQ ROUTER socket in the daemon, one DEALER per client
+process. Each message is a single frame holding one msgpack map. Every
+request carries ``op`` and a client-chosen integer ``id``; the reply echoes
+``id`` and has ``ok``. A failed request gets ``ok: false`` with ``error`` (one
+of the codes below) and a human ``message``; the daemon keeps serving.
+
+Requests other than HELLO and PING also carry ``session`` and ``token`` from
+the HELLO reply, so a client can only see and free its own keys.
+
+Verbs (field: type; ``?`` marks optional):
+
+HELLO  version:int pid:int host:str
+       -> session:int token:str pool:{path:str size:int} server:str
+PUT    key:int step:int nbytes:int dtype:str shape:[int] strides:[int]
+       storage_offset:int codec:str
+       -> offset:int            (an extent of ``nbytes`` in the pool, reserved)
+SEAL   key:int checksum:int     -> {}   (the client wrote the extent; GET may return it)
+GET    key:int
+       -> offset nbytes dtype shape strides storage_offset codec checksum
+FREE   keys?:[int] step?:int all?:bool   (exactly one of them)
+       -> freed:int
+STATS  -> session:{...} node:{...}
+PING   -> time:float        (session and token optional; refreshes the heartbeat)
+BYE    -> freed:int         (frees everything of the session and ends it)
+
+``nbytes`` counts the bytes of the whole storage the tensor views; ``shape``,
+``strides`` (in elements) and ``storage_offset`` place the saved view in it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# Bounds on what one message may say; larger requests are refused, not tried.
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_DIMS = 64
+MAX_KEYS_PER_FREE = 1 << 16
+MAX_INT = (1 << 63) - 1
+
+# dtype name -> item size in bytes. Names are torch's ("float32", "bfloat16").
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "complex64": 8, "complex128": 16,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+CODECS = ("raw",)
+
+
+class ErrorCode:
+    """Error codes a reply may carry (``error`` field)."""
+
+    BAD_MESSAGE = "BAD_MESSAGE"            # not msgpack, not a map, too large
+    BAD_FIELD = "BAD_FIELD"                # missing, wrong type or out of range
+    UNKNOWN_OP = "UNKNOWN_OP"
+    VERSION_MISMATCH = "VERSION_MISMATCH"  # HELLO from another protocol version
+    UNAUTHORIZED = "UNAUTHORIZED"          # unknown session or wrong token
+    NOT_FOUND = "NOT_FOUND"                # no such key in this session
+    DUPLICATE_KEY = "DUPLICATE_KEY"        # PUT of a key the session already has
+    NOT_SEALED = "NOT_SEALED"              # GET before SEAL
+    POOL_FULL = "POOL_FULL"                # no extent that large is free now
+    TOO_LARGE = "TOO_LARGE"                # larger than the whole pool
+    DRAINING = "DRAINING"                  # daemon is shutting down
+    INTERNAL = "INTERNAL"
+
+
+ALL_ERROR_CODES = frozenset(v for k, v in vars(ErrorCode).items() if k.isupper())
+
+
+class ProtocolError(Exception):
+    """A request the daemon refuses; becomes an error reply, never a crash."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+# --- field checks -----------------------------------------------------------
+
+def _int(lo: int = 0, hi: int = MAX_INT) -> Callable[[str, Any], int]:
+    def check(name: str, v: Any) -> int:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' must be an integer, got {type(v).__name__}")
+        if not lo <= v <= hi:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' = {v} is out of range [{lo}, {hi}]")
+        return v
+    return check
+
+
+def _str(max_len: int = 256) -> Callable[[str, Any], str]:
+    def check(name: str, v: Any) -> str:
+        if not isinstance(v, str) or len(v) > max_len:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' must be a string of at most {max_len} characters")
+        return v
+    return check
+
+
+def _choice(options: Any) -> Callable[[str, Any], str]:
+    def check(name: str, v: Any) -> str:
+        if not isinstance(v, str) or v not in options:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' = {v!r} is not one of {sorted(options)}")
+        return v
+    return check
+
+
+def _int_list(max_len: int, lo: int = 0) -> Callable[[str, Any], list[int]]:
+    item = _int(lo)
+
+    def check(name: str, v: Any) -> list[int]:
+        if not isinstance(v, (list, tuple)) or len(v) > max_len:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' must be a list of at most {max_len} integers")
+        return [item(name, x) for x in v]
+    return check
+
+
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' must be true or false")
+    return v
+
+
+_AUTH = {"session": _int(1), "token": _str(64)}
+
+# op -> (required fields, optional fields)
+SCHEMAS: dict[str, tuple[dict[str, Callable], dict[str, Callable]]] = {
+    "HELLO": ({"version": _int(), "pid": _int(), "host": _str()}, {}),
+    "PUT": ({**_AUTH, "key": _int(), "step": _int(), "nbytes": _int(1),
+             "dtype": _choice(DTYPE_SIZES), "shape": _int_list(MAX_DIMS),
+             "strides": _int_list(MAX_DIMS), "storage_offset": _int(),
+             "codec": _choice(CODECS)}, {}),
+    "SEAL": ({**_AUTH, "key": _int(), "checksum": _int(0, (1 << 64) - 1)}, {}),
+    "GET": ({**_AUTH, "key": _int()}, {}),
+    "FREE": (dict(_AUTH), {"keys": _int_list(MAX_KEYS_PER_FREE), "step": _int(), "all": _bool}),
+    "STATS": (dict(_AUTH), {}),
+    "PING": ({}, dict(_AUTH)),
+    "BYE": (dict(_AUTH), {}),
+}
+OPS = tuple(SCHEMAS)
+
+
+@dataclass(frozen=True)
+class Request:
+    op: str
+    id: int
+    fields: dict[str, Any]
+
+
+def pack(msg: dict[str, Any]) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(frame: bytes) -> Any:
+    """Decode one frame; anything that is not a bounded msgpack value is BAD_MESSAGE."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a msgpack message: {type(e).__name__}") from None
+
+
+def request_id(msg: Any) -> int:
+    """The id to echo in an error reply, or 0 when the message has none usable."""
+    if isinstance(msg, dict):
+        rid = msg.get("id")
+        if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid <= MAX_INT:
+            return rid
+    return 0
+
+
+def parse_request(msg: Any) -> Request:
+    """Validate a decoded message against its schema; unknown fields are refused."""
+    if not isinstance(msg, dict):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a request is a map, got {type(msg).__name__}")
+    op = msg.get("op")
+    if op not in SCHEMAS:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(OPS)}")
+    rid = _int()("id", msg.get("id"))
+    required, optional = SCHEMAS[op]
+    fields: dict[str, Any] = {}
+    for name, check in required.items():
+        if name not in msg:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{op} needs field '{name}'")
+        fields[name] = check(name, msg[name])
+    for name, check in optional.items():
+        if name in msg:
+            fields[name] = check(name, msg[name])
+    unknown = set(msg) - set(required) - set(optional) - {"op", "id"}
+    if unknown:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{op} has unknown field(s) {sorted(map(str, unknown))}")
+    if op == "PUT":
+        check_view(fields)
+    if op == "FREE" and sum(k in fields for k in ("keys", "step", "all")) != 1:
+        raise ProtocolError(ErrorCode.BAD_FIELD, "FREE takes exactly one of 'keys', 'step', 'all'")
+    return Request(op, rid, fields)
+
+
+def check_view(f: dict[str, Any]) -> None:
+    """The view (shape, strides, storage_offset) must lie inside ``nbytes``."""
+    shape, strides = f["shape"], f["strides"]
+    if len(shape) != len(strides):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"shape has {len(shape)} dims but strides has {len(strides)}")
+    itemsize = DTYPE_SIZES[f["dtype"]]
+    if f["nbytes"] % itemsize:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"nbytes {f['nbytes']} is not a multiple of the {f['dtype']} item size")
+    if math.prod(shape) == 0:
+        return
+    last = f["storage_offset"] + sum((n - 1) * s for n, s in zip(shape, strides))
+    if (last + 1) * itemsize > f["nbytes"]:
+        raise ProtocolError(ErrorCode.BAD_FIELD,
+                            f"view reaches element {last} but the storage holds {f['nbytes'] // itemsize}")
+
+
+def ok(rid: int, **fields: Any) -> dict[str, Any]:
+    return {"id": rid, "ok": True, **fields}
+
+
+def error(rid: int, code: str, message: str) -> dict[str, Any]:
+    return {"id": rid, "ok": False, "error": code, "message": message}

@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import storm
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backends():
+    """Each test gets its own connections and embedded store."""
+    yield
+    storm.close_all()
+
+
+class Daemon:
+    def __init__(self, socket: Path, proc: subprocess.Popen, log: Path):
+        self.socket = socket
+        self.proc = proc
+        self.log = log
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.socket}"
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+def start_daemon(tmp_path: Path, *args: str, timeout: float = 20.0) -> Daemon:
+    sock_dir = tmp_path / "run"
+    sock = sock_dir / "stormd.sock"
+    log = tmp_path / "stormd.log"
+    proc = subprocess.Popen([sys.executable, "-m", "stormd", "--socket", str(sock), *args],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while not sock.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"stormd exited with {proc.returncode}: {log.read_text()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"stormd did not bind within {timeout} s: {log.read_text()}")
+        time.sleep(0.02)
+    return Daemon(sock, proc, log)
+
+
+def stop_daemon(d: Daemon) -> None:
+    if d.proc.poll() is None:
+        d.proc.terminate()
+        try:
+            d.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            d.proc.kill()
+            d.proc.wait()
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = start_daemon(tmp_path, "--pool-size", "256MiB")
+    yield d
+    storm.close_all()
+    stop_daemon(d)
+    assert d.proc.returncode == 0, d.output()
+
+
+@pytest.fixture
+def small_daemon(tmp_path):
+    """A daemon whose pool holds only a few small tensors."""
+    d = start_daemon(tmp_path, "--pool-size", "64KiB")
+    yield d
+    storm.close_all()
+    stop_daemon(d)
+
+
+@pytest.fixture
+def env_without_socket(monkeypatch, tmp_path):
+    monkeypatch.setenv("STORMD_SOCKET", f"ipc://{tmp_path}/nobody/stormd.sock")

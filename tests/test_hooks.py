@@ -1,0 +1,336 @@
+"""storm.offload on CPU tensors, through the embedded store and through a real stormd process:
+gradients must be bit-identical to training without offload."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import storm
+from storm.examples.models import GPT, ResNet, ViewNet, same_bits
+
+
+@pytest.fixture(params=["embedded", "daemon"])
+def opts(request, tmp_path):
+    """Keyword arguments for storm.offload that select one backend; every tensor is offloaded."""
+    if request.param == "embedded":
+        yield {"mode": "embedded", "min_bytes": 0}
+        return
+    d = request.getfixturevalue("daemon")
+    yield {"mode": "daemon", "socket": d.endpoint, "min_bytes": 0}
+
+
+def grads(model: nn.Module, loss_fn, seed: int, offload_opts: dict | None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    if offload_opts is None:
+        loss = loss_fn(model)
+    else:
+        with storm.offload(**offload_opts) as ctx:
+            loss = loss_fn(model)
+        assert ctx.stats.offloaded > 0, ctx.stats
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_same_grads(model: nn.Module, loss_fn, opts: dict) -> None:
+    plain, offloaded = copy.deepcopy(model), copy.deepcopy(model)
+    g0 = grads(plain, loss_fn, 1234, None)
+    g1 = grads(offloaded, loss_fn, 1234, opts)
+    assert len(g0) == len(g1) > 0
+    for (name, _), a, b in zip(model.named_parameters(), g0, g1):
+        assert same_bits(a, b), f"gradient of {name} differs with offload"
+
+
+def test_gpt_with_dropout_bit_exact(opts):
+    torch.manual_seed(0)
+    model = GPT(seq_len=32, d_model=64, n_heads=4, n_layers=2, dropout=0.1)
+    idx = torch.randint(0, 256, (4, 33))
+    assert_same_grads(model, lambda m: m.loss(idx[:, :-1], idx[:, 1:]), opts)
+
+
+def test_resnet_batchnorm_inplace_relu_bit_exact(opts):
+    torch.manual_seed(0)
+    model = ResNet()
+    x = torch.randn(4, 3, 16, 16)
+    assert_same_grads(model, lambda m: m(x).logsumexp(-1).sum(), opts)
+
+
+def test_model_saving_views_bit_exact(opts):
+    torch.manual_seed(0)
+    model = ViewNet()
+    x = torch.randn(16, 64)
+    assert_same_grads(model, lambda m: m(x).square().sum(), opts)
+
+
+class SaveView(torch.autograd.Function):
+    """Saves whatever view it is given and checks in backward that it comes back exactly."""
+
+    @staticmethod
+    def forward(ctx, x, view, expect):
+        ctx.save_for_backward(view)
+        ctx.expect = expect
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (view,) = ctx.saved_tensors
+        dtype, shape, strides, offset, raw = ctx.expect
+        assert view.dtype == dtype and tuple(view.shape) == shape
+        assert view.stride() == strides and view.storage_offset() == offset
+        assert same_bits(view, raw)
+        return g * 2, None, None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.int64, torch.int8, torch.bool])
+def test_views_come_back_with_exact_dtype_shape_strides_offset(opts, dtype):
+    base = (torch.randn(40, 30) * 100).to(dtype)
+    if dtype.is_floating_point:  # special values must survive as bits
+        flat = base.view(-1)
+        flat[:4] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf")]).to(dtype)
+    view = base[3:35:2, 5:25].t()  # non-contiguous, offset into the storage
+    expect = (view.dtype, tuple(view.shape), view.stride(), view.storage_offset(), view.clone())
+    x = torch.randn(8, requires_grad=True)
+    with storm.offload(**opts) as ctx:
+        y = SaveView.apply(x, view, expect)
+    assert ctx.stats.offloaded == 1
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((8,), 2.0))
+
+
+def test_same_storage_saved_twice_is_stored_once(opts):
+    lin = nn.Linear(32, 32)
+    inp = torch.randn(64, 32)
+    with storm.offload(**opts) as ctx:
+        h = lin(inp)
+        loss = (h.sin() * h.cos()).sum()  # sin and cos both save h
+    assert ctx.stats.deduplicated >= 1
+    loss.backward()
+    g = lin.weight.grad.clone()
+    lin.zero_grad()
+    h = lin(inp)
+    (h.sin() * h.cos()).sum().backward()
+    assert same_bits(g, lin.weight.grad)
+
+
+def test_inplace_modification_before_copy_is_an_error(opts):
+    x = torch.randn(256, 64, requires_grad=True)
+    with storm.offload(**opts):
+        y = x.exp()           # exp saves its output
+        y.add_(1)             # modified before STORM checked its copy
+    with pytest.raises(storm.StormInPlaceError, match="modified in place"):
+        y.sum().backward()
+
+
+def test_inplace_modification_of_a_kept_tensor_is_an_error():
+    x = torch.randn(8, 8, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=1 << 20) as ctx:  # everything stays where it is
+        y = x.exp()
+        y.mul_(3)
+    assert ctx.stats.offloaded == 0
+    with pytest.raises(storm.StormInPlaceError):
+        y.sum().backward()
+
+
+def test_inplace_modification_after_copy_uses_saved_value(opts):
+    x = torch.randn(256, 64, requires_grad=True)
+    with storm.offload(**opts) as ctx:
+        y = x.exp()
+        ctx.synchronize()     # STORM holds its own copy from here on
+        y.add_(1)
+    y.sum().backward()
+    assert same_bits(x.grad, x.detach().exp())  # d/dx exp(x) from the value at save time
+
+
+def test_retain_graph_unpacks_twice(opts):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+    x = torch.randn(128, 32)
+    ref = copy.deepcopy(model)
+    out = ref(x).sum()
+    out.backward(retain_graph=True)
+    out.backward()
+    with storm.offload(**opts):
+        out = model(x).sum()
+    out.backward(retain_graph=True)
+    out.backward()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert same_bits(a.grad, b.grad)
+
+
+class MaskedScale(torch.autograd.Function):
+    """Saves a bool mask and int64 indices, as dropout and gather/embedding do."""
+
+    @staticmethod
+    def forward(ctx, x, mask, idx):
+        ctx.save_for_backward(mask, idx)
+        return (x * mask).index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, g):
+        mask, idx = ctx.saved_tensors
+        gx = torch.zeros(mask.shape, dtype=g.dtype).index_add_(0, idx, g)
+        return gx * mask, None, None
+
+
+def test_bool_and_integer_tensors(opts):
+    x = torch.randn(500, 40, requires_grad=True)
+    mask = torch.rand(500, 40) > 0.5
+    idx = torch.randint(0, 500, (700,))
+    with storm.offload(**opts) as ctx:
+        y = MaskedScale.apply(x, mask, idx)
+    assert ctx.stats.offloaded == 2
+    y.sum().backward()
+    expect = torch.zeros(500, 40).index_add_(0, idx, torch.ones(700, 40)) * mask
+    assert same_bits(x.grad, expect)
+
+
+def test_no_grad_region_inside(opts):
+    lin = nn.Linear(16, 16)
+    x = torch.randn(32, 16)
+    with storm.offload(**opts) as ctx:
+        with torch.no_grad():
+            stats_before = lin(x).mean()  # nothing is saved here
+        saved_before = ctx.stats.saved
+        loss = (lin(x).relu() * stats_before).sum()
+    assert saved_before == 0 and ctx.stats.saved > 0
+    loss.backward()
+    g = lin.weight.grad.clone()
+    lin.zero_grad()
+    (lin(x).relu() * stats_before).sum().backward()
+    assert same_bits(g, lin.weight.grad)
+
+
+def test_nested_hooks_innermost_wins(opts):
+    lin = nn.Linear(64, 64)
+    x = torch.randn(64, 64)
+    with storm.offload(**opts) as outer:
+        with torch.autograd.graph.save_on_cpu():
+            loss = lin(x).tanh().sum()
+    assert outer.stats.saved == 0  # save_on_cpu took them all
+    loss.backward()
+    with torch.autograd.graph.save_on_cpu():
+        with storm.offload(**opts) as inner:
+            loss2 = lin(x).tanh().sum()
+    assert inner.stats.offloaded > 0
+    g = lin.weight.grad.clone()
+    lin.zero_grad()
+    loss2.backward()
+    assert same_bits(g, lin.weight.grad)
+
+
+def test_decorator_forms():
+    lin = nn.Linear(64, 64)
+    x = torch.randn(128, 64)
+
+    @storm.offload
+    def bare():
+        return lin(x).sigmoid().sum()
+
+    @storm.offload(mode="embedded", min_bytes=0)
+    def configured():
+        return lin(x).sigmoid().sum()
+
+    results = []
+    for f in (bare, configured, lambda: lin(x).sigmoid().sum()):
+        lin.zero_grad()
+        f().backward()
+        results.append(lin.weight.grad.clone())
+    assert same_bits(results[0], results[2]) and same_bits(results[1], results[2])
+    with pytest.raises(TypeError):
+        storm.offload(42)
+
+
+def test_parameters_and_module_state_stay():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.BatchNorm1d(256))
+    x = torch.randn(64, 256)
+    with storm.offload(mode="embedded", min_bytes=0, modules=model) as ctx:
+        model(x).sum().backward()
+    assert ctx.stats.kept.get(storm.Keep.PARAMETER, 0) >= 1  # the linear layer saves its weight
+    assert ctx.stats.kept.get(storm.Keep.MODULE_STATE, 0) >= 1  # BatchNorm saves its running stats
+    assert ctx.stats.offloaded >= 1
+
+
+def test_small_tensors_stay():
+    x = torch.randn(4, 4, requires_grad=True)
+    with storm.offload(mode="embedded") as ctx:  # default min_bytes is 64 KiB
+        x.exp().sum().backward()
+    assert ctx.stats.offloaded == 0 and ctx.stats.kept == {storm.Keep.SMALL: 1}
+
+
+def test_embedded_pool_full_keeps_tensors_on_their_device():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+    x = torch.randn(256, 128)
+    assert_same_grads(model, lambda m: m(x).square().sum(), {"mode": "embedded", "min_bytes": 0,
+                                                              "pool_size": "300KiB"})
+    with storm.offload(mode="embedded", min_bytes=0, pool_size="300KiB") as ctx:
+        model(x).square().sum().backward()
+    assert ctx.stats.kept.get(storm.Keep.POOL_FULL, 0) >= 1 and ctx.stats.offloaded >= 1
+
+
+def test_daemon_pool_full_keeps_tensors(small_daemon):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(64, 64)
+    opts = {"mode": "daemon", "socket": small_daemon.endpoint, "min_bytes": 0}
+    assert_same_grads(model, lambda m: m(x).square().sum(), opts)
+    with storm.offload(**opts) as ctx:
+        loss = model(x).square().sum()
+    loss.backward()
+    assert ctx.stats.kept.get(storm.Keep.POOL_FULL, 0) >= 1
+
+
+def test_keys_are_freed_when_the_graph_goes(opts):
+    lin = nn.Linear(128, 128)
+    x = torch.randn(256, 128)
+    for _ in range(3):
+        with storm.offload(**opts) as ctx:
+            loss = lin(x).relu().sum()
+        assert ctx.stats.offloaded > 0
+        loss.backward()
+        del loss
+    s = storm.stats(mode=opts["mode"], socket=opts.get("socket"))
+    assert s["session"]["keys"] == 0 and s["session"]["held_bytes"] == 0
+    assert s["session"]["puts"] >= 6
+
+
+def test_mode_daemon_without_daemon_fails_clearly(env_without_socket):
+    with pytest.raises(storm.StormUnavailable, match="no stormd socket"):
+        with storm.offload(mode="daemon"):
+            pass
+
+
+def test_auto_falls_back_to_embedded_and_says_so_once(env_without_socket, caplog):
+    lin = nn.Linear(64, 64)
+    with caplog.at_level(logging.INFO, logger="storm"):
+        for _ in range(3):
+            with storm.offload(min_bytes=0) as ctx:
+                lin(torch.randn(32, 64)).sum().backward()
+    assert ctx.backend_name == "embedded store"
+    lines = [r.getMessage() for r in caplog.records if r.name == "storm"]
+    assert len(lines) == 1 and "embedded store" in lines[0], lines
+
+
+def test_auto_uses_a_running_daemon(daemon, monkeypatch):
+    monkeypatch.setenv("STORMD_SOCKET", daemon.endpoint)
+    with storm.offload(min_bytes=0) as ctx:
+        nn.Linear(8, 8)(torch.randn(4, 8)).sum().backward()
+    assert ctx.backend_name.startswith("stormd at " + daemon.endpoint)
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="mode"):
+        with storm.offload(mode="fast"):
+            pass
+    with pytest.raises(ValueError, match="min_bytes"):
+        storm.offload(min_bytes=-1)
+    with pytest.raises(ValueError, match="size"):
+        with storm.offload(mode="embedded", pool_size="lots"):
+            pass
