@@ -1,0 +1,50 @@
+"""The main job (examples/train_gpt.py) and the installed package's layout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import storm.examples.train_gpt as train_gpt
+
+SMALL = ["--steps", "2", "--seq", "32", "--d-model", "32", "--layers", "1", "--heads", "2", "--batch", "2",
+         "--min-bytes", "0"]
+
+
+def test_train_gpt_embedded_checks_gradients_bit_for_bit(capsys):
+    assert train_gpt.main([*SMALL, "--mode", "embedded"]) == 0
+    out = capsys.readouterr().out
+    assert "gradients bit-identical" in out and "through embedded store" in out
+    n, total = out.split("first step: ")[1].split(" ")[0].split("/")
+    assert n == total and int(total) > 10
+
+
+def test_train_gpt_exits_nonzero_when_a_gradient_differs(monkeypatch, capsys):
+    monkeypatch.setattr(train_gpt, "same_bits", lambda a, b: False)
+    assert train_gpt.main([*SMALL, "--mode", "embedded"]) == 1
+
+
+def test_train_gpt_console_script_through_the_daemon(daemon):
+    exe = Path(sys.executable).parent / "storm-train-gpt"
+    r = subprocess.run([str(exe), *SMALL, "--mode", "daemon", "--socket", daemon.endpoint],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "through stormd at " + daemon.endpoint in r.stdout
+
+
+def test_wheel_maps_folders_to_storm_and_stormd(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(root)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"storm", "stormd"}, top  # no top-level client/ or kernels/ in site-packages
+    for needed in ("storm/hooks.py", "storm/kernels/__init__.py", "storm/examples/train_gpt.py",
+                   "stormd/protocol.py"):
+        assert needed in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "stormd = stormd.main:main" in text and "storm-train-gpt = storm.examples.train_gpt:main" in text

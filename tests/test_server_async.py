@@ -1,0 +1,98 @@
+"""The server's handlers on a real ROUTER socket, driven from the same event loop (pytest-asyncio)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+
+import pytest
+import pytest_asyncio
+import zmq
+import zmq.asyncio
+from helpers import put_fields
+
+from stormd.config import DaemonConfig
+from stormd.pool import SharedPool
+from stormd.protocol import PROTOCOL_VERSION, ErrorCode, pack, unpack
+from stormd.server import Server
+from stormd.service import Service
+
+
+class AsyncClient:
+    def __init__(self, endpoint: str):
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.ids = itertools.count(1)
+        self.auth: dict = {}
+
+    async def call(self, op: str, **fields) -> dict:
+        await self.sock.send(pack({"op": op, "id": next(self.ids), **self.auth, **fields}))
+        return unpack(await asyncio.wait_for(self.sock.recv(), 5))
+
+    async def hello(self) -> dict:
+        r = await self.call("HELLO", version=PROTOCOL_VERSION, pid=os.getpid(), host="test")
+        self.auth = {"session": r["session"], "token": r["token"]}
+        return r
+
+
+@pytest_asyncio.fixture
+async def server(tmp_path):
+    pool = SharedPool.anonymous(1 << 20)
+    srv = Server(Service(pool), DaemonConfig(socket=f"ipc://{tmp_path}/run/s.sock", client_timeout=0.3))
+    srv.bind()
+    task = asyncio.create_task(srv.serve())
+    yield srv
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    pool.close()
+
+
+@pytest.mark.asyncio
+async def test_hello_put_seal_get_free(server):
+    c = AsyncClient(server.config.socket)
+    hello = await c.hello()
+    assert hello["ok"] and hello["pool"]["size"] == 1 << 20 and hello["version"] == PROTOCOL_VERSION
+    put = await c.call("PUT", **put_fields(9, 4096))
+    assert put["ok"] and put["offset"] % 256 == 0
+    assert (await c.call("SEAL", key=9, checksum=123))["ok"]
+    got = await c.call("GET", key=9)
+    assert got["offset"] == put["offset"] and got["checksum"] == 123 and got["shape"] == [4096]
+    assert (await c.call("FREE", all=True))["freed"] == 1
+    assert server.service.store.node_stats()["used"] == 0
+
+
+@pytest.mark.asyncio
+async def test_replies_match_ids_when_requests_are_pipelined(server):
+    c = AsyncClient(server.config.socket)
+    await c.hello()
+    for i in range(50):  # send all, then read all: replies come back in order with their ids
+        await c.sock.send(pack({"op": "PUT", "id": 1000 + i, **c.auth, **put_fields(i, 100)}))
+    replies = [unpack(await asyncio.wait_for(c.sock.recv(), 5)) for _ in range(50)]
+    assert [r["id"] for r in replies] == list(range(1000, 1050)) and all(r["ok"] for r in replies)
+
+
+@pytest.mark.asyncio
+async def test_errors_are_counted_and_the_loop_survives_bad_frames(server):
+    c = AsyncClient(server.config.socket)
+    await c.sock.send(b"\xc1")
+    r = unpack(await asyncio.wait_for(c.sock.recv(), 5))
+    assert r["error"] == ErrorCode.BAD_MESSAGE
+    await c.sock.send_multipart([b"a", b"b", b"c"])
+    r = unpack(await asyncio.wait_for(c.sock.recv(), 5))
+    assert r["error"] == ErrorCode.BAD_MESSAGE and "one frame" in r["message"]
+    assert (await c.call("PING"))["ok"]
+    assert server.service.errors[ErrorCode.BAD_MESSAGE] == 2
+
+
+@pytest.mark.asyncio
+async def test_silent_sessions_are_reaped(server):
+    c = AsyncClient(server.config.socket)
+    await c.hello()
+    assert (await c.call("PUT", **put_fields(1, 5000)))["ok"]
+    await asyncio.sleep(1.0)  # timeout 0.3 s, reaper every 0.075 s
+    assert len(server.service.sessions) == 0
+    assert server.service.store.node_stats()["used"] == 0
+    assert (await c.call("GET", key=1))["error"] == ErrorCode.UNAUTHORIZED
