@@ -53,9 +53,11 @@ class Offload(contextlib.ContextDecorator):
         self._options = dict(mode=mode, socket=socket, min_bytes=min_bytes, prefetch_bytes=prefetch_bytes,
                              pool_size=pool_size, modules=modules)
         self._policy = Policy.protecting(modules, min_bytes)
+        self._names = _module_names(modules)
         self._session: ClientSession | None = None
         self._step: Step | None = None
         self._hooks: Any = None
+        self._module_hooks: list[Any] = []
 
     def _recreate_cm(self) -> "Offload":
         return Offload(**self._options)  # each decorated call is its own step
@@ -71,9 +73,23 @@ class Offload(contextlib.ContextDecorator):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(
             lambda t: session.save(t, step, policy), session.load)
         self._hooks.__enter__()
+        names = self._names
+
+        def enter_module(m: nn.Module, args: Any) -> None:
+            step.modules.append(names.get(id(m)) or type(m).__name__)
+
+        def leave_module(m: nn.Module, args: Any, out: Any) -> None:
+            if step.modules:
+                step.modules.pop()
+
+        self._module_hooks = [nn.modules.module.register_module_forward_pre_hook(enter_module),
+                              nn.modules.module.register_module_forward_hook(leave_module, always_call=True)]
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
         self._session.poll()
@@ -91,10 +107,31 @@ class Offload(contextlib.ContextDecorator):
             raise RuntimeError("storm.offload has not been entered yet")
         return self._session.backend.name
 
+    def report(self) -> str:
+        """A table per layer: tensors and bytes offloaded, compression ratio, what stayed, fetch wait."""
+        st = self.stats
+        rows = [(name, c) for name, c in st.layers.items()] + [("total", st)]
+        width = max(len(n) for n, _ in rows)
+        lines = [f"{'layer':<{width}}  {'saved':>6} {'offloaded':>9} {'MiB':>9} {'ratio':>6} {'kept':>5} "
+                 f"{'fetch wait ms':>13}"]
+        for name, c in rows:
+            ratio = c.offloaded_bytes / c.stored_bytes if c.stored_bytes else float("nan")
+            lines.append(f"{name:<{width}}  {c.saved:>6} {c.offloaded:>9} {c.offloaded_bytes / 2**20:>9.2f} "
+                         f"{ratio:>6.2f} {sum(c.kept.values()):>5} {c.fetch_wait_s * 1e3:>13.2f}")
+        return "\n".join(lines)
+
     def synchronize(self) -> None:
         """Wait for this session's copies in flight; after it, saved tensors may be modified in place."""
         if self._session is not None:
             self._session.synchronize()
+
+
+def _module_names(modules: nn.Module | Iterable[nn.Module] | None) -> dict[int, str]:
+    """id(module) -> its qualified name, for the per-layer report; empty without modules=."""
+    if modules is None:
+        return {}
+    mods = [modules] if isinstance(modules, nn.Module) else list(modules)
+    return {id(m): name or type(root).__name__ for root in mods for name, m in root.named_modules()}
 
 
 def offload(fn: Callable | None = None, /, **options: Any) -> Any:

@@ -47,12 +47,11 @@ class State:
 
 
 @dataclass
-class OffloadStats:
-    """What one ``storm.offload`` step did; fetch counters grow during its backward."""
-
+class Counters:
     saved: int = 0                 # pack calls
     offloaded: int = 0             # storages sent to the store
     offloaded_bytes: int = 0
+    stored_bytes: int = 0          # what the store holds for them (after compression)
     deduplicated: int = 0          # saves of a storage already stored in this step
     kept: dict[str, int] = field(default_factory=dict)  # reason -> count (see policy.Keep)
     kept_bytes: int = 0
@@ -61,9 +60,20 @@ class OffloadStats:
     prefetch_hits: int = 0
     fetch_wait_s: float = 0.0      # time unpack waited for bytes that were not there yet
 
-    def keep(self, reason: str, nbytes: int) -> None:
-        self.kept[reason] = self.kept.get(reason, 0) + 1
-        self.kept_bytes += nbytes
+
+@dataclass
+class OffloadStats(Counters):
+    """What one ``storm.offload`` step did, in total and per layer (the innermost module
+    running when the tensor was saved). Fetch counters grow during its backward."""
+
+    layers: dict[str, Counters] = field(default_factory=dict)
+
+    def record(self, layer: str, keep: str | None = None, **deltas: float) -> None:
+        for c in (self, self.layers.setdefault(layer, Counters())):
+            for name, d in deltas.items():
+                setattr(c, name, getattr(c, name) + d)
+            if keep is not None:
+                c.kept[keep] = c.kept.get(keep, 0) + 1
 
 
 class Step:
@@ -75,6 +85,11 @@ class Step:
         self.by_storage: dict[int, Stored] = {}
         self.cursor = 0  # order[cursor:] has been considered for prefetch
         self.stats = OffloadStats()
+        self.modules: list[str] = []  # names of the modules running now, innermost last
+
+    @property
+    def layer(self) -> str:
+        return self.modules[-1] if self.modules else "(outside modules)"
 
 
 class Stored:
@@ -82,6 +97,7 @@ class Stored:
         self.key = key
         self.step = step
         self.index = len(step.order)
+        self.layer = step.layer
         self.nbytes = t.untyped_storage().nbytes()
         self.device = t.device
         self.tensor: torch.Tensor | None = t
@@ -166,10 +182,9 @@ class ClientSession:
 
     def save(self, t: torch.Tensor, step: Step, policy: Policy) -> Handle | Kept:
         """pack: a Handle for an offloaded tensor, or a Kept when it stays where it is."""
-        step.stats.saved += 1
         reason = policy.keep_reason(t)
         if reason is not None:
-            step.stats.keep(reason, t.numel() * t.element_size())
+            step.stats.record(step.layer, saved=1, keep=reason, kept_bytes=t.numel() * t.element_size())
             return Kept(t)
         self.poll()
         with self._lock:
@@ -177,7 +192,7 @@ class ClientSession:
             stored = step.by_storage.get(sid)
             if stored is not None and stored.state != State.FREED and not stored.weak.expired() \
                     and stored.version == t._version and stored.nbytes == t.untyped_storage().nbytes():
-                step.stats.deduplicated += 1
+                step.stats.record(step.layer, saved=1, deduplicated=1)
                 return Handle(self, stored, t)
             stored = Stored(next(self._keys), step, t)
             step.order.append(stored)
@@ -192,8 +207,7 @@ class ClientSession:
             stored.put = self.mover.put(PutRequest(stored.key, step.number, storage_bytes(t), meta, ready))
             self._held.append(stored)
             self._held_bytes += stored.nbytes
-            step.stats.offloaded += 1
-            step.stats.offloaded_bytes += stored.nbytes
+            step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=stored.nbytes)
             oldest = self._held[0].put if self._held_bytes > self.max_held_bytes else None
         if oldest is not None:  # bound what waits on the mover; wait outside the lock
             oldest.exception()
@@ -226,11 +240,11 @@ class ClientSession:
             if reason == Keep.STORE_ERROR:
                 log.warning("storm: keeping a saved tensor where it is: %s", err)
             stored.state = State.KEPT
-            stored.step.stats.offloaded -= 1
-            stored.step.stats.offloaded_bytes -= stored.nbytes
-            stored.step.stats.keep(reason, stored.nbytes)
+            stored.step.stats.record(stored.layer, keep=reason, kept_bytes=stored.nbytes,
+                                     offloaded=-1, offloaded_bytes=-stored.nbytes)
             return self._forget(stored) if stored.refs == 0 else []
         stored.in_store = True
+        stored.step.stats.record(stored.layer, stored_bytes=stored.nbytes)  # raw: the codec stage is not wired in
         # The version is read here, on the training thread between two ops, so an
         # in-place op that raced the copy has finished and bumped it by now.
         stored.state = State.OFFLOADED if stored.tensor._version == stored.version else State.MODIFIED
@@ -282,16 +296,15 @@ class ClientSession:
             if base is None:
                 fut = self._take_prefetched(stored)
                 if fut is not None:
-                    stats.prefetch_hits += 1
+                    stats.record(stored.layer, prefetch_hits=1)
                 else:
                     fut = self.mover.get(stored.key, stored.nbytes)
             self._prefetch_ahead(stored)
         if base is None:
             t0 = time.perf_counter()
             cpu = fut.result()
-            stats.fetch_wait_s += time.perf_counter() - t0
-            stats.fetched += 1
-            stats.fetched_bytes += stored.nbytes
+            stats.record(stored.layer, fetch_wait_s=time.perf_counter() - t0, fetched=1,
+                         fetched_bytes=stored.nbytes)
             base = cpu if stored.device.type == "cpu" else cpu.to(stored.device)
             with self._lock:
                 self._restored[stored.key] = weakref.ref(base)

@@ -272,6 +272,7 @@ def test_embedded_pool_full_keeps_tensors_on_their_device():
                                                               "pool_size": "300KiB"})
     with storm.offload(mode="embedded", min_bytes=0, pool_size="300KiB") as ctx:
         model(x).square().sum().backward()
+    ctx.synchronize()  # the mover's replies decide what was kept
     assert ctx.stats.kept.get(storm.Keep.POOL_FULL, 0) >= 1 and ctx.stats.offloaded >= 1
 
 
@@ -283,6 +284,7 @@ def test_daemon_pool_full_keeps_tensors(small_daemon):
     assert_same_grads(model, lambda m: m(x).square().sum(), opts)
     with storm.offload(**opts) as ctx:
         loss = model(x).square().sum()
+    ctx.synchronize()
     loss.backward()
     assert ctx.stats.kept.get(storm.Keep.POOL_FULL, 0) >= 1
 
@@ -334,3 +336,20 @@ def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="size"):
         with storm.offload(mode="embedded", pool_size="lots"):
             pass
+
+
+def test_per_layer_counters_and_report():
+    torch.manual_seed(0)
+    model = GPT(seq_len=16, d_model=32, n_heads=2, n_layers=2)
+    idx = torch.randint(0, 256, (2, 17))
+    with storm.offload(mode="embedded", min_bytes=0, modules=model) as ctx:
+        loss = model.loss(idx[:, :-1], idx[:, 1:])
+    ctx.synchronize()
+    loss.backward()
+    st = ctx.stats
+    assert "blocks.1.mlp.1" in st.layers and st.layers["blocks.1.mlp.1"].offloaded == 1  # the GELU input
+    for name in ("saved", "offloaded", "offloaded_bytes", "stored_bytes", "fetched", "kept_bytes"):
+        assert getattr(st, name) == sum(getattr(c, name) for c in st.layers.values()), name
+    report = ctx.report()
+    assert report.splitlines()[0].split()[:3] == ["layer", "saved", "offloaded"]
+    assert report.splitlines()[-1].split()[:3] == ["total", str(st.saved), str(st.offloaded)]
