@@ -39,19 +39,23 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from stormd.config import parse_size
+
 from .policy import DEFAULT_MIN_BYTES, Policy
-from .session import DEFAULT_PREFETCH_BYTES, ClientSession, OffloadStats, Step, session_for
+from .session import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSession, OffloadStats, Step, session_for
 
 class Offload(contextlib.ContextDecorator):
     """One offload scope (a step). Use through ``storm.offload(...)``."""
 
     def __init__(self, *, mode: str = "auto", socket: str | None = None, min_bytes: int = DEFAULT_MIN_BYTES,
                  prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, pool_size: str | int | None = None,
-                 modules: nn.Module | Iterable[nn.Module] | None = None):
-        if min_bytes < 0 or prefetch_bytes < 0:
-            raise ValueError("min_bytes and prefetch_bytes must be >= 0")
+                 modules: nn.Module | Iterable[nn.Module] | None = None, budget: int | float | str | None = None,
+                 max_held_bytes: int = DEFAULT_MAX_HELD_BYTES):
+        if min_bytes < 0 or prefetch_bytes < 0 or max_held_bytes < 0:
+            raise ValueError("min_bytes, prefetch_bytes and max_held_bytes must be >= 0")
         self._options = dict(mode=mode, socket=socket, min_bytes=min_bytes, prefetch_bytes=prefetch_bytes,
-                             pool_size=pool_size, modules=modules)
+                             pool_size=pool_size, modules=modules, budget=budget, max_held_bytes=max_held_bytes)
+        self._budget = _parse_budget(budget)
         self._policy = Policy.protecting(modules, min_bytes)
         self._names = _module_names(modules)
         self._session: ClientSession | None = None
@@ -68,7 +72,8 @@ class Offload(contextlib.ContextDecorator):
         o = self._options
         self._session = session_for(o["mode"], o["socket"], o["pool_size"])
         self._session.prefetch_bytes = o["prefetch_bytes"]
-        self._step = self._session.new_step()
+        self._session.max_held_bytes = o["max_held_bytes"]
+        self._step = self._session.new_step(self._budget)
         session, step, policy = self._session, self._step, self._policy
         self._hooks = torch.autograd.graph.saved_tensors_hooks(
             lambda t: session.save(t, step, policy), session.load)
@@ -92,6 +97,7 @@ class Offload(contextlib.ContextDecorator):
         self._module_hooks = []
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
+        self._session.end_step(self._step)
         self._session.poll()
 
     @property
@@ -126,6 +132,21 @@ class Offload(contextlib.ContextDecorator):
             self._session.synchronize()
 
 
+def _parse_budget(budget: int | float | str | None) -> int | float | None:
+    """None, bytes (int or '8GiB'), or a fraction in (0, 1] of the step's offloadable bytes."""
+    if budget is None or isinstance(budget, bool):
+        return None if budget is None else _bad_budget(budget)
+    if isinstance(budget, float):
+        return budget if 0.0 < budget <= 1.0 else _bad_budget(budget)
+    size = parse_size(budget)
+    return size if size >= 0 else _bad_budget(budget)
+
+
+def _bad_budget(budget: object) -> None:
+    raise ValueError(f"budget must be bytes (an int or a size such as '8GiB') or a fraction in (0, 1], "
+                     f"got {budget!r}")
+
+
 def _module_names(modules: nn.Module | Iterable[nn.Module] | None) -> dict[int, str]:
     """id(module) -> its qualified name, for the per-layer report; empty without modules=."""
     if modules is None:
@@ -144,7 +165,12 @@ def offload(fn: Callable | None = None, /, **options: Any) -> Any:
     per-user runtime directory), ``min_bytes`` (smaller tensors stay; default
     64 KiB), ``prefetch_bytes`` (how far ahead backward fetches), ``pool_size``
     (embedded store; default $STORM_POOL_SIZE or 2GiB), ``modules`` (whose
-    parameters and buffers are never offloaded).
+    parameters and buffers are never offloaded; also names the layers in
+    ``report()``), ``budget`` (offload only the earliest saves, which backward
+    needs last, up to this many bytes or this fraction of the previous step's
+    offloadable bytes), ``max_held_bytes`` (how many bytes may wait for their
+    copy before saving blocks: bounds the memory a step holds beyond what it
+    keeps).
     """
     if fn is None:
         return Offload(**options)

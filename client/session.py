@@ -20,7 +20,6 @@ import queue
 import threading
 import time
 import weakref
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .backend import Backend, close_backends, open_backend
 from .errors import StormError, StormInPlaceError, StormRequestError
 from .policy import Keep, Policy
-from .transfer import Mover, PutRequest, storage_bytes
+from .transfer import Mover, PutRequest, Transfer, storage_bytes
 
 log = logging.getLogger("storm")
 
@@ -79,8 +78,10 @@ class OffloadStats(Counters):
 class Step:
     """The saves of one ``storm.offload`` context, in saving order (for prefetch)."""
 
-    def __init__(self, number: int):
+    def __init__(self, number: int, budget_bytes: float):
         self.number = number
+        self.budget_bytes = budget_bytes  # offload the earliest saves up to this many bytes
+        self.candidate_bytes = 0          # what the policy would have offloaded with no budget
         self.order: list[Stored] = []
         self.by_storage: dict[int, Stored] = {}
         self.cursor = 0  # order[cursor:] has been considered for prefetch
@@ -105,7 +106,7 @@ class Stored:
         self.weak = StorageWeakRef(t.untyped_storage())
         self.described = _describe(t)
         self.state = State.HELD
-        self.put: Future | None = None
+        self.put: Transfer | None = None
         self.refs = 0
         self.in_store = False
 
@@ -171,12 +172,24 @@ class ClientSession:
         self._steps = itertools.count(1)
         self._held: collections.deque[Stored] = collections.deque()
         self._held_bytes = 0
-        self._prefetched: dict[int, Future] = {}
+        self._prefetched: dict[int, Transfer] = {}
         self._prefetched_bytes = 0
-        self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
+        self._restored: dict[int, weakref.ref] = {}
+        self.last_candidate_bytes: int | None = None  # key -> weak ref to the fetched bytes
 
-    def new_step(self) -> Step:
-        return Step(next(self._steps))
+    def new_step(self, budget: int | float | None = None) -> Step:
+        """A step; ``budget``: bytes, or a fraction of the previous step's offloadable bytes
+        (the first step, with nothing to go by, offloads all)."""
+        if budget is None or (isinstance(budget, float) and self.last_candidate_bytes is None):
+            limit = float("inf")
+        elif isinstance(budget, float):
+            limit = budget * self.last_candidate_bytes
+        else:
+            limit = budget
+        return Step(next(self._steps), limit)
+
+    def end_step(self, step: Step) -> None:
+        self.last_candidate_bytes = step.candidate_bytes
 
     # --- saving -------------------------------------------------------------
 
@@ -194,6 +207,11 @@ class ClientSession:
                     and stored.version == t._version and stored.nbytes == t.untyped_storage().nbytes():
                 step.stats.record(step.layer, saved=1, deduplicated=1)
                 return Handle(self, stored, t)
+            nbytes = t.untyped_storage().nbytes()
+            step.candidate_bytes += nbytes
+            if step.stats.offloaded_bytes + nbytes > step.budget_bytes:
+                step.stats.record(step.layer, saved=1, keep=Keep.BUDGET, kept_bytes=nbytes)
+                return Kept(t)
             stored = Stored(next(self._keys), step, t)
             step.order.append(stored)
             step.by_storage[sid] = stored
@@ -210,7 +228,7 @@ class ClientSession:
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=stored.nbytes)
             oldest = self._held[0].put if self._held_bytes > self.max_held_bytes else None
         if oldest is not None:  # bound what waits on the mover; wait outside the lock
-            oldest.exception()
+            oldest.wait()
             self.poll()
         return handle
 
@@ -233,7 +251,7 @@ class ClientSession:
     def _release(self, stored: Stored) -> list[int]:
         """The copy of ``stored`` finished: let its tensor go. Returns keys to free."""
         self._held_bytes -= stored.nbytes
-        err = stored.put.exception()
+        err = stored.put.error()
         if err is not None:
             reason = Keep.POOL_FULL if isinstance(err, StormRequestError) and err.code in (
                 "POOL_FULL", "TOO_LARGE") else Keep.STORE_ERROR
@@ -266,8 +284,8 @@ class ClientSession:
         """Wait until every copy in flight has finished and been checked."""
         with self._lock:
             pending = [s.put for s in self._held]
-        for fut in pending:
-            fut.exception()
+        for transfer in pending:
+            transfer.wait()
         self.poll()
 
     # --- loading ------------------------------------------------------------
@@ -292,20 +310,23 @@ class ClientSession:
                 raise StormError(f"saved {stored.described} was already freed (its graph was released)")
             ref = self._restored.get(stored.key)
             base = ref() if ref is not None else None
-            fut = None
+            fetch = None
             if base is None:
-                fut = self._take_prefetched(stored)
-                if fut is not None:
+                fetch = self._take_prefetched(stored)
+                if fetch is not None:
                     stats.record(stored.layer, prefetch_hits=1)
                 else:
-                    fut = self.mover.get(stored.key, stored.nbytes)
+                    fetch = self._fetch(stored)
             self._prefetch_ahead(stored)
         if base is None:
             t0 = time.perf_counter()
-            cpu = fut.result()
+            base, arrived = fetch.result.result()  # raises what the fetch raised
             stats.record(stored.layer, fetch_wait_s=time.perf_counter() - t0, fetched=1,
                          fetched_bytes=stored.nbytes)
-            base = cpu if stored.device.type == "cpu" else cpu.to(stored.device)
+            if arrived is not None:  # CUDA: the compute stream waits for the copy, the host does not
+                stream = torch.cuda.current_stream(stored.device)
+                stream.wait_event(arrived)
+                base.record_stream(stream)
             with self._lock:
                 self._restored[stored.key] = weakref.ref(base)
         return handle.view_of(base.untyped_storage())
@@ -321,10 +342,13 @@ class ClientSession:
             ref = self._restored.get(s.key)
             if s.state != State.OFFLOADED or s.key in self._prefetched or (ref is not None and ref() is not None):
                 continue
-            self._prefetched[s.key] = self.mover.get(s.key, s.nbytes)
+            self._prefetched[s.key] = self._fetch(s)
             self._prefetched_bytes += s.nbytes
 
-    def _take_prefetched(self, stored: Stored) -> Future | None:
+    def _fetch(self, stored: Stored) -> Transfer:
+        return self.mover.get(stored.key, stored.nbytes, stored.device, after=stored.put.event)
+
+    def _take_prefetched(self, stored: Stored) -> Transfer | None:
         fut = self._prefetched.pop(stored.key, None)
         if fut is not None:
             self._prefetched_bytes -= stored.nbytes

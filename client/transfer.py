@@ -1,9 +1,17 @@
-"""The mover: copies tensors' bytes into pool extents and back, on one worker thread.
+"""The mover: copies storages into pool extents and back, off the training thread.
 
-The training thread never waits for a round trip when saving: it hands the
-storage to the mover, which asks the store for an extent (PUT), copies,
-checksums and seals it. Fetches (GET) run on the same thread, so a prefetch
-overlaps the training thread's compute.
+Saving never waits for a round trip: the training thread sends PUT (or GET)
+and hands the rest to one worker thread, which takes the store's reply and
+moves the bytes. Requests are pipelined, so the store's latency is paid once
+per burst, not once per tensor.
+
+CPU tensors: the worker copies with memcpy and checksums (xxh3) what it wrote;
+GET verifies the checksum on what it read back.
+CUDA tensors: the worker queues the copy on a per-device side stream (device
+to host, or host to device) behind an event, and returns the event that marks
+its end; nothing waits on the host. The pool is page-locked (registered with
+CUDA) so those copies run at link speed. CUDA copies are not checksummed: a
+host-side hash of every byte would cost more than the copy (see README).
 """
 
 from __future__ import annotations
@@ -18,14 +26,10 @@ import xxhash
 
 from .backend import Backend
 from .errors import StormIntegrityError, StormUnavailable
+from .gpu import DeviceStreams, pin_pool
 
 REQUEST_TIMEOUT = 30.0
 log = logging.getLogger("storm")
-
-
-def _log_failure(fut: Future) -> None:
-    if fut.exception() is not None:
-        log.warning("storm: freeing keys failed: %s", fut.exception())
 
 
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -37,6 +41,11 @@ def checksum(buf: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(buf.numpy()) if buf.numel() else 0
 
 
+def _log_failure(fut: Future) -> None:
+    if fut.exception() is not None:
+        log.warning("storm: a request to the store failed: %s", fut.exception())
+
+
 @dataclass(frozen=True)
 class PutRequest:
     key: int
@@ -46,53 +55,101 @@ class PutRequest:
     ready: Any = None      # torch.cuda.Event recorded where the tensor was produced, or None
 
 
+class Transfer:
+    """A copy in flight. ``result`` resolves to (tensor or None, CUDA event or None)."""
+
+    def __init__(self, result: Future):
+        self.result = result
+
+    def done(self) -> bool:
+        """True once the bytes have arrived (or the transfer failed); never blocks."""
+        if not self.result.done():
+            return False
+        if self.result.exception() is not None:
+            return True
+        event = self.result.result()[1]
+        return event is None or event.query()
+
+    def wait(self) -> None:
+        """Block until done(); errors are left for ``error``."""
+        if self.result.exception() is None:
+            event = self.result.result()[1]
+            if event is not None:
+                event.synchronize()
+
+    def error(self) -> BaseException | None:
+        return self.result.exception()
+
+    @property
+    def event(self) -> Any:
+        """The CUDA event that marks the end of the copy, or None (CPU, or failed)."""
+        return None if self.result.exception() is not None else self.result.result()[1]
+
+
 class Mover:
     def __init__(self, backend: Backend):
         self.backend = backend
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="storm-mover")
+        self._streams: dict[int, DeviceStreams] = {}
 
-    def put(self, req: PutRequest) -> Future:
-        """Future of the stored bytes' checksum; raises StormRequestError when the store refuses."""
-        return self._worker.submit(self._put, req)
+    def _streams_for(self, device: torch.device) -> DeviceStreams:
+        s = self._streams.get(device.index)
+        if s is None:
+            pin_pool(self.backend.pool)
+            s = self._streams[device.index] = DeviceStreams(device)
+        return s
 
-    def get(self, key: int, nbytes: int) -> Future:
-        """Future of a fresh CPU uint8 tensor holding the key's bytes, checksum verified."""
-        return self._worker.submit(self._get, key, nbytes)
+    def put(self, req: PutRequest) -> Transfer:
+        reply = self.backend.request("PUT", key=req.key, step=req.step, nbytes=req.source.numel(), codec="raw",
+                                     **req.meta)
+        streams = self._streams_for(req.source.device) if req.source.is_cuda else None
+        return Transfer(self._worker.submit(self._put, req, reply, streams))
 
-    def _call(self, op: str, **fields: Any) -> dict[str, Any]:
-        try:
-            return self.backend.request(op, **fields).result(REQUEST_TIMEOUT)
-        except TimeoutError:
-            raise StormUnavailable(f"{self.backend.name} did not answer {op} within {REQUEST_TIMEOUT:g} s") from None
-
-    def _put(self, req: PutRequest) -> int:
-        nbytes = req.source.numel()
-        reply = self._call("PUT", key=req.key, step=req.step, nbytes=nbytes, codec="raw", **req.meta)
-        if req.ready is not None:
-            req.ready.synchronize()  # the producing stream has written the tensor
-        dst = self.backend.pool.view(reply["offset"], nbytes)
-        dst.copy_(req.source)
-        digest = checksum(dst)
-        self._call("SEAL", key=req.key, checksum=digest)
-        return digest
-
-    def _get(self, key: int, nbytes: int) -> torch.Tensor:
-        reply = self._call("GET", key=key)
-        if reply["nbytes"] != nbytes:
-            raise StormIntegrityError(f"key {key}: store returned {reply['nbytes']} bytes, {nbytes} were stored")
-        out = self.backend.pool.view(reply["offset"], nbytes).clone()
-        if checksum(out) != reply["checksum"]:
-            raise StormIntegrityError(f"key {key}: the bytes in the pool no longer match their checksum; "
-                                      f"the saved tensor is lost (pool memory was overwritten)")
-        return out
+    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None) -> Transfer:
+        """Fetch a key's bytes into a fresh uint8 tensor on ``device``; ``after``: the put's CUDA event."""
+        reply = self.backend.request("GET", key=key)
+        streams = self._streams_for(device) if device.type == "cuda" else None
+        return Transfer(self._worker.submit(self._get, key, nbytes, reply, streams, after))
 
     def request(self, op: str, **fields: Any) -> Future:
-        """A request queued behind the copies already submitted (so STATS sees earlier FREEs)."""
-        return self._worker.submit(self._call, op, **fields)
+        """A request queued behind the transfers already submitted (so STATS sees earlier FREEs)."""
+        return self._worker.submit(lambda: _wait(self.backend, op, self.backend.request(op, **fields)))
 
     def free(self, keys: list[int]) -> None:
         if keys:
             self.request("FREE", keys=keys).add_done_callback(_log_failure)
 
+    def _put(self, req: PutRequest, reply: Future, streams: DeviceStreams | None) -> tuple[None, Any]:
+        offset = _wait(self.backend, "PUT", reply)["offset"]
+        dst = self.backend.pool.view(offset, req.source.numel())
+        if streams is None:
+            dst.copy_(req.source)
+            _wait(self.backend, "SEAL", self.backend.request("SEAL", key=req.key, checksum=checksum(dst)))
+            return None, None
+        event = streams.to_host(dst, req.source, req.ready)
+        self.backend.request("SEAL", key=req.key).add_done_callback(_log_failure)
+        return None, event
+
+    def _get(self, key: int, nbytes: int, reply: Future, streams: DeviceStreams | None,
+             after: Any) -> tuple[torch.Tensor, Any]:
+        r = _wait(self.backend, "GET", reply)
+        if r["nbytes"] != nbytes:
+            raise StormIntegrityError(f"key {key}: store returned {r['nbytes']} bytes, {nbytes} were stored")
+        src = self.backend.pool.view(r["offset"], nbytes)
+        if streams is not None:
+            return streams.to_device(src, after)
+        out = src.clone()
+        if r["checksum"] is not None and checksum(out) != r["checksum"]:
+            raise StormIntegrityError(f"key {key}: the bytes in the pool no longer match their checksum; "
+                                      f"the saved tensor is lost (pool memory was overwritten)")
+        return out, None
+
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+def _wait(backend: Backend, op: str, reply: Future) -> dict[str, Any]:
+    try:
+        return reply.result(REQUEST_TIMEOUT)
+    except TimeoutError:
+        raise StormUnavailable(f"{backend.name} did not answer {op} within {REQUEST_TIMEOUT:g} s") from None

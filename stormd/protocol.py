@@ -16,9 +16,11 @@ HELLO  version:int pid:int host:str
 PUT    key:int step:int nbytes:int dtype:str shape:[int] strides:[int]
        storage_offset:int codec:str
        -> offset:int            (an extent of ``nbytes`` in the pool, reserved)
-SEAL   key:int checksum:int     -> {}   (the client wrote the extent; GET may return it)
+SEAL   key:int checksum?:int    -> {}   (the client wrote the extent, or for a CUDA copy queued
+                                         the write behind an event only it waits on; GET may return it.
+                                         Without checksum the bytes are not verified on GET)
 GET    key:int
-       -> offset nbytes dtype shape strides storage_offset codec checksum
+       -> offset nbytes dtype shape strides storage_offset codec checksum (int or nil)
 FREE   keys?:[int] step?:int all?:bool   (exactly one of them)
        -> freed:int
 STATS  -> session:{...} node:{...}
@@ -138,7 +140,7 @@ SCHEMAS: dict[str, tuple[dict[str, Callable], dict[str, Callable]]] = {
              "dtype": _choice(DTYPE_SIZES), "shape": _int_list(MAX_DIMS),
              "strides": _int_list(MAX_DIMS), "storage_offset": _int(),
              "codec": _choice(CODECS)}, {}),
-    "SEAL": ({**_AUTH, "key": _int(), "checksum": _int(0, (1 << 64) - 1)}, {}),
+    "SEAL": ({**_AUTH, "key": _int()}, {"checksum": _int(0, (1 << 64) - 1)}),
     "GET": ({**_AUTH, "key": _int()}, {}),
     "FREE": (dict(_AUTH), {"keys": _int_list(MAX_KEYS_PER_FREE), "step": _int(), "all": _bool}),
     "STATS": (dict(_AUTH), {}),

@@ -56,7 +56,7 @@ class Service:
                 raise ProtocolError(ErrorCode.DRAINING, "the daemon is shutting down and takes no new tensors")
             return ok(req.id, offset=self.store.put(s.id, f).offset)
         if req.op == "SEAL":
-            self.store.seal(s.id, f["key"], f["checksum"])
+            self.store.seal(s.id, f["key"], f.get("checksum"))
             return ok(req.id)
         if req.op == "GET":
             return ok(req.id, **self.store.get(s.id, f["key"]).describe())

@@ -26,7 +26,8 @@ class Entry:
     strides: list[int]
     storage_offset: int
     codec: str
-    checksum: int | None = None  # None until SEAL
+    sealed: bool = False
+    checksum: int | None = None  # None: sealed without one (not verified on GET)
 
     def describe(self) -> dict[str, Any]:
         return {"offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype, "shape": self.shape,
@@ -89,12 +90,13 @@ class Store:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"key {key} is not stored in this session")
         return e
 
-    def seal(self, session: int, key: int, checksum: int) -> None:
-        self._entry(session, key).checksum = checksum
+    def seal(self, session: int, key: int, checksum: int | None) -> None:
+        e = self._entry(session, key)
+        e.sealed, e.checksum = True, checksum
 
     def get(self, session: int, key: int) -> Entry:
         e = self._entry(session, key)
-        if e.checksum is None:
+        if not e.sealed:
             raise ProtocolError(ErrorCode.NOT_SEALED, f"key {key} was reserved by PUT but never sealed")
         c = self._of(session).counters
         c.gets += 1

@@ -353,3 +353,48 @@ def test_per_layer_counters_and_report():
     report = ctx.report()
     assert report.splitlines()[0].split()[:3] == ["layer", "saved", "offloaded"]
     assert report.splitlines()[-1].split()[:3] == ["total", str(st.saved), str(st.offloaded)]
+
+
+def chain_of_saves(n: int = 6):
+    """n tanh layers of 64 KiB outputs each: every output is saved by the next op."""
+    x = torch.randn(128, 128, requires_grad=True)
+    h = x
+    for _ in range(n):
+        h = h.tanh()
+    return x, h.sum()
+
+
+def test_byte_budget_offloads_the_earliest_saves_only():
+    with storm.offload(mode="embedded", min_bytes=0, budget=3 * 128 * 128 * 4) as ctx:
+        x, loss = chain_of_saves()
+    ctx.synchronize()
+    assert ctx.stats.offloaded == 3 and ctx.stats.kept == {storm.Keep.BUDGET: 3}
+    assert ctx.stats.offloaded_bytes == 3 * 128 * 128 * 4
+    loss.backward()
+    assert same_bits(x.grad, chain_grad(x))
+
+
+def chain_grad(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.detach().requires_grad_()
+    h = x2
+    for _ in range(6):
+        h = h.tanh()
+    h.sum().backward()
+    return x2.grad
+
+
+def test_fraction_budget_follows_the_previous_step():
+    offloaded = []
+    for _ in range(3):
+        with storm.offload(mode="embedded", min_bytes=0, budget=0.5) as ctx:
+            x, loss = chain_of_saves()
+        loss.backward()
+        assert same_bits(x.grad, chain_grad(x))
+        offloaded.append(ctx.stats.offloaded)
+    assert offloaded == [6, 3, 3]  # the first step has no previous one to take half of
+
+
+def test_bad_budgets_are_refused():
+    for bad in (0.0, 1.5, -3, "much", True):
+        with pytest.raises(ValueError):
+            storm.offload(budget=bad)
