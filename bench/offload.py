@@ -1,0 +1,226 @@
+"""W1/W2 step time and memory: no offload, checkpointing, save_on_cpu, STORM (embedded, daemon, budgets).
+
+    python bench/offload.py --out bench/results/offload.json            # timings (CUDA)
+    python bench/offload.py --check --out bench/results/bitexact.json   # gradients, bit for bit
+
+Per method: median step time over --steps steps after --warmup, peak GPU memory
+above the model's (activations and what offload holds), bytes moved each way,
+host time waiting for fetches, link utilization ((bytes to host / measured D2H
+bandwidth + bytes to device / measured H2D bandwidth) / step time) and the
+lower bound of DESIGN.md: max(no-offload step, to-host / D2H, to-device / H2D).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import storm  # noqa: E402
+from storm.examples.models import same_bits  # noqa: E402
+from workloads import W1, W2, Workload  # noqa: E402
+
+GiB = 1 << 30
+
+
+def link_bandwidth(device: torch.device, nbytes: int = GiB) -> dict[str, float]:
+    """Pinned D2H and H2D GB/s, measured here, now (machines drift)."""
+    g = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = {}
+    for name, fn in (("d2h_GBps", lambda: h.copy_(g, non_blocking=True)),
+                     ("h2d_GBps", lambda: g.copy_(h, non_blocking=True))):
+        fn()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        end.synchronize()
+        out[name] = round(5 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9, 1)
+    del g, h
+    return out
+
+
+def train_step(model, x, opt, method: str, opts: dict) -> storm.Offload | None:
+    ctx = None
+    if method == "save_on_cpu":
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            y = model(x)
+    elif method == "storm":
+        with storm.offload(**opts) as ctx:
+            y = model(x)
+    else:
+        y = model(x)
+    y.float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return ctx
+
+
+def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: torch.device) -> dict:
+    model, x = w.build(device, ckpt=(method == "checkpoint"))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    try:
+        for _ in range(warmup):
+            train_step(model, x, opt, method, opts)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        times, last = [], None
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            last = train_step(model, x, opt, method, opts)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        r = {"step_ms": round(statistics.median(times) * 1e3, 2),
+             "step_ms_min": round(min(times) * 1e3, 2),
+             "peak_extra_GiB": round((torch.cuda.max_memory_allocated(device) - base) / GiB, 3)}
+        if last is not None:
+            last.synchronize()
+            st = last.stats
+            r.update(to_host_GiB=round(st.stored_bytes / GiB, 3), to_device_GiB=round(st.fetched_bytes / GiB, 3),
+                     offloaded_tensors=st.offloaded, kept=dict(st.kept),
+                     fetch_wait_ms=round(st.fetch_wait_s * 1e3, 2), backend=last.backend_name)
+    except torch.OutOfMemoryError:
+        r = {"error": "OOM"}
+    del model, x, opt
+    torch.cuda.empty_cache()
+    return r
+
+
+def start_daemon(pool_size: str) -> tuple[subprocess.Popen, str]:
+    sock = Path(tempfile.mkdtemp()) / "run" / "stormd.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "stormd", "--socket", str(sock), "--pool-size", pool_size])
+    deadline = time.monotonic() + 120
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("stormd did not start")
+        time.sleep(0.1)
+    return proc, f"ipc://{sock}"
+
+
+def timings(args: argparse.Namespace, device: torch.device) -> dict:
+    bw = link_bandwidth(device)
+    print(f"link: {bw}", flush=True)
+    results: dict = {"link": bw}
+    daemon, endpoint = start_daemon(args.pool_size) if "daemon" in args.methods else (None, None)
+    try:
+        for w in [wl for wl in (W1, W2) if wl.name in args.workloads]:
+            rows: dict = {}
+            base_opts = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size,
+                         "max_held_bytes": args.max_held, "prefetch_bytes": args.prefetch}
+            plan = []
+            for m in args.methods:
+                if m in ("none", "checkpoint", "save_on_cpu"):
+                    plan.append((m, m, {}))
+                elif m == "embedded":
+                    plan.append(("storm-embedded", "storm", base_opts))
+                elif m == "daemon":
+                    plan.append(("storm-daemon", "storm", {**base_opts, "mode": "daemon", "socket": endpoint}))
+                elif m == "budgets":
+                    plan += [(f"storm-budget-{int(f * 100)}%", "storm", {**base_opts, "budget": f})
+                             for f in (0.25, 0.5, 0.75, 1.0)]
+            for name, method, opts in plan:
+                r = run(w, method, args.steps, args.warmup, opts, device)
+                rows[name] = r
+                print(f"{w.name} {name}: {r}", flush=True)
+            c = rows.get("none", {}).get("step_ms")
+            for r in rows.values():
+                if "to_host_GiB" in r:
+                    th, td = r["to_host_GiB"] * GiB / 1e9, r["to_device_GiB"] * GiB / 1e9
+                    link_s = th / bw["d2h_GBps"] + td / bw["h2d_GBps"]
+                    r["link_utilization"] = round(link_s / (r["step_ms"] / 1e3), 3)
+                    if c:
+                        bound = max(c / 1e3, th / bw["d2h_GBps"], td / bw["h2d_GBps"])
+                        r["lower_bound_ms"] = round(bound * 1e3, 2)
+                        r["over_bound"] = round(r["step_ms"] / (bound * 1e3), 3)
+                if c and "step_ms" in r:
+                    r["over_no_offload"] = round(r["step_ms"] / c, 3)
+            results[w.name] = rows
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait(30)
+    return results
+
+
+def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
+    """Gradients of one step, no offload twice, then embedded and daemon, compared bit for bit."""
+    torch.use_deterministic_algorithms(True)
+    results: dict = {"deterministic_algorithms": True}
+    daemon, endpoint = start_daemon(args.pool_size)
+    try:
+        for w in [wl for wl in (W1, W2) if wl.name in args.workloads]:
+            ref = None
+            row = {}
+            for name, opts in (("none", None), ("none-again", None),
+                               ("storm-embedded", {"mode": "embedded", "min_bytes": args.min_bytes,
+                                                   "pool_size": args.pool_size}),
+                               ("storm-daemon", {"mode": "daemon", "socket": endpoint, "min_bytes": args.min_bytes})):
+                model, x = w.build(device)
+                if opts is None:
+                    y = model(x)
+                else:
+                    with storm.offload(**opts) as ctx:
+                        y = model(x)
+                y.float().pow(2).mean().backward()
+                grads = [p.grad for p in model.parameters()]
+                if ref is None:
+                    ref = [g.clone() for g in grads]
+                    row[name] = "reference"
+                else:
+                    differ = sum(not same_bits(a, b) for a, b in zip(ref, grads))
+                    row[name] = {"differing_gradients": differ, "of": len(ref)}
+                    if opts is not None:
+                        row[name]["offloaded_tensors"] = ctx.stats.offloaded
+                print(f"{w.name} {name}: {row[name]}", flush=True)
+                del model, x, y, grads
+                torch.cuda.empty_cache()
+            results[w.name] = row
+            del ref
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    return results
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", nargs="+", default=["W1", "W2"])
+    p.add_argument("--methods", nargs="+", default=["none", "checkpoint", "save_on_cpu", "embedded", "daemon",
+                                                     "budgets"])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--pool-size", default="24GiB")
+    p.add_argument("--min-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-held", type=int, default=512 << 20)
+    p.add_argument("--prefetch", type=int, default=512 << 20)
+    p.add_argument("--check", action="store_true", help="compare gradients bit for bit instead of timing")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    results = bitexact(args, device) if args.check else timings(args, device)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    results["meta"] = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "commit": commit or os.environ.get("STORM_COMMIT", "unknown"),
+                       "command": " ".join(sys.argv)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

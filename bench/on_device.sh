@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Runs on the lent GPU machine from the repository root: installs the carried wheels (pyzmq,
+# pytest-asyncio) and this checkout, then runs what is passed, e.g.
+#   bash bench/on_device.sh python3 -m pytest -q tests/test_gpu.py
+set -eo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null
+"$@"

@@ -1,0 +1,99 @@
+"""The CUDA path (run on the lent GPU; skipped without CUDA)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import storm
+from storm.examples.models import GPT, ViewNet, same_bits
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=["embedded", "daemon"])
+def cuda_opts(request):
+    if request.param == "embedded":
+        return {"mode": "embedded", "min_bytes": 0, "pool_size": "512MiB"}
+    d = request.getfixturevalue("daemon")
+    return {"mode": "daemon", "socket": d.endpoint, "min_bytes": 0}
+
+
+def step_grads(model: nn.Module, loss_fn, opts: dict | None) -> list[torch.Tensor]:
+    torch.manual_seed(7)
+    if opts is None:
+        loss = loss_fn(model)
+    else:
+        with storm.offload(**opts) as ctx:
+            loss = loss_fn(model)
+        assert ctx.stats.offloaded > 0
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_on_cuda_bit_exact(cuda_opts, dtype):
+    torch.manual_seed(0)
+    model = GPT(seq_len=64, d_model=128, n_heads=4, n_layers=2).cuda().to(dtype)
+    idx = torch.randint(0, 256, (4, 65), device="cuda")
+    loss_fn = lambda m: m.loss(idx[:, :-1], idx[:, 1:])  # noqa: E731
+    g0 = step_grads(copy.deepcopy(model), loss_fn, None)
+    g1 = step_grads(copy.deepcopy(model), loss_fn, cuda_opts)
+    assert all(same_bits(a, b) for a, b in zip(g0, g1))
+
+
+def test_views_on_cuda_bit_exact(cuda_opts):
+    torch.manual_seed(0)
+    model = ViewNet().cuda()
+    x = torch.randn(64, 64, device="cuda")
+    g0 = step_grads(copy.deepcopy(model), lambda m: m(x).square().sum(), None)
+    g1 = step_grads(copy.deepcopy(model), lambda m: m(x).square().sum(), cuda_opts)
+    assert all(same_bits(a, b) for a, b in zip(g0, g1))
+
+
+def test_offload_frees_device_memory_and_brings_it_back():
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8)]).cuda()
+    x = torch.randn(4096, 1024, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    kept = layers(x).sum()
+    held_without = torch.cuda.memory_allocated() - base
+    del kept
+    with storm.offload(mode="embedded", min_bytes=0, pool_size="512MiB") as ctx:
+        loss = layers(x).sum()
+    ctx.synchronize()
+    held_with = torch.cuda.memory_allocated() - base
+    assert held_with < 0.25 * held_without, (held_with, held_without)
+    loss.backward()
+    assert ctx.stats.fetched_bytes > 0
+    ref = copy.deepcopy(layers)
+    for p in ref.parameters():
+        p.grad = None
+    ref(x).sum().backward()
+    assert all(same_bits(a.grad, b.grad) for a, b in zip(ref.parameters(), layers.parameters()))
+
+
+def test_inplace_change_racing_the_copy_is_caught_on_cuda():
+    x = torch.randn(4096, 1024, device="cuda", requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0, pool_size="512MiB"):
+        y = x.exp()
+        y.add_(1)
+    with pytest.raises(storm.StormInPlaceError):
+        y.sum().backward()
+
+
+def test_budget_keeps_the_latest_saves_on_the_device():
+    lin = nn.Linear(1024, 1024).cuda()
+    x = torch.randn(2048, 1024, device="cuda")
+    one = 2048 * 1024 * 4
+    with storm.offload(mode="embedded", min_bytes=0, pool_size="512MiB", budget=2 * one) as ctx:
+        h = x
+        for _ in range(5):
+            h = torch.tanh(lin(h))
+    ctx.synchronize()
+    assert ctx.stats.offloaded_bytes <= 2 * one and ctx.stats.kept.get(storm.Keep.BUDGET, 0) >= 3
+    h.sum().backward()
