@@ -115,6 +115,7 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
     bw = link_bandwidth(device)
     print(f"link: {bw}", flush=True)
     results: dict = {"link": bw}
+    write(args, results)
     daemon, endpoint = start_daemon(args.pool_size) if "daemon" in args.methods else (None, None)
     try:
         for w in [wl for wl in (W1, W2) if wl.name in args.workloads]:
@@ -127,6 +128,9 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
                     plan.append((m, m, {}))
                 elif m == "embedded":
                     plan.append(("storm-embedded", "storm", base_opts))
+                elif m == "embedded-lowmem":  # a smaller copy queue and prefetch window: less memory held
+                    plan.append(("storm-embedded-lowmem", "storm",
+                                 {**base_opts, "max_held_bytes": 256 << 20, "prefetch_bytes": 256 << 20}))
                 elif m == "daemon":
                     plan.append(("storm-daemon", "storm", {**base_opts, "mode": "daemon", "socket": endpoint}))
                 elif m == "budgets":
@@ -136,6 +140,7 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
                 r = run(w, method, args.steps, args.warmup, opts, device)
                 rows[name] = r
                 print(f"{w.name} {name}: {r}", flush=True)
+                write(args, {**results, w.name: rows})  # what is done survives a time limit
             c = rows.get("none", {}).get("step_ms")
             for r in rows.values():
                 if "to_host_GiB" in r:
@@ -199,8 +204,8 @@ def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", nargs="+", default=["W1", "W2"])
-    p.add_argument("--methods", nargs="+", default=["none", "checkpoint", "save_on_cpu", "embedded", "daemon",
-                                                     "budgets"])
+    p.add_argument("--methods", nargs="+", default=["none", "checkpoint", "save_on_cpu", "embedded",
+                                                     "embedded-lowmem", "daemon", "budgets"])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--pool-size", default="24GiB")
@@ -211,15 +216,20 @@ def main() -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     device = torch.device("cuda")
-    results = bitexact(args, device) if args.check else timings(args, device)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    results["meta"] = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+    write(args, bitexact(args, device) if args.check else timings(args, device))
+    return 0
+
+
+def write(args: argparse.Namespace, results: dict) -> None:
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = git.stdout.strip() if git.returncode == 0 else os.environ.get("STORM_COMMIT", "unknown")
+    results = {**results}
+    results["meta"] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "commit": commit or os.environ.get("STORM_COMMIT", "unknown"),
+                       "commit": commit, "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                        "command": " ".join(sys.argv)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from stormd.config import ipc_path, normalize_endpoint, parse_size
+from stormd.config import ipc_path, normalize_endpoint, parse_size, socket_is_live
 from stormd.pool import SharedPool
 
 from .errors import StormRequestError, StormUnavailable
@@ -29,6 +29,7 @@ DEFAULT_EMBEDDED_POOL = "2GiB"
 class Backend(Protocol):
     pool: SharedPool
     name: str
+    alive: bool  # False once a daemon connection has lost its daemon
 
     def request(self, op: str, **fields: Any) -> Future:
         """Send a request; the future gives the reply's fields or raises StormRequestError."""
@@ -58,8 +59,11 @@ def open_backend(mode: str, socket: str | None = None, pool_size: str | int | No
     with _lock:
         if mode in ("auto", "daemon"):
             b = _backends.get(("daemon", endpoint))
-            if b is not None:
+            if b is not None and b.alive:
                 return b
+            if b is not None:  # the daemon went away: try it afresh (it may have been restarted)
+                del _backends[("daemon", endpoint)]
+                b.close()
             try:
                 b = _connect(endpoint)
                 _backends[("daemon", endpoint)] = b
@@ -84,6 +88,9 @@ def _connect(endpoint: str) -> Backend:
     if path is not None and not path.exists():
         raise StormUnavailable(f"no stormd socket at {path}; start one with `stormd`, set STORMD_SOCKET, "
                                f"or use mode='embedded'")
+    if path is not None and not socket_is_live(path):
+        raise StormUnavailable(f"stormd socket {path} is left over from a daemon that is gone; "
+                               f"restart stormd, or use mode='embedded'")
     from .connection import DaemonConnection
     return DaemonConnection(endpoint)
 

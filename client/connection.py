@@ -4,7 +4,10 @@ ZeroMQ sockets are not thread-safe, and both the training thread (unpack) and
 the mover thread (PUT, GET) issue requests. So callers enqueue requests and
 wake the I/O thread through a pipe; it sends, matches replies to futures by
 id, and pings the daemon every ``heartbeat`` seconds so the daemon knows the
-client is alive while no tensors flow.
+client is alive while no tensors flow. The same pings tell the client the daemon
+is gone: when nothing has come back for ``dead_after`` seconds while requests
+wait, or the daemon no longer knows the session (it restarted), every waiting
+request fails with StormUnavailable and the connection closes for good.
 """
 
 from __future__ import annotations
@@ -24,16 +27,21 @@ from stormd.pool import PoolError, SharedPool
 from stormd.protocol import PROTOCOL_VERSION, pack, unpack
 
 from .backend import settle
+from .gpu import unpin_pool
 from .errors import StormUnavailable
 
 CONNECT_TIMEOUT = 2.0
 HEARTBEAT = 1.0
+DEAD_AFTER = 5.0
 
 
 class DaemonConnection:
-    def __init__(self, endpoint: str, connect_timeout: float = CONNECT_TIMEOUT, heartbeat: float = HEARTBEAT):
+    def __init__(self, endpoint: str, connect_timeout: float = CONNECT_TIMEOUT, heartbeat: float = HEARTBEAT,
+                 dead_after: float = DEAD_AFTER):
         self.endpoint = endpoint
         self.heartbeat = heartbeat
+        self.dead_after = dead_after
+        self.lost: str | None = None  # why the daemon is considered gone
         self._ids = itertools.count(1)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[int, Future] = {}
@@ -65,7 +73,7 @@ class DaemonConnection:
     def request(self, op: str, **fields: Any) -> Future:
         fut: Future = Future()
         if self._closed.is_set():
-            fut.set_exception(StormUnavailable(f"connection to {self.endpoint} is closed"))
+            fut.set_exception(StormUnavailable(self.lost or f"connection to {self.endpoint} is closed"))
             return fut
         msg = {"op": op, "id": next(self._ids), **(self._auth if op != "HELLO" else {}), **fields}
         self._outbox.put((msg, fut))
@@ -85,7 +93,7 @@ class DaemonConnection:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        last_sent = time.monotonic()
+        last_sent = last_heard = time.monotonic()
         try:
             while not self._closed.is_set():
                 events = dict(poller.poll(timeout=int(self.heartbeat * 1000)))
@@ -98,9 +106,17 @@ class DaemonConnection:
                     last_sent = time.monotonic()
                 while sock.poll(0, zmq.POLLIN):
                     reply = unpack(sock.recv())
+                    last_heard = time.monotonic()
                     fut = self._pending.pop(reply.get("id"), None)
                     if fut is not None:
                         settle(fut, reply)
+                    if reply.get("error") == "UNAUTHORIZED" and self._auth:
+                        self.lost = f"stormd at {self.endpoint} no longer knows session {self.session} (restarted?)"
+                if self._pending and time.monotonic() - last_heard > self.dead_after:
+                    self.lost = f"stormd at {self.endpoint} did not answer for {self.dead_after:g} s"
+                if self.lost:
+                    self._closed.set()
+                    break
                 if self._auth and time.monotonic() - last_sent >= self.heartbeat:
                     self._pending[ping := next(self._ids)] = Future()
                     sock.send(pack({"op": "PING", "id": ping, **self._auth}))
@@ -109,25 +125,32 @@ class DaemonConnection:
             sock.close(linger=0)
             for fut in self._pending.values():
                 if not fut.done():
-                    fut.set_exception(StormUnavailable(f"connection to {self.endpoint} closed"))
+                    fut.set_exception(StormUnavailable(self.lost or f"connection to {self.endpoint} closed"))
             self._pending.clear()
 
+    @property
+    def alive(self) -> bool:
+        return not self._closed.is_set()
+
     def _shutdown(self) -> None:
+        if self._thread is None:
+            return
         self._closed.set()
         self._wake()
         self._thread.join(timeout=5)
+        self._thread = None
         os.close(self._wake_r)
         os.close(self._wake_w)
         self._ctx.term()
 
     def close(self) -> None:
         """Say BYE (the daemon frees everything of this session) and stop the I/O thread."""
-        if self._closed.is_set():
-            return
-        try:
-            self.request("BYE").result(timeout=1.0)
-        except Exception:
-            pass  # the daemon reclaims the session on its own when the heartbeats stop
+        if not self._closed.is_set():
+            try:
+                self.request("BYE").result(timeout=1.0)
+            except Exception:
+                pass  # the daemon reclaims the session on its own when the heartbeats stop
         self._shutdown()
         if getattr(self, "pool", None) is not None:
+            unpin_pool(self.pool)
             self.pool.close()

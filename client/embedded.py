@@ -19,9 +19,12 @@ from stormd.protocol import PROTOCOL_VERSION
 from stormd.service import Service
 
 from .backend import settle
+from .gpu import unpin_pool
 
 
 class EmbeddedStore:
+    alive = True  # nothing to lose: it lives and dies with this process
+
     def __init__(self, pool_size: int):
         self.pool = SharedPool.anonymous(pool_size)
         self.service = Service(self.pool)
@@ -42,4 +45,5 @@ class EmbeddedStore:
 
     def close(self) -> None:
         self.request("BYE")
+        unpin_pool(self.pool)
         self.pool.close()

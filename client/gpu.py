@@ -18,7 +18,6 @@ from stormd.pool import SharedPool
 from .errors import StormError
 
 _pin_lock = threading.Lock()
-_pinned: set[int] = set()  # id() of pools registered with CUDA
 
 
 def pin_pool(pool: SharedPool) -> None:
@@ -27,7 +26,7 @@ def pin_pool(pool: SharedPool) -> None:
     Registering pins every page: it takes about a second per GiB and commits the
     memory, so it happens on the first CUDA tensor, not at import."""
     with _pin_lock:
-        if id(pool) in _pinned:
+        if pool.cuda_registered:
             return
         base = pool.view(0, pool.size)
         # cudaHostRegisterPortable: usable from every CUDA context of the process
@@ -35,14 +34,16 @@ def pin_pool(pool: SharedPool) -> None:
         if int(err) != 0:
             raise StormError(f"cudaHostRegister of the {pool.size}-byte pool failed with CUDA error {int(err)}; "
                              f"check RLIMIT_MEMLOCK (ulimit -l) and free memory")
-        _pinned.add(id(pool))
+        pool.cuda_registered = True
 
 
 def unpin_pool(pool: SharedPool) -> None:
+    """Undo pin_pool; must run before the pool is unmapped, or a later mapping at the same
+    address cannot be registered (CUDA error 712)."""
     with _pin_lock:
-        if id(pool) in _pinned:
+        if pool.cuda_registered:
             torch.cuda.cudart().cudaHostUnregister(pool.view(0, pool.size).data_ptr())
-            _pinned.discard(id(pool))
+            pool.cuda_registered = False
 
 
 class DeviceStreams:

@@ -98,7 +98,6 @@ class Offload(contextlib.ContextDecorator):
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
         self._session.end_step(self._step)
-        self._session.poll()
 
     @property
     def stats(self) -> OffloadStats:

@@ -107,7 +107,9 @@ class Stored:
         self.described = _describe(t)
         self.state = State.HELD
         self.put: Transfer | None = None
-        self.refs = 0
+        self.refs = 0      # live handles
+        self.handles = 0   # handles ever made (one per save of this storage)
+        self.unpacks = 0
         self.in_store = False
 
 
@@ -124,6 +126,7 @@ class Handle:
         self.strides = t.stride()
         self.storage_offset = t.storage_offset()
         stored.refs += 1
+        stored.handles += 1
 
     def view_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=storage.device).set_(
@@ -174,8 +177,10 @@ class ClientSession:
         self._held_bytes = 0
         self._prefetched: dict[int, Transfer] = {}
         self._prefetched_bytes = 0
-        self._restored: dict[int, weakref.ref] = {}
-        self.last_candidate_bytes: int | None = None  # key -> weak ref to the fetched bytes
+        self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
+        self._awaited: dict[int, torch.Tensor] = {}   # fetched bytes that more handles will unpack
+        self.last_candidate_bytes: int | None = None
+        self._warned: set[str] = set()  # key -> weak ref to the fetched bytes
 
     def new_step(self, budget: int | float | None = None) -> Step:
         """A step; ``budget``: bytes, or a fraction of the previous step's offloadable bytes
@@ -189,7 +194,12 @@ class ClientSession:
         return Step(next(self._steps), limit)
 
     def end_step(self, step: Step) -> None:
+        """Forward is over: remember its size for fraction budgets, and start fetching what backward
+        will need first among the storages already copied, so the link does not idle in between."""
         self.last_candidate_bytes = step.candidate_bytes
+        self.poll()
+        with self._lock:
+            self._prefetch_ahead(step, len(step.order))
 
     # --- saving -------------------------------------------------------------
 
@@ -255,8 +265,10 @@ class ClientSession:
         if err is not None:
             reason = Keep.POOL_FULL if isinstance(err, StormRequestError) and err.code in (
                 "POOL_FULL", "TOO_LARGE") else Keep.STORE_ERROR
-            if reason == Keep.STORE_ERROR:
-                log.warning("storm: keeping a saved tensor where it is: %s", err)
+            kind = f"{type(err).__name__}:{getattr(err, 'code', '')}"
+            if reason == Keep.STORE_ERROR and kind not in self._warned:
+                self._warned.add(kind)  # once per kind of failure, not once per tensor
+                log.warning("storm: saved tensors stay where they are while the store refuses them: %s", err)
             stored.state = State.KEPT
             stored.step.stats.record(stored.layer, keep=reason, kept_bytes=stored.nbytes,
                                      offloaded=-1, offloaded_bytes=-stored.nbytes)
@@ -275,6 +287,7 @@ class ClientSession:
         stored.step.by_storage.pop(stored.weak.cdata, None)
         self._take_prefetched(stored)
         self._restored.pop(stored.key, None)
+        self._awaited.pop(stored.key, None)
         if stored.in_store:
             stored.in_store = False
             return [stored.key]
@@ -308,8 +321,11 @@ class ClientSession:
                                         f"it and before STORM finished copying it, so its saved value is gone; {_FIX}")
             if stored.state == State.FREED:
                 raise StormError(f"saved {stored.described} was already freed (its graph was released)")
+            stored.unpacks += 1
             ref = self._restored.get(stored.key)
             base = ref() if ref is not None else None
+            if stored.unpacks >= stored.handles:
+                self._awaited.pop(stored.key, None)  # every save of it has been unpacked once
             fetch = None
             if base is None:
                 fetch = self._take_prefetched(stored)
@@ -317,7 +333,7 @@ class ClientSession:
                     stats.record(stored.layer, prefetch_hits=1)
                 else:
                     fetch = self._fetch(stored)
-            self._prefetch_ahead(stored)
+            self._prefetch_ahead(stored.step, stored.index)
         if base is None:
             t0 = time.perf_counter()
             base, arrived = fetch.result.result()  # raises what the fetch raised
@@ -329,19 +345,21 @@ class ClientSession:
                 base.record_stream(stream)
             with self._lock:
                 self._restored[stored.key] = weakref.ref(base)
+                if stored.unpacks < stored.handles and stored.state != State.FREED:
+                    self._awaited[stored.key] = base  # another view of it is still to come
         return handle.view_of(base.untyped_storage())
 
-    def _prefetch_ahead(self, current: Stored) -> None:
-        """Start fetching the storages saved before ``current``, within the byte window."""
-        step = current.step
-        if current.index >= step.cursor:  # a new backward pass (retain_graph) or out of order
-            step.cursor = current.index
+    def _prefetch_ahead(self, step: Step, index: int) -> None:
+        """Start fetching the storages saved before ``index``, within the byte window."""
+        if index >= step.cursor:  # a new backward pass (retain_graph), out of order, or the end of forward
+            step.cursor = index
         while step.cursor > 0 and self._prefetched_bytes < self.prefetch_bytes:
             step.cursor -= 1
             s = step.order[step.cursor]
             ref = self._restored.get(s.key)
-            if s.state != State.OFFLOADED or s.key in self._prefetched or (ref is not None and ref() is not None):
-                continue
+            if (s.state != State.OFFLOADED or s.unpacks >= s.handles or s.key in self._prefetched
+                    or (ref is not None and ref() is not None)):
+                continue  # not in the store, already unpacked this pass, on its way, or here
             self._prefetched[s.key] = self._fetch(s)
             self._prefetched_bytes += s.nbytes
 

@@ -2,6 +2,7 @@
 
     storm-train-gpt --steps 20            # CPU, or CUDA when present
     python -m storm.examples.train_gpt --mode daemon --socket /run/stormd/stormd.sock
+    storm-train-gpt --plot memory.png     # memory over one step, without and with STORM
 
 The first step runs twice from the same state, without and with offload, and
 every gradient is compared bit for bit; the program exits 1 if any differ.
@@ -10,17 +11,21 @@ every gradient is compared bit for bit; the program exits 1 if any differ.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import logging
 import resource
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
+from torch.profiler import record_function
 
 import storm
 from storm.examples.models import GPT, same_bits
+from storm.report import BACKWARD, FORWARD, memory_timeline, plot_memory
 
 
 def corpus(device: torch.device) -> torch.Tensor:
@@ -65,6 +70,30 @@ def make_offload(args: argparse.Namespace) -> storm.Offload:
     return storm.offload(mode=args.mode, socket=args.socket, min_bytes=args.min_bytes)
 
 
+def plot_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> str:
+    """One step without and one with STORM, on copies of the model, drawn into args.plot; returns a summary."""
+    def step(offload: storm.Offload | None) -> Callable[[], None]:
+        m = copy.deepcopy(model)
+
+        def run() -> None:
+            with record_function(FORWARD), (offload or contextlib.nullcontext()):
+                loss = m.loss(x, y)
+            with record_function(BACKWARD):
+                loss.backward()
+        return run
+
+    device = x.device
+    off = make_offload(args)
+    without = memory_timeline("without STORM", step(None), device)
+    with_storm = memory_timeline("with STORM", step(off), device)
+    with_storm.label = f"with STORM ({off.backend_name.split(' (')[0]})"
+    plot_memory([without, with_storm], args.plot,
+                f"{'GPU' if device.type == 'cuda' else 'CPU'} memory allocated by torch over one step: GPT "
+                f"{args.layers} layers, d_model {args.d_model}, batch {args.batch} x {args.seq}")
+    return (f"plot: {args.plot} (peak {without.peak_mib:.1f} MiB without STORM, "
+            f"{with_storm.peak_mib:.1f} MiB with)")
+
+
 def peak_memory(device: torch.device) -> str:
     if device.type == "cuda":
         return f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**20:.1f} MiB"
@@ -86,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the bit-exact first-step comparison")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw memory over one step without and with STORM (needs matplotlib: "
+                        "pip install 'storm-offload[plot]')")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines and no progress bar")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -100,27 +133,60 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_check and check_first_step(model, x, y, args):
         return 1
 
+    if args.plot:
+        print(plot_step(model, x, y, args))
+
     total_bytes = total_tensors = 0
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        with make_offload(args) as off:
-            loss = model.loss(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        ms = (time.perf_counter() - t0) * 1e3
-        st = off.stats
-        total_bytes += st.offloaded_bytes
-        total_tensors += st.offloaded
-        print(f"step {step:4d}  loss {loss.item():.4f}  {ms:7.1f} ms  offloaded {st.offloaded} tensors "
-              f"{st.offloaded_bytes / 2**20:.1f} MiB  kept {sum(st.kept.values())}  "
-              f"fetch wait {st.fetch_wait_s * 1e3:.1f} ms")
-        x, y = batch(data, args.batch, args.seq, gen)
+    with progress_bar(args) as advance:
+        for step in range(args.steps):
+            ms, loss, off = train_step(model, opt, x, y, args)
+            st = off.stats
+            total_bytes += st.offloaded_bytes
+            total_tensors += st.offloaded
+            advance(f"step {step:4d}  loss {loss:.4f}  {ms:7.1f} ms  offloaded {st.offloaded} tensors "
+                    f"{st.offloaded_bytes / 2**20:.1f} MiB  kept {sum(st.kept.values())}  "
+                    f"fetch wait {st.fetch_wait_s * 1e3:.1f} ms")
+            x, y = batch(data, args.batch, args.seq, gen)
     print(f"done: {args.steps} steps through {off.backend_name}; offloaded {total_tensors} tensors, "
           f"{total_bytes / 2**20:.1f} MiB in all; {peak_memory(device)}")
     return 0
+
+
+def train_step(model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               args: argparse.Namespace) -> tuple[float, float, storm.Offload]:
+    """One optimizer step with offload; returns its time (ms), its loss and its storm.Offload."""
+    device = x.device
+    t0 = time.perf_counter()
+    with make_offload(args) as off:
+        loss = model.loss(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3, loss.item(), off
+
+
+@contextlib.contextmanager
+def progress_bar(args: argparse.Namespace) -> Iterator[Callable[[str], None]]:
+    """Yields ``advance(line)``: prints the step's line (unless --quiet) and moves the bar one step.
+
+    rich draws the bar (it is already a dependency, for stormctl's tables) with the
+    step lines scrolling above it; there is no bar when stdout is not a terminal
+    (a log file or a pipe gets the plain lines) or with --quiet.
+    """
+    if args.quiet or not sys.stdout.isatty():
+        yield (lambda line: None) if args.quiet else print
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
+        task = bar.add_task("steps", total=args.steps)
+
+        def advance(line: str) -> None:
+            bar.console.print(line, markup=False, highlight=False)
+            bar.advance(task)
+        yield advance
 
 
 if __name__ == "__main__":

@@ -1,14 +1,30 @@
-"""Daemon settings and where the socket lives (shared with the client, which must find it)."""
+"""Daemon settings and where the socket lives (shared with the client, which must find it).
+
+Every setting is one row of ``SETTINGS``: its TOML key (the ``DaemonConfig``
+field), its ``STORMD_*`` variable and its ``--flag`` all derive from that
+name, so the three sources cannot drift apart. ``load`` merges them with the
+precedence CLI > environment > file > defaults and validates each value where
+it is read, so an error names the key, where it came from and what is allowed.
+"""
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
+import json
 import os
 import re
 import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 has no tomllib; tomli is the same parser, published separately
+    import tomli as tomllib
 
 SOCKET_ENV = "STORMD_SOCKET"
 SOCKET_NAME = "stormd.sock"
@@ -25,6 +41,14 @@ def parse_size(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read size {text!r}: use bytes or a number with a unit such as 512MiB or 8GiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    """Bytes in the largest binary unit that divides them exactly: 1073741824 -> '1GiB'."""
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
 
 
 def runtime_dir() -> Path:
@@ -81,4 +105,279 @@ class DaemonConfig:
     pool_size: int = 1 << 30
     pool_dir: str = "/dev/shm"
     client_timeout: float = 10.0  # seconds without a message before a client is dropped
+    drain_timeout: float = 5.0  # below docker stop's 10 s grace, so a drain under docker still exits 0
     log_level: str = "INFO"
+    log_format: str = "text"
+    error_log_interval: float = 10.0
+    metrics: bool = True
+    metrics_address: str = "127.0.0.1"
+    metrics_port: int = 9466
+
+
+CONFIG_ENV = "STORMD_CONFIG"
+ENV_PREFIX = "STORMD_"
+MIN_POOL_SIZE = 4096
+
+
+class ConfigError(ValueError):
+    """A setting stormd refuses; the message names the key, its source and the allowed values."""
+
+
+class _Invalid(ValueError):
+    """Raised by a kind's check; ``load`` adds the key and the source."""
+
+
+# --- kinds: how a value is read from TOML and from text (env, CLI), and what is allowed ---
+
+class _Kind:
+    allowed: str
+
+    def from_toml(self, v: Any) -> Any:
+        raise NotImplementedError
+
+    def from_text(self, s: str) -> Any:
+        return self.from_toml(s)
+
+    def to_toml(self, v: Any) -> str:
+        return json.dumps(v)  # a JSON string or number is also a TOML one
+
+
+def _type_name(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(type(v), type(v).__name__)
+
+
+def _wrong_type(kind: _Kind, v: Any) -> _Invalid:
+    return _Invalid(f"wrong type: got {_type_name(v)} {v!r}; allowed: {kind.allowed}")
+
+
+def _out_of_range(kind: _Kind, v: Any) -> _Invalid:
+    return _Invalid(f"{v!r} is out of range; allowed: {kind.allowed}")
+
+
+class _Size(_Kind):
+    def __init__(self, minimum: int):
+        self.minimum = minimum
+        self.allowed = f"a size of at least {format_size(minimum)}: bytes or a number with a unit (512MiB, 8GiB)"
+
+    def from_toml(self, v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, (int, str)):
+            raise _wrong_type(self, v)
+        try:
+            n = parse_size(v)
+        except ValueError as e:
+            raise _Invalid(f"{e}; allowed: {self.allowed}") from None
+        if n < self.minimum:
+            raise _out_of_range(self, v)
+        return n
+
+    def to_toml(self, v: int) -> str:
+        return json.dumps(format_size(v))
+
+
+class _Number(_Kind):
+    def __init__(self, lo: float, hi: float, integer: bool = False):
+        self.lo, self.hi, self.integer = lo, hi, integer
+        self.allowed = f"{'an integer' if integer else 'a number'} from {lo:g} to {hi:g}"
+
+    def from_toml(self, v: Any) -> float | int:
+        types = (int,) if self.integer else (int, float)
+        if isinstance(v, bool) or not isinstance(v, types):
+            raise _wrong_type(self, v)
+        if not self.lo <= v <= self.hi:
+            raise _out_of_range(self, v)
+        return v if self.integer else float(v)
+
+    def from_text(self, s: str) -> float | int:
+        try:
+            v: float | int = int(s) if self.integer else float(s)
+        except ValueError:
+            raise _wrong_type(self, s) from None
+        return self.from_toml(v)
+
+
+class _Choice(_Kind):
+    def __init__(self, *options: str):
+        self.options = options
+        self.allowed = "one of " + ", ".join(options)
+
+    def from_toml(self, v: Any) -> str:
+        if not isinstance(v, str):
+            raise _wrong_type(self, v)
+        for o in self.options:
+            if v.lower() == o.lower():
+                return o
+        raise _Invalid(f"{v!r} is not allowed; allowed: {self.allowed}")
+
+
+class _Text(_Kind):
+    def __init__(self, allowed: str, check: Callable[[str], str]):
+        self.allowed = allowed
+        self.check = check
+
+    def from_toml(self, v: Any) -> str:
+        if not isinstance(v, str):
+            raise _wrong_type(self, v)
+        try:
+            return self.check(v)
+        except ValueError as e:
+            raise _Invalid(f"{e}; allowed: {self.allowed}") from None
+
+
+class _Flag(_Kind):
+    allowed = "true or false (in the environment also 1/0, yes/no, on/off)"
+    TEXT = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+    def from_toml(self, v: Any) -> bool:
+        if not isinstance(v, bool):
+            raise _wrong_type(self, v)
+        return v
+
+    def from_text(self, s: str) -> bool:
+        if s.strip().lower() not in self.TEXT:
+            raise _wrong_type(self, s)
+        return self.TEXT[s.strip().lower()]
+
+    def to_toml(self, v: bool) -> str:
+        return "true" if v else "false"
+
+
+def _absolute_dir(v: str) -> str:
+    if not os.path.isabs(v):
+        raise ValueError(f"{v!r} is not an absolute path")
+    return v
+
+
+def _ip_address(v: str) -> str:
+    return str(ipaddress.ip_address(v))  # raises ValueError naming the bad address
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # the DaemonConfig field and TOML key; env STORMD_NAME; flag --name-with-dashes
+    kind: _Kind
+    help: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("socket", _Text("a path, ipc://PATH or tcp://127.0.0.1:PORT", normalize_endpoint),
+            "where clients connect (default $XDG_RUNTIME_DIR/stormd/stormd.sock or /tmp/stormd-UID/stormd.sock)"),
+    Setting("pool_size", _Size(MIN_POOL_SIZE), "host pool size: bytes or e.g. 512MiB, 8GiB"),
+    Setting("pool_dir", _Text("an absolute path", _absolute_dir), "tmpfs directory for the pool segment"),
+    Setting("client_timeout", _Number(0.05, 86400),
+            "seconds without a message (clients ping every second) before a client is dropped"),
+    Setting("drain_timeout", _Number(0, 3600),
+            "on SIGTERM or `stormctl drain`: seconds to keep answering GETs while clients still hold tensors"),
+    Setting("log_level", _Choice("DEBUG", "INFO", "WARNING", "ERROR"), "log level"),
+    Setting("log_format", _Choice("text", "json"), "text (key=value) or json, one object per line"),
+    Setting("error_log_interval", _Number(0.1, 3600),
+            "error replies: the first of each code per interval is logged, the rest are counted"),
+    Setting("metrics", _Flag(), "serve Prometheus metrics over HTTP"),
+    Setting("metrics_address", _Text("an IP address (127.0.0.1 keeps metrics on this host)", _ip_address),
+            "address the metrics endpoint binds"),
+    Setting("metrics_port", _Number(0, 65535, integer=True), "port of the metrics endpoint (0: any free port)"),
+)
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def default_config_paths(environ: Mapping[str, str] | None = None) -> list[Path]:
+    """Searched in order when neither --config nor $STORMD_CONFIG names a file; the first that exists is read."""
+    env = os.environ if environ is None else environ
+    xdg = env.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return [Path(xdg) / "stormd" / "stormd.toml", Path("/etc/stormd/stormd.toml")]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per setting, plus --config and --print-config. Defaults are None: 'not given'."""
+    p.add_argument("--config", metavar="PATH", default=None,
+                   help=f"TOML file (env {CONFIG_ENV}; else the first of "
+                        f"{', '.join(str(x) for x in default_config_paths())} that exists)")
+    p.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML and exit")
+    for s in SETTINGS:
+        if isinstance(s.kind, _Flag):
+            p.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"{s.help} (env {s.env})")
+        else:
+            p.add_argument(s.flag, dest=s.name, default=None, metavar=s.name.upper(),
+                           help=f"{s.help} (env {s.env})")
+
+
+def load(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> DaemonConfig:
+    """Defaults, then the TOML file, then STORMD_* variables, then flags; raises ConfigError."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    path = _config_path(args.config, env)
+    if path is not None:
+        for name, v in _read_toml(path).items():
+            values[name] = _parse(name, v, str(path), from_text=False)
+    for s in SETTINGS:
+        if env.get(s.env):
+            values[s.name] = _parse(s.name, env[s.env], s.env, from_text=True)
+    for s in SETTINGS:
+        v = getattr(args, s.name, None)
+        if v is not None:
+            values[s.name] = v if isinstance(v, bool) else _parse(s.name, v, s.flag, from_text=True)
+    values.setdefault("socket", f"ipc://{runtime_dir() / SOCKET_NAME}")
+    return DaemonConfig(**values)
+
+
+def _config_path(given: str | None, env: Mapping[str, str]) -> Path | None:
+    named = given or env.get(CONFIG_ENV)
+    if named:
+        if not Path(named).is_file():
+            raise ConfigError(f"config file {named} does not exist or is not a file")
+        return Path(named)
+    return next((p for p in default_config_paths(env) if p.is_file()), None)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    unknown = [k for k in data if k not in _BY_NAME]
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r}; allowed keys: {', '.join(_BY_NAME)}")
+    return data
+
+
+def _parse(name: str, v: Any, source: str, from_text: bool) -> Any:
+    kind = _BY_NAME[name].kind
+    try:
+        return kind.from_text(v) if from_text else kind.from_toml(v)
+    except _Invalid as e:
+        raise ConfigError(f"{source}: {name}: {e}") from None
+
+
+def to_toml(config: DaemonConfig) -> str:
+    """The configuration as a TOML file that ``load`` reads back to the same values."""
+    lines = ["# stormd effective configuration (CLI > STORMD_* environment > file > defaults)"]
+    for s in SETTINGS:
+        lines.append(f"# {s.help}")
+        lines.append(f"{s.name} = {s.kind.to_toml(getattr(config, s.name))}")
+    return "\n".join(lines) + "\n"
+
+
+
+def socket_is_live(path: Path) -> bool:
+    """Whether a process accepts connections on the unix socket at ``path``; a killed daemon leaves
+    its socket file behind, and connecting to that fails at once instead of waiting for a reply."""
+    import socket
+
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    finally:
+        probe.close()

@@ -1,63 +1,156 @@
-"""``stormd``: the per-node activation store daemon."""
+"""``stormd``: the per-node activation store daemon.
+
+Lifecycle: read the configuration (config.py), allocate the pool, start the
+metrics endpoint, bind the socket, tell systemd READY=1, serve. SIGTERM,
+SIGINT or ``stormctl drain`` start a drain: new PUTs and HELLOs are refused
+while GETs, FREEs and BYEs are answered, until no client holds a tensor or
+``drain_timeout`` passes; then the daemon exits 0. A second signal stops it
+at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 
-from .config import SOCKET_ENV, DaemonConfig, normalize_endpoint, parse_size
+from . import logs
+from .config import ConfigError, DaemonConfig, add_arguments, format_size, load, to_toml
+from .metrics import Metrics
+from .notify import Notifier
 from .pool import PoolError, SharedPool
 from .server import Server
 from .service import Service
 
 log = logging.getLogger("stormd")
 
+DRAIN_POLL = 0.05     # seconds between checks while draining: short next to any deadline
+STATUS_INTERVAL = 2.0  # seconds between systemd STATUS= updates and error-log flushes
 
-def parse_args(argv: list[str] | None = None) -> DaemonConfig:
-    p = argparse.ArgumentParser(prog="stormd", description="STORM activation store daemon (one per node).")
-    p.add_argument("--socket", default=None,
-                   help=f"path, ipc://PATH or tcp://127.0.0.1:PORT (env {SOCKET_ENV}; "
-                        f"default $XDG_RUNTIME_DIR/stormd/stormd.sock or /tmp/stormd-UID/stormd.sock)")
-    p.add_argument("--pool-size", default="1GiB", help="host pool size: bytes or e.g. 512MiB, 8GiB (default 1GiB)")
-    p.add_argument("--pool-dir", default="/dev/shm", help="tmpfs directory for the pool segment (default /dev/shm)")
-    p.add_argument("--client-timeout", type=float, default=10.0,
-                   help="seconds without a message (clients ping every second) before a client is dropped")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+def parse_args(argv: list[str] | None = None) -> tuple[DaemonConfig, bool]:
+    """The effective configuration, and whether --print-config was asked for. Exits 2 on a bad setting."""
+    p = argparse.ArgumentParser(prog="stormd", description="STORM activation store daemon (one per node). "
+                                "Settings: flags > STORMD_* environment > TOML file > defaults.")
+    add_arguments(p)
     a = p.parse_args(argv)
     try:
-        return DaemonConfig(socket=normalize_endpoint(a.socket or os.environ.get(SOCKET_ENV)),
-                            pool_size=parse_size(a.pool_size), pool_dir=a.pool_dir,
-                            client_timeout=a.client_timeout, log_level=a.log_level)
-    except ValueError as e:
+        return load(a), a.print_config
+    except ConfigError as e:
         p.error(str(e))
 
 
-async def run(config: DaemonConfig) -> None:
+def status_line(service: Service) -> str:
+    node = service.store.node_stats()
+    used = f"pool {format_size(node['used'])} of {format_size(node['capacity'])} used, {node['keys']} tensors"
+    if service.draining:
+        return f"draining: {len(service.sessions)} clients, {used}"
+    return f"serving {len(service.sessions)} clients, {used}"
+
+
+async def run(config: DaemonConfig, notifier: Notifier | None = None) -> None:
+    notifier = notifier or Notifier()
     pool = SharedPool.create(config.pool_size, config.pool_dir)
     try:
-        server = Server(Service(pool), config)
+        error_log = logs.ErrorReplyLog(log, config.error_log_interval)
+        service = Service(pool, error_log)
+        metrics = Metrics(service) if config.metrics else None
+        server = Server(service, config, observe=metrics.observe if metrics else None)
         server.bind()
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
-        log.info("stormd ready: socket %s, pool %d bytes at %s", config.socket, pool.size, pool.path)
+        http, metrics_url = await _start_metrics(metrics, config) if metrics else (None, "off")
         try:
-            await server.serve()
-        except asyncio.CancelledError:
-            log.info("stormd stopping")
+            log.info("stormd ready", extra={"socket": config.socket, "pool_bytes": pool.size, "pool": pool.path,
+                                            "metrics": metrics_url})
+            await _serve(server, service, config, notifier, error_log)
+        finally:
+            if http is not None:
+                http.close()
     finally:
         pool.close()
 
 
+async def _start_metrics(metrics: Metrics, config: DaemonConfig) -> tuple[asyncio.Server | None, str]:
+    """The endpoint and its URL. A port already taken costs the metrics, not the node's offload service."""
+    try:
+        http = await metrics.serve(config.metrics_address, config.metrics_port)
+    except OSError as e:
+        log.error("metrics endpoint not started; serving without it", extra={
+            "address": config.metrics_address, "port": config.metrics_port, "error": e.strerror or str(e)})
+        return None, "off"
+    host, port = http.sockets[0].getsockname()[:2]
+    return http, f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
+async def _serve(server: Server, service: Service, config: DaemonConfig, notifier: Notifier,
+                 error_log: logs.ErrorReplyLog) -> None:
+    serving = asyncio.create_task(server.serve())
+    loop = asyncio.get_running_loop()
+
+    def on_signal(name: str) -> None:
+        if service.draining:
+            log.warning("second signal while draining: stopping now", extra={"signal": name})
+            serving.cancel()
+        else:
+            service.start_draining(name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    notifier.send(READY=1, STATUS=status_line(service))
+    helpers = [asyncio.create_task(_stop_after_drain(service, serving, config.drain_timeout, notifier)),
+               asyncio.create_task(_report(service, notifier, error_log))]
+    if notifier.watchdog_interval:
+        helpers.append(asyncio.create_task(_watchdog(notifier, notifier.watchdog_interval)))
+    try:
+        await serving
+    except asyncio.CancelledError:
+        pass
+    finally:
+        for t in helpers:
+            t.cancel()
+        error_log.flush(everything=True)
+    log.info("stormd stopped")
+
+
+async def _stop_after_drain(service: Service, serving: asyncio.Task, timeout: float, notifier: Notifier) -> None:
+    """Once draining, stop the server when no client holds a tensor any more, or at the deadline."""
+    while not service.draining:
+        await asyncio.sleep(DRAIN_POLL)
+    notifier.send(STOPPING=1, STATUS=status_line(service))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while service.store.node_stats()["keys"] and loop.time() < deadline:
+        await asyncio.sleep(DRAIN_POLL)
+    keys = service.store.node_stats()["keys"]
+    if keys:
+        log.warning("drain deadline passed with tensors still stored; stopping",
+                    extra={"drain_timeout_s": timeout, "keys": keys, "clients": len(service.sessions)})
+    else:
+        log.info("drained: no client holds a tensor; stopping", extra={"clients": len(service.sessions)})
+    serving.cancel()
+
+
+async def _report(service: Service, notifier: Notifier, error_log: logs.ErrorReplyLog) -> None:
+    while True:
+        await asyncio.sleep(STATUS_INTERVAL)
+        notifier.send(STATUS=status_line(service))
+        error_log.flush()
+
+
+async def _watchdog(notifier: Notifier, interval: float) -> None:
+    """Pinged from the event loop itself, so a loop that hangs stops pinging and systemd restarts it."""
+    while True:
+        notifier.send(WATCHDOG=1)
+        await asyncio.sleep(interval)
+
+
 def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
-    logging.basicConfig(level=config.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config, print_only = parse_args(argv)
+    if print_only:
+        sys.stdout.write(to_toml(config))
+        return 0
+    logs.configure(config.log_level, config.log_format)
     try:
         import uvloop
         runner = uvloop.run
@@ -66,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runner(run(config))
     except (PoolError, PermissionError, RuntimeError, OSError) as e:
-        log.error("stormd cannot start: %s", e)
+        log.error("stormd cannot start: %s", e, extra={"error": type(e).__name__})
         return 2
     return 0
 

@@ -40,6 +40,7 @@ class SharedPool:
         self.size = size
         self.path = path
         self._owner = owner
+        self.cuda_registered = False  # page-locked with cudaHostRegister (client side, storm.gpu)
         self._bytes: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
 
     @classmethod

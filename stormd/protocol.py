@@ -27,6 +27,14 @@ STATS  -> session:{...} node:{...}
 PING   -> time:float        (session and token optional; refreshes the heartbeat)
 BYE    -> freed:int         (frees everything of the session and ends it)
 
+Admin verbs (``stormctl``), without session or token: whoever can open the
+socket (mode 0600, the daemon's user) may run them.
+
+STATUS -> server:str version:int uptime_s:float draining:bool traffic:{...} node:{...}
+CLIENTS -> clients:[{session pid host connected_s idle_s keys puts gets bytes_in bytes_out ...}]
+DRAIN  -> as STATUS         (refuse PUT and HELLO from now on; the daemon exits when
+                             clients hold nothing more or its drain deadline passes)
+
 ``nbytes`` counts the bytes of the whole storage the tensor views; ``shape``,
 ``strides`` (in elements) and ``storage_offset`` place the saved view in it.
 """
@@ -146,8 +154,12 @@ SCHEMAS: dict[str, tuple[dict[str, Callable], dict[str, Callable]]] = {
     "STATS": (dict(_AUTH), {}),
     "PING": ({}, dict(_AUTH)),
     "BYE": (dict(_AUTH), {}),
+    "STATUS": ({}, {}),
+    "CLIENTS": ({}, {}),
+    "DRAIN": ({}, {}),
 }
 OPS = tuple(SCHEMAS)
+ADMIN_OPS = frozenset({"STATUS", "CLIENTS", "DRAIN"})
 
 
 @dataclass(frozen=True)

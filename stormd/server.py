@@ -10,21 +10,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 import zmq
 import zmq.asyncio
 
-from .config import DaemonConfig, ensure_private_dir, ipc_path
-from .protocol import ErrorCode, ProtocolError, pack, unpack
+from .config import DaemonConfig, ensure_private_dir, ipc_path, socket_is_live
+from .protocol import OPS, ErrorCode, ProtocolError, pack, unpack
 from .service import Service
 
 log = logging.getLogger("stormd")
 
 
 class Server:
-    def __init__(self, service: Service, config: DaemonConfig):
+    def __init__(self, service: Service, config: DaemonConfig,
+                 observe: Callable[[str, float], None] | None = None):
         self.service = service
         self.config = config
+        self.observe = observe  # (op, seconds to answer) per request, for the latency histogram
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
 
@@ -33,8 +36,10 @@ class Server:
         if path is not None:
             ensure_private_dir(path.parent)
             if path.exists():
-                raise RuntimeError(f"{path} exists: another stormd may be serving it; stop it, "
-                                   f"or remove the file if that daemon is gone")
+                if socket_is_live(path):
+                    raise RuntimeError(f"{path}: another stormd is serving this socket; stop it first")
+                log.warning("removing stale socket %s (its daemon is gone)", path)
+                path.unlink()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
         sock.setsockopt(zmq.LINGER, 0)
@@ -56,16 +61,23 @@ class Server:
             self.close()
 
     def _answer(self, frames: list[bytes]) -> None:
+        started = time.perf_counter()
         peer = frames[0]
+        op = "invalid"  # a bounded label set: the known ops and this
         if len(frames) != 2:
             reply = self.service.refuse(0, ProtocolError(ErrorCode.BAD_MESSAGE,
                                                          f"expected one frame per message, got {len(frames) - 1}"))
         else:
             try:
-                reply = self.service.handle_message(unpack(frames[1]), peer)
+                msg = unpack(frames[1])
+                if isinstance(msg, dict) and msg.get("op") in OPS:
+                    op = msg["op"]
+                reply = self.service.handle_message(msg, peer)
             except ProtocolError as e:
                 reply = self.service.refuse(0, e)
         self._send(peer, reply)
+        if self.observe is not None:
+            self.observe(op, time.perf_counter() - started)
 
     def _send(self, peer: bytes, reply: dict) -> None:
         assert self._sock is not None

@@ -7,11 +7,13 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from .allocator import ExtentAllocator
 from .pool import SharedPool
-from .protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, Request, error, ok, parse_request, request_id
+from .protocol import (ADMIN_OPS, PROTOCOL_VERSION, ErrorCode, ProtocolError, Request, error, ok, parse_request,
+                       request_id)
 from .sessions import Session, SessionTable
 from .store import Store
 
@@ -20,13 +22,33 @@ log = logging.getLogger("stormd")
 SERVER_NAME = f"stormd/{PROTOCOL_VERSION} on {socket.gethostname()} pid {os.getpid()}"
 
 
+@dataclass
+class Traffic:
+    """Totals since start, kept here because a session's own counters go when it ends."""
+
+    puts: int = 0
+    gets: int = 0
+    bytes_in: int = 0        # bytes of the tensors clients stored (PUT)
+    bytes_out: int = 0       # bytes handed back (GET)
+    stored_bytes: int = 0    # what the pool holds for bytes_in: equal while every codec is "raw"
+
+
+class ErrorSink(Protocol):
+    def record(self, code: str, message: str) -> None: ...
+
+
 class Service:
-    def __init__(self, pool: SharedPool):
+    def __init__(self, pool: SharedPool, error_log: ErrorSink | None = None):
         self.pool = pool
         self.store = Store(ExtentAllocator(pool.size))
         self.sessions = SessionTable()
         self.draining = False
         self.errors: dict[str, int] = {}
+        self.traffic = Traffic()
+        self.started = time.time()
+        # The daemon logs error replies (rate-limited); the embedded store in a
+        # training process passes none, so storm.offload() stays silent.
+        self.error_log = error_log
 
     def handle_message(self, msg: Any, peer: bytes | None = None) -> dict[str, Any]:
         """Validate and run one decoded message; always returns a reply, never raises."""
@@ -40,6 +62,8 @@ class Service:
 
     def refuse(self, rid: int, e: ProtocolError) -> dict[str, Any]:
         self.errors[e.code] = self.errors.get(e.code, 0) + 1
+        if self.error_log is not None:
+            self.error_log.record(e.code, e.message)
         return error(rid, e.code, e.message)
 
     def handle(self, req: Request, peer: bytes | None) -> dict[str, Any]:
@@ -50,16 +74,25 @@ class Service:
             if "session" in f:
                 self.sessions.authenticate(f["session"], f.get("token", ""))
             return ok(req.id, time=time.time())
+        if req.op in ADMIN_OPS:
+            return self._admin(req)
         s = self.sessions.authenticate(f["session"], f["token"])
         if req.op == "PUT":
             if self.draining:
                 raise ProtocolError(ErrorCode.DRAINING, "the daemon is shutting down and takes no new tensors")
-            return ok(req.id, offset=self.store.put(s.id, f).offset)
+            e = self.store.put(s.id, f)
+            self.traffic.puts += 1
+            self.traffic.bytes_in += e.nbytes
+            self.traffic.stored_bytes += e.nbytes
+            return ok(req.id, offset=e.offset)
         if req.op == "SEAL":
             self.store.seal(s.id, f["key"], f.get("checksum"))
             return ok(req.id)
         if req.op == "GET":
-            return ok(req.id, **self.store.get(s.id, f["key"]).describe())
+            e = self.store.get(s.id, f["key"])
+            self.traffic.gets += 1
+            self.traffic.bytes_out += e.nbytes
+            return ok(req.id, **e.describe())
         if req.op == "FREE":
             if f.get("all"):
                 return ok(req.id, freed=self.store.free(s.id))
@@ -79,15 +112,35 @@ class Service:
         if self.draining:
             raise ProtocolError(ErrorCode.DRAINING, "the daemon is shutting down")
         s = self.sessions.open(f["pid"], f["host"], peer)
-        log.info("client connected: session %d pid %d host %s", s.id, s.pid, s.host)
+        log.info("client connected", extra={"session": s.id, "pid": s.pid, "host": s.host})
         return ok(req.id, session=s.id, token=s.token, pool=self.pool.descriptor.to_wire(),
                   server=SERVER_NAME, version=PROTOCOL_VERSION)
 
     def end_session(self, s: Session, why: str) -> int:
         self.sessions.close(s.id)
         freed = self.store.drop_session(s.id)
-        log.info("client disconnected: session %d pid %d (%s), %d keys freed", s.id, s.pid, why, freed)
+        log.info("client disconnected", extra={"session": s.id, "pid": s.pid, "why": why, "keys_freed": freed})
         return freed
 
     def node_stats(self) -> dict[str, Any]:
         return {**self.store.node_stats(), "clients": len(self.sessions), "errors": dict(self.errors)}
+
+    def start_draining(self, reason: str) -> None:
+        """Refuse new PUTs and HELLOs from now on; GETs, FREEs and BYEs are still answered."""
+        if not self.draining:
+            self.draining = True
+            log.info("draining: no new PUT or HELLO; GETs are answered until clients are done",
+                     extra={"reason": reason})
+
+    def _admin(self, req: Request) -> dict[str, Any]:
+        """stormctl's verbs. They need no session: the socket is private to the daemon's user."""
+        if req.op == "DRAIN":
+            self.start_draining("DRAIN request")
+        if req.op == "CLIENTS":
+            now = time.monotonic()
+            return ok(req.id, clients=[{"session": s.id, "pid": s.pid, "host": s.host,
+                                        "connected_s": round(now - s.started, 3),
+                                        "idle_s": round(now - s.last_seen, 3), **self.store.session_stats(s.id)}
+                                       for s in self.sessions])
+        return ok(req.id, server=SERVER_NAME, version=PROTOCOL_VERSION, uptime_s=round(time.time() - self.started, 3),
+                  draining=self.draining, traffic=vars(self.traffic).copy(), node=self.node_stats())

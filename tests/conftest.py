@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import storm
+from stormd.config import socket_is_live
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,7 +50,7 @@ def start_daemon(tmp_path: Path, *args: str, timeout: float = 20.0) -> Daemon:
     proc = subprocess.Popen([sys.executable, "-m", "stormd", "--socket", str(sock), *args],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
-    while not sock.exists():
+    while not (sock.exists() and socket_is_live(sock)):  # a killed daemon's file may linger
         if proc.poll() is not None:
             raise RuntimeError(f"stormd exited with {proc.returncode}: {log.read_text()}")
         if time.monotonic() > deadline:

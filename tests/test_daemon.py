@@ -204,3 +204,39 @@ def test_second_daemon_on_the_same_socket_is_refused(daemon):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "another stormd" in r.stderr
     assert RawClient(daemon.endpoint).call("PING")["ok"]
+
+
+def test_daemon_killed_mid_step_then_embedded_then_restarted(tmp_path, monkeypatch):
+    import torch
+    from torch import nn
+
+    import storm
+
+    d = start_daemon(tmp_path, "--pool-size", "16MiB")
+    monkeypatch.setenv("STORMD_SOCKET", d.endpoint)
+    lin = nn.Linear(256, 256)
+    x = torch.randn(512, 256)
+    try:
+        with storm.offload(min_bytes=0) as ctx:
+            loss = lin(x).tanh().sum()
+        ctx.synchronize()
+        assert ctx.backend_name.startswith("stormd")
+        d.proc.kill()
+        d.proc.wait()
+        t0 = time.monotonic()
+        with pytest.raises(storm.StormUnavailable, match="did not answer"):
+            loss.backward()  # the saved tensors lived in the daemon: this step cannot finish
+        assert time.monotonic() - t0 < 15
+        with storm.offload(min_bytes=0) as ctx:  # auto mode: the next step runs embedded
+            lin(x).tanh().sum().backward()
+        assert ctx.backend_name == "embedded store" and ctx.stats.offloaded > 0
+        with pytest.raises(storm.StormUnavailable):
+            with storm.offload(mode="daemon"):
+                pass
+        d = start_daemon(tmp_path, "--pool-size", "16MiB")  # the stale socket file is replaced
+        with storm.offload(min_bytes=0) as ctx:
+            lin(x).tanh().sum().backward()
+        assert ctx.backend_name.startswith("stormd")
+    finally:
+        storm.close_all()
+        stop_daemon(d)

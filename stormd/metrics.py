@@ -1,0 +1,108 @@
+"""Prometheus metrics of the daemon, served over HTTP from its own event loop.
+
+Counters are read from the Service when Prometheus scrapes, on the loop that
+also mutates them, so a scrape never sees a half-updated store (prometheus_client's
+own ``start_http_server`` would read them from another thread while the loop
+changes them). Only what exists is exported: there is no spill tier yet, so
+there is no spill metric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+
+from .protocol import ALL_ERROR_CODES, OPS
+from .service import Service
+
+log = logging.getLogger("stormd")
+
+# Requests are answered in microseconds to milliseconds; the top buckets catch a stalled loop.
+LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3, 1.0)
+REQUEST_HEAD_TIMEOUT = 5.0
+
+
+class Metrics:
+    def __init__(self, service: Service):
+        self.registry = CollectorRegistry()
+        self.latency = Histogram("stormd_request_duration_seconds",
+                                 "Time from receiving a request to sending its reply, by op "
+                                 "(op=invalid: not a known op)", ["op"], buckets=LATENCY_BUCKETS,
+                                 registry=self.registry)
+        for op in (*OPS, "invalid"):  # every series exists from the start, so rate() has a baseline
+            self.latency.labels(op)
+        self.registry.register(_ServiceCollector(service))
+        ProcessCollector(registry=self.registry)
+
+    def observe(self, op: str, seconds: float) -> None:
+        self.latency.labels(op).observe(seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def serve(self, host: str, port: int) -> asyncio.Server:
+        """Start the HTTP endpoint (GET /metrics) on the running loop."""
+        return await asyncio.start_server(self._handle, host, port)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_HEAD_TIMEOUT)
+            method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ") + ["", ""]
+            if method not in ("GET", "HEAD"):
+                status, body = "405 Method Not Allowed", b"only GET /metrics\n"
+            elif target.split("?", 1)[0] not in ("/metrics", "/"):
+                status, body = "404 Not Found", b"metrics are at /metrics\n"
+            else:
+                status, body = "200 OK", self.exposition()
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {CONTENT_TYPE_LATEST}\r\n"
+                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
+            if method != "HEAD":
+                writer.write(body)
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # a client that sends no complete request head gets nothing
+        finally:
+            writer.close()
+
+
+class _ServiceCollector:
+    def __init__(self, service: Service):
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.service
+        t = s.traffic
+        node = s.store.node_stats()
+        yield _counter("stormd_puts", "Tensors stored (successful PUTs)", t.puts)
+        yield _counter("stormd_gets", "Tensors handed back (successful GETs)", t.gets)
+        yield _counter("stormd_bytes_in", "Bytes of the tensors clients stored", t.bytes_in)
+        yield _counter("stormd_bytes_out", "Bytes handed back to clients", t.bytes_out)
+        yield _counter("stormd_stored_bytes", "Bytes the pool took for the tensors stored (after the codec)",
+                       t.stored_bytes)
+        yield _gauge("stormd_compression_ratio", "bytes_in / stored_bytes since start (NaN before the first PUT)",
+                     t.bytes_in / t.stored_bytes if t.stored_bytes else math.nan)
+        yield _gauge("stormd_pool_capacity_bytes", "Size of the host pool", node["capacity"])
+        yield _gauge("stormd_pool_used_bytes", "Bytes of the pool in extents now", node["used"])
+        yield _gauge("stormd_pool_peak_used_bytes", "Most bytes of the pool in extents at once", node["peak"])
+        yield _gauge("stormd_pool_fragmentation", "1 - largest free extent / free bytes", node["fragmentation"])
+        yield _gauge("stormd_keys", "Tensors held now, all clients", node["keys"])
+        yield _gauge("stormd_clients", "Connected client sessions", len(s.sessions))
+        yield _gauge("stormd_draining", "1 while draining for shutdown", int(s.draining))
+        errors = CounterMetricFamily("stormd_errors", "Error replies by code", labels=["code"])
+        for code in sorted(ALL_ERROR_CODES):
+            errors.add_metric([code], s.errors.get(code, 0))
+        yield errors
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)

@@ -1,0 +1,110 @@
+"""stormd's configuration: file, STORMD_* environment and flags, validated with errors that name the key."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from stormd.config import SETTINGS, ConfigError, DaemonConfig, add_arguments, load, to_toml, tomllib
+
+
+def parse(*argv: str, env: dict[str, str] | None = None, home=None) -> DaemonConfig:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return load(p.parse_args(list(argv)), {"XDG_CONFIG_HOME": str(home or "/nonexistent"), **(env or {})})
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "stormd.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_every_daemon_setting_has_one_row_for_file_env_and_flag():
+    assert [s.name for s in SETTINGS] == [f.name for f in dataclasses.fields(DaemonConfig)]
+
+
+def test_precedence_is_flags_then_environment_then_file_then_defaults(tmp_path):
+    cfg = write(tmp_path, 'pool_size = "2MiB"\nclient_timeout = 3\n')
+    assert parse("--config", cfg).pool_size == 2 << 20
+    assert parse("--config", cfg).client_timeout == 3.0
+    assert parse("--config", cfg).drain_timeout == DaemonConfig.drain_timeout  # default
+    env = {"STORMD_POOL_SIZE": "3MiB"}
+    assert parse("--config", cfg, env=env).pool_size == 3 << 20
+    assert parse("--config", cfg, "--pool-size", "4MiB", env=env).pool_size == 4 << 20
+    assert parse("--config", cfg, "--no-metrics", env={"STORMD_METRICS": "on"}).metrics is False
+    assert parse(env={"STORMD_METRICS": "off"}).metrics is False
+
+
+def test_config_file_is_found_on_the_search_path_and_named_by_env(tmp_path):
+    (tmp_path / "stormd").mkdir()
+    (tmp_path / "stormd" / "stormd.toml").write_text("metrics_port = 9999\n")
+    assert parse(home=tmp_path).metrics_port == 9999
+    other = write(tmp_path, "metrics_port = 9998\n")
+    assert parse(home=tmp_path, env={"STORMD_CONFIG": other}).metrics_port == 9998
+
+
+def test_socket_env_keeps_its_meaning(tmp_path):
+    assert parse(env={"STORMD_SOCKET": str(tmp_path / "s.sock")}).socket == f"ipc://{tmp_path}/s.sock"
+
+
+@pytest.mark.parametrize("text,key,expected", [
+    ("pool_sise = \"1GiB\"\n", "pool_sise", "unknown key 'pool_sise'; allowed keys: socket, pool_size"),
+    ("pool_size = true\n", "pool_size", "wrong type: got a boolean True; allowed: a size of at least 4KiB"),
+    ("client_timeout = \"ten\"\n", "client_timeout", "wrong type: got a string 'ten'; allowed: a number"),
+    ("metrics = \"yes\"\n", "metrics", "wrong type: got a string 'yes'; allowed: true or false"),
+    ("metrics_port = 70000\n", "metrics_port", "70000 is out of range; allowed: an integer from 0 to 65535"),
+    ("pool_size = 100\n", "pool_size", "100 is out of range; allowed: a size of at least 4KiB"),
+    ("log_format = \"xml\"\n", "log_format", "'xml' is not allowed; allowed: one of text, json"),
+], ids=["unknown-key", "wrong-type-size", "wrong-type-number", "wrong-type-bool", "out-of-range-port",
+        "out-of-range-size", "not-a-choice"])
+def test_config_file_errors_name_the_key_and_the_allowed_values(tmp_path, text, key, expected):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        parse("--config", path)
+    assert str(e.value).startswith(path) and key in str(e.value) and expected in str(e.value), str(e.value)
+
+
+def test_environment_and_flag_errors_name_their_source():
+    with pytest.raises(ConfigError, match=r"^STORMD_CLIENT_TIMEOUT: client_timeout: wrong type: got a string 'ten'"):
+        parse(env={"STORMD_CLIENT_TIMEOUT": "ten"})
+    with pytest.raises(ConfigError, match=r"^--drain-timeout: drain_timeout: -1.0 is out of range; allowed: a number "
+                                          r"from 0 to 3600"):
+        parse("--drain-timeout", "-1")
+    with pytest.raises(ConfigError, match="^--metrics-address: metrics_address: 'localhost' does not appear"):
+        parse("--metrics-address", "localhost")
+    with pytest.raises(ConfigError, match="config file /nope.toml does not exist"):
+        parse("--config", "/nope.toml")
+
+
+def test_bad_toml_is_refused_with_the_file_and_position(tmp_path):
+    with pytest.raises(ConfigError, match=r"stormd.toml is not valid TOML: .*line 1"):
+        parse("--config", write(tmp_path, "pool_size = \n"))
+
+
+@pytest.mark.parametrize("kind,text,message", [
+    ("unknown key", "spill_dir = \"/x\"\n", "unknown key 'spill_dir'"),
+    ("wrong type", "client_timeout = [1]\n", "client_timeout: wrong type: got list"),
+    ("out of range", "client_timeout = 0\n", "client_timeout: 0 is out of range; allowed: a number from 0.05"),
+])
+def test_stormd_exits_2_on_each_kind_of_config_error(tmp_path, kind, text, message):
+    r = subprocess.run([sys.executable, "-m", "stormd", "--config", write(tmp_path, text),
+                        "--socket", str(tmp_path / "s.sock")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, (kind, r.stderr)
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_print_config_prints_toml_that_reads_back_to_the_same_config(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "stormd", "--print-config", "--pool-size", "3MiB", "--log-format",
+                        "json", "--socket", str(tmp_path / "s.sock")], capture_output=True, text=True, timeout=60,
+                       env={"STORMD_METRICS_PORT": "9000", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    data = tomllib.loads(r.stdout)
+    assert data["pool_size"] == "3MiB" and data["log_format"] == "json" and data["metrics_port"] == 9000
+    assert data["socket"] == f"ipc://{tmp_path}/s.sock"
+    again = parse("--config", write(tmp_path, r.stdout))
+    assert to_toml(again) == r.stdout

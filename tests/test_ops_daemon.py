@@ -1,0 +1,239 @@
+"""stormd run as a service: systemd notify, drain on SIGTERM, Prometheus metrics, stormctl, logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import Daemon, start_daemon, stop_daemon
+from helpers import RawClient, put_fields
+from prometheus_client.parser import text_string_to_metric_families
+from test_daemon import read_extent, store
+
+from stormd.protocol import ALL_ERROR_CODES, ErrorCode, pack, unpack
+
+STORMCTL = str(Path(sys.executable).parent / "stormctl")
+
+
+def wait_for_log(d: Daemon, pattern: str, timeout: float = 10.0) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(pattern, d.output())
+        if m:
+            return m
+        time.sleep(0.02)
+    raise AssertionError(f"no log line matching {pattern!r} within {timeout} s:\n{d.output()}")
+
+
+def recv_notifications(sock: socket.socket, until: set[str], timeout: float = 10.0) -> list[str]:
+    """Datagrams' lines until every prefix in ``until`` has been seen."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not all(any(line.startswith(u) for line in lines) for u in until):
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            lines += sock.recv(4096).decode().split("\n")
+        except TimeoutError:
+            raise AssertionError(f"saw {lines}, not all of {until}") from None
+    return lines
+
+
+def test_notify_socket_sees_ready_status_and_watchdog(tmp_path, monkeypatch):
+    # An abstract-namespace address ('@...'), as systemd uses, checks that case of the protocol too.
+    name = f"storm-test-notify-{os.getpid()}-{time.monotonic_ns()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind("\0" + name)
+    monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")  # pings every 0.1 s
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics")
+    try:
+        first = listener.recv(4096).decode().split("\n")
+        assert first[0] == "READY=1" and d.socket.exists()  # the socket was bound before READY
+        assert first[1].startswith("STATUS=serving 0 clients, pool 0 of 1MiB used")
+        t0 = time.monotonic()
+        assert "WATCHDOG=1" in recv_notifications(listener, {"WATCHDOG=1"})
+        assert time.monotonic() - t0 < 2.0
+        assert RawClient(d.endpoint).call("PING")["ok"]  # the daemon still serves while it pings the watchdog
+        d.proc.send_signal(signal.SIGTERM)
+        assert "STOPPING=1" in recv_notifications(listener, {"STOPPING=1"})
+        assert d.proc.wait(10) == 0
+    finally:
+        stop_daemon(d)
+        listener.close()
+
+
+def test_sigterm_drains_gets_are_answered_puts_refused_then_exit_0(tmp_path):
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics", "--drain-timeout", "30")
+    try:
+        c = RawClient(d.endpoint)
+        pool = c.hello()["pool"]["path"]
+        data = {k: bytes([k]) * (1000 * k) for k in (1, 2, 3)}
+        for k, v in data.items():
+            store(c, pool, k, v)
+        # A GET in flight when SIGTERM arrives: sent, not yet read.
+        c.sock.send(pack({"op": "GET", "id": 100, **c.auth, "key": 1}))
+        d.proc.send_signal(signal.SIGTERM)
+        r = unpack(c.sock.recv())
+        assert r["ok"] and r["id"] == 100 and read_extent(pool, r["offset"], 1000) == data[1]
+        wait_for_log(d, r'msg="draining.*reason=SIGTERM')
+        put = c.call("PUT", **put_fields(9, 100))
+        assert not put["ok"] and put["error"] == ErrorCode.DRAINING
+        newcomer = RawClient(d.endpoint).call("HELLO", version=1, pid=1, host="h")
+        assert newcomer["error"] == ErrorCode.DRAINING
+        time.sleep(0.3)  # still serving: this client holds tensors and the deadline is 30 s
+        assert d.proc.poll() is None
+        for k in (2, 3):
+            r = c.call("GET", key=k)
+            assert r["ok"] and read_extent(pool, r["offset"], len(data[k])) == data[k]
+        assert c.call("FREE", keys=[1, 2])["freed"] == 2
+        assert d.proc.poll() is None  # key 3 is still held
+        t0 = time.monotonic()
+        assert c.call("BYE")["freed"] == 1
+        assert d.proc.wait(5) == 0 and time.monotonic() - t0 < 2
+        assert 'msg="drained: no client holds a tensor; stopping"' in d.output()
+        assert not d.socket.exists() and not os.path.exists(pool)
+    finally:
+        stop_daemon(d)
+
+
+def test_drain_ends_at_the_deadline_when_a_client_keeps_its_tensors(tmp_path):
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics", "--drain-timeout", "0.5")
+    try:
+        c = RawClient(d.endpoint)
+        store(c, c.hello()["pool"]["path"], 1, b"kept" * 100)
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(5) == 0
+        assert 0.4 < time.monotonic() - t0 < 3
+        assert re.search(r'drain deadline passed.* keys=1 clients=1', d.output())
+    finally:
+        stop_daemon(d)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_endpoint_counts_exactly_the_traffic_sent(tmp_path):
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--metrics-port", "0")
+    try:
+        url = wait_for_log(d, r"metrics=(http://\S+)").group(1)
+        assert url.startswith("http://127.0.0.1:")  # loopback by default
+        c = RawClient(d.endpoint)
+        pool = c.hello()["pool"]["path"]
+        sizes = [1000, 2048, 4096, 777]
+        for k, n in enumerate(sizes, 1):
+            store(c, pool, k, b"m" * n)
+        for k in (1, 2):
+            assert c.call("GET", key=k)["ok"]
+        for _ in range(3):
+            assert c.call("GET", key=99)["error"] == ErrorCode.NOT_FOUND
+        assert c.send_frames(b"\xc1 not msgpack")["error"] == ErrorCode.BAD_MESSAGE
+        assert c.call("PUT", **put_fields(1, 10))["error"] == ErrorCode.DUPLICATE_KEY
+
+        m = scrape(url)
+        assert m[("stormd_puts_total", ())] == 4
+        assert m[("stormd_bytes_in_total", ())] == sum(sizes)
+        assert m[("stormd_stored_bytes_total", ())] == sum(sizes)
+        assert m[("stormd_compression_ratio", ())] == 1.0
+        assert m[("stormd_gets_total", ())] == 2
+        assert m[("stormd_bytes_out_total", ())] == 1000 + 2048
+        assert m[("stormd_clients", ())] == 1 and m[("stormd_keys", ())] == 4
+        assert m[("stormd_pool_capacity_bytes", ())] == 1 << 20
+        assert sum(sizes) <= m[("stormd_pool_used_bytes", ())] <= sum(sizes) + 4 * 256  # extents are aligned
+        errors = {dict(k[1])["code"]: v for k, v in m.items() if k[0] == "stormd_errors_total"}
+        assert errors == {**{code: 0 for code in ALL_ERROR_CODES}, "NOT_FOUND": 3, "BAD_MESSAGE": 1,
+                          "DUPLICATE_KEY": 1}
+        count = {dict(k[1])["op"]: v for k, v in m.items() if k[0] == "stormd_request_duration_seconds_count"}
+        assert count["HELLO"] == 1 and count["PUT"] == 5 and count["SEAL"] == 4 and count["GET"] == 5
+        assert count["invalid"] == 1 and count["FREE"] == 0
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url.replace("/metrics", "/other"), timeout=5)
+        assert e.value.code == 404
+    finally:
+        stop_daemon(d)
+
+
+def ctl(d: Daemon, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([STORMCTL, "--socket", d.endpoint, *args], capture_output=True, text=True, timeout=30)
+
+
+def test_stormctl_status_stats_ping_and_drain(tmp_path):
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics")
+    try:
+        c = RawClient(d.endpoint)
+        store(c, c.hello()["pool"]["path"], 1, b"s" * 5000)
+        status = json.loads(ctl(d, "--json", "status").stdout)
+        assert status["node"]["clients"] == 1 and status["traffic"]["bytes_in"] == 5000
+        assert status["draining"] is False and status["endpoint"] == d.endpoint
+        (row,) = json.loads(ctl(d, "--json", "stats").stdout)["clients"]
+        assert row["pid"] == os.getpid() and row["keys"] == 1 and row["held_bytes"] == 5000 and row["puts"] == 1
+        table = ctl(d, "status")
+        assert table.returncode == 0 and "serving" in table.stdout and "stored (PUT)" in table.stdout
+        ping = ctl(d, "ping")
+        assert ping.returncode == 0 and "answered in" in ping.stdout
+        assert json.loads(ctl(d, "--json", "ping").stdout)["rtt_ms"] > 0
+        drain = json.loads(ctl(d, "--json", "drain").stdout)
+        assert drain["draining"] is True
+        assert c.call("PUT", **put_fields(2, 10))["error"] == ErrorCode.DRAINING
+        assert c.call("FREE", all=True)["freed"] == 1  # nothing held: the drain ends
+        assert d.proc.wait(5) == 0
+        gone = ctl(d, "ping", "--timeout", "0.3")
+        assert gone.returncode == 1 and f"no stormd answered at {d.endpoint}" in gone.stderr
+    finally:
+        stop_daemon(d)
+
+
+def test_json_logs_have_a_line_per_connect_and_disconnect_and_error_floods_are_rate_limited(tmp_path):
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics", "--log-format", "json")
+    try:
+        c = RawClient(d.endpoint)
+        session = c.hello()["session"]
+        evil = RawClient(d.endpoint)
+        for _ in range(200):
+            assert evil.send_frames(b"\xc1")["error"] == ErrorCode.BAD_MESSAGE
+        assert c.call("BYE")["ok"]
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(10) == 0
+        lines = [json.loads(line) for line in d.output().splitlines()]
+        assert all({"ts", "level", "logger", "msg"} <= set(x) for x in lines)
+        connected = [x for x in lines if x["msg"] == "client connected"]
+        disconnected = [x for x in lines if x["msg"] == "client disconnected"]
+        assert [x["session"] for x in connected] == [session] == [x["session"] for x in disconnected]
+        assert disconnected[0]["why"] == "said BYE" and connected[0]["pid"] == os.getpid()
+        errors = [x for x in lines if x.get("code") == ErrorCode.BAD_MESSAGE]
+        # 200 bad messages: one line with the first message; the other 199 as a count at shutdown.
+        assert [x["msg"] for x in errors] == ["error reply", "error replies not logged one by one"]
+        assert errors[0]["level"] == "warning" and "msgpack" in errors[0]["detail"]
+        assert errors[1]["suppressed"] == 199
+        assert len(lines) < 12
+    finally:
+        stop_daemon(d)
+
+
+def test_metrics_port_in_use_costs_the_metrics_not_the_daemon(tmp_path):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        d = start_daemon(tmp_path, "--pool-size", "1MiB", "--metrics-port", str(busy.getsockname()[1]))
+        try:
+            wait_for_log(d, r'metrics endpoint not started; serving without it.*error=".*address already in use"')
+            assert RawClient(d.endpoint).call("PING")["ok"]
+        finally:
+            stop_daemon(d)
+        assert d.proc.returncode == 0
+    finally:
+        busy.close()
