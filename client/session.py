@@ -274,6 +274,8 @@ class ClientSession:
                                      offloaded=-1, offloaded_bytes=-stored.nbytes)
             return self._forget(stored) if stored.refs == 0 else []
         stored.in_store = True
+        if stored.put.event is not None:
+            self.mover.seal(stored.key)  # the copy's event has fired: the bytes are in the pool now
         stored.step.stats.record(stored.layer, stored_bytes=stored.nbytes)  # raw: the codec stage is not wired in
         # The version is read here, on the training thread between two ops, so an
         # in-place op that raced the copy has finished and bumped it by now.

@@ -115,6 +115,10 @@ class Mover:
         """A request queued behind the transfers already submitted (so STATS sees earlier FREEs)."""
         return self._worker.submit(lambda: _wait(self.backend, op, self.backend.request(op, **fields)))
 
+    def seal(self, key: int) -> None:
+        """Tell the store a CUDA copy into ``key``'s extent has finished (CPU puts seal themselves)."""
+        self.backend.request("SEAL", key=key).add_done_callback(_log_failure)
+
     def free(self, keys: list[int]) -> None:
         if keys:
             self.request("FREE", keys=keys).add_done_callback(_log_failure)
@@ -126,9 +130,7 @@ class Mover:
             dst.copy_(req.source)
             _wait(self.backend, "SEAL", self.backend.request("SEAL", key=req.key, checksum=checksum(dst)))
             return None, None
-        event = streams.to_host(dst, req.source, req.ready)
-        self.backend.request("SEAL", key=req.key).add_done_callback(_log_failure)
-        return None, event
+        return None, streams.to_host(dst, req.source, req.ready)  # sealed once the event fired (seal())
 
     def _get(self, key: int, nbytes: int, reply: Future, streams: DeviceStreams | None,
              after: Any) -> tuple[torch.Tensor, Any]:

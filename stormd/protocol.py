@@ -16,9 +16,9 @@ HELLO  version:int pid:int host:str
 PUT    key:int step:int nbytes:int dtype:str shape:[int] strides:[int]
        storage_offset:int codec:str
        -> offset:int            (an extent of ``nbytes`` in the pool, reserved)
-SEAL   key:int checksum?:int    -> {}   (the client wrote the extent, or for a CUDA copy queued
-                                         the write behind an event only it waits on; GET may return it.
-                                         Without checksum the bytes are not verified on GET)
+SEAL   key:int checksum?:int    -> {}   (the client's copy into the extent has finished; GET may
+                                         return it. Without checksum (CUDA copies) the bytes are
+                                         not verified on GET)
 GET    key:int
        -> offset nbytes dtype shape strides storage_offset codec checksum (int or nil)
 FREE   keys?:[int] step?:int all?:bool   (exactly one of them)
