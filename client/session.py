@@ -84,7 +84,7 @@ class Step:
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
         self.order: list[Stored] = []
         self.by_storage: dict[int, Stored] = {}
-        self.cursor = 0  # order[cursor:] has been considered for prefetch
+        self.cursor = 1 << 62  # order[cursor:] has been considered for prefetch
         self.stats = OffloadStats()
         self.modules: list[str] = []  # names of the modules running now, innermost last
 
@@ -352,16 +352,22 @@ class ClientSession:
         return handle.view_of(base.untyped_storage())
 
     def _prefetch_ahead(self, step: Step, index: int) -> None:
-        """Start fetching the storages saved before ``index``, within the byte window."""
-        if index >= step.cursor:  # a new backward pass (retain_graph), out of order, or the end of forward
-            step.cursor = index
+        """Start fetching the storages saved before ``index``, within the byte window.
+
+        ``step.cursor`` only moves down, so each storage is looked at about once per
+        backward: O(1) per unpack. It waits at a storage whose copy to the store is
+        still running (it may yet be needed from the device) and goes on once that
+        copy is done. A second pass (retain_graph) fetches on demand."""
+        step.cursor = min(step.cursor, index)
         while step.cursor > 0 and self._prefetched_bytes < self.prefetch_bytes:
+            s = step.order[step.cursor - 1]
+            if s.state == State.HELD:
+                return
             step.cursor -= 1
-            s = step.order[step.cursor]
             ref = self._restored.get(s.key)
             if (s.state != State.OFFLOADED or s.unpacks >= s.handles or s.key in self._prefetched
                     or (ref is not None and ref() is not None)):
-                continue  # not in the store, already unpacked this pass, on its way, or here
+                continue  # not in the store, already unpacked, on its way, or here
             self._prefetched[s.key] = self._fetch(s)
             self._prefetched_bytes += s.nbytes
 
