@@ -70,9 +70,9 @@ def stop_daemon(d: Daemon) -> None:
             d.proc.wait()
 
 
-@pytest.fixture
-def daemon(tmp_path):
-    d = start_daemon(tmp_path, "--pool-size", "256MiB")
+def serve(tmp_path: Path, pool_size: str):
+    """A daemon for one test; it must exit cleanly (0) once the test's clients are closed."""
+    d = start_daemon(tmp_path, "--pool-size", pool_size)
     yield d
     storm.close_all()
     stop_daemon(d)
@@ -80,12 +80,14 @@ def daemon(tmp_path):
 
 
 @pytest.fixture
+def daemon(tmp_path):
+    yield from serve(tmp_path, "256MiB")
+
+
+@pytest.fixture
 def small_daemon(tmp_path):
     """A daemon whose pool holds only a few small tensors."""
-    d = start_daemon(tmp_path, "--pool-size", "64KiB")
-    yield d
-    storm.close_all()
-    stop_daemon(d)
+    yield from serve(tmp_path, "64KiB")
 
 
 @pytest.fixture
