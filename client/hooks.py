@@ -41,6 +41,7 @@ from torch import nn
 
 from stormd.config import parse_size
 
+from .gpu import hook_range
 from .policy import DEFAULT_MIN_BYTES, Policy
 from .session import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSession, OffloadStats, Step, session_for
 
@@ -75,8 +76,16 @@ class Offload(contextlib.ContextDecorator):
         self._session.max_held_bytes = o["max_held_bytes"]
         self._step = self._session.new_step(self._budget)
         session, step, policy = self._session, self._step, self._policy
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(
-            lambda t: session.save(t, step, policy), session.load)
+
+        def pack(t: torch.Tensor) -> Any:
+            with hook_range("storm pack", t.device):
+                return session.save(t, step, policy)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            with hook_range("storm unpack", packed.device):
+                return session.load(packed)
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
         names = self._names
 

@@ -128,6 +128,10 @@ class Handle:
         stored.refs += 1
         stored.handles += 1
 
+    @property
+    def device(self) -> torch.device:
+        return self.stored.device
+
     def view_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=storage.device).set_(
             storage, self.storage_offset, self.shape, self.strides)
@@ -145,6 +149,10 @@ class Kept:
     def __init__(self, t: torch.Tensor):
         self.tensor = t
         self.version = t._version
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
 
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:
