@@ -13,6 +13,7 @@ lower bound of DESIGN.md: max(no-offload step, to-host / D2H, to-device / H2D).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -86,7 +87,17 @@ def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: t
             times.append(time.perf_counter() - t0)
         r = {"step_ms": round(statistics.median(times) * 1e3, 2),
              "step_ms_min": round(min(times) * 1e3, 2),
+             "samples_per_s": round(w.batch / statistics.median(times), 2),
              "peak_extra_GiB": round((torch.cuda.max_memory_allocated(device) - base) / GiB, 3)}
+        if method == "none":  # forward alone: how many bytes its duration could carry to the host
+            fwd = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                y = model(x)
+                torch.cuda.synchronize(device)
+                fwd.append(time.perf_counter() - t0)
+                del y
+            r["forward_ms"] = round(statistics.median(fwd) * 1e3, 2)
         if last is not None:
             last.synchronize()
             st = last.stats
@@ -111,6 +122,13 @@ def start_daemon(pool_size: str) -> tuple[subprocess.Popen, str]:
     return proc, f"ipc://{sock}"
 
 
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    chosen = [w for w in (W1, W2) if w.name in args.workloads]
+    if args.batch:  # e.g. W1 at a batch whose activations do not fit on the GPU
+        chosen = [dataclasses.replace(w, name=f"{w.name}_B{args.batch}", batch=args.batch) for w in chosen]
+    return chosen
+
+
 def timings(args: argparse.Namespace, device: torch.device) -> dict:
     bw = link_bandwidth(device)
     print(f"link: {bw}", flush=True)
@@ -118,10 +136,10 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
     write(args, results)
     daemon, endpoint = start_daemon(args.pool_size) if "daemon" in args.methods else (None, None)
     try:
-        for w in [wl for wl in (W1, W2) if wl.name in args.workloads]:
+        for w in workloads(args):
             rows: dict = {}
             base_opts = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size,
-                         "max_held_bytes": args.max_held, "prefetch_bytes": args.prefetch}
+                         "max_held_bytes": args.max_held, "prefetch_bytes": args.prefetch, "budget": args.budget}
             plan = []
             for m in args.methods:
                 if m in ("none", "checkpoint", "save_on_cpu"):
@@ -136,7 +154,13 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
                 elif m == "budgets":
                     plan += [(f"storm-budget-{int(f * 100)}%", "storm", {**base_opts, "budget": f})
                              for f in (0.25, 0.5, 0.75, 1.0)]
+                    plan.append(("storm-budget-fit", "storm", base_opts))
             for name, method, opts in plan:
+                if name == "storm-budget-fit":  # the bytes the link carries during forward
+                    fwd_ms = rows.get("none", {}).get("forward_ms")
+                    if fwd_ms is None:
+                        continue
+                    opts = {**opts, "budget": int(bw["d2h_GBps"] * 1e9 * fwd_ms / 1e3)}
                 r = run(w, method, args.steps, args.warmup, opts, device)
                 rows[name] = r
                 print(f"{w.name} {name}: {r}", flush=True)
@@ -167,7 +191,7 @@ def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
     results: dict = {"deterministic_algorithms": True}
     daemon, endpoint = start_daemon(args.pool_size)
     try:
-        for w in [wl for wl in (W1, W2) if wl.name in args.workloads]:
+        for w in workloads(args):
             ref = None
             row = {}
             for name, opts in (("none", None), ("none-again", None),
@@ -212,6 +236,8 @@ def main() -> int:
     p.add_argument("--min-bytes", type=int, default=1 << 20)
     p.add_argument("--max-held", type=int, default=512 << 20)
     p.add_argument("--prefetch", type=int, default=512 << 20)
+    p.add_argument("--batch", type=int, default=None, help="override the workloads' batch size")
+    p.add_argument("--budget", default=None, help="storm.offload(budget=...) for the embedded/daemon methods")
     p.add_argument("--check", action="store_true", help="compare gradients bit for bit instead of timing")
     p.add_argument("--out", required=True)
     args = p.parse_args()
