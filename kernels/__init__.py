@@ -1,0 +1,47 @@
+"""storm.kernels: lossless codecs for saved activations, the associative scan, bit packing.
+
+How the store calls it::
+
+    from storm.kernels import encode, decode, Encoded, CorruptEncodedError
+
+    enc = encode(t, codec="auto")   # t on CPU or CUDA, any strides; buffers stay on t's device
+    n = enc.nbytes                  # exact size of the serialized form, known without copying
+    blob = enc.to_bytes()           # header + checksum + payload (device buffers copied to host)
+    ...
+    enc = Encoded.from_bytes(blob)  # verifies magic, lengths and checksum
+    t = decode(enc.to("cuda"))      # decode where the buffers are; or decode(enc, out=dst)
+
+``codec`` is ``"auto"`` or one of ``raw``, ``ancf`` (a: exact-value dictionary,
+the source design), ``ancf_exp`` (b: dictionary on the exponent field),
+``huff_exp`` (c: Huffman-coded exponent field), ``zero`` (d: bitmap +
+non-zeros), ``pack`` (e: 1/2-bit packing of tensors with <= 4 distinct values).
+Every codec is bit-exact for every bit pattern; ``auto`` never returns a payload
+larger than the input and stores raw when no codec saves 5 %;
+``encode(t, "auto", min_gbps=x)`` restricts it to codecs whose encode rate
+measured on the H100 (``codec.ENCODE_GBPS``) is at least x GB/s.
+``Encoded.to_bytes`` copies CUDA buffers to (pageable) host memory; a store that
+wants pinned staging can copy ``enc.buffers`` itself.
+
+On CUDA, encode waits for the device once per compaction (``scan.compact``
+reads the number of escapes / non-zeros to size its output) and once per Huffman
+stream (its total bit length); ``encode`` synchronizes at the end so that
+``Encoded.encode_s`` is the real time. Decoding sizes are all in the header, so
+decode itself needs no host round trip except for its checks (escape counts).
+
+Errors: ``CorruptEncodedError`` (a ValueError) for truncated, corrupted or
+inconsistent data; ``CodecNotApplicable`` (a ValueError) when a named codec
+cannot encode a tensor (``auto`` never raises it).
+"""
+from .ancf import ANCFEncoder
+from .bitpack import pack_bits, unpack_bits
+from .bits import verify_lossless
+from .codec import CodecStats, LayerStats, choose_codec, decode, encode, encoded_nbytes, estimate_sizes
+from .codecs import CODECS, CodecNotApplicable
+from .format import CorruptEncodedError, Encoded
+from .scan import associative_scan, compact
+
+__all__ = [
+    "ANCFEncoder", "CODECS", "CodecNotApplicable", "CodecStats", "CorruptEncodedError", "Encoded",
+    "LayerStats", "associative_scan", "choose_codec", "compact", "decode", "encode", "encoded_nbytes",
+    "estimate_sizes", "pack_bits", "unpack_bits", "verify_lossless",
+]

@@ -1,0 +1,208 @@
+"""Length-limited canonical Huffman coding of a byte-symbol stream, in parallel lanes.
+
+Why Huffman and not rANS: the exponent alphabet is small (<= 256 symbols, a
+few dozen in use) and its order-0 entropy is 2.5 to 3 bits, where Huffman
+lands within a few percent of the bound; a Huffman decoder is a table lookup
+per symbol with no multiply or renormalisation, which keeps the GPU decoder
+simple.
+
+Layout. ``n`` symbols are dealt to ``lanes = ceil(n / LANE_STEPS)`` lanes in
+groups of ``GROUP`` = 4 consecutive symbols, round-robin: group ``q`` (symbols
+``4q .. 4q+3``) goes to lane ``q % lanes`` as its steps ``4 * (q // lanes) + k``
+(the tail is padded with the shortest code). Each lane is an independent
+bitstream (LSB-first, codes bit-reversed so that a decoder masks the low
+``MAX_LEN`` bits of a window and indexes a table). Lane streams are
+concatenated; their bit lengths (uint16) are stored, and the start of every
+lane is their exclusive prefix sum (``associative_scan``). Decoding runs all
+lanes in lock step; a GPU thread reads and writes its lane's 4 symbols as one
+32-bit word, and neighbouring lanes touch neighbouring words (coalesced).
+"""
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import torch
+
+from .format import require
+from .gpu import use_triton
+from .scan import associative_scan
+
+MAX_LEN = 12          # longest code; the decode table has 2**MAX_LEN entries
+LANE_STEPS = 256      # symbols per lane: bounds a lane to 3072 bits (fits uint16)
+GROUP = 4             # consecutive symbols a lane takes at a time
+PAD_WORDS = 3         # the GPU decoder reads a 96-bit window at any bit of the stream
+
+
+def code_lengths(hist: np.ndarray) -> np.ndarray:
+    """Huffman code lengths (uint8, 0 = unused) for a 256-bin histogram, capped at MAX_LEN.
+
+    Over-long trees are fixed by halving the counts (keeping them non-zero) and
+    rebuilding; this converges because equal counts give a balanced tree of
+    depth <= 8.
+    """
+    freq = hist.astype(np.int64).copy()
+    used = np.flatnonzero(freq)
+    out = np.zeros(256, dtype=np.uint8)
+    if len(used) == 0:
+        return out
+    if len(used) == 1:
+        out[used[0]] = 1
+        return out
+    while True:
+        depth = _tree_depths([int(freq[s]) for s in used])
+        if max(depth) <= MAX_LEN:
+            out[used] = depth
+            return out
+        freq[used] = (freq[used] >> 1) | 1
+
+
+def _tree_depths(freqs: list[int]) -> list[int]:
+    """Leaf depths of a Huffman tree (ties broken by node id, so deterministic)."""
+    m = len(freqs)
+    heap = [(f, i) for i, f in enumerate(freqs)]
+    heapq.heapify(heap)
+    parent = [0] * (2 * m - 1)
+    node = m
+    while len(heap) > 1:
+        fa, a = heapq.heappop(heap)
+        fb, b = heapq.heappop(heap)
+        parent[a] = parent[b] = node
+        heapq.heappush(heap, (fa + fb, node))
+        node += 1
+    depth = [0] * (2 * m - 1)
+    for i in range(2 * m - 3, -1, -1):  # parents are created after their children
+        depth[i] = depth[parent[i]] + 1
+    return depth[:m]
+
+
+def canonical_codes(lengths: np.ndarray) -> np.ndarray:
+    """Bit-reversed canonical codes (int64 per symbol) for LSB-first streams."""
+    codes = np.zeros(256, dtype=np.int64)
+    code, prev = 0, 0
+    for s in sorted(np.flatnonzero(lengths), key=lambda s: (lengths[s], s)):
+        ln = int(lengths[s])
+        code <<= ln - prev
+        prev = ln
+        codes[s] = int(format(code, f"0{ln}b")[::-1], 2)
+        code += 1
+    return codes
+
+
+def check_lengths(lengths: np.ndarray) -> None:
+    """A decodable table: lengths within 0..MAX_LEN and the Kraft sum at most 1."""
+    require(lengths.shape == (256,) and int(lengths.max(initial=0)) <= MAX_LEN,
+            "Huffman table: code length out of range")
+    used = lengths[lengths > 0].astype(np.int64)
+    require(int((1 << (MAX_LEN - used)).sum()) <= (1 << MAX_LEN), "Huffman table: lengths violate the Kraft inequality")
+
+
+def decode_table(lengths: np.ndarray) -> np.ndarray:
+    """int32[2**MAX_LEN]: entry = symbol << 4 | length (length 0 marks an invalid code)."""
+    check_lengths(lengths)
+    codes = canonical_codes(lengths)
+    table = np.zeros(1 << MAX_LEN, dtype=np.int32)
+    for s in np.flatnonzero(lengths):
+        ln = int(lengths[s])
+        table[int(codes[s])::1 << ln] = (int(s) << 4) | ln
+    return table
+
+
+def can_merge(n: int) -> bool:
+    """Whether the GPU decoder can write merged elements directly (whole groups of 4)."""
+    return n % GROUP == 0
+
+
+def lane_shape(n: int) -> tuple[int, int]:
+    """(lanes, steps) for n symbols; steps is a multiple of GROUP."""
+    lanes = max(1, -(-n // LANE_STEPS))
+    steps = max(1, -(-n // lanes))
+    return lanes, -(-steps // GROUP) * GROUP
+
+
+def _to_steps(s: torch.Tensor, lanes: int, steps: int) -> torch.Tensor:
+    """Element order [n_pad] -> (steps, lanes) lane order."""
+    return s.view(steps // GROUP, lanes, GROUP).permute(0, 2, 1).reshape(steps, lanes)
+
+
+def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (stream bytes, lane bit lengths as uint16 bytes) for uint8 symbols ``sym``."""
+    dev = sym.device
+    n = sym.numel()
+    lanes, steps = lane_shape(n)
+    pad_sym = int(np.flatnonzero(lengths == lengths[lengths > 0].min())[0])
+    if use_triton(sym):
+        from .gpu.huffman import encode_lanes
+        lens32 = torch.from_numpy(lengths.astype(np.int32)).to(dev)
+        codes32 = torch.from_numpy(canonical_codes(lengths).astype(np.int32)).to(dev)
+        words, lane_bits = encode_lanes(sym.reshape(-1), lens32, codes32, lanes, steps, pad_sym, PAD_WORDS)
+        return words.view(torch.uint8), lane_bits.to(torch.int16).view(torch.uint8)
+    s = torch.full((steps * lanes,), pad_sym, dtype=torch.int64, device=dev)
+    s[:n] = sym.reshape(-1).to(torch.int64)
+    s = _to_steps(s, lanes, steps)
+    len_t = torch.from_numpy(lengths.astype(np.int64)).to(dev)
+    code_t = torch.from_numpy(canonical_codes(lengths)).to(dev)
+    lens = len_t[s]
+    lane_bits = lens.sum(dim=0)
+    lane_start = associative_scan(lane_bits) - lane_bits
+    off = (associative_scan(lens, dim=0) - lens) + lane_start
+    total_bits = int((lane_start[-1] + lane_bits[-1]).item())  # host waits: output size
+    nwords = -(-total_bits // 32) + PAD_WORDS
+    v = code_t[s] << (off & 31)
+    w = off >> 5
+    words = torch.zeros(nwords, dtype=torch.int64, device=dev)
+    words.index_add_(0, w.reshape(-1), (v & 0xFFFFFFFF).reshape(-1))
+    words.index_add_(0, (w + 1).reshape(-1), (v >> 32).reshape(-1))
+    return _words_to_bytes(words), lane_bits.to(torch.int16).view(torch.uint8)
+
+
+def _words_to_bytes(words: torch.Tensor) -> torch.Tensor:
+    return words.view(torch.uint8).view(-1, 8)[:, :4].reshape(-1).contiguous()
+
+
+def decode(stream: torch.Tensor, lane_bits_b: torch.Tensor, lengths: np.ndarray, n: int,
+           merge_raw: torch.Tensor | None = None, merge_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Inverse of ``encode``: uint8 symbols [n]. Raises CorruptEncodedError on inconsistent data.
+
+    With ``merge_raw``/``merge_dtype`` (Triton path only, see ``can_merge``), the GPU decoder
+    joins each symbol with its raw field (kernels.bits layout) and returns the flat tensor
+    of ``merge_dtype`` instead of the symbols.
+    """
+    lanes, steps = lane_shape(n)
+    require(lane_bits_b.numel() == 2 * lanes, f"Huffman: {lane_bits_b.numel()} bytes of lane lengths for {lanes} lanes")
+    require(stream.numel() % 4 == 0 and stream.numel() >= 4 * PAD_WORDS, "Huffman: stream is not whole 32-bit words")
+    table = decode_table(lengths)
+    lane_bits = lane_bits_b.view(torch.int16).to(torch.int64) & 0xFFFF
+    lane_start = associative_scan(lane_bits) - lane_bits
+    nwords = stream.numel() // 4
+    if use_triton(stream):
+        from .gpu.huffman import decode_lanes
+        out, end = decode_lanes(stream, lane_start, torch.from_numpy(table).to(stream.device), lanes, steps, MAX_LEN,
+                                n, merge_raw, merge_dtype)
+        # one host wait for both checks; the kernel clamps its reads, so it ran safely either way
+        total, ok = torch.stack([lane_start[-1] + lane_bits[-1], (end == lane_start + lane_bits).all().long()]).tolist()
+        require(-(-total // 32) + PAD_WORDS == nwords, "Huffman: lane lengths do not match the stream length")
+        require(bool(ok), "Huffman: a lane's codes do not match its length (corrupted stream)")
+        return out[:n]
+    total = int((lane_start[-1] + lane_bits[-1]).item())
+    require(-(-total // 32) + PAD_WORDS == nwords, "Huffman: lane lengths do not match the stream length")
+    # CPU (and CUDA without Triton): all lanes in lock step with NumPy gathers,
+    # which are several times cheaper than torch advanced indexing on the CPU
+    words = stream.cpu().numpy().view(np.uint32).astype(np.uint64)
+    start = lane_start.cpu().numpy().astype(np.int64)
+    pos = start.copy()
+    out = np.empty((steps, lanes), dtype=np.uint8)
+    bad = np.zeros(lanes, dtype=bool)
+    mask = (1 << MAX_LEN) - 1
+    for i in range(steps):
+        w = np.minimum(pos >> 5, nwords - 2)  # clamped: a corrupt length cannot read past the end
+        win = (words[w] | (words[w + 1] << np.uint64(32))) >> (pos & 31).astype(np.uint64)
+        e = table[(win & np.uint64(mask)).astype(np.int64)]
+        ln = e & 15
+        out[i] = e >> 4
+        bad |= ln == 0
+        pos += ln
+    require(not bad.any() and np.array_equal(pos, start + lane_bits.cpu().numpy()),
+            "Huffman: a lane's codes do not match its length (corrupted stream)")
+    elems = out.reshape(steps // GROUP, GROUP, lanes).transpose(0, 2, 1).reshape(-1)
+    return torch.from_numpy(np.ascontiguousarray(elems[:n])).to(stream.device)

@@ -1,0 +1,27 @@
+"""Triton kernels for CUDA tensors. Imported lazily: the CPU package never needs Triton.
+
+Set STORM_KERNELS_NO_TRITON=1 to force the torch-op path on CUDA (the tests use
+it to check that both GPU paths produce the same bytes).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    if os.environ.get("STORM_KERNELS_NO_TRITON") == "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when ``t`` lives on CUDA and the Triton kernels can run there."""
+    return t.is_cuda and triton_available()

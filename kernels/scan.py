@@ -1,0 +1,62 @@
+"""Inclusive associative scan (prefix sum) and stream compaction built on it.
+
+``associative_scan`` returns what ``torch.cumsum`` returns (same dtype
+promotion: integer and bool inputs give int64; integers bit-identical), forward
+or reversed along a dim. On CUDA with Triton it runs ``kernels.gpu.scan``
+(reduce, scan of the block totals, scan of each block with its offset);
+elsewhere it is ``torch.cumsum``.
+
+Float summation order and the error bound we test: on the CPU, left to right
+(torch.cumsum). On the GPU each block of 4096 elements is summed as a tree
+(Triton's in-block scan), block totals are scanned left to right, and the
+block's offset is added last. Either way each output is a sum of the same
+terms in some order, so it obeys the order-independent bound
+``|scan[i] - exact[i]| <= (i) * u * sum_{j<=i} |x[j]|`` with ``u`` the unit
+roundoff of the dtype; tests/kernels/test_scan.py checks exactly this bound
+against a float64 reference.
+"""
+from __future__ import annotations
+
+import torch
+
+from .gpu import use_triton
+
+
+def associative_scan(x: torch.Tensor, dim: int = -1, reverse: bool = False) -> torch.Tensor:
+    """Inclusive prefix sum of ``x`` along ``dim`` (suffix sum when ``reverse``)."""
+    if x.numel() == 0 or not use_triton(x):
+        if reverse:
+            return torch.cumsum(x.flip(dim), dim=dim).flip(dim)
+        return torch.cumsum(x, dim=dim)
+    from .gpu.scan import scan_lastdim
+
+    d = dim % x.dim() if x.dim() else 0
+    moved = x.movedim(d, -1) if x.dim() else x.reshape(1)
+    if reverse:
+        moved = moved.flip(-1)
+    out = scan_lastdim(moved.contiguous())
+    if reverse:
+        out = out.flip(-1)
+    return out.movedim(-1, d).contiguous() if x.dim() else out.reshape(())
+
+
+def compact(mask: torch.Tensor, *values: torch.Tensor) -> list[torch.Tensor]:
+    """``[v[mask] for v in values]`` for 1-D tensors, computed as one scan + scatters.
+
+    The destination of each kept element is its exclusive prefix count; the
+    number kept is the last prefix, read on the host: this ``.item()`` is where
+    the host waits for the device during encoding (the output size must be known
+    before the buffer that receives it can be allocated).
+    """
+    mask = mask.reshape(-1)
+    if mask.numel() == 0 or not bool(mask.any()):
+        return [v.reshape(-1)[:0] for v in values]
+    pos = associative_scan(mask.to(torch.int32))
+    count = int(pos[-1].item())
+    dest = torch.where(mask, pos - 1, torch.full_like(pos, count))
+    outs = []
+    for v in values:
+        out = torch.empty(count + 1, dtype=v.dtype, device=v.device)
+        out.scatter_(0, dest, v.reshape(-1))
+        outs.append(out[:count])
+    return outs
