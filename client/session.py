@@ -202,12 +202,10 @@ class ClientSession:
         return Step(next(self._steps), limit)
 
     def end_step(self, step: Step) -> None:
-        """Forward is over: remember its size for fraction budgets, and start fetching what backward
-        will need first among the storages already copied, so the link does not idle in between."""
+        """Forward is over: remember its size for fraction budgets. Prefetch waits for backward's
+        first unpack: fetching at the end of forward would bring bytes back at the memory peak."""
         self.last_candidate_bytes = step.candidate_bytes
         self.poll()
-        with self._lock:
-            self._prefetch_ahead(step, len(step.order))
 
     # --- saving -------------------------------------------------------------
 
