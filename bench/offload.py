@@ -13,6 +13,7 @@ lower bound of DESIGN.md: max(no-offload step, to-host / D2H, to-device / H2D).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -185,6 +186,32 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
     return results
 
 
+def plot(args: argparse.Namespace, device: torch.device) -> None:
+    """GPU memory over one step of the first workload, without and with STORM, into args.plot."""
+    from torch.autograd.profiler import record_function
+
+    from storm.report import BACKWARD, FORWARD, memory_timeline, plot_memory
+
+    w = workloads(args)[0]
+    opts = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size,
+            "max_held_bytes": args.max_held, "prefetch_bytes": args.prefetch, "budget": args.budget}
+    lines = []
+    for label, offload in (("without STORM", None), ("with STORM (embedded)", opts)):
+        model, x = w.build(device)
+
+        def step() -> None:
+            with record_function(FORWARD), (storm.offload(**offload) if offload else contextlib.nullcontext()):
+                y = model(x)
+            with record_function(BACKWARD):
+                y.float().pow(2).mean().backward()
+
+        step()  # warm-up: the pool is pinned and the allocator's caches are filled outside the picture
+        lines.append(memory_timeline(label, step, device))
+        del model, x
+        torch.cuda.empty_cache()
+    plot_memory(lines, args.plot, f"GPU memory over one {w.name} step (batch {w.batch}, seq {w.seq})")
+
+
 def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
     """Gradients of one step, no offload twice, then embedded and daemon, compared bit for bit."""
     torch.use_deterministic_algorithms(True)
@@ -238,11 +265,15 @@ def main() -> int:
     p.add_argument("--prefetch", type=int, default=512 << 20)
     p.add_argument("--batch", type=int, default=None, help="override the workloads' batch size")
     p.add_argument("--budget", default=None, help="storm.offload(budget=...) for the embedded/daemon methods")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="also draw GPU memory over one step of the first workload, without and with STORM")
     p.add_argument("--check", action="store_true", help="compare gradients bit for bit instead of timing")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     device = torch.device("cuda")
     write(args, bitexact(args, device) if args.check else timings(args, device))
+    if args.plot:
+        plot(args, device)
     return 0
 
 
