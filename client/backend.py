@@ -85,7 +85,12 @@ def open_backend(mode: str, socket: str | None = None, pool_size: str | int | No
 
 def _connect(endpoint: str) -> Backend:
     path = ipc_path(endpoint)
-    if path is not None and not path.exists():
+    try:
+        exists = path is None or path.exists()
+    except PermissionError:  # the socket's directory belongs to another user
+        raise StormUnavailable(f"no access to the stormd socket {path}: its directory is private to the "
+                               f"daemon's user; run training as that user, or use mode='embedded'") from None
+    if not exists:
         raise StormUnavailable(f"no stormd socket at {path}; start one with `stormd`, set STORMD_SOCKET, "
                                f"or use mode='embedded'")
     if path is not None and not socket_is_live(path):

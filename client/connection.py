@@ -8,6 +8,13 @@ client is alive while no tensors flow. The same pings tell the client the daemon
 is gone: when nothing has come back for ``dead_after`` seconds while requests
 wait, or the daemon no longer knows the session (it restarted), every waiting
 request fails with StormUnavailable and the connection closes for good.
+
+Credit: at most ``max_in_flight`` requests are on the wire unanswered; later
+ones wait here, in order. So a process that produces requests faster than
+the daemon answers is slowed in its own queue, the socket's send never blocks
+(the credit is below ZeroMQ's high-water mark) and the daemon never holds a
+backlog of this client's replies. A tcp:// endpoint is reached with CURVE
+keys from the environment (stormd/auth.py).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 
 import zmq
 
+from stormd.auth import CurveKeyError, client_curve_options
 from stormd.pool import PoolError, SharedPool
 from stormd.protocol import PROTOCOL_VERSION, pack, unpack
 
@@ -33,12 +41,18 @@ from .errors import StormUnavailable
 CONNECT_TIMEOUT = 2.0
 HEARTBEAT = 1.0
 DEAD_AFTER = 5.0
+MAX_IN_FLIGHT = 256  # below stormd's default hwm (1000), so neither side's pipe fills
 
 
 class DaemonConnection:
     def __init__(self, endpoint: str, connect_timeout: float = CONNECT_TIMEOUT, heartbeat: float = HEARTBEAT,
-                 dead_after: float = DEAD_AFTER):
+                 dead_after: float = DEAD_AFTER, max_in_flight: int = MAX_IN_FLIGHT):
         self.endpoint = endpoint
+        self.max_in_flight = max_in_flight
+        try:
+            self._sockopts = client_curve_options(endpoint) if endpoint.startswith("tcp://") else {}
+        except CurveKeyError as e:
+            raise StormUnavailable(str(e)) from None
         self.heartbeat = heartbeat
         self.dead_after = dead_after
         self.lost: str | None = None  # why the daemon is considered gone
@@ -53,8 +67,10 @@ class DaemonConnection:
         self._thread = threading.Thread(target=self._run, name="storm-io", daemon=True)
         self._thread.start()
         try:
+            # STORM_CLIENT_NAME picks this process's quota and priority in stormd's `clients` setting
+            named = {"name": os.environ["STORM_CLIENT_NAME"]} if os.environ.get("STORM_CLIENT_NAME") else {}
             hello = self.request("HELLO", version=PROTOCOL_VERSION, pid=os.getpid(),
-                                 host=socket.gethostname()).result(connect_timeout)
+                                 host=socket.gethostname(), **named).result(connect_timeout)
         except TimeoutError:
             self._shutdown()
             raise StormUnavailable(f"no stormd answered at {endpoint} within {connect_timeout:g} s") from None
@@ -89,6 +105,8 @@ class DaemonConnection:
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        for option, value in self._sockopts.items():
+            sock.setsockopt(option, value)
         sock.connect(self.endpoint)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -99,11 +117,7 @@ class DaemonConnection:
                 events = dict(poller.poll(timeout=int(self.heartbeat * 1000)))
                 if self._wake_r in events:
                     os.read(self._wake_r, 4096)
-                while not self._outbox.empty():
-                    msg, fut = self._outbox.get()
-                    self._pending[msg["id"]] = fut
-                    sock.send(pack(msg))
-                    last_sent = time.monotonic()
+                # replies first: each one returns a credit the outbox below may use
                 while sock.poll(0, zmq.POLLIN):
                     reply = unpack(sock.recv())
                     last_heard = time.monotonic()
@@ -112,6 +126,11 @@ class DaemonConnection:
                         settle(fut, reply)
                     if reply.get("error") == "UNAUTHORIZED" and self._auth:
                         self.lost = f"stormd at {self.endpoint} no longer knows session {self.session} (restarted?)"
+                while len(self._pending) < self.max_in_flight and not self._outbox.empty():
+                    msg, fut = self._outbox.get()
+                    self._pending[msg["id"]] = fut
+                    sock.send(pack(msg))
+                    last_sent = time.monotonic()
                 if self._pending and time.monotonic() - last_heard > self.dead_after:
                     self.lost = f"stormd at {self.endpoint} did not answer for {self.dead_after:g} s"
                 if self.lost:

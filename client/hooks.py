@@ -51,11 +51,12 @@ class Offload(contextlib.ContextDecorator):
     def __init__(self, *, mode: str = "auto", socket: str | None = None, min_bytes: int = DEFAULT_MIN_BYTES,
                  prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, pool_size: str | int | None = None,
                  modules: nn.Module | Iterable[nn.Module] | None = None, budget: int | float | str | None = None,
-                 max_held_bytes: int = DEFAULT_MAX_HELD_BYTES):
+                 max_held_bytes: int = DEFAULT_MAX_HELD_BYTES, verify: bool = True):
         if min_bytes < 0 or prefetch_bytes < 0 or max_held_bytes < 0:
             raise ValueError("min_bytes, prefetch_bytes and max_held_bytes must be >= 0")
         self._options = dict(mode=mode, socket=socket, min_bytes=min_bytes, prefetch_bytes=prefetch_bytes,
-                             pool_size=pool_size, modules=modules, budget=budget, max_held_bytes=max_held_bytes)
+                             pool_size=pool_size, modules=modules, budget=budget, max_held_bytes=max_held_bytes,
+                             verify=verify)
         self._budget = _parse_budget(budget)
         self._policy = Policy.protecting(modules, min_bytes)
         self._names = _module_names(modules)
@@ -74,6 +75,7 @@ class Offload(contextlib.ContextDecorator):
         self._session = session_for(o["mode"], o["socket"], o["pool_size"])
         self._session.prefetch_bytes = o["prefetch_bytes"]
         self._session.max_held_bytes = o["max_held_bytes"]
+        self._session.mover.verify = o["verify"]
         self._step = self._session.new_step(self._budget)
         session, step, policy = self._session, self._step, self._policy
 

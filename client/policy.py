@@ -23,7 +23,8 @@ class Keep:
     DEVICE = "unsupported device"  # only cpu and cuda memory is copied
     LAZY_VIEW = "lazy conj/neg view"  # the conj/neg bit is not in the storage
     BUDGET = "over budget"         # later saves of a step beyond storm.offload(budget=...)
-    POOL_FULL = "pool full"        # the store had no room: the tensor stays, the step goes on
+    POOL_FULL = "pool full"
+    QUOTA = "over quota"           # this client's share of the daemon's pool is used up        # the store had no room: the tensor stays, the step goes on
     STORE_ERROR = "store error"    # the store refused or went away: the tensor stays
 
 

@@ -269,8 +269,9 @@ class ClientSession:
         self._held_bytes -= stored.nbytes
         err = stored.put.error()
         if err is not None:
-            reason = Keep.POOL_FULL if isinstance(err, StormRequestError) and err.code in (
-                "POOL_FULL", "TOO_LARGE") else Keep.STORE_ERROR
+            code = err.code if isinstance(err, StormRequestError) else None
+            reason = {"POOL_FULL": Keep.POOL_FULL, "TOO_LARGE": Keep.POOL_FULL,
+                      "QUOTA": Keep.QUOTA}.get(code, Keep.STORE_ERROR)
             kind = f"{type(err).__name__}:{getattr(err, 'code', '')}"
             if reason == Keep.STORE_ERROR and kind not in self._warned:
                 self._warned.add(kind)  # once per kind of failure, not once per tensor

@@ -44,12 +44,13 @@ class ExtentAllocator:
         self._used_bytes = 0
         self._peak = 0
 
-    def _round(self, nbytes: int) -> int:
+    def aligned(self, nbytes: int) -> int:
+        """The bytes an extent of ``nbytes`` takes: rounded up to the alignment."""
         return -(-max(nbytes, 1) // self.alignment) * self.alignment
 
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a new extent of at least ``nbytes``, or None when none is free."""
-        size = self._round(nbytes)
+        size = self.aligned(nbytes)
         i = self._by_size.bisect_left((size, -1))
         if i == len(self._by_size):
             return None
@@ -99,17 +100,31 @@ class ExtentAllocator:
                               len(self._by_offset), largest, len(self._used))
 
     def check(self) -> None:
-        """Verify the invariants; raises AssertionError naming the first one broken."""
-        assert len(self._by_size) == len(self._by_offset), "the two free indexes disagree in length"
-        assert set(self._by_size) == {(s, o) for o, s in self._by_offset.items()}, "free indexes disagree"
-        extents = sorted([(o, s, "free") for o, s in self._by_offset.items()]
-                         + [(o, s, "used") for o, s in self._used.items()])
-        pos, prev_kind = 0, None
-        for off, size, kind in extents:
+        """Verify the invariants; raises AssertionError naming the first one broken.
+
+        One pass over the extents in offset order (free extents are already sorted;
+        used ones are sorted here), so checking after every operation stays cheap
+        while the number of live extents is moderate."""
+        by_offset, by_size = self._by_offset, self._by_size
+        assert len(by_size) == len(by_offset), "the two free indexes disagree in length"
+        align = self.alignment
+        free_iter = iter(by_offset.items())
+        used_iter = iter(sorted(self._used.items()))
+        nf, nu = next(free_iter, None), next(used_iter, None)
+        pos, prev_free, used_sum = 0, False, 0
+        while nf is not None or nu is not None:
+            is_free = nu is None or (nf is not None and nf[0] < nu[0])
+            off, size = nf if is_free else nu
             assert off == pos, f"gap or overlap at offset {pos} (next extent starts at {off})"
-            assert size > 0 and size % self.alignment == 0 and off % self.alignment == 0, \
-                f"misaligned extent ({off}, {size})"
-            assert not (kind == "free" and prev_kind == "free"), f"free extents not coalesced at {off}"
-            pos, prev_kind = off + size, kind
+            assert size > 0 and size % align == 0 and off % align == 0, f"misaligned extent ({off}, {size})"
+            if is_free:
+                assert not prev_free, f"free extents not coalesced at {off}"
+                assert (size, off) in by_size, f"free extent ({off}, {size}) missing from the size index"
+                nf = next(free_iter, None)
+            else:
+                used_sum += size
+                nu = next(used_iter, None)
+            pos, prev_free = off + size, is_free
         assert pos == self.capacity, f"extents cover {pos} bytes of {self.capacity}"
-        assert self._used_bytes == sum(self._used.values()), "used byte count drifted"
+        assert self._used_bytes == used_sum, "used byte count drifted"
+        assert self._peak >= self._used_bytes, "peak is below the bytes in use"

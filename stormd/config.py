@@ -16,7 +16,7 @@ import os
 import re
 import stat
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
@@ -112,6 +112,16 @@ class DaemonConfig:
     metrics: bool = True
     metrics_address: str = "127.0.0.1"
     metrics_port: int = 9466
+    hwm: int = 1000  # ZeroMQ high-water mark per client and direction, in messages
+    client_max_backlog: int = 10000  # unread replies a client may leave before its session is ended
+    curve_secret_key: str = ""  # tcp:// only: the server's CURVE secret key file (zmq.auth format)
+    curve_authorized_keys: str = ""  # tcp:// only: directory of the clients' CURVE public key files
+    spill: bool = False  # move the oldest tensors to spill_dir when the pool is full
+    spill_dir: str = "/var/tmp"
+    spill_limit: int = 16 << 30
+    client_quota: int = 0  # bytes one client may hold (pool + spill); 0: no limit
+    client_priority: int = 0
+    clients: dict = field(default_factory=dict)  # name -> {"quota": bytes, "priority": int}
 
 
 CONFIG_ENV = "STORMD_CONFIG"
@@ -241,10 +251,47 @@ class _Flag(_Kind):
         return "true" if v else "false"
 
 
+class _ClientTable(_Kind):
+    allowed = ("a table of client name -> { quota = SIZE, priority = INT } (in the environment or a flag: "
+               "name=SIZE:PRIORITY, comma separated)")
+    NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+    def from_toml(self, v: Any) -> dict:
+        if not isinstance(v, dict):
+            raise _wrong_type(self, v)
+        out = {}
+        for name, row in v.items():
+            if not self.NAME.match(name) or not isinstance(row, dict) or set(row) - {"quota", "priority"}:
+                raise _Invalid(f"client {name!r}: {row!r} is not allowed; allowed: {self.allowed}")
+            out[name] = {"quota": _Size(0).from_toml(row.get("quota", 0)),
+                         "priority": _Number(-1000, 1000, integer=True).from_toml(row.get("priority", 0))}
+        return out
+
+    def from_text(self, s: str) -> dict:
+        table: dict[str, dict[str, Any]] = {}
+        for item in filter(None, (x.strip() for x in s.split(","))):
+            name, _, rest = item.partition("=")
+            quota, _, priority = rest.partition(":")
+            try:
+                table[name.strip()] = {"quota": quota.strip() or 0, "priority": int(priority or 0)}
+            except ValueError:
+                raise _Invalid(f"{item!r}: priority {priority!r} is not an integer; allowed: {self.allowed}") from None
+        return self.from_toml(table)
+
+    def to_toml(self, v: dict) -> str:
+        rows = ", ".join(f"{n} = {{ quota = {json.dumps(format_size(r['quota']))}, priority = {r['priority']} }}"
+                         for n, r in v.items())
+        return f"{{ {rows} }}" if rows else "{}"
+
+
 def _absolute_dir(v: str) -> str:
     if not os.path.isabs(v):
         raise ValueError(f"{v!r} is not an absolute path")
     return v
+
+
+def _optional_path(v: str) -> str:
+    return v and _absolute_dir(v)  # "" means not set
 
 
 def _ip_address(v: str) -> str:
@@ -283,6 +330,28 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("metrics_address", _Text("an IP address (127.0.0.1 keeps metrics on this host)", _ip_address),
             "address the metrics endpoint binds"),
     Setting("metrics_port", _Number(0, 65535, integer=True), "port of the metrics endpoint (0: any free port)"),
+    Setting("hwm", _Number(1, 1_000_000, integer=True),
+            "ZeroMQ high-water mark per client and direction (messages): a client that sends faster than "
+            "stormd answers is slowed there, without slowing the others"),
+    Setting("client_max_backlog", _Number(1, 10_000_000, integer=True),
+            "replies a client may leave unread beyond the socket's buffers before its session is ended "
+            "(logged, its tensors freed); no reply is dropped before that"),
+    Setting("curve_secret_key", _Text("empty, or an absolute path", _optional_path),
+            "tcp:// only (required there): the server's CURVE secret key file, as zmq.auth.create_certificates "
+            "writes it"),
+    Setting("curve_authorized_keys", _Text("empty, or an absolute path", _optional_path),
+            "tcp:// only (required there): directory of the CURVE public key files of the clients allowed in"),
+    Setting("spill", _Flag(), "when the pool is full, move the tensors backward needs last to files in spill_dir "
+            "(off: the client keeps such tensors on its device)"),
+    Setting("spill_dir", _Text("an absolute path", _absolute_dir),
+            "directory on local disk for the spill file (not a tmpfs: that would use the RAM spill frees)"),
+    Setting("spill_limit", _Size(MIN_POOL_SIZE), "most bytes the spill file may hold; must fit on spill_dir's disk"),
+    Setting("client_quota", _Size(0), "bytes one client may hold in pool and spill together (0: no limit); "
+            "a PUT beyond it is refused with QUOTA"),
+    Setting("client_priority", _Number(-1000, 1000, integer=True),
+            "clients with a lower priority are spilled first"),
+    Setting("clients", _ClientTable(), "per-client quota and priority by the name a client gives in HELLO "
+            "(TOML: clients = { trainer = { quota = \"8GiB\", priority = 1 } }; env/flag: trainer=8GiB:1,eval=1GiB:0)"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -325,7 +394,19 @@ def load(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> 
         if v is not None:
             values[s.name] = v if isinstance(v, bool) else _parse(s.name, v, s.flag, from_text=True)
     values.setdefault("socket", f"ipc://{runtime_dir() / SOCKET_NAME}")
-    return DaemonConfig(**values)
+    config = DaemonConfig(**values)
+    check_curve(config)
+    return config
+
+
+def check_curve(config: DaemonConfig) -> None:
+    """tcp:// is reachable by every local user, so it is served only with CURVE authentication and
+    encryption; an ipc:// socket is protected by its directory's permissions instead."""
+    if config.socket.startswith("tcp://"):
+        missing = [n for n in ("curve_secret_key", "curve_authorized_keys") if not getattr(config, n)]
+        if missing:
+            raise ConfigError(f"socket {config.socket}: tcp:// needs CURVE keys; set {' and '.join(missing)} "
+                              f"(see `stormd --help` and README, 'Threat model')")
 
 
 def _config_path(given: str | None, env: Mapping[str, str]) -> Path | None:

@@ -20,9 +20,11 @@ from . import logs
 from .config import ConfigError, DaemonConfig, add_arguments, format_size, load, to_toml
 from .metrics import Metrics
 from .notify import Notifier
+from .limits import check_host
 from .pool import PoolError, SharedPool
 from .server import Server
 from .service import Service
+from .store import StoreOptions
 
 log = logging.getLogger("stormd")
 
@@ -52,10 +54,13 @@ def status_line(service: Service) -> str:
 
 async def run(config: DaemonConfig, notifier: Notifier | None = None) -> None:
     notifier = notifier or Notifier()
+    for warning in check_host(config):  # raises LimitError for what cannot work
+        log.warning(warning)
     pool = SharedPool.create(config.pool_size, config.pool_dir)
+    service = None
     try:
         error_log = logs.ErrorReplyLog(log, config.error_log_interval)
-        service = Service(pool, error_log)
+        service = Service(pool, error_log, StoreOptions.from_config(config))
         metrics = Metrics(service) if config.metrics else None
         server = Server(service, config, observe=metrics.observe if metrics else None)
         server.bind()
@@ -68,6 +73,8 @@ async def run(config: DaemonConfig, notifier: Notifier | None = None) -> None:
             if http is not None:
                 http.close()
     finally:
+        if service is not None:
+            service.store.close()  # finishes spill I/O, which reads and writes the pool
         pool.close()
 
 

@@ -52,12 +52,6 @@ class SharedPool:
         if not d.is_dir():
             raise PoolError(f"pool directory {directory} does not exist; set --pool-dir to a tmpfs such as /dev/shm")
         remove_stale_segments(d)
-        st = os.statvfs(d)
-        avail = st.f_bavail * st.f_frsize
-        if size > avail:
-            raise PoolError(
-                f"pool of {size} bytes does not fit in {directory} ({avail} bytes free); "
-                f"lower --pool-size or enlarge the tmpfs (docker: --shm-size or --ipc=host)")
         path = d / f"{SEGMENT_PREFIX}{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -11,7 +11,8 @@ the HELLO reply, so a client can only see and free its own keys.
 
 Verbs (field: type; ``?`` marks optional):
 
-HELLO  version:int pid:int host:str
+HELLO  version:int pid:int host:str name?:str   (name picks the client's quota and priority
+                                                in stormd's `clients` setting)
        -> session:int token:str pool:{path:str size:int} server:str
 PUT    key:int step:int nbytes:int dtype:str shape:[int] strides:[int]
        storage_offset:int codec:str
@@ -21,9 +22,18 @@ SEAL   key:int checksum?:int    -> {}   (the client's copy into the extent has f
                                          not verified on GET)
 GET    key:int
        -> offset nbytes dtype shape strides storage_offset codec checksum (int or nil)
+                                (offset is where the bytes are now: between SEAL and GET the
+                                 daemon may have spilled them to disk and read them back
+                                 elsewhere; after GET they stay put until FREE)
 FREE   keys?:[int] step?:int all?:bool   (exactly one of them)
        -> freed:int
 STATS  -> session:{...} node:{...}
+       session: keys puts gets bytes_in bytes_out pool_full quota_refused held_bytes
+                peak_held_bytes spilled_bytes name quota priority plan_hits plan_misses
+                planned_footprint plan_peak_live plan_first_fit plan ("using X of Y bytes ...")
+       node:    capacity used peak fragmentation free_extents largest_free keys spill
+                spill_capacity spilled_bytes spilled_total read_back_total read_back_on_get
+                prefetched plan_hits plan_misses clients errors
 PING   -> time:float        (session and token optional; refreshes the heartbeat)
 BYE    -> freed:int         (frees everything of the session and ends it)
 
@@ -37,6 +47,13 @@ DRAIN  -> as STATUS         (refuse PUT and HELLO from now on; the daemon exits 
 
 ``nbytes`` counts the bytes of the whole storage the tensor views; ``shape``,
 ``strides`` (in elements) and ``storage_offset`` place the saved view in it.
+
+Hostile or broken input: every frame gets exactly one reply, in the order the
+client sent them; a frame that is not a request (bad msgpack, not a map, an
+op that is not a known name, several frames) gets ``id`` 0. Replies a client
+does not read wait for it (none is dropped) up to ``client_max_backlog``;
+past that its session ends. A client that sends faster than the daemon
+answers is slowed by the socket's high-water mark (``hwm``), not refused.
 """
 
 from __future__ import annotations
@@ -77,7 +94,8 @@ class ErrorCode:
     NOT_FOUND = "NOT_FOUND"                # no such key in this session
     DUPLICATE_KEY = "DUPLICATE_KEY"        # PUT of a key the session already has
     NOT_SEALED = "NOT_SEALED"              # GET before SEAL
-    POOL_FULL = "POOL_FULL"                # no extent that large is free now
+    POOL_FULL = "POOL_FULL"                # no extent that large is free now (and spill is off or full)
+    QUOTA = "QUOTA"                        # the client's quota (stormd config) would be exceeded
     TOO_LARGE = "TOO_LARGE"                # larger than the whole pool
     DRAINING = "DRAINING"                  # daemon is shutting down
     INTERNAL = "INTERNAL"
@@ -143,7 +161,7 @@ _AUTH = {"session": _int(1), "token": _str(64)}
 
 # op -> (required fields, optional fields)
 SCHEMAS: dict[str, tuple[dict[str, Callable], dict[str, Callable]]] = {
-    "HELLO": ({"version": _int(), "pid": _int(), "host": _str()}, {}),
+    "HELLO": ({"version": _int(), "pid": _int(), "host": _str()}, {"name": _str(64)}),
     "PUT": ({**_AUTH, "key": _int(), "step": _int(), "nbytes": _int(1),
              "dtype": _choice(DTYPE_SIZES), "shape": _int_list(MAX_DIMS),
              "strides": _int_list(MAX_DIMS), "storage_offset": _int(),
@@ -197,7 +215,7 @@ def parse_request(msg: Any) -> Request:
     if not isinstance(msg, dict):
         raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a request is a map, got {type(msg).__name__}")
     op = msg.get("op")
-    if op not in SCHEMAS:
+    if not isinstance(op, str) or op not in SCHEMAS:  # an unhashable op (a list, a map) must not raise TypeError
         raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(OPS)}")
     rid = _int()("id", msg.get("id"))
     required, optional = SCHEMAS[op]

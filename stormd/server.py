@@ -3,11 +3,22 @@
 Every frame is decoded and handed to ``Service``; each gets exactly one reply.
 Clients that stop sending (no heartbeat within ``client_timeout``) or that the
 socket can no longer reach are dropped and everything they held is freed.
+
+Flow control. A client that sends faster than the daemon answers fills its
+own pipe (``hwm`` messages each way): ZeroMQ then stops reading that
+connection, so the client's sends block, while the ROUTER keeps taking the
+other clients' messages in turn. A reply the socket cannot take now (the
+client does not read its replies) waits in that client's backlog, in order,
+and is sent when the client reads; nothing is dropped. A client whose backlog
+grows past ``client_max_backlog`` is cut off: its session ends (logged at
+ERROR, its tensors freed) rather than letting it hold the daemon's memory.
+tcp:// sockets are served only with CURVE (auth.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import Callable
@@ -15,11 +26,20 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from .auth import secure_server
 from .config import DaemonConfig, ensure_private_dir, ipc_path, socket_is_live
 from .protocol import OPS, ErrorCode, ProtocolError, pack, unpack
 from .service import Service
 
 log = logging.getLogger("stormd")
+
+BACKLOG_RETRY = 0.001  # seconds between retries of replies a client has not made room for
+
+
+def reap_interval(client_timeout: float) -> float:
+    """How often silent clients are looked for: a client gone silent is dropped within
+    ``client_timeout + reap_interval(client_timeout)`` of its last message."""
+    return max(client_timeout / 4, 0.05)
 
 
 class Server:
@@ -30,6 +50,10 @@ class Server:
         self.observe = observe  # (op, seconds to answer) per request, for the latency histogram
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
+        self._auth = None  # the ZAP authenticator of a tcp:// (CURVE) socket
+        # peer -> packed replies the socket could not take yet, oldest first
+        self._backlog: dict[bytes, collections.deque[bytes]] = {}
+        self._flusher: asyncio.Task | None = None
 
     def bind(self) -> None:
         path = ipc_path(self.config.socket)
@@ -43,6 +67,11 @@ class Server:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.config.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.config.hwm)
+        if self.config.socket.startswith("tcp://"):
+            self._auth = secure_server(sock, self._ctx, self.config.curve_secret_key,
+                                       self.config.curve_authorized_keys)
         sock.bind(self.config.socket)
         if path is not None:
             path.chmod(0o600)
@@ -80,24 +109,73 @@ class Server:
             self.observe(op, time.perf_counter() - started)
 
     def _send(self, peer: bytes, reply: dict) -> None:
+        frame = pack(reply)
+        backlog = self._backlog.get(peer)
+        if backlog is None:
+            if self._try_send(peer, frame):
+                return
+            backlog = self._backlog[peer] = collections.deque()
+            if self._flusher is None or self._flusher.done():
+                self._flusher = asyncio.get_running_loop().create_task(self._flush_backlogs())
+        backlog.append(frame)  # behind the replies already waiting, so the client reads them in order
+        if len(backlog) > self.config.client_max_backlog:
+            self._cut_off(peer, len(backlog))
+
+    def _try_send(self, peer: bytes, frame: bytes) -> bool:
+        """Send now if the peer's pipe has room. False: it is full (retry later); True: sent, or the
+        peer is gone (its sessions are ended)."""
         assert self._sock is not None
-        try:
-            self._sock.send_multipart([peer, pack(reply)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH:
-                for s in self.service.sessions.by_peer(peer):
-                    self.service.end_session(s, "its socket is gone")
-            else:  # EAGAIN: the client does not read its replies; it will time out and retry
-                log.warning("reply to a client dropped: %s", e)
+        # A NOBLOCK send on a zmq.asyncio socket resolves at once, its error inside the future.
+        err = self._sock.send_multipart([peer, frame], flags=zmq.NOBLOCK).exception()
+        if err is None:
+            return True
+        if isinstance(err, zmq.Again):
+            return False
+        if isinstance(err, zmq.ZMQError) and err.errno == zmq.EHOSTUNREACH:
+            self._peer_gone(peer, "its socket is gone")
+            return True
+        # Nothing else is expected; one lost reply (its client times out) beats a daemon down for all.
+        log.error("reply to a client could not be sent", extra={"error": repr(err)})
+        return True
+
+    def _peer_gone(self, peer: bytes, why: str) -> None:
+        backlog = self._backlog.pop(peer, None)
+        if backlog is not None:
+            backlog.clear()  # nobody is left to read them
+        for s in self.service.sessions.by_peer(peer):
+            self.service.end_session(s, why)
+
+    def _cut_off(self, peer: bytes, unread: int) -> None:
+        sessions = [s.id for s in self.service.sessions.by_peer(peer)]
+        log.error("client cut off: it does not read its replies", extra={
+            "sessions": sessions, "unread_replies": unread, "client_max_backlog": self.config.client_max_backlog})
+        self._peer_gone(peer, f"it left {unread} replies unread (client_max_backlog "
+                              f"{self.config.client_max_backlog})")
+
+    async def _flush_backlogs(self) -> None:
+        """Retry waiting replies until every backlog is empty. ROUTER cannot say which peer became
+        writable, so poll; this runs only while some client is behind on its replies."""
+        while self._backlog:
+            await asyncio.sleep(BACKLOG_RETRY)
+            for peer, backlog in list(self._backlog.items()):
+                while backlog and self._try_send(peer, backlog[0]):
+                    backlog.popleft()
+                if not backlog:
+                    self._backlog.pop(peer, None)
 
     async def _reap_silent_clients(self) -> None:
         timeout = self.config.client_timeout
         while True:
-            await asyncio.sleep(max(timeout / 4, 0.05))
+            await asyncio.sleep(reap_interval(timeout))
             for s in self.service.sessions.silent_since(time.monotonic() - timeout):
                 self.service.end_session(s, f"no message for {timeout:g} s")
 
     def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

@@ -15,7 +15,7 @@ from .pool import SharedPool
 from .protocol import (ADMIN_OPS, PROTOCOL_VERSION, ErrorCode, ProtocolError, Request, error, ok, parse_request,
                        request_id)
 from .sessions import Session, SessionTable
-from .store import Store
+from .store import Store, StoreOptions
 
 log = logging.getLogger("stormd")
 
@@ -38,9 +38,9 @@ class ErrorSink(Protocol):
 
 
 class Service:
-    def __init__(self, pool: SharedPool, error_log: ErrorSink | None = None):
+    def __init__(self, pool: SharedPool, error_log: ErrorSink | None = None, store_options: StoreOptions | None = None):
         self.pool = pool
-        self.store = Store(ExtentAllocator(pool.size))
+        self.store = Store(ExtentAllocator(pool.size), pool, store_options)
         self.sessions = SessionTable()
         self.draining = False
         self.errors: dict[str, int] = {}
@@ -112,6 +112,7 @@ class Service:
         if self.draining:
             raise ProtocolError(ErrorCode.DRAINING, "the daemon is shutting down")
         s = self.sessions.open(f["pid"], f["host"], peer)
+        self.store.open_session(s.id, f.get("name", ""))  # the name picks its quota and priority
         log.info("client connected", extra={"session": s.id, "pid": s.pid, "host": s.host})
         return ok(req.id, session=s.id, token=s.token, pool=self.pool.descriptor.to_wire(),
                   server=SERVER_NAME, version=PROTOCOL_VERSION)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import random
 
 import pytest
@@ -9,30 +10,48 @@ import pytest
 from stormd.allocator import ExtentAllocator
 
 
-def test_fuzz_100k_operations_keep_invariants():
+def test_fuzz_100k_operations_with_check_after_every_one():
+    """100k random allocs and frees, check() after each; an independent oracle (the live extents
+    sorted by offset) asserts no overlap and no lost bytes; all freed leaves one free extent."""
     rng = random.Random(42)
     a = ExtentAllocator(64 << 20, alignment=256)
     live: dict[int, int] = {}
-    for i in range(100_000):
-        if live and (rng.random() < 0.5 or len(live) > 200):
-            off = rng.choice(list(live))
+    starts: list[int] = []  # offsets of live extents, sorted: the oracle for overlap
+    failed = 0
+    for _ in range(100_000):
+        if live and (rng.random() < 0.5 or len(live) >= 100):
+            off = starts.pop(rng.randrange(len(starts)))
             assert a.free(off) == live.pop(off)
         else:
-            n = rng.choice([1, 255, 256, 257, 4096, rng.randrange(1, 1 << 20)])
+            n = rng.choice([1, 255, 256, 257, 4096, rng.randrange(1, 1 << 20), rng.randrange(1, 4 << 20)])
             off = a.alloc(n)
-            if off is not None:
-                assert off % 256 == 0
-                for o, s in live.items():  # no overlap with anything live
-                    assert off + n <= o or o + s <= off
+            if off is None:
+                failed += 1
+                assert a.stats().largest_free < n, "alloc failed although a large enough extent is free"
+            else:
+                assert off % 256 == 0 and a.size_of(off) >= n
+                i = bisect.bisect_left(starts, off)
+                assert i == 0 or starts[i - 1] + live[starts[i - 1]] <= off, "overlaps the extent before it"
+                assert i == len(starts) or off + a.size_of(off) <= starts[i], "overlaps the extent after it"
+                starts.insert(i, off)
                 live[off] = a.size_of(off)
-        if i % 10 == 0 or len(live) < 3:
-            a.check()
+        a.check()
+        assert a.stats().used == sum(live.values()), "bytes lost or double counted"
+    assert failed > 0, "the fuzz never filled the pool, so the full-pool path went untested"
     for off in list(live):
         a.free(off)
-    a.check()
+        a.check()
     st = a.stats()
     assert st.used == 0 and st.free_extents == 1 and st.largest_free == a.capacity
     assert st.fragmentation == 0.0
+
+
+def test_check_catches_a_corrupted_index():
+    a = ExtentAllocator(1 << 20)
+    off = a.alloc(4096)
+    a._used[off] += 256  # an extent that now overlaps the free space after it
+    with pytest.raises(AssertionError, match="gap or overlap|used byte count"):
+        a.check()
 
 
 def test_full_pool_returns_none_and_recovers():

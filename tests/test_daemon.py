@@ -240,3 +240,31 @@ def test_daemon_killed_mid_step_then_embedded_then_restarted(tmp_path, monkeypat
     finally:
         storm.close_all()
         stop_daemon(d)
+
+
+def test_client_name_selects_its_quota_and_tensors_over_it_stay(tmp_path, monkeypatch):
+    import copy
+
+    import torch
+    from torch import nn
+
+    import storm
+    from storm.examples.models import same_bits
+
+    d = start_daemon(tmp_path, "--pool-size", "16MiB", "--clients", "small=300KiB:0")
+    monkeypatch.setenv("STORM_CLIENT_NAME", "small")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+    ref = copy.deepcopy(model)
+    x = torch.randn(256, 128)
+    try:
+        with storm.offload(mode="daemon", socket=d.endpoint, min_bytes=0) as ctx:
+            loss = model(x).square().sum()
+        ctx.synchronize()
+        assert ctx.stats.kept.get(storm.Keep.QUOTA, 0) >= 1 and ctx.stats.offloaded >= 1
+        loss.backward()
+        ref(x).square().sum().backward()
+        assert all(same_bits(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters()))
+    finally:
+        storm.close_all()
+        stop_daemon(d)

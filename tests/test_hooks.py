@@ -34,6 +34,8 @@ def grads(model: nn.Module, loss_fn, seed: int, offload_opts: dict | None) -> li
             loss = loss_fn(model)
         assert ctx.stats.offloaded > 0, ctx.stats
     loss.backward()
+    if offload_opts is not None:
+        ctx.synchronize()  # copies still running would hold pool space into the caller's next step
     return [p.grad.clone() for p in model.parameters()]
 
 

@@ -87,7 +87,7 @@ def test_bad_toml_is_refused_with_the_file_and_position(tmp_path):
 
 
 @pytest.mark.parametrize("kind,text,message", [
-    ("unknown key", "spill_dir = \"/x\"\n", "unknown key 'spill_dir'"),
+    ("unknown key", "spool_dir = \"/x\"\n", "unknown key 'spool_dir'"),
     ("wrong type", "client_timeout = [1]\n", "client_timeout: wrong type: got list"),
     ("out of range", "client_timeout = 0\n", "client_timeout: 0 is out of range; allowed: a number from 0.05"),
 ])

@@ -1,0 +1,215 @@
+"""Step-lifetime planning: place each step's saved tensors at offsets learnt from an earlier step.
+
+Training repeats itself: every step saves the same sizes in the same order
+during forward and frees them in (roughly) reverse order during backward. A
+session's first complete step is recorded as a trace of lifetimes (a logical
+clock ticks at every PUT and every freed key); once all of its tensors are
+freed, ``pack_lifetimes`` assigns offsets so that tensors alive at the same
+time never overlap while the whole step fits in as few bytes as possible
+(interval packing, greedy by size: the largest tensor first, each into the
+tightest gap left by the tensors whose lifetimes overlap its own). Later steps
+then take one region of that size from the general allocator and place the
+tensor saved n-th at the n-th planned offset, as long as its size fits; any
+other tensor (a bigger one, one past the planned count, or one whose slot is
+still occupied by the previous step) falls back to the general allocator.
+
+A planned step never fragments the general pool, and the report says how
+close the plan is to the ideal: "using X of Y", X the planned footprint, Y
+the peak of live bytes in the recorded step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sortedcontainers import SortedDict
+
+from .allocator import ExtentAllocator
+
+# Planning is O(n^2) in the tensors of a step and runs on the daemon's loop; tensors past
+# this many in one step are not planned (they use the general allocator) so it stays well
+# under a second even in the worst case.
+MAX_PLANNED_TENSORS = 1024
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    size: int   # bytes, already aligned
+    start: int  # clock at PUT
+    end: int    # clock at FREE (exclusive)
+
+
+def peak_live_bytes(lifetimes: list[Lifetime]) -> int:
+    """The most bytes alive at any one time: no placement can use less."""
+    events = sorted([(t.end, -t.size) for t in lifetimes] + [(t.start, t.size) for t in lifetimes])
+    live = peak = 0
+    for _, delta in events:  # at equal times frees (negative) sort first: [start, end) intervals
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def pack_lifetimes(lifetimes: list[Lifetime]) -> tuple[list[int], int]:
+    """Offsets for ``lifetimes`` (same order) such that overlapping lifetimes never share bytes,
+    and the footprint (highest end) they need. Greedy by size, best-fitting gap."""
+    order = sorted(range(len(lifetimes)), key=lambda i: (-lifetimes[i].size, lifetimes[i].start))
+    offsets = [0] * len(lifetimes)
+    placed: list[int] = []
+    footprint = 0
+    for i in order:
+        t = lifetimes[i]
+        busy = sorted((offsets[j], offsets[j] + lifetimes[j].size) for j in placed
+                      if lifetimes[j].start < t.end and t.start < lifetimes[j].end)
+        best, best_gap, pos = None, None, 0
+        for lo, hi in busy:
+            gap = lo - pos
+            if gap >= t.size and (best_gap is None or gap < best_gap):
+                best, best_gap = pos, gap
+            pos = max(pos, hi)
+        offsets[i] = pos if best is None else best
+        placed.append(i)
+        footprint = max(footprint, offsets[i] + t.size)
+    return offsets, footprint
+
+
+def first_fit_footprint(lifetimes: list[Lifetime]) -> int:
+    """What an unplanned first-fit allocator needs for the same trace (the baseline reported
+    beside a plan): each PUT takes the lowest free gap among the tensors alive at that time."""
+    events = sorted([(t.end, 0, i) for i, t in enumerate(lifetimes)] + [(t.start, 1, i) for i, t in enumerate(lifetimes)])
+    live: SortedDict = SortedDict()  # offset -> end
+    where: dict[int, int] = {}
+    footprint = 0
+    for _, is_start, i in events:
+        if not is_start:
+            del live[where.pop(i)]
+            continue
+        size, pos = lifetimes[i].size, 0
+        for lo, hi in live.items():
+            if lo - pos >= size:
+                break
+            pos = hi
+        live[pos] = pos + size
+        where[i] = pos
+        footprint = max(footprint, pos + size)
+    return footprint
+
+
+@dataclass
+class PlanStats:
+    plan_hits: int = 0            # tensors placed at their planned offset
+    plan_misses: int = 0          # tensors of planned steps that went to the general allocator
+    planned_footprint: int = 0    # X of "using X of Y"
+    plan_peak_live: int = 0       # Y: peak live bytes of the recorded step
+    plan_first_fit: int = 0       # what first-fit needed for the recorded step, for comparison
+
+
+class StepPlanner:
+    """One session's plan. The store calls ``place`` on PUT and ``release`` on FREE."""
+
+    def __init__(self, allocator: ExtentAllocator):
+        self.allocator = allocator
+        self.stats = PlanStats()
+        self._clock = 0
+        self._recording: int | None = None          # the step whose trace is being recorded
+        self._trace: dict[int, list[int]] = {}      # slot -> [size, start, end or -1]
+        self._open = 0                              # recorded slots not yet freed
+        self._plan: dict[int, tuple[int, int]] | None = None  # slot -> (size, offset in region)
+        self._region: int | None = None             # offset of the reserved region in the pool
+        self._live: SortedDict = SortedDict()       # region offset -> end, of placed tensors alive
+        self._step: int | None = None               # the step PUTs arrive for now
+        self._slots = 0                             # PUTs seen in that step
+        self._step_hits = self._step_misses = 0
+
+    def slot(self, step: int) -> int:
+        """The order of this PUT within its step (the plan's index)."""
+        if step != self._step:
+            self._begin_step(step)
+        self._slots += 1
+        return self._slots - 1
+
+    def _begin_step(self, step: int) -> None:
+        if self._recording is not None and self._open == 0:
+            self._make_plan()  # the usual case: backward freed the recorded step before this one began
+        if self._plan is not None and self._step_misses > self._step_hits:
+            self._drop_plan()  # the last step no longer looks like the recorded one: learn again
+        self._step, self._slots = step, 0
+        self._step_hits = self._step_misses = 0
+        if self._plan is None and self._recording is None:
+            self._recording, self._trace, self._open = step, {}, 0
+
+    def place(self, step: int, slot: int, size: int) -> int | None:
+        """The pool offset planned for this tensor, or None to use the general allocator."""
+        self._clock += 1
+        if step == self._recording and slot < MAX_PLANNED_TENSORS:
+            self._trace[slot] = [size, self._clock, -1]
+            self._open += 1
+        if self._plan is None:
+            return None
+        if slot not in self._plan or size > self._plan[slot][0]:
+            self._miss()
+            return None
+        if self._region is None:
+            # Taken when a planned step places its first tensor and given back when its last one
+            # goes (so the region exists exactly while it holds a tensor and an idle session holds
+            # no pool memory). None: no room for the whole region now.
+            self._region = self.allocator.alloc(self.stats.planned_footprint)
+            if self._region is None:
+                self._miss()
+                return None
+        start = self._region + self._plan[slot][1]
+        end = start + size
+        i = self._live.bisect_left(start)
+        if (i > 0 and self._live.peekitem(i - 1)[1] > start) or (i < len(self._live) and self._live.peekitem(i)[0] < end):
+            self._miss()  # the previous step still holds bytes there
+            return None
+        self._live[start] = end
+        self.stats.plan_hits += 1
+        self._step_hits += 1
+        return start
+
+    def _miss(self) -> None:
+        self.stats.plan_misses += 1
+        self._step_misses += 1
+
+    def release(self, offset: int) -> None:
+        """A planned tensor left its offset (freed or spilled)."""
+        del self._live[offset]
+        if not self._live and self._region is not None:
+            self.allocator.free(self._region)
+            self._region = None
+
+    def cancel(self, step: int, slot: int) -> None:
+        """The PUT of this slot was refused: it has no lifetime to learn from."""
+        if step == self._recording and self._trace.pop(slot, None) is not None:
+            self._open -= 1
+
+    def forget(self, step: int, slot: int) -> None:
+        """The key is freed: its lifetime in the recorded step ends now."""
+        self._clock += 1
+        if step != self._recording or slot not in self._trace:
+            return
+        self._trace[slot][2] = self._clock
+        self._open -= 1
+        if self._open == 0 and self._step != self._recording:
+            self._make_plan()  # the recorded step is over and all of it freed
+
+    def _make_plan(self) -> None:
+        slots = sorted(self._trace)  # refused PUTs and slots past the cap are not in it
+        lifetimes = [Lifetime(*self._trace[s]) for s in slots]
+        self._recording, self._trace = None, {}
+        if not lifetimes:
+            return
+        offsets, footprint = pack_lifetimes(lifetimes)
+        self._plan = {slot: (t.size, o) for slot, t, o in zip(slots, lifetimes, offsets)}
+        self.stats.planned_footprint = footprint
+        self.stats.plan_peak_live = peak_live_bytes(lifetimes)
+        self.stats.plan_first_fit = first_fit_footprint(lifetimes)
+
+    def _drop_plan(self) -> None:
+        self._plan = None  # the region goes when its last tensor does (release)
+
+    def describe(self) -> str:
+        s = self.stats
+        if not s.planned_footprint:
+            return "no plan yet"
+        return f"using {s.planned_footprint} of {s.plan_peak_live} bytes (first fit: {s.plan_first_fit})"

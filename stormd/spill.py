@@ -1,0 +1,116 @@
+"""Spill: which extents leave the pool when it is full, and the file they go to.
+
+``SpillOrder`` ranks the extents that may move: sealed (the client's copy is
+done) and not yet fetched (after GET the client may be reading the extent, so
+it stays put until FREE). The first to go is the one backward needs last: the
+lowest client priority, then the oldest step, then the earliest saved key.
+
+``SpillFile`` is one unnamed file in the spill directory (O_TMPFILE, or
+created and unlinked at once, so a killed daemon leaves nothing behind), as
+large as the spill limit and sparse, sub-allocated by the same extent
+allocator as the pool. Writes and reads run on one worker thread so the
+daemon's loop keeps answering while bytes move; the store applies a finished
+write (frees the pool extent) on its own thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from sortedcontainers import SortedList
+
+from .allocator import ExtentAllocator
+
+SPILL_ALIGNMENT = 4096  # page-aligned file offsets keep reads and writes whole pages
+
+
+class SpillError(RuntimeError):
+    """The spill file cannot be created; the message names the directory and the fix."""
+
+
+class SpillOrder:
+    """Extents that may be spilled, first victim first."""
+
+    def __init__(self) -> None:
+        self._ranked: SortedList = SortedList()
+
+    def add(self, priority: int, step: int, key: int, session: int) -> None:
+        self._ranked.add((priority, step, key, session))
+
+    def discard(self, priority: int, step: int, key: int, session: int) -> None:
+        self._ranked.discard((priority, step, key, session))
+
+    def pop_first(self) -> tuple[int, int] | None:
+        """(session, key) of the extent backward needs last, or None when nothing may move."""
+        if not self._ranked:
+            return None
+        _, _, key, session = self._ranked.pop(0)
+        return session, key
+
+    def __len__(self) -> int:
+        return len(self._ranked)
+
+
+class SpillFile:
+    def __init__(self, directory: str, limit: int):
+        try:
+            fd = _unnamed_file(directory)
+            os.ftruncate(fd, limit)  # sparse: disk blocks are used only where extents are written
+        except OSError as e:
+            raise SpillError(f"cannot create a spill file of {limit} bytes in {directory}: {e.strerror}; "
+                             f"set spill_dir to a writable local disk, lower spill_limit, or turn spill off") from None
+        self.fd = fd
+        self.directory = directory
+        self.space = ExtentAllocator(limit, alignment=SPILL_ALIGNMENT)
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="stormd-spill")
+
+    def write(self, src: torch.Tensor) -> tuple[int, Future] | None:
+        """Start copying ``src`` (a pool view) to the file: (file offset, future), or None when full."""
+        where = self.space.alloc(src.numel())
+        if where is None:
+            return None
+        return where, self._io.submit(_pwrite_all, self.fd, src, where)
+
+    def read(self, where: int, dst: torch.Tensor) -> Future:
+        """Start copying the bytes at file offset ``where`` into ``dst`` (a pool view)."""
+        return self._io.submit(_pread_all, self.fd, dst, where)
+
+    def release(self, where: int) -> None:
+        self.space.free(where)
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+        os.close(self.fd)
+
+
+def _unnamed_file(directory: str) -> int:
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    # a file system without O_TMPFILE: a named file, unlinked before any byte is written
+    path = os.path.join(directory, f"stormd-spill-{os.getpid()}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(path)
+    return fd
+
+
+def _pwrite_all(fd: int, src: torch.Tensor, where: int) -> None:
+    view = memoryview(src.numpy())
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], where + done)
+
+
+def _pread_all(fd: int, dst: torch.Tensor, where: int) -> None:
+    view = memoryview(dst.numpy())
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], where + done)
+        if n == 0:
+            raise OSError(f"spill file ended at {where + done} while reading back {len(view)} bytes")
+        done += n

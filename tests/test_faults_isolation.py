@@ -1,0 +1,188 @@
+"""Issue 7, item 4: who can reach stormd. The socket's directory and file keep other users out;
+tcp:// (open to every local user) is served only with CURVE keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+import zmq.auth
+from conftest import start_daemon, stop_daemon
+from helpers import RawClient
+from test_ops_daemon import wait_for_log
+
+import storm
+from stormd.auth import CLIENT_SECRET_ENV, SERVER_PUBLIC_ENV
+from stormd.config import ensure_private_dir
+from stormd.protocol import PROTOCOL_VERSION, pack
+
+NOBODY = 65534
+
+def probe(sock_path: Path, pool_path: str) -> dict:
+    """What a process can do with stormd's socket (as a plain unix socket and as a ZeroMQ client)
+    and its pool segment."""
+    out: dict = {"uid": os.getuid()}
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(sock_path))
+        out["connect"] = "connected"
+    except OSError as e:
+        out["connect"] = type(e).__name__
+    finally:
+        s.close()
+    ctx = zmq.Context()  # a fresh context: the forked child must not use the parent's
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(f"ipc://{sock_path}")
+    d.send(pack({"op": "HELLO", "id": 1, "version": PROTOCOL_VERSION, "pid": os.getpid(), "host": "x"}))
+    out["hello_answered"] = bool(d.poll(1500))
+    d.close()
+    ctx.term()
+    try:
+        open(pool_path, "rb").close()
+        out["pool"] = "opened"
+    except OSError as e:
+        out["pool"] = type(e).__name__
+    return out
+
+
+def as_other_user(sock: Path, pool: str) -> dict:
+    """``probe`` in a child that became uid/gid 65534 (fork, since that user cannot read this interpreter)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.write(w, json.dumps(probe(sock, pool)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, out
+    return json.loads(out)
+
+
+@pytest.fixture
+def open_parent():
+    """A directory every user may traverse, so only stormd's own directory and socket modes keep them out."""
+    d = Path(tempfile.mkdtemp(prefix="storm-iso-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    subprocess.run(["rm", "-rf", str(d)], check=False)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="switching to another uid needs root")
+def test_a_client_of_another_uid_is_refused(open_parent):
+    d = start_daemon(open_parent, "--pool-size", "1MiB", "--no-metrics")
+    try:
+        pool = RawClient(d.endpoint).hello()["pool"]["path"]
+        assert stat.S_IMODE(d.socket.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(d.socket.stat().st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(pool).st_mode) == 0o600
+        first = as_other_user(d.socket, pool)
+        assert first == {"uid": NOBODY, "connect": "PermissionError", "hello_answered": False,
+                         "pool": "PermissionError"}
+        d.socket.parent.chmod(0o711)  # even with the directory opened up, the socket file's mode holds
+        second = as_other_user(d.socket, pool)
+        assert second == first
+        assert RawClient(d.endpoint).call("STATUS")["node"]["clients"] == 1  # only the owner's session exists
+    finally:
+        stop_daemon(d)
+
+
+def test_socket_directory_others_can_enter_is_refused(tmp_path):
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o755)
+    with pytest.raises(PermissionError, match="open to other users"):
+        ensure_private_dir(loose)
+    r = subprocess.run([sys.executable, "-m", "stormd", "--socket", str(loose / "s.sock"), "--pool-size", "1MiB",
+                        "--no-metrics"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "open to other users" in r.stderr, r.stderr
+    if os.getuid() == 0:  # only root can hand a directory to another user
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, NOBODY, NOBODY)
+        with pytest.raises(PermissionError, match=f"belongs to uid {NOBODY}"):
+            ensure_private_dir(theirs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tcp_without_curve_keys_refuses_to_start(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "stormd", "--socket", f"tcp://127.0.0.1:{free_port()}",
+                        "--pool-size", "1MiB", "--no-metrics"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "tcp:// needs CURVE keys; set curve_secret_key and curve_authorized_keys" in r.stderr, r.stderr
+
+
+@pytest.fixture
+def curve_daemon(tmp_path):
+    keys = tmp_path / "keys"
+    authorized = tmp_path / "authorized"
+    strangers = tmp_path / "strangers"
+    for p in (keys, authorized, strangers):
+        p.mkdir()
+    server_public, server_secret = zmq.auth.create_certificates(keys, "server")
+    client_public, client_secret = zmq.auth.create_certificates(authorized, "client")
+    zmq.auth.create_certificates(strangers, "stranger")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    log = tmp_path / "stormd.log"
+    proc = subprocess.Popen([sys.executable, "-m", "stormd", "--socket", endpoint, "--pool-size", "4MiB",
+                             "--no-metrics", "--curve-secret-key", server_secret,
+                             "--curve-authorized-keys", str(authorized)],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    from conftest import Daemon
+    d = Daemon(tmp_path / "unused", proc, log)
+    wait_for_log(d, "stormd ready", timeout=30)
+    yield endpoint, server_public, client_secret, strangers / "stranger.key_secret"
+    storm.close_all()
+    proc.terminate()
+    assert proc.wait(10) == 0, log.read_text()
+
+
+def test_tcp_serves_only_clients_with_an_authorized_curve_key(curve_daemon, monkeypatch):
+    endpoint, server_public, client_secret, stranger_secret = curve_daemon
+    monkeypatch.setenv(SERVER_PUBLIC_ENV, server_public)
+    monkeypatch.setenv(CLIENT_SECRET_ENV, client_secret)
+    lin, x = torch.nn.Linear(32, 32), torch.randn(16, 32)
+    with storm.offload(mode="daemon", socket=endpoint, min_bytes=0) as ctx:  # the authorized key
+        loss = lin(x).tanh().sum()
+    ctx.synchronize()  # in the daemon now, so backward must fetch them over the CURVE socket
+    loss.backward()
+    assert ctx.backend_name.startswith(f"stormd at {endpoint}") and ctx.stats.fetched > 0
+    storm.close_all()
+
+    from storm.connection import DaemonConnection
+    monkeypatch.setenv(CLIENT_SECRET_ENV, str(stranger_secret))  # a valid key pair the server does not know
+    t0 = time.monotonic()
+    with pytest.raises(storm.StormUnavailable, match="no stormd answered"):
+        DaemonConnection(endpoint, connect_timeout=1.5)
+    assert time.monotonic() - t0 < 5
+    monkeypatch.delenv(CLIENT_SECRET_ENV)
+    with pytest.raises(storm.StormUnavailable, match=CLIENT_SECRET_ENV):
+        DaemonConnection(endpoint)
+    plain = RawClient(endpoint, timeout_ms=1500)  # no CURVE at all: the handshake fails, nothing is read
+    with pytest.raises(zmq.Again):
+        plain.call("PING")
