@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import storm  # noqa: E402
 from storm.examples.models import same_bits  # noqa: E402
+from storm.report import progress  # noqa: E402
 from workloads import W1, W2, Workload  # noqa: E402
 
 GiB = 1 << 30
@@ -156,16 +157,17 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
                     plan += [(f"storm-budget-{int(f * 100)}%", "storm", {**base_opts, "budget": f})
                              for f in (0.25, 0.5, 0.75, 1.0)]
                     plan.append(("storm-budget-fit", "storm", base_opts))
-            for name, method, opts in plan:
-                if name == "storm-budget-fit":  # the bytes the link carries during forward
-                    fwd_ms = rows.get("none", {}).get("forward_ms")
-                    if fwd_ms is None:
-                        continue
-                    opts = {**opts, "budget": int(bw["d2h_GBps"] * 1e9 * fwd_ms / 1e3)}
-                r = run(w, method, args.steps, args.warmup, opts, device)
-                rows[name] = r
-                print(f"{w.name} {name}: {r}", flush=True)
-                write(args, {**results, w.name: rows})  # what is done survives a time limit
+            with progress(len(plan), w.name) as advance:
+                for name, method, opts in plan:
+                    if name == "storm-budget-fit":  # the bytes the link carries during forward
+                        fwd_ms = rows.get("none", {}).get("forward_ms")
+                        if fwd_ms is None:
+                            continue
+                        opts = {**opts, "budget": int(bw["d2h_GBps"] * 1e9 * fwd_ms / 1e3)}
+                    r = run(w, method, args.steps, args.warmup, opts, device)
+                    rows[name] = r
+                    advance(f"{w.name} {name}: {r}")
+                    write(args, {**results, w.name: rows})  # what is done survives a time limit
             c = rows.get("none", {}).get("step_ms")
             for r in rows.values():
                 if "to_host_GiB" in r:

@@ -15,11 +15,13 @@ not the step time.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -91,3 +93,25 @@ def plot_memory(timelines: list[Timeline], path: str | Path, title: str, size_px
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+@contextlib.contextmanager
+def progress(total: int, label: str, quiet: bool = False) -> Iterator[Callable[[str], None]]:
+    """Yields ``advance(line)``: prints a line (unless ``quiet``) and moves a bar one unit of ``total``.
+
+    rich draws the bar (it is already a dependency, for stormctl's tables) with the
+    lines scrolling above it; there is no bar when stdout is not a terminal (a log
+    file or a pipe gets the plain lines) or when ``quiet``.
+    """
+    if quiet or not sys.stdout.isatty():
+        yield (lambda line: None) if quiet else print
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
+        task = bar.add_task(label, total=total)
+
+        def advance(line: str) -> None:
+            bar.console.print(line, markup=False, highlight=False)
+            bar.advance(task)
+        yield advance

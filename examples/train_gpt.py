@@ -18,14 +18,14 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch.profiler import record_function
 
 import storm
 from storm.examples.models import GPT, same_bits
-from storm.report import BACKWARD, FORWARD, memory_timeline, plot_memory
+from storm.report import BACKWARD, FORWARD, memory_timeline, plot_memory, progress
 
 
 def corpus(device: torch.device) -> torch.Tensor:
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print(plot_step(model, x, y, args))
 
     total_bytes = total_tensors = 0
-    with progress_bar(args) as advance:
+    with progress(args.steps, "training", quiet=args.quiet) as advance:
         for step in range(args.steps):
             ms, loss, off = train_step(model, opt, x, y, args)
             st = off.stats
@@ -165,28 +165,6 @@ def train_step(model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - t0) * 1e3, loss.item(), off
-
-
-@contextlib.contextmanager
-def progress_bar(args: argparse.Namespace) -> Iterator[Callable[[str], None]]:
-    """Yields ``advance(line)``: prints the step's line (unless --quiet) and moves the bar one step.
-
-    rich draws the bar (it is already a dependency, for stormctl's tables) with the
-    step lines scrolling above it; there is no bar when stdout is not a terminal
-    (a log file or a pipe gets the plain lines) or with --quiet.
-    """
-    if args.quiet or not sys.stdout.isatty():
-        yield (lambda line: None) if args.quiet else print
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
-        task = bar.add_task("steps", total=args.steps)
-
-        def advance(line: str) -> None:
-            bar.console.print(line, markup=False, highlight=False)
-            bar.advance(task)
-        yield advance
 
 
 if __name__ == "__main__":
