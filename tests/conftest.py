@@ -93,3 +93,16 @@ def small_daemon(tmp_path):
 @pytest.fixture
 def env_without_socket(monkeypatch, tmp_path):
     monkeypatch.setenv("STORMD_SOCKET", f"ipc://{tmp_path}/nobody/stormd.sock")
+
+
+def fall_back_then_reconnect(tmp_path: Path, step, *daemon_args: str) -> Daemon:
+    """After a daemon was killed: the next step (mode auto) runs embedded, and a daemon started
+    again on the same socket is used from the step after. Returns that daemon."""
+    with storm.offload(min_bytes=0) as ctx:
+        step()
+    assert ctx.backend_name == "embedded store" and ctx.stats.offloaded > 0
+    d = start_daemon(tmp_path, "--pool-size", "16MiB", *daemon_args)  # the stale socket file is replaced
+    with storm.offload(min_bytes=0) as ctx:
+        step()
+    assert ctx.backend_name.startswith("stormd")
+    return d

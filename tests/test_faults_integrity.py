@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import start_daemon, stop_daemon
+from conftest import fall_back_then_reconnect, start_daemon, stop_daemon
 from torch import nn
 
 import storm
@@ -74,13 +74,7 @@ def test_daemon_killed_during_forward(tmp_path, monkeypatch):
         assert time.monotonic() - t0 < DEAD_AFTER + HEARTBEAT + 2.0  # never a hang
         ctx.synchronize()
         assert ctx.stats.kept.get(storm.Keep.STORE_ERROR, 0) > 0  # b's tensors were kept, not lost
-        with storm.offload(min_bytes=0) as ctx:  # auto: the next step runs embedded
-            a(x).tanh().sum().backward()
-        assert ctx.backend_name == "embedded store" and ctx.stats.offloaded > 0
-        d = start_daemon(tmp_path, "--pool-size", "16MiB", "--no-metrics")
-        with storm.offload(min_bytes=0) as ctx:
-            a(x).tanh().sum().backward()
-        assert ctx.backend_name.startswith("stormd")
+        d = fall_back_then_reconnect(tmp_path, lambda: a(x).tanh().sum().backward(), "--no-metrics")
     finally:
         storm.close_all()
         stop_daemon(d)
