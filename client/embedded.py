@@ -27,7 +27,7 @@ class EmbeddedStore:
 
     def __init__(self, pool_size: int):
         self.pool = SharedPool.anonymous(pool_size)
-        self.service = Service(self.pool)
+        self.service = Service(self.pool, log_sessions=False)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # the mover thread and the training thread both call in
         hello = self.request("HELLO", version=PROTOCOL_VERSION, pid=os.getpid(), host=socket.gethostname()).result()

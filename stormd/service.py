@@ -38,8 +38,12 @@ class ErrorSink(Protocol):
 
 
 class Service:
-    def __init__(self, pool: SharedPool, error_log: ErrorSink | None = None, store_options: StoreOptions | None = None):
+    def __init__(self, pool: SharedPool, error_log: ErrorSink | None = None, store_options: StoreOptions | None = None,
+                 log_sessions: bool = True):
         self.pool = pool
+        # The daemon logs each connect and disconnect; the embedded store's only session is
+        # its own process, so a line about it would only be noise in the training log.
+        self.log_sessions = log_sessions
         self.store = Store(ExtentAllocator(pool.size), pool, store_options)
         self.sessions = SessionTable()
         self.draining = False
@@ -113,14 +117,16 @@ class Service:
             raise ProtocolError(ErrorCode.DRAINING, "the daemon is shutting down")
         s = self.sessions.open(f["pid"], f["host"], peer)
         self.store.open_session(s.id, f.get("name", ""))  # the name picks its quota and priority
-        log.info("client connected", extra={"session": s.id, "pid": s.pid, "host": s.host})
+        if self.log_sessions:
+            log.info("client connected", extra={"session": s.id, "pid": s.pid, "host": s.host})
         return ok(req.id, session=s.id, token=s.token, pool=self.pool.descriptor.to_wire(),
                   server=SERVER_NAME, version=PROTOCOL_VERSION)
 
     def end_session(self, s: Session, why: str) -> int:
         self.sessions.close(s.id)
         freed = self.store.drop_session(s.id)
-        log.info("client disconnected", extra={"session": s.id, "pid": s.pid, "why": why, "keys_freed": freed})
+        if self.log_sessions:
+            log.info("client disconnected", extra={"session": s.id, "pid": s.pid, "why": why, "keys_freed": freed})
         return freed
 
     def node_stats(self) -> dict[str, Any]:
