@@ -144,17 +144,19 @@ class Offload(contextlib.ContextDecorator):
 
 def _parse_budget(budget: int | float | str | None) -> int | float | None:
     """None, bytes (int or '8GiB'), or a fraction in (0, 1] of the step's offloadable bytes."""
-    if budget is None or isinstance(budget, bool):
-        return None if budget is None else _bad_budget(budget)
+    if budget is None:
+        return None
     if isinstance(budget, float):
-        return budget if 0.0 < budget <= 1.0 else _bad_budget(budget)
-    size = parse_size(budget)
-    return size if size >= 0 else _bad_budget(budget)
-
-
-def _bad_budget(budget: object) -> None:
-    raise ValueError(f"budget must be bytes (an int or a size such as '8GiB') or a fraction in (0, 1], "
-                     f"got {budget!r}")
+        value, valid = budget, 0.0 < budget <= 1.0
+    elif isinstance(budget, bool):  # an int to Python, but True/False bytes is surely a mistake
+        value, valid = budget, False
+    else:
+        value = parse_size(budget)
+        valid = value >= 0
+    if not valid:
+        raise ValueError(f"budget must be bytes (an int or a size such as '8GiB') or a fraction in (0, 1], "
+                         f"got {budget!r}")
+    return value
 
 
 def _module_names(modules: nn.Module | Iterable[nn.Module] | None) -> dict[int, str]:

@@ -94,16 +94,16 @@ class Step:
 
 
 class Stored:
-    def __init__(self, key: int, step: Step, t: torch.Tensor):
+    def __init__(self, key: int, step: Step, t: torch.Tensor, weak: StorageWeakRef, nbytes: int):
         self.key = key
         self.step = step
         self.index = len(step.order)
         self.layer = step.layer
-        self.nbytes = t.untyped_storage().nbytes()
+        self.nbytes = nbytes
         self.device = t.device
         self.tensor: torch.Tensor | None = t
         self.version = t._version
-        self.weak = StorageWeakRef(t.untyped_storage())
+        self.weak = weak  # also the dedup key (weak.cdata) while this step lasts
         self.described = _describe(t)
         self.state = State.HELD
         self.put: Transfer | None = None
@@ -188,7 +188,7 @@ class ClientSession:
         self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
         self._awaited: dict[int, torch.Tensor] = {}   # fetched bytes that more handles will unpack
         self.last_candidate_bytes: int | None = None
-        self._warned: set[str] = set()  # key -> weak ref to the fetched bytes
+        self._warned: set[str] = set()  # kinds of store failure already logged
 
     def new_step(self, budget: int | float | None = None) -> Step:
         """A step; ``budget``: bytes, or a fraction of the previous step's offloadable bytes
@@ -217,20 +217,20 @@ class ClientSession:
             return Kept(t)
         self.poll()
         with self._lock:
-            sid = StorageWeakRef(t.untyped_storage()).cdata
-            stored = step.by_storage.get(sid)
+            weak = StorageWeakRef(t.untyped_storage())
+            nbytes = t.untyped_storage().nbytes()
+            stored = step.by_storage.get(weak.cdata)
             if stored is not None and stored.state != State.FREED and not stored.weak.expired() \
-                    and stored.version == t._version and stored.nbytes == t.untyped_storage().nbytes():
+                    and stored.version == t._version and stored.nbytes == nbytes:
                 step.stats.record(step.layer, saved=1, deduplicated=1)
                 return Handle(self, stored, t)
-            nbytes = t.untyped_storage().nbytes()
             step.candidate_bytes += nbytes
             if step.stats.offloaded_bytes + nbytes > step.budget_bytes:
                 step.stats.record(step.layer, saved=1, keep=Keep.BUDGET, kept_bytes=nbytes)
                 return Kept(t)
-            stored = Stored(next(self._keys), step, t)
+            stored = Stored(next(self._keys), step, t, weak, nbytes)
             step.order.append(stored)
-            step.by_storage[sid] = stored
+            step.by_storage[weak.cdata] = stored
             handle = Handle(self, stored, t)
             ready = None
             if t.is_cuda:
@@ -272,7 +272,7 @@ class ClientSession:
             code = err.code if isinstance(err, StormRequestError) else None
             reason = {"POOL_FULL": Keep.POOL_FULL, "TOO_LARGE": Keep.POOL_FULL,
                       "QUOTA": Keep.QUOTA}.get(code, Keep.STORE_ERROR)
-            kind = f"{type(err).__name__}:{getattr(err, 'code', '')}"
+            kind = f"{type(err).__name__}:{code}"
             if reason == Keep.STORE_ERROR and kind not in self._warned:
                 self._warned.add(kind)  # once per kind of failure, not once per tensor
                 log.warning("storm: saved tensors stay where they are while the store refuses them: %s", err)
