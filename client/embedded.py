@@ -1,8 +1,10 @@
 """The embedded store: stormd's Service and pool inside the training process.
 
 It is what ``mode='auto'`` falls back to when no daemon answers, so a new user
-gets offload with nothing to start. Requests go through the same validation
-and store code as the daemon's, minus ZeroMQ; they complete at once.
+gets offload with nothing to start. Requests run through the daemon's store
+code, minus ZeroMQ and minus the schema check that guards the daemon from
+other processes (these come from this library, in this process); they
+complete at once.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from stormd.pool import SharedPool
-from stormd.protocol import PROTOCOL_VERSION
+from stormd.protocol import PROTOCOL_VERSION, Request
 from stormd.service import Service
 
 from .backend import settle
@@ -37,9 +39,10 @@ class EmbeddedStore:
 
     def request(self, op: str, **fields: Any) -> Future:
         fut: Future = Future()
-        auth = getattr(self, "_auth", {}) if op != "HELLO" else {}
+        if op != "HELLO":
+            fields.update(self._auth)
         with self._lock:
-            reply = self.service.handle_message({"op": op, "id": next(self._ids), **auth, **fields})
+            reply = self.service.handle_message(Request(op, next(self._ids), fields))
         settle(fut, reply)
         return fut
 

@@ -41,7 +41,6 @@ from torch import nn
 
 from stormd.config import parse_size
 
-from .gpu import hook_range
 from .policy import DEFAULT_MIN_BYTES, Policy
 from .session import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSession, OffloadStats, Step, session_for
 
@@ -63,6 +62,7 @@ class Offload(contextlib.ContextDecorator):
         self._session: ClientSession | None = None
         self._step: Step | None = None
         self._hooks: Any = None
+        self._stepped_aside = False  # hooks taken off once the budget was reached
         self._module_hooks: list[Any] = []
 
     def _recreate_cm(self) -> "Offload":
@@ -79,27 +79,34 @@ class Offload(contextlib.ContextDecorator):
         self._step = self._session.new_step(self._budget)
         session, step, policy = self._session, self._step, self._policy
 
+        # Once the budget is reached, the rest of forward stays on the device: STORM then
+        # takes its hooks off, so those saves cost no Python call (and get autograd's own
+        # in-place checks). Not when it is nested in another hook, which would take them over.
+        can_step_aside = self._budget is not None and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
         def pack(t: torch.Tensor) -> Any:
-            with hook_range("storm pack", t.device):
-                return session.save(t, step, policy)
+            packed = session.save(t, step, policy)
+            if step.budget_reached and can_step_aside and self._hooks is not None and not self._stepped_aside:
+                torch._C._autograd._pop_saved_tensors_default_hooks()  # what saved_tensors_hooks.__exit__ does
+                self._stepped_aside = True
+            return packed
 
-        def unpack(packed: Any) -> torch.Tensor:
-            with hook_range("storm unpack", packed.device):
-                return session.load(packed)
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        self._stepped_aside = False
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, session.load)
         self._hooks.__enter__()
         names = self._names
+        if names:  # name layers in the report; global module hooks cost every module call, so only on request
+            step.modules = []
 
-        def enter_module(m: nn.Module, args: Any) -> None:
-            step.modules.append(names.get(id(m)) or type(m).__name__)
+            def enter_module(m: nn.Module, args: Any) -> None:
+                step.modules.append(names.get(id(m)) or type(m).__name__)
 
-        def leave_module(m: nn.Module, args: Any, out: Any) -> None:
-            if step.modules:
-                step.modules.pop()
+            def leave_module(m: nn.Module, args: Any, out: Any) -> None:
+                if step.modules:
+                    step.modules.pop()
 
-        self._module_hooks = [nn.modules.module.register_module_forward_pre_hook(enter_module),
-                              nn.modules.module.register_module_forward_hook(leave_module, always_call=True)]
+            self._module_hooks = [nn.modules.module.register_module_forward_pre_hook(enter_module),
+                                  nn.modules.module.register_module_forward_hook(leave_module, always_call=True)]
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -107,7 +114,8 @@ class Offload(contextlib.ContextDecorator):
             h.remove()
         self._module_hooks = []
         hooks, self._hooks = self._hooks, None
-        hooks.__exit__(*exc)
+        if not self._stepped_aside:
+            hooks.__exit__(*exc)
         self._session.end_step(self._step)
 
     @property
@@ -124,7 +132,8 @@ class Offload(contextlib.ContextDecorator):
         return self._session.backend.name
 
     def report(self) -> str:
-        """A table per layer: tensors and bytes offloaded, compression ratio, what stayed, fetch wait."""
+        """A table per layer (layers are named with ``modules=``): tensors and bytes offloaded,
+        compression ratio, what stayed, fetch wait; and the total."""
         st = self.stats
         rows = [(name, c) for name, c in st.layers.items()] + [("total", st)]
         width = max(len(n) for n, _ in rows)
@@ -178,9 +187,11 @@ def offload(fn: Callable | None = None, /, **options: Any) -> Any:
     64 KiB), ``prefetch_bytes`` (how far ahead backward fetches), ``pool_size``
     (embedded store; default $STORM_POOL_SIZE or 2GiB), ``modules`` (whose
     parameters and buffers are never offloaded; also names the layers in
-    ``report()``), ``budget`` (offload only the earliest saves, which backward
-    needs last, up to this many bytes or this fraction of the previous step's
-    offloadable bytes), ``max_held_bytes`` (how many bytes may wait for their
+    ``report()``: without it the report has the total only, since tracking
+    layers hooks every module call), ``budget`` (offload only the earliest saves, which backward
+    needs last, up to this many bytes or this fraction of the previous full
+    step's offloadable bytes; past it, the rest of the step is saved by
+    autograd as without STORM), ``max_held_bytes`` (how many bytes may wait for their
     copy before saving blocks: bounds the memory a step holds beyond what it
     keeps).
     """

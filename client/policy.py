@@ -23,8 +23,8 @@ class Keep:
     DEVICE = "unsupported device"  # only cpu and cuda memory is copied
     LAZY_VIEW = "lazy conj/neg view"  # the conj/neg bit is not in the storage
     BUDGET = "over budget"         # later saves of a step beyond storm.offload(budget=...)
-    POOL_FULL = "pool full"
-    QUOTA = "over quota"           # this client's share of the daemon's pool is used up        # the store had no room: the tensor stays, the step goes on
+    POOL_FULL = "pool full"          # the store had no room: the tensor stays, the step goes on
+    QUOTA = "over quota"           # this client's share of the daemon's pool is used up
     STORE_ERROR = "store error"    # the store refused or went away: the tensor stays
 
 
@@ -43,15 +43,18 @@ class Policy:
         return Policy(min_bytes, frozenset(ptrs))
 
     def keep_reason(self, t: torch.Tensor) -> str | None:
-        """None when ``t`` should be offloaded, else the reason it stays."""
-        if isinstance(t, nn.Parameter):
-            return Keep.PARAMETER
+        """None when ``t`` should be offloaded, else the reason it stays.
+
+        Called for every saved tensor on the training thread: exact type checks come
+        first (``isinstance(t, Parameter)`` runs Python code in Parameter's metaclass)."""
         if type(t) is not torch.Tensor:
-            return Keep.SUBCLASS
-        base = t._base if t._base is not None else t
-        if isinstance(base, nn.Parameter):
+            return Keep.PARAMETER if isinstance(t, nn.Parameter) else Keep.SUBCLASS
+        base = t._base
+        if base is None:
+            base = t
+        elif type(base) is not torch.Tensor and isinstance(base, nn.Parameter):
             return Keep.PARAMETER
-        if base.is_leaf and base.requires_grad:
+        if base.requires_grad and base.is_leaf:
             return Keep.LEAF
         if t.layout != torch.strided:
             return Keep.LAYOUT

@@ -16,7 +16,6 @@ import atexit
 import collections
 import itertools
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -28,6 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .backend import Backend, close_backends, open_backend
 from .errors import StormError, StormInPlaceError, StormRequestError
+from .gpu import consume, pack_range, record_ready, unpack_range
 from .policy import Keep, Policy
 from .transfer import Mover, PutRequest, Transfer, storage_bytes
 
@@ -62,17 +62,33 @@ class Counters:
 
 @dataclass
 class OffloadStats(Counters):
-    """What one ``storm.offload`` step did, in total and per layer (the innermost module
-    running when the tensor was saved). Fetch counters grow during its backward."""
+    """What one ``storm.offload`` step did, in total and, when its layers are named
+    (``modules=``), per layer: the innermost module running when the tensor was
+    saved. Fetch counters grow during its backward."""
 
     layers: dict[str, Counters] = field(default_factory=dict)
 
-    def record(self, layer: str, keep: str | None = None, **deltas: float) -> None:
-        for c in (self, self.layers.setdefault(layer, Counters())):
+    def _counters(self, layer: str | None) -> tuple[Counters, ...]:
+        if layer is None:
+            return (self,)
+        c = self.layers.get(layer)
+        if c is None:
+            c = self.layers[layer] = Counters()
+        return self, c
+
+    def record(self, layer: str | None, keep: str | None = None, **deltas: float) -> None:
+        for c in self._counters(layer):
             for name, d in deltas.items():
                 setattr(c, name, getattr(c, name) + d)
             if keep is not None:
                 c.kept[keep] = c.kept.get(keep, 0) + 1
+
+    def record_kept(self, layer: str | None, reason: str, nbytes: int) -> None:
+        """A save that stays where it is: the most common call, so spelled out."""
+        for c in self._counters(layer):
+            c.saved += 1
+            c.kept_bytes += nbytes
+            c.kept[reason] = c.kept.get(reason, 0) + 1
 
 
 class Step:
@@ -82,14 +98,19 @@ class Step:
         self.number = number
         self.budget_bytes = budget_bytes  # offload the earliest saves up to this many bytes
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
+        self.kept_passed = 0              # bytes kept over budget that backward has unpacked
+        self.budget_reached = False       # a save did not fit (storm.offload may then take its hooks off)
         self.order: list[Stored] = []
         self.by_storage: dict[int, Stored] = {}
         self.cursor = 1 << 62  # order[cursor:] has been considered for prefetch
         self.stats = OffloadStats()
-        self.modules: list[str] = []  # names of the modules running now, innermost last
+        self.modules: list[str] | None = None  # with named layers: the modules running now, innermost last
 
     @property
-    def layer(self) -> str:
+    def layer(self) -> str | None:
+        """The layer saves are counted under now; None when layers are not named."""
+        if self.modules is None:
+            return None
         return self.modules[-1] if self.modules else "(outside modules)"
 
 
@@ -137,18 +158,22 @@ class Handle:
             storage, self.storage_offset, self.shape, self.strides)
 
     def __del__(self) -> None:
-        self._session.dropped.put(self.stored)
+        self._session.dropped.append(self.stored)  # deque.append is atomic: safe from any thread
 
 
 class Kept:
     """A saved tensor that stays where it is, with its version, so unpack can still
-    detect in-place changes (autograd's own check is off under saved_tensors_hooks)."""
+    detect in-place changes (autograd's own check is off under saved_tensors_hooks).
+    One kept over the budget also marks how far backward has come, for prefetch."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "step", "index", "nbytes")
 
-    def __init__(self, t: torch.Tensor):
+    def __init__(self, t: torch.Tensor, step: Step | None = None, nbytes: int = 0):
         self.tensor = t
         self.version = t._version
+        self.step = step                                      # set for tensors kept over the budget
+        self.index = len(step.order) if step is not None else 0  # offloaded saves before this one
+        self.nbytes = nbytes
 
     @property
     def device(self) -> torch.device:
@@ -177,7 +202,7 @@ class ClientSession:
         self.mover = Mover(backend)
         self.prefetch_bytes = prefetch_bytes
         self.max_held_bytes = max_held_bytes
-        self.dropped: queue.SimpleQueue[Stored] = queue.SimpleQueue()
+        self.dropped: collections.deque[Stored] = collections.deque()  # handles autograd let go of
         self._lock = threading.RLock()
         self._keys = itertools.count(1)
         self._steps = itertools.count(1)
@@ -191,8 +216,8 @@ class ClientSession:
         self._warned: set[str] = set()  # kinds of store failure already logged
 
     def new_step(self, budget: int | float | None = None) -> Step:
-        """A step; ``budget``: bytes, or a fraction of the previous step's offloadable bytes
-        (the first step, with nothing to go by, offloads all)."""
+        """A step; ``budget``: bytes, or a fraction of the offloadable bytes of the last step
+        that stayed within its budget (the first step, with nothing to go by, offloads all)."""
         if budget is None or (isinstance(budget, float) and self.last_candidate_bytes is None):
             limit = float("inf")
         elif isinstance(budget, float):
@@ -204,44 +229,52 @@ class ClientSession:
     def end_step(self, step: Step) -> None:
         """Forward is over: remember its size for fraction budgets. Prefetch waits for backward's
         first unpack: fetching at the end of forward would bring bytes back at the memory peak."""
-        self.last_candidate_bytes = step.candidate_bytes
+        if not step.budget_reached:  # past the budget the hooks may have stopped seeing saves
+            self.last_candidate_bytes = step.candidate_bytes
         self.poll()
 
     # --- saving -------------------------------------------------------------
 
     def save(self, t: torch.Tensor, step: Step, policy: Policy) -> Handle | Kept:
-        """pack: a Handle for an offloaded tensor, or a Kept when it stays where it is."""
+        """pack: a Handle for an offloaded tensor, or a Kept when it stays where it is.
+
+        Runs once per saved tensor on the training thread, where every microsecond is a
+        microsecond the GPU may wait for its next kernel: the paths that keep a tensor
+        come first and touch little."""
         reason = policy.keep_reason(t)
         if reason is not None:
-            step.stats.record(step.layer, saved=1, keep=reason, kept_bytes=t.numel() * t.element_size())
+            step.stats.record_kept(step.layer, reason, t.numel() * t.element_size())
             return Kept(t)
-        self.poll()
-        with self._lock:
-            weak = StorageWeakRef(t.untyped_storage())
-            nbytes = t.untyped_storage().nbytes()
-            stored = step.by_storage.get(weak.cdata)
-            if stored is not None and stored.state != State.FREED and not stored.weak.expired() \
-                    and stored.version == t._version and stored.nbytes == nbytes:
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        stored = step.by_storage.get(storage._cdata)
+        if stored is not None and stored.state != State.FREED and not stored.weak.expired() \
+                and stored.version == t._version and stored.nbytes == nbytes:
+            with self._lock:
                 step.stats.record(step.layer, saved=1, deduplicated=1)
                 return Handle(self, stored, t)
-            step.candidate_bytes += nbytes
-            if step.stats.offloaded_bytes + nbytes > step.budget_bytes:
-                step.stats.record(step.layer, saved=1, keep=Keep.BUDGET, kept_bytes=nbytes)
-                return Kept(t)
-            stored = Stored(next(self._keys), step, t, weak, nbytes)
+        step.candidate_bytes += nbytes
+        if step.stats.offloaded_bytes + nbytes > step.budget_bytes:
+            step.budget_reached = True
+            step.stats.record_kept(step.layer, Keep.BUDGET, nbytes)
+            return Kept(t, step, nbytes)
+        with pack_range(t.device):
+            return self._offload(t, storage, nbytes, step)
+
+    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int, step: Step) -> Handle:
+        self.poll()
+        ready = record_ready(t.device) if t.is_cuda else None
+        meta = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                "strides": list(t.stride()), "storage_offset": t.storage_offset()}
+        with self._lock:
+            stored = Stored(next(self._keys), step, t, StorageWeakRef(storage), nbytes)
             step.order.append(stored)
-            step.by_storage[weak.cdata] = stored
+            step.by_storage[storage._cdata] = stored
             handle = Handle(self, stored, t)
-            ready = None
-            if t.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(t.device))
-            meta = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                    "strides": list(t.stride()), "storage_offset": t.storage_offset()}
             stored.put = self.mover.put(PutRequest(stored.key, step.number, storage_bytes(t), meta, ready))
             self._held.append(stored)
-            self._held_bytes += stored.nbytes
-            step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=stored.nbytes)
+            self._held_bytes += nbytes
+            step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
             oldest = self._held[0].put if self._held_bytes > self.max_held_bytes else None
         if oldest is not None:  # bound what waits on the mover; wait outside the lock
             oldest.wait()
@@ -250,15 +283,19 @@ class ClientSession:
 
     def poll(self) -> None:
         """Let go of tensors whose copy finished, and free keys nobody holds any more."""
+        held, dropped = self._held, self.dropped
+        try:
+            if not dropped and not held[0].put.done():
+                return  # the common case, checked without the lock
+        except IndexError:  # nothing held
+            if not dropped:
+                return
         frees: list[int] = []
         with self._lock:
-            while self._held and self._held[0].put.done():
-                frees.extend(self._release(self._held.popleft()))
-            while True:
-                try:
-                    stored = self.dropped.get_nowait()
-                except queue.Empty:
-                    break
+            while held and held[0].put.done():
+                frees.extend(self._release(held.popleft()))
+            while dropped:
+                stored = dropped.popleft()
                 stored.refs -= 1
                 if stored.refs == 0 and stored.state != State.HELD:
                     frees.extend(self._forget(stored))
@@ -315,7 +352,14 @@ class ClientSession:
     def load(self, handle: Handle | Kept) -> torch.Tensor:
         """unpack: the saved view, rebuilt from the store or from the still-held tensor."""
         if isinstance(handle, Kept):
-            return handle.unpack()
+            t = handle.unpack()
+            if handle.step is not None and handle.step.order:
+                self._passed(handle)
+            return t
+        with unpack_range(handle.device):
+            return self._restore(handle)
+
+    def _restore(self, handle: Handle) -> torch.Tensor:
         self.poll()
         stored = handle.stored
         stats = stored.step.stats
@@ -349,14 +393,20 @@ class ClientSession:
             stats.record(stored.layer, fetch_wait_s=time.perf_counter() - t0, fetched=1,
                          fetched_bytes=stored.nbytes)
             if arrived is not None:  # CUDA: the compute stream waits for the copy, the host does not
-                stream = torch.cuda.current_stream(stored.device)
-                stream.wait_event(arrived)
-                base.record_stream(stream)
+                consume(base, arrived)
             with self._lock:
                 self._restored[stored.key] = weakref.ref(base)
                 if stored.unpacks < stored.handles and stored.state != State.FREED:
                     self._awaited[stored.key] = base  # another view of it is still to come
         return handle.view_of(base.untyped_storage())
+
+    def _passed(self, kept: Kept) -> None:
+        """Backward reached a tensor kept over the budget: it is about to be freed, so the
+        offloaded tensors before it may come back by as many bytes, on top of the window."""
+        self.poll()  # copies that finished since forward are released, so prefetch can pass them
+        with self._lock:
+            kept.step.kept_passed += kept.nbytes
+            self._prefetch_ahead(kept.step, kept.index)
 
     def _prefetch_ahead(self, step: Step, index: int) -> None:
         """Start fetching the storages saved before ``index``, within the byte window.
@@ -366,7 +416,7 @@ class ClientSession:
         still running (it may yet be needed from the device) and goes on once that
         copy is done. A second pass (retain_graph) fetches on demand."""
         step.cursor = min(step.cursor, index)
-        while step.cursor > 0 and self._prefetched_bytes < self.prefetch_bytes:
+        while step.cursor > 0 and self._prefetched_bytes < self.prefetch_bytes + step.kept_passed:
             s = step.order[step.cursor - 1]
             if s.state == State.HELD:
                 return

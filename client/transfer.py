@@ -54,7 +54,7 @@ class PutRequest:
     step: int
     source: torch.Tensor   # uint8 view of the storage to store
     meta: dict[str, Any]   # dtype, shape, strides, storage_offset of the saved view
-    ready: Any = None      # torch.cuda.Event recorded where the tensor was produced, or None
+    ready: Any = None      # gpu.CopyEvent recorded where the tensor was produced, or None
 
 
 class Transfer:
@@ -106,13 +106,26 @@ class Mover:
         reply = self.backend.request("PUT", key=req.key, step=req.step, nbytes=req.source.numel(), codec="raw",
                                      **req.meta)
         streams = self._streams_for(req.source.device) if req.source.is_cuda else None
-        return Transfer(self._worker.submit(self._put, req, reply, streams))
+        return self._start(reply, streams, self._put, req, reply, streams)
 
     def get(self, key: int, nbytes: int, device: torch.device, after: Any = None) -> Transfer:
         """Fetch a key's bytes into a fresh uint8 tensor on ``device``; ``after``: the put's CUDA event."""
         reply = self.backend.request("GET", key=key)
         streams = self._streams_for(device) if device.type == "cuda" else None
-        return Transfer(self._worker.submit(self._get, key, nbytes, reply, streams, after))
+        return self._start(reply, streams, self._get, key, nbytes, reply, streams, after)
+
+    def _start(self, reply: Future, streams: DeviceStreams | None, fn: Any, *args: Any) -> Transfer:
+        """Run ``fn`` on the worker; or here, when the reply is in (the embedded store answers at
+        once) and the copy is a CUDA one, which only queues work on a stream: a hop to the worker
+        would cost more than that, and its Python competes with the training thread for the GIL."""
+        if streams is None or not reply.done():
+            return Transfer(self._worker.submit(fn, *args))
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except Exception as e:  # the worker's Future would carry it too
+            fut.set_exception(e)
+        return Transfer(fut)
 
     def request(self, op: str, **fields: Any) -> Future:
         """A request queued behind the transfers already submitted (so STATS sees earlier FREEs)."""
@@ -130,22 +143,22 @@ class Mover:
 
     def _put(self, req: PutRequest, reply: Future, streams: DeviceStreams | None) -> tuple[None, Any]:
         offset = _wait(self.backend, "PUT", reply)["offset"]
-        dst = self.backend.pool.view(offset, req.source.numel())
-        if streams is None:
-            dst.copy_(req.source)
-            _wait(self.backend, "SEAL", self.backend.request("SEAL", key=req.key, checksum=checksum(dst)))
-            return None, None
-        return None, streams.to_host(dst, req.source, req.ready)  # sealed once the event fired (seal())
+        nbytes = req.source.numel()
+        if streams is not None:  # sealed once the event has fired (seal())
+            return None, streams.to_host(self.backend.pool.address(offset, nbytes), req.source, req.ready)
+        dst = self.backend.pool.view(offset, nbytes)
+        dst.copy_(req.source)
+        _wait(self.backend, "SEAL", self.backend.request("SEAL", key=req.key, checksum=checksum(dst)))
+        return None, None
 
     def _get(self, key: int, nbytes: int, reply: Future, streams: DeviceStreams | None,
              after: Any) -> tuple[torch.Tensor, Any]:
         r = _wait(self.backend, "GET", reply)
         if r["nbytes"] != nbytes:
             raise StormIntegrityError(f"key {key}: store returned {r['nbytes']} bytes, {nbytes} were stored")
-        src = self.backend.pool.view(r["offset"], nbytes)
         if streams is not None:
-            return streams.to_device(src, after)
-        out = src.clone()
+            return streams.to_device(self.backend.pool.address(r["offset"], nbytes), nbytes, after)
+        out = self.backend.pool.view(r["offset"], nbytes).clone()
         if self.verify and r["checksum"] is not None and checksum(out) != r["checksum"]:
             raise StormIntegrityError(f"key {key}: the bytes in the pool no longer match their checksum; "
                                       f"the saved tensor is lost (pool memory was overwritten)")

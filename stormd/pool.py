@@ -95,11 +95,18 @@ class SharedPool:
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over [offset, offset + nbytes) of the pool (no copy)."""
+        return self._mapped(offset, nbytes)[offset:offset + nbytes]
+
+    def address(self, offset: int, nbytes: int) -> int:
+        """The virtual address of [offset, offset + nbytes) in this process (for CUDA copies)."""
+        return self._mapped(offset, nbytes).data_ptr() + offset
+
+    def _mapped(self, offset: int, nbytes: int) -> torch.Tensor:
         if self._bytes is None:
             raise PoolError("pool is closed")
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise PoolError(f"extent [{offset}, {offset + nbytes}) lies outside the pool of {self.size} bytes")
-        return self._bytes[offset:offset + nbytes]
+        return self._bytes
 
     def close(self) -> None:
         self._bytes = None

@@ -95,5 +95,13 @@ def test_budget_keeps_the_latest_saves_on_the_device():
         for _ in range(5):
             h = torch.tanh(lin(h))
     ctx.synchronize()
-    assert ctx.stats.offloaded_bytes <= 2 * one and ctx.stats.kept.get(storm.Keep.BUDGET, 0) >= 3
+    # Over the budget STORM takes its hooks off: later saves are autograd's own, never seen.
+    assert ctx.stats.offloaded_bytes <= 2 * one and ctx.stats.kept.get(storm.Keep.BUDGET, 0) == 1
+    assert ctx.stats.saved < 15  # 5 layers save 3 tensors each
+    lin2 = copy.deepcopy(lin)
     h.sum().backward()
+    h2 = x
+    for _ in range(5):
+        h2 = torch.tanh(lin2(h2))
+    h2.sum().backward()
+    assert same_bits(lin.weight.grad, lin2.weight.grad)

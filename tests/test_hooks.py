@@ -370,8 +370,27 @@ def test_byte_budget_offloads_the_earliest_saves_only():
     with storm.offload(mode="embedded", min_bytes=0, budget=3 * 128 * 128 * 4) as ctx:
         x, loss = chain_of_saves()
     ctx.synchronize()
-    assert ctx.stats.offloaded == 3 and ctx.stats.kept == {storm.Keep.BUDGET: 3}
+    # The fourth save is over the budget: it stays, and STORM takes its hooks off, so
+    # autograd saves the last two itself (they never reach STORM).
+    assert ctx.stats.offloaded == 3 and ctx.stats.kept == {storm.Keep.BUDGET: 1} and ctx.stats.saved == 4
     assert ctx.stats.offloaded_bytes == 3 * 128 * 128 * 4
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    loss.backward()
+    assert same_bits(x.grad, chain_grad(x))
+    # Backward reaching the kept save started the fetches of the offloaded ones before it.
+    assert ctx.stats.prefetch_hits == 3
+
+
+def test_budget_inside_another_hook_keeps_its_hooks():
+    """Nested in save_on_cpu, taking STORM's hooks off would hand the rest to save_on_cpu:
+    so it keeps them, and keeps those tensors on the device itself."""
+    with torch.autograd.graph.save_on_cpu():
+        with storm.offload(mode="embedded", min_bytes=0, budget=3 * 128 * 128 * 4) as ctx:
+            x, loss = chain_of_saves()
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        assert top is not None and top[0].__qualname__.startswith("save_on_cpu")
+    ctx.synchronize()
+    assert ctx.stats.offloaded == 3 and ctx.stats.kept == {storm.Keep.BUDGET: 3}
     loss.backward()
     assert same_bits(x.grad, chain_grad(x))
 

@@ -1,0 +1,110 @@
+"""Where a STORM step's time goes: host against GPU time per phase, and a profiler trace.
+
+    python bench/profile_step.py --out bench/results/profile-w1.json [--trace-dir DIR]
+
+For each variant (no offload; hooks with nothing offloaded; the budget that fits
+forward's link time; full offload) it reports, as medians over --steps steps:
+the step's wall time; how long forward and backward took on the host (the
+Python calls returning) and on the compute stream (events recorded on it). A
+host phase much longer than its GPU phase means STORM's host work is the
+bottleneck; a GPU phase longer than without offload means the compute stream
+waited for copies. With --trace-dir, one step of each variant is written as a
+gzipped Chrome trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gzip
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import storm  # noqa: E402
+from offload import link_bandwidth, write  # noqa: E402
+from workloads import W1, W2  # noqa: E402
+
+
+def step(model, x, opt, opts: dict | None) -> dict[str, float]:
+    """One training step; host and compute-stream durations of forward and backward (ms)."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    t0 = time.perf_counter()
+    ev[0].record()
+    if opts is None:
+        y = model(x)
+    else:
+        with storm.offload(**opts):
+            y = model(x)
+    ev[1].record()
+    t1 = time.perf_counter()
+    y.float().pow(2).mean().backward()
+    ev[2].record()
+    t2 = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    return {"step_ms": (t3 - t0) * 1e3, "host_fwd_ms": (t1 - t0) * 1e3, "host_bwd_ms": (t2 - t1) * 1e3,
+            "gpu_fwd_ms": ev[0].elapsed_time(ev[1]), "gpu_bwd_ms": ev[1].elapsed_time(ev[2])}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="W1", choices=["W1", "W2"])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--pool-size", default="8GiB")
+    p.add_argument("--trace-dir", default=None)
+    p.add_argument("--cprofile", action="store_true", help="print the Python functions that took the host's time")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    w = {"W1": W1, "W2": W2}[args.workload]
+    device = torch.device("cuda")
+    bw = link_bandwidth(device)
+    model, x = w.build(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    base = {"mode": "embedded", "pool_size": args.pool_size, "min_bytes": 1 << 20}
+    rows: dict = {}
+    variants = [("none", None), ("hooks-only", {**base, "budget": 0})]
+    for name, opts in variants + [("budget-fit", base), ("full", base), ("full-lowmem", base)]:
+        if name == "budget-fit":  # what the link carries while forward runs
+            opts = {**base, "budget": int(bw["d2h_GBps"] * 1e9 * rows["none"]["gpu_fwd_ms"] / 1e3)}
+        if name == "full-lowmem":
+            opts = {**base, "max_held_bytes": 256 << 20, "prefetch_bytes": 256 << 20}
+        for _ in range(args.warmup):
+            step(model, x, opt, opts)
+        prof = cProfile.Profile() if args.cprofile else None
+        if prof is not None:
+            prof.enable()
+        samples = [step(model, x, opt, opts) for _ in range(args.steps)]
+        if prof is not None:
+            prof.disable()
+            print(f"--- {name}: Python time over {args.steps} steps")
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(r"client|stormd|cuda|futures|threading", 30)
+        rows[name] = {k: round(statistics.median(s[k] for s in samples), 2) for k in samples[0]}
+        if opts is not None:
+            rows[name]["budget"] = opts.get("budget")
+        if args.trace_dir:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step(model, x, opt, opts)
+            Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+            tmp = Path(args.trace_dir) / f"{name}.json"
+            prof.export_chrome_trace(str(tmp))
+            with open(tmp, "rb") as f, gzip.open(f"{tmp}.gz", "wb") as g:
+                g.write(f.read())
+            tmp.unlink()
+        print(name, rows[name], flush=True)
+    write(args, {"link": bw, args.workload: rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
