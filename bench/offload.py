@@ -1,4 +1,4 @@
-"""W1/W2 step time and memory: no offload, checkpointing, save_on_cpu, STORM (embedded, daemon, budgets).
+"""W1/W2 step time and memory: no offload, checkpointing, save_on_cpu, STORM (embedded, daemon, budgets, spill).
 
     python bench/offload.py --out bench/results/offload.json            # timings (CUDA)
     python bench/offload.py --check --out bench/results/bitexact.json   # gradients, bit for bit
@@ -113,15 +113,48 @@ def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: t
     return r
 
 
-def start_daemon(pool_size: str) -> tuple[subprocess.Popen, str]:
+def start_daemon(pool_size: str, *flags: str) -> tuple[subprocess.Popen, str]:
     sock = Path(tempfile.mkdtemp()) / "run" / "stormd.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "stormd", "--socket", str(sock), "--pool-size", pool_size])
+    proc = subprocess.Popen([sys.executable, "-m", "stormd", "--socket", str(sock), "--pool-size", pool_size, *flags])
     deadline = time.monotonic() + 120
     while not sock.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError("stormd did not start")
         time.sleep(0.1)
     return proc, f"ipc://{sock}"
+
+
+def spill_run(w: Workload, rows: dict, opts: dict, args: argparse.Namespace, device: torch.device) -> dict:
+    """STORM through a daemon whose pool holds a quarter of a step's offloaded bytes, spill on:
+    the rest goes to a file on local disk and is read back ahead of backward. Reports the
+    bytes spilled per step and the cost per spilled GB against the daemon without spill."""
+    ref = rows.get("storm-daemon") or rows.get("storm-embedded")
+    if ref is None or "to_host_GiB" not in ref:
+        return {"error": "run after 'daemon' or 'embedded': the pool is sized from their bytes"}
+    pool = max(int(ref["to_host_GiB"] * GiB * args.spill_fraction), 64 << 20)
+    spill_dir = tempfile.mkdtemp(dir=args.spill_dir)
+    daemon, endpoint = start_daemon(str(pool), "--spill", "--spill-dir", spill_dir, "--spill-limit", "32GiB")
+    try:
+        # What a step holds in the pool at once (copies in flight, fetched and not yet freed)
+        # must fit beside what is being spilled and read back.
+        opts = {**opts, "socket": endpoint, "max_held_bytes": pool // 4, "prefetch_bytes": pool // 4}
+        node = storm.stats(mode="daemon", socket=endpoint)["node"]
+        try:
+            r = run(w, "storm", args.steps, args.warmup, opts, device)
+        except storm.StormError as e:
+            return {"error": str(e), "pool_bytes": pool}
+        after = storm.stats(mode="daemon", socket=endpoint)["node"]
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    steps = args.steps + args.warmup
+    spilled = (after["spilled_total"] - node["spilled_total"]) / steps
+    r.update(pool_bytes=pool, spilled_GB_per_step=round(spilled / 1e9, 3),
+             read_back_GB_per_step=round((after["read_back_total"] - node["read_back_total"]) / steps / 1e9, 3),
+             read_back_waited_on_get=after["read_back_on_get"] - node["read_back_on_get"])
+    if "step_ms" in r and "step_ms" in ref and spilled:
+        r["ms_per_spilled_GB"] = round((r["step_ms"] - ref["step_ms"]) / (spilled / 1e9), 2)
+    return r
 
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
@@ -157,8 +190,14 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
                     plan += [(f"storm-budget-{int(f * 100)}%", "storm", {**base_opts, "budget": f})
                              for f in (0.25, 0.5, 0.75, 1.0)]
                     plan.append(("storm-budget-fit", "storm", base_opts))
+            if "spill" in args.methods:
+                plan.append(("storm-daemon-spill", "storm", {**base_opts, "mode": "daemon"}))
             with progress(len(plan), w.name) as advance:
                 for name, method, opts in plan:
+                    if name == "storm-daemon-spill":
+                        rows[name] = spill_run(w, rows, opts, args, device)
+                        advance(f"{w.name} {name}: {rows[name]}")
+                        continue
                     if name == "storm-budget-fit":  # the bytes the link carries during forward
                         fwd_ms = rows.get("none", {}).get("forward_ms")
                         if fwd_ms is None:
@@ -266,6 +305,9 @@ def main() -> int:
     p.add_argument("--max-held", type=int, default=512 << 20)
     p.add_argument("--prefetch", type=int, default=512 << 20)
     p.add_argument("--batch", type=int, default=None, help="override the workloads' batch size")
+    p.add_argument("--spill-fraction", type=float, default=0.25,
+                   help="spill method: the daemon's pool as a fraction of a step's offloaded bytes")
+    p.add_argument("--spill-dir", default="/var/tmp", help="spill method: where the spill file goes (local disk)")
     p.add_argument("--budget", default=None, help="storm.offload(budget=...) for the embedded/daemon methods")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="also draw GPU memory over one step of the first workload, without and with STORM")

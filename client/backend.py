@@ -31,7 +31,7 @@ class Backend(Protocol):
     name: str
     alive: bool  # False once a daemon connection has lost its daemon
 
-    def request(self, op: str, **fields: Any) -> Future:
+    def request(self, op: str, **fields: Any) -> Future | Settled:
         """Send a request; the future gives the reply's fields or raises StormRequestError."""
 
     def close(self) -> None: ...
@@ -39,10 +39,46 @@ class Backend(Protocol):
 
 def settle(fut: Future, reply: dict[str, Any]) -> None:
     """Complete ``fut`` from a reply map: its fields, or StormRequestError for an error reply."""
-    if reply.get("ok"):
+    error = _error(reply)
+    if error is None:
         fut.set_result(reply)
     else:
-        fut.set_exception(StormRequestError(str(reply.get("error")), str(reply.get("message"))))
+        fut.set_exception(error)
+
+
+def _error(reply: dict[str, Any]) -> StormRequestError | None:
+    return None if reply.get("ok") else StormRequestError(str(reply.get("error")), str(reply.get("message")))
+
+
+class Settled:
+    """A result that is in already: the part of Future's interface the client uses, without
+    the condition variable a Future builds, locks and notifies (on the lent host that cost
+    more than the embedded store's whole request)."""
+
+    __slots__ = ("_value", "_error")
+
+    def __init__(self, value: Any = None, error: BaseException | None = None):
+        self._value, self._error = value, error
+
+    @classmethod
+    def reply(cls, reply: dict[str, Any]) -> "Settled":
+        """From a reply map, like ``settle``."""
+        error = _error(reply)
+        return cls(None if error is not None else reply, error)
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn: Any) -> None:
+        fn(self)
 
 
 _lock = threading.Lock()

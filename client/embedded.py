@@ -13,14 +13,13 @@ import itertools
 import os
 import socket
 import threading
-from concurrent.futures import Future
 from typing import Any
 
 from stormd.pool import SharedPool
 from stormd.protocol import PROTOCOL_VERSION, Request
 from stormd.service import Service
 
-from .backend import settle
+from .backend import Settled
 from .gpu import unpin_pool
 
 
@@ -37,14 +36,12 @@ class EmbeddedStore:
         self.session = hello["session"]
         self.name = "embedded store"
 
-    def request(self, op: str, **fields: Any) -> Future:
-        fut: Future = Future()
+    def request(self, op: str, **fields: Any) -> Settled:
         if op != "HELLO":
             fields.update(self._auth)
         with self._lock:
             reply = self.service.handle_message(Request(op, next(self._ids), fields))
-        settle(fut, reply)
-        return fut
+        return Settled.reply(reply)
 
     def close(self) -> None:
         self.request("BYE")

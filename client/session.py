@@ -29,7 +29,7 @@ from .backend import Backend, close_backends, open_backend
 from .errors import StormError, StormInPlaceError, StormRequestError
 from .gpu import consume, pack_range, record_ready, unpack_range
 from .policy import Keep, Policy
-from .transfer import Mover, PutRequest, Transfer, storage_bytes
+from .transfer import Mover, PutRequest, Transfer
 
 log = logging.getLogger("storm")
 
@@ -100,6 +100,7 @@ class Step:
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
         self.kept_passed = 0              # bytes kept over budget that backward has unpacked
         self.budget_reached = False       # a save did not fit (storm.offload may then take its hooks off)
+        self.flush_queued = False         # a poll is queued for the end of the running backward
         self.order: list[Stored] = []
         self.by_storage: dict[int, Stored] = {}
         self.cursor = 1 << 62  # order[cursor:] has been considered for prefetch
@@ -125,13 +126,19 @@ class Stored:
         self.tensor: torch.Tensor | None = t
         self.version = t._version
         self.weak = weak  # also the dedup key (weak.cdata) while this step lasts
-        self.described = _describe(t)
+        self.shape, self.dtype = tuple(t.shape), t.dtype
+        self.producer = _producer(t)
         self.state = State.HELD
         self.put: Transfer | None = None
         self.refs = 0      # live handles
         self.handles = 0   # handles ever made (one per save of this storage)
         self.unpacks = 0
         self.in_store = False
+
+
+    def describe(self) -> str:
+        """For error messages (built only then: the tensor may be gone by now)."""
+        return _description(self.shape, self.dtype, self.producer)
 
 
 class Handle:
@@ -181,14 +188,18 @@ class Kept:
 
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:
-            raise StormInPlaceError(f"a saved {_describe(self.tensor)} was modified in place after autograd "
-                                    f"saved it; {_FIX}")
+            t = self.tensor
+            raise StormInPlaceError(f"a saved {_description(tuple(t.shape), t.dtype, _producer(t))} was "
+                                    f"modified in place after autograd saved it; {_FIX}")
         return self.tensor
 
 
-def _describe(t: torch.Tensor) -> str:
-    producer = type(t.grad_fn).__name__ if t.grad_fn is not None else "no grad_fn"
-    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor ({producer})"
+def _producer(t: torch.Tensor) -> str:
+    return type(t.grad_fn).__name__ if t.grad_fn is not None else "no grad_fn"
+
+
+def _description(shape: tuple[int, ...], dtype: torch.dtype, producer: str) -> str:
+    return f"{shape} {str(dtype).removeprefix('torch.')} tensor ({producer})"
 
 
 _FIX = ("make the op out of place (e.g. relu instead of relu_, x = x + y instead of x += y) "
@@ -271,7 +282,7 @@ class ClientSession:
             step.order.append(stored)
             step.by_storage[storage._cdata] = stored
             handle = Handle(self, stored, t)
-            stored.put = self.mover.put(PutRequest(stored.key, step.number, storage_bytes(t), meta, ready))
+            stored.put = self.mover.put(PutRequest(stored.key, step.number, storage, meta, ready))
             self._held.append(stored)
             self._held_bytes += nbytes
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
@@ -362,6 +373,7 @@ class ClientSession:
     def _restore(self, handle: Handle) -> torch.Tensor:
         self.poll()
         stored = handle.stored
+        self._free_at_backward_end(stored.step)
         stats = stored.step.stats
         with self._lock:
             if stored.state in (State.HELD, State.KEPT):
@@ -370,10 +382,10 @@ class ClientSession:
                 else:
                     return handle.view_of(stored.tensor.untyped_storage())
             if stored.state == State.MODIFIED:
-                raise StormInPlaceError(f"a saved {stored.described} was modified in place after autograd saved "
+                raise StormInPlaceError(f"a saved {stored.describe()} was modified in place after autograd saved "
                                         f"it and before STORM finished copying it, so its saved value is gone; {_FIX}")
             if stored.state == State.FREED:
-                raise StormError(f"saved {stored.described} was already freed (its graph was released)")
+                raise StormError(f"saved {stored.describe()} was already freed (its graph was released)")
             stored.unpacks += 1
             ref = self._restored.get(stored.key)
             base = ref() if ref is not None else None
@@ -404,9 +416,21 @@ class ClientSession:
         """Backward reached a tensor kept over the budget: it is about to be freed, so the
         offloaded tensors before it may come back by as many bytes, on top of the window."""
         self.poll()  # copies that finished since forward are released, so prefetch can pass them
+        self._free_at_backward_end(kept.step)
         with self._lock:
             kept.step.kept_passed += kept.nbytes
             self._prefetch_ahead(kept.step, kept.index)
+
+    def _free_at_backward_end(self, step: Step) -> None:
+        """Free what this backward released once it ends: without it the last handles to die
+        would wait in the store for the next step's first save."""
+        if not step.flush_queued:
+            step.flush_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ended(step))
+
+    def _backward_ended(self, step: Step) -> None:
+        step.flush_queued = False
+        self.poll()
 
     def _prefetch_ahead(self, step: Step, index: int) -> None:
         """Start fetching the storages saved before ``index``, within the byte window.

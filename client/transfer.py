@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import xxhash
 
-from .backend import Backend
+from .backend import Backend, Settled
 from .errors import StormIntegrityError, StormUnavailable
 from .gpu import DeviceStreams, pin_pool
 
@@ -34,9 +34,9 @@ REQUEST_TIMEOUT = 30.0
 log = logging.getLogger("storm")
 
 
-def storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A uint8 tensor over the whole storage ``t`` views (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``storage`` (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def checksum(buf: torch.Tensor) -> int:
@@ -52,7 +52,7 @@ def _log_failure(fut: Future) -> None:
 class PutRequest:
     key: int
     step: int
-    source: torch.Tensor   # uint8 view of the storage to store
+    source: torch.UntypedStorage  # the storage to store, whole
     meta: dict[str, Any]   # dtype, shape, strides, storage_offset of the saved view
     ready: Any = None      # gpu.CopyEvent recorded where the tensor was produced, or None
 
@@ -60,7 +60,7 @@ class PutRequest:
 class Transfer:
     """A copy in flight. ``result`` resolves to (tensor or None, CUDA event or None)."""
 
-    def __init__(self, result: Future):
+    def __init__(self, result: Future | Settled):
         self.result = result
 
     def done(self) -> bool:
@@ -103,7 +103,7 @@ class Mover:
         return s
 
     def put(self, req: PutRequest) -> Transfer:
-        reply = self.backend.request("PUT", key=req.key, step=req.step, nbytes=req.source.numel(), codec="raw",
+        reply = self.backend.request("PUT", key=req.key, step=req.step, nbytes=req.source.nbytes(), codec="raw",
                                      **req.meta)
         streams = self._streams_for(req.source.device) if req.source.is_cuda else None
         return self._start(reply, streams, self._put, req, reply, streams)
@@ -114,18 +114,16 @@ class Mover:
         streams = self._streams_for(device) if device.type == "cuda" else None
         return self._start(reply, streams, self._get, key, nbytes, reply, streams, after)
 
-    def _start(self, reply: Future, streams: DeviceStreams | None, fn: Any, *args: Any) -> Transfer:
+    def _start(self, reply: Future | Settled, streams: DeviceStreams | None, fn: Any, *args: Any) -> Transfer:
         """Run ``fn`` on the worker; or here, when the reply is in (the embedded store answers at
         once) and the copy is a CUDA one, which only queues work on a stream: a hop to the worker
         would cost more than that, and its Python competes with the training thread for the GIL."""
         if streams is None or not reply.done():
             return Transfer(self._worker.submit(fn, *args))
-        fut: Future = Future()
         try:
-            fut.set_result(fn(*args))
+            return Transfer(Settled(fn(*args)))
         except Exception as e:  # the worker's Future would carry it too
-            fut.set_exception(e)
-        return Transfer(fut)
+            return Transfer(Settled(error=e))
 
     def request(self, op: str, **fields: Any) -> Future:
         """A request queued behind the transfers already submitted (so STATS sees earlier FREEs)."""
@@ -141,17 +139,17 @@ class Mover:
         if keys:
             self.backend.request("FREE", keys=keys).add_done_callback(_log_failure)
 
-    def _put(self, req: PutRequest, reply: Future, streams: DeviceStreams | None) -> tuple[None, Any]:
+    def _put(self, req: PutRequest, reply: Future | Settled, streams: DeviceStreams | None) -> tuple[None, Any]:
         offset = _wait(self.backend, "PUT", reply)["offset"]
-        nbytes = req.source.numel()
+        nbytes = req.source.nbytes()
         if streams is not None:  # sealed once the event has fired (seal())
             return None, streams.to_host(self.backend.pool.address(offset, nbytes), req.source, req.ready)
         dst = self.backend.pool.view(offset, nbytes)
-        dst.copy_(req.source)
+        dst.copy_(storage_bytes(req.source))
         _wait(self.backend, "SEAL", self.backend.request("SEAL", key=req.key, checksum=checksum(dst)))
         return None, None
 
-    def _get(self, key: int, nbytes: int, reply: Future, streams: DeviceStreams | None,
+    def _get(self, key: int, nbytes: int, reply: Future | Settled, streams: DeviceStreams | None,
              after: Any) -> tuple[torch.Tensor, Any]:
         r = _wait(self.backend, "GET", reply)
         if r["nbytes"] != nbytes:
@@ -168,7 +166,7 @@ class Mover:
         self._worker.shutdown(wait=True)
 
 
-def _wait(backend: Backend, op: str, reply: Future) -> dict[str, Any]:
+def _wait(backend: Backend, op: str, reply: Future | Settled) -> dict[str, Any]:
     try:
         return reply.result(REQUEST_TIMEOUT)
     except TimeoutError:

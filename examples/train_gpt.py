@@ -26,6 +26,7 @@ from torch.profiler import record_function
 import storm
 from storm.examples.models import GPT, same_bits
 from storm.report import BACKWARD, FORWARD, memory_timeline, plot_memory, progress
+from storm.session import DEFAULT_MAX_HELD_BYTES
 
 
 def corpus(device: torch.device) -> torch.Tensor:
@@ -67,7 +68,8 @@ def check_first_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argpars
 
 
 def make_offload(args: argparse.Namespace) -> storm.Offload:
-    return storm.offload(mode=args.mode, socket=args.socket, min_bytes=args.min_bytes)
+    return storm.offload(mode=args.mode, socket=args.socket, min_bytes=args.min_bytes,
+                         max_held_bytes=args.max_held_bytes)
 
 
 def plot_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> str:
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default="auto", choices=["auto", "daemon", "embedded"])
     p.add_argument("--socket", default=None, help="stormd socket (default: $STORMD_SOCKET or the runtime dir)")
     p.add_argument("--min-bytes", type=int, default=64 << 10)
+    p.add_argument("--max-held-bytes", type=int, default=DEFAULT_MAX_HELD_BYTES,
+                   help="bytes whose copy may still be running before a save waits (0: every save waits)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the bit-exact first-step comparison")

@@ -419,3 +419,12 @@ def test_bad_budgets_are_refused():
     for bad in (0.0, 1.5, -3, "much", True):
         with pytest.raises(ValueError):
             storm.offload(budget=bad)
+
+
+def test_store_holds_nothing_once_backward_ends():
+    """The last handles die as backward finishes; their keys are freed then, not at the next step."""
+    with storm.offload(mode="embedded", min_bytes=0, max_held_bytes=0) as ctx:  # every copy done in forward
+        x, loss = chain_of_saves()
+    loss.backward()
+    store = ctx._session.backend.service.store
+    assert ctx.stats.offloaded == 6 and store.node_stats()["keys"] == 0

@@ -1,0 +1,257 @@
+"""At each GPU-memory budget, which method trains fastest: the step time against peak memory frontier.
+
+    python bench/frontier.py --out bench/results/frontier-w1.json --plot bench/results/frontier-w1.png   # CUDA
+    python bench/frontier.py --quick --workloads W1 W2 --out /tmp/frontier.json                         # smoke run
+    python bench/frontier.py --plot-only bench/results/frontier-w1.json --plot frontier.png             # any machine
+
+Per workload, with bench/offload.py's run() (median step time of --steps steps
+after --warmup; peak GPU memory above what was allocated before the steps):
+no offload, per-block checkpointing, save_on_cpu(pin_memory=True), STORM full
+offload, STORM with budget=b for each byte budget b (default: 10 fractions,
+0.1 to 1.0, of the no-offload peak), and per-block checkpointing of only the
+first k blocks, k = round(b / bytes one block's recompute removes). A budget b
+asks for a peak of at most (no-offload peak - b); plan() picks, per budget,
+the faster of STORM budget=b and first-k checkpointing among those that meet
+it. The lower bound per budget is max(no-offload step, b / D2H, b / H2D), with
+the pinned bandwidths measured in the same run. Without CUDA it exits 2,
+except --plot-only, which recomputes plans and bounds from a results JSON,
+prints the table and draws the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offload import GiB, link_bandwidth, run, write  # noqa: E402
+from stormd.config import parse_size  # noqa: E402
+from workloads import W1, W2, Net, Workload  # noqa: E402
+
+
+class FirstKCheckpointed(nn.Module):
+    """A Net whose blocks[i], i < k, are recomputed in backward; the rest save as usual."""
+
+    def __init__(self, net: Net, k: int):
+        super().__init__()
+        self.net, self.k = net, k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, b in enumerate(self.net.blocks):
+            x = checkpoint(b, x, use_reentrant=False) if i < self.k else b(x)
+        return x
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstK(Workload):
+    """The workload built as FirstKCheckpointed, so offload.run() measures it like any method."""
+
+    k: int = 0
+
+    def build(self, device: torch.device, ckpt: bool = False, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+        model, x = super().build(device, seed=seed)
+        return FirstKCheckpointed(model, self.k), x
+
+
+@dataclasses.dataclass
+class Measurements:
+    """One workload's measured rows, and what its budgets are taken from."""
+
+    total_bytes: int        # no-offload peak: budget b asks for a peak of at most total_bytes - b
+    bytes_per_block: float  # what recomputing one block removes: (no-offload - checkpoint-all peak) / layers
+    layers: int
+    rows: list[dict]
+
+    @classmethod
+    def of(cls, section: dict) -> "Measurements":
+        return cls(section["total_bytes"], section["bytes_per_block"], section["layers"], section["rows"])
+
+
+def budgets(total_bytes: int, points: int) -> list[int]:
+    """`points` budgets evenly spaced up to total_bytes: 10 points gives 0.1, 0.2, ... 1.0 of it."""
+    return [int(total_bytes * (i + 1) / points) for i in range(points)]
+
+
+def blocks_for(budget: int, m: Measurements) -> int:
+    """k such that checkpointing the first k blocks removes about `budget` bytes."""
+    if m.bytes_per_block <= 0:  # checkpointing removed nothing measurable: only all blocks can come close
+        return m.layers
+    return min(m.layers, round(budget / m.bytes_per_block))
+
+
+def lower_bound_ms(budget: int, none_ms: float, link: dict[str, float]) -> float:
+    """max(no-offload step, budget / D2H, budget / H2D): b bytes cross the link each way."""
+    return max(none_ms, budget / (link["d2h_GBps"] * 1e9) * 1e3, budget / (link["h2d_GBps"] * 1e9) * 1e3)
+
+
+def plan(budget: int, m: Measurements) -> dict | None:
+    """The recipe for `budget`: of (a) STORM budget=b alone and (b) checkpointing of the first
+    blocks_for(b) blocks with nothing offloaded, the one with the least measured step time whose
+    measured peak is at or under total_bytes - b; None when neither is. A measured-choice planner,
+    not a model-based one: it predicts nothing, it picks among runs that were made."""
+    cap = m.total_bytes - budget
+    k = blocks_for(budget, m)
+    fits = [r for r in m.rows if "step_ms" in r and r["peak_GiB"] * GiB <= cap
+            and ((r["method"] == "storm-budget" and r["budget_bytes"] == budget)
+                 or (r["method"] == "ckpt-first" and r["ckpt_blocks"] == k))]
+    return min(fits, key=lambda r: r["step_ms"], default=None)
+
+
+def summarize(section: dict, link: dict[str, float]) -> dict:
+    """The bound and the planner's choice per budget, from the measured rows."""
+    m = Measurements.of(section)
+    none_ms = next(r["step_ms"] for r in m.rows if r["method"] == "none")
+    bound, planner = [], []
+    for b in section["budgets"]:
+        lb = round(lower_bound_ms(b, none_ms, link), 2)
+        bound.append({"budget_bytes": b, "lower_bound_ms": lb})
+        choice = plan(b, m)
+        planner.append({"budget_bytes": b, "peak_cap_GiB": round((m.total_bytes - b) / GiB, 3),
+                        "choice": choice and choice["label"], "step_ms": choice and choice["step_ms"],
+                        "peak_GiB": choice and choice["peak_GiB"], "lower_bound_ms": lb})
+    return {"bound": bound, "planner": planner}
+
+
+def measure(args: argparse.Namespace, device: torch.device) -> dict:
+    link = link_bandwidth(device)
+    print(f"link: {link}", flush=True)
+    results: dict = {"link": link}
+    storm_opts = {"mode": "embedded", "min_bytes": 1 << 20, "pool_size": args.pool_size}
+    for w in (w for w in (W1, W2) if w.name in args.workloads):
+        sec: dict = {"layers": w.layers, "rows": []}
+        results[w.name] = sec
+
+        def add(label: str, method: str, workload: Workload, opts: dict, budget: int | None = None,
+                k: int | None = None) -> dict:
+            how = {"storm-budget": "storm", "ckpt-first": "none"}.get(method, method)  # run()'s own method names
+            r = run(workload, how, args.steps, args.warmup, opts, device)
+            if "peak_extra_GiB" in r:
+                r["peak_GiB"] = r.pop("peak_extra_GiB")
+            row = {"label": label, "method": method, "budget_bytes": budget, "ckpt_blocks": k, **r}
+            sec["rows"].append(row)
+            print(f"{w.name} {label}: {r}", flush=True)
+            write(args, results)  # what is done survives a time limit
+            return row
+
+        none, ckpt = add("none", "none", w, {}), add("checkpoint", "checkpoint", w, {})
+        if "error" in none or "error" in ckpt:
+            raise RuntimeError(f"{w.name}: the budgets are taken from the no-offload and checkpoint peaks, "
+                               f"and a run failed: none {none}, checkpoint {ckpt}")
+        sec["total_bytes"] = int(none["peak_GiB"] * GiB)
+        sec["bytes_per_block"] = (none["peak_GiB"] - ckpt["peak_GiB"]) * GiB / w.layers
+        sec["budgets"] = args.budgets or budgets(sec["total_bytes"], args.points)
+        add("save_on_cpu", "save_on_cpu", w, {})
+        add("storm-full", "storm", w, storm_opts)
+        for b in sec["budgets"]:
+            add(f"storm-budget {b / GiB:.2f}GiB", "storm-budget", w, {**storm_opts, "budget": b}, budget=b)
+        for k in sorted({blocks_for(b, Measurements.of(sec)) for b in sec["budgets"]}):
+            add(f"ckpt-first-{k}", "ckpt-first", FirstK(**dataclasses.asdict(w), k=k), {}, k=k)
+        sec.update(summarize(sec, link))
+        write(args, results)
+    return results
+
+
+def table(name: str, section: dict) -> str:
+    none_ms = next(r["step_ms"] for r in section["rows"] if r["method"] == "none")
+    lines = [f"{name}: no-offload peak {section['total_bytes'] / GiB:.3f} GiB, "
+             f"{section['bytes_per_block'] / GiB:.3f} GiB removed per recomputed block",
+             f"{'method':<24} {'step ms':>9} {'peak GiB':>9} {'x none':>7}"]
+    for r in section["rows"]:
+        if "step_ms" in r:
+            lines.append(f"{r['label']:<24} {r['step_ms']:>9.2f} {r['peak_GiB']:>9.3f} {r['step_ms'] / none_ms:>7.2f}")
+        else:
+            lines.append(f"{r['label']:<24} {r.get('error', 'failed'):>9}")
+    lines += ["", f"{'budget GiB':>10} {'peak cap GiB':>12} {'bound ms':>9}  {'planner choice':<24} {'step ms':>9} "
+              f"{'peak GiB':>9} {'x bound':>7}"]
+    for p in section["planner"]:
+        head = f"{p['budget_bytes'] / GiB:>10.3f} {p['peak_cap_GiB']:>12.3f} {p['lower_bound_ms']:>9.2f}  "
+        if p["choice"] is None:
+            lines.append(head + "none fits")
+        else:
+            lines.append(head + f"{p['choice']:<24} {p['step_ms']:>9.2f} {p['peak_GiB']:>9.3f} "
+                         f"{p['step_ms'] / p['lower_bound_ms']:>7.2f}")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    """Step time against peak memory, a marker series per method and the lower bound, a panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed, and none on a training node
+    import matplotlib.pyplot as plt
+
+    names = [n for n, s in results.items() if isinstance(s, dict) and "rows" in s]
+    fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 5.5), squeeze=False)
+    markers = {"none": "o", "checkpoint": "s", "save_on_cpu": "v", "storm": "D", "storm-budget": "^",
+               "ckpt-first": "x"}
+    for ax, name in zip(axes[0], names):
+        sec = results[name]
+        for method, marker in markers.items():
+            pts = [r for r in sec["rows"] if r["method"] == method and "step_ms" in r]
+            if pts:
+                ax.scatter([r["peak_GiB"] for r in pts], [r["step_ms"] for r in pts], marker=marker,
+                           label={"storm": "storm-full"}.get(method, method))
+        chosen = [p for p in sec["planner"] if p["choice"] is not None]
+        ax.scatter([p["peak_GiB"] for p in chosen], [p["step_ms"] for p in chosen], s=160, facecolors="none",
+                   edgecolors="black", label="planner's choice")
+        bound = sorted(((sec["total_bytes"] - b["budget_bytes"]) / GiB, b["lower_bound_ms"]) for b in sec["bound"])
+        ax.plot([x for x, _ in bound], [y for _, y in bound], "k--", label="lower bound at peak cap (total - b)")
+        ax.set_xlabel("peak GPU memory above the step's start (GiB)")
+        ax.set_ylabel("median step time (ms)")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", nargs="+", default=["W1"], choices=["W1", "W2"])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--points", type=int, default=10, help="budgets: this many fractions of the no-offload peak")
+    p.add_argument("--budgets", nargs="+", type=parse_size, default=None, metavar="SIZE",
+                   help="byte budgets instead of --points (bytes or e.g. 512MiB)")
+    p.add_argument("--pool-size", default="24GiB")
+    p.add_argument("--quick", action="store_true", help="3 budgets, --steps 3 --warmup 1: a smoke run")
+    p.add_argument("--out", help="results JSON (required unless --plot-only)")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw step time against peak memory")
+    p.add_argument("--plot-only", metavar="RESULTS.json", default=None,
+                   help="measure nothing: re-plan, print and (with --plot) draw from a results JSON")
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.warmup, args.points = 3, 1, 3
+    if args.plot_only:
+        results = json.loads(Path(args.plot_only).read_text())
+        for name, sec in results.items():
+            if isinstance(sec, dict) and "rows" in sec:
+                sec.update(summarize(sec, results["link"]))
+                print(table(name, sec) + "\n")
+        if args.plot:
+            plot(results, args.plot)
+        return 0
+    if not args.out:
+        p.error("--out is required unless --plot-only")
+    if not torch.cuda.is_available():
+        print("bench/frontier.py measures on CUDA and torch sees no CUDA device here; "
+              "--plot-only RESULTS.json --plot OUT.png draws saved results on any machine", file=sys.stderr)
+        return 2
+    results = measure(args, torch.device("cuda"))
+    for name in args.workloads:
+        print(table(name, results[name]) + "\n")
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
