@@ -67,7 +67,8 @@ def train(wid: int, cfg: dict[str, Any], endpoint: str, start: Any, out: Any, vi
     out.put(("ready", wid, os.getpid()))
     start.wait()
     times: list[float] = []
-    mismatches = tensors = moved = 0
+    tensors = moved = 0
+    mismatches: list[int] = []  # steps whose gradients differed
     for step in range(cfg["kill_at"] + 1 if victim else cfg["steps"]):
         batch = torch.randint(256, (cfg["batch"], cfg["seq_len"] + 1), generator=data_gen).to(device)
         x, y = batch[:, :-1], batch[:, 1:]
@@ -89,14 +90,16 @@ def train(wid: int, cfg: dict[str, Any], endpoint: str, start: Any, out: Any, vi
         moved += ctx.stats.offloaded_bytes + ctx.stats.fetched_bytes
         torch.manual_seed(seed * 100_003 + step)
         ref.loss(x, y).backward()
-        mismatches += any(not same_bits(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        if any(not same_bits(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())):
+            mismatches.append(step)
         opt.step()
         with torch.no_grad():  # the update of the reference, copied: both stay identical even after a mismatch
             for p, q in zip(model.parameters(), ref.parameters()):
                 p.copy_(q)
                 p.grad = q.grad = None
     wall = sum(times)
-    return {"worker": wid, "steps": len(times), "mismatches": mismatches, "offloaded_tensors": tensors,
+    return {"worker": wid, "steps": len(times), "mismatches": len(mismatches), "mismatch_steps": mismatches,
+            "offloaded_tensors": tensors,
             "moved_bytes": moved, "offload_wall_s": round(wall, 3), "tensors_per_s": round(tensors / wall, 1),
             "GB_per_s": round(moved / wall / 1e9, 4), "step_ms_p50": round(percentile(times, 0.5) * 1e3, 2),
             "step_ms_p99": round(percentile(times, 0.99) * 1e3, 2)}

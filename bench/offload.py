@@ -189,6 +189,7 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
                 elif m == "budgets":
                     plan += [(f"storm-budget-{int(f * 100)}%", "storm", {**base_opts, "budget": f})
                              for f in (0.25, 0.5, 0.75, 1.0)]
+                if m in ("budgets", "budget-fit"):
                     plan.append(("storm-budget-fit", "storm", base_opts))
             if "spill" in args.methods:
                 plan.append(("storm-daemon-spill", "storm", {**base_opts, "mode": "daemon"}))
@@ -325,7 +326,8 @@ def write(args: argparse.Namespace, results: dict) -> None:
     git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
     commit = git.stdout.strip() if git.returncode == 0 else os.environ.get("STORM_COMMIT", "unknown")
     results = {**results}
-    results["meta"] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    results["meta"] = {"device": device, "torch": torch.__version__,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "commit": commit, "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                        "command": " ".join(sys.argv)}

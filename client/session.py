@@ -134,6 +134,7 @@ class Stored:
         self.handles = 0   # handles ever made (one per save of this storage)
         self.unpacks = 0
         self.in_store = False
+        self.read: Transfer | None = None  # the last copy out of the store
 
 
     def describe(self) -> str:
@@ -223,6 +224,8 @@ class ClientSession:
         self._prefetched_bytes = 0
         self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
         self._awaited: dict[int, torch.Tensor] = {}   # fetched bytes that more handles will unpack
+        # (copies out of the store, key freed once they are done)
+        self._reading: collections.deque[tuple[list[Transfer], int]] = collections.deque()
         self.last_candidate_bytes: int | None = None
         self._warned: set[str] = set()  # kinds of store failure already logged
 
@@ -296,13 +299,16 @@ class ClientSession:
         """Let go of tensors whose copy finished, and free keys nobody holds any more."""
         held, dropped = self._held, self.dropped
         try:
-            if not dropped and not held[0].put.done():
+            if not dropped and not self._reading and not held[0].put.done():
                 return  # the common case, checked without the lock
         except IndexError:  # nothing held
-            if not dropped:
+            if not dropped and not self._reading:
                 return
         frees: list[int] = []
         with self._lock:
+            reading = self._reading
+            while reading and all(r.done() for r in reading[0][0]):  # copies finish about in order
+                frees.append(reading.popleft()[1])
             while held and held[0].put.done():
                 frees.extend(self._release(held.popleft()))
             while dropped:
@@ -339,21 +345,28 @@ class ClientSession:
         return self._forget(stored) if stored.refs == 0 else []  # its handles died during the copy
 
     def _forget(self, stored: Stored) -> list[int]:
+        """Returns the key to free now; a key whose bytes a copy may still be reading waits in
+        ``_reading`` for that copy: the unpack that queued it has returned long before the GPU
+        ran it, and a freed extent is the next PUT's, maybe another process's, to overwrite."""
         stored.state = State.FREED
         stored.tensor = None
         stored.step.by_storage.pop(stored.weak.cdata, None)
-        self._take_prefetched(stored)
+        unread = self._take_prefetched(stored)
         self._restored.pop(stored.key, None)
         self._awaited.pop(stored.key, None)
-        if stored.in_store:
-            stored.in_store = False
-            return [stored.key]
-        return []
+        if not stored.in_store:
+            return []
+        stored.in_store = False
+        reads = [r for r in (stored.read, unread) if r is not None and not r.done()]
+        if reads:
+            self._reading.append((reads, stored.key))
+            return []
+        return [stored.key]
 
     def synchronize(self) -> None:
         """Wait until every copy in flight has finished and been checked."""
         with self._lock:
-            pending = [s.put for s in self._held]
+            pending = [s.put for s in self._held] + [r for reads, _ in self._reading for r in reads]
         for transfer in pending:
             transfer.wait()
         self.poll()
@@ -402,6 +415,7 @@ class ClientSession:
         if base is None:
             t0 = time.perf_counter()
             base, arrived = fetch.result.result()  # raises what the fetch raised
+            stored.read = fetch
             stats.record(stored.layer, fetch_wait_s=time.perf_counter() - t0, fetched=1,
                          fetched_bytes=stored.nbytes)
             if arrived is not None:  # CUDA: the compute stream waits for the copy, the host does not

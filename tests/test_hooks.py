@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import logging
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -428,3 +430,28 @@ def test_store_holds_nothing_once_backward_ends():
     loss.backward()
     store = ctx._session.backend.service.store
     assert ctx.stats.offloaded == 6 and store.node_stats()["keys"] == 0
+
+
+def test_a_key_is_freed_only_once_the_copy_out_of_it_is_done(monkeypatch):
+    """Unpack returns as soon as a CUDA copy out of the pool is queued; until the GPU has run it,
+    the extent must stay allocated, or the next PUT (of any process) could overwrite it first.
+    Reads that report themselves unfinished stand in for such copies here."""
+    from storm.transfer import Mover, Transfer
+
+    copies_done = threading.Event()
+
+    class UnfinishedRead(Transfer):
+        def done(self) -> bool:
+            return copies_done.is_set() and super().done()
+
+    real_get = Mover.get
+    monkeypatch.setattr(Mover, "get", lambda self, *a, **k: UnfinishedRead(real_get(self, *a, **k).result))
+    with storm.offload(mode="embedded", min_bytes=0, max_held_bytes=0) as ctx:
+        x, loss = chain_of_saves()
+    loss.backward()
+    assert same_bits(x.grad, chain_grad(x))
+    store = ctx._session.backend.service.store
+    assert ctx.stats.fetched == 6 and store.node_stats()["keys"] == 6
+    copies_done.set()
+    ctx._session.poll()
+    assert store.node_stats()["keys"] == 0
