@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Callable
 
 import torch
 
+import provenance
 from storm.kernels import CODECS, CodecNotApplicable, associative_scan, decode, encode, verify_lossless
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,14 +198,6 @@ def profile(kind: str, ts: list[torch.Tensor], reps: int) -> None:
         print(f"ancf_exp groups={groups} warps={warps}: enc {nb / te / 1e9:.0f} GB/s dec {nb / td / 1e9:.0f} GB/s")
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        return "uncommitted"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -222,7 +214,7 @@ def main() -> None:
     res = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(), "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
+        "commit": provenance.commit(), "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
         "torch": torch.__version__, "size_bytes": size, "reps": args.reps, "rows": [], "scan": [],
     }
     kinds = tensor_kinds(size, dev)

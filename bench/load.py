@@ -30,6 +30,7 @@ from typing import Any
 import xxhash
 import zmq
 
+import provenance
 from stormd.protocol import PROTOCOL_VERSION, pack, unpack
 
 MAX_BYTES = 1 << 16
@@ -153,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             if proc is not None:
                 proc.terminate()
                 proc.wait(10)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    record = {"date": today, "git_commit": commit or None, "command": " ".join(["python", "bench/load.py", *sys.argv[1:]]),
+    record = {"date": today, "git_commit": provenance.commit(), "command": " ".join(["python", "bench/load.py", *sys.argv[1:]]),
               "machine": machine(), **result}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

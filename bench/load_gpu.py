@@ -38,6 +38,7 @@ from typing import Any, Callable  # noqa: E402
 
 import torch  # noqa: E402
 
+import provenance  # noqa: E402
 import storm  # noqa: E402
 from storm.examples.models import GPT, same_bits  # noqa: E402
 from stormd.config import normalize_endpoint, socket_is_live  # noqa: E402
@@ -248,11 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             if daemon is not None:
                 daemon.terminate()
                 daemon.wait(30)
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
     result["meta"] = {
         "device": torch.cuda.get_device_name(torch.device(a.device)) if a.device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "date": now.isoformat(timespec="seconds"),
-        "commit": git.stdout.strip() if git.returncode == 0 else os.environ.get("STORM_COMMIT", "unknown"),
+        "commit": provenance.commit(),
         "command": " ".join(["python", "bench/load_gpu.py", *(sys.argv[1:] if argv is None else argv)]),
         "model": {k: getattr(a, k) for k in MODEL}}
     out.parent.mkdir(parents=True, exist_ok=True)

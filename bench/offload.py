@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import storm  # noqa: E402
 from storm.examples.models import same_bits  # noqa: E402
 from storm.report import progress  # noqa: E402
+import provenance  # noqa: E402
 from workloads import W1, W2, Workload  # noqa: E402
 
 GiB = 1 << 30
@@ -323,13 +324,11 @@ def main() -> int:
 
 
 def write(args: argparse.Namespace, results: dict) -> None:
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = git.stdout.strip() if git.returncode == 0 else os.environ.get("STORM_COMMIT", "unknown")
     results = {**results}
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     results["meta"] = {"device": device, "torch": torch.__version__,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "commit": commit, "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+                       "commit": provenance.commit(), "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                        "command": " ".join(sys.argv)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -16,13 +16,13 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import provenance  # noqa: E402
 from stormd.allocator import ExtentAllocator  # noqa: E402
 from stormd.config import parse_size  # noqa: E402
 from stormd.pool import SharedPool  # noqa: E402
@@ -109,8 +109,7 @@ def main() -> int:
         "machine": {"host": platform.node(), "cpu": _cpu_model(),
                     "cores": os.cpu_count(), "python": platform.python_version()},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                     cwd=Path(__file__).parent).stdout.strip(),
+        "git_commit": provenance.commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "pool_startup_s": {"pool_bytes": size, "min": min(boot), "all": boot},
         "allocator": {f"live_{n}": alloc_free_us(n, 20_000) for n in (10, 100, 1000)},

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gzip
-import json
 import pstats
 import statistics
 import sys

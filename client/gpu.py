@@ -119,10 +119,31 @@ class CopyEvent:
     def synchronize(self) -> None:
         _check(_rt.cudaEventSynchronize(self.handle)[0], "cudaEventSynchronize")
 
+    done, wait = query, synchronize  # so an event can stand where a Transfer is waited on
+
     def __del__(self) -> None:
         # Safe while the event is still pending: CUDA releases it once it completes.
         if _rt is not None:
             _rt.cudaEventDestroy(self.handle)
+
+
+class OnDevice:
+    """Make a device the calling thread's current one for a moment: CUDA events belong to the
+    device current when they are created, and the mover thread starts on device 0."""
+
+    __slots__ = ("index", "previous")
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __enter__(self) -> None:
+        self.previous = _rt.cudaGetDevice()[1]
+        if self.previous != self.index:
+            _check(_rt.cudaSetDevice(self.index)[0], "cudaSetDevice")
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous != self.index:
+            _rt.cudaSetDevice(self.previous)
 
 
 def current_stream(device: torch.device) -> int:
@@ -132,7 +153,9 @@ def current_stream(device: torch.device) -> int:
 
 def record_ready(device: torch.device) -> CopyEvent:
     """An event marking the point on the compute stream where a saved tensor is complete."""
-    return CopyEvent().record(current_stream(device))
+    runtime()
+    with OnDevice(device.index):
+        return CopyEvent().record(current_stream(device))
 
 
 def consume(t: torch.Tensor, arrived: CopyEvent) -> None:
@@ -155,10 +178,11 @@ class DeviceStreams:
         """Queue ``src`` (a device storage) -> pinned address ``dst`` after ``ready``; returns the event
         marking its end."""
         rt = _rt
-        _check(rt.cudaStreamWaitEvent(self._d2h, ready.handle, 0)[0], "cudaStreamWaitEvent")
-        _check(rt.cudaMemcpyAsync(dst, src.data_ptr(), src.nbytes(), self._to_host, self._d2h)[0],
-               "cudaMemcpyAsync to host")
-        return CopyEvent().record(self._d2h)
+        with OnDevice(self.device.index):
+            _check(rt.cudaStreamWaitEvent(self._d2h, ready.handle, 0)[0], "cudaStreamWaitEvent")
+            _check(rt.cudaMemcpyAsync(dst, src.data_ptr(), src.nbytes(), self._to_host, self._d2h)[0],
+                   "cudaMemcpyAsync to host")
+            return CopyEvent().record(self._d2h)
 
     def to_device(self, src: int, nbytes: int, after: CopyEvent | None) -> tuple[torch.Tensor, CopyEvent]:
         """Queue pinned address ``src`` -> a new device buffer, after the put's event if it is still running.
@@ -166,12 +190,13 @@ class DeviceStreams:
         The buffer is allocated on the copy stream, so the allocator orders its reuse
         after the copy, not after whatever the compute stream has queued meanwhile."""
         rt = _rt
-        out = self._empty_on_h2d(nbytes)
-        if after is not None:
-            _check(rt.cudaStreamWaitEvent(self._h2d, after.handle, 0)[0], "cudaStreamWaitEvent")
-        _check(rt.cudaMemcpyAsync(out.data_ptr(), src, nbytes, self._to_device, self._h2d)[0],
-               "cudaMemcpyAsync to device")
-        return out, CopyEvent().record(self._h2d)
+        with OnDevice(self.device.index):
+            out = self._empty_on_h2d(nbytes)
+            if after is not None:
+                _check(rt.cudaStreamWaitEvent(self._h2d, after.handle, 0)[0], "cudaStreamWaitEvent")
+            _check(rt.cudaMemcpyAsync(out.data_ptr(), src, nbytes, self._to_device, self._h2d)[0],
+                   "cudaMemcpyAsync to device")
+            return out, CopyEvent().record(self._h2d)
 
     def _empty_on_h2d(self, nbytes: int) -> torch.Tensor:
         """torch.empty from the copy stream's pool. ``torch.cuda.stream()`` does this by setting the

@@ -134,7 +134,7 @@ class Stored:
         self.handles = 0   # handles ever made (one per save of this storage)
         self.unpacks = 0
         self.in_store = False
-        self.read: Transfer | None = None  # the last copy out of the store
+        self.read: Any = None  # CUDA event of the last copy out of the store (CPU copies are done on return)
 
 
     def describe(self) -> str:
@@ -415,7 +415,7 @@ class ClientSession:
         if base is None:
             t0 = time.perf_counter()
             base, arrived = fetch.result.result()  # raises what the fetch raised
-            stored.read = fetch
+            stored.read = fetch.copied()  # not the transfer: that would keep the fetched bytes alive
             stats.record(stored.layer, fetch_wait_s=time.perf_counter() - t0, fetched=1,
                          fetched_bytes=stored.nbytes)
             if arrived is not None:  # CUDA: the compute stream waits for the copy, the host does not

@@ -82,6 +82,11 @@ class Transfer:
     def error(self) -> BaseException | None:
         return self.result.exception()
 
+    def copied(self) -> Any:
+        """What tells when the copy has run, without holding its bytes: its CUDA event (``done()``,
+        ``wait()``), or None when it had finished before the result came (CPU)."""
+        return self.event
+
     @property
     def event(self) -> Any:
         """The CUDA event that marks the end of the copy, or None (CPU, or failed)."""

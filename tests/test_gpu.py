@@ -77,6 +77,23 @@ def test_offload_frees_device_memory_and_brings_it_back():
     assert all(same_bits(a.grad, b.grad) for a, b in zip(ref.parameters(), layers.parameters()))
 
 
+def test_fetched_bytes_are_freed_once_backward_has_used_them():
+    """Nothing of a step's fetched tensors may outlive its backward, even while the step's
+    context (and so its bookkeeping) is still referenced."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8)]).cuda()
+    x = torch.randn(4096, 1024, device="cuda")
+    layers(x).sum().backward()  # the gradients exist from here on, accumulated in place
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    with storm.offload(mode="embedded", min_bytes=0, pool_size="512MiB") as ctx:
+        loss = layers(x).sum()
+    loss.backward()
+    torch.cuda.synchronize()
+    left = torch.cuda.memory_allocated() - base
+    assert ctx.stats.fetched_bytes > 0 and left < 0.1 * ctx.stats.fetched_bytes, (left, ctx.stats.fetched_bytes)
+
+
 def test_inplace_change_racing_the_copy_is_caught_on_cuda():
     x = torch.randn(4096, 1024, device="cuda", requires_grad=True)
     with storm.offload(mode="embedded", min_bytes=0, pool_size="512MiB"):

@@ -440,9 +440,16 @@ def test_a_key_is_freed_only_once_the_copy_out_of_it_is_done(monkeypatch):
 
     copies_done = threading.Event()
 
-    class UnfinishedRead(Transfer):
+    class Copy:
         def done(self) -> bool:
-            return copies_done.is_set() and super().done()
+            return copies_done.is_set()
+
+        def wait(self) -> None:
+            copies_done.wait()
+
+    class UnfinishedRead(Transfer):
+        def copied(self) -> Copy:
+            return Copy()
 
     real_get = Mover.get
     monkeypatch.setattr(Mover, "get", lambda self, *a, **k: UnfinishedRead(real_get(self, *a, **k).result))
