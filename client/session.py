@@ -438,9 +438,13 @@ class ClientSession:
     def _free_at_backward_end(self, step: Step) -> None:
         """Free what this backward released once it ends: without it the last handles to die
         would wait in the store for the next step's first save."""
-        if not step.flush_queued:
-            step.flush_queued = True
+        if step.flush_queued:
+            return
+        try:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ended(step))
+            step.flush_queued = True
+        except RuntimeError:  # unpacked outside backward (grad_fn._saved_*): the next poll frees
+            pass
 
     def _backward_ended(self, step: Step) -> None:
         step.flush_queued = False

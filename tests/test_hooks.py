@@ -462,3 +462,15 @@ def test_a_key_is_freed_only_once_the_copy_out_of_it_is_done(monkeypatch):
     copies_done.set()
     ctx._session.poll()
     assert store.node_stats()["keys"] == 0
+
+
+def test_a_saved_tensor_can_be_read_outside_backward():
+    """grad_fn._saved_* unpacks with no backward running (no end-of-backward callback to queue)."""
+    x = torch.randn(256, 256, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        y = x.exp()
+    ctx.synchronize()
+    assert ctx.stats.offloaded == 1
+    assert same_bits(y.grad_fn._saved_result, x.detach().exp())
+    y.sum().backward()
+    assert same_bits(x.grad, x.detach().exp())
