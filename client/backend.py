@@ -30,6 +30,7 @@ class Backend(Protocol):
     pool: SharedPool
     name: str
     alive: bool  # False once a daemon connection has lost its daemon
+    codec: str   # how the store asks for CPU tensors to be encoded (HELLO)
 
     def request(self, op: str, **fields: Any) -> Future | Settled:
         """Send a request; the future gives the reply's fields or raises StormRequestError."""

@@ -34,6 +34,7 @@ class EmbeddedStore:
         hello = self.request("HELLO", version=PROTOCOL_VERSION, pid=os.getpid(), host=socket.gethostname()).result()
         self._auth = {"session": hello["session"], "token": hello["token"]}
         self.session = hello["session"]
+        self.codec = hello["codec"]
         self.name = "embedded store"
 
     def request(self, op: str, **fields: Any) -> Settled:

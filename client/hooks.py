@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from stormd.config import parse_size
+from stormd.protocol import CODECS
 
 from .policy import DEFAULT_MIN_BYTES, Policy
 from .session import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSession, OffloadStats, Step, session_for
@@ -50,12 +51,15 @@ class Offload(contextlib.ContextDecorator):
     def __init__(self, *, mode: str = "auto", socket: str | None = None, min_bytes: int = DEFAULT_MIN_BYTES,
                  prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, pool_size: str | int | None = None,
                  modules: nn.Module | Iterable[nn.Module] | None = None, budget: int | float | str | None = None,
-                 max_held_bytes: int = DEFAULT_MAX_HELD_BYTES, verify: bool = True):
+                 max_held_bytes: int = DEFAULT_MAX_HELD_BYTES, verify: bool = True, codec: str | None = None):
         if min_bytes < 0 or prefetch_bytes < 0 or max_held_bytes < 0:
             raise ValueError("min_bytes, prefetch_bytes and max_held_bytes must be >= 0")
+        if codec is not None and codec not in ("auto", *CODECS):
+            raise ValueError(f"codec must be None (the store's choice), 'auto' or one of {', '.join(CODECS)}; "
+                             f"got {codec!r}")
         self._options = dict(mode=mode, socket=socket, min_bytes=min_bytes, prefetch_bytes=prefetch_bytes,
                              pool_size=pool_size, modules=modules, budget=budget, max_held_bytes=max_held_bytes,
-                             verify=verify)
+                             verify=verify, codec=codec)
         self._budget = _parse_budget(budget)
         self._policy = Policy.protecting(modules, min_bytes)
         self._names = _module_names(modules)
@@ -76,6 +80,7 @@ class Offload(contextlib.ContextDecorator):
         self._session.prefetch_bytes = o["prefetch_bytes"]
         self._session.max_held_bytes = o["max_held_bytes"]
         self._session.mover.verify = o["verify"]
+        self._session.mover.codec = o["codec"] or self._session.backend.codec
         self._step = self._session.new_step(self._budget)
         session, step, policy = self._session, self._step, self._policy
 
@@ -193,7 +198,10 @@ def offload(fn: Callable | None = None, /, **options: Any) -> Any:
     step's offloadable bytes; past it, the rest of the step is saved by
     autograd as without STORM), ``max_held_bytes`` (how many bytes may wait for their
     copy before saving blocks: bounds the memory a step holds beyond what it
-    keeps).
+    keeps), ``codec`` (how CPU tensors are encoded before they are stored:
+    "auto", a codec of storm.kernels, or "raw"; default: the daemon's
+    ``codec`` setting, "raw" for the embedded store; CUDA tensors are stored
+    raw).
     """
     if fn is None:
         return Offload(**options)

@@ -337,7 +337,7 @@ class ClientSession:
         stored.in_store = True
         if stored.put.event is not None:
             self.mover.seal(stored.key)  # the copy's event has fired: the bytes are in the pool now
-        stored.step.stats.record(stored.layer, stored_bytes=stored.nbytes)  # raw: the codec stage is not wired in
+        stored.step.stats.record(stored.layer, stored_bytes=stored.put.result.result()[0])
         # The version is read here, on the training thread between two ops, so an
         # in-place op that raced the copy has finished and bumped it by now.
         stored.state = State.OFFLOADED if stored.tensor._version == stored.version else State.MODIFIED

@@ -8,7 +8,10 @@ per burst, not once per tensor.
 CPU tensors: the worker copies with memcpy and checksums (xxh3) what it wrote;
 GET verifies the checksum on what it read back (``verify``, on by default:
 a byte changed in the pool raises StormIntegrityError instead of becoming
-data; off saves one hash pass over every fetched byte).
+data; off saves one hash pass over every fetched byte). With a codec
+(``storm.offload(codec=...)``, or the daemon's ``codec`` setting) the worker
+encodes first (storm.kernels) and sends the PUT itself, once the size is
+known; GET decodes.
 CUDA tensors: the worker queues the copy on a per-device side stream (device
 to host, or host to device) behind an event, and returns the event that marks
 its end; nothing waits on the host. The pool is page-locked (registered with
@@ -25,6 +28,8 @@ from typing import Any
 
 import torch
 import xxhash
+
+from storm.kernels import CorruptEncodedError, Encoded, decode, encode
 
 from .backend import Backend, Settled
 from .errors import StormIntegrityError, StormUnavailable
@@ -58,7 +63,8 @@ class PutRequest:
 
 
 class Transfer:
-    """A copy in flight. ``result`` resolves to (tensor or None, CUDA event or None)."""
+    """A copy in flight. ``result`` resolves to (fetched tensor, or for a put the bytes stored,
+    CUDA event or None)."""
 
     def __init__(self, result: Future | Settled):
         self.result = result
@@ -98,6 +104,7 @@ class Mover:
         self.backend = backend
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="storm-mover")
         self.verify = True  # check fetched CPU bytes against their checksum (storm.offload(verify=...))
+        self.codec = "raw"  # how CPU tensors are encoded (storm.offload(codec=...), else the store's)
         self._streams: dict[int, DeviceStreams] = {}
 
     def _streams_for(self, device: torch.device) -> DeviceStreams:
@@ -108,6 +115,8 @@ class Mover:
         return s
 
     def put(self, req: PutRequest) -> Transfer:
+        if self.codec != "raw" and not req.source.is_cuda:  # the PUT needs the encoded size
+            return Transfer(self._worker.submit(self._put_encoded, req, self.codec))
         reply = self.backend.request("PUT", key=req.key, step=req.step, nbytes=req.source.nbytes(), codec="raw",
                                      **req.meta)
         streams = self._streams_for(req.source.device) if req.source.is_cuda else None
@@ -148,23 +157,48 @@ class Mover:
         offset = _wait(self.backend, "PUT", reply)["offset"]
         nbytes = req.source.nbytes()
         if streams is not None:  # sealed once the event has fired (seal())
-            return None, streams.to_host(self.backend.pool.address(offset, nbytes), req.source, req.ready)
-        dst = self.backend.pool.view(offset, nbytes)
-        dst.copy_(storage_bytes(req.source))
-        _wait(self.backend, "SEAL", self.backend.request("SEAL", key=req.key, checksum=checksum(dst)))
-        return None, None
+            return nbytes, streams.to_host(self.backend.pool.address(offset, nbytes), req.source, req.ready)
+        return self._write(req.key, offset, storage_bytes(req.source)), None
+
+    def _put_encoded(self, req: PutRequest, codec: str) -> tuple[int, None]:
+        raw = req.source.nbytes()
+        try:
+            enc = encode(torch.empty(0, dtype=getattr(torch, req.meta["dtype"])).set_(req.source), codec)
+        except ValueError:  # a dtype or a tensor the codec does not take: stored as it is
+            enc = None
+        if enc is None or enc.codec == "raw" or enc.nbytes >= raw:
+            fields, data = {"nbytes": raw, "codec": "raw"}, storage_bytes(req.source)
+        else:
+            blob = enc.to_bytes()
+            fields = {"nbytes": len(blob), "raw_nbytes": raw, "codec": enc.codec}
+            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta)
+        return self._write(req.key, _wait(self.backend, "PUT", reply)["offset"], data), None
+
+    def _write(self, key: int, offset: int, data: torch.Tensor) -> int:
+        """Copy ``data`` (uint8) into the extent at ``offset`` and seal it with its checksum."""
+        dst = self.backend.pool.view(offset, data.numel())
+        dst.copy_(data)
+        _wait(self.backend, "SEAL", self.backend.request("SEAL", key=key, checksum=checksum(dst)))
+        return data.numel()
 
     def _get(self, key: int, nbytes: int, reply: Future | Settled, streams: DeviceStreams | None,
              after: Any) -> tuple[torch.Tensor, Any]:
         r = _wait(self.backend, "GET", reply)
-        if r["nbytes"] != nbytes:
-            raise StormIntegrityError(f"key {key}: store returned {r['nbytes']} bytes, {nbytes} were stored")
+        if r.get("raw_nbytes", r["nbytes"]) != nbytes:
+            raise StormIntegrityError(f"key {key}: store returned {r.get('raw_nbytes', r['nbytes'])} bytes, "
+                                      f"{nbytes} were stored")
         if streams is not None:
             return streams.to_device(self.backend.pool.address(r["offset"], nbytes), nbytes, after)
-        out = self.backend.pool.view(r["offset"], nbytes).clone()
+        out = self.backend.pool.view(r["offset"], r["nbytes"]).clone()
         if self.verify and r["checksum"] is not None and checksum(out) != r["checksum"]:
             raise StormIntegrityError(f"key {key}: the bytes in the pool no longer match their checksum; "
                                       f"the saved tensor is lost (pool memory was overwritten)")
+        if r["codec"] != "raw":
+            try:
+                out = decode(Encoded.from_bytes(out.numpy())).reshape(-1).view(torch.uint8)
+            except CorruptEncodedError as e:
+                raise StormIntegrityError(f"key {key}: the stored encoding does not decode ({e})") from None
         return out, None
 
     def close(self) -> None:

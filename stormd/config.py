@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
+from .protocol import CODECS
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10 has no tomllib; tomli is the same parser, published separately
@@ -122,6 +124,7 @@ class DaemonConfig:
     client_quota: int = 0  # bytes one client may hold (pool + spill); 0: no limit
     client_priority: int = 0
     clients: dict = field(default_factory=dict)  # name -> {"quota": bytes, "priority": int}
+    codec: str = "raw"  # how clients encode CPU tensors before storing them (told at HELLO)
 
 
 CONFIG_ENV = "STORMD_CONFIG"
@@ -352,6 +355,10 @@ SETTINGS: tuple[Setting, ...] = (
             "clients with a lower priority are spilled first"),
     Setting("clients", _ClientTable(), "per-client quota and priority by the name a client gives in HELLO "
             "(TOML: clients = { trainer = { quota = \"8GiB\", priority = 1 } }; env/flag: trainer=8GiB:1,eval=1GiB:0)"),
+    Setting("codec", _Choice("auto", *CODECS),
+            "how clients encode CPU tensors before storing them: raw, auto (per tensor the best "
+            "lossless codec that saves at least 5%) or one codec of storm.kernels; CUDA tensors "
+            "are stored raw"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 

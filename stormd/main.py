@@ -60,7 +60,7 @@ async def run(config: DaemonConfig, notifier: Notifier | None = None) -> None:
     service = None
     try:
         error_log = logs.ErrorReplyLog(log, config.error_log_interval)
-        service = Service(pool, error_log, StoreOptions.from_config(config))
+        service = Service(pool, error_log, StoreOptions.from_config(config), codec=config.codec)
         metrics = Metrics(service) if config.metrics else None
         server = Server(service, config, observe=metrics.observe if metrics else None)
         server.bind()

@@ -14,21 +14,25 @@ Verbs (field: type; ``?`` marks optional):
 HELLO  version:int pid:int host:str name?:str   (name picks the client's quota and priority
                                                 in stormd's `clients` setting)
        -> session:int token:str pool:{path:str size:int} server:str
+          codec:str             (how the daemon's configuration asks clients to encode CPU tensors:
+                                 raw, auto or a codec of CODECS; clients encode, the store keeps bytes)
 PUT    key:int step:int nbytes:int dtype:str shape:[int] strides:[int]
-       storage_offset:int codec:str
-       -> offset:int            (an extent of ``nbytes`` in the pool, reserved)
+       storage_offset:int codec:str raw_nbytes?:int
+       -> offset:int            (an extent of ``nbytes`` in the pool, reserved. With a codec other
+                                 than raw, nbytes is the encoded size and raw_nbytes the storage's
+                                 size, which the view must fit; for raw they are equal)
 SEAL   key:int checksum?:int    -> {}   (the client's copy into the extent has finished; GET may
                                          return it. Without checksum (CUDA copies) the bytes are
                                          not verified on GET)
 GET    key:int
-       -> offset nbytes dtype shape strides storage_offset codec checksum (int or nil)
+       -> offset nbytes raw_nbytes dtype shape strides storage_offset codec checksum (int or nil)
                                 (offset is where the bytes are now: between SEAL and GET the
                                  daemon may have spilled them to disk and read them back
                                  elsewhere; after GET they stay put until FREE)
 FREE   keys?:[int] step?:int all?:bool   (exactly one of them)
        -> freed:int
 STATS  -> session:{...} node:{...}
-       session: keys puts gets bytes_in bytes_out pool_full quota_refused held_bytes
+       session: keys puts gets bytes_in raw_bytes_in bytes_out pool_full quota_refused held_bytes
                 peak_held_bytes spilled_bytes name quota priority plan_hits plan_misses
                 planned_footprint plan_peak_live plan_first_fit plan ("using X of Y bytes ...")
        node:    capacity used peak fragmentation free_extents largest_free keys spill
@@ -80,7 +84,8 @@ DTYPE_SIZES: dict[str, int] = {
     "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
     "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
-CODECS = ("raw",)
+# storm.kernels' codecs by name (a test keeps the two lists equal; stormd never decodes).
+CODECS = ("raw", "ancf", "ancf_exp", "huff_exp", "zero", "pack")
 
 
 class ErrorCode:
@@ -165,7 +170,7 @@ SCHEMAS: dict[str, tuple[dict[str, Callable], dict[str, Callable]]] = {
     "PUT": ({**_AUTH, "key": _int(), "step": _int(), "nbytes": _int(1),
              "dtype": _choice(DTYPE_SIZES), "shape": _int_list(MAX_DIMS),
              "strides": _int_list(MAX_DIMS), "storage_offset": _int(),
-             "codec": _choice(CODECS)}, {}),
+             "codec": _choice(CODECS)}, {"raw_nbytes": _int(1)}),
     "SEAL": ({**_AUTH, "key": _int()}, {"checksum": _int(0, (1 << 64) - 1)}),
     "GET": ({**_AUTH, "key": _int()}, {}),
     "FREE": (dict(_AUTH), {"keys": _int_list(MAX_KEYS_PER_FREE), "step": _int(), "all": _bool}),
@@ -238,19 +243,24 @@ def parse_request(msg: Any) -> Request:
 
 
 def check_view(f: dict[str, Any]) -> None:
-    """The view (shape, strides, storage_offset) must lie inside ``nbytes``."""
+    """The view (shape, strides, storage_offset) must lie inside the storage (``raw_nbytes``)."""
     shape, strides = f["shape"], f["strides"]
     if len(shape) != len(strides):
         raise ProtocolError(ErrorCode.BAD_FIELD, f"shape has {len(shape)} dims but strides has {len(strides)}")
+    raw = f.setdefault("raw_nbytes", f["nbytes"])
+    if f["codec"] == "raw" and raw != f["nbytes"]:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"codec raw stores the storage as it is: raw_nbytes {raw} "
+                                                 f"must equal nbytes {f['nbytes']}")
     itemsize = DTYPE_SIZES[f["dtype"]]
-    if f["nbytes"] % itemsize:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"nbytes {f['nbytes']} is not a multiple of the {f['dtype']} item size")
+    if raw % itemsize:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"storage of {raw} bytes is not a multiple of the {f['dtype']} "
+                                                 f"item size")
     if math.prod(shape) == 0:
         return
     last = f["storage_offset"] + sum((n - 1) * s for n, s in zip(shape, strides))
-    if (last + 1) * itemsize > f["nbytes"]:
+    if (last + 1) * itemsize > raw:
         raise ProtocolError(ErrorCode.BAD_FIELD,
-                            f"view reaches element {last} but the storage holds {f['nbytes'] // itemsize}")
+                            f"view reaches element {last} but the storage holds {raw // itemsize}")
 
 
 def ok(rid: int, **fields: Any) -> dict[str, Any]:

@@ -28,9 +28,9 @@ class Traffic:
 
     puts: int = 0
     gets: int = 0
-    bytes_in: int = 0        # bytes of the tensors clients stored (PUT)
-    bytes_out: int = 0       # bytes handed back (GET)
-    stored_bytes: int = 0    # what the pool holds for bytes_in: equal while every codec is "raw"
+    bytes_in: int = 0        # bytes of the tensors clients stored (PUT), before encoding
+    bytes_out: int = 0       # bytes handed back (GET), as stored
+    stored_bytes: int = 0    # what the pool holds for bytes_in: less when clients encode
 
 
 class ErrorSink(Protocol):
@@ -39,8 +39,9 @@ class ErrorSink(Protocol):
 
 class Service:
     def __init__(self, pool: SharedPool, error_log: ErrorSink | None = None, store_options: StoreOptions | None = None,
-                 log_sessions: bool = True):
+                 log_sessions: bool = True, codec: str = "raw"):
         self.pool = pool
+        self.codec = codec  # told to clients at HELLO: how to encode CPU tensors
         # The daemon logs each connect and disconnect; the embedded store's only session is
         # its own process, so a line about it would only be noise in the training log.
         self.log_sessions = log_sessions
@@ -92,7 +93,7 @@ class Service:
                 raise ProtocolError(ErrorCode.DRAINING, "the daemon is shutting down and takes no new tensors")
             e = self.store.put(s.id, f)
             self.traffic.puts += 1
-            self.traffic.bytes_in += e.nbytes
+            self.traffic.bytes_in += e.raw_nbytes
             self.traffic.stored_bytes += e.nbytes
             return ok(req.id, offset=e.offset)
         if req.op == "SEAL":
@@ -126,7 +127,7 @@ class Service:
         if self.log_sessions:
             log.info("client connected", extra={"session": s.id, "pid": s.pid, "host": s.host})
         return ok(req.id, session=s.id, token=s.token, pool=self.pool.descriptor.to_wire(),
-                  server=SERVER_NAME, version=PROTOCOL_VERSION)
+                  server=SERVER_NAME, version=PROTOCOL_VERSION, codec=self.codec)
 
     def end_session(self, s: Session, why: str) -> int:
         self.sessions.close(s.id)

@@ -56,6 +56,7 @@ class Entry:
     strides: list[int]
     storage_offset: int
     codec: str
+    raw_nbytes: int         # the storage's size before the client encoded it (= nbytes for raw)
     slot: int = 0           # order within its step: the planner's index
     planned: bool = False   # placed in the session's planned region
     sealed: bool = False
@@ -66,7 +67,8 @@ class Entry:
     io: Future | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {"offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype, "shape": self.shape,
+        return {"offset": self.offset, "nbytes": self.nbytes, "raw_nbytes": self.raw_nbytes, "dtype": self.dtype,
+                "shape": self.shape,
                 "strides": self.strides, "storage_offset": self.storage_offset, "codec": self.codec,
                 "checksum": self.checksum}
 
@@ -75,7 +77,8 @@ class Entry:
 class SessionCounters:
     puts: int = 0
     gets: int = 0
-    bytes_in: int = 0
+    bytes_in: int = 0            # as stored (encoded)
+    raw_bytes_in: int = 0        # as the tensors were: raw_bytes_in / bytes_in is the compression ratio
     bytes_out: int = 0
     pool_full: int = 0
     quota_refused: int = 0
@@ -178,10 +181,11 @@ class Store:
                 s.planner.cancel(f["step"], slot)  # not stored: no lifetime to learn from
                 raise
         e = Entry(f["key"], f["step"], offset, f["nbytes"], f["dtype"], list(f["shape"]), list(f["strides"]),
-                  f["storage_offset"], f["codec"], slot=slot, planned=planned)
+                  f["storage_offset"], f["codec"], f.get("raw_nbytes", f["nbytes"]), slot=slot, planned=planned)
         s.entries[e.key] = e
         c.puts += 1
         c.bytes_in += e.nbytes
+        c.raw_bytes_in += e.raw_nbytes
         c.held_bytes += e.nbytes
         c.peak_held_bytes = max(c.peak_held_bytes, c.held_bytes)
         return e

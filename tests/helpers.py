@@ -6,7 +6,9 @@ import itertools
 import os
 import socket
 
+import torch
 import zmq
+from torch import nn
 
 from stormd.protocol import PROTOCOL_VERSION, pack, unpack
 
@@ -42,3 +44,10 @@ class RawClient:
 def put_fields(key: int, nbytes: int, step: int = 1) -> dict:
     return {"key": key, "step": step, "nbytes": nbytes, "dtype": "uint8", "shape": [nbytes], "strides": [1],
             "storage_offset": 0, "codec": "raw"}
+
+
+def relu_mlp() -> tuple[nn.Module, torch.Tensor]:
+    """A model whose saved activations are half zeros (ReLU outputs): every codec has work to do."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)), \
+        torch.randn(512, 256)

@@ -13,8 +13,9 @@ import time
 import pytest
 import xxhash
 from conftest import fall_back_then_reconnect, start_daemon, stop_daemon
-from helpers import RawClient, put_fields
+from helpers import RawClient, put_fields, relu_mlp
 
+import storm
 from stormd.protocol import PROTOCOL_VERSION, ErrorCode, pack
 
 
@@ -259,6 +260,22 @@ def test_client_name_selects_its_quota_and_tensors_over_it_stay(tmp_path, monkey
         loss.backward()
         ref(x).square().sum().backward()
         assert all(same_bits(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters()))
+    finally:
+        storm.close_all()
+        stop_daemon(d)
+
+
+def test_the_daemon_codec_setting_reaches_clients(tmp_path):
+    d = start_daemon(tmp_path, "--pool-size", "64MiB", "--codec", "auto")
+    try:
+        m, x = relu_mlp()
+        with storm.offload(mode="daemon", socket=d.endpoint, min_bytes=0) as ctx:
+            loss = m(x).sum()
+        ctx.synchronize()
+        loss.backward()
+        assert ctx.stats.stored_bytes < 0.8 * ctx.stats.offloaded_bytes
+        s = storm.stats(mode="daemon", socket=d.endpoint)
+        assert s["session"]["raw_bytes_in"] == ctx.stats.offloaded_bytes > s["session"]["bytes_in"]
     finally:
         storm.close_all()
         stop_daemon(d)

@@ -15,6 +15,8 @@ from torch import nn
 import storm
 from storm.examples.models import GPT, ResNet, ViewNet, same_bits
 
+from helpers import relu_mlp
+
 
 @pytest.fixture(params=["embedded", "daemon"])
 def opts(request, tmp_path):
@@ -474,3 +476,37 @@ def test_a_saved_tensor_can_be_read_outside_backward():
     assert same_bits(y.grad_fn._saved_result, x.detach().exp())
     y.sum().backward()
     assert same_bits(x.grad, x.detach().exp())
+
+
+def test_codec_auto_stores_fewer_bytes_and_gradients_stay_bit_exact():
+    m, x = relu_mlp()
+    ref = copy.deepcopy(m)
+    ref(x).sum().backward()
+    with storm.offload(mode="embedded", min_bytes=0, codec="auto") as ctx:
+        loss = m(x).sum()
+    ctx.synchronize()
+    loss.backward()
+    assert all(same_bits(a.grad, b.grad) for a, b in zip(m.parameters(), ref.parameters()))
+    st = ctx.stats
+    assert st.fetched == st.offloaded > 0 and st.stored_bytes < 0.8 * st.offloaded_bytes  # ReLU outputs: zeros
+    session = ctx._session.backend.service.store.session_stats(ctx._session.backend.session)
+    assert session["raw_bytes_in"] > session["bytes_in"]
+
+
+@pytest.mark.parametrize("verify", [True, False])  # caught by the pool checksum, or by the encoding's own
+def test_a_corrupted_encoding_is_an_integrity_error_not_a_tensor(verify):
+    m, x = relu_mlp()
+    with storm.offload(mode="embedded", min_bytes=0, codec="zero", verify=verify) as ctx:
+        loss = m(x).sum()
+    ctx.synchronize()
+    pool, store = ctx._session.backend.pool, ctx._session.backend.service.store
+    entries = store._of(ctx._session.backend.session).entries.values()
+    e = next(e for e in entries if e.codec == "zero")
+    pool.view(e.offset + e.nbytes - 1, 1).bitwise_not_()  # the last payload byte
+    with pytest.raises(storm.StormIntegrityError):
+        loss.backward()
+
+
+def test_an_unknown_codec_is_refused():
+    with pytest.raises(ValueError, match="codec"):
+        storm.offload(codec="gzip")

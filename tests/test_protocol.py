@@ -24,6 +24,18 @@ def refused(msg, code, match=""):
 def test_a_valid_put_parses():
     req = parse_request(PUT)
     assert req.op == "PUT" and req.id == 7 and req.fields["shape"] == [4, 4]
+    assert req.fields["raw_nbytes"] == 64  # raw: the stored bytes are the storage
+
+
+def test_an_encoded_put_places_the_view_in_the_raw_storage():
+    req = parse_request({**PUT, "codec": "ancf_exp", "nbytes": 20, "raw_nbytes": 64})
+    assert (req.fields["nbytes"], req.fields["raw_nbytes"]) == (20, 64)
+
+
+def test_the_wire_codec_names_are_storm_kernels_codecs():
+    from storm.kernels import CODECS as KERNEL_CODECS
+    from stormd.protocol import CODECS
+    assert CODECS == tuple(KERNEL_CODECS)
 
 
 def test_roundtrip_and_garbage():
@@ -54,6 +66,9 @@ def test_roundtrip_and_garbage():
     ({**PUT, "strides": [40, 1]}, ErrorCode.BAD_FIELD, "view reaches"),
     ({**PUT, "nbytes": 66}, ErrorCode.BAD_FIELD, "multiple"),
     ({**PUT, "codec": "magic"}, ErrorCode.BAD_FIELD, "'codec'"),
+    ({**PUT, "raw_nbytes": 128}, ErrorCode.BAD_FIELD, "raw_nbytes 128 must equal nbytes"),
+    ({**PUT, "codec": "zero", "nbytes": 16, "raw_nbytes": 32}, ErrorCode.BAD_FIELD, "view reaches"),
+    ({**PUT, "codec": "zero", "nbytes": 16, "raw_nbytes": 66}, ErrorCode.BAD_FIELD, "multiple"),
     ({**PUT, "extra": 1}, ErrorCode.BAD_FIELD, "unknown field"),
     ({"op": "GET", "id": 1, **AUTH}, ErrorCode.BAD_FIELD, "'key'"),
     ({"op": "GET", "id": 1, "session": 1, "token": 5, "key": 1}, ErrorCode.BAD_FIELD, "'token'"),
