@@ -224,8 +224,8 @@ class ClientSession:
         self._prefetched_bytes = 0
         self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
         self._awaited: dict[int, torch.Tensor] = {}   # fetched bytes that more handles will unpack
-        # (copies out of the store, key freed once they are done)
-        self._reading: collections.deque[tuple[list[Transfer], int]] = collections.deque()
+        # (copies out of the store: Transfers or CUDA events, key to free once they are done)
+        self._reading: collections.deque[tuple[list[Any], int]] = collections.deque()
         self.last_candidate_bytes: int | None = None
         self._warned: set[str] = set()  # kinds of store failure already logged
 
