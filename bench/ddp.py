@@ -34,7 +34,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import storm  # noqa: E402
-from offload import start_daemon, write  # noqa: E402
+from daemon import start_daemon  # noqa: E402
+from offload import write  # noqa: E402
 from workloads import W1, Workload  # noqa: E402
 
 TINY = Workload("tiny", layers=2, d=64, heads=2, batch=2, seq=32)
@@ -122,13 +123,13 @@ def main() -> int:
     if a.worker:
         worker(a)
         return 0
-    daemon, endpoint = start_daemon(a.pool_size)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
+        daemon, endpoint = start_daemon(Path(tmp), a.pool_size)
+        try:
             single, multi = launch(a, 1, endpoint, tmp), launch(a, a.nproc, endpoint, tmp)
-    finally:
-        daemon.terminate()
-        daemon.wait(30)
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
     base = single["ranks"][0]["samples_per_s_offload"]
     for r in multi["ranks"]:
         r["throughput_vs_single_rank"] = round(r["samples_per_s_offload"] / base, 3)

@@ -20,7 +20,6 @@ import multiprocessing
 import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ import xxhash
 import zmq
 
 import provenance
+from daemon import start_daemon
 from stormd.protocol import PROTOCOL_VERSION, pack, unpack
 
 MAX_BYTES = 1 << 16
@@ -90,18 +90,6 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def start_daemon(workdir: Path) -> tuple[subprocess.Popen, str]:
-    sock = workdir / "run" / "stormd.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "stormd", "--socket", str(sock), "--pool-size", "256MiB",
-                             "--no-metrics", "--log-level", "WARNING"])
-    deadline = time.monotonic() + 30
-    while not sock.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("stormd did not start")
-        time.sleep(0.02)
-    return proc, f"ipc://{sock}"
-
-
 def run(procs: int, steps: int, endpoint: str) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no ZeroMQ state shared across fork
     start = ctx.Manager().Event()
@@ -147,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     today = datetime.date.today().isoformat()
     out = a.out or REPO / "bench" / "results" / f"load-cpu-{today}.json"
     with tempfile.TemporaryDirectory() as tmp:
-        proc, endpoint = (None, a.socket) if a.socket else start_daemon(Path(tmp))
+        flags = ("--no-metrics", "--log-level", "WARNING")
+        proc, endpoint = (None, a.socket) if a.socket else start_daemon(Path(tmp), "256MiB", *flags)
         try:
             result = run(a.procs, a.steps, endpoint)
         finally:

@@ -28,7 +28,6 @@ import json  # noqa: E402
 import multiprocessing  # noqa: E402
 import queue  # noqa: E402
 import signal  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -39,9 +38,11 @@ from typing import Any, Callable  # noqa: E402
 import torch  # noqa: E402
 
 import provenance  # noqa: E402
+from daemon import start_daemon  # noqa: E402
+from load import percentile  # noqa: E402
 import storm  # noqa: E402
 from storm.examples.models import GPT, same_bits  # noqa: E402
-from stormd.config import normalize_endpoint, socket_is_live  # noqa: E402
+from stormd.config import normalize_endpoint  # noqa: E402
 from stormd.ctl import request  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,23 +112,6 @@ def worker(wid: int, cfg: dict[str, Any], endpoint: str, start: Any, out: Any, v
         out.put(("done", wid, train(wid, cfg, endpoint, start, out, victim)))
     except BaseException:
         out.put(("error", wid, traceback.format_exc()))
-
-
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def start_daemon(workdir: Path, pool_size: str) -> tuple[subprocess.Popen, str]:
-    sock, log = workdir / "run" / "stormd.sock", workdir / "stormd.log"
-    proc = subprocess.Popen([sys.executable, "-m", "stormd", "--socket", str(sock), "--pool-size", pool_size,
-                             "--no-metrics", "--log-level", "INFO"], stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not (sock.exists() and socket_is_live(sock)):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"stormd did not start: {log.read_text()}")
-        time.sleep(0.05)
-    return proc, f"ipc://{sock}"
 
 
 def node(endpoint: str) -> dict[str, Any]:
@@ -239,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     now = datetime.datetime.now(datetime.timezone.utc)
     out = a.out or REPO / "bench" / "results" / f"load-gpu-{now.date().isoformat()}.json"
     with tempfile.TemporaryDirectory() as tmp:
-        daemon, endpoint = (None, normalize_endpoint(a.socket)) if a.socket else start_daemon(Path(tmp), a.pool_size)
+        flags = ("--no-metrics", "--log-level", "INFO")
+        daemon, endpoint = (None, normalize_endpoint(a.socket)) if a.socket else \
+            start_daemon(Path(tmp), a.pool_size, *flags, log=Path(tmp) / "stormd.log")
         try:
             result = run(a, endpoint)
             if daemon is not None:

@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ import storm  # noqa: E402
 from storm.examples.models import same_bits  # noqa: E402
 from storm.report import progress  # noqa: E402
 import provenance  # noqa: E402
+from daemon import start_daemon  # noqa: E402
 from workloads import W1, W2, Workload  # noqa: E402
 
 GiB = 1 << 30
@@ -114,17 +114,6 @@ def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: t
     return r
 
 
-def start_daemon(pool_size: str, *flags: str) -> tuple[subprocess.Popen, str]:
-    sock = Path(tempfile.mkdtemp()) / "run" / "stormd.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "stormd", "--socket", str(sock), "--pool-size", pool_size, *flags])
-    deadline = time.monotonic() + 120
-    while not sock.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("stormd did not start")
-        time.sleep(0.1)
-    return proc, f"ipc://{sock}"
-
-
 def spill_run(w: Workload, rows: dict, opts: dict, args: argparse.Namespace, device: torch.device) -> dict:
     """STORM through a daemon whose pool holds a quarter of a step's offloaded bytes, spill on:
     the rest goes to a file on local disk and is read back ahead of backward. Reports the
@@ -134,7 +123,8 @@ def spill_run(w: Workload, rows: dict, opts: dict, args: argparse.Namespace, dev
         return {"error": "run after 'daemon' or 'embedded': the pool is sized from their bytes"}
     pool = max(int(ref["to_host_GiB"] * GiB * args.spill_fraction), 64 << 20)
     spill_dir = tempfile.mkdtemp(dir=args.spill_dir)
-    daemon, endpoint = start_daemon(str(pool), "--spill", "--spill-dir", spill_dir, "--spill-limit", "32GiB")
+    daemon, endpoint = start_daemon(Path(tempfile.mkdtemp()), str(pool), "--spill", "--spill-dir", spill_dir,
+                                    "--spill-limit", "32GiB")
     try:
         # What a step holds in the pool at once (copies in flight, fetched and not yet freed)
         # must fit beside what is being spilled and read back.
@@ -170,7 +160,8 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
     print(f"link: {bw}", flush=True)
     results: dict = {"link": bw}
     write(args, results)
-    daemon, endpoint = start_daemon(args.pool_size) if "daemon" in args.methods else (None, None)
+    daemon, endpoint = (start_daemon(Path(tempfile.mkdtemp()), args.pool_size) if "daemon" in args.methods
+                        else (None, None))
     try:
         for w in workloads(args):
             rows: dict = {}
@@ -259,7 +250,7 @@ def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
     """Gradients of one step, no offload twice, then embedded and daemon, compared bit for bit."""
     torch.use_deterministic_algorithms(True)
     results: dict = {"deterministic_algorithms": True}
-    daemon, endpoint = start_daemon(args.pool_size)
+    daemon, endpoint = start_daemon(Path(tempfile.mkdtemp()), args.pool_size)
     try:
         for w in workloads(args):
             ref = None

@@ -91,7 +91,7 @@ class Offload(contextlib.ContextDecorator):
 
         def pack(t: torch.Tensor) -> Any:
             packed = session.save(t, step, policy)
-            if step.budget_reached and can_step_aside and self._hooks is not None and not self._stepped_aside:
+            if step.budget_reached and can_step_aside and not self._stepped_aside:
                 torch._C._autograd._pop_saved_tensors_default_hooks()  # what saved_tensors_hooks.__exit__ does
                 self._stepped_aside = True
             return packed

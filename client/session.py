@@ -136,7 +136,6 @@ class Stored:
         self.in_store = False
         self.read: Any = None  # CUDA event of the last copy out of the store (CPU copies are done on return)
 
-
     def describe(self) -> str:
         """For error messages (built only then: the tensor may be gone by now)."""
         return _description(self.shape, self.dtype, self.producer)
@@ -299,11 +298,11 @@ class ClientSession:
         """Let go of tensors whose copy finished, and free keys nobody holds any more."""
         held, dropped = self._held, self.dropped
         try:
-            if not dropped and not self._reading and not held[0].put.done():
-                return  # the common case, checked without the lock
-        except IndexError:  # nothing held
-            if not dropped and not self._reading:
-                return
+            copied = held[0].put.done()
+        except IndexError:  # nothing held (tested without the lock: another thread may empty it)
+            copied = False
+        if not (copied or dropped or self._reading):
+            return  # the common case
         frees: list[int] = []
         with self._lock:
             reading = self._reading
@@ -415,7 +414,7 @@ class ClientSession:
         if base is None:
             t0 = time.perf_counter()
             base, arrived = fetch.result.result()  # raises what the fetch raised
-            stored.read = fetch.copied()  # not the transfer: that would keep the fetched bytes alive
+            stored.read = fetch.event  # not the transfer: that would keep the fetched bytes alive
             stats.record(stored.layer, fetch_wait_s=time.perf_counter() - t0, fetched=1,
                          fetched_bytes=stored.nbytes)
             if arrived is not None:  # CUDA: the compute stream waits for the copy, the host does not

@@ -88,14 +88,10 @@ class Transfer:
     def error(self) -> BaseException | None:
         return self.result.exception()
 
-    def copied(self) -> Any:
-        """What tells when the copy has run, without holding its bytes: its CUDA event (``done()``,
-        ``wait()``), or None when it had finished before the result came (CPU)."""
-        return self.event
-
     @property
     def event(self) -> Any:
-        """The CUDA event that marks the end of the copy, or None (CPU, or failed)."""
+        """The CUDA event that marks the end of the copy (``done()``, ``wait()``), or None (CPU, whose
+        copy has finished when the result is there, or failed)."""
         return None if self.result.exception() is not None else self.result.result()[1]
 
 
@@ -153,7 +149,7 @@ class Mover:
         if keys:
             self.backend.request("FREE", keys=keys).add_done_callback(_log_failure)
 
-    def _put(self, req: PutRequest, reply: Future | Settled, streams: DeviceStreams | None) -> tuple[None, Any]:
+    def _put(self, req: PutRequest, reply: Future | Settled, streams: DeviceStreams | None) -> tuple[int, Any]:
         offset = _wait(self.backend, "PUT", reply)["offset"]
         nbytes = req.source.nbytes()
         if streams is not None:  # sealed once the event has fired (seal())
@@ -185,9 +181,8 @@ class Mover:
     def _get(self, key: int, nbytes: int, reply: Future | Settled, streams: DeviceStreams | None,
              after: Any) -> tuple[torch.Tensor, Any]:
         r = _wait(self.backend, "GET", reply)
-        if r.get("raw_nbytes", r["nbytes"]) != nbytes:
-            raise StormIntegrityError(f"key {key}: store returned {r.get('raw_nbytes', r['nbytes'])} bytes, "
-                                      f"{nbytes} were stored")
+        if r["raw_nbytes"] != nbytes:
+            raise StormIntegrityError(f"key {key}: store returned {r['raw_nbytes']} bytes, {nbytes} were stored")
         if streams is not None:
             return streams.to_device(self.backend.pool.address(r["offset"], nbytes), nbytes, after)
         out = self.backend.pool.view(r["offset"], r["nbytes"]).clone()

@@ -64,12 +64,12 @@ class Service:
         try:
             return self.handle(msg if trusted else parse_request(msg), peer)
         except ProtocolError as e:
-            return self.refuse(msg.id if trusted else request_id(msg), e)
+            error = e
         except Exception as e:  # a bug must cost one reply, not the daemon
-            op = msg.op if trusted else msg.get("op") if isinstance(msg, dict) else msg
-            log.exception("internal error handling %r", op)
-            return self.refuse(msg.id if trusted else request_id(msg),
-                               ProtocolError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))
+            log.exception("internal error handling %r", msg.op if trusted else msg.get("op") if isinstance(msg, dict)
+                          else msg)
+            error = ProtocolError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+        return self.refuse(msg.id if trusted else request_id(msg), error)
 
     def refuse(self, rid: int, e: ProtocolError) -> dict[str, Any]:
         self.errors[e.code] = self.errors.get(e.code, 0) + 1

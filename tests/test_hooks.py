@@ -450,7 +450,8 @@ def test_a_key_is_freed_only_once_the_copy_out_of_it_is_done(monkeypatch):
             copies_done.wait()
 
     class UnfinishedRead(Transfer):
-        def copied(self) -> Copy:
+        @property
+        def event(self) -> Copy:
             return Copy()
 
     real_get = Mover.get
