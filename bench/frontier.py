@@ -7,15 +7,19 @@
 Per workload, with bench/offload.py's run() (median step time of --steps steps
 after --warmup; peak GPU memory above what was allocated before the steps):
 no offload, per-block checkpointing, save_on_cpu(pin_memory=True), STORM full
-offload, STORM with budget=b for each byte budget b (default: 10 fractions,
-0.1 to 1.0, of the no-offload peak), and per-block checkpointing of only the
-first k blocks, k = round(b / bytes one block's recompute removes). A budget b
-asks for a peak of at most (no-offload peak - b); plan() picks, per budget,
-the faster of STORM budget=b and first-k checkpointing among those that meet
-it. The lower bound per budget is max(no-offload step, b / D2H, b / H2D), with
-the pinned bandwidths measured in the same run. Without CUDA it exits 2,
-except --plot-only, which recomputes plans and bounds from a results JSON,
-prints the table and draws the plot.
+offload, STORM with budget=b (the earliest b bytes offloaded) for each byte
+budget b (default: 10 fractions, 0.1 to 1.0, of the no-offload peak),
+per-block checkpointing of only the first k blocks, k = round(b / bytes one
+block's recompute removes), and storm.plan (client/planner.py: per block keep,
+offload or recompute, planned from two traced steps). A budget b asks for a
+peak of at most cap = (no-offload peak - b); storm.plan is given the GPU
+memory its saved activations may take, cap less what the step holds besides
+them (the no-offload peak less the bytes full offload moved). Per budget the
+summary compares the planner's measured step and peak with the fastest other
+method whose measured peak fits the same cap, and with the lower bound
+max(no-offload step, b / D2H, b / H2D), the pinned bandwidths measured in the
+same run. Without CUDA it exits 2, except --plot-only, which recomputes the
+summary from a results JSON, prints the table and draws the plot.
 """
 
 from __future__ import annotations
@@ -91,31 +95,28 @@ def lower_bound_ms(budget: int, none_ms: float, link: dict[str, float]) -> float
     return max(none_ms, budget / (link["d2h_GBps"] * 1e9) * 1e3, budget / (link["h2d_GBps"] * 1e9) * 1e3)
 
 
-def plan(budget: int, m: Measurements) -> dict | None:
-    """The recipe for `budget`: of (a) STORM budget=b alone and (b) checkpointing of the first
-    blocks_for(b) blocks with nothing offloaded, the one with the least measured step time whose
-    measured peak is at or under total_bytes - b; None when neither is. A measured-choice planner,
-    not a model-based one: it predicts nothing, it picks among runs that were made."""
+def best_other(budget: int, m: Measurements) -> dict | None:
+    """The fastest measured method other than the planner whose peak fits total_bytes - budget."""
     cap = m.total_bytes - budget
-    k = blocks_for(budget, m)
-    fits = [r for r in m.rows if "step_ms" in r and r["peak_GiB"] * GiB <= cap
-            and ((r["method"] == "storm-budget" and r["budget_bytes"] == budget)
-                 or (r["method"] == "ckpt-first" and r["ckpt_blocks"] == k))]
+    fits = [r for r in m.rows if "step_ms" in r and r["method"] != "plan" and r["peak_GiB"] * GiB <= cap]
     return min(fits, key=lambda r: r["step_ms"], default=None)
 
 
 def summarize(section: dict, link: dict[str, float]) -> dict:
-    """The bound and the planner's choice per budget, from the measured rows."""
+    """Per budget: the bound, the planner's measured row and the best other method that fits."""
     m = Measurements.of(section)
     none_ms = next(r["step_ms"] for r in m.rows if r["method"] == "none")
     bound, planner = [], []
     for b in section["budgets"]:
         lb = round(lower_bound_ms(b, none_ms, link), 2)
         bound.append({"budget_bytes": b, "lower_bound_ms": lb})
-        choice = plan(b, m)
-        planner.append({"budget_bytes": b, "peak_cap_GiB": round((m.total_bytes - b) / GiB, 3),
-                        "choice": choice and choice["label"], "step_ms": choice and choice["step_ms"],
-                        "peak_GiB": choice and choice["peak_GiB"], "lower_bound_ms": lb})
+        mine = next((r for r in m.rows if r["method"] == "plan" and r["budget_bytes"] == b and "step_ms" in r), None)
+        other = best_other(b, m)
+        cap = m.total_bytes - b
+        planner.append({"budget_bytes": b, "peak_cap_GiB": round(cap / GiB, 3), "lower_bound_ms": lb,
+                        "step_ms": mine and mine["step_ms"], "peak_GiB": mine and mine["peak_GiB"],
+                        "fits_cap": bool(mine) and mine["peak_GiB"] * GiB <= cap,
+                        "best_other": other and other["label"], "best_other_ms": other and other["step_ms"]})
     return {"bound": bound, "planner": planner}
 
 
@@ -148,11 +149,16 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         sec["bytes_per_block"] = (none["peak_GiB"] - ckpt["peak_GiB"]) * GiB / w.layers
         sec["budgets"] = args.budgets or budgets(sec["total_bytes"], args.points)
         add("save_on_cpu", "save_on_cpu", w, {})
-        add("storm-full", "storm", w, storm_opts)
+        full = add("storm-full", "storm", w, storm_opts)
         for b in sec["budgets"]:
             add(f"storm-budget {b / GiB:.2f}GiB", "storm-budget", w, {**storm_opts, "budget": b}, budget=b)
         for k in sorted({blocks_for(b, Measurements.of(sec)) for b in sec["budgets"]}):
             add(f"ckpt-first-{k}", "ckpt-first", FirstK(**dataclasses.asdict(w), k=k), {}, k=k)
+        # what a step holds besides its offloadable saves (gradients of activations, small saves)
+        besides = sec["total_bytes"] - int(full.get("to_host_GiB", 0) * GiB)
+        for b in sec["budgets"]:
+            cap = sec["total_bytes"] - b
+            add(f"plan {cap / GiB:.2f}GiB", "plan", w, {**storm_opts, "budget": max(0, cap - besides)}, budget=b)
         sec.update(summarize(sec, link))
         write(args, results)
     return results
@@ -168,15 +174,15 @@ def table(name: str, section: dict) -> str:
             lines.append(f"{r['label']:<24} {r['step_ms']:>9.2f} {r['peak_GiB']:>9.3f} {r['step_ms'] / none_ms:>7.2f}")
         else:
             lines.append(f"{r['label']:<24} {r.get('error', 'failed'):>9}")
-    lines += ["", f"{'budget GiB':>10} {'peak cap GiB':>12} {'bound ms':>9}  {'planner choice':<24} {'step ms':>9} "
-              f"{'peak GiB':>9} {'x bound':>7}"]
+    lines += ["", f"{'budget GiB':>10} {'peak cap GiB':>12} {'bound ms':>9} {'plan ms':>8} {'plan GiB':>8} "
+              f"{'fits':>4} {'x bound':>7}  {'best other that fits':<24} {'ms':>8}"]
     for p in section["planner"]:
-        head = f"{p['budget_bytes'] / GiB:>10.3f} {p['peak_cap_GiB']:>12.3f} {p['lower_bound_ms']:>9.2f}  "
-        if p["choice"] is None:
-            lines.append(head + "none fits")
-        else:
-            lines.append(head + f"{p['choice']:<24} {p['step_ms']:>9.2f} {p['peak_GiB']:>9.3f} "
-                         f"{p['step_ms'] / p['lower_bound_ms']:>7.2f}")
+        line = f"{p['budget_bytes'] / GiB:>10.3f} {p['peak_cap_GiB']:>12.3f} {p['lower_bound_ms']:>9.2f} "
+        line += (f"{p['step_ms']:>8.2f} {p['peak_GiB']:>8.3f} {'yes' if p['fits_cap'] else 'no':>4} "
+                 f"{p['step_ms'] / p['lower_bound_ms']:>7.2f}  " if p["step_ms"] is not None
+                 else f"{'failed':>8} {'':>8} {'':>4} {'':>7}  ")
+        line += f"{p['best_other']:<24} {p['best_other_ms']:>8.2f}" if p["best_other"] else "none fits"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -190,17 +196,14 @@ def plot(results: dict, path: str) -> None:
     names = [n for n, s in results.items() if isinstance(s, dict) and "rows" in s]
     fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 5.5), squeeze=False)
     markers = {"none": "o", "checkpoint": "s", "save_on_cpu": "v", "storm": "D", "storm-budget": "^",
-               "ckpt-first": "x"}
+               "ckpt-first": "x", "plan": "*"}
     for ax, name in zip(axes[0], names):
         sec = results[name]
         for method, marker in markers.items():
             pts = [r for r in sec["rows"] if r["method"] == method and "step_ms" in r]
             if pts:
                 ax.scatter([r["peak_GiB"] for r in pts], [r["step_ms"] for r in pts], marker=marker,
-                           label={"storm": "storm-full"}.get(method, method))
-        chosen = [p for p in sec["planner"] if p["choice"] is not None]
-        ax.scatter([p["peak_GiB"] for p in chosen], [p["step_ms"] for p in chosen], s=160, facecolors="none",
-                   edgecolors="black", label="planner's choice")
+                           label={"storm": "storm-full", "plan": "storm.plan"}.get(method, method))
         bound = sorted(((sec["total_bytes"] - b["budget_bytes"]) / GiB, b["lower_bound_ms"]) for b in sec["bound"])
         ax.plot([x for x, _ in bound], [y for _, y in bound], "k--", label="lower bound at peak cap (total - b)")
         ax.set_xlabel("peak GPU memory above the step's start (GiB)")

@@ -39,31 +39,20 @@ GiB = 1 << 30
 
 def link_bandwidth(device: torch.device, nbytes: int = GiB) -> dict[str, float]:
     """Pinned D2H and H2D GB/s, measured here, now (machines drift)."""
-    g = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
-    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    out = {}
-    for name, fn in (("d2h_GBps", lambda: h.copy_(g, non_blocking=True)),
-                     ("h2d_GBps", lambda: g.copy_(h, non_blocking=True))):
-        fn()
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            fn()
-        end.record()
-        end.synchronize()
-        out[name] = round(5 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9, 1)
-    del g, h
-    return out
+    d2h, h2d = storm.planner.link_bandwidth(device, nbytes)
+    return {"d2h_GBps": round(d2h, 1), "h2d_GBps": round(h2d, 1)}
 
 
-def train_step(model, x, opt, method: str, opts: dict) -> storm.Offload | None:
+def train_step(model, x, opt, method: str, opts: dict, planner: storm.Planner | None = None) -> storm.Offload | None:
     ctx = None
     if method == "save_on_cpu":
         with torch.autograd.graph.save_on_cpu(pin_memory=True):
             y = model(x)
     elif method == "storm":
         with storm.offload(**opts) as ctx:
+            y = model(x)
+    elif method == "plan":
+        with planner.step() as ctx:
             y = model(x)
     else:
         y = model(x)
@@ -76,16 +65,18 @@ def train_step(model, x, opt, method: str, opts: dict) -> storm.Offload | None:
 def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: torch.device) -> dict:
     model, x = w.build(device, ckpt=(method == "checkpoint"))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    # storm.plan traces two steps and plans at the third: warm-up must cover them
+    planner = storm.plan(model.blocks, **opts) if method == "plan" else None
     try:
         for _ in range(warmup):
-            train_step(model, x, opt, method, opts)
+            train_step(model, x, opt, method, opts, planner)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         times, last = [], None
         for _ in range(steps):
             t0 = time.perf_counter()
-            last = train_step(model, x, opt, method, opts)
+            last = train_step(model, x, opt, method, opts, planner)
             torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
         r = {"step_ms": round(statistics.median(times) * 1e3, 2),
@@ -107,8 +98,16 @@ def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: t
             r.update(to_host_GiB=round(st.stored_bytes / GiB, 3), to_device_GiB=round(st.fetched_bytes / GiB, 3),
                      offloaded_tensors=st.offloaded, kept=dict(st.kept),
                      fetch_wait_ms=round(st.fetch_wait_s * 1e3, 2), backend=last.backend_name)
+        if planner is not None:
+            p = planner.plan
+            r.update(plan={"offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed),
+                           "predicted_peak_GiB": round(p.predicted_peak / GiB, 3),
+                           "predicted_cost_ms": p.predicted_cost_ms, "fits": p.fits},
+                     explain=planner.explain())
     except torch.OutOfMemoryError:
         r = {"error": "OOM"}
+    if planner is not None:
+        planner.close()
     del model, x, opt
     torch.cuda.empty_cache()
     return r

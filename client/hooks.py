@@ -60,7 +60,7 @@ class Offload(contextlib.ContextDecorator):
         self._options = dict(mode=mode, socket=socket, min_bytes=min_bytes, prefetch_bytes=prefetch_bytes,
                              pool_size=pool_size, modules=modules, budget=budget, max_held_bytes=max_held_bytes,
                              verify=verify, codec=codec)
-        self._budget = _parse_budget(budget)
+        self._budget = parse_budget(budget)
         self._policy = Policy.protecting(modules, min_bytes)
         self._names = _module_names(modules)
         self._session: ClientSession | None = None
@@ -156,7 +156,7 @@ class Offload(contextlib.ContextDecorator):
             self._session.synchronize()
 
 
-def _parse_budget(budget: int | float | str | None) -> int | float | None:
+def parse_budget(budget: int | float | str | None) -> int | float | None:
     """None, bytes (int or '8GiB'), or a fraction in (0, 1] of the step's offloadable bytes."""
     if budget is None:
         return None

@@ -67,6 +67,7 @@ class OffloadStats(Counters):
     saved. Fetch counters grow during its backward."""
 
     layers: dict[str, Counters] = field(default_factory=dict)
+    pack_s: float = 0.0  # training-thread time spent offloading saves, waits on the mover excluded
 
     def _counters(self, layer: str | None) -> tuple[Counters, ...]:
         if layer is None:
@@ -275,6 +276,7 @@ class ClientSession:
             return self._offload(t, storage, nbytes, step)
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int, step: Step) -> Handle:
+        t0 = time.perf_counter()
         self.poll()
         ready = record_ready(t.device) if t.is_cuda else None
         meta = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
@@ -289,6 +291,7 @@ class ClientSession:
             self._held_bytes += nbytes
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
             oldest = self._held[0].put if self._held_bytes > self.max_held_bytes else None
+        step.stats.pack_s += time.perf_counter() - t0
         if oldest is not None:  # bound what waits on the mover; wait outside the lock
             oldest.wait()
             self.poll()

@@ -122,3 +122,41 @@ def test_budget_keeps_the_latest_saves_on_the_device():
         h2 = torch.tanh(lin2(h2))
     h2.sum().backward()
     assert same_bits(lin.weight.grad, lin2.weight.grad)
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.1])
+def test_planner_on_cuda_bit_exact_and_within_its_predicted_peak(budget):
+    """storm.plan on CUDA: every step (the two traces and the planned ones) gives the gradients of
+    no offload, bit for bit, and a planned step's peak stays near what the plan predicted."""
+    torch.manual_seed(0)
+    model = GPT(seq_len=256, d_model=256, n_heads=4, n_layers=8).cuda()
+    idx = torch.randint(0, 256, (8, 257), device="cuda")
+    loss_fn = lambda m: m.loss(idx[:, :-1], idx[:, 1:])  # noqa: E731
+    ref = step_grads(copy.deepcopy(model), loss_fn, None)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model.zero_grad(set_to_none=True)
+    plain = step_grads(model, loss_fn, None)
+    no_offload_peak = torch.cuda.max_memory_allocated() - base
+    planner = storm.plan(model.blocks, budget=budget, mode="embedded", min_bytes=1 << 16, pool_size="1GiB")
+    for step in range(4):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        torch.manual_seed(7)
+        with planner.step():
+            loss = loss_fn(model)
+        loss.backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        assert all(same_bits(a, b) for a, b in zip(ref, got)), f"step {step}"
+    peak = torch.cuda.max_memory_allocated() - base
+    p = planner.plan
+    assert p.fits and (p.offloaded or p.recomputed)
+    # what the step holds besides its offloadable saves (gradients, small saves, workspaces)
+    besides = no_offload_peak - planner.trace.total_bytes
+    assert peak <= p.predicted_peak + besides + (8 << 20), (peak, p, besides, planner.explain())
+    assert peak < no_offload_peak
+    assert all(same_bits(a, b) for a, b in zip(ref, plain))
+    planner.close()

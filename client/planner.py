@@ -1,0 +1,405 @@
+"""``storm.plan``: keep saved activations under a GPU-memory budget at the least step time,
+choosing per block of the model: keep on the device, offload, or recompute in backward.
+
+    plan = storm.plan(model.blocks, budget="1GiB")  # or a fraction of a step's activation bytes
+    for x in data:
+        with plan.step():
+            loss = model(x).sum()
+        loss.backward()
+    print(plan.explain())
+
+Trace. The first step offloads everything and records per block the bytes it saves
+(what offloading or recomputing it removes from the device), how many tensors (each
+offloaded one costs host time, measured in the same step) and its input's bytes (what
+recomputing keeps). The second recomputes every block and offloads nothing, and records
+each block's forward time (what recomputing it costs), with events on the compute stream
+on CUDA, so a launch-bound model's host time counts as it does in training. Both are the
+least-memory steps of their kind. Pinned copy bandwidth each way is measured once.
+
+Plan. Offloading takes the earliest saves, which backward needs last: the first k blocks.
+Its predicted cost is its host time per tensor beyond the time the compute stream runs ahead
+of the host, plus the link time forward (to the host) and backward (back) cannot hide. Recomputing
+block i costs its forward time. For each k the remaining blocks are recomputed, cheapest time per
+byte first, until the predicted peak fits: bytes of the kept blocks + inputs of the recomputed ones
++ the largest recomputed block (backward rebuilds one at a time) + what offload holds in flight
+(copy queue and prefetch window). The fitting plan of least predicted cost wins; when none fits,
+the one of least peak, with a warning. When block 0 is called with other input shapes than those
+traced, the next step traces again. Offloaded CUDA tensors go raw: compression is not in the
+CUDA copy path yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .hooks import Offload, parse_budget
+
+log = logging.getLogger("storm")
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass
+class BlockTrace:
+    """One block in the traced steps."""
+
+    saved_bytes: int = 0     # offloadable bytes its forward saved: what offloading or recomputing it removes
+    tensors: int = 0         # how many storages that was
+    input_bytes: int = 0     # tensors it was called with: what recomputing it keeps
+    forward_ms: float = 0.0  # what recomputing it costs
+
+
+@dataclasses.dataclass
+class Trace:
+    """What the plan is made from."""
+
+    blocks: list[BlockTrace]
+    before_bytes: int = 0           # offloadable bytes saved before the first block (e.g. embeddings)
+    after_bytes: int = 0            # and after the last (e.g. the loss)
+    offloaded_before: list[int] = dataclasses.field(default_factory=list)  # bytes offloaded when block i started
+    host_ms_per_tensor: float = 0.0  # pack + unpack on the training thread, per offloaded tensor
+    forward_host_ms: float = 0.0     # forward of the blocks, on the host, nothing offloaded
+    forward_device_ms: float = 0.0   # and on the compute stream
+    d2h_GBps: float = 0.0
+    h2d_GBps: float = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.before_bytes + sum(b.saved_bytes for b in self.blocks) + self.after_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    offloaded: int                 # blocks[:offloaded] (and the saves before them) are offloaded
+    recomputed: frozenset[int]     # these blocks are recomputed in backward
+    offload_budget: int | None     # storm.offload(budget=...) that offloads exactly those saves; None: all
+    predicted_peak: int            # saved bytes on the device at the peak
+    predicted_cost_ms: float       # step time over no offload
+    fits: bool
+
+
+def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int) -> int:
+    """Saved bytes on the device at the worst moment of backward when blocks[:offloaded] are
+    offloaded and ``recomputed`` are recomputed: at its start (every kept save, the inputs of
+    the recomputed blocks) or while a recomputed block is rebuilt (what the blocks before it
+    keep, plus its own saves)."""
+    blocks, n = trace.blocks, len(trace.blocks)
+    sent = trace.before_bytes * (offloaded > 0) + sum(b.saved_bytes for b in blocks[:offloaded]) + \
+        trace.after_bytes * (offloaded == n)
+    prefix = trace.before_bytes * (offloaded == 0) + min(sent, in_flight_bytes)
+    worst = 0
+    for i in range(offloaded, n):
+        b = blocks[i]
+        if i in recomputed:
+            worst = max(worst, prefix + b.saved_bytes)
+            prefix += b.input_bytes
+        else:
+            prefix += b.saved_bytes
+    return max(worst, prefix + trace.after_bytes * (offloaded < n))
+
+
+def choose(trace: Trace, budget: int, in_flight_bytes: int) -> Plan:
+    """The plan of least predicted cost whose predicted peak is at most ``budget`` bytes
+    (the least-peak plan, fits=False, when none is); ``in_flight_bytes``: what offload may hold
+    on the device at once (copy queue + prefetch window)."""
+    blocks, n = trace.blocks, len(trace.blocks)
+    fwd_ms = sum(b.forward_ms for b in blocks)
+    slack_ms = max(0.0, trace.forward_device_ms - trace.forward_host_ms)  # host time the GPU hides
+    best: Plan | None = None
+    lowest: Plan | None = None
+    for k in range(n + 1):
+        sent = trace.before_bytes * (k > 0) + sum(b.saved_bytes for b in blocks[:k]) + trace.after_bytes * (k == n)
+        link_ms = (max(0.0, sent / (trace.d2h_GBps * 1e6) - fwd_ms)
+                   + max(0.0, sent / (trace.h2d_GBps * 1e6) - 2 * fwd_ms)) if sent else 0.0
+        cost = max(0.0, sum(b.tensors for b in blocks[:k]) * trace.host_ms_per_tensor - 2 * slack_ms) + link_ms
+        recomputed: set[int] = set()
+        peak = predicted_peak(trace, k, recomputed, in_flight_bytes)
+        # cheapest first: forward ms per byte that recomputing removes; earlier blocks on ties,
+        # since what they keep is held through more of backward
+        for i in sorted(range(k, n), key=lambda i: (blocks[i].forward_ms / max(1, blocks[i].saved_bytes
+                                                                                - blocks[i].input_bytes), i)):
+            if peak <= budget:
+                break
+            lower = predicted_peak(trace, k, recomputed | {i}, in_flight_bytes)
+            if lower < peak:
+                recomputed.add(i)
+                peak = lower
+                cost += blocks[i].forward_ms
+        budget_bytes = None if k == n else (trace.offloaded_before[k] if k else 0)
+        plan = Plan(k, frozenset(recomputed), budget_bytes, peak, round(cost, 3), peak <= budget)
+        if plan.fits and (best is None or plan.predicted_cost_ms < best.predicted_cost_ms):
+            best = plan
+        if lowest is None or plan.predicted_peak < lowest.predicted_peak:
+            lowest = plan
+    assert lowest is not None
+    return best or lowest
+
+
+class Planner:
+    """Reaches ``budget`` (bytes such as "8GiB", or a fraction in (0, 1] of a step's offloadable
+    bytes) for the tensors saved in ``blocks`` (the model's repeated layers, run in this order),
+    planning from traced steps. Each step: ``with planner.step(): ...``. Other options go to
+    storm.offload."""
+
+    def __init__(self, blocks: Iterable[nn.Module], budget: int | float | str, **offload_options: Any):
+        self.blocks = list(blocks)
+        if not self.blocks or not all(isinstance(b, nn.Module) for b in self.blocks):
+            raise TypeError("storm.plan needs the model's blocks: a non-empty list (or ModuleList) of modules")
+        if "budget" in offload_options or budget is None:
+            raise TypeError("storm.plan's budget= is the GPU memory saved activations may take (bytes or a "
+                            "fraction of a step's), and storm.plan sets storm.offload's budget itself")
+        self._budget = parse_budget(budget)
+        Offload(**offload_options)  # refuse bad options now, not at the first step
+        self._options = offload_options
+        self.trace: Trace | None = None
+        self.plan: Plan | None = None
+        self._phase = "trace-offload"
+        self._pending: Callable[[], None] | None = None  # finishes reading the last step's trace
+        self._hooks: list[Any] = []
+        self._recomputing: set[int] = set()
+        self._signature: tuple | None = None
+        self._stale = False
+        self._windows: dict[str, int] = {}  # the planned steps' copy queue and prefetch window, unless given
+        self.replans = 0
+
+    # --- each step ----------------------------------------------------------
+
+    def step(self) -> Offload:
+        """The storm.offload context of the next step, with the plan (or the trace) applied."""
+        if self._pending is not None:
+            self._pending()
+            self._pending = None
+        if self._stale:
+            self._stale, self._phase, self.plan = False, "trace-offload", None
+            self.replans += 1
+        if self._phase == "trace-offload":
+            return self._trace_offload()
+        if self._phase == "trace-compute":
+            return self._trace_compute()
+        return Offload(**{**self._windows, **self._options}, budget=self.plan.offload_budget)
+
+    def _trace_offload(self) -> Offload:
+        """Everything offloaded: bytes and tensors per block, host time per tensor."""
+        self._recompute(set())
+        ctx = Offload(**self._options)
+        n = len(self.blocks)
+        marks: list[tuple[int, int]] = []  # (bytes, tensors) offloaded when each block started and ended
+        inputs = [0] * n
+
+        def pre(i: int, m: nn.Module, args: Any) -> None:
+            st = ctx.stats
+            marks.append((st.offloaded_bytes, st.offloaded))
+            inputs[i] = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
+            if i == 0:
+                self._signature = _signature(args)
+
+        def post(i: int, m: nn.Module, args: Any, out: Any) -> None:
+            st = ctx.stats
+            marks.append((st.offloaded_bytes, st.offloaded))
+
+        self._hook_blocks(pre, post)
+
+        def collect() -> None:
+            self._unhook()
+            st = ctx.stats
+            if len(marks) != 2 * n:
+                log.warning("storm.plan: the traced step did not run every block once; tracing again")
+                return
+            blocks = [BlockTrace(marks[2 * i + 1][0] - marks[2 * i][0], marks[2 * i + 1][1] - marks[2 * i][1],
+                                 inputs[i]) for i in range(n)]
+            d2h, h2d = link_bandwidth(_device_of(self.blocks))
+            self.trace = Trace(blocks, marks[0][0], st.offloaded_bytes - marks[-1][0],
+                               [marks[2 * i][0] for i in range(n)],
+                               2e3 * st.pack_s / max(1, st.offloaded), d2h_GBps=d2h, h2d_GBps=h2d)
+            self._phase = "trace-compute"
+
+        self._pending = collect
+        return ctx
+
+    def _trace_compute(self) -> Offload:
+        """Every block recomputed, nothing offloaded: forward time per block."""
+        self._recompute(set(range(len(self.blocks))))
+        device = _device_of(self.blocks)
+        clock = _Clock(device)
+        n = len(self.blocks)
+        starts: list[Any] = [None] * n
+        ends: list[Any] = [None] * n
+        host = [0.0, 0.0]
+
+        def pre(i: int, m: nn.Module, args: Any) -> None:
+            if i == 0:
+                host[0] = time.perf_counter()
+            starts[i] = clock.mark()
+
+        def post(i: int, m: nn.Module, args: Any, out: Any) -> None:
+            ends[i] = clock.mark()
+            if i == n - 1:
+                host[1] = time.perf_counter()
+
+        self._hook_blocks(pre, post)
+
+        def collect() -> None:
+            self._unhook()
+            if any(s is None for s in starts + ends):
+                log.warning("storm.plan: the traced step did not run every block once; tracing again")
+                return
+            for b, s, e in zip(self.trace.blocks, starts, ends):
+                b.forward_ms = clock.elapsed_ms(s, e)
+            self.trace.forward_host_ms = (host[1] - host[0]) * 1e3
+            self.trace.forward_device_ms = clock.elapsed_ms(starts[0], ends[-1])
+            self._make_plan()
+
+        self._pending = collect
+        return Offload(**self._options, budget=0)
+
+    def _make_plan(self) -> None:
+        trace = self.trace
+        budget = self._budget if isinstance(self._budget, int) else int(self._budget * trace.total_bytes)
+        # Unless given, one block's saves may wait for their copy and one block's come back
+        # ahead: enough to keep the link busy, and what the predicted peak allows for.
+        block = max(b.saved_bytes for b in trace.blocks)
+        self._windows = {"max_held_bytes": block, "prefetch_bytes": block}
+        windows = {**self._windows, **self._options}
+        in_flight = windows["max_held_bytes"] + windows["prefetch_bytes"]
+        self.plan = choose(trace, budget, in_flight)
+        if not self.plan.fits:
+            log.warning("storm.plan: no plan keeps the saved activations under %.1f MiB; the lowest predicted "
+                        "is %.1f MiB", budget / MiB, self.plan.predicted_peak / MiB)
+        self._recompute(set(self.plan.recomputed))
+        self._phase = "planned"
+
+        def check(m: nn.Module, args: Any) -> None:  # a new input shape: the trace no longer holds
+            if _signature(args) != self._signature:
+                self._stale = True
+
+        self._hooks.append(self.blocks[0].register_forward_pre_hook(check))
+
+    # --- applying -----------------------------------------------------------
+
+    def _hook_blocks(self, pre: Callable, post: Callable) -> None:
+        self._unhook()
+        for i, b in enumerate(self.blocks):
+            self._hooks.append(b.register_forward_pre_hook(functools.partial(pre, i)))
+            self._hooks.append(b.register_forward_hook(functools.partial(post, i)))
+
+    def _unhook(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _recompute(self, which: set[int]) -> None:
+        """Make exactly the blocks in ``which`` recompute in backward (non-reentrant checkpoint)."""
+        for i in which - self._recomputing:
+            if "forward" in vars(self.blocks[i]):
+                raise RuntimeError(f"storm.plan: block {i} ({type(self.blocks[i]).__name__}) already has its own "
+                                   "forward attribute; storm.plan recomputes a block by setting it")
+        for i in self._recomputing - which:
+            del self.blocks[i].forward  # back to the class's forward
+        for i in which - self._recomputing:
+            b = self.blocks[i]
+            b.forward = functools.partial(checkpoint, type(b).forward.__get__(b), use_reentrant=False)
+        self._recomputing = set(which)
+
+    def close(self) -> None:
+        """Restore the blocks' own forwards and remove STORM's hooks from them."""
+        self._unhook()
+        self._recompute(set())
+        self._pending = None
+
+    # --- explaining ---------------------------------------------------------
+
+    def explain(self) -> str:
+        """Per block what was measured and what the plan does with it, and the predicted totals."""
+        if self.plan is None or self.trace is None:
+            return f"storm.plan: {self._phase.replace('-', ' ')} step next; no plan yet"
+        t, p = self.trace, self.plan
+        lines = [f"storm.plan: budget {_describe_budget(self._budget, t.total_bytes)}; link {t.d2h_GBps:.1f} GB/s "
+                 f"to host, {t.h2d_GBps:.1f} back; host {t.host_ms_per_tensor * 1e3:.0f} us per offloaded tensor; "
+                 f"forward {t.forward_host_ms:.2f} ms host, {t.forward_device_ms:.2f} ms compute stream",
+                 f"{'block':>5} {'saved MiB':>10} {'tensors':>7} {'input MiB':>10} {'forward ms':>10}  decision"]
+        for i, b in enumerate(t.blocks):
+            what = "offload" if i < p.offloaded else "recompute" if i in p.recomputed else "keep"
+            lines.append(f"{i:>5} {b.saved_bytes / MiB:>10.1f} {b.tensors:>7} {b.input_bytes / MiB:>10.1f} "
+                         f"{b.forward_ms:>10.3f}  {what}")
+        lines.append(f"before the blocks {t.before_bytes / MiB:.1f} MiB ({'offload' if p.offloaded else 'keep'}), "
+                     f"after {t.after_bytes / MiB:.1f} MiB "
+                     f"({'offload' if p.offloaded == len(t.blocks) else 'keep'})")
+        lines.append(f"predicted: {p.predicted_peak / MiB:.1f} MiB saved on the device at the peak "
+                     f"({'fits' if p.fits else 'does NOT fit'}), {p.predicted_cost_ms:.2f} ms over no offload; "
+                     f"re-planned {self.replans} times")
+        return "\n".join(lines)
+
+
+class _Clock:
+    """Marks on the compute stream (CUDA events) or the host clock (CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return (end - start) * 1e3
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+def link_bandwidth(device: torch.device, nbytes: int = 256 * MiB) -> tuple[float, float]:
+    """GB/s to the host and back, pinned, measured now (machines drift). On CPU: a copy's speed."""
+    if device.type != "cuda":
+        a = torch.empty(nbytes // 4, dtype=torch.uint8)
+        b = torch.empty_like(a)
+        b.copy_(a)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        gbps = nbytes // 4 / (time.perf_counter() - t0) / 1e9
+        return gbps, gbps
+    g = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = []
+    for fn in (lambda: h.copy_(g, non_blocking=True), lambda: g.copy_(h, non_blocking=True)):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(3 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    return out[0], out[1]
+
+
+def _device_of(blocks: list[nn.Module]) -> torch.device:
+    for b in blocks:
+        for p in b.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _signature(args: Any) -> tuple:
+    return tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
+
+
+def _describe_budget(budget: int | float, total: int) -> str:
+    if isinstance(budget, float):
+        return f"{budget:.0%} of {total / MiB:.1f} MiB saved per step"
+    return f"{budget / MiB:.1f} MiB of {total / MiB:.1f} MiB saved per step"
+
+
+def plan(blocks: Iterable[nn.Module], budget: int | float | str, **offload_options: Any) -> Planner:
+    """A Planner (see its docstring and this module's)."""
+    return Planner(blocks, budget, **offload_options)

@@ -1,0 +1,187 @@
+"""storm.plan: the choice made from a trace (choose), and the planner on a real model on CPU:
+traced steps, the plan applied, gradients bit-identical to no offload, re-planning, bad input."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import storm
+from storm.examples.models import GPT, same_bits
+from storm.planner import BlockTrace, Trace, choose, predicted_peak
+
+MiB = 1 << 20
+
+
+def trace(n: int = 8, saved: int = 100 * MiB, inputs: int = 10 * MiB, fwd_ms: float = 1.0, gbps: float = 50.0,
+          host_ms: float = 0.0, tensors: int = 5) -> Trace:
+    blocks = [BlockTrace(saved, tensors, inputs, fwd_ms) for _ in range(n)]
+    return Trace(blocks, before_bytes=MiB, after_bytes=2 * MiB,
+                 offloaded_before=[MiB + i * saved for i in range(n)], host_ms_per_tensor=host_ms,
+                 forward_host_ms=n * fwd_ms, forward_device_ms=n * fwd_ms, d2h_GBps=gbps, h2d_GBps=gbps)
+
+
+def test_a_budget_above_the_step_changes_nothing():
+    t = trace()
+    p = choose(t, t.total_bytes, in_flight_bytes=64 * MiB)
+    assert (p.offloaded, p.recomputed, p.offload_budget, p.predicted_cost_ms, p.fits) == (0, frozenset(), 0, 0.0, True)
+    assert p.predicted_peak == t.total_bytes
+
+
+def test_a_slow_link_recomputes_instead_of_offloading():
+    t = trace(gbps=0.5)  # 100 MiB takes ~210 ms each way; recomputing a block costs 1 ms
+    budget = t.total_bytes - 350 * MiB
+    p = choose(t, budget, in_flight_bytes=64 * MiB)
+    assert p.fits and p.predicted_peak <= budget
+    assert p.offloaded == 0 and len(p.recomputed) == 4  # each recompute removes 90 MiB, plus the largest's 100
+    assert p.predicted_cost_ms == pytest.approx(4.0)
+
+
+def test_the_cheapest_blocks_per_byte_are_recomputed_first():
+    t = trace(gbps=0.5)
+    t.blocks[5].forward_ms = 0.1
+    t.blocks[2].forward_ms = 0.2
+    assert choose(t, t.total_bytes - 20 * MiB, in_flight_bytes=64 * MiB).recomputed == frozenset({5})
+    assert choose(t, t.total_bytes - 150 * MiB, in_flight_bytes=64 * MiB).recomputed == frozenset({5, 2})
+
+
+def test_recomputing_only_the_last_block_saves_next_to_nothing():
+    t = trace(n=2)
+    # backward needs the last block's saves first: rebuilt or kept, they are all there at once,
+    # and only the saves after the blocks (the loss's) are gone by then
+    assert predicted_peak(t, 0, {1}, 0) == t.total_bytes - t.after_bytes
+    assert predicted_peak(t, 0, {0}, 0) == t.total_bytes - 90 * MiB
+
+
+def test_a_link_that_forward_hides_offloads_the_earliest_blocks():
+    t = trace(fwd_ms=20.0, gbps=50.0)  # 100 MiB in ~2 ms against 160 ms of forward: free
+    budget = t.total_bytes - 250 * MiB
+    p = choose(t, budget, in_flight_bytes=64 * MiB)
+    # 3 blocks offloaded leave 5 x 100 MiB + what is in flight: one more block is offloaded, none recomputed
+    assert p.fits and p.recomputed == frozenset() and p.offloaded == 4
+    assert p.offload_budget == t.offloaded_before[4]  # storm.offload(budget=) stops at block 4's first save
+    assert p.predicted_cost_ms == 0.0
+
+
+def test_host_time_per_tensor_counts_when_the_compute_stream_does_not_hide_it():
+    t = trace(fwd_ms=20.0, gbps=50.0, host_ms=50.0, tensors=5)  # 250 ms per offloaded block: recompute wins
+    p = choose(t, t.total_bytes - 250 * MiB, in_flight_bytes=64 * MiB)
+    assert p.offloaded == 0 and p.recomputed
+    t.forward_device_ms = t.forward_host_ms + 10_000  # the GPU is far behind the host: host time is free
+    p = choose(t, t.total_bytes - 250 * MiB, in_flight_bytes=64 * MiB)
+    assert p.offloaded == 4 and not p.recomputed
+
+
+def test_an_unreachable_budget_gets_the_least_peak_plan_and_says_so():
+    t = trace()
+    p = choose(t, 0, in_flight_bytes=64 * MiB)
+    assert not p.fits
+    assert p.offloaded == len(t.blocks) and p.offload_budget is None  # everything goes
+    assert p.predicted_peak == 64 * MiB  # only what is in flight stays
+
+
+# --- the planner on a real model ---------------------------------------------
+
+def gpt() -> tuple[GPT, torch.Tensor]:
+    torch.manual_seed(0)
+    return GPT(seq_len=64, d_model=64, n_heads=4, n_layers=6, dropout=0.1), torch.randint(0, 256, (8, 65))
+
+
+def grads_of(model: GPT, idx: torch.Tensor, ctx=None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)  # the same dropout masks in every step
+    with ctx if ctx is not None else torch.enable_grad():
+        loss = model.loss(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    if ctx is not None:
+        ctx.synchronize()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.05])
+def test_planned_steps_train_bit_exact_and_follow_the_plan(budget):
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    planner = storm.plan(model.blocks, budget=budget, mode="embedded", min_bytes=0)
+    assert "no plan yet" in planner.explain()
+    for step in range(4):
+        ctx = planner.step()
+        got = grads_of(model, idx, ctx)
+        assert all(same_bits(a, b) for a, b in zip(ref, got)), f"gradients differ in step {step}"
+        if step == 0:  # the offload trace: everything
+            assert ctx.stats.offloaded_bytes > 0 and storm.Keep.BUDGET not in ctx.stats.kept
+    plan, t = planner.plan, planner.trace
+    assert plan is not None and len(t.blocks) == 6
+    assert all(b.saved_bytes > 0 and b.tensors > 0 and b.input_bytes > 0 and b.forward_ms > 0 for b in t.blocks)
+    # the last planned step did what the plan says
+    recomputing = {i for i, b in enumerate(model.blocks) if "forward" in vars(b)}
+    assert recomputing == set(plan.recomputed)
+    expected = t.total_bytes if plan.offload_budget is None else plan.offload_budget
+    assert ctx.stats.offloaded_bytes == expected
+    if budget == 0.05:  # 5% of the step cannot stay on the device without recomputing or offloading most
+        assert plan.offloaded + len(plan.recomputed) >= 5
+    assert plan.fits == (plan.predicted_peak <= int(budget * t.total_bytes))
+    text = planner.explain()
+    assert len([line for line in text.splitlines() if line.rstrip().endswith(("offload", "recompute", "keep"))]) >= 6
+    planner.close()
+    assert not any("forward" in vars(b) for b in model.blocks)
+    assert not any(b._forward_pre_hooks or b._forward_hooks for b in model.blocks)
+
+
+def test_new_input_shapes_trace_again():
+    model, idx = gpt()
+    planner = storm.plan(model.blocks, budget=0.3, mode="embedded", min_bytes=0)
+    for _ in range(3):
+        grads_of(model, idx, planner.step())
+    assert planner.plan is not None and planner.replans == 0
+    grads_of(model, idx[:, :33], planner.step())  # a shorter sequence: the trace no longer holds
+    ctx = planner.step()
+    assert planner.plan is None and planner.replans == 1
+    assert "forward" not in vars(model.blocks[0])  # the offload trace recomputes nothing
+    grads_of(model, idx[:, :33], ctx)
+    grads_of(model, idx[:, :33], planner.step())  # the compute trace
+    grads_of(model, idx[:, :33], planner.step())  # planned from the two
+    assert planner.plan is not None
+    assert planner.trace.blocks[0].input_bytes == 8 * 32 * 64 * 4
+    planner.close()
+
+
+def test_an_unreachable_budget_warns_and_trains(caplog):
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    planner = storm.plan(model.blocks, budget=1, mode="embedded", min_bytes=0)
+    with caplog.at_level(logging.WARNING, logger="storm"):
+        for _ in range(3):
+            got = grads_of(model, idx, planner.step())
+    assert not planner.plan.fits
+    assert any("no plan keeps the saved activations under" in r.getMessage() for r in caplog.records)
+    assert all(same_bits(a, b) for a, b in zip(ref, got))
+    planner.close()
+
+
+@pytest.mark.parametrize("blocks, budget, options, error", [
+    ([], "1GiB", {}, TypeError),
+    (["not a module"], "1GiB", {}, TypeError),
+    (None, None, {}, TypeError),
+    (None, -1, {}, ValueError),
+    (None, 1.5, {}, ValueError),
+    (None, "lots", {}, ValueError),
+    (None, "1GiB", {"budget": 0.5}, TypeError),
+    (None, "1GiB", {"min_bytes": -1}, ValueError),
+])
+def test_bad_plans_are_refused(blocks, budget, options, error):
+    model, _ = gpt()
+    with pytest.raises(error):
+        storm.plan(model.blocks if blocks is None else blocks, budget=budget, **options)
+
+
+def test_a_block_with_its_own_forward_attribute_is_refused_clearly():
+    model, idx = gpt()
+    model.blocks[3].forward = model.blocks[3].forward  # e.g. wrapped by another tool
+    planner = storm.plan(model.blocks, budget=0.3, mode="embedded", min_bytes=0)
+    grads_of(model, idx, planner.step())
+    with pytest.raises(RuntimeError, match="block 3 .*own forward"):
+        planner.step()
