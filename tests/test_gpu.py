@@ -124,7 +124,7 @@ def test_budget_keeps_the_latest_saves_on_the_device():
     assert same_bits(lin.weight.grad, lin2.weight.grad)
 
 
-@pytest.mark.parametrize("budget", [0.5, 0.1])
+@pytest.mark.parametrize("budget", [0.5, 0.25])  # recomputing every block keeps ~16% on this model
 def test_planner_on_cuda_bit_exact_and_within_its_predicted_peak(budget):
     """storm.plan on CUDA: every step (the two traces and the planned ones) gives the gradients of
     no offload, bit for bit, and a planned step's peak stays near what the plan predicted."""
