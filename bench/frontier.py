@@ -124,13 +124,20 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     link = link_bandwidth(device)
     print(f"link: {link}", flush=True)
     results: dict = {"link": link}
+    prior = json.loads(Path(args.resume).read_text()) if args.resume else {}
+    if prior:
+        results["resumed_from"] = prior.get("meta")  # rows measured by that run are kept as they were
     storm_opts = {"mode": "embedded", "min_bytes": 1 << 20, "pool_size": args.pool_size}
     for w in (w for w in (W1, W2) if w.name in args.workloads):
         sec: dict = {"layers": w.layers, "rows": []}
         results[w.name] = sec
+        done = {r["label"]: r for r in prior.get(w.name, {}).get("rows", [])}
 
         def add(label: str, method: str, workload: Workload, opts: dict, budget: int | None = None,
                 k: int | None = None) -> dict:
+            if label in done:
+                sec["rows"].append(done[label])
+                return done[label]
             how = {"storm-budget": "storm", "ckpt-first": "none"}.get(method, method)  # run()'s own method names
             r = run(workload, how, args.steps, args.warmup, opts, device)
             if "peak_extra_GiB" in r:
@@ -227,6 +234,8 @@ def main() -> int:
     p.add_argument("--pool-size", default="24GiB")
     p.add_argument("--quick", action="store_true", help="3 budgets, --steps 3 --warmup 1: a smoke run")
     p.add_argument("--out", help="results JSON (required unless --plot-only)")
+    p.add_argument("--resume", metavar="RESULTS.json", default=None,
+                   help="keep the rows of an earlier (cut-off) run and measure only the missing ones")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw step time against peak memory")
     p.add_argument("--plot-only", metavar="RESULTS.json", default=None,
                    help="measure nothing: re-plan, print and (with --plot) draw from a results JSON")

@@ -16,16 +16,19 @@ each block's forward time (what recomputing it costs), with events on the comput
 on CUDA, so a launch-bound model's host time counts as it does in training. Both are the
 least-memory steps of their kind. Pinned copy bandwidth each way is measured once.
 
-Plan. Offloading takes the earliest saves, which backward needs last: the first k blocks.
-Its predicted cost is its host time per tensor beyond the time the compute stream runs ahead
-of the host, plus the link time forward (to the host) and backward (back) cannot hide. Recomputing
-block i costs its forward time. For each k the remaining blocks are recomputed, cheapest time per
-byte first, until the predicted peak fits: bytes of the kept blocks + inputs of the recomputed ones
-+ the largest recomputed block (backward rebuilds one at a time) + what offload holds in flight
-(copy queue and prefetch window). The fitting plan of least predicted cost wins; when none fits,
-the one of least peak, with a warning. When block 0 is called with other input shapes than those
-traced, the next step traces again. Offloaded CUDA tensors go raw: compression is not in the
-CUDA copy path yet.
+Plan. Offloading takes the earliest saves, which backward needs last: the first k
+blocks. It costs host time per tensor beyond what the compute stream's lag hides, and
+link time: forward stalls while more than the copy queue (one block, or everything sent)
+waits for the link during the first k blocks; what is still on the device when forward
+ends goes out during backward, and everything comes back during backward (about twice
+forward). Recomputing block i costs its forward time. For each k and queue size the other
+blocks are recomputed, cheapest time per byte first, until the predicted peak fits. The
+predicted peak is the larger of backward's start (kept blocks, inputs of recomputed ones,
+offloaded bytes still on the device, the prefetch window) and each recomputed block's
+rebuild (what the blocks before it keep, plus its saves). The fitting plan of least
+predicted cost wins; when none fits, the one of least peak, with a warning. When block 0
+is called with other input shapes than those traced, the next step traces again.
+Offloaded CUDA tensors go raw: compression is not in the CUDA copy path yet.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ class Plan:
     offloaded: int                 # blocks[:offloaded] (and the saves before them) are offloaded
     recomputed: frozenset[int]     # these blocks are recomputed in backward
     offload_budget: int | None     # storm.offload(budget=...) that offloads exactly those saves; None: all
+    max_held_bytes: int            # storm.offload's copy queue and prefetch window for the plan
+    prefetch_bytes: int
     predicted_peak: int            # saved bytes on the device at the peak
     predicted_cost_ms: float       # step time over no offload
     fits: bool
@@ -89,12 +94,10 @@ class Plan:
 def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int) -> int:
     """Saved bytes on the device at the worst moment of backward when blocks[:offloaded] are
     offloaded and ``recomputed`` are recomputed: at its start (every kept save, the inputs of
-    the recomputed blocks) or while a recomputed block is rebuilt (what the blocks before it
-    keep, plus its own saves)."""
+    the recomputed blocks, offloaded bytes still in flight) or while a recomputed block is
+    rebuilt (what the blocks before it keep, plus its own saves)."""
     blocks, n = trace.blocks, len(trace.blocks)
-    sent = trace.before_bytes * (offloaded > 0) + sum(b.saved_bytes for b in blocks[:offloaded]) + \
-        trace.after_bytes * (offloaded == n)
-    prefix = trace.before_bytes * (offloaded == 0) + min(sent, in_flight_bytes)
+    prefix = trace.before_bytes * (offloaded == 0) + in_flight_bytes
     worst = 0
     for i in range(offloaded, n):
         b = blocks[i]
@@ -106,41 +109,87 @@ def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozense
     return max(worst, prefix + trace.after_bytes * (offloaded < n))
 
 
-def choose(trace: Trace, budget: int, in_flight_bytes: int) -> Plan:
-    """The plan of least predicted cost whose predicted peak is at most ``budget`` bytes
-    (the least-peak plan, fits=False, when none is); ``in_flight_bytes``: what offload may hold
-    on the device at once (copy queue + prefetch window)."""
+@dataclasses.dataclass(frozen=True)
+class _Offloading:
+    """What offloading blocks[:k] with a copy queue of ``held`` bytes costs and leaves on the device."""
+
+    sent: int
+    held: int
+    cost_ms: float
+    leftover: int  # offloaded bytes still on the device when forward ends
+
+    @staticmethod
+    def of(trace: Trace, k: int, held: int | None) -> list["_Offloading"]:
+        """Per copy queue size to consider (``held``, or: one block, and everything sent)."""
+        blocks, n = trace.blocks, len(trace.blocks)
+        sent = trace.before_bytes * (k > 0) + sum(b.saved_bytes for b in blocks[:k]) + trace.after_bytes * (k == n)
+        if not sent:
+            return [_Offloading(0, 0, 0.0, 0)]
+        d2h, h2d = trace.d2h_GBps * 1e6, trace.h2d_GBps * 1e6  # bytes per ms
+        fwd_ms = sum(b.forward_ms for b in blocks)
+        slack_ms = max(0.0, trace.forward_device_ms - trace.forward_host_ms)  # host time the GPU hides
+        host_ms = max(0.0, sum(b.tensors for b in blocks[:k]) * trace.host_ms_per_tensor - 2 * slack_ms)
+        out = []
+        for h in ([held] if held is not None else sorted({min(sent, max(b.saved_bytes for b in blocks[:k] or blocks)),
+                                                           sent})):
+            # forward waits while more than `h` bytes wait for the link, until the first k blocks are done
+            stall = max(0.0, (sent - h) / d2h - sum(b.forward_ms for b in blocks[:k]))
+            leftover = int(max(0.0, min(h, sent - d2h * (fwd_ms + stall))))
+            # what forward did not carry, and all of it back, during backward (about twice forward)
+            link = stall + max(0.0, leftover / d2h + sent / h2d - 2 * fwd_ms)
+            out.append(_Offloading(sent, h, host_ms + link, leftover))
+        return out
+
+
+def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_bytes: int | None = None) -> Plan:
+    """The plan of least predicted cost whose predicted peak is at most ``budget`` bytes (the
+    least-peak plan, fits=False, when none is). ``held_bytes`` and ``prefetch_bytes``: the
+    user's storm.offload options when given, else the plan picks them: a copy queue of one
+    block or of everything offloaded; a prefetch window of one block when no kept block
+    follows the offloaded ones, else none (the window then grows by what backward frees)."""
     blocks, n = trace.blocks, len(trace.blocks)
-    fwd_ms = sum(b.forward_ms for b in blocks)
-    slack_ms = max(0.0, trace.forward_device_ms - trace.forward_host_ms)  # host time the GPU hides
     best: Plan | None = None
     lowest: Plan | None = None
     for k in range(n + 1):
-        sent = trace.before_bytes * (k > 0) + sum(b.saved_bytes for b in blocks[:k]) + trace.after_bytes * (k == n)
-        link_ms = (max(0.0, sent / (trace.d2h_GBps * 1e6) - fwd_ms)
-                   + max(0.0, sent / (trace.h2d_GBps * 1e6) - 2 * fwd_ms)) if sent else 0.0
-        cost = max(0.0, sum(b.tensors for b in blocks[:k]) * trace.host_ms_per_tensor - 2 * slack_ms) + link_ms
-        recomputed: set[int] = set()
-        peak = predicted_peak(trace, k, recomputed, in_flight_bytes)
-        # cheapest first: forward ms per byte that recomputing removes; earlier blocks on ties,
-        # since what they keep is held through more of backward
-        for i in sorted(range(k, n), key=lambda i: (blocks[i].forward_ms / max(1, blocks[i].saved_bytes
-                                                                                - blocks[i].input_bytes), i)):
-            if peak <= budget:
-                break
-            lower = predicted_peak(trace, k, recomputed | {i}, in_flight_bytes)
-            if lower < peak:
-                recomputed.add(i)
-                peak = lower
-                cost += blocks[i].forward_ms
-        budget_bytes = None if k == n else (trace.offloaded_before[k] if k else 0)
-        plan = Plan(k, frozenset(recomputed), budget_bytes, peak, round(cost, 3), peak <= budget)
-        if plan.fits and (best is None or plan.predicted_cost_ms < best.predicted_cost_ms):
-            best = plan
-        if lowest is None or plan.predicted_peak < lowest.predicted_peak:
-            lowest = plan
+        block = max((b.saved_bytes for b in blocks[:k]), default=0)
+        for off in _Offloading.of(trace, k, held_bytes):
+            if prefetch_bytes is not None or not off.sent:
+                window = prefetch_bytes or 0
+                recomputed, peak, cost = _recompute_until(trace, k, budget, off, window)
+            else:  # no window while kept blocks follow: backward frees them before it needs the offloaded ones
+                window = 0
+                recomputed, peak, cost = _recompute_until(trace, k, budget, off, 0)
+                if all(i in recomputed for i in range(k, n)):
+                    window = block
+                    recomputed, peak, cost = _recompute_until(trace, k, budget, off, block)
+            plan = Plan(k, frozenset(recomputed), None if k == n else (trace.offloaded_before[k] if k else 0),
+                        off.held, window, peak, round(cost, 3), peak <= budget)
+            if plan.fits and (best is None or plan.predicted_cost_ms < best.predicted_cost_ms):
+                best = plan
+            if lowest is None or plan.predicted_peak < lowest.predicted_peak:
+                lowest = plan
     assert lowest is not None
     return best or lowest
+
+
+def _recompute_until(trace: Trace, k: int, budget: int, off: _Offloading, window: int) -> tuple[set[int], int, float]:
+    """Blocks past the first k to recompute, cheapest forward ms per byte removed first (earlier
+    blocks on ties: what they keep is held through more of backward), until the predicted peak
+    fits; with the peak and cost reached."""
+    blocks = trace.blocks
+    in_flight = off.leftover + window
+    recomputed: set[int] = set()
+    peak, cost = predicted_peak(trace, k, recomputed, in_flight), off.cost_ms
+    for i in sorted(range(k, len(blocks)),
+                    key=lambda i: (blocks[i].forward_ms / max(1, blocks[i].saved_bytes - blocks[i].input_bytes), i)):
+        if peak <= budget:
+            break
+        lower = predicted_peak(trace, k, recomputed | {i}, in_flight)
+        if lower < peak:
+            recomputed.add(i)
+            peak = lower
+            cost += blocks[i].forward_ms
+    return recomputed, peak, cost
 
 
 class Planner:
@@ -167,7 +216,7 @@ class Planner:
         self._recomputing: set[int] = set()
         self._signature: tuple | None = None
         self._stale = False
-        self._windows: dict[str, int] = {}  # the planned steps' copy queue and prefetch window, unless given
+        self._ctx: Offload | None = None  # the planned step running now
         self.replans = 0
 
     # --- each step ----------------------------------------------------------
@@ -184,7 +233,11 @@ class Planner:
             return self._trace_offload()
         if self._phase == "trace-compute":
             return self._trace_compute()
-        return Offload(**{**self._windows, **self._options}, budget=self.plan.offload_budget)
+        p = self.plan
+        ctx = Offload(**{"max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes, **self._options},
+                      budget=p.offload_budget)
+        self._ctx = ctx
+        return ctx
 
     def _trace_offload(self) -> Offload:
         """Everything offloaded: bytes and tensors per block, host time per tensor."""
@@ -263,13 +316,7 @@ class Planner:
     def _make_plan(self) -> None:
         trace = self.trace
         budget = self._budget if isinstance(self._budget, int) else int(self._budget * trace.total_bytes)
-        # Unless given, one block's saves may wait for their copy and one block's come back
-        # ahead: enough to keep the link busy, and what the predicted peak allows for.
-        block = max(b.saved_bytes for b in trace.blocks)
-        self._windows = {"max_held_bytes": block, "prefetch_bytes": block}
-        windows = {**self._windows, **self._options}
-        in_flight = windows["max_held_bytes"] + windows["prefetch_bytes"]
-        self.plan = choose(trace, budget, in_flight)
+        self.plan = choose(trace, budget, self._options.get("max_held_bytes"), self._options.get("prefetch_bytes"))
         if not self.plan.fits:
             log.warning("storm.plan: no plan keeps the saved activations under %.1f MiB; the lowest predicted "
                         "is %.1f MiB", budget / MiB, self.plan.predicted_peak / MiB)
@@ -281,6 +328,30 @@ class Planner:
                 self._stale = True
 
         self._hooks.append(self.blocks[0].register_forward_pre_hook(check))
+        if self.plan.offloaded:
+            self._hook_backward_progress()
+
+    def _hook_backward_progress(self) -> None:
+        """Past the offloaded blocks STORM takes its saved-tensor hooks off, so it cannot see
+        backward free the later blocks' saves; a hook on each later block's output tells it
+        (the gradient of a block's output is ready when its backward starts, and every block
+        after it has been freed by then), so offloaded bytes come back as room is made."""
+        p, blocks = self.plan, self.trace.blocks
+        freed_after = [0] * len(blocks)  # what backward has freed when it reaches block i
+        total = self.trace.after_bytes
+        for i in range(len(blocks) - 1, p.offloaded - 1, -1):
+            freed_after[i] = total
+            total += blocks[i].input_bytes if i in p.recomputed else blocks[i].saved_bytes
+
+        def reached(i: int, m: nn.Module, args: Any, out: Any) -> None:
+            t = out if isinstance(out, torch.Tensor) else next(
+                (o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)), None)
+            ctx = self._ctx
+            if t is not None and t.requires_grad and ctx is not None:
+                t.register_hook(lambda grad: ctx.freed(freed_after[i]))
+
+        for i in range(p.offloaded, len(self.blocks)):
+            self._hooks.append(self.blocks[i].register_forward_hook(functools.partial(reached, i)))
 
     # --- applying -----------------------------------------------------------
 
@@ -332,6 +403,8 @@ class Planner:
         lines.append(f"before the blocks {t.before_bytes / MiB:.1f} MiB ({'offload' if p.offloaded else 'keep'}), "
                      f"after {t.after_bytes / MiB:.1f} MiB "
                      f"({'offload' if p.offloaded == len(t.blocks) else 'keep'})")
+        lines.append(f"copy queue {p.max_held_bytes / MiB:.1f} MiB, prefetch window {p.prefetch_bytes / MiB:.1f} MiB"
+                     + (" (given)" if {"max_held_bytes", "prefetch_bytes"} & self._options.keys() else ""))
         lines.append(f"predicted: {p.predicted_peak / MiB:.1f} MiB saved on the device at the peak "
                      f"({'fits' if p.fits else 'does NOT fit'}), {p.predicted_cost_ms:.2f} ms over no offload; "
                      f"re-planned {self.replans} times")

@@ -11,7 +11,7 @@ import torch
 
 import storm
 from storm.examples.models import GPT, same_bits
-from storm.planner import BlockTrace, Trace, choose, predicted_peak
+from storm.planner import BlockTrace, Trace, _Offloading, choose, predicted_peak
 
 MiB = 1 << 20
 
@@ -26,7 +26,7 @@ def trace(n: int = 8, saved: int = 100 * MiB, inputs: int = 10 * MiB, fwd_ms: fl
 
 def test_a_budget_above_the_step_changes_nothing():
     t = trace()
-    p = choose(t, t.total_bytes, in_flight_bytes=64 * MiB)
+    p = choose(t, t.total_bytes)
     assert (p.offloaded, p.recomputed, p.offload_budget, p.predicted_cost_ms, p.fits) == (0, frozenset(), 0, 0.0, True)
     assert p.predicted_peak == t.total_bytes
 
@@ -34,7 +34,7 @@ def test_a_budget_above_the_step_changes_nothing():
 def test_a_slow_link_recomputes_instead_of_offloading():
     t = trace(gbps=0.5)  # 100 MiB takes ~210 ms each way; recomputing a block costs 1 ms
     budget = t.total_bytes - 350 * MiB
-    p = choose(t, budget, in_flight_bytes=64 * MiB)
+    p = choose(t, budget)
     assert p.fits and p.predicted_peak <= budget
     assert p.offloaded == 0 and len(p.recomputed) == 4  # each recompute removes 90 MiB, plus the largest's 100
     assert p.predicted_cost_ms == pytest.approx(4.0)
@@ -44,8 +44,8 @@ def test_the_cheapest_blocks_per_byte_are_recomputed_first():
     t = trace(gbps=0.5)
     t.blocks[5].forward_ms = 0.1
     t.blocks[2].forward_ms = 0.2
-    assert choose(t, t.total_bytes - 20 * MiB, in_flight_bytes=64 * MiB).recomputed == frozenset({5})
-    assert choose(t, t.total_bytes - 150 * MiB, in_flight_bytes=64 * MiB).recomputed == frozenset({5, 2})
+    assert choose(t, t.total_bytes - 20 * MiB).recomputed == frozenset({5})
+    assert choose(t, t.total_bytes - 150 * MiB).recomputed == frozenset({5, 2})
 
 
 def test_recomputing_only_the_last_block_saves_next_to_nothing():
@@ -59,28 +59,44 @@ def test_recomputing_only_the_last_block_saves_next_to_nothing():
 def test_a_link_that_forward_hides_offloads_the_earliest_blocks():
     t = trace(fwd_ms=20.0, gbps=50.0)  # 100 MiB in ~2 ms against 160 ms of forward: free
     budget = t.total_bytes - 250 * MiB
-    p = choose(t, budget, in_flight_bytes=64 * MiB)
-    # 3 blocks offloaded leave 5 x 100 MiB + what is in flight: one more block is offloaded, none recomputed
-    assert p.fits and p.recomputed == frozenset() and p.offloaded == 4
-    assert p.offload_budget == t.offloaded_before[4]  # storm.offload(budget=) stops at block 4's first save
+    p = choose(t, budget)
+    assert p.fits and p.recomputed == frozenset() and p.offloaded == 3
+    assert p.offload_budget == t.offloaded_before[3]  # storm.offload(budget=) stops at block 3's first save
     assert p.predicted_cost_ms == 0.0
+    # the link drains everything during forward, so nothing offloaded is left at the peak, and
+    # backward frees kept blocks before it needs the offloaded ones: no prefetch window either
+    assert p.predicted_peak == t.total_bytes - t.before_bytes - 300 * MiB and p.prefetch_bytes == 0
+    assert p.max_held_bytes == 100 * MiB  # a block's copy takes 2 ms of the next block's 20: no stall
+
+
+def test_a_busy_link_costs_a_stall_or_memory():
+    t = trace(fwd_ms=1.0, gbps=50.0)  # 100 MiB per 1 ms block against 2 ms to copy it
+    slow = _Offloading.of(t, 8, 100 * MiB)[0]
+    fast = _Offloading.of(t, 8, None)[-1]
+    assert fast.held == slow.sent == fast.sent == t.total_bytes
+    assert slow.cost_ms > 5 and slow.leftover <= 100 * MiB  # forward waits for the link
+    assert fast.leftover > 300 * MiB  # forward does not wait; the bytes stay on the device meanwhile
+    assert choose(t, 10**12, held_bytes=64 * MiB, prefetch_bytes=32 * MiB).max_held_bytes == 0  # nothing to send
+    p = choose(t, 300 * MiB, held_bytes=64 * MiB, prefetch_bytes=32 * MiB)
+    assert (p.max_held_bytes, p.prefetch_bytes) == (64 * MiB, 32 * MiB)  # the user's options are kept
 
 
 def test_host_time_per_tensor_counts_when_the_compute_stream_does_not_hide_it():
     t = trace(fwd_ms=20.0, gbps=50.0, host_ms=50.0, tensors=5)  # 250 ms per offloaded block: recompute wins
-    p = choose(t, t.total_bytes - 250 * MiB, in_flight_bytes=64 * MiB)
+    p = choose(t, t.total_bytes - 250 * MiB)
     assert p.offloaded == 0 and p.recomputed
     t.forward_device_ms = t.forward_host_ms + 10_000  # the GPU is far behind the host: host time is free
-    p = choose(t, t.total_bytes - 250 * MiB, in_flight_bytes=64 * MiB)
-    assert p.offloaded == 4 and not p.recomputed
+    p = choose(t, t.total_bytes - 250 * MiB)
+    assert p.offloaded == 3 and not p.recomputed
 
 
 def test_an_unreachable_budget_gets_the_least_peak_plan_and_says_so():
     t = trace()
-    p = choose(t, 0, in_flight_bytes=64 * MiB)
+    p = choose(t, 0)
     assert not p.fits
-    assert p.offloaded == len(t.blocks) and p.offload_budget is None  # everything goes
-    assert p.predicted_peak == 64 * MiB  # only what is in flight stays
+    every = set(range(len(t.blocks)))
+    assert p.predicted_peak <= predicted_peak(t, 0, every, 0)  # no worse than recomputing all
+    assert p.predicted_peak <= min(o.leftover for o in _Offloading.of(t, len(t.blocks), None)) + 100 * MiB
 
 
 # --- the planner on a real model ---------------------------------------------
@@ -185,3 +201,47 @@ def test_a_block_with_its_own_forward_attribute_is_refused_clearly():
     grads_of(model, idx, planner.step())
     with pytest.raises(RuntimeError, match="block 3 .*own forward"):
         planner.step()
+
+
+def test_a_given_plan_is_applied_and_backward_progress_drives_prefetch(monkeypatch):
+    """With the choice fixed (blocks 0-1 offloaded, 4 recomputed, the rest kept), a planned step
+    offloads exactly the first two blocks, recomputes block 4, and fetches every offloaded
+    tensor ahead of its unpack although its own prefetch window is 0: the hooks on the kept
+    blocks' outputs report what backward has freed."""
+    from storm import planner as planner_module
+
+    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None):
+        return planner_module.Plan(2, frozenset({4}), trace.offloaded_before[2], 1 << 30, 0, 0, 0.0, True)
+
+    monkeypatch.setattr(planner_module, "choose", fixed)
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
+    for _ in range(3):
+        ctx = planner.step()
+        got = grads_of(model, idx, ctx)
+    assert all(same_bits(a, b) for a, b in zip(ref, got))
+    t = planner.trace
+    assert {i for i, b in enumerate(model.blocks) if "forward" in vars(b)} == {4}
+    st = ctx.stats
+    assert st.offloaded_bytes == t.before_bytes + t.blocks[0].saved_bytes + t.blocks[1].saved_bytes
+    assert st.fetched == st.offloaded and st.prefetch_hits == st.offloaded
+    planner.close()
+
+
+@pytest.mark.parametrize("told", [False, True])
+def test_freed_lets_offloaded_bytes_come_back_ahead(told):
+    """storm.offload's freed(): with no prefetch window, backward fetches ahead only when told
+    that room was made, and then as far as it was told."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 256) for _ in range(6)]
+    with storm.offload(mode="embedded", min_bytes=0, prefetch_bytes=0) as ctx:
+        h = torch.randn(64, 256)
+        for layer in layers:
+            h = torch.relu(layer(h))
+        if told:
+            h.register_hook(lambda g: ctx.freed(1 << 30))  # runs as backward starts
+    h.sum().backward()
+    ctx.synchronize()
+    assert ctx.stats.offloaded == ctx.stats.fetched > 0
+    assert ctx.stats.prefetch_hits == (ctx.stats.offloaded if told else 0)
