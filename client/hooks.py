@@ -150,12 +150,12 @@ class Offload(contextlib.ContextDecorator):
                          f"{ratio:>6.2f} {sum(c.kept.values()):>5} {c.fetch_wait_s * 1e3:>13.2f}")
         return "\n".join(lines)
 
-    def freed(self, nbytes: int) -> None:
-        """Backward has freed ``nbytes`` that this step kept on the device: fetch as many
-        offloaded bytes ahead (storm.plan calls it as backward passes each block)."""
+    def allow_prefetch(self, nbytes: int) -> None:
+        """Backward has made room for ``nbytes``: as many offloaded bytes may be fetched ahead,
+        on top of the prefetch window (storm.plan calls it as backward reaches each block)."""
         if self._session is None or self._step is None:
             raise RuntimeError("storm.offload has not been entered yet")
-        self._session.freed(self._step, nbytes)
+        self._session.allow_prefetch(self._step, nbytes)
 
     def synchronize(self) -> None:
         """Wait for this session's copies in flight; after it, saved tensors may be modified in place."""

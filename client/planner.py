@@ -333,22 +333,28 @@ class Planner:
 
     def _hook_backward_progress(self) -> None:
         """Past the offloaded blocks STORM takes its saved-tensor hooks off, so it cannot see
-        backward free the later blocks' saves; a hook on each later block's output tells it
-        (the gradient of a block's output is ready when its backward starts, and every block
-        after it has been freed by then), so offloaded bytes come back as room is made."""
+        backward make room. A hook on each later block's output (its gradient is ready when
+        the block's backward starts) allows prefetch what the plan's peak leaves free there:
+        the peak, less what the blocks before keep, the largest rebuild still to come and the
+        parameter gradients allocated from there on (the room they take is not the
+        offloaded bytes' to take), so fetches start as early as memory allows."""
         p, blocks = self.plan, self.trace.blocks
-        freed_after = [0] * len(blocks)  # what backward has freed when it reaches block i
-        total = self.trace.after_bytes
-        for i in range(len(blocks) - 1, p.offloaded - 1, -1):
-            freed_after[i] = total
-            total += blocks[i].input_bytes if i in p.recomputed else blocks[i].saved_bytes
+        grads = [sum(q.numel() * q.element_size() for q in b.parameters() if q.requires_grad) for b in self.blocks]
+        room = [0] * len(blocks)
+        kept = [b.input_bytes if i in p.recomputed else b.saved_bytes for i, b in enumerate(blocks)]
+        rebuild = 0
+        for i in range(p.offloaded, len(blocks)):
+            if i in p.recomputed:
+                rebuild = max(rebuild, blocks[i].saved_bytes)
+            prefix = sum(kept[p.offloaded:i])
+            room[i] = max(0, p.predicted_peak - prefix - rebuild - sum(grads[i:]))
 
         def reached(i: int, m: nn.Module, args: Any, out: Any) -> None:
             t = out if isinstance(out, torch.Tensor) else next(
                 (o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)), None)
             ctx = self._ctx
-            if t is not None and t.requires_grad and ctx is not None:
-                t.register_hook(lambda grad: ctx.freed(freed_after[i]))
+            if t is not None and t.requires_grad and ctx is not None and room[i]:
+                t.register_hook(lambda grad: ctx.allow_prefetch(room[i]))
 
         for i in range(p.offloaded, len(self.blocks)):
             self._hooks.append(self.blocks[i].register_forward_hook(functools.partial(reached, i)))

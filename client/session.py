@@ -99,7 +99,7 @@ class Step:
         self.number = number
         self.budget_bytes = budget_bytes  # offload the earliest saves up to this many bytes
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
-        self.kept_passed = 0              # bytes kept on the device that backward has passed (and freed)
+        self.kept_passed = 0              # room backward has made: prefetch may run this far past its window
         self.budget_reached = False       # a save did not fit (storm.offload may then take its hooks off)
         self.flush_queued = False         # a poll is queued for the end of the running backward
         self.order: list[Stored] = []
@@ -437,10 +437,10 @@ class ClientSession:
             kept.step.kept_passed += kept.nbytes
             self._prefetch_ahead(kept.step, kept.index)
 
-    def freed(self, step: Step, nbytes: int) -> None:
-        """Backward has freed ``nbytes`` of what ``step`` kept on the device (a caller that knows
-        the model's blocks, such as storm.plan, says so as backward passes them): as many
-        offloaded bytes may come back ahead, on top of the prefetch window."""
+    def allow_prefetch(self, step: Step, nbytes: int) -> None:
+        """Backward has made room for ``nbytes`` (a caller that knows the model's blocks, such as
+        storm.plan, says so as backward reaches them): as many offloaded bytes of ``step`` may
+        come back ahead, on top of the prefetch window."""
         self.poll()
         with self._lock:
             if nbytes > step.kept_passed:

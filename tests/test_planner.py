@@ -207,11 +207,12 @@ def test_a_given_plan_is_applied_and_backward_progress_drives_prefetch(monkeypat
     """With the choice fixed (blocks 0-1 offloaded, 4 recomputed, the rest kept), a planned step
     offloads exactly the first two blocks, recomputes block 4, and fetches every offloaded
     tensor ahead of its unpack although its own prefetch window is 0: the hooks on the kept
-    blocks' outputs report what backward has freed."""
+    blocks' outputs report the room backward has made."""
     from storm import planner as planner_module
 
     def fixed(trace, budget, held_bytes=None, prefetch_bytes=None):
-        return planner_module.Plan(2, frozenset({4}), trace.offloaded_before[2], 1 << 30, 0, 0, 0.0, True)
+        # a peak far above the step: backward has room for everything as soon as it starts
+        return planner_module.Plan(2, frozenset({4}), trace.offloaded_before[2], 1 << 30, 0, 1 << 40, 0.0, True)
 
     monkeypatch.setattr(planner_module, "choose", fixed)
     model, idx = gpt()
@@ -230,9 +231,9 @@ def test_a_given_plan_is_applied_and_backward_progress_drives_prefetch(monkeypat
 
 
 @pytest.mark.parametrize("told", [False, True])
-def test_freed_lets_offloaded_bytes_come_back_ahead(told):
-    """storm.offload's freed(): with no prefetch window, backward fetches ahead only when told
-    that room was made, and then as far as it was told."""
+def test_allow_prefetch_lets_offloaded_bytes_come_back_ahead(told):
+    """storm.offload's allow_prefetch(): with no prefetch window, backward fetches ahead only
+    when told that room was made."""
     torch.manual_seed(0)
     layers = [torch.nn.Linear(256, 256) for _ in range(6)]
     with storm.offload(mode="embedded", min_bytes=0, prefetch_bytes=0) as ctx:
@@ -240,7 +241,7 @@ def test_freed_lets_offloaded_bytes_come_back_ahead(told):
         for layer in layers:
             h = torch.relu(layer(h))
         if told:
-            h.register_hook(lambda g: ctx.freed(1 << 30))  # runs as backward starts
+            h.register_hook(lambda g: ctx.allow_prefetch(1 << 30))  # runs as backward starts
     h.sum().backward()
     ctx.synchronize()
     assert ctx.stats.offloaded == ctx.stats.fetched > 0
