@@ -150,6 +150,13 @@ class Offload(contextlib.ContextDecorator):
                          f"{ratio:>6.2f} {sum(c.kept.values()):>5} {c.fetch_wait_s * 1e3:>13.2f}")
         return "\n".join(lines)
 
+    def poll(self) -> None:
+        """Let go of saved tensors whose copy has finished. Each save does it; past the budget,
+        where STORM's hooks are off, nothing would until forward ends, so storm.plan calls it
+        after each block."""
+        if self._session is not None:
+            self._session.poll()
+
     def allow_prefetch(self, nbytes: int) -> None:
         """Backward has made room for ``nbytes``: as many offloaded bytes may be fetched ahead,
         on top of the prefetch window (storm.plan calls it as backward reaches each block)."""

@@ -329,15 +329,16 @@ class Planner:
 
         self._hooks.append(self.blocks[0].register_forward_pre_hook(check))
         if self.plan.offloaded:
-            self._hook_backward_progress()
+            self._hook_later_blocks()
 
-    def _hook_backward_progress(self) -> None:
-        """Past the offloaded blocks STORM takes its saved-tensor hooks off, so it cannot see
-        backward make room. A hook on each later block's output (its gradient is ready when
-        the block's backward starts) allows prefetch what the plan's peak leaves free there:
-        the peak, less what the blocks before keep, the largest rebuild still to come and the
-        parameter gradients allocated from there on (the room they take is not the
-        offloaded bytes' to take), so fetches start as early as memory allows."""
+    def _hook_later_blocks(self) -> None:
+        """Past the offloaded blocks STORM takes its saved-tensor hooks off: no save lets go of
+        the tensors whose copy has finished, and STORM cannot see backward make room. So after
+        each later block's forward the copies are polled, and a hook on its output (whose
+        gradient is ready when the block's backward starts) allows prefetch what the plan's
+        peak leaves free there: the peak, less what the blocks before keep, the largest
+        rebuild still to come and the parameter gradients allocated from there on (that room
+        is theirs, not the offloaded bytes'), so fetches start as early as memory allows."""
         p, blocks = self.plan, self.trace.blocks
         grads = [sum(q.numel() * q.element_size() for q in b.parameters() if q.requires_grad) for b in self.blocks]
         room = [0] * len(blocks)
@@ -350,10 +351,13 @@ class Planner:
             room[i] = max(0, p.predicted_peak - prefix - rebuild - sum(grads[i:]))
 
         def reached(i: int, m: nn.Module, args: Any, out: Any) -> None:
+            ctx = self._ctx
+            if ctx is None:
+                return
+            ctx.poll()  # copies finished during this block: their tensors go now, not at forward's end
             t = out if isinstance(out, torch.Tensor) else next(
                 (o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)), None)
-            ctx = self._ctx
-            if t is not None and t.requires_grad and ctx is not None and room[i]:
+            if t is not None and t.requires_grad and room[i]:
                 t.register_hook(lambda grad: ctx.allow_prefetch(room[i]))
 
         for i in range(p.offloaded, len(self.blocks)):
