@@ -158,7 +158,7 @@ class Offload(contextlib.ContextDecorator):
             self._session.poll()
 
     def allow_prefetch(self, nbytes: int) -> None:
-        """Backward has made room for ``nbytes``: as many offloaded bytes may be fetched ahead,
+        """Backward has room for ``nbytes`` now: as many offloaded bytes may be fetched ahead,
         on top of the prefetch window (storm.plan calls it as backward reaches each block)."""
         if self._session is None or self._step is None:
             raise RuntimeError("storm.offload has not been entered yet")

@@ -337,18 +337,22 @@ class Planner:
         each later block's forward the copies are polled, and a hook on its output (whose
         gradient is ready when the block's backward starts) allows prefetch what the plan's
         peak leaves free there: the peak, less what the blocks before keep, the largest
-        rebuild still to come and the parameter gradients allocated from there on (that room
-        is theirs, not the offloaded bytes'), so fetches start as early as memory allows."""
+        rebuild still to come (or an offloaded block's own fetched saves) and the parameter
+        gradients allocated from there on (that room is theirs, not the offloaded bytes'), so
+        fetches start as early as memory allows and hold back as gradients grow."""
         p, blocks = self.plan, self.trace.blocks
         grads = [sum(q.numel() * q.element_size() for q in b.parameters() if q.requires_grad) for b in self.blocks]
         room = [0] * len(blocks)
-        kept = [b.input_bytes if i in p.recomputed else b.saved_bytes for i, b in enumerate(blocks)]
+        kept = [0 if i < p.offloaded else b.input_bytes if i in p.recomputed else b.saved_bytes
+                for i, b in enumerate(blocks)]
         rebuild = 0
-        for i in range(p.offloaded, len(blocks)):
-            if i in p.recomputed:
-                rebuild = max(rebuild, blocks[i].saved_bytes)
-            prefix = sum(kept[p.offloaded:i])
-            room[i] = max(0, p.predicted_peak - prefix - rebuild - sum(grads[i:]))
+        for i, b in enumerate(blocks):
+            if i < p.offloaded:
+                in_use = b.saved_bytes  # its fetched saves, alive through its backward
+            else:
+                rebuild = max(rebuild, b.saved_bytes if i in p.recomputed else 0)
+                in_use = rebuild
+            room[i] = max(0, p.predicted_peak - sum(kept[:i]) - in_use - sum(grads[i:]))
 
         def reached(i: int, m: nn.Module, args: Any, out: Any) -> None:
             ctx = self._ctx
@@ -357,11 +361,11 @@ class Planner:
             ctx.poll()  # copies finished during this block: their tensors go now, not at forward's end
             t = out if isinstance(out, torch.Tensor) else next(
                 (o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)), None)
-            if t is not None and t.requires_grad and room[i]:
+            if t is not None and t.requires_grad:
                 t.register_hook(lambda grad: ctx.allow_prefetch(room[i]))
 
-        for i in range(p.offloaded, len(self.blocks)):
-            self._hooks.append(self.blocks[i].register_forward_hook(functools.partial(reached, i)))
+        for i, b in enumerate(self.blocks):
+            self._hooks.append(b.register_forward_hook(functools.partial(reached, i)))
 
     # --- applying -----------------------------------------------------------
 

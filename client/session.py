@@ -438,14 +438,13 @@ class ClientSession:
             self._prefetch_ahead(kept.step, kept.index)
 
     def allow_prefetch(self, step: Step, nbytes: int) -> None:
-        """Backward has made room for ``nbytes`` (a caller that knows the model's blocks, such as
-        storm.plan, says so as backward reaches them): as many offloaded bytes of ``step`` may
+        """Backward has room for ``nbytes`` now (a caller that knows the model's blocks, such as
+        storm.plan, says so as backward reaches each): as many offloaded bytes of ``step`` may
         come back ahead, on top of the prefetch window."""
         self.poll()
         with self._lock:
-            if nbytes > step.kept_passed:
-                step.kept_passed = nbytes
-                self._prefetch_ahead(step, len(step.order))
+            step.kept_passed = nbytes  # may shrink: the room backward makes can be taken by gradients
+            self._prefetch_ahead(step, len(step.order))
 
     def _free_at_backward_end(self, step: Step) -> None:
         """Free what this backward released once it ends: without it the last handles to die

@@ -111,9 +111,9 @@ def grads_of(model: GPT, idx: torch.Tensor, ctx=None) -> list[torch.Tensor]:
     torch.manual_seed(7)  # the same dropout masks in every step
     with ctx if ctx is not None else torch.enable_grad():
         loss = model.loss(idx[:, :-1], idx[:, 1:])
-    loss.backward()
     if ctx is not None:
-        ctx.synchronize()
+        ctx.synchronize()  # every copy done: what backward fetches does not depend on the machine's speed
+    loss.backward()
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -242,6 +242,7 @@ def test_allow_prefetch_lets_offloaded_bytes_come_back_ahead(told):
             h = torch.relu(layer(h))
         if told:
             h.register_hook(lambda g: ctx.allow_prefetch(1 << 30))  # runs as backward starts
+    ctx.synchronize()  # every copy done: backward has to fetch them all
     h.sum().backward()
     ctx.synchronize()
     assert ctx.stats.offloaded == ctx.stats.fetched > 0
