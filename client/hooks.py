@@ -150,12 +150,13 @@ class Offload(contextlib.ContextDecorator):
                          f"{ratio:>6.2f} {sum(c.kept.values()):>5} {c.fetch_wait_s * 1e3:>13.2f}")
         return "\n".join(lines)
 
-    def poll(self) -> None:
-        """Let go of saved tensors whose copy has finished. Each save does it; past the budget,
-        where STORM's hooks are off, nothing would until forward ends, so storm.plan calls it
-        after each block."""
+    def drain(self, limit: int) -> None:
+        """Let go of saved tensors whose copy has finished, waiting (oldest first) until at most
+        ``limit`` bytes still wait for theirs. Each save polls; past the budget, where STORM's
+        hooks are off, nothing would until forward ends, so storm.plan calls it after each block:
+        the host, usually ahead of the GPU, must not hold on to bytes the plan counted as gone."""
         if self._session is not None:
-            self._session.poll()
+            self._session.drain(limit)
 
     def allow_prefetch(self, nbytes: int) -> None:
         """Backward has room for ``nbytes`` now: as many offloaded bytes may be fetched ahead,

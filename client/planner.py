@@ -334,7 +334,9 @@ class Planner:
     def _hook_later_blocks(self) -> None:
         """Past the offloaded blocks STORM takes its saved-tensor hooks off: no save lets go of
         the tensors whose copy has finished, and STORM cannot see backward make room. So after
-        each later block's forward the copies are polled, and a hook on its output (whose
+        each later block's forward the host waits until the copies still running fit in what
+        the blocks after it will keep (the host runs ahead of the GPU, and the caching
+        allocator counts memory on the host's clock), and a hook on each block's output (whose
         gradient is ready when the block's backward starts) allows prefetch what the plan's
         peak leaves free there: the peak, less what the blocks before keep, the largest
         rebuild still to come (or an offloaded block's own fetched saves) and the parameter
@@ -353,12 +355,17 @@ class Planner:
                 rebuild = max(rebuild, b.saved_bytes if i in p.recomputed else 0)
                 in_use = rebuild
             room[i] = max(0, p.predicted_peak - sum(kept[:i]) - in_use - sum(grads[i:]))
+        # after block i, the copies still running may use what the blocks after it will keep,
+        # plus what the plan leaves spare at the end of forward
+        spare = max(0, p.predicted_peak - sum(kept) - (self.trace.after_bytes if p.offloaded < len(blocks) else 0))
+        limit = [spare + sum(kept[i + 1:]) for i in range(len(blocks))]
 
         def reached(i: int, m: nn.Module, args: Any, out: Any) -> None:
             ctx = self._ctx
             if ctx is None:
                 return
-            ctx.poll()  # copies finished during this block: their tensors go now, not at forward's end
+            if i >= p.offloaded:
+                ctx.drain(limit[i])
             t = out if isinstance(out, torch.Tensor) else next(
                 (o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)), None)
             if t is not None and t.requires_grad:

@@ -437,6 +437,16 @@ class ClientSession:
             kept.step.kept_passed += kept.nbytes
             self._prefetch_ahead(kept.step, kept.index)
 
+    def drain(self, limit: int) -> None:
+        """Wait, oldest first, until at most ``limit`` bytes of saved tensors wait for their copy."""
+        while True:
+            with self._lock:
+                if self._held_bytes <= limit or not self._held:
+                    break
+                oldest = self._held[0].put
+            oldest.wait()
+            self.poll()
+
     def allow_prefetch(self, step: Step, nbytes: int) -> None:
         """Backward has room for ``nbytes`` now (a caller that knows the model's blocks, such as
         storm.plan, says so as backward reaches each): as many offloaded bytes of ``step`` may
