@@ -67,6 +67,11 @@ def check_first_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argpars
     return len(bad)
 
 
+def plan_budget(text: str) -> int | float | str:
+    """--plan's value: a fraction when it has a decimal point, else bytes or a size."""
+    return float(text) if "." in text else text
+
+
 def make_offload(args: argparse.Namespace) -> storm.Offload:
     return storm.offload(mode=args.mode, socket=args.socket, min_bytes=args.min_bytes,
                          max_held_bytes=args.max_held_bytes)
@@ -123,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="draw memory over one step without and with STORM (needs matplotlib: "
                         "pip install 'storm-offload[plot]')")
     p.add_argument("--quiet", action="store_true", help="no per-step lines and no progress bar")
+    p.add_argument("--plan", metavar="BUDGET", default=None, type=plan_budget,
+                   help="train with storm.plan: the GPU memory saved activations may take, bytes (e.g. 64MiB) "
+                        "or a fraction of a step's (e.g. 0.3); blocks are kept, offloaded or recomputed")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -140,10 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         print(plot_step(model, x, y, args))
 
+    planner = None
+    if args.plan is not None:  # its own copy queue and prefetch window: --max-held-bytes is not passed
+        planner = storm.plan(model.blocks, budget=args.plan, mode=args.mode, socket=args.socket,
+                             min_bytes=args.min_bytes)
     total_bytes = total_tensors = 0
     with progress(args.steps, "training", quiet=args.quiet) as advance:
         for step in range(args.steps):
-            ms, loss, off = train_step(model, opt, x, y, args)
+            ms, loss, off = train_step(model, opt, x, y, planner.step() if planner else make_offload(args))
             st = off.stats
             total_bytes += st.offloaded_bytes
             total_tensors += st.offloaded
@@ -153,15 +165,18 @@ def main(argv: list[str] | None = None) -> int:
             x, y = batch(data, args.batch, args.seq, gen)
     print(f"done: {args.steps} steps through {off.backend_name}; offloaded {total_tensors} tensors, "
           f"{total_bytes / 2**20:.1f} MiB in all; {peak_memory(device)}")
+    if planner is not None:
+        print(planner.explain())
+        planner.close()
     return 0
 
 
 def train_step(model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-               args: argparse.Namespace) -> tuple[float, float, storm.Offload]:
+               off: storm.Offload) -> tuple[float, float, storm.Offload]:
     """One optimizer step with offload; returns its time (ms), its loss and its storm.Offload."""
     device = x.device
     t0 = time.perf_counter()
-    with make_offload(args) as off:
+    with off:
         loss = model.loss(x, y)
     loss.backward()
     opt.step()

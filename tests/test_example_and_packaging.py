@@ -21,6 +21,17 @@ def test_train_gpt_embedded_checks_gradients_bit_for_bit(capsys):
     assert n == total and int(total) > 10
 
 
+def test_train_gpt_with_a_plan_traces_plans_and_explains(capsys):
+    args = ["--steps", "4", "--seq", "32", "--d-model", "32", "--layers", "3", "--heads", "2", "--batch", "2",
+            "--min-bytes", "0", "--mode", "embedded", "--no-check", "--quiet", "--plan", "0.3"]
+    assert train_gpt.main(args) == 0
+    out = capsys.readouterr().out
+    assert "storm.plan: budget 30% of" in out
+    decisions = [line.split()[-1] for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert len(decisions) == 3 and set(decisions) <= {"keep", "offload", "recompute"}
+    assert set(decisions) != {"keep"}  # 30% of the saves cannot stay as they are
+
+
 def test_train_gpt_exits_nonzero_when_a_gradient_differs(monkeypatch, capsys):
     monkeypatch.setattr(train_gpt, "same_bits", lambda a, b: False)
     assert train_gpt.main([*SMALL, "--mode", "embedded"]) == 1
