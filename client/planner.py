@@ -355,10 +355,11 @@ class Planner:
                 rebuild = max(rebuild, b.saved_bytes if i in p.recomputed else 0)
                 in_use = rebuild
             room[i] = max(0, p.predicted_peak - sum(kept[:i]) - in_use - sum(grads[i:]))
-        # after block i, the copies still running may use what the blocks after it will keep,
-        # plus what the plan leaves spare at the end of forward
+        # after block i, the copies still running may use what the blocks after the next will
+        # keep (they stay until the next block's end, while it allocates its own saves), plus
+        # what the plan leaves spare at the end of forward
         spare = max(0, p.predicted_peak - sum(kept) - (self.trace.after_bytes if p.offloaded < len(blocks) else 0))
-        limit = [spare + sum(kept[i + 1:]) for i in range(len(blocks))]
+        limit = [spare + sum(kept[i + 2:]) for i in range(len(blocks))]
 
         def reached(i: int, m: nn.Module, args: Any, out: Any) -> None:
             ctx = self._ctx
