@@ -338,23 +338,22 @@ class Planner:
         the blocks after it will keep (the host runs ahead of the GPU, and the caching
         allocator counts memory on the host's clock), and a hook on each block's output (whose
         gradient is ready when the block's backward starts) allows prefetch what the plan's
-        peak leaves free there: the peak, less what the blocks before keep, the largest
-        rebuild still to come (or an offloaded block's own fetched saves) and the parameter
-        gradients allocated from there on (that room is theirs, not the offloaded bytes'), so
+        peak leaves free there: the peak, less what the blocks before keep, the block's own
+        saves or the largest rebuild still to come, and the parameter gradients allocated
+        from there on (that room is theirs, not the offloaded bytes'), so
         fetches start as early as memory allows and hold back as gradients grow."""
         p, blocks = self.plan, self.trace.blocks
         grads = [sum(q.numel() * q.element_size() for q in b.parameters() if q.requires_grad) for b in self.blocks]
         room = [0] * len(blocks)
         kept = [0 if i < p.offloaded else b.input_bytes if i in p.recomputed else b.saved_bytes
                 for i, b in enumerate(blocks)]
-        rebuild = 0
+        rebuild = 0  # the largest saves of a recomputed block before i: rebuilt later in backward
         for i, b in enumerate(blocks):
-            if i < p.offloaded:
-                in_use = b.saved_bytes  # its fetched saves, alive through its backward
-            else:
-                rebuild = max(rebuild, b.saved_bytes if i in p.recomputed else 0)
-                in_use = rebuild
+            # block i's own saves (kept, rebuilt or fetched) are alive through its backward
+            in_use = max(b.saved_bytes, rebuild)
             room[i] = max(0, p.predicted_peak - sum(kept[:i]) - in_use - sum(grads[i:]))
+            if i in p.recomputed:
+                rebuild = max(rebuild, b.saved_bytes)
         # after block i, the copies still running may use what the blocks after the next will
         # keep (they stay until the next block's end, while it allocates its own saves), plus
         # what the plan leaves spare at the end of forward
