@@ -130,8 +130,7 @@ class _Offloading:
         slack_ms = max(0.0, trace.forward_device_ms - trace.forward_host_ms)  # host time the GPU hides
         host_ms = max(0.0, sum(b.tensors for b in blocks[:k]) * trace.host_ms_per_tensor - 2 * slack_ms)
         out = []
-        for h in ([held] if held is not None else sorted({min(sent, max(b.saved_bytes for b in blocks[:k] or blocks)),
-                                                           sent})):
+        for h in ([held] if held is not None else sorted({min(sent, max(b.saved_bytes for b in blocks[:k])), sent})):
             # forward waits while more than `h` bytes wait for the link, until the first k blocks are done
             stall = max(0.0, (sent - h) / d2h - sum(b.forward_ms for b in blocks[:k]))
             leftover = int(max(0.0, min(h, sent - d2h * (fwd_ms + stall))))
@@ -146,7 +145,8 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     least-peak plan, fits=False, when none is). ``held_bytes`` and ``prefetch_bytes``: the
     user's storm.offload options when given, else the plan picks them: a copy queue of one
     block or of everything offloaded; a prefetch window of one block when no kept block
-    follows the offloaded ones, else none (the window then grows by what backward frees)."""
+    follows the offloaded ones, else none (prefetch then runs as far ahead as the room the
+    planner's hooks report as backward reaches each block)."""
     blocks, n = trace.blocks, len(trace.blocks)
     best: Plan | None = None
     lowest: Plan | None = None
@@ -154,7 +154,7 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
         block = max((b.saved_bytes for b in blocks[:k]), default=0)
         for off in _Offloading.of(trace, k, held_bytes):
             if prefetch_bytes is not None or not off.sent:
-                window = prefetch_bytes or 0
+                window = prefetch_bytes if off.sent else 0  # nothing offloaded: nothing to fetch
                 recomputed, peak, cost = _recompute_until(trace, k, budget, off, window)
             else:  # no window while kept blocks follow: backward frees them before it needs the offloaded ones
                 window = 0
