@@ -204,18 +204,24 @@ def test_a_block_with_its_own_forward_attribute_is_refused_clearly():
         planner.step()
 
 
+def fix_plan(monkeypatch, offloaded: int, recomputed: set[int]) -> None:
+    """The planner chooses this plan, whatever it measured. Its predicted peak is far above the
+    step, so backward has room to fetch everything ahead as soon as it starts."""
+    from storm import planner as planner_module
+
+    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None):
+        return planner_module.Plan(offloaded, frozenset(recomputed), trace.offloaded_before[offloaded], 1 << 30, 0,
+                                   1 << 40, 0.0, True)
+
+    monkeypatch.setattr(planner_module, "choose", fixed)
+
+
 def test_a_given_plan_is_applied_and_backward_progress_drives_prefetch(monkeypatch):
     """With the choice fixed (blocks 0-1 offloaded, 4 recomputed, the rest kept), a planned step
     offloads exactly the first two blocks, recomputes block 4, and fetches every offloaded
     tensor ahead of its unpack although its own prefetch window is 0: the hooks on the kept
     blocks' outputs report the room backward has made."""
-    from storm import planner as planner_module
-
-    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None):
-        # a peak far above the step: backward has room for everything as soon as it starts
-        return planner_module.Plan(2, frozenset({4}), trace.offloaded_before[2], 1 << 30, 0, 1 << 40, 0.0, True)
-
-    monkeypatch.setattr(planner_module, "choose", fixed)
+    fix_plan(monkeypatch, 2, {4})
     model, idx = gpt()
     ref = grads_of(copy.deepcopy(model), idx)
     planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
@@ -262,3 +268,19 @@ def test_drain_lets_go_of_copied_tensors_after_the_hooks_are_off():
         ctx.drain(0)  # waits for the copies, then lets go of them
         assert st.stored_bytes == st.offloaded_bytes
     h.sum().backward()
+
+
+def test_a_plan_through_stormd_trains_bit_exact(daemon, monkeypatch):
+    """The same fixed plan as above, its offloaded blocks stored by a real stormd process."""
+    fix_plan(monkeypatch, 3, {4})
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    planner = storm.plan(model.blocks, budget=0.5, mode="daemon", socket=daemon.endpoint, min_bytes=0)
+    for _ in range(3):
+        ctx = planner.step()
+        got = grads_of(model, idx, ctx)
+        assert all(same_bits(a, b) for a, b in zip(ref, got))
+    assert "stormd" in ctx.backend_name
+    t = planner.trace
+    assert ctx.stats.offloaded_bytes == t.offloaded_before[3] and ctx.stats.prefetch_hits == ctx.stats.offloaded
+    planner.close()
