@@ -99,7 +99,7 @@ class Step:
         self.number = number
         self.budget_bytes = budget_bytes  # offload the earliest saves up to this many bytes
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
-        self.kept_passed = 0              # room backward has made: prefetch may run this far past its window
+        self.prefetch_room = 0            # room backward has made: prefetch may run this far past its window
         self.budget_reached = False       # a save did not fit (storm.offload may then take its hooks off)
         self.flush_queued = False         # a poll is queued for the end of the running backward
         self.order: list[Stored] = []
@@ -434,7 +434,7 @@ class ClientSession:
         self.poll()  # copies that finished since forward are released, so prefetch can pass them
         self._free_at_backward_end(kept.step)
         with self._lock:
-            kept.step.kept_passed += kept.nbytes
+            kept.step.prefetch_room += kept.nbytes
             self._prefetch_ahead(kept.step, kept.index)
 
     def drain(self, limit: int) -> None:
@@ -453,7 +453,7 @@ class ClientSession:
         come back ahead, on top of the prefetch window."""
         self.poll()
         with self._lock:
-            step.kept_passed = nbytes  # may shrink: the room backward makes can be taken by gradients
+            step.prefetch_room = nbytes  # may shrink: the room backward makes can be taken by gradients
             self._prefetch_ahead(step, len(step.order))
 
     def _free_at_backward_end(self, step: Step) -> None:
@@ -479,7 +479,7 @@ class ClientSession:
         still running (it may yet be needed from the device) and goes on once that
         copy is done. A second pass (retain_graph) fetches on demand."""
         step.cursor = min(step.cursor, index)
-        while step.cursor > 0 and self._prefetched_bytes < self.prefetch_bytes + step.kept_passed:
+        while step.cursor > 0 and self._prefetched_bytes < self.prefetch_bytes + step.prefetch_room:
             s = step.order[step.cursor - 1]
             if s.state == State.HELD:
                 return
