@@ -12,9 +12,9 @@ budget b (default: 10 fractions, 0.1 to 1.0, of the no-offload peak),
 per-block checkpointing of only the first k blocks, k = round(b / bytes one
 block's recompute removes), and storm.plan (client/planner.py: per block keep,
 offload or recompute, planned from two traced steps). A budget b asks for a
-peak of at most cap = (no-offload peak - b); storm.plan is given the GPU
-memory its saved activations may take, cap less what the step holds besides
-them (the no-offload peak less the bytes full offload moved). Per budget the
+peak of at most cap = (no-offload peak - b); storm.plan is given that cap
+(peak=cap: it measures its own steps' peaks above their start, the same
+quantity, and corrects its plan until one fits). Per budget the
 summary compares the planner's measured step and peak with the fastest other
 method whose measured peak fits the same cap, and with the lower bound
 max(no-offload step, b / D2H, b / H2D), the pinned bandwidths measured in the
@@ -156,16 +156,14 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         sec["bytes_per_block"] = (none["peak_GiB"] - ckpt["peak_GiB"]) * GiB / w.layers
         sec["budgets"] = args.budgets or budgets(sec["total_bytes"], args.points)
         add("save_on_cpu", "save_on_cpu", w, {})
-        full = add("storm-full", "storm", w, storm_opts)
+        add("storm-full", "storm", w, storm_opts)
         for b in sec["budgets"]:
             add(f"storm-budget {b / GiB:.2f}GiB", "storm-budget", w, {**storm_opts, "budget": b}, budget=b)
         for k in sorted({blocks_for(b, Measurements.of(sec)) for b in sec["budgets"]}):
             add(f"ckpt-first-{k}", "ckpt-first", FirstK(**dataclasses.asdict(w), k=k), {}, k=k)
-        # what a step holds besides its offloadable saves (gradients of activations, small saves)
-        besides = sec["total_bytes"] - int(full.get("to_host_GiB", 0) * GiB)
         for b in sec["budgets"]:
             cap = sec["total_bytes"] - b
-            add(f"plan {cap / GiB:.2f}GiB", "plan", w, {**storm_opts, "budget": max(0, cap - besides)}, budget=b)
+            add(f"plan {cap / GiB:.2f}GiB", "plan", w, {**storm_opts, "peak": cap}, budget=b)
         sec.update(summarize(sec, link))
         write(args, results)
     return results

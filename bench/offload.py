@@ -65,10 +65,15 @@ def train_step(model, x, opt, method: str, opts: dict, planner: storm.Planner | 
 def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: torch.device) -> dict:
     model, x = w.build(device, ckpt=(method == "checkpoint"))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    # storm.plan traces two steps and plans at the third: warm-up must cover them
+    # storm.plan traces two steps, plans at the third and on CUDA measures planned steps until one
+    # is within its target (resetting the peak statistics): warm-up must cover them
     planner = storm.plan(model.blocks, **opts) if method == "plan" else None
     try:
         for _ in range(warmup):
+            train_step(model, x, opt, method, opts, planner)
+        for _ in range(8):
+            if planner is None or planner.settled:
+                break
             train_step(model, x, opt, method, opts, planner)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -102,7 +107,9 @@ def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: t
             p = planner.plan
             r.update(plan={"offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed),
                            "predicted_peak_GiB": round(p.predicted_peak / GiB, 3),
-                           "predicted_cost_ms": p.predicted_cost_ms, "fits": p.fits},
+                           "predicted_cost_ms": p.predicted_cost_ms, "fits": p.fits, "settled": planner.settled,
+                           "target_GiB": planner.target and round(planner.target / GiB, 3),
+                           "besides_GiB": planner.besides and round(planner.besides / GiB, 3)},
                      explain=planner.explain())
     except torch.OutOfMemoryError:
         r = {"error": "OOM"}

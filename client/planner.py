@@ -2,6 +2,7 @@
 choosing per block of the model: keep on the device, offload, or recompute in backward.
 
     plan = storm.plan(model.blocks, budget="1GiB")  # or a fraction of a step's activation bytes
+    plan = storm.plan(model.blocks, peak="6GiB")    # or: the step's peak above its start (CUDA)
     for x in data:
         with plan.step():
             loss = model(x).sum()
@@ -28,6 +29,15 @@ offloaded bytes still on the device, the prefetch window) and each recomputed bl
 rebuild (what the blocks before it keep, plus its saves). The fitting plan of least
 predicted cost wins; when none fits, the one of least peak, with a warning. When block 0
 is called with other input shapes than those traced, the next step traces again.
+
+Measure. The model counts saved bytes; a step also holds gradients, temporaries and, when
+it offloads, copies and fetches whose timing the model only approximates. On CUDA the
+compute trace's peak (the step's peak GPU memory above its start, less the predicted saved
+bytes) gives what a step holds besides its saves, and each new plan's first step is
+measured the same way: after a step over its target (``peak``, or that besides plus
+``budget``), what it took beyond its prediction becomes a margin that plans of its kind
+(offloading, or not) must leave, and the next step plans again, up to three times. Those steps reset the device's peak-memory statistics
+(torch.cuda.reset_peak_memory_stats); ``settled`` says when no more will.
 Offloaded CUDA tensors go raw: compression is not in the CUDA copy path yet.
 """
 
@@ -43,11 +53,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from stormd.config import parse_size
+
 from .hooks import Offload, parse_budget
 
 log = logging.getLogger("storm")
 
 MiB = 1 << 20
+MAX_CHECKS = 4  # planned steps measured after a trace: the first plan and up to three corrections
 
 
 @dataclasses.dataclass
@@ -140,9 +153,11 @@ class _Offloading:
         return out
 
 
-def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_bytes: int | None = None) -> Plan:
-    """The plan of least predicted cost whose predicted peak is at most ``budget`` bytes (the
-    least-peak plan, fits=False, when none is). ``held_bytes`` and ``prefetch_bytes``: the
+def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_bytes: int | None = None,
+           offload_margin: int = 0) -> Plan:
+    """The plan of least predicted cost whose predicted peak is at most ``budget`` bytes, less
+    ``offload_margin`` for plans that offload (what such plans were measured to take beyond
+    their prediction); the least-peak plan, fits=False, when none is. ``held_bytes`` and ``prefetch_bytes``: the
     user's storm.offload options when given, else the plan picks them: a copy queue of one
     block or of everything offloaded; a prefetch window of one block when no kept block
     follows the offloaded ones, else none (prefetch then runs as far ahead as the room the
@@ -150,24 +165,26 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     blocks, n = trace.blocks, len(trace.blocks)
     best: Plan | None = None
     lowest: Plan | None = None
+    lowest_over = 0  # its predicted peak, margin included, over the budget
     for k in range(n + 1):
         block = max((b.saved_bytes for b in blocks[:k]), default=0)
         for off in _Offloading.of(trace, k, held_bytes):
+            room = budget - (offload_margin if off.sent else 0)
             if prefetch_bytes is not None or not off.sent:
                 window = prefetch_bytes if off.sent else 0  # nothing offloaded: nothing to fetch
-                recomputed, peak, cost = _recompute_until(trace, k, budget, off, window)
+                recomputed, peak, cost = _recompute_until(trace, k, room, off, window)
             else:  # no window while kept blocks follow: backward frees them before it needs the offloaded ones
                 window = 0
-                recomputed, peak, cost = _recompute_until(trace, k, budget, off, 0)
+                recomputed, peak, cost = _recompute_until(trace, k, room, off, 0)
                 if all(i in recomputed for i in range(k, n)):
                     window = block
-                    recomputed, peak, cost = _recompute_until(trace, k, budget, off, block)
+                    recomputed, peak, cost = _recompute_until(trace, k, room, off, block)
             plan = Plan(k, frozenset(recomputed), None if k == n else (trace.offloaded_before[k] if k else 0),
-                        off.held, window, peak, round(cost, 3), peak <= budget)
+                        off.held, window, peak, round(cost, 3), peak <= room)
             if plan.fits and (best is None or plan.predicted_cost_ms < best.predicted_cost_ms):
                 best = plan
-            if lowest is None or plan.predicted_peak < lowest.predicted_peak:
-                lowest = plan
+            if lowest is None or peak - room < lowest_over:
+                lowest, lowest_over = plan, peak - room
     assert lowest is not None
     return best or lowest
 
@@ -193,25 +210,38 @@ def _recompute_until(trace: Trace, k: int, budget: int, off: _Offloading, window
 
 
 class Planner:
-    """Reaches ``budget`` (bytes such as "8GiB", or a fraction in (0, 1] of a step's offloadable
-    bytes) for the tensors saved in ``blocks`` (the model's repeated layers, run in this order),
+    """Keeps the tensors saved in ``blocks`` (the model's repeated layers, run in this order)
+    under ``budget`` (bytes such as "8GiB", or a fraction in (0, 1] of a step's offloadable
+    bytes), or keeps the step's peak GPU memory above its start under ``peak`` (bytes; CUDA),
     planning from traced steps. Each step: ``with planner.step(): ...``. Other options go to
     storm.offload."""
 
-    def __init__(self, blocks: Iterable[nn.Module], budget: int | float | str, **offload_options: Any):
+    def __init__(self, blocks: Iterable[nn.Module], budget: int | float | str | None = None, *,
+                 peak: int | str | None = None, **offload_options: Any):
         self.blocks = list(blocks)
         if not self.blocks or not all(isinstance(b, nn.Module) for b in self.blocks):
             raise TypeError("storm.plan needs the model's blocks: a non-empty list (or ModuleList) of modules")
-        if "budget" in offload_options or budget is None:
-            raise TypeError("storm.plan's budget= is the GPU memory saved activations may take (bytes or a "
-                            "fraction of a step's), and storm.plan sets storm.offload's budget itself")
+        if "budget" in offload_options or (budget is None) == (peak is None):
+            raise TypeError("storm.plan takes one of budget= (the GPU memory saved activations may take: bytes or "
+                            "a fraction of a step's) and peak= (the step's peak GPU memory above its start, bytes); "
+                            "it sets storm.offload's budget itself")
         self._budget = parse_budget(budget)
+        self._peak = None if peak is None else _parse_peak(peak)
+        self._memory = _PeakMemory(_device_of(self.blocks))
+        if self._peak is not None and not self._memory.available:
+            raise ValueError("storm.plan's peak= is measured with the CUDA caching allocator and these blocks are "
+                             "not on a CUDA device; give budget= (the bytes saved activations may take)")
         Offload(**offload_options)  # refuse bad options now, not at the first step
         self._options = offload_options
         self.trace: Trace | None = None
         self.plan: Plan | None = None
+        self.besides: int | None = None        # what a step holds besides its saves, measured (CUDA)
+        self.measured_peak: int | None = None  # the last measured planned step's peak above its start
+        self._margins = {False: 0, True: 0}    # measured peak beyond predicted, for plans that (do not) offload
+        self._checks = 0                       # planned steps measured since the last trace
+        self._checking = False                 # the next planned step is measured
         self._phase = "trace-offload"
-        self._pending: Callable[[], None] | None = None  # finishes reading the last step's trace
+        self._pending: Callable[[], None] | None = None  # finishes reading the last step
         self._hooks: list[Any] = []
         self._recomputing: set[int] = set()
         self._signature: tuple | None = None
@@ -219,15 +249,21 @@ class Planner:
         self._ctx: Offload | None = None  # the planned step running now
         self.replans = 0
 
+    @property
+    def settled(self) -> bool:
+        """True once a plan is in force that no further step will measure or change (until the
+        inputs' shapes change). Reading it between steps finishes reading the last step."""
+        self._finish_last_step()
+        return self._phase == "planned" and not self._checking and not self._stale
+
     # --- each step ----------------------------------------------------------
 
     def step(self) -> Offload:
         """The storm.offload context of the next step, with the plan (or the trace) applied."""
-        if self._pending is not None:
-            self._pending()
-            self._pending = None
+        self._finish_last_step()
         if self._stale:
             self._stale, self._phase, self.plan = False, "trace-offload", None
+            self._margins, self._checks, self._checking = {False: 0, True: 0}, 0, False
             self.replans += 1
         if self._phase == "trace-offload":
             return self._trace_offload()
@@ -237,7 +273,15 @@ class Planner:
         ctx = Offload(**{"max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes, **self._options},
                       budget=p.offload_budget)
         self._ctx = ctx
+        if self._checking:
+            self._memory.start()
+            self._pending = self._check
         return ctx
+
+    def _finish_last_step(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending()
 
     def _trace_offload(self) -> Offload:
         """Everything offloaded: bytes and tensors per block, host time per tensor."""
@@ -298,28 +342,51 @@ class Planner:
                 host[1] = time.perf_counter()
 
         self._hook_blocks(pre, post)
+        self._memory.start()
 
         def collect() -> None:
             self._unhook()
             if any(s is None for s in starts + ends):
                 log.warning("storm.plan: the traced step did not run every block once; tracing again")
                 return
-            for b, s, e in zip(self.trace.blocks, starts, ends):
+            trace = self.trace
+            for b, s, e in zip(trace.blocks, starts, ends):
                 b.forward_ms = clock.elapsed_ms(s, e)
-            self.trace.forward_host_ms = (host[1] - host[0]) * 1e3
-            self.trace.forward_device_ms = clock.elapsed_ms(starts[0], ends[-1])
+            trace.forward_host_ms = (host[1] - host[0]) * 1e3
+            trace.forward_device_ms = clock.elapsed_ms(starts[0], ends[-1])
+            measured = self._memory.peak()
+            if measured is not None:
+                self.besides = max(0, measured - predicted_peak(trace, 0, set(range(n)), 0))
             self._make_plan()
 
         self._pending = collect
         return Offload(**self._options, budget=0)
 
+    def _saved_budget(self) -> int:
+        """The bytes of saves a plan may predict: the budget, or the peak less the besides."""
+        if self._peak is not None:
+            return max(0, self._peak - self.besides)
+        return self._budget if isinstance(self._budget, int) else int(self._budget * self.trace.total_bytes)
+
+    @property
+    def target(self) -> int | None:
+        """The step peak (bytes above the step's start) a planned step is measured against:
+        ``peak``, or the measured besides plus ``budget``; None before the compute trace and
+        where peaks cannot be measured (not CUDA)."""
+        if self.besides is None:
+            return None
+        return self._peak if self._peak is not None else self.besides + self._saved_budget()
+
     def _make_plan(self) -> None:
-        trace = self.trace
-        budget = self._budget if isinstance(self._budget, int) else int(self._budget * trace.total_bytes)
-        self.plan = choose(trace, budget, self._options.get("max_held_bytes"), self._options.get("prefetch_bytes"))
+        budget = self._saved_budget() - self._margins[False]
+        self.plan = choose(self.trace, budget, self._options.get("max_held_bytes"),
+                           self._options.get("prefetch_bytes"), self._margins[True] - self._margins[False])
         if not self.plan.fits:
             log.warning("storm.plan: no plan keeps the saved activations under %.1f MiB; the lowest predicted "
                         "is %.1f MiB", budget / MiB, self.plan.predicted_peak / MiB)
+        # a plan that cannot fit is not measured: no margin would make it
+        self._checking = self.plan.fits and self.target is not None and self._checks < MAX_CHECKS
+        self._unhook()
         self._recompute(set(self.plan.recomputed))
         self._phase = "planned"
 
@@ -330,6 +397,27 @@ class Planner:
         self._hooks.append(self.blocks[0].register_forward_pre_hook(check))
         if self.plan.offloaded:
             self._hook_later_blocks()
+
+    def _check(self) -> None:
+        """After a measured planned step: over the target, what the step took beyond the plan's
+        prediction (and a little more, as copy timing varies between steps) becomes the margin
+        of plans of its kind, and the next step plans again."""
+        self._checks += 1
+        self.measured_peak = self._memory.peak()
+        target = self.target
+        if self.measured_peak <= target or self._stale:
+            self._checking = False
+            return
+        if self._checks >= MAX_CHECKS:
+            self._checking = False
+            log.warning("storm.plan: a planned step peaked %.1f MiB over its target of %.1f MiB after %d "
+                        "corrections; keeping this plan", (self.measured_peak - target) / MiB, target / MiB,
+                        self._checks)
+            return
+        beyond = self.measured_peak - self.besides - self.plan.predicted_peak
+        kind = self.plan.offloaded > 0
+        self._margins[kind] = max(self._margins[kind] + MiB, beyond + max(MiB, target // 100))
+        self._make_plan()
 
     def _hook_later_blocks(self) -> None:
         """Past the offloaded blocks STORM takes its saved-tensor hooks off: no save lets go of
@@ -413,7 +501,9 @@ class Planner:
         if self.plan is None or self.trace is None:
             return f"storm.plan: {self._phase.replace('-', ' ')} step next; no plan yet"
         t, p = self.trace, self.plan
-        lines = [f"storm.plan: budget {_describe_budget(self._budget, t.total_bytes)}; link {t.d2h_GBps:.1f} GB/s "
+        want = (f"peak {self._peak / MiB:.1f} MiB above the step's start" if self._peak is not None
+                else f"budget {_describe_budget(self._budget, t.total_bytes)}")
+        lines = [f"storm.plan: {want}; link {t.d2h_GBps:.1f} GB/s "
                  f"to host, {t.h2d_GBps:.1f} back; host {t.host_ms_per_tensor * 1e3:.0f} us per offloaded tensor; "
                  f"forward {t.forward_host_ms:.2f} ms host, {t.forward_device_ms:.2f} ms compute stream",
                  f"{'block':>5} {'saved MiB':>10} {'tensors':>7} {'input MiB':>10} {'forward ms':>10}  decision"]
@@ -429,6 +519,12 @@ class Planner:
         lines.append(f"predicted: {p.predicted_peak / MiB:.1f} MiB saved on the device at the peak "
                      f"({'fits' if p.fits else 'does NOT fit'}), {p.predicted_cost_ms:.2f} ms over no offload; "
                      f"re-planned {self.replans} times")
+        if self.besides is not None:
+            measured = "not yet" if self.measured_peak is None else f"{self.measured_peak / MiB:.1f} MiB"
+            lines.append(f"measured: step peak {measured} against a target of {self.target / MiB:.1f} MiB "
+                         f"(besides the saves {self.besides / MiB:.1f} MiB); margins {self._margins[False] / MiB:.1f} "
+                         f"MiB, plus {self._margins[True] / MiB:.1f} MiB for plans that offload, after "
+                         f"{self._checks} measured steps")
         return "\n".join(lines)
 
 
@@ -450,6 +546,22 @@ class _Clock:
             return (end - start) * 1e3
         end.synchronize()
         return start.elapsed_time(end)
+
+
+class _PeakMemory:
+    """A step's peak GPU memory above its start, from the CUDA caching allocator; elsewhere
+    not available (peak() is None)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.available, self._base = device, device.type == "cuda", 0
+
+    def start(self) -> None:
+        if self.available:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) - self._base if self.available else None
 
 
 def link_bandwidth(device: torch.device, nbytes: int = 256 * MiB) -> tuple[float, float]:
@@ -488,12 +600,26 @@ def _signature(args: Any) -> tuple:
     return tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
 
 
+def _parse_peak(peak: int | str) -> int:
+    bad = ValueError(f"peak must be bytes (an int or a size such as '6GiB'), got {peak!r}")
+    if isinstance(peak, (bool, float)):  # a fraction of what? peak is the step's own memory
+        raise bad
+    try:
+        value = parse_size(peak)
+    except ValueError:
+        raise bad from None
+    if value < 0:
+        raise bad
+    return value
+
+
 def _describe_budget(budget: int | float, total: int) -> str:
     if isinstance(budget, float):
         return f"{budget:.0%} of {total / MiB:.1f} MiB saved per step"
     return f"{budget / MiB:.1f} MiB of {total / MiB:.1f} MiB saved per step"
 
 
-def plan(blocks: Iterable[nn.Module], budget: int | float | str, **offload_options: Any) -> Planner:
+def plan(blocks: Iterable[nn.Module], budget: int | float | str | None = None, *, peak: int | str | None = None,
+         **offload_options: Any) -> Planner:
     """A Planner (see its docstring and this module's)."""
-    return Planner(blocks, budget, **offload_options)
+    return Planner(blocks, budget, peak=peak, **offload_options)

@@ -124,10 +124,13 @@ def test_budget_keeps_the_latest_saves_on_the_device():
     assert same_bits(lin.weight.grad, lin2.weight.grad)
 
 
-@pytest.mark.parametrize("budget", [0.5, 0.25])  # recomputing every block keeps ~16% on this model
-def test_planner_on_cuda_bit_exact_and_within_its_predicted_peak(budget):
+@pytest.mark.parametrize("want", [{"budget": 0.5}, {"budget": 0.25}, {"peak": 0.5}])
+def test_planner_on_cuda_bit_exact_and_within_its_measured_target(want):
     """storm.plan on CUDA: every step (the two traces and the planned ones) gives the gradients of
-    no offload, bit for bit, and a planned step's peak stays near what the plan predicted."""
+    no offload, bit for bit, and once the plan has settled (its measured steps corrected), a
+    step's peak stays within the target: ``peak``, or what the step holds besides its saves
+    plus ``budget``. budget 0.25 is below what recomputing every block keeps on this model
+    (~16% of the saves plus the inputs), so it needs offloading."""
     torch.manual_seed(0)
     model = GPT(seq_len=256, d_model=256, n_heads=4, n_layers=8).cuda()
     idx = torch.randint(0, 256, (8, 257), device="cuda")
@@ -139,25 +142,29 @@ def test_planner_on_cuda_bit_exact_and_within_its_predicted_peak(budget):
     model.zero_grad(set_to_none=True)
     plain = step_grads(model, loss_fn, None)
     no_offload_peak = torch.cuda.max_memory_allocated() - base
-    planner = storm.plan(model.blocks, budget=budget, mode="embedded", min_bytes=1 << 16, pool_size="1GiB")
-    for step in range(4):
+    if "peak" in want:  # half the no-offload step's peak
+        want = {"peak": int(want["peak"] * no_offload_peak)}
+    planner = storm.plan(model.blocks, **want, mode="embedded", min_bytes=1 << 16, pool_size="1GiB")
+    peaks = []
+    for step in range(8):
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         torch.manual_seed(7)
+        settled = planner.settled
         with planner.step():
             loss = loss_fn(model)
         loss.backward()
         got = [p.grad.clone() for p in model.parameters()]
         assert all(same_bits(a, b) for a, b in zip(ref, got)), f"step {step}"
-    peak = torch.cuda.max_memory_allocated() - base
+        if settled:
+            peaks.append(torch.cuda.max_memory_allocated() - base)
     p = planner.plan
-    assert p.fits and (p.offloaded or p.recomputed)
-    # what the step holds besides its offloadable saves (gradients, small saves, workspaces);
-    # the plan does not model the gradients flowing between blocks or a rebuild's temporaries
-    besides = no_offload_peak - planner.trace.total_bytes
-    assert peak <= 1.15 * (p.predicted_peak + besides), (peak, p, besides, planner.explain())
-    assert peak < no_offload_peak
+    assert p.fits and (p.offloaded or p.recomputed) and planner.besides is not None
+    assert len(peaks) >= 2, planner.explain()  # settled within 6 steps
+    target = planner.target
+    assert max(peaks) <= 1.02 * target, (peaks, target, planner.explain())
+    assert max(peaks) < no_offload_peak
     assert all(same_bits(a, b) for a, b in zip(ref, plain))
     planner.close()

@@ -188,6 +188,10 @@ def test_an_unreachable_budget_warns_and_trains(caplog):
     (None, "lots", {}, ValueError),
     (None, "1GiB", {"budget": 0.5}, TypeError),
     (None, "1GiB", {"min_bytes": -1}, ValueError),
+    (None, "1GiB", {"peak": "1GiB"}, TypeError),  # one or the other
+    (None, None, {"peak": 0.5}, ValueError),
+    (None, None, {"peak": "a lot"}, ValueError),
+    (None, None, {"peak": -5}, ValueError),
 ])
 def test_bad_plans_are_refused(blocks, budget, options, error):
     model, _ = gpt()
@@ -209,7 +213,7 @@ def fix_plan(monkeypatch, offloaded: int, recomputed: set[int]) -> None:
     step, so backward has room to fetch everything ahead as soon as it starts."""
     from storm import planner as planner_module
 
-    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None):
+    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0):
         return planner_module.Plan(offloaded, frozenset(recomputed), trace.offloaded_before[offloaded], 1 << 30, 0,
                                    1 << 40, 0.0, True)
 
@@ -284,3 +288,112 @@ def test_a_plan_through_stormd_trains_bit_exact(daemon, monkeypatch):
     t = planner.trace
     assert ctx.stats.offloaded_bytes == t.offloaded_before[3] and ctx.stats.prefetch_hits == ctx.stats.offloaded
     planner.close()
+
+
+# --- measured peaks correct the plan (the CUDA allocator's peak, scripted here) ---------
+
+def test_a_margin_holds_plans_that_offload_to_less():
+    t = trace(fwd_ms=20.0, gbps=50.0)  # the link is free: offloading 3 blocks is the plan
+    budget = t.total_bytes - 250 * MiB
+    assert choose(t, budget).offloaded == 3
+    p = choose(t, budget, offload_margin=150 * MiB)  # offloading plans were measured 150 MiB over
+    assert p.fits and (p.offloaded == 0 or p.predicted_peak + 150 * MiB <= budget)
+    assert p.offloaded == 0 or p.offloaded > 3  # the 3-block plan no longer fits
+    assert choose(t, budget, offload_margin=10**12).offloaded == 0  # recomputing is not held to it
+
+
+class ScriptedMemory:
+    """Stands in for the CUDA caching allocator's step peak: the trace's predicted saves plus
+    `besides`, and for plans that offload `extra` more than they predict."""
+
+    besides, extra = 40 * MiB, 70 * MiB
+    planner = None
+
+    def __init__(self, device):
+        self.available, self.starts = True, 0
+
+    def start(self) -> None:
+        self.starts += 1
+
+    def peak(self) -> int:
+        pl = ScriptedMemory.planner
+        if pl.plan is None:  # the compute trace: every block recomputed
+            return self.besides + predicted_peak(pl.trace, 0, set(range(len(pl.trace.blocks))), 0)
+        return self.besides + pl.plan.predicted_peak + (self.extra if pl.plan.offloaded else 0)
+
+
+def scripted_planner(monkeypatch, **kw):
+    """A planner on the CPU GPT whose steps' peaks ScriptedMemory reports, and whose choice is
+    fixed: offload the first 2 blocks unless offloading plans carry a margin, then recompute 4."""
+    from storm import planner as planner_module
+
+    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0):
+        if offload_margin <= 0:
+            return planner_module.Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0,
+                                       predicted_peak(trace, 2, set(), 0), 0.0, True)
+        rec = frozenset(range(4))
+        return planner_module.Plan(0, rec, 0, 0, 0, predicted_peak(trace, 0, rec, 0), 1.0, True)
+
+    monkeypatch.setattr(planner_module, "choose", fixed)
+    monkeypatch.setattr(planner_module, "_PeakMemory", ScriptedMemory)
+    model, idx = gpt()
+    planner = storm.plan(model.blocks, mode="embedded", min_bytes=0, **kw)
+    ScriptedMemory.planner = planner
+    return model, idx, planner
+
+
+def test_a_step_measured_over_its_target_plans_again_with_a_margin(monkeypatch):
+    model, idx, planner = scripted_planner(monkeypatch, budget=0.9)
+    ref = grads_of(copy.deepcopy(model), idx)
+    for _ in range(3):
+        got = grads_of(model, idx, planner.step())
+    assert planner.besides == ScriptedMemory.besides  # from the compute trace
+    first = planner.plan
+    assert first.offloaded == 2
+    assert not planner.settled  # reading the first plan's measured step finds it over its target ...
+    assert planner.measured_peak == planner.besides + first.predicted_peak + ScriptedMemory.extra
+    # ... by `extra`: offloading plans get a margin, and the next plan recomputes
+    assert planner._margins[True] >= ScriptedMemory.extra and planner._margins[False] == 0
+    ctx = planner.step()
+    assert planner.plan.offloaded == 0 and planner.plan.recomputed == frozenset(range(4))
+    assert {i for i, b in enumerate(model.blocks) if "forward" in vars(b)} == set(range(4))
+    got = grads_of(model, idx, ctx)
+    assert planner.settled  # measured within its target: no more measuring
+    assert planner.measured_peak <= planner.besides + int(0.9 * planner.trace.total_bytes)
+    assert planner._memory.starts == 3  # the compute trace and the two planned steps measured, no more
+    grads_of(model, idx, planner.step())
+    assert planner._memory.starts == 3 and planner.settled
+    assert all(same_bits(a, b) for a, b in zip(ref, got))
+    assert "measured: step peak" in planner.explain() and "after 2 measured steps" in planner.explain()
+    planner.close()
+
+
+def test_peak_is_the_target_and_the_besides_come_off_it(monkeypatch):
+    monkeypatch.setattr(ScriptedMemory, "extra", 0)
+    model, idx, planner = scripted_planner(monkeypatch, peak="60MiB")
+    for _ in range(3):
+        grads_of(model, idx, planner.step())
+    assert planner._saved_budget() == 60 * MiB - ScriptedMemory.besides
+    assert planner.target == 60 * MiB
+    assert planner.settled and planner.plan.offloaded == 2  # within the target at the first measure
+    assert "peak 60.0 MiB above the step's start" in planner.explain()
+    planner.close()
+
+
+def test_a_step_that_stays_over_after_the_last_correction_is_kept_with_a_warning(monkeypatch, caplog):
+    model, idx, planner = scripted_planner(monkeypatch, budget=0.9)
+    traced = ScriptedMemory.peak
+    # every measured planned step is far over, whatever it does
+    monkeypatch.setattr(ScriptedMemory, "peak", lambda self: traced(self) + (10**12 if planner.plan else 0))
+    with caplog.at_level(logging.WARNING, logger="storm"):
+        for _ in range(8):
+            grads_of(model, idx, planner.step())
+    assert planner.settled and planner._checks == 4
+    assert any("after 4 corrections; keeping this plan" in r.getMessage() for r in caplog.records)
+    planner.close()
+
+
+def test_peak_needs_cuda():
+    model, _ = gpt()
+    with pytest.raises(ValueError, match="peak= is measured with the CUDA caching allocator"):
+        storm.plan(model.blocks, peak="1GiB")
