@@ -24,20 +24,24 @@ waits for the link during the first k blocks; what is still on the device when f
 ends goes out during backward, and everything comes back during backward (about twice
 forward). Recomputing block i costs its forward time. For each k and queue size the other
 blocks are recomputed, cheapest time per byte first, until the predicted peak fits. The
-predicted peak is the larger of backward's start (kept blocks, inputs of recomputed ones,
-offloaded bytes still on the device, the prefetch window) and each recomputed block's
-rebuild (what the blocks before it keep, plus its saves). The fitting plan of least
-predicted cost wins; when none fits, the one of least peak, with a warning. When block 0
-is called with other input shapes than those traced, the next step traces again.
+predicted peak is the largest of backward's start (kept blocks, inputs of recomputed ones,
+offloaded bytes still on the device, the prefetch window) and each block's backward (what
+the blocks before it keep and its own saves, kept, rebuilt or fetched; with ``peak``, also
+the parameter gradients backward has allocated by then, traced as those that were None
+before the step). The fitting plan of least predicted cost wins; when none fits, the one
+of least peak, with a warning. When block 0 is called with other input shapes than those
+traced, the next step traces again.
 
-Measure. The model counts saved bytes; a step also holds gradients, temporaries and, when
-it offloads, copies and fetches whose timing the model only approximates. On CUDA the
-compute trace's peak (the step's peak GPU memory above its start, less the predicted saved
-bytes) gives what a step holds besides its saves, and each new plan's first step is
-measured the same way: after a step over its target (``peak``, or that besides plus
-``budget``), what it took beyond its prediction becomes a margin that plans of its kind
-(offloading, or not) must leave, and the next step plans again, up to three times. Those steps reset the device's peak-memory statistics
-(torch.cuda.reset_peak_memory_stats); ``settled`` says when no more will.
+Measure. The model counts saves and gradients; a step also holds activations' gradients,
+temporaries and, when it offloads, copies and fetches whose timing the model only
+approximates. On CUDA the compute trace's peak GPU memory above its start, less its
+prediction, gives what a step holds besides (``besides``), and each new plan's first
+step is measured the same way as its backward ends. Its target is ``peak``, or with
+``budget`` its own prediction plus the besides plus the budget its saves leave unused.
+Over it, what the step took beyond its prediction becomes a margin that plans of its
+kind (offloading, or not) must leave, and the next step plans again, up to three times.
+Those steps reset the device's peak-memory statistics (torch.cuda.reset_peak_memory_stats);
+``settled`` says when no more will.
 Offloaded CUDA tensors go raw: compression is not in the CUDA copy path yet.
 """
 
@@ -71,6 +75,7 @@ class BlockTrace:
     tensors: int = 0         # how many storages that was
     input_bytes: int = 0     # tensors it was called with: what recomputing it keeps
     forward_ms: float = 0.0  # what recomputing it costs
+    grad_bytes: int = 0      # parameter gradients its backward allocates (none where they outlive the step)
 
 
 @dataclasses.dataclass
@@ -99,27 +104,30 @@ class Plan:
     offload_budget: int | None     # storm.offload(budget=...) that offloads exactly those saves; None: all
     max_held_bytes: int            # storm.offload's copy queue and prefetch window for the plan
     prefetch_bytes: int
-    predicted_peak: int            # saved bytes on the device at the peak
+    predicted_peak: int            # saved bytes (with gradients, when choose() counted them) at the peak
     predicted_cost_ms: float       # step time over no offload
     fits: bool
+    in_flight_bytes: int = 0       # offloaded bytes the peak counts as still on the device
 
 
-def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int) -> int:
-    """Saved bytes on the device at the worst moment of backward when blocks[:offloaded] are
-    offloaded and ``recomputed`` are recomputed: at its start (every kept save, the inputs of
-    the recomputed blocks, offloaded bytes still in flight) or while a recomputed block is
-    rebuilt (what the blocks before it keep, plus its own saves)."""
+def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
+                   grads: bool = True) -> int:
+    """Saved bytes (and with ``grads`` parameter gradients) on the device at the worst moment of
+    backward when blocks[:offloaded] are offloaded and ``recomputed`` are recomputed: at its
+    start (every kept save, offloaded bytes still in flight) or as it reaches block i (what the
+    blocks before i keep, block i's own saves, kept, rebuilt or fetched, and the gradients of
+    blocks i.. by then)."""
     blocks, n = trace.blocks, len(trace.blocks)
-    prefix = trace.before_bytes * (offloaded == 0) + in_flight_bytes
-    worst = 0
-    for i in range(offloaded, n):
-        b = blocks[i]
-        if i in recomputed:
-            worst = max(worst, prefix + b.saved_bytes)
-            prefix += b.input_bytes
-        else:
-            prefix += b.saved_bytes
-    return max(worst, prefix + trace.after_bytes * (offloaded < n))
+    kept = [0 if i < offloaded else b.input_bytes if i in recomputed else b.saved_bytes for i, b in enumerate(blocks)]
+    grad = [b.grad_bytes * grads for b in blocks]
+    before = trace.before_bytes * (offloaded == 0) + in_flight_bytes
+    allocated = sum(grad)
+    worst = before + sum(kept) + trace.after_bytes * (offloaded < n) + grad[-1]
+    for i, b in enumerate(blocks):
+        worst = max(worst, before + b.saved_bytes + allocated)
+        before += kept[i]
+        allocated -= grad[i]
+    return worst
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +162,9 @@ class _Offloading:
 
 
 def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_bytes: int | None = None,
-           offload_margin: int = 0) -> Plan:
-    """The plan of least predicted cost whose predicted peak is at most ``budget`` bytes, less
+           offload_margin: int = 0, grads: bool = False) -> Plan:
+    """The plan of least predicted cost whose predicted peak (of saves, and with ``grads`` of
+    parameter gradients too) is at most ``budget`` bytes, less
     ``offload_margin`` for plans that offload (what such plans were measured to take beyond
     their prediction); the least-peak plan, fits=False, when none is. ``held_bytes`` and ``prefetch_bytes``: the
     user's storm.offload options when given, else the plan picks them: a copy queue of one
@@ -172,15 +181,15 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
             room = budget - (offload_margin if off.sent else 0)
             if prefetch_bytes is not None or not off.sent:
                 window = prefetch_bytes if off.sent else 0  # nothing offloaded: nothing to fetch
-                recomputed, peak, cost = _recompute_until(trace, k, room, off, window)
+                recomputed, peak, cost = _recompute_until(trace, k, room, off, window, grads)
             else:  # no window while kept blocks follow: backward frees them before it needs the offloaded ones
                 window = 0
-                recomputed, peak, cost = _recompute_until(trace, k, room, off, 0)
+                recomputed, peak, cost = _recompute_until(trace, k, room, off, 0, grads)
                 if all(i in recomputed for i in range(k, n)):
                     window = block
-                    recomputed, peak, cost = _recompute_until(trace, k, room, off, block)
+                    recomputed, peak, cost = _recompute_until(trace, k, room, off, block, grads)
             plan = Plan(k, frozenset(recomputed), None if k == n else (trace.offloaded_before[k] if k else 0),
-                        off.held, window, peak, round(cost, 3), peak <= room)
+                        off.held, window, peak, round(cost, 3), peak <= room, off.leftover + window)
             if plan.fits and (best is None or plan.predicted_cost_ms < best.predicted_cost_ms):
                 best = plan
             if lowest is None or peak - room < lowest_over:
@@ -189,19 +198,20 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     return best or lowest
 
 
-def _recompute_until(trace: Trace, k: int, budget: int, off: _Offloading, window: int) -> tuple[set[int], int, float]:
+def _recompute_until(trace: Trace, k: int, budget: int, off: _Offloading, window: int,
+                     grads: bool) -> tuple[set[int], int, float]:
     """Blocks past the first k to recompute, cheapest forward ms per byte removed first (earlier
     blocks on ties: what they keep is held through more of backward), until the predicted peak
     fits; with the peak and cost reached."""
     blocks = trace.blocks
     in_flight = off.leftover + window
     recomputed: set[int] = set()
-    peak, cost = predicted_peak(trace, k, recomputed, in_flight), off.cost_ms
+    peak, cost = predicted_peak(trace, k, recomputed, in_flight, grads), off.cost_ms
     for i in sorted(range(k, len(blocks)),
                     key=lambda i: (blocks[i].forward_ms / max(1, blocks[i].saved_bytes - blocks[i].input_bytes), i)):
         if peak <= budget:
             break
-        lower = predicted_peak(trace, k, recomputed | {i}, in_flight)
+        lower = predicted_peak(trace, k, recomputed | {i}, in_flight, grads)
         if lower < peak:
             recomputed.add(i)
             peak = lower
@@ -247,6 +257,7 @@ class Planner:
         self._signature: tuple | None = None
         self._stale = False
         self._ctx: Offload | None = None  # the planned step running now
+        self._measured: int | None = None  # the measured step's peak, read as its backward ended
         self.replans = 0
 
     @property
@@ -274,9 +285,28 @@ class Planner:
                       budget=p.offload_budget)
         self._ctx = ctx
         if self._checking:
-            self._memory.start()
+            self._measure_this_step()
             self._pending = self._check
         return ctx
+
+    def _measure_this_step(self) -> None:
+        """Reset the peak statistics now and read them when this step's backward ends (before
+        the optimizer and whatever else the caller does between steps)."""
+        self._measured = None
+        if not self._memory.available:
+            return
+        self._memory.start()
+
+        def read() -> None:
+            self._measured = self._memory.peak()
+
+        def at_output(m: nn.Module, args: Any, out: Any) -> None:
+            handle.remove()  # once: not again when a checkpointed last block is rebuilt
+            t = _first_tensor(out)
+            if t is not None and t.requires_grad:  # its gradient is ready as backward starts
+                t.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(read))
+
+        handle = self.blocks[-1].register_forward_hook(at_output)
 
     def _finish_last_step(self) -> None:
         if self._pending is not None:
@@ -289,12 +319,14 @@ class Planner:
         ctx = Offload(**self._options)
         n = len(self.blocks)
         marks: list[tuple[int, int]] = []  # (bytes, tensors) offloaded when each block started and ended
-        inputs = [0] * n
+        inputs, grads = [0] * n, [0] * n
 
         def pre(i: int, m: nn.Module, args: Any) -> None:
             st = ctx.stats
             marks.append((st.offloaded_bytes, st.offloaded))
             inputs[i] = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
+            # gradients already there (not set to None between steps) are not allocated by the step
+            grads[i] = sum(q.numel() * q.element_size() for q in m.parameters() if q.requires_grad and q.grad is None)
             if i == 0:
                 self._signature = _signature(args)
 
@@ -311,7 +343,7 @@ class Planner:
                 log.warning("storm.plan: the traced step did not run every block once; tracing again")
                 return
             blocks = [BlockTrace(marks[2 * i + 1][0] - marks[2 * i][0], marks[2 * i + 1][1] - marks[2 * i][1],
-                                 inputs[i]) for i in range(n)]
+                                 inputs[i], grad_bytes=grads[i]) for i in range(n)]
             d2h, h2d = link_bandwidth(_device_of(self.blocks))
             self.trace = Trace(blocks, marks[0][0], st.offloaded_bytes - marks[-1][0],
                                [marks[2 * i][0] for i in range(n)],
@@ -342,7 +374,7 @@ class Planner:
                 host[1] = time.perf_counter()
 
         self._hook_blocks(pre, post)
-        self._memory.start()
+        self._measure_this_step()
 
         def collect() -> None:
             self._unhook()
@@ -354,36 +386,45 @@ class Planner:
                 b.forward_ms = clock.elapsed_ms(s, e)
             trace.forward_host_ms = (host[1] - host[0]) * 1e3
             trace.forward_device_ms = clock.elapsed_ms(starts[0], ends[-1])
-            measured = self._memory.peak()
-            if measured is not None:
-                self.besides = max(0, measured - predicted_peak(trace, 0, set(range(n)), 0))
+            if self._measured is not None:  # what the model leaves out: activations' gradients, temporaries
+                self.besides = max(0, self._measured - predicted_peak(trace, 0, set(range(n)), 0))
             self._make_plan()
 
         self._pending = collect
         return Offload(**self._options, budget=0)
 
     def _saved_budget(self) -> int:
-        """The bytes of saves a plan may predict: the budget, or the peak less the besides."""
+        """What plans are held to: with ``peak``, the peak less the besides, for saves and
+        parameter gradients together; with ``budget``, the budget, for saves alone."""
         if self._peak is not None:
             return max(0, self._peak - self.besides)
         return self._budget if isinstance(self._budget, int) else int(self._budget * self.trace.total_bytes)
 
+    def _step_peak(self, plan: Plan) -> int:
+        """The plan's saves and parameter gradients on the device at its predicted peak."""
+        return predicted_peak(self.trace, plan.offloaded, plan.recomputed, plan.in_flight_bytes)
+
     @property
     def target(self) -> int | None:
         """The step peak (bytes above the step's start) a planned step is measured against:
-        ``peak``, or the measured besides plus ``budget``; None before the compute trace and
-        where peaks cannot be measured (not CUDA)."""
-        if self.besides is None:
+        ``peak``; with ``budget``, the besides plus the plan's predicted saves and gradients at
+        its peak plus what of the budget its saves leave unused. None before the compute trace
+        and where peaks cannot be measured (not CUDA)."""
+        if self.besides is None or self.plan is None:
             return None
-        return self._peak if self._peak is not None else self.besides + self._saved_budget()
+        if self._peak is not None:
+            return self._peak
+        return self.besides + self._step_peak(self.plan) + max(0, self._saved_budget() - self.plan.predicted_peak)
 
     def _make_plan(self) -> None:
         budget = self._saved_budget() - self._margins[False]
         self.plan = choose(self.trace, budget, self._options.get("max_held_bytes"),
-                           self._options.get("prefetch_bytes"), self._margins[True] - self._margins[False])
+                           self._options.get("prefetch_bytes"), self._margins[True] - self._margins[False],
+                           grads=self._peak is not None)
         if not self.plan.fits:
-            log.warning("storm.plan: no plan keeps the saved activations under %.1f MiB; the lowest predicted "
-                        "is %.1f MiB", budget / MiB, self.plan.predicted_peak / MiB)
+            log.warning("storm.plan: no plan keeps the %s under %.1f MiB; the lowest predicted is %.1f MiB",
+                        "saved activations" if self._peak is None else "saves and gradients, from peak=,",
+                        budget / MiB, self.plan.predicted_peak / MiB)
         # a plan that cannot fit is not measured: no margin would make it
         self._checking = self.plan.fits and self.target is not None and self._checks < MAX_CHECKS
         self._unhook()
@@ -403,9 +444,9 @@ class Planner:
         prediction (and a little more, as copy timing varies between steps) becomes the margin
         of plans of its kind, and the next step plans again."""
         self._checks += 1
-        self.measured_peak = self._memory.peak()
+        self.measured_peak = self._measured
         target = self.target
-        if self.measured_peak <= target or self._stale:
+        if self.measured_peak is None or self.measured_peak <= target or self._stale:  # None: no backward
             self._checking = False
             return
         if self._checks >= MAX_CHECKS:
@@ -414,7 +455,7 @@ class Planner:
                         "corrections; keeping this plan", (self.measured_peak - target) / MiB, target / MiB,
                         self._checks)
             return
-        beyond = self.measured_peak - self.besides - self.plan.predicted_peak
+        beyond = self.measured_peak - self.besides - self._step_peak(self.plan)
         kind = self.plan.offloaded > 0
         self._margins[kind] = max(self._margins[kind] + MiB, beyond + max(MiB, target // 100))
         self._make_plan()
@@ -427,11 +468,11 @@ class Planner:
         allocator counts memory on the host's clock), and a hook on each block's output (whose
         gradient is ready when the block's backward starts) allows prefetch what the plan's
         peak leaves free there: the peak, less what the blocks before keep, the block's own
-        saves or the largest rebuild still to come, and the parameter gradients allocated
-        from there on (that room is theirs, not the offloaded bytes'), so
-        fetches start as early as memory allows and hold back as gradients grow."""
+        saves or the largest rebuild still to come, and (where the plan's peak counts them,
+        with peak=) the parameter gradients allocated from there on, so fetches start as
+        early as memory allows and hold back as gradients grow."""
         p, blocks = self.plan, self.trace.blocks
-        grads = [sum(q.numel() * q.element_size() for q in b.parameters() if q.requires_grad) for b in self.blocks]
+        grads = [b.grad_bytes * (self._peak is not None) for b in blocks]  # in the plan's peak with peak= only
         room = [0] * len(blocks)
         kept = [0 if i < p.offloaded else b.input_bytes if i in p.recomputed else b.saved_bytes
                 for i, b in enumerate(blocks)]
@@ -454,8 +495,7 @@ class Planner:
                 return
             if i >= p.offloaded:
                 ctx.drain(limit[i])
-            t = out if isinstance(out, torch.Tensor) else next(
-                (o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)), None)
+            t = _first_tensor(out)
             if t is not None and t.requires_grad:
                 t.register_hook(lambda grad: ctx.allow_prefetch(room[i]))
 
@@ -594,6 +634,13 @@ def _device_of(blocks: list[nn.Module]) -> torch.device:
         for p in b.parameters():
             return p.device
     return torch.device("cpu")
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    """A block's output tensor, or the first tensor of its output tuple."""
+    if isinstance(out, torch.Tensor):
+        return out
+    return next((o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)), None)
 
 
 def _signature(args: Any) -> tuple:

@@ -128,9 +128,9 @@ def test_budget_keeps_the_latest_saves_on_the_device():
 def test_planner_on_cuda_bit_exact_and_within_its_measured_target(want):
     """storm.plan on CUDA: every step (the two traces and the planned ones) gives the gradients of
     no offload, bit for bit, and once the plan has settled (its measured steps corrected), a
-    step's peak stays within the target: ``peak``, or what the step holds besides its saves
-    plus ``budget``. budget 0.25 is below what recomputing every block keeps on this model
-    (~16% of the saves plus the inputs), so it needs offloading."""
+    step's peak stays within the planner's target (``peak``, or with ``budget`` the plan's own
+    prediction, besides and unused budget included). budget 0.25 is below what recomputing
+    every block keeps on this model (~16% of the saves plus the inputs): it needs offloading."""
     torch.manual_seed(0)
     model = GPT(seq_len=256, d_model=256, n_heads=4, n_layers=8).cuda()
     idx = torch.randint(0, 256, (8, 257), device="cuda")
