@@ -11,7 +11,8 @@ choosing per block of the model: keep on the device, offload, or recompute in ba
 
 Trace. The first step offloads everything and records per block the bytes it saves
 (what offloading or recomputing it removes from the device), how many tensors (each
-offloaded one costs host time, measured in the same step) and its input's bytes (what
+offloaded one costs host time, measured in the same step: the median block's, as a
+process's first offload also sets up the pinned pool) and its input's bytes (what
 recomputing keeps). The second recomputes every block and offloads nothing, and records
 each block's forward time (what recomputing it costs), with events on the compute stream
 on CUDA, so a launch-bound model's host time counts as it does in training. Both are the
@@ -50,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import statistics
 import time
 from typing import Any, Callable, Iterable
 
@@ -318,12 +320,12 @@ class Planner:
         self._recompute(set())
         ctx = Offload(**self._options)
         n = len(self.blocks)
-        marks: list[tuple[int, int]] = []  # (bytes, tensors) offloaded when each block started and ended
+        marks: list[tuple[int, int, float]] = []  # (bytes, tensors, pack s) offloaded when each block started and ended
         inputs, grads = [0] * n, [0] * n
 
         def pre(i: int, m: nn.Module, args: Any) -> None:
             st = ctx.stats
-            marks.append((st.offloaded_bytes, st.offloaded))
+            marks.append((st.offloaded_bytes, st.offloaded, st.pack_s))
             inputs[i] = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
             # gradients already there (not set to None between steps) are not allocated by the step
             grads[i] = sum(q.numel() * q.element_size() for q in m.parameters() if q.requires_grad and q.grad is None)
@@ -332,7 +334,7 @@ class Planner:
 
         def post(i: int, m: nn.Module, args: Any, out: Any) -> None:
             st = ctx.stats
-            marks.append((st.offloaded_bytes, st.offloaded))
+            marks.append((st.offloaded_bytes, st.offloaded, st.pack_s))
 
         self._hook_blocks(pre, post)
 
@@ -345,9 +347,11 @@ class Planner:
             blocks = [BlockTrace(marks[2 * i + 1][0] - marks[2 * i][0], marks[2 * i + 1][1] - marks[2 * i][1],
                                  inputs[i], grad_bytes=grads[i]) for i in range(n)]
             d2h, h2d = link_bandwidth(_device_of(self.blocks))
+            # the median block's: the first offload of a process also sets up the pinned pool
+            per_tensor = [(marks[2 * i + 1][2] - marks[2 * i][2]) / b.tensors for i, b in enumerate(blocks) if b.tensors]
+            host_s = statistics.median(per_tensor) if per_tensor else st.pack_s / max(1, st.offloaded)
             self.trace = Trace(blocks, marks[0][0], st.offloaded_bytes - marks[-1][0],
-                               [marks[2 * i][0] for i in range(n)],
-                               2e3 * st.pack_s / max(1, st.offloaded), d2h_GBps=d2h, h2d_GBps=h2d)
+                               [marks[2 * i][0] for i in range(n)], 2e3 * host_s, d2h_GBps=d2h, h2d_GBps=h2d)
             self._phase = "trace-compute"
 
         self._pending = collect
