@@ -18,8 +18,12 @@ quantity, and corrects its plan until one fits). Per budget the
 summary compares the planner's measured step and peak with the fastest other
 method whose measured peak fits the same cap, and with the lower bound
 max(no-offload step, b / D2H, b / H2D), the pinned bandwidths measured in the
-same run. Without CUDA it exits 2, except --plot-only, which recomputes the
-summary from a results JSON, prints the table and draws the plot.
+same run. With --duel R, per budget the planner and that best other method are
+then built side by side and timed in alternation, R rounds of --steps steps
+each: the lent machines drift by 10 to 25% within a run, and rows measured
+minutes apart compare that drift too. Without CUDA it exits 2, except
+--plot-only, which recomputes the summary from a results JSON, prints the table
+and draws the plot.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -35,7 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offload import GiB, link_bandwidth, run, write  # noqa: E402
+from offload import GiB, Trainer, link_bandwidth, run, write  # noqa: E402
 from stormd.config import parse_size  # noqa: E402
 from workloads import W1, W2, Net, Workload  # noqa: E402
 
@@ -62,6 +67,20 @@ class FirstK(Workload):
     def build(self, device: torch.device, ckpt: bool = False, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
         model, x = super().build(device, seed=seed)
         return FirstKCheckpointed(model, self.k), x
+
+
+RUN_METHOD = {"storm-budget": "storm", "ckpt-first": "none"}  # a row's method as offload.run() names it
+
+
+def contender(w: Workload, row: dict, storm_opts: dict) -> tuple[Workload, str, dict]:
+    """What offload.run() (or a Trainer) needs to measure a row again: workload, method, options."""
+    if row["method"] == "ckpt-first":
+        return FirstK(**dataclasses.asdict(w), k=row["ckpt_blocks"]), "none", {}
+    if row["method"] == "storm-budget":
+        return w, "storm", {**storm_opts, "budget": row["budget_bytes"]}
+    if row["method"] == "storm":
+        return w, "storm", storm_opts
+    return w, row["method"], {}
 
 
 @dataclasses.dataclass
@@ -138,8 +157,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
             if label in done:
                 sec["rows"].append(done[label])
                 return done[label]
-            how = {"storm-budget": "storm", "ckpt-first": "none"}.get(method, method)  # run()'s own method names
-            r = run(workload, how, args.steps, args.warmup, opts, device)
+            r = run(workload, RUN_METHOD.get(method, method), args.steps, args.warmup, opts, device)
             if "peak_extra_GiB" in r:
                 r["peak_GiB"] = r.pop("peak_extra_GiB")
             row = {"label": label, "method": method, "budget_bytes": budget, "ckpt_blocks": k, **r}
@@ -166,7 +184,38 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
             add(f"plan {cap / GiB:.2f}GiB", "plan", w, {**storm_opts, "peak": cap}, budget=b)
         sec.update(summarize(sec, link))
         write(args, results)
+        if args.duel:
+            sec["duel"] = duel(w, sec, args, device, storm_opts)
+            write(args, results)
     return results
+
+
+def duel(w: Workload, sec: dict, args: argparse.Namespace, device: torch.device, storm_opts: dict) -> list[dict]:
+    """Per budget where the planner fit its cap: the planner and the fastest other method that
+    fits, side by side on the device, timed in alternation; medians of all their steps."""
+    out = []
+    for p in sec["planner"]:
+        if not p["fits_cap"] or p["best_other"] is None:
+            continue
+        row = next(r for r in sec["rows"] if r["label"] == p["best_other"])
+        mine = Trainer(w, "plan", {**storm_opts, "peak": sec["total_bytes"] - p["budget_bytes"]}, device)
+        theirs = Trainer(*contender(w, row, storm_opts), device)
+        try:
+            mine.warm(args.warmup)
+            theirs.warm(args.warmup)
+            times: tuple[list[float], list[float]] = ([], [])
+            for _ in range(args.duel):
+                times[0].extend(mine.step() for _ in range(args.steps))
+                times[1].extend(theirs.step() for _ in range(args.steps))
+        finally:
+            mine.close()
+            theirs.close()
+        plan_ms, other_ms = (round(statistics.median(t) * 1e3, 2) for t in times)
+        out.append({"budget_bytes": p["budget_bytes"], "plan_ms": plan_ms, "other": row["label"],
+                    "other_ms": other_ms, "ratio": round(plan_ms / other_ms, 3)})
+        print(f"{w.name} duel at cap {p['peak_cap_GiB']} GiB: plan {plan_ms} ms, {row['label']} {other_ms} ms",
+              flush=True)
+    return out
 
 
 def table(name: str, section: dict) -> str:
@@ -188,6 +237,10 @@ def table(name: str, section: dict) -> str:
                  else f"{'failed':>8} {'':>8} {'':>4} {'':>7}  ")
         line += f"{p['best_other']:<24} {p['best_other_ms']:>8.2f}" if p["best_other"] else "none fits"
         lines.append(line)
+    if section.get("duel"):
+        lines += ["", "in alternation:", f"{'budget GiB':>10} {'plan ms':>8} {'other':<24} {'ms':>8} {'ratio':>6}"]
+        lines += [f"{d['budget_bytes'] / GiB:>10.3f} {d['plan_ms']:>8.2f} {d['other']:<24} {d['other_ms']:>8.2f} "
+                  f"{d['ratio']:>6.3f}" for d in section["duel"]]
     return "\n".join(lines)
 
 
@@ -230,6 +283,8 @@ def main() -> int:
     p.add_argument("--budgets", nargs="+", type=parse_size, default=None, metavar="SIZE",
                    help="byte budgets instead of --points (bytes or e.g. 512MiB)")
     p.add_argument("--pool-size", default="24GiB")
+    p.add_argument("--duel", type=int, default=0, metavar="ROUNDS",
+                   help="then time the planner and the best other method that fits in alternation, per budget")
     p.add_argument("--quick", action="store_true", help="3 budgets, --steps 3 --warmup 1: a smoke run")
     p.add_argument("--out", help="results JSON (required unless --plot-only)")
     p.add_argument("--resume", metavar="RESULTS.json", default=None,

@@ -62,28 +62,48 @@ def train_step(model, x, opt, method: str, opts: dict, planner: storm.Planner | 
     return ctx
 
 
-def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: torch.device) -> dict:
-    model, x = w.build(device, ckpt=(method == "checkpoint"))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    # storm.plan traces two steps, plans at the third and on CUDA measures planned steps until one
-    # is within its target (resetting the peak statistics): warm-up must cover them
-    planner = storm.plan(model.blocks, **opts) if method == "plan" else None
-    try:
-        for _ in range(warmup):
-            train_step(model, x, opt, method, opts, planner)
+class Trainer:
+    """One method's model, optimizer and (for "plan") planner on the device, stepped by train_step."""
+
+    def __init__(self, w: Workload, method: str, opts: dict, device: torch.device):
+        self.method, self.opts, self.device = method, opts, device
+        self.model, self.x = w.build(device, ckpt=(method == "checkpoint"))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.planner = storm.plan(self.model.blocks, **opts) if method == "plan" else None
+        self.last: storm.Offload | None = None
+
+    def warm(self, steps: int) -> None:
+        """``steps`` steps, and as many more (up to 8) as storm.plan needs to settle: it traces two
+        steps, plans at the third and on CUDA measures planned steps until one is within its
+        target, resetting the peak statistics."""
+        for _ in range(steps):
+            self.step()
         for _ in range(8):
-            if planner is None or planner.settled:
+            if self.planner is None or self.planner.settled:
                 break
-            train_step(model, x, opt, method, opts, planner)
-        torch.cuda.synchronize(device)
+            self.step()
+
+    def step(self) -> float:
+        """One training step, GPU work included: seconds."""
+        t0 = time.perf_counter()
+        self.last = train_step(self.model, self.x, self.opt, self.method, self.opts, self.planner)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.planner is not None:
+            self.planner.close()
+        del self.model, self.x, self.opt, self.last
+        torch.cuda.empty_cache()
+
+
+def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: torch.device) -> dict:
+    t = Trainer(w, method, opts, device)
+    try:
+        t.warm(warmup)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        times, last = [], None
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            last = train_step(model, x, opt, method, opts, planner)
-            torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
+        times = [t.step() for _ in range(steps)]
         r = {"step_ms": round(statistics.median(times) * 1e3, 2),
              "step_ms_min": round(min(times) * 1e3, 2),
              "samples_per_s": round(w.batch / statistics.median(times), 2),
@@ -92,31 +112,28 @@ def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: t
             fwd = []
             for _ in range(3):
                 t0 = time.perf_counter()
-                y = model(x)
+                y = t.model(t.x)
                 torch.cuda.synchronize(device)
                 fwd.append(time.perf_counter() - t0)
                 del y
             r["forward_ms"] = round(statistics.median(fwd) * 1e3, 2)
-        if last is not None:
-            last.synchronize()
-            st = last.stats
+        if t.last is not None:
+            t.last.synchronize()
+            st = t.last.stats
             r.update(to_host_GiB=round(st.stored_bytes / GiB, 3), to_device_GiB=round(st.fetched_bytes / GiB, 3),
                      offloaded_tensors=st.offloaded, kept=dict(st.kept),
-                     fetch_wait_ms=round(st.fetch_wait_s * 1e3, 2), backend=last.backend_name)
-        if planner is not None:
-            p = planner.plan
+                     fetch_wait_ms=round(st.fetch_wait_s * 1e3, 2), backend=t.last.backend_name)
+        if t.planner is not None:
+            pl, p = t.planner, t.planner.plan
             r.update(plan={"offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed),
                            "predicted_peak_GiB": round(p.predicted_peak / GiB, 3),
-                           "predicted_cost_ms": p.predicted_cost_ms, "fits": p.fits, "settled": planner.settled,
-                           "target_GiB": planner.target and round(planner.target / GiB, 3),
-                           "besides_GiB": planner.besides and round(planner.besides / GiB, 3)},
-                     explain=planner.explain())
+                           "predicted_cost_ms": p.predicted_cost_ms, "fits": p.fits, "settled": pl.settled,
+                           "target_GiB": pl.target and round(pl.target / GiB, 3),
+                           "besides_GiB": pl.besides and round(pl.besides / GiB, 3)},
+                     explain=pl.explain())
     except torch.OutOfMemoryError:
         r = {"error": "OOM"}
-    if planner is not None:
-        planner.close()
-    del model, x, opt
-    torch.cuda.empty_cache()
+    t.close()
     return r
 
 
