@@ -112,6 +112,13 @@ class Plan:
     in_flight_bytes: int = 0       # offloaded bytes the peak counts as still on the device
 
 
+def kept_bytes(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int]) -> list[int]:
+    """Per block, what it keeps on the device from forward to its backward: nothing offloaded,
+    a recomputed block's inputs, a kept block's saves."""
+    return [0 if i < offloaded else b.input_bytes if i in recomputed else b.saved_bytes
+            for i, b in enumerate(trace.blocks)]
+
+
 def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
                    grads: bool = True) -> int:
     """Saved bytes (and with ``grads`` parameter gradients) on the device at the worst moment of
@@ -120,7 +127,7 @@ def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozense
     blocks before i keep, block i's own saves, kept, rebuilt or fetched, and the gradients of
     blocks i.. by then)."""
     blocks, n = trace.blocks, len(trace.blocks)
-    kept = [0 if i < offloaded else b.input_bytes if i in recomputed else b.saved_bytes for i, b in enumerate(blocks)]
+    kept = kept_bytes(trace, offloaded, recomputed)
     grad = [b.grad_bytes * grads for b in blocks]
     before = trace.before_bytes * (offloaded == 0) + in_flight_bytes
     allocated = sum(grad)
@@ -478,8 +485,7 @@ class Planner:
         p, blocks = self.plan, self.trace.blocks
         grads = [b.grad_bytes * (self._peak is not None) for b in blocks]  # in the plan's peak with peak= only
         room = [0] * len(blocks)
-        kept = [0 if i < p.offloaded else b.input_bytes if i in p.recomputed else b.saved_bytes
-                for i, b in enumerate(blocks)]
+        kept = kept_bytes(self.trace, p.offloaded, p.recomputed)
         rebuild = 0  # the largest saves of a recomputed block before i: rebuilt later in backward
         for i, b in enumerate(blocks):
             # block i's own saves (kept, rebuilt or fetched) are alive through its backward
