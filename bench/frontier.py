@@ -69,15 +69,15 @@ class FirstK(Workload):
         return FirstKCheckpointed(model, self.k), x
 
 
-RUN_METHOD = {"storm-budget": "storm", "ckpt-first": "none"}  # a row's method as offload.run() names it
-
-
-def contender(w: Workload, row: dict, storm_opts: dict) -> tuple[Workload, str, dict]:
-    """What offload.run() (or a Trainer) needs to measure a row again: workload, method, options."""
+def contender(w: Workload, row: dict, storm_opts: dict, total_bytes: int | None = None) -> tuple[Workload, str, dict]:
+    """What offload.run() (or a Trainer) needs to measure a row: workload, method as run() names
+    it, options. A plan row is asked for a peak of at most total_bytes less its budget."""
     if row["method"] == "ckpt-first":
         return FirstK(**dataclasses.asdict(w), k=row["ckpt_blocks"]), "none", {}
     if row["method"] == "storm-budget":
         return w, "storm", {**storm_opts, "budget": row["budget_bytes"]}
+    if row["method"] == "plan":
+        return w, "plan", {**storm_opts, "peak": total_bytes - row["budget_bytes"]}
     if row["method"] == "storm":
         return w, "storm", storm_opts
     return w, row["method"], {}
@@ -152,36 +152,36 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         results[w.name] = sec
         done = {r["label"]: r for r in prior.get(w.name, {}).get("rows", [])}
 
-        def add(label: str, method: str, workload: Workload, opts: dict, budget: int | None = None,
-                k: int | None = None) -> dict:
+        def add(label: str, method: str, budget: int | None = None, k: int | None = None) -> dict:
             if label in done:
                 sec["rows"].append(done[label])
                 return done[label]
-            r = run(workload, RUN_METHOD.get(method, method), args.steps, args.warmup, opts, device)
+            row = {"label": label, "method": method, "budget_bytes": budget, "ckpt_blocks": k}
+            workload, how, opts = contender(w, row, storm_opts, sec.get("total_bytes"))
+            r = run(workload, how, args.steps, args.warmup, opts, device)
             if "peak_extra_GiB" in r:
                 r["peak_GiB"] = r.pop("peak_extra_GiB")
-            row = {"label": label, "method": method, "budget_bytes": budget, "ckpt_blocks": k, **r}
+            row.update(r)
             sec["rows"].append(row)
             print(f"{w.name} {label}: {r}", flush=True)
             write(args, results)  # what is done survives a time limit
             return row
 
-        none, ckpt = add("none", "none", w, {}), add("checkpoint", "checkpoint", w, {})
+        none, ckpt = add("none", "none"), add("checkpoint", "checkpoint")
         if "error" in none or "error" in ckpt:
             raise RuntimeError(f"{w.name}: the budgets are taken from the no-offload and checkpoint peaks, "
                                f"and a run failed: none {none}, checkpoint {ckpt}")
         sec["total_bytes"] = int(none["peak_GiB"] * GiB)
         sec["bytes_per_block"] = (none["peak_GiB"] - ckpt["peak_GiB"]) * GiB / w.layers
         sec["budgets"] = args.budgets or budgets(sec["total_bytes"], args.points)
-        add("save_on_cpu", "save_on_cpu", w, {})
-        add("storm-full", "storm", w, storm_opts)
+        add("save_on_cpu", "save_on_cpu")
+        add("storm-full", "storm")
         for b in sec["budgets"]:
-            add(f"storm-budget {b / GiB:.2f}GiB", "storm-budget", w, {**storm_opts, "budget": b}, budget=b)
+            add(f"storm-budget {b / GiB:.2f}GiB", "storm-budget", budget=b)
         for k in sorted({blocks_for(b, Measurements.of(sec)) for b in sec["budgets"]}):
-            add(f"ckpt-first-{k}", "ckpt-first", FirstK(**dataclasses.asdict(w), k=k), {}, k=k)
+            add(f"ckpt-first-{k}", "ckpt-first", k=k)
         for b in sec["budgets"]:
-            cap = sec["total_bytes"] - b
-            add(f"plan {cap / GiB:.2f}GiB", "plan", w, {**storm_opts, "peak": cap}, budget=b)
+            add(f"plan {(sec['total_bytes'] - b) / GiB:.2f}GiB", "plan", budget=b)
         sec.update(summarize(sec, link))
         write(args, results)
         if args.duel:
@@ -198,7 +198,8 @@ def duel(w: Workload, sec: dict, args: argparse.Namespace, device: torch.device,
         if not p["fits_cap"] or p["best_other"] is None:
             continue
         row = next(r for r in sec["rows"] if r["label"] == p["best_other"])
-        mine = Trainer(w, "plan", {**storm_opts, "peak": sec["total_bytes"] - p["budget_bytes"]}, device)
+        mine = Trainer(*contender(w, {"method": "plan", "budget_bytes": p["budget_bytes"]}, storm_opts,
+                                  sec["total_bytes"]), device)
         theirs = Trainer(*contender(w, row, storm_opts), device)
         try:
             mine.warm(args.warmup)
