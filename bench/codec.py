@@ -1,14 +1,15 @@
 """Codec benchmark: ratio and encode/decode throughput per codec and tensor kind.
 
-Side by side in one run: every storm.kernels codec, nvCOMP (ANS, Bitcomp,
+Side by side in one run: every storm.kernels codec, frames (storm.kernels.frame:
+codec b at a fixed size, as CUDA tensors are stored; bf16 only), nvCOMP (ANS, Bitcomp,
 Cascaded, GDeflate; PyPI nvidia-nvcomp-cu13) on the same device tensors, and CPU
 zstd (PyPI zstandard) on the same bytes, plain and byte-plane shuffled. Also the
 associative scan against a device copy and torch.cumsum.
 
 Throughput is uncompressed bytes per second (median of --reps runs after a
 warm-up). storm encode times include the host waits the codec needs to size its
-outputs; ratios count the full serialized size (header included). Every decode is
-checked bit for bit.
+outputs (frames have none); ratios count the full serialized size (header
+included). Every decode is checked bit for bit.
 
 Tensor kinds: synthetic bf16/fp32 activations of --size-mib MiB, a dropout mask,
 a ternary tensor, and "real-*": the saved tensors of the MiniLM fixture
@@ -32,6 +33,7 @@ import torch
 
 import provenance
 from storm.kernels import CODECS, CodecNotApplicable, associative_scan, decode, encode, verify_lossless
+from storm.kernels.frame import complete, decode_frame, encode_frame, frame_nbytes
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "activations" / "minilm_saved.pt"
@@ -110,6 +112,30 @@ def bench_storm(ts: list[torch.Tensor], codec: str, reps: int) -> dict:
         escapes += enc.escapes
         elems += enc.numel
     return {**aggregate(parts), "codec_bytes": used, "escape_rate": round(escapes / max(1, elems), 5)}
+
+
+def bench_frame(ts: list[torch.Tensor], reps: int) -> dict:
+    """Frames of the bf16 tensors (the others count as raw); a frame that overflows would be
+    stored raw by the mover, so it counts as raw too."""
+    parts, overflows = [], 0
+    for t in ts:
+        nb = t.numel() * t.element_size()
+        if t.dtype != torch.bfloat16:
+            parts.append({"raw": nb, "enc_bytes": nb, "te": None, "td": None, "ok": True})
+            continue
+        f = torch.empty(frame_nbytes(t.numel()), dtype=torch.uint8, device=t.device)
+        out = torch.empty(t.numel(), dtype=torch.int16, device=t.device)
+        te, _ = timed(lambda: encode_frame(t, f), t.device, reps)
+        if not complete(f[:16].cpu()):
+            overflows += 1
+            parts.append({"raw": nb, "enc_bytes": nb, "te": te, "td": 0.0, "ok": True})
+            continue
+        td, _ = timed(lambda: decode_frame(f, t.numel(), out=out), t.device, reps)
+        parts.append({"raw": nb, "enc_bytes": f.numel(), "te": te, "td": td,
+                      "ok": verify_lossless(t.reshape(-1).view(torch.int16), out)})
+    if all(p["te"] is None for p in parts):
+        return {"skipped": "frames are for bf16 tensors"}
+    return {**aggregate(parts), "overflows": overflows}
 
 
 def bench_nvcomp(ts: list[torch.Tensor], algo: str, reps: int) -> dict:
@@ -226,6 +252,7 @@ def main() -> None:
     impls: list[tuple[str, Callable[[list[torch.Tensor]], dict]]] = [
         (f"storm:{c}", lambda t, c=c: bench_storm(t, c, args.reps)) for c in list(CODECS) + ["auto"]
         if not (c == "ancf" and "ancf" in skip)]
+    impls.append(("storm:ancf_exp_frame", lambda t: bench_frame(t, args.reps)))
     if dev.type == "cuda" and "nvcomp" not in skip:
         impls += [(f"nvcomp:{a}", lambda t, a=a: bench_nvcomp(t, a, args.reps)) for a in ("ANS", "Bitcomp", "Cascaded", "GDeflate")]
     if "zstd" not in skip:

@@ -1,4 +1,4 @@
-"""W1/W2 step time and memory: no offload, checkpointing, save_on_cpu, STORM (embedded, daemon, budgets, spill).
+"""W1/W2 step time and memory: no offload, checkpointing, save_on_cpu, STORM (embedded, daemon, frames, budgets, spill).
 
     python bench/offload.py --out bench/results/offload.json            # timings (CUDA)
     python bench/offload.py --check --out bench/results/bitexact.json   # gradients, bit for bit
@@ -8,6 +8,8 @@ above the model's (activations and what offload holds), bytes moved each way,
 host time waiting for fetches, link utilization ((bytes to host / measured D2H
 bandwidth + bytes to device / measured H2D bandwidth) / step time) and the
 lower bound of DESIGN.md: max(no-offload step, to-host / D2H, to-device / H2D).
+The "-frames" methods store bf16 saves as frames (codec="ancf_exp", encoded on the
+GPU): their bytes moved are the encoded ones.
 """
 
 from __future__ import annotations
@@ -120,8 +122,11 @@ def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: t
         if t.last is not None:
             t.last.synchronize()
             st = t.last.stats
-            r.update(to_host_GiB=round(st.stored_bytes / GiB, 3), to_device_GiB=round(st.fetched_bytes / GiB, 3),
-                     offloaded_tensors=st.offloaded, kept=dict(st.kept),
+            ratio = st.offloaded_bytes / st.stored_bytes if st.stored_bytes else 1.0
+            # fetched_bytes counts tensors' sizes; each comes back as it was stored
+            r.update(to_host_GiB=round(st.stored_bytes / GiB, 3), to_device_GiB=round(st.fetched_bytes / ratio / GiB, 3),
+                     offloaded_GiB=round(st.offloaded_bytes / GiB, 3), ratio=round(ratio, 3),
+                     frame_overflows=st.frame_overflows, offloaded_tensors=st.offloaded, kept=dict(st.kept),
                      fetch_wait_ms=round(st.fetch_wait_s * 1e3, 2), backend=t.last.backend_name)
         if t.planner is not None:
             pl, p = t.planner, t.planner.plan
@@ -183,8 +188,8 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
     print(f"link: {bw}", flush=True)
     results: dict = {"link": bw}
     write(args, results)
-    daemon, endpoint = (start_daemon(Path(tempfile.mkdtemp()), args.pool_size) if "daemon" in args.methods
-                        else (None, None))
+    daemon, endpoint = (start_daemon(Path(tempfile.mkdtemp()), args.pool_size)
+                        if {"daemon", "daemon-frames"} & set(args.methods) else (None, None))
     try:
         for w in workloads(args):
             rows: dict = {}
@@ -201,6 +206,11 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
                                  {**base_opts, "max_held_bytes": 256 << 20, "prefetch_bytes": 256 << 20}))
                 elif m == "daemon":
                     plan.append(("storm-daemon", "storm", {**base_opts, "mode": "daemon", "socket": endpoint}))
+                elif m == "embedded-frames":
+                    plan.append(("storm-embedded-frames", "storm", {**base_opts, "codec": "ancf_exp"}))
+                elif m == "daemon-frames":
+                    plan.append(("storm-daemon-frames", "storm",
+                                 {**base_opts, "mode": "daemon", "socket": endpoint, "codec": "ancf_exp"}))
                 elif m == "budgets":
                     plan += [(f"storm-budget-{int(f * 100)}%", "storm", {**base_opts, "budget": f})
                              for f in (0.25, 0.5, 0.75, 1.0)]
@@ -270,7 +280,8 @@ def plot(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
-    """Gradients of one step, no offload twice, then embedded and daemon, compared bit for bit."""
+    """Gradients of one step, no offload twice, then embedded and daemon, raw and in frames, compared
+    bit for bit."""
     torch.use_deterministic_algorithms(True)
     results: dict = {"deterministic_algorithms": True}
     daemon, endpoint = start_daemon(Path(tempfile.mkdtemp()), args.pool_size)
@@ -278,10 +289,12 @@ def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
         for w in workloads(args):
             ref = None
             row = {}
-            for name, opts in (("none", None), ("none-again", None),
-                               ("storm-embedded", {"mode": "embedded", "min_bytes": args.min_bytes,
-                                                   "pool_size": args.pool_size}),
-                               ("storm-daemon", {"mode": "daemon", "socket": endpoint, "min_bytes": args.min_bytes})):
+            embedded = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size}
+            daemon_opts = {"mode": "daemon", "socket": endpoint, "min_bytes": args.min_bytes}
+            for name, opts in (("none", None), ("none-again", None), ("storm-embedded", embedded),
+                               ("storm-daemon", daemon_opts),
+                               ("storm-embedded-frames", {**embedded, "codec": "ancf_exp"}),
+                               ("storm-daemon-frames", {**daemon_opts, "codec": "ancf_exp"})):
                 model, x = w.build(device)
                 if opts is None:
                     y = model(x)
@@ -297,7 +310,9 @@ def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
                     differ = sum(not same_bits(a, b) for a, b in zip(ref, grads))
                     row[name] = {"differing_gradients": differ, "of": len(ref)}
                     if opts is not None:
-                        row[name]["offloaded_tensors"] = ctx.stats.offloaded
+                        st = ctx.stats
+                        row[name].update(offloaded_tensors=st.offloaded, frame_overflows=st.frame_overflows,
+                                         ratio=round(st.offloaded_bytes / max(st.stored_bytes, 1), 3))
                 print(f"{w.name} {name}: {row[name]}", flush=True)
                 del model, x, y, grads
                 torch.cuda.empty_cache()

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
 from stormd.pool import SharedPool
 
 from .errors import StormError
@@ -165,50 +166,117 @@ def consume(t: torch.Tensor, arrived: CopyEvent) -> None:
     t.record_stream(torch.cuda.current_stream(t.device.index))
 
 
+class OnStream:
+    """Make ``stream`` torch's current stream for a moment, so that torch.empty allocates from its
+    pool and Triton launches on it. ``torch.cuda.stream()`` does this at 16 us a context on the lent
+    host; setting it directly costs a fraction."""
+
+    __slots__ = ("stream", "previous", "fallback")
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.stream = stream
+
+    def __enter__(self) -> None:
+        s = self.stream
+        self.fallback = None
+        if torch._C._cuda_getDevice() != s.device_index:  # setting a stream also switches the current device
+            self.fallback = torch.cuda.stream(s)
+            self.fallback.__enter__()
+            return
+        self.previous = torch._C._cuda_getCurrentStream(s.device_index)
+        torch._C._cuda_setStream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fallback is not None:
+            self.fallback.__exit__(*exc)
+            return
+        p = self.previous
+        torch._C._cuda_setStream(stream_id=p[0], device_index=p[1], device_type=p[2])
+
+
 class DeviceStreams:
+    """The copy streams of one GPU, and two codec streams for frames, so that encoding the next
+    tensor overlaps copying this one. The codec streams have high priority: their kernels are
+    short and memory-bound, and a copy waits on them while the link idles.
+
+    Buffers made here are allocated on the stream that fills them; one read on another stream is
+    marked with record_stream, so the allocator hands it out again only after that read."""
+
     def __init__(self, device: torch.device):
         self.device = device
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
         self._d2h, self._h2d = self.d2h.cuda_stream, self.h2d.cuda_stream
+        self._on_h2d = OnStream(self.h2d)
+        self._codec: tuple[OnStream, OnStream] | None = None  # (encode, decode), made with the first frame
         rt = runtime()
         self._to_host, self._to_device = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+
+    def _codec_streams(self) -> tuple[OnStream, OnStream]:
+        if self._codec is None:
+            # priority -1: a stream of torch's high-priority pool
+            self._codec = (OnStream(torch.cuda.Stream(self.device, priority=-1)),
+                           OnStream(torch.cuda.Stream(self.device, priority=-1)))
+        return self._codec
 
     def to_host(self, dst: int, src: torch.UntypedStorage, ready: CopyEvent) -> CopyEvent:
         """Queue ``src`` (a device storage) -> pinned address ``dst`` after ``ready``; returns the event
         marking its end."""
-        rt = _rt
         with OnDevice(self.device.index):
-            _check(rt.cudaStreamWaitEvent(self._d2h, ready.handle, 0)[0], "cudaStreamWaitEvent")
-            _check(rt.cudaMemcpyAsync(dst, src.data_ptr(), src.nbytes(), self._to_host, self._d2h)[0],
-                   "cudaMemcpyAsync to host")
+            self._wait(self._d2h, ready)
+            self._copy(dst, src.data_ptr(), src.nbytes(), self._to_host, self._d2h)
+            return CopyEvent().record(self._d2h)
+
+    def to_host_frame(self, dst: int, src: torch.UntypedStorage, ready: CopyEvent) -> CopyEvent:
+        """Encode ``src`` (16-bit words) into a frame (storm.kernels.frame) on the encode stream after
+        ``ready``, and queue the frame -> ``dst`` on the device-to-host stream after that; returns the
+        event marking the copy's end."""
+        encode = self._codec_streams()[0]
+        with OnDevice(self.device.index):
+            stream = encode.stream.cuda_stream
+            self._wait(stream, ready)
+            with encode:
+                words = torch.empty(0, dtype=torch.int16, device=self.device).set_(src)
+                frame = torch.empty(frame_nbytes(words.numel()), dtype=torch.uint8, device=self.device)
+                encode_frame(words, frame)
+            self._wait(self._d2h, CopyEvent().record(stream))
+            self._copy(dst, frame.data_ptr(), frame.numel(), self._to_host, self._d2h)
+            frame.record_stream(self.d2h)
             return CopyEvent().record(self._d2h)
 
     def to_device(self, src: int, nbytes: int, after: CopyEvent | None) -> tuple[torch.Tensor, CopyEvent]:
-        """Queue pinned address ``src`` -> a new device buffer, after the put's event if it is still running.
-
-        The buffer is allocated on the copy stream, so the allocator orders its reuse
-        after the copy, not after whatever the compute stream has queued meanwhile."""
-        rt = _rt
+        """Queue pinned address ``src`` -> a new device buffer, after the put's event if it is still running."""
         with OnDevice(self.device.index):
-            out = self._empty_on_h2d(nbytes)
-            if after is not None:
-                _check(rt.cudaStreamWaitEvent(self._h2d, after.handle, 0)[0], "cudaStreamWaitEvent")
-            _check(rt.cudaMemcpyAsync(out.data_ptr(), src, nbytes, self._to_device, self._h2d)[0],
-                   "cudaMemcpyAsync to device")
+            with self._on_h2d:
+                out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._wait(self._h2d, after)
+            self._copy(out.data_ptr(), src, nbytes, self._to_device, self._h2d)
             return out, CopyEvent().record(self._h2d)
 
-    def _empty_on_h2d(self, nbytes: int) -> torch.Tensor:
-        """torch.empty from the copy stream's pool. ``torch.cuda.stream()`` does this by setting the
-        current stream, at 16 us a context on the lent host; setting it directly costs a fraction."""
-        index = self.device.index
-        if torch._C._cuda_getDevice() != index:  # setting a stream also switches the current device
-            with torch.cuda.stream(self.h2d):
-                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        prev = torch._C._cuda_getCurrentStream(index)
-        h2d = self.h2d
-        torch._C._cuda_setStream(stream_id=h2d.stream_id, device_index=index, device_type=h2d.device_type)
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        finally:
-            torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+    def to_device_frame(self, src: int, nbytes: int, raw_nbytes: int,
+                        after: CopyEvent | None) -> tuple[torch.Tensor, CopyEvent]:
+        """Queue the frame at pinned address ``src`` (``nbytes``) -> the device on the host-to-device
+        stream, then its decoding into a new buffer of ``raw_nbytes`` on the decode stream; returns
+        that buffer and the event marking the end of its decoding."""
+        decode = self._codec_streams()[1]
+        with OnDevice(self.device.index):
+            with self._on_h2d:
+                frame = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._wait(self._h2d, after)
+            self._copy(frame.data_ptr(), src, nbytes, self._to_device, self._h2d)
+            stream = decode.stream.cuda_stream
+            self._wait(stream, CopyEvent().record(self._h2d))
+            with decode:
+                out = torch.empty(raw_nbytes, dtype=torch.uint8, device=self.device)
+                decode_frame(frame, raw_nbytes // 2, out=out.view(torch.int16))
+            frame.record_stream(decode.stream)
+            return out, CopyEvent().record(stream)
+
+    @staticmethod
+    def _wait(stream: int, event: CopyEvent | None) -> None:
+        if event is not None:
+            _check(_rt.cudaStreamWaitEvent(stream, event.handle, 0)[0], "cudaStreamWaitEvent")
+
+    @staticmethod
+    def _copy(dst: int, src: int, nbytes: int, kind: Any, stream: int) -> None:
+        _check(_rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream)[0], "cudaMemcpyAsync")

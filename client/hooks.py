@@ -213,10 +213,11 @@ def offload(fn: Callable | None = None, /, **options: Any) -> Any:
     step's offloadable bytes; past it, the rest of the step is saved by
     autograd as without STORM), ``max_held_bytes`` (how many bytes may wait for their
     copy before saving blocks: bounds the memory a step holds beyond what it
-    keeps), ``codec`` (how CPU tensors are encoded before they are stored:
+    keeps), ``codec`` (how tensors are encoded before they are stored:
     "auto", a codec of storm.kernels, or "raw"; default: the daemon's
-    ``codec`` setting, "raw" for the embedded store; CUDA tensors are stored
-    raw).
+    ``codec`` setting, "raw" for the embedded store; for CUDA tensors "auto"
+    and "ancf_exp" put bf16 tensors of at least 4 MiB in frames encoded on the
+    GPU (storm.kernels.frame), the rest is stored raw).
     """
     if fn is None:
         return Offload(**options)

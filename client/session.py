@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import itertools
 import logging
 import threading
@@ -58,6 +59,7 @@ class Counters:
     fetched_bytes: int = 0
     prefetch_hits: int = 0
     fetch_wait_s: float = 0.0      # time unpack waited for bytes that were not there yet
+    frame_overflows: int = 0       # CUDA tensors whose frame had too many escapes: stored again, raw
 
 
 @dataclass
@@ -131,6 +133,7 @@ class Stored:
         self.producer = _producer(t)
         self.state = State.HELD
         self.put: Transfer | None = None
+        self.request: PutRequest | None = None  # while held: to store it again, raw, if its frame overflows
         self.refs = 0      # live handles
         self.handles = 0   # handles ever made (one per save of this storage)
         self.unpacks = 0
@@ -140,6 +143,11 @@ class Stored:
     def describe(self) -> str:
         """For error messages (built only then: the tensor may be gone by now)."""
         return _description(self.shape, self.dtype, self.producer)
+
+    @property
+    def kind(self) -> tuple[Any, ...]:
+        """What tensors saved by the same op at the same place in the model share."""
+        return self.producer, self.shape, self.dtype
 
 
 class Handle:
@@ -228,6 +236,7 @@ class ClientSession:
         self._reading: collections.deque[tuple[list[Any], int]] = collections.deque()
         self.last_candidate_bytes: int | None = None
         self._warned: set[str] = set()  # kinds of store failure already logged
+        self._raw_kinds: set[tuple[Any, ...]] = set()  # Stored.kind whose frame overflowed: stored raw
 
     def new_step(self, budget: int | float | None = None) -> Step:
         """A step; ``budget``: bytes, or a fraction of the offloadable bytes of the last step
@@ -286,7 +295,9 @@ class ClientSession:
             step.order.append(stored)
             step.by_storage[storage._cdata] = stored
             handle = Handle(self, stored, t)
-            stored.put = self.mover.put(PutRequest(stored.key, step.number, storage, meta, ready))
+            stored.request = PutRequest(stored.key, step.number, storage, meta, ready,
+                                        encode=stored.kind not in self._raw_kinds)
+            stored.put = self.mover.put(stored.request)
             self._held.append(stored)
             self._held_bytes += nbytes
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
@@ -312,6 +323,9 @@ class ClientSession:
             while reading and all(r.done() for r in reading[0][0]):  # copies finish about in order
                 frees.append(reading.popleft()[1])
             while held and held[0].put.done():
+                if held[0].put.incomplete():
+                    frees.append(self._store_raw(held[0]))
+                    break  # it is held until that copy is done too
                 frees.extend(self._release(held.popleft()))
             while dropped:
                 stored = dropped.popleft()
@@ -320,9 +334,20 @@ class ClientSession:
                     frees.extend(self._forget(stored))
         self.mover.free(frees)
 
+    def _store_raw(self, stored: Stored) -> int:
+        """``stored``'s frame had more escapes than slots: store it again, raw, under a new key, and
+        store its kind raw from now on. Returns the old key, to free."""
+        self._raw_kinds.add(stored.kind)
+        old, stored.key = stored.key, next(self._keys)
+        stored.request = dataclasses.replace(stored.request, key=stored.key, encode=False)
+        stored.put = self.mover.put(stored.request)
+        stored.step.stats.record(stored.layer, frame_overflows=1)
+        return old
+
     def _release(self, stored: Stored) -> list[int]:
         """The copy of ``stored`` finished: let its tensor go. Returns keys to free."""
         self._held_bytes -= stored.nbytes
+        stored.request = None
         err = stored.put.error()
         if err is not None:
             code = err.code if isinstance(err, StormRequestError) else None
@@ -339,7 +364,7 @@ class ClientSession:
         stored.in_store = True
         if stored.put.event is not None:
             self.mover.seal(stored.key)  # the copy's event has fired: the bytes are in the pool now
-        stored.step.stats.record(stored.layer, stored_bytes=stored.put.result.result()[0])
+        stored.step.stats.record(stored.layer, stored_bytes=stored.put.result.result().nbytes)
         # The version is read here, on the training thread between two ops, so an
         # in-place op that raced the copy has finished and bumped it by now.
         stored.state = State.OFFLOADED if stored.tensor._version == stored.version else State.MODIFIED
@@ -367,11 +392,14 @@ class ClientSession:
 
     def synchronize(self) -> None:
         """Wait until every copy in flight has finished and been checked."""
-        with self._lock:
-            pending = [s.put for s in self._held] + [r for reads, _ in self._reading for r in reads]
-        for transfer in pending:
-            transfer.wait()
-        self.poll()
+        while True:
+            self.poll()  # after a wait, it may start copies again: tensors whose frame overflowed
+            with self._lock:
+                pending = [s.put for s in self._held] + [r for reads, _ in self._reading for r in reads]
+            if not pending:
+                return
+            for transfer in pending:
+                transfer.wait()
 
     # --- loading ------------------------------------------------------------
 

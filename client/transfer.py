@@ -17,6 +17,12 @@ to host, or host to device) behind an event, and returns the event that marks
 its end; nothing waits on the host. The pool is page-locked (registered with
 CUDA) so those copies run at link speed. CUDA copies are not checksummed: a
 host-side hash of every byte would cost more than the copy (see README).
+With codec ``auto`` or ``ancf_exp``, bf16 tensors of at least
+FRAME_MIN_BYTES are encoded on that stream into a frame (storm.kernels.frame,
+whose size is known before encoding) and the frame is copied: fewer bytes over
+the link and in the pool. A frame whose escapes did not fit is reported by
+``Transfer.incomplete()`` once it has landed; the session then stores the
+tensor raw (it still holds it).
 """
 
 from __future__ import annotations
@@ -24,18 +30,24 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
 
 from storm.kernels import CorruptEncodedError, Encoded, decode, encode
+from storm.kernels.frame import complete, frame_nbytes
+from stormd.protocol import FRAME_CODEC
 
 from .backend import Backend, Settled
 from .errors import StormIntegrityError, StormUnavailable
 from .gpu import DeviceStreams, pin_pool
 
 REQUEST_TIMEOUT = 30.0
+# Smaller CUDA tensors are copied raw: the encoder's launches cost the training thread
+# more host time than a frame saves on the link.
+FRAME_MIN_BYTES = 4 << 20
+FRAME_CODECS = ("auto", "ancf_exp")  # codec settings that put CUDA tensors in frames
 log = logging.getLogger("storm")
 
 
@@ -60,11 +72,19 @@ class PutRequest:
     source: torch.UntypedStorage  # the storage to store, whole
     meta: dict[str, Any]   # dtype, shape, strides, storage_offset of the saved view
     ready: Any = None      # gpu.CopyEvent recorded where the tensor was produced, or None
+    encode: bool = True    # False: store it raw whatever the codec
+
+
+class Put(NamedTuple):
+    """What a finished put resolves to."""
+    nbytes: int            # bytes stored (the encoded size)
+    event: Any             # CUDA event marking the copy's end, or None
+    frame: torch.Tensor | None = None  # the landed frame's header (pool memory), for a frame put
 
 
 class Transfer:
-    """A copy in flight. ``result`` resolves to (fetched tensor, or for a put the bytes stored,
-    CUDA event or None)."""
+    """A copy in flight. ``result`` resolves to a Put, or for a get to (fetched tensor, CUDA event
+    or None)."""
 
     def __init__(self, result: Future | Settled):
         self.result = result
@@ -87,6 +107,14 @@ class Transfer:
 
     def error(self) -> BaseException | None:
         return self.result.exception()
+
+    def incomplete(self) -> bool:
+        """A finished put into a frame whose escapes did not all fit: the stored bytes do not hold
+        the tensor, which must be stored another way."""
+        if self.result.exception() is not None:
+            return False
+        frame = self.result.result().frame
+        return frame is not None and not complete(frame)
 
     @property
     def event(self) -> Any:
@@ -111,12 +139,16 @@ class Mover:
         return s
 
     def put(self, req: PutRequest) -> Transfer:
-        if self.codec != "raw" and not req.source.is_cuda:  # the PUT needs the encoded size
+        if self.codec != "raw" and req.encode and not req.source.is_cuda:  # the PUT needs the encoded size
             return Transfer(self._worker.submit(self._put_encoded, req, self.codec))
-        reply = self.backend.request("PUT", key=req.key, step=req.step, nbytes=req.source.nbytes(), codec="raw",
-                                     **req.meta)
+        nbytes = req.source.nbytes()
+        framed = (req.source.is_cuda and req.encode and self.codec in FRAME_CODECS
+                  and req.meta["dtype"] == "bfloat16" and nbytes >= FRAME_MIN_BYTES and nbytes % 2 == 0)
+        fields = ({"nbytes": frame_nbytes(nbytes // 2), "raw_nbytes": nbytes, "codec": FRAME_CODEC} if framed
+                  else {"nbytes": nbytes, "codec": "raw"})
+        reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta)
         streams = self._streams_for(req.source.device) if req.source.is_cuda else None
-        return self._start(reply, streams, self._put, req, reply, streams)
+        return self._start(reply, streams, self._put, req, reply, streams, fields["nbytes"] if framed else None)
 
     def get(self, key: int, nbytes: int, device: torch.device, after: Any = None) -> Transfer:
         """Fetch a key's bytes into a fresh uint8 tensor on ``device``; ``after``: the put's CUDA event."""
@@ -149,14 +181,20 @@ class Mover:
         if keys:
             self.backend.request("FREE", keys=keys).add_done_callback(_log_failure)
 
-    def _put(self, req: PutRequest, reply: Future | Settled, streams: DeviceStreams | None) -> tuple[int, Any]:
+    def _put(self, req: PutRequest, reply: Future | Settled, streams: DeviceStreams | None,
+             frame: int | None) -> Put:
+        """``frame``: the frame's size, for a put into a frame."""
         offset = _wait(self.backend, "PUT", reply)["offset"]
+        if streams is None:
+            return Put(self._write(req.key, offset, storage_bytes(req.source)), None)
+        pool = self.backend.pool  # CUDA puts are sealed once the event has fired (seal())
+        if frame is not None:
+            return Put(frame, streams.to_host_frame(pool.address(offset, frame), req.source, req.ready),
+                       pool.view(offset, 16))
         nbytes = req.source.nbytes()
-        if streams is not None:  # sealed once the event has fired (seal())
-            return nbytes, streams.to_host(self.backend.pool.address(offset, nbytes), req.source, req.ready)
-        return self._write(req.key, offset, storage_bytes(req.source)), None
+        return Put(nbytes, streams.to_host(pool.address(offset, nbytes), req.source, req.ready))
 
-    def _put_encoded(self, req: PutRequest, codec: str) -> tuple[int, None]:
+    def _put_encoded(self, req: PutRequest, codec: str) -> Put:
         raw = req.source.nbytes()
         try:
             enc = encode(torch.empty(0, dtype=getattr(torch, req.meta["dtype"])).set_(req.source), codec)
@@ -169,7 +207,7 @@ class Mover:
             fields = {"nbytes": len(blob), "raw_nbytes": raw, "codec": enc.codec}
             data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta)
-        return self._write(req.key, _wait(self.backend, "PUT", reply)["offset"], data), None
+        return Put(self._write(req.key, _wait(self.backend, "PUT", reply)["offset"], data), None)
 
     def _write(self, key: int, offset: int, data: torch.Tensor) -> int:
         """Copy ``data`` (uint8) into the extent at ``offset`` and seal it with its checksum."""
@@ -184,7 +222,10 @@ class Mover:
         if r["raw_nbytes"] != nbytes:
             raise StormIntegrityError(f"key {key}: store returned {r['raw_nbytes']} bytes, {nbytes} were stored")
         if streams is not None:
-            return streams.to_device(self.backend.pool.address(r["offset"], nbytes), nbytes, after)
+            src = self.backend.pool.address(r["offset"], r["nbytes"])
+            if r["codec"] == FRAME_CODEC:
+                return streams.to_device_frame(src, r["nbytes"], nbytes, after)
+            return streams.to_device(src, nbytes, after)
         out = self.backend.pool.view(r["offset"], r["nbytes"]).clone()
         if self.verify and r["checksum"] is not None and checksum(out) != r["checksum"]:
             raise StormIntegrityError(f"key {key}: the bytes in the pool no longer match their checksum; "

@@ -124,7 +124,7 @@ class DaemonConfig:
     client_quota: int = 0  # bytes one client may hold (pool + spill); 0: no limit
     client_priority: int = 0
     clients: dict = field(default_factory=dict)  # name -> {"quota": bytes, "priority": int}
-    codec: str = "raw"  # how clients encode CPU tensors before storing them (told at HELLO)
+    codec: str = "raw"  # how clients encode tensors before storing them (told at HELLO)
 
 
 CONFIG_ENV = "STORMD_CONFIG"
@@ -356,9 +356,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("clients", _ClientTable(), "per-client quota and priority by the name a client gives in HELLO "
             "(TOML: clients = { trainer = { quota = \"8GiB\", priority = 1 } }; env/flag: trainer=8GiB:1,eval=1GiB:0)"),
     Setting("codec", _Choice("auto", *CODECS),
-            "how clients encode CPU tensors before storing them: raw, auto (per tensor the best "
-            "lossless codec that saves at least 5%) or one codec of storm.kernels; CUDA tensors "
-            "are stored raw"),
+            "how clients encode tensors before storing them: raw, auto (per CPU tensor the best "
+            "lossless codec that saves at least 5%) or one codec of storm.kernels; CUDA tensors: "
+            "auto and ancf_exp put bf16 tensors of at least 4 MiB in frames encoded on the GPU, "
+            "the rest is stored raw"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 

@@ -14,10 +14,11 @@ Verbs (field: type; ``?`` marks optional):
 HELLO  version:int pid:int host:str name?:str   (name picks the client's quota and priority
                                                 in stormd's `clients` setting)
        -> session:int token:str pool:{path:str size:int} server:str
-          codec:str             (how the daemon's configuration asks clients to encode CPU tensors:
-                                 raw, auto or a codec of CODECS; clients encode, the store keeps bytes)
+          codec:str             (how the daemon's configuration asks clients to encode tensors: raw,
+                                 auto or a codec of CODECS; clients encode, the store keeps bytes.
+                                 CUDA tensors: auto and ancf_exp mean frames, the others raw)
 PUT    key:int step:int nbytes:int dtype:str shape:[int] strides:[int]
-       storage_offset:int codec:str raw_nbytes?:int
+       storage_offset:int codec:str raw_nbytes?:int   (codec: one of STORED_CODECS)
        -> offset:int            (an extent of ``nbytes`` in the pool, reserved. With a codec other
                                  than raw, nbytes is the encoded size and raw_nbytes the storage's
                                  size, which the view must fit; for raw they are equal)
@@ -86,6 +87,10 @@ DTYPE_SIZES: dict[str, int] = {
 }
 # storm.kernels' codecs by name (a test keeps the two lists equal; stormd never decodes).
 CODECS = ("raw", "ancf", "ancf_exp", "huff_exp", "zero", "pack")
+# What a PUT may say its bytes are: a codec's serialized form, or a frame (storm.kernels.frame:
+# ancf_exp at a size fixed before encoding, which CUDA tensors are stored in).
+FRAME_CODEC = "ancf_exp_frame"
+STORED_CODECS = (*CODECS, FRAME_CODEC)
 
 
 class ErrorCode:
@@ -170,7 +175,7 @@ SCHEMAS: dict[str, tuple[dict[str, Callable], dict[str, Callable]]] = {
     "PUT": ({**_AUTH, "key": _int(), "step": _int(), "nbytes": _int(1),
              "dtype": _choice(DTYPE_SIZES), "shape": _int_list(MAX_DIMS),
              "strides": _int_list(MAX_DIMS), "storage_offset": _int(),
-             "codec": _choice(CODECS)}, {"raw_nbytes": _int(1)}),
+             "codec": _choice(STORED_CODECS)}, {"raw_nbytes": _int(1)}),
     "SEAL": ({**_AUTH, "key": _int()}, {"checksum": _int(0, (1 << 64) - 1)}),
     "GET": ({**_AUTH, "key": _int()}, {}),
     "FREE": (dict(_AUTH), {"keys": _int_list(MAX_KEYS_PER_FREE), "step": _int(), "all": _bool}),

@@ -511,3 +511,36 @@ def test_a_corrupted_encoding_is_an_integrity_error_not_a_tensor(verify):
 def test_an_unknown_codec_is_refused():
     with pytest.raises(ValueError, match="codec"):
         storm.offload(codec="gzip")
+
+
+def test_a_put_whose_frame_overflowed_is_stored_again_raw(monkeypatch):
+    """The session's side of frames (CUDA tensors only; simulated here): a put that lands incomplete
+    is put again, raw, under a new key while its tensor is still held; the old key is freed, and
+    tensors of its kind are stored raw from then on."""
+    from storm.transfer import Mover
+
+    requests = []
+    real_put = Mover.put
+
+    def put(self, req):
+        requests.append(req)
+        transfer = real_put(self, req)
+        if req.encode:
+            transfer.incomplete = lambda: True
+        return transfer
+
+    monkeypatch.setattr(Mover, "put", put)
+    x = torch.randn(256, 256, requires_grad=True)
+    for step in (1, 2):
+        x.grad = None
+        with storm.offload(mode="embedded", min_bytes=0) as ctx:
+            y = x.exp()  # exp saves its result
+        y.sum().backward()
+        ctx.synchronize()  # the raw put may still be running
+        assert same_bits(x.grad, x.detach().exp())
+        store = ctx._session.backend.service.store
+        assert store.node_stats()["keys"] == 0
+        assert ctx.stats.frame_overflows == (1 if step == 1 else 0)
+        assert ctx.stats.stored_bytes == ctx.stats.offloaded_bytes == 256 * 256 * 4
+    assert [r.encode for r in requests] == [True, False, False]
+    assert requests[0].key != requests[1].key

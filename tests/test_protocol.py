@@ -28,8 +28,9 @@ def test_a_valid_put_parses():
 
 
 def test_an_encoded_put_places_the_view_in_the_raw_storage():
-    req = parse_request({**PUT, "codec": "ancf_exp", "nbytes": 20, "raw_nbytes": 64})
-    assert (req.fields["nbytes"], req.fields["raw_nbytes"]) == (20, 64)
+    for codec in ("ancf_exp", "ancf_exp_frame"):  # a codec's serialized form, or a frame
+        req = parse_request({**PUT, "codec": codec, "nbytes": 20, "raw_nbytes": 64})
+        assert (req.fields["codec"], req.fields["nbytes"], req.fields["raw_nbytes"]) == (codec, 20, 64)
 
 
 def test_the_wire_codec_names_are_storm_kernels_codecs():

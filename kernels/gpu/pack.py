@@ -13,6 +13,10 @@ Decode: ``_dict4_decode`` (one pass, counting escape codes and codes beyond the
 table) and ``_dict4_patch`` (the escapes, with a range check of each position);
 the host waits once, to check those counts.
 Layouts match the torch path in kernels.codecs bit for bit.
+
+Frames (kernels.frame) reuse the encode, decode and patch kernels with
+``_frame_table`` choosing the dictionary on the device, so neither direction
+has a host wait.
 """
 from __future__ import annotations
 
@@ -89,15 +93,24 @@ def _dict4_encode(x_ptr, lut_ptr, codes_ptr, raw_ptr, nesc_ptr, pos_ptr, sym_ptr
 
 
 @triton.jit
-def _dict4_patch(out_ptr, codes_ptr, pos_ptr, sym_ptr, stat_ptr, count, n, W: tl.constexpr, BLOCK: tl.constexpr):
-    # put the escaped symbols back. A position must be in range, above the one before it
-    # and on an escape code (with the escape count checked, that makes the list exactly
-    # the escapes); violations are counted, never written.
+def _dict4_patch(out_ptr, codes_ptr, pos_ptr, sym_ptr, stat_ptr, count, cap, n, W: tl.constexpr,
+                 BLOCK: tl.constexpr, FRAME: tl.constexpr):
+    # put the escaped symbols back. A position must be in range and on an escape code;
+    # nothing else is ever written. Encoded data (not FRAME): ``count`` escapes, whose
+    # positions must also increase (with the escape count checked, that makes the list
+    # exactly the escapes); violations are counted in stat_ptr[2]. FRAME (kernels.frame):
+    # ``count`` points at the frame's escape count, read here so the host need not wait
+    # for it; the slots are in the order the encoder's atomics gave them.
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = j < count
+    if FRAME:
+        ok = j < tl.minimum(tl.load(count), cap)
+    else:
+        ok = j < count
     p = tl.load(pos_ptr + j, mask=ok, other=0).to(tl.int64)
-    prev = tl.load(pos_ptr + j - 1, mask=ok & (j > 0), other=-1).to(tl.int64)
-    inside = ok & (p >= 0) & (p < n) & (p > prev)
+    inside = ok & (p >= 0) & (p < n)
+    if not FRAME:
+        prev = tl.load(pos_ptr + j - 1, mask=ok & (j > 0), other=-1).to(tl.int64)
+        inside = inside & (p > prev)
     code = (tl.load(codes_ptr + p // 2, mask=inside, other=0).to(tl.int32) >> ((p % 2) * 4).to(tl.int32)) & 15
     inside = inside & (code == 15)
     s = tl.load(sym_ptr + j, mask=ok, other=0).to(tl.int32)
@@ -106,12 +119,14 @@ def _dict4_patch(out_ptr, codes_ptr, pos_ptr, sym_ptr, stat_ptr, count, n, W: tl
         tl.store(out_ptr + p, ((w & 0xFF) | (s << 8)).to(tl.int16), mask=inside)
     else:
         tl.store(out_ptr + p, (w & ~(0xFF << 23)) | (s << 23), mask=inside)
-    tl.atomic_add(stat_ptr + 2, tl.sum((ok & ~inside).to(tl.int32), axis=0))
+    if not FRAME:
+        tl.atomic_add(stat_ptr + 2, tl.sum((ok & ~inside).to(tl.int32), axis=0))
 
 
 @triton.jit
 def _dict4_decode(codes_ptr, raw_ptr, tab_ptr, out_ptr, stat_ptr, n, tlen, first_prog,
-                  W: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr):
+                  W: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, CHECK: tl.constexpr):
+    # CHECK: count escape codes and codes beyond the table (stat_ptr[0:2]) for the host to check
     prog = first_prog + tl.program_id(0)
     g = prog.to(tl.int64) * G + tl.arange(0, G)
     idx = g[:, None] * 4 + tl.arange(0, 4)[None, :]
@@ -144,13 +159,14 @@ def _dict4_decode(codes_ptr, raw_ptr, tab_ptr, out_ptr, stat_ptr, n, tlen, first
             tl.store(out_ptr + idx, w, mask=m)
         else:
             tl.store(out_ptr + idx, w)
-    esc = c == 15
-    bad = (c != 15) & (c >= tlen)
-    if MASKED:
-        esc = esc & m
-        bad = bad & m
-    tl.atomic_add(stat_ptr, tl.sum(tl.sum(esc.to(tl.int32), axis=1), axis=0))
-    tl.atomic_add(stat_ptr + 1, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0))
+    if CHECK:
+        esc = c == 15
+        bad = (c != 15) & (c >= tlen)
+        if MASKED:
+            esc = esc & m
+            bad = bad & m
+        tl.atomic_add(stat_ptr, tl.sum(tl.sum(esc.to(tl.int32), axis=1), axis=0))
+        tl.atomic_add(stat_ptr + 1, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0))
 
 
 def _word_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -209,9 +225,10 @@ def dict4_decode(codes: torch.Tensor, raw: torch.Tensor, tab16: torch.Tensor, n:
     w = torch.empty((), dtype=dtype).element_size()
     out = torch.empty(n, dtype=torch.int16 if w == 2 else torch.int32, device=codes.device)
     stat = torch.zeros(3, dtype=torch.int32, device=codes.device)
-    _launch(_dict4_decode, n, codes, raw, tab16, out, stat, n, tlen, W=w)
+    _launch(_dict4_decode, n, codes, raw, tab16, out, stat, n, tlen, W=w, CHECK=True)
     if pos.numel():
-        _dict4_patch[(triton.cdiv(pos.numel(), 1024),)](out, codes, pos, esc_sym, stat, pos.numel(), n, W=w, BLOCK=1024)
+        _dict4_patch[(triton.cdiv(pos.numel(), 1024),)](out, codes, pos, esc_sym, stat, pos.numel(), pos.numel(), n,
+                                                         W=w, BLOCK=1024, FRAME=False)
     return out, stat.tolist()  # host waits: the counts are checked before the tensor is returned
 
 
@@ -252,3 +269,46 @@ def unpack_small_triton(buf: torch.Tensor, width: int, n: int) -> torch.Tensor:
     if n:
         _unpack_small[(triton.cdiv(n, 4096),)](buf, out, n, WIDTH=width, BLOCK=4096)
     return out
+
+
+@triton.jit
+def _frame_table(x_ptr, hdr_ptr, tab_ptr, lut_ptr, n_lo, n_hi, stride, m, magic, CHUNK: tl.constexpr):
+    # A frame's dictionary (kernels.frame), on the device so the host never waits for it: the
+    # histogram of the high bytes of a strided sample, then the 15 most frequent (ties to the
+    # lower byte, as the CPU reference breaks them). Also writes the header, escape count 0.
+    hist = tl.zeros((256,), dtype=tl.int32)
+    for start in range(0, m, CHUNK):
+        j = start + tl.arange(0, CHUNK)
+        ok = j < m
+        s = (tl.load(x_ptr + j.to(tl.int64) * stride, mask=ok, other=0).to(tl.int32) >> 8) & 0xFF
+        hist += tl.histogram(s, 256, mask=ok)
+    i = tl.arange(0, 256)
+    key = tl.sort((hist << 8) | (255 - i), descending=True)
+    sym = 255 - (key & 255)
+    tl.store(lut_ptr + sym, tl.minimum(i, 15))
+    tl.store(tab_ptr + i, tl.where(i < 15, sym, 0).to(tl.uint8), mask=i < 16)
+    k = tl.arange(0, 4)
+    word = tl.where(k == 1, magic, tl.where(k == 2, n_lo, tl.where(k == 3, n_hi, 0)))
+    tl.store(hdr_ptr + k, word)
+
+
+def frame_encode(x: torch.Tensor, parts: dict[str, torch.Tensor], lut: torch.Tensor, sample: int, magic: int) -> None:
+    """Encode 16-bit words ``x`` into a frame's parts (kernels.frame) on the current stream:
+    two launches (three when the last program is partial), no host wait."""
+    n = x.numel()
+    stride = max(1, n // sample)
+    m = -(-n // stride)
+    lo = n & 0xFFFFFFFF  # n as two int32 words (a small int argument is an int32 in the kernel)
+    _frame_table[(1,)](x, parts["header"], parts["table"], lut, lo - (lo >> 31 << 32), n >> 32, stride, m, magic,
+                       CHUNK=4096, num_warps=8)
+    _launch(_dict4_encode, n, x, lut, parts["codes"], parts["raw"], parts["header"], parts["pos"], parts["sym"],
+            parts["pos"].numel(), n, W=2)
+
+
+def frame_decode(parts: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+    """Decode a frame's parts into 16-bit words ``out`` on the current stream, without a host wait:
+    the escape count is read on the device, so nothing is checked (the frame is the mover's own)."""
+    n, cap = out.numel(), parts["pos"].numel()
+    _launch(_dict4_decode, n, parts["codes"], parts["raw"], parts["table"], out, out, n, 15, W=2, CHECK=False)
+    _dict4_patch[(triton.cdiv(cap, 1024),)](out, parts["codes"], parts["pos"], parts["sym"], out, parts["header"],
+                                             cap, n, W=2, BLOCK=1024, FRAME=True)

@@ -108,3 +108,63 @@ def test_gpu_scan_float_bound() -> None:
     i = torch.arange(1, x.shape[1] + 1, device="cuda", dtype=torch.float64)
     bound = i * 2.0**-24 * torch.cumsum(x.double().abs(), 1)
     assert bool(((out - exact).abs() <= bound).all())
+
+
+def frame_sections(f: torch.Tensor, n: int) -> tuple[list[int], list[tuple[int, int]] | None]:
+    """A frame's bytes up to the escape slots, and its (position, symbol) escapes sorted: the
+    encoder's atomics give the slots in any order (and, past the slots, fill them with any)."""
+    from storm.kernels.frame import escape_slots, frame_nbytes
+    f = f.cpu()
+    count, slots = int(f[:4].view(torch.int32)[0]), escape_slots(n)
+    pos_at = frame_nbytes(n) - 5 * slots
+    pos = f[pos_at:pos_at + 4 * slots].view(torch.int32)[:count].tolist()
+    sym = f[pos_at + 4 * slots:][:count].tolist()
+    return f[:32 + (n + 1) // 2 + n].tolist(), sorted(zip(pos, sym)) if count <= slots else None
+
+
+@pytest.mark.parametrize("n", [1, 7, 2048, 4097, 3_000_001])
+def test_gpu_frames_match_the_cpu_reference(n: int) -> None:
+    """The Triton frame kernels write the CPU reference's bytes (escape slots in any order); frames
+    decode on either device; the specials survive; overflow is counted the same."""
+    from storm.kernels.frame import complete, decode_frame, encode_frame, frame_nbytes
+    specials = from_bits(SPECIAL_BITS[torch.bfloat16], torch.bfloat16)
+    t = (torch.randn(n) * 3).bfloat16()
+    t[:: max(1, n // 50)] = specials.repeat(n // 10 + 1)[: len(t[:: max(1, n // 50)])]
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    for x in (t, every[:n].repeat(max(1, n // 65536 + 1))[:n]):  # the second overflows when long enough
+        g = x.cuda()
+        cpu_f = torch.empty(frame_nbytes(n), dtype=torch.uint8)
+        gpu_f = torch.empty(frame_nbytes(n), dtype=torch.uint8, device="cuda")
+        encode_frame(x, cpu_f)
+        encode_frame(g, gpu_f)
+        assert frame_sections(gpu_f, n) == frame_sections(cpu_f, n)
+        assert complete(gpu_f[:16].cpu()) == complete(cpu_f[:16])
+        if complete(cpu_f):
+            words = x.view(torch.int16)
+            assert bits_equal(decode_frame(gpu_f, n), g.view(torch.int16)), "GPU -> GPU"
+            assert bits_equal(decode_frame(gpu_f.cpu(), n), words), "GPU -> CPU"
+            assert bits_equal(decode_frame(cpu_f.cuda(), n), g.view(torch.int16)), "CPU -> GPU"
+
+
+def test_gpu_frame_runs_on_the_current_stream_without_a_host_wait() -> None:
+    """Encode and decode queue work only: on a stream held behind a long kernel they return
+    before it has run, and the result is right once it has."""
+    from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
+    n = 1 << 24
+    x = torch.randn(n, device="cuda").bfloat16()
+    f = torch.empty(frame_nbytes(n), dtype=torch.uint8, device="cuda")
+    out = torch.empty(n, dtype=torch.int16, device="cuda")
+    encode_frame(x, f)  # Triton compiles the kernels for these arguments on first use
+    decode_frame(f, n, out=out)
+    out.zero_()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(500_000_000)  # ~0.3 s of GPU time ahead of the frame's kernels
+        encode_frame(x, f)
+        decode_frame(f, n, out=out)
+        done = torch.cuda.Event()
+        done.record()
+    assert not done.query(), "encode or decode waited for the device"
+    done.synchronize()
+    assert bits_equal(out, x.view(torch.int16))
