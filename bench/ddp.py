@@ -8,7 +8,9 @@ trains W1 (bench/workloads.py, --batch per rank) for --steps steps without offlo
 same steps from the same initial state under storm.offload(mode="daemon") through that one
 daemon. Every step's loss and a hash of every gradient (after DDP's all-reduce) must be
 bit-identical between the two; the JSON has both step times per rank (median after --warmup),
-and per-rank throughput with --nproc ranks against the single-rank run.
+and per-rank throughput with --nproc ranks against the single-rank run. Each rank also measures
+its pinned link (GB/s each way) alone, ranks taking turns, and with every rank copying at once:
+full offload is link-bound, so what the ranks' links lose together bounds what offload can keep.
 """
 
 from __future__ import annotations
@@ -73,6 +75,18 @@ def train(w: Workload, device: torch.device, steps: int, offload: dict | None) -
     return hashes, times, offloaded
 
 
+def link_alone_and_together(device: torch.device) -> dict[str, list[float]]:
+    """This rank's pinned GB/s (to host, to device): alone (ranks take turns), then all at once."""
+    alone = None
+    for turn in range(dist.get_world_size()):
+        dist.barrier()
+        if turn == dist.get_rank():
+            alone = storm.planner.link_bandwidth(device)
+    dist.barrier()
+    together = storm.planner.link_bandwidth(device)
+    return {"link_alone_GBps": [round(v, 1) for v in alone], "link_together_GBps": [round(v, 1) for v in together]}
+
+
 def worker(a: argparse.Namespace) -> None:
     torch.use_deterministic_algorithms(True)
     cuda = a.device == "cuda"
@@ -82,6 +96,7 @@ def worker(a: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.set_device(device)
     w = TINY if a.tiny else dataclasses.replace(W1, batch=a.batch)
+    link = link_alone_and_together(device)
     plain, t_plain, _ = train(w, device, a.steps, None)
     opts = {"mode": "daemon", "socket": a.socket, "min_bytes": 0 if a.tiny else 1 << 20}
     offloaded, t_off, tensors = train(w, device, a.steps, opts)
@@ -89,7 +104,7 @@ def worker(a: argparse.Namespace) -> None:
     row = {"rank": rank, "steps": a.steps, "identical_steps": sum(p == o for p, o in zip(plain, offloaded)),
            "offloaded_tensors_per_step": tensors / a.steps,
            "step_ms_no_offload": med(t_plain), "step_ms_offload": med(t_off),
-           "samples_per_s_offload": round(w.batch / (med(t_off) / 1e3), 2)}
+           "samples_per_s_offload": round(w.batch / (med(t_off) / 1e3), 2), **link}
     rows: list = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if rank == 0:
