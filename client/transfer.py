@@ -18,9 +18,9 @@ its end; nothing waits on the host. The pool is page-locked (registered with
 CUDA) so those copies run at link speed. CUDA copies are not checksummed: a
 host-side hash of every byte would cost more than the copy (see README).
 With codec ``auto`` or ``ancf_exp``, bf16 tensors of at least
-FRAME_MIN_BYTES are encoded on that stream into a frame (storm.kernels.frame,
-whose size is known before encoding) and the frame is copied: fewer bytes over
-the link and in the pool. A frame whose escapes did not fit is reported by
+FRAME_MIN_BYTES are encoded on the GPU (a codec stream beside the copy stream)
+into a frame (storm.kernels.frame, whose size is known before encoding) and the
+frame is copied: fewer bytes over the link and in the pool. A frame whose escapes did not fit is reported by
 ``Transfer.incomplete()`` once it has landed; the session then stores the
 tensor raw (it still holds it).
 """
@@ -44,8 +44,8 @@ from .errors import StormIntegrityError, StormUnavailable
 from .gpu import DeviceStreams, pin_pool
 
 REQUEST_TIMEOUT = 30.0
-# Smaller CUDA tensors are copied raw: the encoder's launches cost the training thread
-# more host time than a frame saves on the link.
+# Smaller CUDA tensors are copied raw: a frame's kernel launches cost the training thread
+# the same host time at any size, while what it saves on the link shrinks with the size.
 FRAME_MIN_BYTES = 4 << 20
 FRAME_CODECS = ("auto", "ancf_exp")  # codec settings that put CUDA tensors in frames
 log = logging.getLogger("storm")

@@ -28,6 +28,9 @@ stream (its total bit length); ``encode`` synchronizes at the end so that
 ``Encoded.encode_s`` is the real time. Decoding sizes are all in the header, so
 decode itself needs no host round trip except for its checks (escape counts).
 
+``storm.kernels.frame`` is codec b at a size fixed before encoding, for copy
+streams: CUDA tensors go to the store in frames without a host wait.
+
 Errors: ``CorruptEncodedError`` (a ValueError) for truncated, corrupted or
 inconsistent data; ``CodecNotApplicable`` (a ValueError) when a named codec
 cannot encode a tensor (``auto`` never raises it).
