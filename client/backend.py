@@ -30,7 +30,7 @@ class Backend(Protocol):
     pool: SharedPool
     name: str
     alive: bool  # False once a daemon connection has lost its daemon
-    codec: str   # how the store asks for CPU tensors to be encoded (HELLO)
+    codec: str   # how the store asks for tensors to be encoded (HELLO; CUDA: frames or raw)
 
     def request(self, op: str, **fields: Any) -> Future | Settled:
         """Send a request; the future gives the reply's fields or raises StormRequestError."""

@@ -79,7 +79,7 @@ class DaemonConnection:
             raise
         self._auth = {"session": hello["session"], "token": hello["token"]}
         self.session = hello["session"]
-        self.codec = hello.get("codec", "raw")  # the daemon's choice for CPU tensors
+        self.codec = hello.get("codec", "raw")  # the daemon's choice of codec
         self.name = f"stormd at {endpoint} (session {self.session}, {hello['server']})"
         try:
             self.pool = SharedPool.attach(hello["pool"]["path"], hello["pool"]["size"])
