@@ -100,11 +100,17 @@ def encode_frame(t: torch.Tensor, out: torch.Tensor) -> None:
                           .to(torch.int32))
 
 
+def _header(frame: torch.Tensor) -> tuple[int, int, int]:
+    """(escape count, magic, n) from a frame's first 16 bytes (uint8, on the CPU)."""
+    count, magic, lo, hi = (int(v) for v in frame[:16].view(torch.int32))
+    return count, magic, (lo & 0xFFFFFFFF) | (hi << 32)
+
+
 def complete(frame_header: torch.Tensor) -> bool:
     """Whether a frame holds all its escapes, from its first 16 bytes (uint8, on the CPU: where the
     frame landed)."""
-    count, _, lo, hi = (int(v) for v in frame_header[:16].view(torch.int32))
-    return count <= escape_slots((lo & 0xFFFFFFFF) | (hi << 32))
+    count, _, n = _header(frame_header)
+    return count <= escape_slots(n)
 
 
 def decode_frame(frame: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,9 +124,9 @@ def decode_frame(frame: torch.Tensor, n: int, out: torch.Tensor | None = None) -
         from .gpu.pack import frame_decode
         frame_decode(parts, out)
         return out
-    count, magic, lo, hi = (int(v) for v in parts["header"])
+    count, magic, held = _header(frame)
     require(magic == MAGIC, "not a frame (bad magic)")
-    require((lo & 0xFFFFFFFF) | (hi << 32) == n, f"the frame holds {(lo & 0xFFFFFFFF) | (hi << 32)} words, not {n}")
+    require(held == n, f"the frame holds {held} words, not {n}")
     require(0 <= count <= parts["pos"].numel(), f"{count} escapes do not fit the frame's "
                                                   f"{parts['pos'].numel()} slots (an incomplete frame)")
     codes = parts["codes"].to(torch.int64)
