@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from .bitpack import pack_bits, unpack_bits
 from .format import require
 from .gpu import use_triton
 
@@ -88,11 +89,9 @@ def encode_frame(t: torch.Tensor, out: torch.Tensor) -> None:
     parts["table"].zero_()
     parts["table"][:15] = symbols[:15].to(torch.uint8)
     c = lut[s]
-    if n % 2:
-        c = torch.cat([c, c.new_zeros(1)])
-    parts["codes"].copy_((c[0::2] | (c[1::2] << 4)).to(torch.uint8))
+    parts["codes"].copy_(pack_bits(c, 4))
     parts["raw"].copy_((x & 0xFF).to(torch.uint8))
-    esc = torch.nonzero(c[:n] == 15).reshape(-1)
+    esc = torch.nonzero(c == 15).reshape(-1)
     k = min(esc.numel(), parts["pos"].numel())
     parts["pos"][:k] = esc[:k].to(torch.int32)
     parts["sym"][:k] = s[esc[:k]].to(torch.uint8)
@@ -129,8 +128,7 @@ def decode_frame(frame: torch.Tensor, n: int, out: torch.Tensor | None = None) -
     require(held == n, f"the frame holds {held} words, not {n}")
     require(0 <= count <= parts["pos"].numel(), f"{count} escapes do not fit the frame's "
                                                   f"{parts['pos'].numel()} slots (an incomplete frame)")
-    codes = parts["codes"].to(torch.int64)
-    c = torch.stack([codes & 15, codes >> 4], dim=1).reshape(-1)[:n]
+    c = unpack_bits(parts["codes"], 4, n)
     pos = parts["pos"][:count].to(torch.int64)
     require(torch.equal(torch.sort(pos).values, torch.nonzero(c == 15).reshape(-1)),
             "escape positions do not match the escape codes")
