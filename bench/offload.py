@@ -9,7 +9,10 @@ host time waiting for fetches, link utilization ((bytes to host / measured D2H
 bandwidth + bytes to device / measured H2D bandwidth) / step time) and the
 lower bound of DESIGN.md: max(no-offload step, to-host / D2H, to-device / H2D).
 The "-frames" methods store bf16 saves as frames (codec="ancf_exp", encoded on the
-GPU): their bytes moved are the encoded ones.
+GPU): their bytes moved are the encoded ones. The "daemon" methods go through a
+stormd that copies CUDA tensors itself (CUDA IPC, its own streams);
+"daemon-client-copies" through one started with --no-cuda-ipc, whose clients
+copy into the pool on their own streams.
 """
 
 from __future__ import annotations
@@ -188,8 +191,14 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
     print(f"link: {bw}", flush=True)
     results: dict = {"link": bw}
     write(args, results)
-    daemon, endpoint = (start_daemon(Path(tempfile.mkdtemp()), args.pool_size)
-                        if {"daemon", "daemon-frames"} & set(args.methods) else (None, None))
+    daemons = []  # (process, endpoint): stormd copying CUDA tensors itself, and one leaving that to clients
+    endpoint = client_endpoint = None
+    if {"daemon", "daemon-frames"} & set(args.methods):
+        daemons.append(start_daemon(Path(tempfile.mkdtemp()), args.pool_size))
+        endpoint = daemons[-1][1]
+    if "daemon-client-copies" in args.methods:
+        daemons.append(start_daemon(Path(tempfile.mkdtemp()), args.pool_size, "--no-cuda-ipc"))
+        client_endpoint = daemons[-1][1]
     try:
         for w in workloads(args):
             rows: dict = {}
@@ -206,6 +215,9 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
                                  {**base_opts, "max_held_bytes": 256 << 20, "prefetch_bytes": 256 << 20}))
                 elif m == "daemon":
                     plan.append(("storm-daemon", "storm", {**base_opts, "mode": "daemon", "socket": endpoint}))
+                elif m == "daemon-client-copies":  # stormd with cuda_ipc off: the client copies into its pool
+                    plan.append(("storm-daemon-client-copies", "storm",
+                                 {**base_opts, "mode": "daemon", "socket": client_endpoint}))
                 elif m == "embedded-frames":
                     plan.append(("storm-embedded-frames", "storm", {**base_opts, "codec": "ancf_exp"}))
                 elif m == "daemon-frames":
@@ -247,7 +259,7 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
                     r["over_no_offload"] = round(r["step_ms"] / c, 3)
             results[w.name] = rows
     finally:
-        if daemon is not None:
+        for daemon, _ in daemons:
             daemon.terminate()
             daemon.wait(30)
     return results

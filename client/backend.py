@@ -31,6 +31,7 @@ class Backend(Protocol):
     name: str
     alive: bool  # False once a daemon connection has lost its daemon
     codec: str   # how the store asks for tensors to be encoded (HELLO; CUDA: frames or raw)
+    cuda_devices: frozenset[str]  # UUIDs of the GPUs whose memory the store copies itself (CUDA IPC)
 
     def request(self, op: str, **fields: Any) -> Future | Settled:
         """Send a request; the future gives the reply's fields or raises StormRequestError."""

@@ -31,11 +31,11 @@ from typing import Any
 import zmq
 
 from stormd.auth import CurveKeyError, client_curve_options
+from stormd.cuda import unregister_pool
 from stormd.pool import PoolError, SharedPool
 from stormd.protocol import PROTOCOL_VERSION, pack, unpack
 
 from .backend import settle
-from .gpu import unpin_pool
 from .errors import StormUnavailable
 
 CONNECT_TIMEOUT = 2.0
@@ -80,6 +80,7 @@ class DaemonConnection:
         self._auth = {"session": hello["session"], "token": hello["token"]}
         self.session = hello["session"]
         self.codec = hello.get("codec", "raw")  # the daemon's choice of codec
+        self.cuda_devices = frozenset(hello.get("cuda_devices", ()))  # GPUs whose memory the daemon copies
         self.name = f"stormd at {endpoint} (session {self.session}, {hello['server']})"
         try:
             self.pool = SharedPool.attach(hello["pool"]["path"], hello["pool"]["size"])
@@ -172,5 +173,5 @@ class DaemonConnection:
                 pass  # the daemon reclaims the session on its own when the heartbeats stop
         self._shutdown()
         if getattr(self, "pool", None) is not None:
-            unpin_pool(self.pool)
+            unregister_pool(self.pool)
             self.pool.close()

@@ -15,12 +15,12 @@ import socket
 import threading
 from typing import Any
 
+from stormd.cuda import unregister_pool
 from stormd.pool import SharedPool
 from stormd.protocol import PROTOCOL_VERSION, Request
 from stormd.service import Service
 
 from .backend import Settled
-from .gpu import unpin_pool
 
 
 class EmbeddedStore:
@@ -35,6 +35,7 @@ class EmbeddedStore:
         self._auth = {"session": hello["session"], "token": hello["token"]}
         self.session = hello["session"]
         self.codec = hello["codec"]
+        self.cuda_devices = frozenset()  # CUDA IPC cannot open memory in the process that made it
         self.name = "embedded store"
 
     def request(self, op: str, **fields: Any) -> Settled:
@@ -46,5 +47,5 @@ class EmbeddedStore:
 
     def close(self) -> None:
         self.request("BYE")
-        unpin_pool(self.pool)
+        unregister_pool(self.pool)
         self.pool.close()

@@ -1,4 +1,4 @@
-"""CUDA side of the mover: page-locking the pool, the per-device copy streams, events.
+"""CUDA side of the mover: the per-device copy streams, events, IPC export of memory and events.
 
 One device-to-host and one host-to-device stream per GPU, so saving (forward)
 and fetching (backward) run at once in both directions of the link, beside
@@ -15,57 +15,32 @@ training thread, so that host time is time the GPU waits for its next kernel.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import threading
 from typing import Any
 
 import torch
 
 from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
-from stormd.pool import SharedPool
+from stormd.cuda import handle_bytes
 
 from .errors import StormError
 
-_pin_lock = threading.Lock()
-_rt: Any = None  # cuda.bindings.runtime, imported with the first CUDA tensor (CPU builds lack it)
+_rt: Any = None   # cuda.bindings.runtime, imported with the first CUDA tensor (CPU builds lack it)
+_drv: Any = None  # cuda.bindings.driver
 
 
 def runtime() -> Any:
-    global _rt
+    global _rt, _drv
     if _rt is None:
-        from cuda.bindings import runtime as rt
-        _rt = rt
+        from cuda.bindings import driver, runtime as rt
+        _rt, _drv = rt, driver
     return _rt
 
 
 def _check(err: Any, what: str) -> None:
     if err != _rt.cudaError_t.cudaSuccess:
         raise StormError(f"{what} failed: CUDA error {int(err)} ({err.name})")
-
-
-def pin_pool(pool: SharedPool) -> None:
-    """Page-lock the pool once per process (cudaHostRegister), so copies to and from it are DMA.
-
-    Registering pins every page: it takes about a second per GiB and commits the
-    memory, so it happens on the first CUDA tensor, not at import."""
-    with _pin_lock:
-        if pool.cuda_registered:
-            return
-        # cudaHostRegisterPortable: usable from every CUDA context of the process
-        err = torch.cuda.cudart().cudaHostRegister(pool.address(0, pool.size), pool.size, 1)
-        if int(err) != 0:
-            raise StormError(f"cudaHostRegister of the {pool.size}-byte pool failed with CUDA error {int(err)}; "
-                             f"check RLIMIT_MEMLOCK (ulimit -l) and free memory")
-        pool.cuda_registered = True
-
-
-def unpin_pool(pool: SharedPool) -> None:
-    """Undo pin_pool; must run before the pool is unmapped, or a later mapping at the same
-    address cannot be registered (CUDA error 712)."""
-    with _pin_lock:
-        if pool.cuda_registered:
-            torch.cuda.cudart().cudaHostUnregister(pool.address(0, pool.size))
-            pool.cuda_registered = False
 
 
 class NvtxRange:
@@ -128,6 +103,66 @@ class CopyEvent:
             _rt.cudaEventDestroy(self.handle)
 
 
+class IpcEvent(CopyEvent):
+    """An interprocess event, which stormd waits on or records through CUDA IPC (``wire``: its handle's
+    bytes). They come from a per-device free list: one that nothing references goes back there, since
+    creating and exporting one, and stormd opening it, cost more than reuse. Reuse is safe because
+    stormd touches an event only while answering the request that named it, and replies come in
+    order: a reused event is waited on or queried only after its new request's reply."""
+
+    __slots__ = ("wire", "device")
+
+    def __del__(self) -> None:
+        _free_ipc_events[self.device].append((self.handle, self.wire))
+
+
+_free_ipc_events: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+
+
+def ipc_event(device: int) -> IpcEvent:
+    """An interprocess event of GPU ``device``, from the free list or new."""
+    try:
+        handle, wire = _free_ipc_events[device].pop()
+    except IndexError:
+        rt = runtime()
+        with OnDevice(device):
+            err, handle = rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming | rt.cudaEventInterprocess)
+            _check(err, "cudaEventCreate (interprocess)")
+            err, exported = rt.cudaIpcGetEventHandle(handle)
+            _check(err, "cudaIpcGetEventHandle")
+        wire = handle_bytes(exported)
+    event = IpcEvent.__new__(IpcEvent)
+    event.handle, event.wire, event.device = handle, wire, device
+    return event
+
+
+class NotExportable(StormError):
+    """This process's CUDA memory cannot go through cudaIpcGetMemHandle."""
+
+
+def export(pointer: int, device: int) -> tuple[bytes, int]:
+    """The IPC handle of the cudaMalloc segment holding ``pointer``, and the offset of ``pointer`` in
+    it (a handle names a whole segment; the allocator carves tensors out of segments)."""
+    runtime()
+    with OnDevice(device):
+        err, base, _ = _drv.cuMemGetAddressRange(pointer)
+        if int(err) == 0:
+            base = int(base)
+            err, handle = _rt.cudaIpcGetMemHandle(base)
+        if int(err) != 0:
+            _rt.cudaGetLastError()
+            raise NotExportable(
+                f"this process's CUDA memory cannot be exported through CUDA IPC (CUDA error {int(err)}, "
+                f"{getattr(err, 'name', err)}): PyTorch's expandable_segments (PYTORCH_CUDA_ALLOC_CONF) and "
+                f"allocators other than cudaMalloc make memory that cudaIpcGetMemHandle refuses")
+    return handle_bytes(handle), pointer - base
+
+
+def uuid(device: torch.device) -> str:
+    """The GPU's UUID as stormd's HELLO lists them (indices differ between processes)."""
+    return str(torch.cuda.get_device_properties(device.index).uuid)
+
+
 class OnDevice:
     """Make a device the calling thread's current one for a moment: CUDA events belong to the
     device current when they are created, and the mover thread starts on device 0."""
@@ -152,11 +187,13 @@ def current_stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index)
 
 
-def record_ready(device: torch.device) -> CopyEvent:
-    """An event marking the point on the compute stream where a saved tensor is complete."""
+def record_ready(device: torch.device, interprocess: bool = False) -> CopyEvent:
+    """An event marking the point on the compute stream where a saved tensor is complete
+    (``interprocess``: one stormd can wait on, when it copies the tensor itself)."""
     runtime()
     with OnDevice(device.index):
-        return CopyEvent().record(current_stream(device))
+        event = ipc_event(device.index) if interprocess else CopyEvent()
+        return event.record(current_stream(device))
 
 
 def consume(t: torch.Tensor, arrived: CopyEvent) -> None:
@@ -227,10 +264,10 @@ class DeviceStreams:
             self._copy(dst, src.data_ptr(), src.nbytes(), self._to_host, self._d2h)
             return CopyEvent().record(self._d2h)
 
-    def to_host_frame(self, dst: int, src: torch.UntypedStorage, ready: CopyEvent) -> CopyEvent:
-        """Encode ``src`` (16-bit words) into a frame (storm.kernels.frame) on the encode stream after
-        ``ready``, and queue the frame -> ``dst`` on the device-to-host stream after that; returns the
-        event marking the copy's end."""
+    def encode(self, src: torch.UntypedStorage, ready: CopyEvent,
+               interprocess: bool = False) -> tuple[torch.Tensor, CopyEvent]:
+        """Encode ``src`` (16-bit words) into a new frame (storm.kernels.frame) on the encode stream
+        after ``ready``; returns the frame and the event marking the end of its encoding."""
         encode = self._codec_streams()[0]
         with OnDevice(self.device.index):
             stream = encode.stream.cuda_stream
@@ -239,10 +276,25 @@ class DeviceStreams:
                 words = torch.empty(0, dtype=torch.int16, device=self.device).set_(src)
                 frame = torch.empty(frame_nbytes(words.numel()), dtype=torch.uint8, device=self.device)
                 encode_frame(words, frame)
-            self._wait(self._d2h, CopyEvent().record(stream))
+            return frame, (ipc_event(self.device.index) if interprocess else CopyEvent()).record(stream)
+
+    def to_host_frame(self, dst: int, src: torch.UntypedStorage, ready: CopyEvent) -> CopyEvent:
+        """Encode ``src`` into a frame and queue the frame -> ``dst`` on the device-to-host stream after
+        that; returns the event marking the copy's end."""
+        frame, encoded = self.encode(src, ready)
+        with OnDevice(self.device.index):
+            self._wait(self._d2h, encoded)
             self._copy(dst, frame.data_ptr(), frame.numel(), self._to_host, self._d2h)
             frame.record_stream(self.d2h)
             return CopyEvent().record(self._d2h)
+
+    def destination(self, nbytes: int) -> tuple[torch.Tensor, IpcEvent]:
+        """A new device buffer for stormd to copy into, and the interprocess event after which it may
+        (allocated on the host-to-device stream, which orders the buffer's earlier uses)."""
+        with OnDevice(self.device.index):
+            with self._on_h2d:
+                out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            return out, ipc_event(self.device.index).record(self._h2d)
 
     def to_device(self, src: int, nbytes: int, after: CopyEvent | None) -> tuple[torch.Tensor, CopyEvent]:
         """Queue pinned address ``src`` -> a new device buffer, after the put's event if it is still running."""
@@ -253,24 +305,24 @@ class DeviceStreams:
             self._copy(out.data_ptr(), src, nbytes, self._to_device, self._h2d)
             return out, CopyEvent().record(self._h2d)
 
-    def to_device_frame(self, src: int, nbytes: int, raw_nbytes: int,
-                        after: CopyEvent | None) -> tuple[torch.Tensor, CopyEvent]:
-        """Queue the frame at pinned address ``src`` (``nbytes``) -> the device on the host-to-device
-        stream, then its decoding into a new buffer of ``raw_nbytes`` on the decode stream; returns
-        that buffer and the event marking the end of its decoding."""
+    def decode(self, frame: torch.Tensor, raw_nbytes: int, arrived: CopyEvent) -> tuple[torch.Tensor, CopyEvent]:
+        """Decode ``frame`` (on the device once ``arrived`` fires) into a new buffer of ``raw_nbytes`` on the
+        decode stream; returns that buffer and the event marking the end of its decoding."""
         decode = self._codec_streams()[1]
         with OnDevice(self.device.index):
-            with self._on_h2d:
-                frame = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._wait(self._h2d, after)
-            self._copy(frame.data_ptr(), src, nbytes, self._to_device, self._h2d)
             stream = decode.stream.cuda_stream
-            self._wait(stream, CopyEvent().record(self._h2d))
+            self._wait(stream, arrived)
             with decode:
                 out = torch.empty(raw_nbytes, dtype=torch.uint8, device=self.device)
                 decode_frame(frame, raw_nbytes // 2, out=out.view(torch.int16))
             frame.record_stream(decode.stream)
             return out, CopyEvent().record(stream)
+
+    def to_device_frame(self, src: int, nbytes: int, raw_nbytes: int,
+                        after: CopyEvent | None) -> tuple[torch.Tensor, CopyEvent]:
+        """Queue the frame at pinned address ``src`` (``nbytes``) -> the device, then its decoding."""
+        frame, arrived = self.to_device(src, nbytes, after)
+        return self.decode(frame, raw_nbytes, arrived)
 
     @staticmethod
     def _wait(stream: int, event: CopyEvent | None) -> None:

@@ -287,7 +287,7 @@ class ClientSession:
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int, step: Step) -> Handle:
         t0 = time.perf_counter()
         self.poll()
-        ready = record_ready(t.device) if t.is_cuda else None
+        ready = record_ready(t.device, self.mover.daemon_copies(t.device)) if t.is_cuda else None
         meta = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                 "strides": list(t.stride()), "storage_offset": t.storage_offset()}
         with self._lock:
@@ -520,7 +520,7 @@ class ClientSession:
             self._prefetched_bytes += s.nbytes
 
     def _fetch(self, stored: Stored) -> Transfer:
-        return self.mover.get(stored.key, stored.nbytes, stored.device, after=stored.put.event)
+        return self.mover.get(stored.key, stored.nbytes, stored.device, put=stored.put)
 
     def _take_prefetched(self, stored: Stored) -> Transfer | None:
         fut = self._prefetched.pop(stored.key, None)

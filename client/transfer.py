@@ -12,11 +12,18 @@ data; off saves one hash pass over every fetched byte). With a codec
 (``storm.offload(codec=...)``, or the daemon's ``codec`` setting) the worker
 encodes first (storm.kernels) and sends the PUT itself, once the size is
 known; GET decodes.
-CUDA tensors: the worker queues the copy on a per-device side stream (device
+CUDA tensors through a stormd that copies that GPU's memory (HELLO's
+``cuda_devices``): PUT and GET name the tensor's (or destination's) cudaMalloc
+segment by its IPC handle, with an interprocess ready event; stormd queues the
+copy on its own streams and records the request's interprocess done event,
+which the transfer returns. Memory that cannot be exported (expandable_segments)
+is logged once and copied here instead. Otherwise (the embedded store, a daemon
+without CUDA): the worker queues the copy on a per-device side stream (device
 to host, or host to device) behind an event, and returns the event that marks
-its end; nothing waits on the host. The pool is page-locked (registered with
-CUDA) so those copies run at link speed. CUDA copies are not checksummed: a
-host-side hash of every byte would cost more than the copy (see README).
+its end; nothing waits on the host. The pool is then page-locked (registered
+with CUDA) in this process so those copies run at link speed. CUDA copies are
+not checksummed: a host-side hash of every byte would cost more than the copy
+(see README).
 With codec ``auto`` or ``ancf_exp``, bf16 tensors of at least
 FRAME_MIN_BYTES are encoded on the GPU (a codec stream beside the copy stream)
 into a frame (storm.kernels.frame, whose size is known before encoding) and the
@@ -27,6 +34,7 @@ tensor raw (it still holds it).
 
 from __future__ import annotations
 
+import collections
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,11 +45,12 @@ import xxhash
 
 from storm.kernels import CorruptEncodedError, Encoded, decode, encode
 from storm.kernels.frame import complete, frame_nbytes
+from stormd.cuda import register_pool
 from stormd.protocol import FRAME_CODEC
 
 from .backend import Backend, Settled
 from .errors import StormIntegrityError, StormUnavailable
-from .gpu import DeviceStreams, pin_pool
+from .gpu import DeviceStreams, IpcEvent, NotExportable, export, ipc_event, uuid
 
 REQUEST_TIMEOUT = 30.0
 # Smaller CUDA tensors are copied raw: a frame's kernel launches cost the training thread
@@ -130,13 +139,29 @@ class Mover:
         self.verify = True  # check fetched CPU bytes against their checksum (storm.offload(verify=...))
         self.codec = "raw"  # how CPU tensors are encoded (storm.offload(codec=...), else the store's)
         self._streams: dict[int, DeviceStreams] = {}
+        self._uuids: dict[int, str | None] = {}  # device index -> its UUID where the store copies its memory
+        self._frames: collections.deque = collections.deque()  # (Transfer, frame) while stormd copies the frame
 
-    def _streams_for(self, device: torch.device) -> DeviceStreams:
+    def _streams_for(self, device: torch.device, local: bool = True) -> DeviceStreams:
+        """``local``: this process copies (into the pool, which it then page-locks), not stormd."""
+        if local and not self.backend.pool.cuda_registered:
+            register_pool(self.backend.pool)
         s = self._streams.get(device.index)
         if s is None:
-            pin_pool(self.backend.pool)
             s = self._streams[device.index] = DeviceStreams(device)
         return s
+
+    def daemon_copies(self, device: torch.device) -> bool:
+        """Whether the store copies this GPU's memory itself (stormd, through CUDA IPC)."""
+        u = self._uuids.get(device.index, False)
+        if u is False:
+            u = uuid(device)
+            u = self._uuids[device.index] = u if u in self.backend.cuda_devices else None
+        return u is not None
+
+    def _no_daemon_copies(self, device: torch.device, why: NotExportable) -> None:
+        log.warning("storm: %s; this process copies its CUDA tensors into the pool itself from now on", why)
+        self._uuids[device.index] = None
 
     def put(self, req: PutRequest) -> Transfer:
         if self.codec != "raw" and req.encode and not req.source.is_cuda:  # the PUT needs the encoded size
@@ -146,15 +171,76 @@ class Mover:
                   and req.meta["dtype"] == "bfloat16" and nbytes >= FRAME_MIN_BYTES and nbytes % 2 == 0)
         fields = ({"nbytes": frame_nbytes(nbytes // 2), "raw_nbytes": nbytes, "codec": FRAME_CODEC} if framed
                   else {"nbytes": nbytes, "codec": "raw"})
+        if isinstance(req.ready, IpcEvent) and self.daemon_copies(req.source.device):
+            try:
+                return self._put_by_daemon(req, fields, framed)
+            except NotExportable as e:
+                self._no_daemon_copies(req.source.device, e)
         reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta)
         streams = self._streams_for(req.source.device) if req.source.is_cuda else None
         return self._start(reply, streams, self._put, req, reply, streams, fields["nbytes"] if framed else None)
 
-    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None) -> Transfer:
-        """Fetch a key's bytes into a fresh uint8 tensor on ``device``; ``after``: the put's CUDA event."""
+    def _put_by_daemon(self, req: PutRequest, fields: dict[str, Any], framed: bool) -> Transfer:
+        """stormd copies the storage (or its frame, encoded here first) out of this process's memory."""
+        device = req.source.device
+        streams = self._streams_for(device, local=False)
+        while self._frames and self._frames[0][0].done():
+            self._frames.popleft()  # stormd has copied them: the frames may go
+        if framed:
+            frame, ready = streams.encode(req.source, req.ready, interprocess=True)
+            pointer = frame.data_ptr()
+        else:
+            frame, ready, pointer = None, req.ready, req.source.data_ptr()
+        handle, offset = export(pointer, device.index)
+        done = ipc_event(device.index)
+        cuda = {"handle": handle, "offset": offset, "device": self._uuids[device.index], "ready": ready.wire,
+                "done": done.wire}
+        reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta, cuda=cuda)
+        transfer = self._start(reply, streams, self._put_queued, reply, fields["nbytes"], done, framed, ready)
+        if frame is not None:  # the source tensor is held by the session; the frame, here
+            self._frames.append((transfer, frame))
+        return transfer
+
+    def _put_queued(self, reply: Future | Settled, nbytes: int, done: IpcEvent, framed: bool, ready: IpcEvent) -> Put:
+        """stormd has queued the copy; ``done`` fires when it is over. ``ready`` is held until the reply
+        (see _get_queued)."""
+        offset = _wait(self.backend, "PUT", reply)["offset"]
+        return Put(nbytes, done, self.backend.pool.view(offset, 16) if framed else None)
+
+    def get(self, key: int, nbytes: int, device: torch.device, put: Transfer | None = None) -> Transfer:
+        """Fetch a key's bytes into a fresh uint8 tensor on ``device``; ``put``: the key's put."""
+        if device.type == "cuda" and self.daemon_copies(device) and put is not None:
+            stored = put.result.result()
+            try:
+                return self._get_by_daemon(key, nbytes, device, stored.nbytes, stored.frame is not None)
+            except NotExportable as e:
+                self._no_daemon_copies(device, e)
         reply = self.backend.request("GET", key=key)
         streams = self._streams_for(device) if device.type == "cuda" else None
+        after = put.event if put is not None else None
         return self._start(reply, streams, self._get, key, nbytes, reply, streams, after)
+
+    def _get_by_daemon(self, key: int, nbytes: int, device: torch.device, stored: int, framed: bool) -> Transfer:
+        """stormd copies the stored bytes into a buffer this process allocated (then decoded here, for a frame)."""
+        streams = self._streams_for(device, local=False)
+        buf, ready = streams.destination(stored)
+        handle, offset = export(buf.data_ptr(), device.index)
+        done = ipc_event(device.index)
+        reply = self.backend.request("GET", key=key, cuda={"handle": handle, "offset": offset, "ready": ready.wire,
+                                                           "device": self._uuids[device.index], "done": done.wire})
+        return self._start(reply, streams, self._get_queued, key, nbytes, reply, streams, buf, done, framed, ready)
+
+    def _get_queued(self, key: int, nbytes: int, reply: Future | Settled, streams: DeviceStreams, buf: torch.Tensor,
+                    done: IpcEvent, framed: bool, ready: IpcEvent) -> tuple[torch.Tensor, Any]:
+        """``ready`` is held until the reply: recorded again for another request before stormd waited
+        on it, it could make stormd's copy wait for work that waits for this copy."""
+        r = _wait(self.backend, "GET", reply)
+        if r["raw_nbytes"] != nbytes or r["nbytes"] != buf.numel():
+            raise StormIntegrityError(f"key {key}: store returned {r['nbytes']} bytes ({r['raw_nbytes']} raw), "
+                                      f"{buf.numel()} ({nbytes} raw) were stored")
+        if framed:  # decoded once stormd's copy is over: ``done`` means that only after the reply
+            return streams.decode(buf, nbytes, done)
+        return buf, done
 
     def _start(self, reply: Future | Settled, streams: DeviceStreams | None, fn: Any, *args: Any) -> Transfer:
         """Run ``fn`` on the worker; or here, when the reply is in (the embedded store answers at

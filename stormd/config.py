@@ -125,6 +125,7 @@ class DaemonConfig:
     client_priority: int = 0
     clients: dict = field(default_factory=dict)  # name -> {"quota": bytes, "priority": int}
     codec: str = "raw"  # how clients encode tensors before storing them (told at HELLO)
+    cuda_ipc: bool = True  # copy clients' CUDA tensors in the daemon through CUDA IPC, where it sees a GPU
 
 
 CONFIG_ENV = "STORMD_CONFIG"
@@ -360,6 +361,9 @@ SETTINGS: tuple[Setting, ...] = (
             "lossless codec that saves at least 5%) or one codec of storm.kernels; CUDA tensors: "
             "auto and ancf_exp put bf16 tensors of at least 4 MiB in frames encoded on the GPU, "
             "the rest is stored raw"),
+    Setting("cuda_ipc", _Flag(), "copy clients' CUDA tensors in stormd, on its own streams, through CUDA IPC "
+            "(where stormd sees a GPU; the pool is page-locked at start-up, about a second per GiB); "
+            "off: clients copy them into the pool themselves"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 

@@ -21,6 +21,7 @@ from .config import ConfigError, DaemonConfig, add_arguments, format_size, load,
 from .metrics import Metrics
 from .notify import Notifier
 from .limits import check_host
+from .cuda import open_copier
 from .pool import PoolError, SharedPool
 from .server import Server
 from .service import Service
@@ -60,7 +61,8 @@ async def run(config: DaemonConfig, notifier: Notifier | None = None) -> None:
     service = None
     try:
         error_log = logs.ErrorReplyLog(log, config.error_log_interval)
-        service = Service(pool, error_log, StoreOptions.from_config(config), codec=config.codec)
+        cuda = open_copier(pool) if config.cuda_ipc else None
+        service = Service(pool, error_log, StoreOptions.from_config(config), codec=config.codec, cuda=cuda)
         metrics = Metrics(service) if config.metrics else None
         server = Server(service, config, observe=metrics.observe if metrics else None)
         server.bind()
@@ -75,6 +77,8 @@ async def run(config: DaemonConfig, notifier: Notifier | None = None) -> None:
     finally:
         if service is not None:
             service.store.close()  # finishes spill I/O, which reads and writes the pool
+            if service.cuda is not None:
+                service.cuda.close()  # closes clients' segments, unpins the pool before it is unmapped
         pool.close()
 
 

@@ -17,19 +17,29 @@ HELLO  version:int pid:int host:str name?:str   (name picks the client's quota a
           codec:str             (how the daemon's configuration asks clients to encode tensors: raw,
                                  auto or a codec of CODECS; clients encode, the store keeps bytes.
                                  CUDA tensors: auto and ancf_exp mean frames, the others raw)
+          cuda_devices:[str]    (UUIDs of the GPUs whose memory the daemon copies itself through
+                                 CUDA IPC, the ``cuda`` field below; empty: clients copy CUDA
+                                 tensors into the pool themselves)
 PUT    key:int step:int nbytes:int dtype:str shape:[int] strides:[int]
-       storage_offset:int codec:str raw_nbytes?:int   (codec: one of STORED_CODECS)
+       storage_offset:int codec:str raw_nbytes?:int cuda?:CUDA   (codec: one of STORED_CODECS)
        -> offset:int            (an extent of ``nbytes`` in the pool, reserved. With a codec other
                                  than raw, nbytes is the encoded size and raw_nbytes the storage's
-                                 size, which the view must fit; for raw they are equal)
-SEAL   key:int checksum?:int    -> {}   (the client's copy into the extent has finished; GET may
-                                         return it. Without checksum (CUDA copies) the bytes are
-                                         not verified on GET)
-GET    key:int
+                                 size, which the view must fit; for raw they are equal. With
+                                 ``cuda`` the daemon has queued the copy of the ``nbytes`` at
+                                 the handle's segment + offset into the extent; ``done`` fires
+                                 when it has finished)
+SEAL   key:int checksum?:int    -> {}   (the copy into the extent has finished; GET may return
+                                         it. Without checksum (CUDA copies) the bytes are not
+                                         verified on GET. COPY_IN_FLIGHT while the daemon's own
+                                         copy into it still runs)
+GET    key:int cuda?:CUDA
        -> offset nbytes raw_nbytes dtype shape strides storage_offset codec checksum (int or nil)
                                 (offset is where the bytes are now: between SEAL and GET the
                                  daemon may have spilled them to disk and read them back
-                                 elsewhere; after GET they stay put until FREE)
+                                 elsewhere; after GET they stay put until FREE. With ``cuda``
+                                 the daemon has queued the copy of the ``nbytes`` stored into
+                                 the handle's segment + offset; ``done`` fires when it has
+                                 finished)
 FREE   keys?:[int] step?:int all?:bool   (exactly one of them)
        -> freed:int
 STATS  -> session:{...} node:{...}
@@ -39,8 +49,21 @@ STATS  -> session:{...} node:{...}
        node:    capacity used peak fragmentation free_extents largest_free keys spill
                 spill_capacity spilled_bytes spilled_total read_back_total read_back_on_get
                 prefetched plan_hits plan_misses clients errors
+                cuda_segments (clients' GPU memory segments the daemon has open through CUDA IPC)
 PING   -> time:float        (session and token optional; refreshes the heartbeat)
 BYE    -> freed:int         (frees everything of the session and ends it)
+
+CUDA (the ``cuda`` field of PUT and GET; stormd/cuda.py copies):
+       handle:bin[64]   cudaIpcMemHandle_t of the cudaMalloc segment holding the client's bytes
+       offset:int       where the bytes start in that segment
+       device:str       the GPU's UUID (as torch spells it; indices differ between processes)
+       ready:bin[64]    cudaIpcEventHandle_t of an interprocess event the client recorded where the
+                        bytes are complete (PUT) or the destination may be written (GET)
+       done:bin[64]     cudaIpcEventHandle_t of an interprocess event the daemon records after the copy
+       Errors: NO_CUDA (the daemon copies no CUDA memory, or not of that GPU), BAD_HANDLE (a handle
+       that does not open, a range past its segment's end, an event of another GPU). A PUT that
+       fails so stores nothing. FREE of a key whose copy still runs answers at once and frees its
+       extent once the copy has finished; so does the end of a session.
 
 Admin verbs (``stormctl``), without session or token: whoever can open the
 socket (mode 0600, the daemon's user) may run them.
@@ -107,6 +130,9 @@ class ErrorCode:
     POOL_FULL = "POOL_FULL"                # no extent that large is free now (and spill is off or full)
     QUOTA = "QUOTA"                        # the client's quota (stormd config) would be exceeded
     TOO_LARGE = "TOO_LARGE"                # larger than the whole pool
+    NO_CUDA = "NO_CUDA"                    # a ``cuda`` field, but the daemon copies no memory of that GPU
+    BAD_HANDLE = "BAD_HANDLE"              # a CUDA IPC handle or event that does not open or fit
+    COPY_IN_FLIGHT = "COPY_IN_FLIGHT"      # the daemon's copy into the key (or segment) has not finished
     DRAINING = "DRAINING"                  # daemon is shutting down
     INTERNAL = "INTERNAL"
 
@@ -161,6 +187,23 @@ def _int_list(max_len: int, lo: int = 0) -> Callable[[str, Any], list[int]]:
     return check
 
 
+def _bytes(length: int) -> Callable[[str, Any], bytes]:
+    def check(name: str, v: Any) -> bytes:
+        if not isinstance(v, bytes) or len(v) != length:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' must be {length} bytes (msgpack bin)")
+        return v
+    return check
+
+
+def _map(fields: dict[str, Callable[[str, Any], Any]]) -> Callable[[str, Any], dict[str, Any]]:
+    """A nested map with exactly these fields."""
+    def check(name: str, v: Any) -> dict[str, Any]:
+        if not isinstance(v, dict) or set(v) != set(fields):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' must be a map of exactly {sorted(fields)}")
+        return {k: c(f"{name}.{k}", v[k]) for k, c in fields.items()}
+    return check
+
+
 def _bool(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' must be true or false")
@@ -168,6 +211,9 @@ def _bool(name: str, v: Any) -> bool:
 
 
 _AUTH = {"session": _int(1), "token": _str(64)}
+IPC_HANDLE_BYTES = 64
+_CUDA = _map({"handle": _bytes(IPC_HANDLE_BYTES), "offset": _int(), "device": _str(64),
+              "ready": _bytes(IPC_HANDLE_BYTES), "done": _bytes(IPC_HANDLE_BYTES)})
 
 # op -> (required fields, optional fields)
 SCHEMAS: dict[str, tuple[dict[str, Callable], dict[str, Callable]]] = {
@@ -175,9 +221,9 @@ SCHEMAS: dict[str, tuple[dict[str, Callable], dict[str, Callable]]] = {
     "PUT": ({**_AUTH, "key": _int(), "step": _int(), "nbytes": _int(1),
              "dtype": _choice(DTYPE_SIZES), "shape": _int_list(MAX_DIMS),
              "strides": _int_list(MAX_DIMS), "storage_offset": _int(),
-             "codec": _choice(STORED_CODECS)}, {"raw_nbytes": _int(1)}),
+             "codec": _choice(STORED_CODECS)}, {"raw_nbytes": _int(1), "cuda": _CUDA}),
     "SEAL": ({**_AUTH, "key": _int()}, {"checksum": _int(0, (1 << 64) - 1)}),
-    "GET": ({**_AUTH, "key": _int()}, {}),
+    "GET": ({**_AUTH, "key": _int()}, {"cuda": _CUDA}),
     "FREE": (dict(_AUTH), {"keys": _int_list(MAX_KEYS_PER_FREE), "step": _int(), "all": _bool}),
     "STATS": (dict(_AUTH), {}),
     "PING": ({}, dict(_AUTH)),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .allocator import ExtentAllocator
+from .cuda import CudaCopier
 from .pool import SharedPool
 from .protocol import (ADMIN_OPS, PROTOCOL_VERSION, ErrorCode, ProtocolError, Request, error, ok, parse_request,
                        request_id)
@@ -39,9 +40,14 @@ class ErrorSink(Protocol):
 
 class Service:
     def __init__(self, pool: SharedPool, error_log: ErrorSink | None = None, store_options: StoreOptions | None = None,
-                 log_sessions: bool = True, codec: str = "raw"):
+                 log_sessions: bool = True, codec: str = "raw", cuda: CudaCopier | None = None):
         self.pool = pool
         self.codec = codec  # told to clients at HELLO: how to encode CPU tensors
+        self.cuda = cuda    # copies CUDA tensors through IPC (stormd/cuda.py); None: clients copy them
+        # Keys freed while the daemon's copy into or out of them still ran, and sessions that ended
+        # so: their extents are released once those copies have finished (settle_copies).
+        self._deferred_frees: list[tuple[int, list[int]]] = []
+        self._closing: list[int] = []
         # The daemon logs each connect and disconnect; the embedded store's only session is
         # its own process, so a line about it would only be noise in the training log.
         self.log_sessions = log_sessions
@@ -61,6 +67,8 @@ class Service:
         A ``Request`` is taken as it is: the embedded store builds them in its own
         process, where the schema check would only cost the training thread time."""
         trusted = isinstance(msg, Request)
+        if self._deferred_frees or self._closing:
+            self.settle_copies()
         try:
             return self.handle(msg if trusted else parse_request(msg), peer)
         except ProtocolError as e:
@@ -92,22 +100,31 @@ class Service:
             if self.draining:
                 raise ProtocolError(ErrorCode.DRAINING, "the daemon is shutting down and takes no new tensors")
             e = self.store.put(s.id, f)
+            if "cuda" in f:
+                try:
+                    self._copier().to_host(s.id, e.key, f["cuda"], self.pool.address(e.offset, e.nbytes), e.nbytes)
+                except BaseException:
+                    self._free(s.id, [e.key])  # a PUT that fails stores nothing
+                    raise
             self.traffic.puts += 1
             self.traffic.bytes_in += e.raw_nbytes
             self.traffic.stored_bytes += e.nbytes
             return ok(req.id, offset=e.offset)
         if req.op == "SEAL":
+            if self.cuda is not None and self.cuda.busy(s.id, [f["key"]]):
+                raise ProtocolError(ErrorCode.COPY_IN_FLIGHT, f"key {f['key']}: the daemon's copy into it has not "
+                                                              f"finished; seal it once its done event has fired")
             self.store.seal(s.id, f["key"], f.get("checksum"))
             return ok(req.id)
         if req.op == "GET":
             e = self.store.get(s.id, f["key"])
+            if "cuda" in f:
+                self._copier().to_device(s.id, e.key, f["cuda"], self.pool.address(e.offset, e.nbytes), e.nbytes)
             self.traffic.gets += 1
             self.traffic.bytes_out += e.nbytes
             return ok(req.id, **e.describe())
         if req.op == "FREE":
-            if f.get("all"):
-                return ok(req.id, freed=self.store.free(s.id))
-            return ok(req.id, freed=self.store.free(s.id, keys=f.get("keys"), step=f.get("step")))
+            return ok(req.id, freed=self._free(s.id, self.store.keys(s.id, f.get("keys"), f.get("step"))))
         if req.op == "STATS":
             return ok(req.id, session=self.store.session_stats(s.id), node=self.node_stats())
         if req.op == "BYE":
@@ -127,17 +144,60 @@ class Service:
         if self.log_sessions:
             log.info("client connected", extra={"session": s.id, "pid": s.pid, "host": s.host})
         return ok(req.id, session=s.id, token=s.token, pool=self.pool.descriptor.to_wire(),
-                  server=SERVER_NAME, version=PROTOCOL_VERSION, codec=self.codec)
+                  server=SERVER_NAME, version=PROTOCOL_VERSION, codec=self.codec,
+                  cuda_devices=self.cuda.devices if self.cuda is not None else [])
+
+    def _copier(self) -> CudaCopier:
+        if self.cuda is None:
+            raise ProtocolError(ErrorCode.NO_CUDA, "this stormd copies no CUDA memory (no GPU, or cuda_ipc is off); "
+                                                   "copy CUDA tensors into the pool in the client (leave out 'cuda')")
+        return self.cuda
+
+    def _free(self, session: int, keys: list[int]) -> int:
+        """Free ``keys`` now, except those a CUDA copy may still read or write: those are freed by
+        settle_copies once it has finished, so no other PUT gets their extent before that."""
+        later = self.cuda.busy(session, keys) if self.cuda is not None else []
+        if later:
+            self._deferred_frees.append((session, later))
+            waiting = set(later)
+            keys = [k for k in keys if k not in waiting]
+        self.store.free(session, keys=keys)
+        return len(keys) + len(later)
+
+    def settle_copies(self) -> None:
+        """Release what waited for CUDA copies that have finished since (called before each request
+        and by the server's reaper)."""
+        waiting, self._deferred_frees = self._deferred_frees, []
+        for session, keys in waiting:
+            still = self.cuda.busy(session, keys)
+            stored = set(self.store.keys(session))
+            self.store.free(session, keys=[k for k in keys if k not in still and k in stored])
+            if still:
+                self._deferred_frees.append((session, still))
+        closing, self._closing = self._closing, []
+        for session in closing:
+            self._drop(session)
+
+    def _drop(self, session: int) -> int:
+        """Free everything of an ended session, now or (CUDA copies still running) later."""
+        if self.cuda is not None:
+            if not self.cuda.idle(session):
+                self._closing.append(session)
+                return len(self.store.keys(session))
+            self.cuda.close_session(session)
+            self._deferred_frees = [(sid, keys) for sid, keys in self._deferred_frees if sid != session]
+        return self.store.drop_session(session)
 
     def end_session(self, s: Session, why: str) -> int:
         self.sessions.close(s.id)
-        freed = self.store.drop_session(s.id)
+        freed = self._drop(s.id)
         if self.log_sessions:
             log.info("client disconnected", extra={"session": s.id, "pid": s.pid, "why": why, "keys_freed": freed})
         return freed
 
     def node_stats(self) -> dict[str, Any]:
-        return {**self.store.node_stats(), "clients": len(self.sessions), "errors": dict(self.errors)}
+        return {**self.store.node_stats(), "clients": len(self.sessions), "errors": dict(self.errors),
+                "cuda_segments": self.cuda.open_segments() if self.cuda is not None else 0}
 
     def start_draining(self, reason: str) -> None:
         """Refuse new PUTs and HELLOs from now on; GETs, FREEs and BYEs are still answered."""

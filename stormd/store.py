@@ -250,21 +250,27 @@ class Store:
         self._prefetch(session, s)
         return e
 
+    def keys(self, session: int, keys: list[int] | None = None, step: int | None = None) -> list[int]:
+        """The given keys (all stored, or NOT_FOUND), or those of a step, or (neither given) all."""
+        s = self._sessions.get(session)
+        if s is None:
+            return []
+        if keys is not None:
+            missing = [k for k in keys if k not in s.entries]
+            if missing:
+                raise ProtocolError(ErrorCode.NOT_FOUND, f"keys {missing[:8]} are not stored in this session")
+            return list(dict.fromkeys(keys))  # a key named twice is freed once
+        if step is not None:
+            return [k for k, e in s.entries.items() if e.step == step]
+        return list(s.entries)
+
     def free(self, session: int, keys: list[int] | None = None, step: int | None = None) -> int:
         """Free the given keys, or all of a step, or (neither given) all of the session."""
         self._reap()
         s = self._sessions.get(session)
         if s is None:
             return 0
-        if keys is not None:
-            missing = [k for k in keys if k not in s.entries]
-            if missing:
-                raise ProtocolError(ErrorCode.NOT_FOUND, f"keys {missing[:8]} are not stored in this session")
-            doomed = keys
-        elif step is not None:
-            doomed = [k for k, e in s.entries.items() if e.step == step]
-        else:
-            doomed = list(s.entries)
+        doomed = self.keys(session, keys, step)
         for k in doomed:
             e = s.entries[k]
             self._settle(session, e)

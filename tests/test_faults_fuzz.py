@@ -73,7 +73,28 @@ def out_of_range_for(name: str) -> st.SearchStrategy:
 
 
 KINDS = ["garbage", "not_a_map", "frames", "bad_op", "bad_id", "drop", "wrong_type", "out_of_range", "extra",
-         "forged_token", "stale", "other_keys", "huge", "bad_view", "version"]
+         "forged_token", "stale", "other_keys", "huge", "bad_view", "version", "cuda"]
+CUDA_FIELDS = {"handle": 64, "offset": None, "device": "", "ready": 64, "done": 64}  # bytes: their length
+
+
+@st.composite
+def cuda_field(draw) -> tuple[dict, bool]:
+    """A PUT's ``cuda`` map with forged handles and events (well formed: the daemon must refuse to
+    copy, NO_CUDA here without a GPU, BAD_HANDLE with one) or with one defect (BAD_FIELD); and which."""
+    forged = {"handle": draw(st.binary(min_size=64, max_size=64)), "offset": draw(st.integers(0, MAX_INT)),
+              "device": draw(st.text(max_size=40)), "ready": draw(st.binary(min_size=64, max_size=64)),
+              "done": draw(st.binary(min_size=64, max_size=64))}
+    defect = draw(st.sampled_from(["none", "drop", "extra", "short", "type"]))
+    name = draw(st.sampled_from(sorted(CUDA_FIELDS)))
+    if defect == "drop":
+        del forged[name]
+    elif defect == "extra":
+        forged["pid"] = 1
+    elif defect == "short" and CUDA_FIELDS[name] == 64:
+        forged[name] = forged[name][:draw(st.integers(0, 63))]
+    elif defect != "none":
+        forged[name] = draw(st.one_of(*NOT["int" if name == "offset" else "str"]))
+    return forged, defect == "none" or (defect == "short" and CUDA_FIELDS[name] != 64)
 VIEW_DEFECTS = ["offset", "shape", "dims", "itemsize", "too_many_dims"]
 
 
@@ -139,6 +160,7 @@ class Fuzz:
             "other_keys": st.lists(st.sampled_from(self.victim_keys), min_size=1, max_size=4),
             "huge": st.integers(POOL + 1, MAX_INT),
             "bad_view": st.integers(4097, MAX_INT // 2),
+            "cuda": cuda_field(),
         }[kind]
 
     def build(self, plan: tuple, v: object) -> tuple[list[bytes], frozenset[str], object]:
@@ -177,6 +199,9 @@ class Fuzz:
         elif kind == "other_keys":
             msg["keys" if op == "FREE" else "key"] = v if op == "FREE" else v[0]
             codes = {E.NOT_FOUND}
+        elif kind == "cuda":
+            msg["cuda"], well_formed = v
+            codes = {E.NO_CUDA, E.BAD_HANDLE} if well_formed else {E.BAD_FIELD}
         elif kind == "huge":
             msg.update(nbytes=v, shape=[v], strides=[1])
             codes = {E.TOO_LARGE}
@@ -258,8 +283,10 @@ def test_100k_hostile_messages_each_get_an_error_and_nothing_leaks(tmp_path):
             r = fz.send_frames(b"\x91" + b"\x00" * MAX_MESSAGE_BYTES)
             assert r["error"] == E.BAD_MESSAGE and "exceeds" in r["message"]
         assert d.proc.poll() is None, d.output()
-        assert seen_codes == {E.BAD_MESSAGE, E.BAD_FIELD, E.UNKNOWN_OP, E.VERSION_MISMATCH, E.UNAUTHORIZED,
-                              E.NOT_FOUND, E.TOO_LARGE}
+        cuda_codes = {E.NO_CUDA, E.BAD_HANDLE}  # which: whether the daemon sees a GPU
+        assert seen_codes - cuda_codes == {E.BAD_MESSAGE, E.BAD_FIELD, E.UNKNOWN_OP, E.VERSION_MISMATCH,
+                                           E.UNAUTHORIZED, E.NOT_FOUND, E.TOO_LARGE}, seen_codes
+        assert seen_codes & cuda_codes, seen_codes
         rss_end = rss(d.proc.pid)
         print(f"\n{sent['n']} messages; daemon RSS after 10k {rss_warm[0] >> 20} MiB, at the end {rss_end >> 20} MiB")
         assert rss_end - rss_warm[0] < RSS_GROWTH_BOUND, (rss_warm[0], rss_end)

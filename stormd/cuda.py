@@ -1,0 +1,327 @@
+"""The daemon's CUDA copies: a client's GPU memory, opened through CUDA IPC, to and from the pinned pool.
+
+A PUT or GET of a CUDA tensor may carry a ``cuda`` map (protocol.py): the IPC handle of the
+cudaMalloc segment holding the bytes and their offset in it, the GPU's UUID (indices differ between
+processes under CUDA_VISIBLE_DEVICES), and two interprocess events the client made: ``ready``
+(recorded where the tensor is complete, or where the destination is free) and ``done``, which the
+daemon records after its copy. The daemon makes its stream wait on ``ready``, queues the copy
+between the segment and the pool, records ``done`` and answers: the reply says "queued", ``done``
+says "finished". Nothing here waits on the host.
+
+Each session has its own pair of streams per GPU (device to host, host to device), so both
+directions run at once and a client whose ``ready`` never fires stalls only its own copies.
+Segments and events are opened once per session and kept (a bounded number, the least recently
+used closed first); they are closed when the session ends, once its copies have finished. Every
+copy also records an event of the daemon's own per key (``busy``): an extent is not freed, sealed
+or handed to anyone else while a copy into or out of it may still run. The client's ``done`` event
+cannot serve for that, since the client may record it again.
+
+A handle that does not open, a range past the end of its segment, or an event that is not one is
+a BAD_HANDLE reply; nothing of it stays open. All CUDA calls run on the daemon's event-loop thread,
+which holds no lock of its own (the GIL and the driver's locks must not wait on each other).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .pool import SharedPool
+from .protocol import IPC_HANDLE_BYTES as HANDLE_BYTES
+from .protocol import ErrorCode, ProtocolError
+
+log = logging.getLogger("stormd")
+
+MAX_SEGMENTS = 1024    # segments one session may have open; beyond, the least recently used idle one is closed
+MAX_EVENTS = 4096      # events one session may have open; beyond, the least recently used is destroyed
+
+_rt: Any = None
+_drv: Any = None
+_register_lock = threading.Lock()
+
+
+def bindings() -> tuple[Any, Any]:
+    """cuda.bindings' runtime and driver modules (CUDA builds of torch bring them; CPU builds do not)."""
+    global _rt, _drv
+    if _rt is None:
+        from cuda.bindings import driver, runtime
+        _rt, _drv = runtime, driver
+    return _rt, _drv
+
+
+class CudaError(RuntimeError):
+    """A CUDA call of the daemon's own failed (not something a client sent)."""
+
+
+def check(err: Any, what: str) -> None:
+    if int(err) != 0:
+        raise CudaError(f"{what} failed: CUDA error {int(err)} ({getattr(err, 'name', err)})")
+
+
+def handle_bytes(handle: Any) -> bytes:
+    """The 64 bytes of an IPC memory or event handle, as they travel in a message."""
+    return ctypes.string_at(handle.getPtr(), HANDLE_BYTES)
+
+
+def _handle(cls: Any, data: bytes) -> Any:
+    h = cls()
+    ctypes.memmove(h.getPtr(), data, HANDLE_BYTES)
+    return h
+
+
+def register_pool(pool: SharedPool) -> None:
+    """Page-lock the pool once per process (cudaHostRegister, portable: usable from every device's
+    context), so copies to and from it are DMA at link speed. It pins every page, about a second per
+    GiB, so it runs once: at the daemon's start, or with a client's first CUDA copy of its own."""
+    rt, _ = bindings()
+    with _register_lock:
+        if pool.cuda_registered:
+            return
+        err = rt.cudaHostRegister(pool.address(0, pool.size), pool.size, rt.cudaHostRegisterPortable)[0]
+        if int(err) != 0:
+            raise CudaError(f"cudaHostRegister of the {pool.size}-byte pool failed with CUDA error {int(err)}; "
+                            f"check RLIMIT_MEMLOCK (ulimit -l) and free memory")
+        pool.cuda_registered = True
+
+
+def unregister_pool(pool: SharedPool) -> None:
+    """Undo register_pool; must run before the pool is unmapped, or a later mapping at the same
+    address cannot be registered (CUDA error 712)."""
+    with _register_lock:
+        if pool.cuda_registered:
+            bindings()[0].cudaHostUnregister(pool.address(0, pool.size))
+            pool.cuda_registered = False
+
+
+def device_uuids() -> dict[str, int]:
+    """UUID -> index of the GPUs this process sees (torch's spelling, which clients send)."""
+    import torch
+    if not torch.cuda.is_available():
+        return {}
+    return {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+
+
+def open_copier(pool: SharedPool) -> "CudaCopier | None":
+    """The daemon's CUDA copier, or None (logged) where this process cannot copy CUDA memory: then
+    clients copy their CUDA tensors into the pool themselves."""
+    try:
+        if not device_uuids():
+            log.info("no CUDA device visible: clients copy CUDA tensors into the pool themselves")
+            return None
+        return CudaCopier(pool)
+    except (ImportError, CudaError) as e:
+        log.warning("CUDA copies off, clients copy CUDA tensors into the pool themselves", extra={"why": str(e)})
+        return None
+
+
+class Mark:
+    """An event of the daemon's own, recorded after a copy: ``finished()`` never blocks."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, stream: Any):
+        err, self.event = _rt.cudaEventCreateWithFlags(_rt.cudaEventDisableTiming)
+        check(err, "cudaEventCreate")
+        check(_rt.cudaEventRecord(self.event, stream)[0], "cudaEventRecord")
+
+    def finished(self) -> bool:
+        err = _rt.cudaEventQuery(self.event)[0]
+        if err == _rt.cudaError_t.cudaErrorNotReady:
+            return False
+        check(err, "cudaEventQuery")
+        return True
+
+    def __del__(self) -> None:
+        _rt.cudaEventDestroy(self.event)  # safe while pending: CUDA releases it once it completes
+
+
+@dataclass
+class _Segment:
+    device: int
+    pointer: int
+    size: int
+    last: Mark | None = None  # the latest copy that reads or writes it
+
+
+@dataclass
+class _SessionCuda:
+    streams: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # device -> (to host, to device)
+    segments: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # handle -> _Segment
+    events: collections.OrderedDict = field(default_factory=collections.OrderedDict)    # handle -> event
+    busy: dict[int, Mark] = field(default_factory=dict)  # key -> the latest copy into or out of its extent
+
+
+class CudaCopier:
+    def __init__(self, pool: SharedPool):
+        rt, _ = bindings()
+        self.pool = pool
+        self.uuids = device_uuids()
+        if not self.uuids:
+            raise CudaError("no CUDA device is visible to stormd")
+        started = time.monotonic()
+        check(rt.cudaSetDevice(0)[0], "cudaSetDevice")
+        register_pool(pool)
+        log.info("pool page-locked for CUDA copies", extra={"seconds": round(time.monotonic() - started, 3),
+                                                            "devices": len(self.uuids)})
+        self._sessions: dict[int, _SessionCuda] = {}
+        self._to_host = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        self._to_device = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+
+    @property
+    def devices(self) -> list[str]:
+        return sorted(self.uuids)
+
+    def to_host(self, session: int, key: int, cuda: dict[str, Any], dst: int, nbytes: int) -> None:
+        """Queue the copy of ``nbytes`` at the client's segment + offset into the pool at ``dst``."""
+        s, device = self._session(session), self._device(cuda["device"])
+        src = self._range(s, device, cuda, nbytes)
+        self._copy(s, key, cuda, device, 0, dst, src, nbytes, self._to_host)
+
+    def to_device(self, session: int, key: int, cuda: dict[str, Any], src: int, nbytes: int) -> None:
+        """Queue the copy of ``nbytes`` at ``src`` in the pool into the client's segment + offset."""
+        s, device = self._session(session), self._device(cuda["device"])
+        dst = self._range(s, device, cuda, nbytes)
+        self._copy(s, key, cuda, device, 1, dst, src, nbytes, self._to_device)
+
+    def busy(self, session: int, keys: list[int]) -> list[int]:
+        """The keys of ``keys`` whose extent a copy may still be reading or writing."""
+        s = self._sessions.get(session)
+        if s is None or not s.busy:
+            return []
+        still = []
+        for k in keys:
+            mark = s.busy.get(k)
+            if mark is not None:
+                if mark.finished():
+                    del s.busy[k]
+                else:
+                    still.append(k)
+        return still
+
+    def idle(self, session: int) -> bool:
+        s = self._sessions.get(session)
+        return s is None or not self.busy(session, list(s.busy))
+
+    def close_session(self, session: int) -> None:
+        """Close what the session opened; call once ``idle(session)``."""
+        s = self._sessions.pop(session, None)
+        if s is None:
+            return
+        for seg in s.segments.values():
+            _rt.cudaSetDevice(seg.device)
+            _rt.cudaIpcCloseMemHandle(seg.pointer)
+        for event in s.events.values():
+            _rt.cudaEventDestroy(event)
+        for pair in s.streams.values():
+            for stream in pair:
+                _rt.cudaStreamDestroy(stream)
+        s.busy.clear()
+
+    def open_segments(self) -> int:
+        return sum(len(s.segments) for s in self._sessions.values())
+
+    def close(self) -> None:
+        for session in list(self._sessions):
+            self.close_session(session)
+        unregister_pool(self.pool)
+
+    # --- internals -------------------------------------------------------------
+
+    def _session(self, session: int) -> _SessionCuda:
+        s = self._sessions.get(session)
+        if s is None:
+            s = self._sessions[session] = _SessionCuda()
+        return s
+
+    def _device(self, uuid: str) -> int:
+        index = self.uuids.get(uuid)
+        if index is None:
+            raise ProtocolError(ErrorCode.NO_CUDA, f"stormd sees no GPU with UUID {uuid!r}; it sees "
+                                                   f"{self.devices} (run stormd where all training GPUs are visible)")
+        check(_rt.cudaSetDevice(index)[0], "cudaSetDevice")
+        return index
+
+    def _range(self, s: _SessionCuda, device: int, cuda: dict[str, Any], nbytes: int) -> int:
+        """The daemon's address of the client's [offset, offset + nbytes) in its segment."""
+        seg = self._segment(s, device, cuda["handle"])
+        if cuda["offset"] + nbytes > seg.size:
+            raise ProtocolError(ErrorCode.BAD_HANDLE, f"{nbytes} bytes at offset {cuda['offset']} lie past the end "
+                                                      f"of the {seg.size}-byte segment the handle names")
+        return seg.pointer + cuda["offset"]
+
+    def _segment(self, s: _SessionCuda, device: int, handle: bytes) -> _Segment:
+        seg = s.segments.get(handle)
+        if seg is not None:
+            s.segments.move_to_end(handle)
+            return seg
+        if len(s.segments) >= MAX_SEGMENTS:
+            self._close_idle_segment(s)
+        err, pointer = _rt.cudaIpcOpenMemHandle(_handle(_rt.cudaIpcMemHandle_t, handle),
+                                               _rt.cudaIpcMemLazyEnablePeerAccess)
+        if int(err) != 0:
+            _rt.cudaGetLastError()
+            raise ProtocolError(ErrorCode.BAD_HANDLE, f"the CUDA IPC memory handle does not open ({err.name}): not a "
+                                                      f"live cudaMalloc segment of a process on this node's GPU")
+        pointer = int(pointer)
+        err, base, size = _drv.cuMemGetAddressRange(pointer)
+        if int(err) != 0 or int(base) != pointer:
+            _rt.cudaIpcCloseMemHandle(pointer)
+            raise CudaError(f"cuMemGetAddressRange of an opened IPC segment failed ({getattr(err, 'name', err)})")
+        seg = s.segments[handle] = _Segment(device, pointer, int(size))
+        return seg
+
+    def _close_idle_segment(self, s: _SessionCuda) -> None:
+        for handle, seg in s.segments.items():  # least recently used first
+            if seg.last is None or seg.last.finished():
+                del s.segments[handle]
+                _rt.cudaIpcCloseMemHandle(seg.pointer)
+                return
+        raise ProtocolError(ErrorCode.COPY_IN_FLIGHT, f"all {MAX_SEGMENTS} segments this session has open have "
+                                                      f"copies in flight; wait for some to finish")
+
+    def _event(self, s: _SessionCuda, handle: bytes) -> Any:
+        event = s.events.get(handle)
+        if event is not None:
+            s.events.move_to_end(handle)
+            return event
+        if len(s.events) >= MAX_EVENTS:
+            _rt.cudaEventDestroy(s.events.popitem(last=False)[1])  # safe while pending
+        err, event = _rt.cudaIpcOpenEventHandle(_handle(_rt.cudaIpcEventHandle_t, handle))
+        if int(err) != 0:
+            _rt.cudaGetLastError()
+            raise ProtocolError(ErrorCode.BAD_HANDLE, f"the CUDA IPC event handle does not open ({err.name}): not an "
+                                                      f"interprocess event of a live process")
+        s.events[handle] = event
+        return event
+
+    def _streams(self, s: _SessionCuda, device: int) -> tuple[Any, Any]:
+        pair = s.streams.get(device)
+        if pair is None:
+            made = []
+            for _ in range(2):
+                err, stream = _rt.cudaStreamCreateWithFlags(_rt.cudaStreamNonBlocking)
+                check(err, "cudaStreamCreate")
+                made.append(stream)
+            pair = s.streams[device] = (made[0], made[1])
+        return pair
+
+    def _copy(self, s: _SessionCuda, key: int, cuda: dict[str, Any], device: int, direction: int, dst: int,
+              src: int, nbytes: int, kind: Any) -> None:
+        ready, done = self._event(s, cuda["ready"]), self._event(s, cuda["done"])
+        stream = self._streams(s, device)[direction]
+        if int(_rt.cudaStreamWaitEvent(stream, ready, 0)[0]) != 0:
+            _rt.cudaGetLastError()
+            raise ProtocolError(ErrorCode.BAD_HANDLE, "the ready event cannot be waited on from this GPU")
+        check(_rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream)[0], "cudaMemcpyAsync")
+        mark = Mark(stream)
+        s.busy[key] = s.segments[cuda["handle"]].last = mark
+        if int(_rt.cudaEventRecord(done, stream)[0]) != 0:
+            # the copy stands (busy guards its extent); the client learns of it only through its error reply
+            _rt.cudaGetLastError()
+            raise ProtocolError(ErrorCode.BAD_HANDLE, "the done event cannot be recorded on this GPU (an event "
+                                                      "of another device?)")
