@@ -198,8 +198,11 @@ def record_ready(device: torch.device, interprocess: bool = False) -> CopyEvent:
 
 def consume(t: torch.Tensor, arrived: CopyEvent) -> None:
     """Make the compute stream wait for the copy that filled ``t`` (the host does not wait), and
-    tell the allocator the compute stream uses ``t``, which was allocated on the copy stream."""
-    _check(_rt.cudaStreamWaitEvent(current_stream(t.device), arrived.handle, 0)[0], "cudaStreamWaitEvent")
+    tell the allocator the compute stream uses ``t``, which was allocated on the copy stream. A copy
+    already done (prefetched) needs no wait: the compute stream then never waits on another
+    process's event, a wait that costs more than a local one."""
+    if not arrived.query():
+        _check(_rt.cudaStreamWaitEvent(current_stream(t.device), arrived.handle, 0)[0], "cudaStreamWaitEvent")
     t.record_stream(torch.cuda.current_stream(t.device.index))
 
 

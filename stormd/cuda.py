@@ -314,7 +314,8 @@ class CudaCopier:
               src: int, nbytes: int, kind: Any) -> None:
         ready, done = self._event(s, cuda["ready"]), self._event(s, cuda["done"])
         stream = self._streams(s, device)[direction]
-        if int(_rt.cudaStreamWaitEvent(stream, ready, 0)[0]) != 0:
+        # A ready event that has fired needs no wait; one on the GPU waits for another process's work.
+        if int(_rt.cudaEventQuery(ready)[0]) != 0 and int(_rt.cudaStreamWaitEvent(stream, ready, 0)[0]) != 0:
             _rt.cudaGetLastError()
             raise ProtocolError(ErrorCode.BAD_HANDLE, "the ready event cannot be waited on from this GPU")
         check(_rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream)[0], "cudaMemcpyAsync")
