@@ -267,8 +267,7 @@ class DeviceStreams:
             self._copy(dst, src.data_ptr(), src.nbytes(), self._to_host, self._d2h)
             return CopyEvent().record(self._d2h)
 
-    def encode(self, src: torch.UntypedStorage, ready: CopyEvent,
-               interprocess: bool = False) -> tuple[torch.Tensor, CopyEvent]:
+    def encode(self, src: torch.UntypedStorage, ready: CopyEvent) -> tuple[torch.Tensor, CopyEvent]:
         """Encode ``src`` (16-bit words) into a new frame (storm.kernels.frame) on the encode stream
         after ``ready``; returns the frame and the event marking the end of its encoding."""
         encode = self._codec_streams()[0]
@@ -279,7 +278,7 @@ class DeviceStreams:
                 words = torch.empty(0, dtype=torch.int16, device=self.device).set_(src)
                 frame = torch.empty(frame_nbytes(words.numel()), dtype=torch.uint8, device=self.device)
                 encode_frame(words, frame)
-            return frame, (ipc_event(self.device.index) if interprocess else CopyEvent()).record(stream)
+            return frame, CopyEvent().record(stream)
 
     def to_host_frame(self, dst: int, src: torch.UntypedStorage, ready: CopyEvent) -> CopyEvent:
         """Encode ``src`` into a frame and queue the frame -> ``dst`` on the device-to-host stream after

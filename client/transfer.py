@@ -17,8 +17,8 @@ CUDA tensors through a stormd that copies that GPU's memory (HELLO's
 segment by its IPC handle, with an interprocess ready event; stormd queues the
 copy on its own streams and records the request's interprocess done event,
 which the transfer returns. Memory that cannot be exported (expandable_segments)
-is logged once and copied here instead. Otherwise (the embedded store, a daemon
-without CUDA): the worker queues the copy on a per-device side stream (device
+is logged once and copied here instead; frames (below) are copied here too.
+Otherwise (the embedded store, a daemon without CUDA): the worker queues the copy on a per-device side stream (device
 to host, or host to device) behind an event, and returns the event that marks
 its end; nothing waits on the host. The pool is then page-locked (registered
 with CUDA) in this process so those copies run at link speed. CUDA copies are
@@ -34,7 +34,6 @@ tensor raw (it still holds it).
 
 from __future__ import annotations
 
-import collections
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -140,7 +139,6 @@ class Mover:
         self.codec = "raw"  # how CPU tensors are encoded (storm.offload(codec=...), else the store's)
         self._streams: dict[int, DeviceStreams] = {}
         self._uuids: dict[int, str | None] = {}  # device index -> its UUID where the store copies its memory
-        self._frames: collections.deque = collections.deque()  # (Transfer, frame) while stormd copies the frame
 
     def _streams_for(self, device: torch.device, local: bool = True) -> DeviceStreams:
         """``local``: this process copies (into the pool, which it then page-locks), not stormd."""
@@ -171,48 +169,39 @@ class Mover:
                   and req.meta["dtype"] == "bfloat16" and nbytes >= FRAME_MIN_BYTES and nbytes % 2 == 0)
         fields = ({"nbytes": frame_nbytes(nbytes // 2), "raw_nbytes": nbytes, "codec": FRAME_CODEC} if framed
                   else {"nbytes": nbytes, "codec": "raw"})
-        if isinstance(req.ready, IpcEvent) and self.daemon_copies(req.source.device):
+        # Frames are copied here even where stormd could copy them: through stormd, W2 with frames
+        # took 635 ms a step against 464 ms with client-side copies (bench/results, README).
+        if isinstance(req.ready, IpcEvent) and not framed and self.daemon_copies(req.source.device):
             try:
-                return self._put_by_daemon(req, fields, framed)
+                return self._put_by_daemon(req, fields)
             except NotExportable as e:
                 self._no_daemon_copies(req.source.device, e)
         reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta)
         streams = self._streams_for(req.source.device) if req.source.is_cuda else None
         return self._start(reply, streams, self._put, req, reply, streams, fields["nbytes"] if framed else None)
 
-    def _put_by_daemon(self, req: PutRequest, fields: dict[str, Any], framed: bool) -> Transfer:
-        """stormd copies the storage (or its frame, encoded here first) out of this process's memory."""
+    def _put_by_daemon(self, req: PutRequest, fields: dict[str, Any]) -> Transfer:
+        """stormd copies the storage out of this process's memory (the session holds it until then)."""
         device = req.source.device
-        streams = self._streams_for(device, local=False)
-        while self._frames and self._frames[0][0].done():
-            self._frames.popleft()  # stormd has copied them: the frames may go
-        if framed:
-            frame, ready = streams.encode(req.source, req.ready, interprocess=True)
-            pointer = frame.data_ptr()
-        else:
-            frame, ready, pointer = None, req.ready, req.source.data_ptr()
-        handle, offset = export(pointer, device.index)
+        handle, offset = export(req.source.data_ptr(), device.index)
         done = ipc_event(device.index)
-        cuda = {"handle": handle, "offset": offset, "device": self._uuids[device.index], "ready": ready.wire,
+        cuda = {"handle": handle, "offset": offset, "device": self._uuids[device.index], "ready": req.ready.wire,
                 "done": done.wire}
         reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta, cuda=cuda)
-        transfer = self._start(reply, streams, self._put_queued, reply, fields["nbytes"], done, framed, ready)
-        if frame is not None:  # the source tensor is held by the session; the frame, here
-            self._frames.append((transfer, frame))
-        return transfer
+        return self._start(reply, self._streams_for(device, local=False), self._put_queued, reply, fields["nbytes"],
+                           done)
 
-    def _put_queued(self, reply: Future | Settled, nbytes: int, done: IpcEvent, framed: bool, ready: IpcEvent) -> Put:
-        """stormd has queued the copy; ``done`` fires when it is over. ``ready`` is held until the reply
-        (see _get_queued)."""
-        offset = _wait(self.backend, "PUT", reply)["offset"]
-        return Put(nbytes, done, self.backend.pool.view(offset, 16) if framed else None)
+    def _put_queued(self, reply: Future | Settled, nbytes: int, done: IpcEvent) -> Put:
+        """stormd has queued the copy; ``done`` fires when it is over."""
+        _wait(self.backend, "PUT", reply)
+        return Put(nbytes, done)
 
     def get(self, key: int, nbytes: int, device: torch.device, put: Transfer | None = None) -> Transfer:
         """Fetch a key's bytes into a fresh uint8 tensor on ``device``; ``put``: the key's put."""
-        if device.type == "cuda" and self.daemon_copies(device) and put is not None:
-            stored = put.result.result()
+        if device.type == "cuda" and put is not None and put.result.result().frame is None \
+                and self.daemon_copies(device):
             try:
-                return self._get_by_daemon(key, nbytes, device, stored.nbytes, stored.frame is not None)
+                return self._get_by_daemon(key, nbytes, device)
             except NotExportable as e:
                 self._no_daemon_copies(device, e)
         reply = self.backend.request("GET", key=key)
@@ -220,26 +209,24 @@ class Mover:
         after = put.event if put is not None else None
         return self._start(reply, streams, self._get, key, nbytes, reply, streams, after)
 
-    def _get_by_daemon(self, key: int, nbytes: int, device: torch.device, stored: int, framed: bool) -> Transfer:
-        """stormd copies the stored bytes into a buffer this process allocated (then decoded here, for a frame)."""
+    def _get_by_daemon(self, key: int, nbytes: int, device: torch.device) -> Transfer:
+        """stormd copies the stored bytes into a buffer this process allocated."""
         streams = self._streams_for(device, local=False)
-        buf, ready = streams.destination(stored)
+        buf, ready = streams.destination(nbytes)
         handle, offset = export(buf.data_ptr(), device.index)
         done = ipc_event(device.index)
         reply = self.backend.request("GET", key=key, cuda={"handle": handle, "offset": offset, "ready": ready.wire,
                                                            "device": self._uuids[device.index], "done": done.wire})
-        return self._start(reply, streams, self._get_queued, key, nbytes, reply, streams, buf, done, framed, ready)
+        return self._start(reply, streams, self._get_queued, key, reply, buf, done, ready)
 
-    def _get_queued(self, key: int, nbytes: int, reply: Future | Settled, streams: DeviceStreams, buf: torch.Tensor,
-                    done: IpcEvent, framed: bool, ready: IpcEvent) -> tuple[torch.Tensor, Any]:
+    def _get_queued(self, key: int, reply: Future | Settled, buf: torch.Tensor, done: IpcEvent,
+                    ready: IpcEvent) -> tuple[torch.Tensor, Any]:
         """``ready`` is held until the reply: recorded again for another request before stormd waited
         on it, it could make stormd's copy wait for work that waits for this copy."""
         r = _wait(self.backend, "GET", reply)
-        if r["raw_nbytes"] != nbytes or r["nbytes"] != buf.numel():
-            raise StormIntegrityError(f"key {key}: store returned {r['nbytes']} bytes ({r['raw_nbytes']} raw), "
-                                      f"{buf.numel()} ({nbytes} raw) were stored")
-        if framed:  # decoded once stormd's copy is over: ``done`` means that only after the reply
-            return streams.decode(buf, nbytes, done)
+        if r["nbytes"] != buf.numel() or r["codec"] != "raw":
+            raise StormIntegrityError(f"key {key}: store returned {r['nbytes']} bytes ({r['codec']}), "
+                                      f"{buf.numel()} raw bytes were stored")
         return buf, done
 
     def _start(self, reply: Future | Settled, streams: DeviceStreams | None, fn: Any, *args: Any) -> Transfer:

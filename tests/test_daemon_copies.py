@@ -50,6 +50,9 @@ class ScriptedCopier:
     def close_session(self, session):
         self.closed.append(session)
 
+    def open_segments(self):
+        return len({s for s, _ in self.copies} - set(self.closed))
+
     def finish(self, session, key):
         self.running.discard((session, key))
 
