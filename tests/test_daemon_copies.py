@@ -51,7 +51,7 @@ class ScriptedCopier:
         self.closed.append(session)
 
     def open_segments(self):
-        return len({s for s, _ in self.copies} - set(self.closed))
+        return len({c[1] for c in self.copies} - set(self.closed))  # one segment per session here
 
     def finish(self, session, key):
         self.running.discard((session, key))
