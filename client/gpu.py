@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 from typing import Any
 
 import torch
@@ -121,19 +122,28 @@ _free_ipc_events: dict[int, collections.deque] = collections.defaultdict(collect
 
 def ipc_event(device: int) -> IpcEvent:
     """An interprocess event of GPU ``device``, from the free list or new."""
-    try:
-        handle, wire = _free_ipc_events[device].pop()
-    except IndexError:
-        rt = runtime()
-        with OnDevice(device):
-            err, handle = rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming | rt.cudaEventInterprocess)
-            _check(err, "cudaEventCreate (interprocess)")
-            err, exported = rt.cudaIpcGetEventHandle(handle)
-            _check(err, "cudaIpcGetEventHandle")
-        wire = handle_bytes(exported)
+    free = _free_ipc_events[device]
+    if not free:
+        try:
+            free.append(_new_ipc_event(device))
+        except StormError:  # the process's interprocess events ran out: find those only cycles still hold
+            gc.collect()
+            if not free:
+                raise
+    handle, wire = free.pop()
     event = IpcEvent.__new__(IpcEvent)
     event.handle, event.wire, event.device = handle, wire, device
     return event
+
+
+def _new_ipc_event(device: int) -> tuple[Any, bytes]:
+    rt = runtime()
+    with OnDevice(device):
+        err, handle = rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming | rt.cudaEventInterprocess)
+        _check(err, "cudaEventCreate (interprocess; a process may have about 20,000)")
+        err, exported = rt.cudaIpcGetEventHandle(handle)
+        _check(err, "cudaIpcGetEventHandle")
+    return handle, handle_bytes(exported)
 
 
 class NotExportable(StormError):

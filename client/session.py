@@ -364,6 +364,7 @@ class ClientSession:
         stored.in_store = True
         if stored.put.event is not None:
             self.mover.seal(stored.key)  # the copy's event has fired: the bytes are in the pool now
+            stored.put.settle()  # and the event can go (stormd's interprocess events are a scarce resource)
         stored.step.stats.record(stored.layer, stored_bytes=stored.put.result.result().nbytes)
         # The version is read here, on the training thread between two ops, so an
         # in-place op that raced the copy has finished and bumped it by now.
@@ -385,6 +386,7 @@ class ClientSession:
             return []
         stored.in_store = False
         reads = [r for r in (stored.read, unread) if r is not None and not r.done()]
+        stored.read = None  # ``reads`` holds it while it runs
         if reads:
             self._reading.append((reads, stored.key))
             return []

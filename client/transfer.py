@@ -124,6 +124,12 @@ class Transfer:
         frame = self.result.result().frame
         return frame is not None and not complete(frame)
 
+    def settle(self) -> None:
+        """Forget the event of a finished put: the Stored that keeps this transfer may live on in a
+        reference cycle until the garbage collector finds it, and interprocess events are limited
+        (about 20,000 per process)."""
+        self.result = Settled(self.result.result()._replace(event=None))
+
     @property
     def event(self) -> Any:
         """The CUDA event that marks the end of the copy (``done()``, ``wait()``), or None (CPU, whose
