@@ -94,6 +94,8 @@ class _ServiceCollector:
         yield _gauge("stormd_keys", "Tensors held now, all clients", node["keys"])
         yield _gauge("stormd_clients", "Connected client sessions", len(s.sessions))
         yield _gauge("stormd_draining", "1 while draining for shutdown", int(s.draining))
+        yield _gauge("stormd_cuda_segments", "Clients' GPU memory segments open through CUDA IPC",
+                     s.cuda.open_segments() if s.cuda is not None else 0)
         errors = CounterMetricFamily("stormd_errors", "Error replies by code", labels=["code"])
         for code in sorted(ALL_ERROR_CODES):
             errors.add_metric([code], s.errors.get(code, 0))
