@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
-from stormd.cuda import handle_bytes
+from stormd.cuda import bindings, fired, handle_bytes
 
 from .errors import StormError
 
@@ -34,8 +34,7 @@ _drv: Any = None  # cuda.bindings.driver
 def runtime() -> Any:
     global _rt, _drv
     if _rt is None:
-        from cuda.bindings import driver, runtime as rt
-        _rt, _drv = rt, driver
+        _rt, _drv = bindings()
     return _rt
 
 
@@ -87,11 +86,7 @@ class CopyEvent:
 
     def query(self) -> bool:
         """True once the work before the record has run; never blocks."""
-        err = _rt.cudaEventQuery(self.handle)[0]
-        if err == _rt.cudaError_t.cudaErrorNotReady:
-            return False
-        _check(err, "cudaEventQuery")
-        return True
+        return fired(self.handle)
 
     def synchronize(self) -> None:
         _check(_rt.cudaEventSynchronize(self.handle)[0], "cudaEventSynchronize")

@@ -63,6 +63,16 @@ def check(err: Any, what: str) -> None:
         raise CudaError(f"{what} failed: CUDA error {int(err)} ({getattr(err, 'name', err)})")
 
 
+def fired(event: Any) -> bool:
+    """Whether the work before the event's last record has run (an event never recorded has);
+    never blocks."""
+    err = _rt.cudaEventQuery(event)[0]
+    if err == _rt.cudaError_t.cudaErrorNotReady:
+        return False
+    check(err, "cudaEventQuery")
+    return True
+
+
 def handle_bytes(handle: Any) -> bytes:
     """The 64 bytes of an IPC memory or event handle, as they travel in a message."""
     return ctypes.string_at(handle.getPtr(), HANDLE_BYTES)
@@ -130,11 +140,7 @@ class Mark:
         check(_rt.cudaEventRecord(self.event, stream)[0], "cudaEventRecord")
 
     def finished(self) -> bool:
-        err = _rt.cudaEventQuery(self.event)[0]
-        if err == _rt.cudaError_t.cudaErrorNotReady:
-            return False
-        check(err, "cudaEventQuery")
-        return True
+        return fired(self.event)
 
     def __del__(self) -> None:
         _rt.cudaEventDestroy(self.event)  # safe while pending: CUDA releases it once it completes
