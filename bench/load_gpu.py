@@ -12,7 +12,8 @@ with same_bits and applies the same SGD update to both copies. Throughput counts
 and the bytes moved to the host plus back, over the wall time of the offloaded steps only.
 --kill-one adds a victim worker, SIGKILLed while it is paused in the middle of a forward holding extents
 in the pool; stormd must notice (by heartbeat, within 15 s) and free them: once every worker is done, the
-pool's use and client count must be back where they were before the run. Exit 1 on a mismatch or a leak.
+pool's use, client count and the GPU segments stormd has open (CUDA IPC) must be back where they were
+before the run. Exit 1 on a mismatch or a leak.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, Any]:
 
     def at_baseline() -> bool:
         now = node(endpoint)
-        return (now["used"], now["clients"]) == (base["used"], base["clients"])
+        return (now["used"], now["clients"], now.get("cuda_segments", 0)) == \
+            (base["used"], base["clients"], base.get("cuda_segments", 0))
 
     back = wait_until(at_baseline, RECLAIM_WAIT_S)
     final = node(endpoint)
@@ -203,7 +205,8 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, Any]:
                        "GB_per_s": round(sum(r["GB_per_s"] for r in rows), 4),
                        "mismatches": sum(r["mismatches"] for r in rows)},
             "pool": {"baseline_used": base["used"], "baseline_clients": base["clients"], "final_used": final["used"],
-                     "final_clients": final["clients"], "back_to_baseline_after_s": back},
+                     "final_clients": final["clients"], "final_cuda_segments": final.get("cuda_segments", 0),
+                     "back_to_baseline_after_s": back},
             "kill_one": kill}
 
 
