@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .pool import SharedPool
 from .protocol import IPC_HANDLE_BYTES as HANDLE_BYTES
 from .protocol import ErrorCode, ProtocolError
@@ -39,6 +41,7 @@ log = logging.getLogger("stormd")
 
 MAX_SEGMENTS = 1024    # segments one session may have open; beyond, the least recently used idle one is closed
 MAX_EVENTS = 4096      # events one session may have open; beyond, the least recently used is destroyed
+_RANGES = ("stormd copy to host", "stormd copy to device")
 
 _rt: Any = None
 _drv: Any = None
@@ -110,7 +113,6 @@ def unregister_pool(pool: SharedPool) -> None:
 
 def device_uuids() -> dict[str, int]:
     """UUID -> index of the GPUs this process sees (torch's spelling, which clients send)."""
-    import torch
     if not torch.cuda.is_available():
         return {}
     return {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
@@ -318,6 +320,14 @@ class CudaCopier:
 
     def _copy(self, s: _SessionCuda, key: int, cuda: dict[str, Any], device: int, direction: int, dst: int,
               src: int, nbytes: int, kind: Any) -> None:
+        torch._C._nvtx.rangePushA(_RANGES[direction])  # so a profile (nsys) shows the daemon's copies
+        try:
+            self._queue(s, key, cuda, device, direction, dst, src, nbytes, kind)
+        finally:
+            torch._C._nvtx.rangePop()
+
+    def _queue(self, s: _SessionCuda, key: int, cuda: dict[str, Any], device: int, direction: int, dst: int,
+               src: int, nbytes: int, kind: Any) -> None:
         ready, done = self._event(s, cuda["ready"]), self._event(s, cuda["done"])
         stream = self._streams(s, device)[direction]
         # A ready event that has fired needs no wait; one on the GPU waits for another process's work.
