@@ -18,9 +18,9 @@ segment by its IPC handle, with an interprocess ready event; stormd queues the
 copy on its own streams and records the request's interprocess done event,
 which the transfer returns. Memory that cannot be exported (expandable_segments)
 is logged once and copied here instead; frames (below) are copied here too.
-Otherwise (the embedded store, a daemon without CUDA): the worker queues the copy on a per-device side stream (device
-to host, or host to device) behind an event, and returns the event that marks
-its end; nothing waits on the host. The pool is then page-locked (registered
+Otherwise (the embedded store, a daemon without CUDA): the worker queues the
+copy on a per-device side stream (device to host, or host to device) behind an
+event, and returns the event that marks its end; nothing waits on the host. The pool is then page-locked (registered
 with CUDA) in this process so those copies run at link speed. CUDA copies are
 not checksummed: a host-side hash of every byte would cost more than the copy
 (see README).

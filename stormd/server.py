@@ -167,7 +167,10 @@ class Server:
         timeout = self.config.client_timeout
         while True:
             await asyncio.sleep(reap_interval(timeout))
-            self.service.settle_copies()  # extents that waited for CUDA copies, when no request came
+            try:
+                self.service.settle_copies()  # extents that waited for CUDA copies, when no request came
+            except Exception:  # the reaper must go on reaping silent clients
+                log.exception("releasing extents after CUDA copies failed")
             for s in self.service.sessions.silent_since(time.monotonic() - timeout):
                 self.service.end_session(s, f"no message for {timeout:g} s")
 

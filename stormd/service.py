@@ -67,9 +67,9 @@ class Service:
         A ``Request`` is taken as it is: the embedded store builds them in its own
         process, where the schema check would only cost the training thread time."""
         trusted = isinstance(msg, Request)
-        if self._deferred_frees or self._closing:
-            self.settle_copies()
         try:
+            if self._deferred_frees or self._closing:
+                self.settle_copies()  # inside the try: a CUDA failure there costs a reply, not the daemon
             return self.handle(msg if trusted else parse_request(msg), peer)
         except ProtocolError as e:
             error = e

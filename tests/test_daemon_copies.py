@@ -12,6 +12,7 @@ import os
 import pytest
 from helpers import put_fields
 
+from stormd.cuda import CudaError
 from stormd.pool import SharedPool
 from stormd.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError
 from stormd.service import Service
@@ -181,3 +182,18 @@ def test_a_session_that_ends_with_copies_running_is_freed_once_they_finish(pool)
     copier.finish(a["session"], 1)
     service.settle_copies()
     assert used(service) == 0 and copier.closed == [a["session"]]
+
+
+def test_a_cuda_failure_while_releasing_costs_one_reply_not_the_daemon(pool):
+    copier = ScriptedCopier()
+    service = Service(pool, cuda=copier)
+    _, a = hello(service)
+    assert call(service, a, "PUT", **put_fields(1, 4096), cuda=FORGED)["ok"]
+    assert call(service, a, "FREE", keys=[1])["ok"]  # deferred: its copy runs
+
+    def broken(session, keys):
+        raise CudaError("cudaEventQuery failed: CUDA error 700 (cudaErrorIllegalAddress)")
+    copier.busy = broken
+    r = call(service, a, "PING")
+    assert r["error"] == ErrorCode.INTERNAL and "cudaEventQuery" in r["message"], r
+    assert call(service, a, "PUT", **put_fields(2, 4096))["ok"]  # CPU tensors are still served
