@@ -66,7 +66,6 @@ class Offload(contextlib.ContextDecorator):
         self._session: ClientSession | None = None
         self._step: Step | None = None
         self._hooks: Any = None
-        self._stepped_aside = False  # hooks taken off once the budget was reached
         self._module_hooks: list[Any] = []
 
     def _recreate_cm(self) -> "Offload":
@@ -84,19 +83,11 @@ class Offload(contextlib.ContextDecorator):
         self._step = self._session.new_step(self._budget)
         session, step, policy = self._session, self._step, self._policy
 
-        # Once the budget is reached, the rest of forward stays on the device: STORM then
-        # takes its hooks off, so those saves cost no Python call (and get autograd's own
-        # in-place checks). Not when it is nested in another hook, which would take them over.
-        can_step_aside = self._budget is not None and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-
         def pack(t: torch.Tensor) -> Any:
-            packed = session.save(t, step, policy)
-            if step.budget_reached and can_step_aside and not self._stepped_aside:
-                torch._C._autograd._pop_saved_tensors_default_hooks()  # what saved_tensors_hooks.__exit__ does
-                self._stepped_aside = True
-            return packed
+            if step.budget_reached:  # the rest of forward stays on the device
+                return session.save_past_budget(t, step)
+            return session.save(t, step, policy)
 
-        self._stepped_aside = False
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, session.load)
         self._hooks.__enter__()
         names = self._names
@@ -119,8 +110,7 @@ class Offload(contextlib.ContextDecorator):
             h.remove()
         self._module_hooks = []
         hooks, self._hooks = self._hooks, None
-        if not self._stepped_aside:
-            hooks.__exit__(*exc)
+        hooks.__exit__(*exc)
         self._session.end_step(self._step)
 
     @property

@@ -472,8 +472,9 @@ class Planner:
         self._make_plan()
 
     def _hook_later_blocks(self) -> None:
-        """Past the offloaded blocks STORM takes its saved-tensor hooks off: no save lets go of
-        the tensors whose copy has finished, and STORM cannot see backward make room. So after
+        """Past the offloaded blocks STORM's saves only mark about every 64 MiB: too coarse to
+        let go of the tensors whose copy has finished in time, or to see backward make room
+        at the plan's peak. So after
         each later block's forward the host waits until the copies still running fit in what
         the blocks after it will keep (the host runs ahead of the GPU, and the caching
         allocator counts memory on the host's clock), and a hook on each block's output (whose

@@ -36,6 +36,7 @@ log = logging.getLogger("storm")
 
 DEFAULT_PREFETCH_BYTES = 256 << 20
 DEFAULT_MAX_HELD_BYTES = 512 << 20  # saving blocks on the mover beyond this much not yet copied
+MARK_BYTES = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
 
 
 class State:
@@ -102,7 +103,10 @@ class Step:
         self.budget_bytes = budget_bytes  # offload the earliest saves up to this many bytes
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
         self.prefetch_room = 0            # room backward has made: prefetch may run this far past its window
-        self.budget_reached = False       # a save did not fit (storm.offload may then take its hooks off)
+        self.fetching = False             # backward has unpacked an offloaded save: the window is open
+        self.paced = False                # the caller sets prefetch_room (allow_prefetch), not the markers
+        self.budget_reached = False       # a save did not fit: the rest of forward stays on the device
+        self.unmarked_bytes = 0           # saves past the budget since the last marker
         self.flush_queued = False         # a poll is queued for the end of the running backward
         self.order: list[Stored] = []
         self.by_storage: dict[int, Stored] = {}
@@ -180,14 +184,15 @@ class Handle:
 class Kept:
     """A saved tensor that stays where it is, with its version, so unpack can still
     detect in-place changes (autograd's own check is off under saved_tensors_hooks).
-    One kept over the budget also marks how far backward has come, for prefetch."""
+    A marker (``step`` set: the first save over the budget, then about one in MARK_BYTES
+    past it) also tells prefetch how far backward has come."""
 
     __slots__ = ("tensor", "version", "step", "index", "nbytes")
 
     def __init__(self, t: torch.Tensor, step: Step | None = None, nbytes: int = 0):
         self.tensor = t
         self.version = t._version
-        self.step = step                                      # set for tensors kept over the budget
+        self.step = step                                      # set for markers
         self.index = len(step.order) if step is not None else 0  # offloaded saves before this one
         self.nbytes = nbytes
 
@@ -252,7 +257,7 @@ class ClientSession:
     def end_step(self, step: Step) -> None:
         """Forward is over: remember its size for fraction budgets. Prefetch waits for backward's
         first unpack: fetching at the end of forward would bring bytes back at the memory peak."""
-        if not step.budget_reached:  # past the budget the hooks may have stopped seeing saves
+        if not step.budget_reached:  # saves past the budget are not counted
             self.last_candidate_bytes = step.candidate_bytes
         self.poll()
 
@@ -283,6 +288,22 @@ class ClientSession:
             return Kept(t, step, nbytes)
         with pack_range(t.device):
             return self._offload(t, storage, nbytes, step)
+
+    def save_past_budget(self, t: torch.Tensor, step: Step) -> Kept:
+        """pack once the budget is reached: the tensor stays, for about a microsecond. About every
+        MARK_BYTES one is a marker; its unpack tells prefetch that backward has freed that much,
+        so the offloaded saves, needed last, come back while backward still computes, without
+        raising the peak (the window opens only at the first offloaded save unpacked)."""
+        if type(t) is torch.Tensor:  # not a parameter (alive anyway) or a view of one
+            base = t._base
+            if base is None or type(base) is torch.Tensor:
+                step.unmarked_bytes += t.numel() * t.element_size()
+                if step.unmarked_bytes >= MARK_BYTES:
+                    marker = Kept(t, step, step.unmarked_bytes)
+                    step.unmarked_bytes = 0
+                    self.poll()  # let go of tensors whose copy finished: nothing else polls past the budget
+                    return marker
+        return Kept(t)
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int, step: Step) -> Handle:
         t0 = time.perf_counter()
@@ -419,6 +440,7 @@ class ClientSession:
         self.poll()
         stored = handle.stored
         self._free_at_backward_end(stored.step)
+        stored.step.fetching = True
         stats = stored.step.stats
         with self._lock:
             if stored.state in (State.HELD, State.KEPT):
@@ -459,12 +481,13 @@ class ClientSession:
         return handle.view_of(base.untyped_storage())
 
     def _passed(self, kept: Kept) -> None:
-        """Backward reached a tensor kept over the budget: it is about to be freed, so the
-        offloaded tensors before it may come back by as many bytes, on top of the window."""
+        """Backward reached a marker past the budget: the saves since the one before are about
+        to be freed, so the offloaded tensors may come back by as many bytes."""
         self.poll()  # copies that finished since forward are released, so prefetch can pass them
         self._free_at_backward_end(kept.step)
         with self._lock:
-            kept.step.prefetch_room += kept.nbytes
+            if not kept.step.paced:
+                kept.step.prefetch_room += kept.nbytes
             self._prefetch_ahead(kept.step, kept.index)
 
     def drain(self, limit: int) -> None:
@@ -483,6 +506,7 @@ class ClientSession:
         come back ahead, on top of the prefetch window."""
         self.poll()
         with self._lock:
+            step.paced = step.fetching = True
             step.prefetch_room = nbytes  # may shrink: the room backward makes can be taken by gradients
             self._prefetch_ahead(step, len(step.order))
 
@@ -502,14 +526,16 @@ class ClientSession:
         self.poll()
 
     def _prefetch_ahead(self, step: Step, index: int) -> None:
-        """Start fetching the storages saved before ``index``, within the byte window.
+        """Start fetching the storages saved before ``index``, within the room backward has made
+        plus, once it unpacks offloaded saves, the byte window.
 
         ``step.cursor`` only moves down, so each storage is looked at about once per
         backward: O(1) per unpack. It waits at a storage whose copy to the store is
         still running (it may yet be needed from the device) and goes on once that
         copy is done. A second pass (retain_graph) fetches on demand."""
         step.cursor = min(step.cursor, index)
-        while step.cursor > 0 and self._prefetched_bytes < self.prefetch_bytes + step.prefetch_room:
+        limit = step.prefetch_room + (self.prefetch_bytes if step.fetching else 0)
+        while step.cursor > 0 and self._prefetched_bytes < limit:
             s = step.order[step.cursor - 1]
             if s.state == State.HELD:
                 return

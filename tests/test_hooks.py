@@ -3,6 +3,7 @@ gradients must be bit-identical to training without offload."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 import storm
+import storm.session as session_mod
 from storm.examples.models import GPT, ResNet, ViewNet, same_bits
 
 from helpers import relu_mlp
@@ -374,8 +376,8 @@ def test_byte_budget_offloads_the_earliest_saves_only():
     with storm.offload(mode="embedded", min_bytes=0, budget=3 * 128 * 128 * 4) as ctx:
         x, loss = chain_of_saves()
     ctx.synchronize()
-    # The fourth save is over the budget: it stays, and STORM takes its hooks off, so
-    # autograd saves the last two itself (they never reach STORM).
+    # The fourth save is over the budget: it and the last two stay on the device, and
+    # saves past the first one over the budget are not counted.
     assert ctx.stats.offloaded == 3 and ctx.stats.kept == {storm.Keep.BUDGET: 1} and ctx.stats.saved == 4
     assert ctx.stats.offloaded_bytes == 3 * 128 * 128 * 4
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
@@ -385,24 +387,48 @@ def test_byte_budget_offloads_the_earliest_saves_only():
     assert ctx.stats.prefetch_hits == 3
 
 
-def test_budget_inside_another_hook_keeps_its_hooks():
-    """Nested in save_on_cpu, taking STORM's hooks off would hand the rest to save_on_cpu:
-    so it keeps them, and keeps those tensors on the device itself."""
-    with torch.autograd.graph.save_on_cpu():
+@pytest.mark.parametrize("outer", [False, True])
+def test_saves_past_the_budget_stay_with_storm(outer):
+    """Past the budget STORM's hooks stay on: the saves stay on the device with STORM, also
+    nested in save_on_cpu (which would otherwise take them to the host)."""
+    with torch.autograd.graph.save_on_cpu() if outer else contextlib.nullcontext():
         with storm.offload(mode="embedded", min_bytes=0, budget=3 * 128 * 128 * 4) as ctx:
             x, loss = chain_of_saves()
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        assert top is not None and top[0].__qualname__.startswith("save_on_cpu")
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            assert top is not None and top[0].__qualname__.startswith("Offload.")
     ctx.synchronize()
-    assert ctx.stats.offloaded == 3 and ctx.stats.kept == {storm.Keep.BUDGET: 3}
+    assert ctx.stats.offloaded == 3 and ctx.stats.kept == {storm.Keep.BUDGET: 1}
     loss.backward()
     assert same_bits(x.grad, chain_grad(x))
 
 
-def chain_grad(x: torch.Tensor) -> torch.Tensor:
+def test_markers_past_the_budget_pace_prefetch(monkeypatch):
+    """Past the budget one save in about MARK_BYTES is a marker; as backward unpacks each, the
+    offloaded saves (needed last) may come back by the bytes saved since the marker before,
+    and not more: the prefetch window opens only at the first offloaded save unpacked."""
+    one = 128 * 128 * 4
+    monkeypatch.setattr(session_mod, "MARK_BYTES", 2 * one)
+    x = torch.randn(128, 128, requires_grad=True)
+    seen: dict[int, int] = {}
+    with storm.offload(mode="embedded", min_bytes=0, budget=4 * one) as ctx:
+        h = [x]
+        for _ in range(12):  # save k is layer k's output; saves 1-4 are offloaded
+            h.append(h[-1].tanh())
+        for k in (11, 10, 8):  # its gradient is ready once layer k + 1's backward has unpacked save k + 1
+            h[k].register_hook(lambda g, k=k: seen.__setitem__(k, ctx._session._prefetched_bytes))
+        loss = h[-1].sum()
+    # save 5 is the first over the budget (a marker); then markers at saves 7, 9 and 11
+    ctx.synchronize()  # prefetch waits at a save whose copy is still running
+    loss.backward()
+    assert seen == {11: 0, 10: 2 * one, 8: 4 * one}
+    assert ctx.stats.prefetch_hits == 4
+    assert same_bits(x.grad, chain_grad(x, 12))
+
+
+def chain_grad(x: torch.Tensor, n: int = 6) -> torch.Tensor:
     x2 = x.detach().requires_grad_()
     h = x2
-    for _ in range(6):
+    for _ in range(n):
         h = h.tanh()
     h.sum().backward()
     return x2.grad
