@@ -107,6 +107,7 @@ class Step:
         self.paced = False                # the caller sets prefetch_room (allow_prefetch), not the markers
         self.budget_reached = False       # a save did not fit: the rest of forward stays on the device
         self.unmarked_bytes = 0           # saves past the budget since the last marker
+        self.level: int | None = None     # CUDA bytes allocated when forward ended (with saves past the budget)
         self.flush_queued = False         # a poll is queued for the end of the running backward
         self.order: list[Stored] = []
         self.by_storage: dict[int, Stored] = {}
@@ -260,6 +261,8 @@ class ClientSession:
         if not step.budget_reached:  # saves past the budget are not counted
             self.last_candidate_bytes = step.candidate_bytes
         self.poll()
+        if step.budget_reached and step.order and step.order[0].device.type == "cuda":
+            step.level = torch.cuda.memory_allocated(step.order[0].device)
 
     # --- saving -------------------------------------------------------------
 
@@ -291,9 +294,9 @@ class ClientSession:
 
     def save_past_budget(self, t: torch.Tensor, step: Step) -> Kept:
         """pack once the budget is reached: the tensor stays, for about a microsecond. About every
-        MARK_BYTES one is a marker; its unpack tells prefetch that backward has freed that much,
-        so the offloaded saves, needed last, come back while backward still computes, without
-        raising the peak (the window opens only at the first offloaded save unpacked)."""
+        MARK_BYTES one is a marker; at its unpack prefetch looks at how much room backward has
+        made, so the offloaded saves, needed last, come back while backward still computes,
+        without raising the peak (the window opens only at the first offloaded save unpacked)."""
         if type(t) is torch.Tensor:  # not a parameter (alive anyway) or a view of one
             base = t._base
             if base is None or type(base) is torch.Tensor:
@@ -481,14 +484,23 @@ class ClientSession:
         return handle.view_of(base.untyped_storage())
 
     def _passed(self, kept: Kept) -> None:
-        """Backward reached a marker past the budget: the saves since the one before are about
-        to be freed, so the offloaded tensors may come back by as many bytes."""
+        """Backward reached a marker past the budget: the offloaded tensors may come back as far
+        as the room it has made. On CUDA that is the memory allocated now below what was when
+        forward ended (backward frees saves but allocates gradients: on W2 they take most of
+        it); elsewhere, the bytes saved since the marker before, about to be freed."""
         self.poll()  # copies that finished since forward are released, so prefetch can pass them
-        self._free_at_backward_end(kept.step)
+        step = kept.step
+        self._free_at_backward_end(step)
         with self._lock:
-            if not kept.step.paced:
-                kept.step.prefetch_room += kept.nbytes
-            self._prefetch_ahead(kept.step, kept.index)
+            if not step.paced:
+                step.prefetch_room = self._room_made(step, kept)
+            self._prefetch_ahead(step, kept.index)
+
+    def _room_made(self, step: Step, marker: Kept) -> int:
+        if step.level is None:
+            return step.prefetch_room + marker.nbytes
+        freed = step.level - torch.cuda.memory_allocated(marker.device)
+        return max(0, freed) + self._prefetched_bytes  # the bytes prefetched are allocated already
 
     def drain(self, limit: int) -> None:
         """Wait, oldest first, until at most ``limit`` bytes of saved tensors wait for their copy."""
