@@ -240,10 +240,7 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
                         fwd_ms = rows.get("none", {}).get("forward_ms")
                         if fwd_ms is None:
                             continue
-                        budget = int(bw["d2h_GBps"] * 1e9 * fwd_ms / 1e3)
-                        # Its saves come faster than the link drains them: let them all wait for their
-                        # copy rather than block forward (they are done about when forward ends).
-                        opts = {**opts, "budget": budget, "max_held_bytes": max(args.max_held, budget)}
+                        opts = {**opts, "budget": int(bw["d2h_GBps"] * 1e9 * fwd_ms / 1e3)}
                     r = run(w, method, args.steps, args.warmup, opts, device)
                     rows[name] = r
                     advance(f"{w.name} {name}: {r}")

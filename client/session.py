@@ -106,7 +106,8 @@ class Step:
         self.fetching = False             # backward has unpacked an offloaded save: the window is open
         self.paced = False                # the caller sets prefetch_room (allow_prefetch), not the markers
         self.budget_reached = False       # a save did not fit: the rest of forward stays on the device
-        self.unmarked_bytes = 0           # saves past the budget since the last marker
+        self.past_budget_bytes = 0        # saves past the budget (views counted by their own size)
+        self.marked_bytes = 0             # past_budget_bytes at the last marker
         self.level: int | None = None     # CUDA bytes allocated when forward ended (with saves past the budget)
         self.flush_queued = False         # a poll is queued for the end of the running backward
         self.order: list[Stored] = []
@@ -241,6 +242,7 @@ class ClientSession:
         # (copies out of the store: Transfers or CUDA events, key to free once they are done)
         self._reading: collections.deque[tuple[list[Any], int]] = collections.deque()
         self.last_candidate_bytes: int | None = None
+        self.last_past_budget_bytes = 0  # saved past the budget in the last step that had one
         self._warned: set[str] = set()  # kinds of store failure already logged
         self._raw_kinds: set[tuple[Any, ...]] = set()  # Stored.kind whose frame overflowed: stored raw
 
@@ -261,8 +263,11 @@ class ClientSession:
         if not step.budget_reached:  # saves past the budget are not counted
             self.last_candidate_bytes = step.candidate_bytes
         self.poll()
-        if step.budget_reached and step.order and step.order[0].device.type == "cuda":
-            step.level = torch.cuda.memory_allocated(step.order[0].device)
+        if step.budget_reached:
+            self.drain(self.max_held_bytes)
+            self.last_past_budget_bytes = step.past_budget_bytes
+            if step.order and step.order[0].device.type == "cuda":
+                step.level = torch.cuda.memory_allocated(step.order[0].device)
 
     # --- saving -------------------------------------------------------------
 
@@ -300,13 +305,23 @@ class ClientSession:
         if type(t) is torch.Tensor:  # not a parameter (alive anyway) or a view of one
             base = t._base
             if base is None or type(base) is torch.Tensor:
-                step.unmarked_bytes += t.numel() * t.element_size()
-                if step.unmarked_bytes >= MARK_BYTES:
-                    marker = Kept(t, step, step.unmarked_bytes)
-                    step.unmarked_bytes = 0
+                step.past_budget_bytes += t.numel() * t.element_size()
+                if step.past_budget_bytes - step.marked_bytes >= MARK_BYTES:
+                    marker = Kept(t, step, step.past_budget_bytes - step.marked_bytes)
+                    step.marked_bytes = step.past_budget_bytes
                     self.poll()  # let go of tensors whose copy finished: nothing else polls past the budget
+                    self.drain(self._held_limit(step))
                     return marker
         return Kept(t)
+
+    def _held_limit(self, step: Step) -> int:
+        """Bytes that may wait for their copy. Forward's peak is at its end, and past the budget
+        every save stays: until as many as in the last step have come, the copies may run
+        behind by that much more without raising the peak, and forward need not wait for the
+        link (a budget that fits in forward's link time then costs forward nothing)."""
+        if step.budget_bytes == float("inf"):
+            return self.max_held_bytes
+        return self.max_held_bytes + max(0, self.last_past_budget_bytes - step.past_budget_bytes)
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int, step: Step) -> Handle:
         t0 = time.perf_counter()
@@ -325,7 +340,7 @@ class ClientSession:
             self._held.append(stored)
             self._held_bytes += nbytes
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
-            oldest = self._held[0].put if self._held_bytes > self.max_held_bytes else None
+            oldest = self._held[0].put if self._held_bytes > self._held_limit(step) else None
         step.stats.pack_s += time.perf_counter() - t0
         if oldest is not None:  # bound what waits on the mover; wait outside the lock
             oldest.wait()
