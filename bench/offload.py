@@ -292,8 +292,8 @@ def plot(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
-    """Gradients of one step, no offload twice, then embedded and daemon, raw and in frames, compared
-    bit for bit."""
+    """Gradients of one step, no offload twice, then the STORM rows of --methods (embedded and daemon,
+    raw and in frames, with a budget), compared bit for bit."""
     torch.use_deterministic_algorithms(True)
     results: dict = {"deterministic_algorithms": True}
     daemon, endpoint = start_daemon(Path(tempfile.mkdtemp()), args.pool_size)
@@ -303,10 +303,14 @@ def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
             row = {}
             embedded = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size}
             daemon_opts = {"mode": "daemon", "socket": endpoint, "min_bytes": args.min_bytes}
-            for name, opts in (("none", None), ("none-again", None), ("storm-embedded", embedded),
-                               ("storm-daemon", daemon_opts),
-                               ("storm-embedded-frames", {**embedded, "codec": "ancf_exp"}),
-                               ("storm-daemon-frames", {**daemon_opts, "codec": "ancf_exp"})):
+            storm_rows = {"embedded": embedded, "daemon": daemon_opts,
+                          "embedded-frames": {**embedded, "codec": "ancf_exp"},
+                          "daemon-frames": {**daemon_opts, "codec": "ancf_exp"},
+                          # one step: a byte budget (a fraction's first step offloads all)
+                          "embedded-budget": {**embedded, "budget": args.budget},
+                          "daemon-budget": {**daemon_opts, "budget": args.budget}}
+            for name, opts in (("none", None), ("none-again", None),
+                               *((f"storm-{m}", storm_rows[m]) for m in args.methods if m in storm_rows)):
                 model, x = w.build(device)
                 if opts is None:
                     y = model(x)
@@ -339,8 +343,11 @@ def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", nargs="+", default=["W1", "W2"])
-    p.add_argument("--methods", nargs="+", default=["none", "checkpoint", "save_on_cpu", "embedded",
-                                                     "embedded-lowmem", "daemon", "budgets"])
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="timings: none checkpoint save_on_cpu embedded embedded-lowmem daemon budgets (the "
+                        "default), daemon-client-copies, embedded-frames, daemon-frames, budget-fit, spill; "
+                        "--check: embedded daemon embedded-frames daemon-frames (the default), embedded-budget, "
+                        "daemon-budget (with --budget in bytes)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--pool-size", default="24GiB")
@@ -357,6 +364,11 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="compare gradients bit for bit instead of timing")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.methods is None:
+        args.methods = (["embedded", "daemon", "embedded-frames", "daemon-frames"] if args.check else
+                        ["none", "checkpoint", "save_on_cpu", "embedded", "embedded-lowmem", "daemon", "budgets"])
+    if args.check and any(m.endswith("-budget") for m in args.methods) and args.budget is None:
+        p.error("--check with a budget row needs --budget (bytes, e.g. 2GiB)")
     device = torch.device("cuda")
     write(args, bitexact(args, device) if args.check else timings(args, device))
     if args.plot:
