@@ -98,7 +98,7 @@ def worker(a: argparse.Namespace) -> None:
     w = TINY if a.tiny else dataclasses.replace(W1, batch=a.batch)
     link = link_alone_and_together(device)
     plain, t_plain, _ = train(w, device, a.steps, None)
-    opts = {"mode": "daemon", "socket": a.socket, "min_bytes": 0 if a.tiny else 1 << 20}
+    opts = {"mode": "daemon", "socket": a.socket, "min_bytes": 0 if a.tiny else 1 << 20, "budget": budget(a.budget)}
     offloaded, t_off, tensors = train(w, device, a.steps, opts)
     med = lambda ts: round(statistics.median(ts[a.warmup:]) * 1e3, 2)  # noqa: E731
     row = {"rank": rank, "steps": a.steps, "identical_steps": sum(p == o for p, o in zip(plain, offloaded)),
@@ -112,11 +112,20 @@ def worker(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def budget(text: str | None) -> str | float | None:
+    """--budget: a fraction (0.25) or bytes (2GiB), as storm.offload takes it."""
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return text
+
+
 def launch(a: argparse.Namespace, nproc: int, endpoint: str, tmp: str) -> dict:
     result = Path(tmp) / f"ranks-{nproc}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
            "--worker", "--socket", endpoint, "--result", str(result), "--steps", str(a.steps),
-           "--warmup", str(a.warmup), "--batch", str(a.batch), "--device", a.device] + (["--tiny"] if a.tiny else [])
+           "--warmup", str(a.warmup), "--batch", str(a.batch), "--device", a.device] + (["--tiny"] if a.tiny else []) \
+        + (["--budget", a.budget] if a.budget is not None else [])
     subprocess.run(cmd, check=True)
     return json.loads(result.read_text())
 
@@ -130,6 +139,8 @@ def main() -> int:
     p.add_argument("--pool-size", default="8GiB", help="every rank page-locks all of it: about 1 s per GiB")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="a tiny model instead of W1 (smoke runs on CPU)")
+    p.add_argument("--budget", default=None, help="storm.offload(budget=...): a fraction (0.25) or bytes (2GiB); "
+                   "default: offload all")
     p.add_argument("--out")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--socket", help=argparse.SUPPRESS)
