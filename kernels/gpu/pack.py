@@ -5,7 +5,7 @@ Codec b, encode: ``_sample_hist`` counts the symbols of a strided sample (the
 host picks the 15-entry table from it); ``_dict4_encode`` then reads each
 element once as groups of 4 (a (G, 4) tile: contiguous loads and stores per
 thread), writes the 4-bit codes (two per byte) and the raw field (byte planes),
-and reserves its escapes' slots with one atomic per program on a global counter. The host reads
+and gives each escape a slot from one global atomic counter. The host reads
 that count (the one wait of encode: it sizes the escape output; the slots were
 sized from the sample, and the pass re-runs if they were too few) and sorts the
 escapes by position.
@@ -86,18 +86,10 @@ def _dict4_encode(x_ptr, lut_ptr, codes_ptr, raw_ptr, nesc_ptr, pos_ptr, sym_ptr
                 tl.store(raw_ptr + k * n + idx, ((r >> (8 * k)) & 0xFF).to(tl.uint8), mask=m)
             else:
                 tl.store(raw_ptr + k * n + idx, ((r >> (8 * k)) & 0xFF).to(tl.uint8))
-    # One atomic per program reserves its escapes' slots, in order within it: an atomic per
-    # escape on one counter serialises (N(0,1) has ~1% escapes), and ordered runs of slots
-    # keep the decoder's patch writes close together.
-    hits = miss.to(tl.int32)
-    count = tl.sum(tl.sum(hits, axis=1), axis=0)
-    if count > 0:
-        base = tl.atomic_add(nesc_ptr, count)
-        flat = tl.reshape(hits, (4 * G,))
-        slot = base + tl.reshape(tl.cumsum(flat, axis=0) - flat, (G, 4))
-        keep = miss & (slot < cap)
-        tl.store(pos_ptr + slot, idx.to(pos_ptr.dtype.element_ty), mask=keep)
-        tl.store(sym_ptr + slot, s.to(tl.uint8), mask=keep)
+    slot = tl.atomic_add(nesc_ptr + tl.zeros_like(idx), 1, mask=miss)
+    keep = miss & (slot < cap)
+    tl.store(pos_ptr + slot, idx.to(pos_ptr.dtype.element_ty), mask=keep)
+    tl.store(sym_ptr + slot, s.to(tl.uint8), mask=keep)
 
 
 @triton.jit
@@ -108,7 +100,7 @@ def _dict4_patch(out_ptr, codes_ptr, pos_ptr, sym_ptr, stat_ptr, count, cap, n, 
     # positions must also increase (with the escape count checked, that makes the list
     # exactly the escapes); violations are counted in stat_ptr[2]. FRAME (kernels.frame):
     # ``count`` points at the frame's escape count, read here so the host need not wait
-    # for it; the slots are in the order the encoder's programs reserved them.
+    # for it; the slots are in the order the encoder's atomics gave them.
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if FRAME:
         ok = j < tl.minimum(tl.load(count), cap)
