@@ -3,17 +3,19 @@
 ``associative_scan`` returns what ``torch.cumsum`` returns (same dtype
 promotion: integer and bool inputs give int64; integers bit-identical), forward
 or reversed along a dim. On CUDA with Triton it runs ``kernels.gpu.scan``
-(reduce, scan of the block totals, scan of each block with its offset);
-elsewhere it is ``torch.cumsum``.
+(one pass with decoupled look-back; three for 64-bit inputs); elsewhere it is
+``torch.cumsum``.
 
 Float summation order and the error bound we test: on the CPU, left to right
-(torch.cumsum). On the GPU each block of 4096 elements is summed as a tree
-(Triton's in-block scan), block totals are scanned left to right, and the
-block's offset is added last. Either way each output is a sum of the same
-terms in some order, so it obeys the order-independent bound
-``|scan[i] - exact[i]| <= (i) * u * sum_{j<=i} |x[j]|`` with ``u`` the unit
-roundoff of the dtype; tests/kernels/test_scan.py checks exactly this bound
-against a float64 reference.
+(torch.cumsum). On the GPU each block (8192 elements in one pass, 4096 in three)
+is summed as a tree (Triton's in-block scan); the blocks before it add up, in
+one pass, from the nearest block back until one whose inclusive prefix is
+published, in three, left to right; the block's offset is added last. Either
+way each output is a sum of the same terms in some order, so it obeys the
+order-independent bound ``|scan[i] - exact[i]| <= (i) * u * sum_{j<=i} |x[j]|``
+with ``u`` the unit roundoff of the dtype; tests/kernels/test_kernels_scan.py
+(CPU) and tests/kernels/test_kernels_gpu.py check exactly this bound against a
+float64 reference.
 """
 from __future__ import annotations
 

@@ -1,14 +1,23 @@
 """Triton prefix sum along the last dim of a contiguous tensor.
 
-Three launches with a fixed summation order: (1) each program sums one BLOCK of
-a row; (2) the block totals of each row are scanned (torch.cumsum: rows x
-blocks is small); (3) each program scans its BLOCK in registers (``tl.cumsum``,
-a tree) and adds its block's offset. The input is read twice and the output
-written once, so the ceiling is below a device copy's rate (bench/codec.py
-measures the fraction; a single-pass decoupled look-back variant measured
-slower on the H100 in this Triton version and was dropped). Integer and bool
-inputs accumulate and return int64, as torch.cumsum does; float16/bfloat16
-accumulate in float32 and round each output once.
+One pass with decoupled look-back (Merrill and Garland, "Single-pass parallel prefix
+scan with decoupled look-back", 2016) for 8/16/32-bit inputs: each program takes the
+next block in launch order from a counter (so every block it waits on is running),
+scans its BLOCK in registers (``tl.cumsum``, a tree), publishes the block's total,
+then walks back over the blocks before it, adding published totals until it meets a
+published inclusive prefix, and publishes its own. A published word is the value and a
+2-bit flag (1: total, 2: inclusive prefix) in one int64, so one atomic reads both: an
+integer sum sits above the flag (|prefix| < 2**61: inputs of 32 bits or less, fewer
+than 2**29 elements a row), a float32 sum as its 32 bits. The input is read once and
+the output written once.
+
+Three launches for 64-bit inputs, and for rows the flag word cannot hold: (1) each
+program sums one BLOCK of a row; (2) the block totals of each row are scanned
+(torch.cumsum: rows x blocks is small); (3) each program scans its BLOCK and adds its
+block's offset. The input is read twice.
+
+Integer and bool inputs accumulate and return int64, as torch.cumsum does;
+float16/bfloat16 accumulate in float32 and round each output once.
 """
 from __future__ import annotations
 
@@ -17,6 +26,52 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096
+ONE_PASS_BLOCK = 8192
+ONE_PASS_MAX_ROW = 1 << 29  # |prefix| of 32-bit inputs stays below 2**61 (the flag takes 2 bits)
+
+
+@triton.jit
+def _publish(flags_ptr, value, flag: tl.constexpr, FLOAT: tl.constexpr):
+    if FLOAT:
+        word = (value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF) << 2
+    else:
+        word = value.to(tl.int64) << 2
+    tl.atomic_xchg(flags_ptr, word | flag, sem="release")
+
+
+@triton.jit
+def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.constexpr,
+                   FLOAT: tl.constexpr):
+    vid = tl.atomic_add(counter_ptr, 1)  # blocks in the order programs started: predecessors are running
+    row = vid // nb
+    blk = vid % nb
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    base = row.to(tl.int64) * L
+    x = tl.load(x_ptr + base + offs, mask=offs < L, other=0).to(ACC)
+    y = tl.cumsum(x, axis=0)
+    total = tl.sum(x, axis=0)
+    flags = flags_ptr + row.to(tl.int64) * nb
+    prefix = tl.zeros([], ACC)
+    if blk == 0:
+        _publish(flags, total, 2, FLOAT)
+    else:
+        _publish(flags + blk, total, 1, FLOAT)
+        t = blk - 1
+        while t >= 0:
+            word = tl.atomic_add(flags + t, 0, sem="acquire")
+            while (word & 3) == 0:
+                word = tl.atomic_add(flags + t, 0, sem="acquire")
+            if FLOAT:
+                v = ((word >> 2) & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            else:
+                v = (word >> 2).to(ACC)
+            prefix = v + prefix  # totals from the nearest block back: each added once, left of the sum
+            if (word & 3) == 2:
+                t = tl.full([], -1, t.dtype)
+            else:
+                t = t - 1
+        _publish(flags + blk, prefix + total, 2, FLOAT)
+    tl.store(y_ptr + base + offs, (y + prefix).to(y_ptr.dtype.element_ty), mask=offs < L)
 
 
 @triton.jit
@@ -49,6 +104,13 @@ def scan_lastdim(x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // L if L else 0
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if x.numel() == 0:
+        return y
+    if x.element_size() <= 4 and L < ONE_PASS_MAX_ROW:
+        nb = triton.cdiv(L, ONE_PASS_BLOCK)
+        flags = torch.zeros(rows * nb, dtype=torch.int64, device=x.device)
+        counter = torch.zeros(1, dtype=torch.int32, device=x.device)
+        _scan_one_pass[(rows * nb,)](src, y, flags, counter, L, nb, BLOCK=ONE_PASS_BLOCK, ACC=acc,
+                                     FLOAT=acc_t == torch.float32, num_warps=8)
         return y
     nb = triton.cdiv(L, BLOCK)
     if nb > 65535:  # grid dim 1 limit: rows longer than 268 M elements stay on torch

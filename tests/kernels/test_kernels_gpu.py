@@ -94,19 +94,30 @@ def test_gpu_corrupt_is_detected(gpu_path: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.int8])
 def test_gpu_scan_integers_identical(dtype: torch.dtype) -> None:
-    x = torch.randint(0, 100, (3, 1_000_003), device="cuda").to(dtype)
+    x = torch.randint(-100 if dtype.is_signed else 0, 100, (3, 1_000_003), device="cuda").to(dtype)
     for dim in (0, 1):
         for rev in (False, True):
             ref = torch.cumsum(x.flip(dim), dim).flip(dim) if rev else torch.cumsum(x, dim)
             assert torch.equal(associative_scan(x, dim, reverse=rev), ref)
 
 
-def test_gpu_scan_float_bound() -> None:
-    x = torch.randn(4, 2_000_000, device="cuda", dtype=torch.float64).float()
+def test_gpu_scan_int32_extremes_identical() -> None:
+    """Prefixes far past 32 bits, of both signs, through the one-pass kernel's packed words."""
+    x = torch.randint(-2**31, 2**31 - 1, (2, 3_000_000), device="cuda", dtype=torch.int32)
+    x[0, ::2] = 2**31 - 1
+    assert torch.equal(associative_scan(x, 1), torch.cumsum(x, 1))
+    assert torch.equal(associative_scan(x, 1, reverse=True), torch.cumsum(x.flip(1), 1).flip(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_scan_float_bound(dtype: torch.dtype) -> None:
+    x = torch.randn(4, 2_000_000, device="cuda", dtype=torch.float64).to(dtype)
     out = associative_scan(x, 1).double()
     exact = torch.cumsum(x.double(), 1)
     i = torch.arange(1, x.shape[1] + 1, device="cuda", dtype=torch.float64)
-    bound = i * 2.0**-24 * torch.cumsum(x.double().abs(), 1)
+    acc = i * 2.0**-24 * torch.cumsum(x.double().abs(), 1)  # float32 accumulation, in any order
+    u_out = {torch.float32: 0.0, torch.bfloat16: 2.0**-8}[dtype]  # bf16 outputs are rounded once
+    bound = acc + u_out * (exact.abs() + acc)
     assert bool(((out - exact).abs() <= bound).all())
 
 
