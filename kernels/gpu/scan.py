@@ -4,8 +4,8 @@ One pass with decoupled look-back (Merrill and Garland, "Single-pass parallel pr
 scan with decoupled look-back", 2016) for 8/16/32-bit inputs: each program takes the
 next block in launch order from a counter (so every block it waits on is running),
 scans its BLOCK in registers (``tl.cumsum``, a tree), publishes the block's total,
-then walks back over the blocks before it, adding published totals until it meets a
-published inclusive prefix, and publishes its own. A published word is the value and a
+then walks back over the blocks before it, 32 at a time, adding published totals
+until it meets a published inclusive prefix, and publishes its own. A published word is the value and a
 2-bit flag (1: total, 2: inclusive prefix) in one int64, so one atomic reads both: an
 integer sum sits above the flag (|prefix| < 2**61: inputs of 32 bits or less, fewer
 than 2**29 elements a row), a float32 sum as its 32 bits. The input is read once and
@@ -41,7 +41,7 @@ def _publish(flags_ptr, value, flag: tl.constexpr, FLOAT: tl.constexpr):
 
 @triton.jit
 def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.constexpr,
-                   FLOAT: tl.constexpr):
+                   FLOAT: tl.constexpr, WINDOW: tl.constexpr):
     vid = tl.atomic_add(counter_ptr, 1)  # blocks in the order programs started: predecessors are running
     row = vid // nb
     blk = vid % nb
@@ -56,20 +56,27 @@ def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.conste
         _publish(flags, total, 2, FLOAT)
     else:
         _publish(flags + blk, total, 1, FLOAT)
-        t = blk - 1
+        lane = tl.arange(0, WINDOW)
+        t = blk - 1  # the nearest block not yet added
         while t >= 0:
-            word = tl.atomic_add(flags + t, 0, sem="acquire")
-            while (word & 3) == 0:
-                word = tl.atomic_add(flags + t, 0, sem="acquire")
-            if FLOAT:
-                v = ((word >> 2) & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-            else:
-                v = (word >> 2).to(ACC)
-            prefix = v + prefix  # totals from the nearest block back: each added once, left of the sum
-            if (word & 3) == 2:
-                t = tl.full([], -1, t.dtype)
-            else:
-                t = t - 1
+            # WINDOW blocks back at once (one atomic each, in parallel): a block walking back
+            # one atomic at a time waits a round trip per block in flight before it
+            idx = t - lane
+            inside = idx >= 0
+            words = tl.atomic_add(flags + idx, tl.zeros([WINDOW], tl.int64), mask=inside, sem="acquire")
+            state = tl.where(inside, words & 3, 2)  # before block 0: an inclusive prefix of 0
+            stop = tl.min(tl.where(state == 2, lane, WINDOW), axis=0)  # the nearest inclusive prefix
+            needed = lane <= stop
+            if tl.sum((needed & (state == 0)).to(tl.int32), axis=0) == 0:  # all published: add them
+                if FLOAT:
+                    v = ((words >> 2) & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+                else:
+                    v = (words >> 2).to(ACC)
+                prefix = prefix + tl.sum(tl.where(needed & inside, v, 0), axis=0)
+                if stop < WINDOW:
+                    t = tl.full([], -1, t.dtype)
+                else:
+                    t = t - WINDOW
         _publish(flags + blk, prefix + total, 2, FLOAT)
     tl.store(y_ptr + base + offs, (y + prefix).to(y_ptr.dtype.element_ty), mask=offs < L)
 
@@ -110,7 +117,7 @@ def scan_lastdim(x: torch.Tensor) -> torch.Tensor:
         flags = torch.zeros(rows * nb, dtype=torch.int64, device=x.device)
         counter = torch.zeros(1, dtype=torch.int32, device=x.device)
         _scan_one_pass[(rows * nb,)](src, y, flags, counter, L, nb, BLOCK=ONE_PASS_BLOCK, ACC=acc,
-                                     FLOAT=acc_t == torch.float32, num_warps=8)
+                                     FLOAT=acc_t == torch.float32, WINDOW=32, num_warps=8)
         return y
     nb = triton.cdiv(L, BLOCK)
     if nb > 65535:  # grid dim 1 limit: rows longer than 268 M elements stay on torch
