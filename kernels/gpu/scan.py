@@ -27,6 +27,8 @@ import triton.language as tl
 
 BLOCK = 4096
 ONE_PASS_BLOCK = 8192
+ONE_PASS_WARPS = 8
+LOOKBACK = 32  # blocks read at once when looking back
 ONE_PASS_MAX_ROW = 1 << 29  # |prefix| of 32-bit inputs stays below 2**61 (the flag takes 2 bits)
 
 
@@ -43,8 +45,8 @@ def _publish(flags_ptr, value, flag: tl.constexpr, FLOAT: tl.constexpr):
 def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.constexpr,
                    FLOAT: tl.constexpr, WINDOW: tl.constexpr):
     vid = tl.atomic_add(counter_ptr, 1)  # blocks in the order programs started: predecessors are running
-    row = vid // nb
-    blk = vid % nb
+    row = (vid // nb).to(tl.int32)
+    blk = (vid % nb).to(tl.int32)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     base = row.to(tl.int64) * L
     x = tl.load(x_ptr + base + offs, mask=offs < L, other=0).to(ACC)
@@ -114,10 +116,9 @@ def scan_lastdim(x: torch.Tensor) -> torch.Tensor:
         return y
     if x.element_size() <= 4 and L < ONE_PASS_MAX_ROW:
         nb = triton.cdiv(L, ONE_PASS_BLOCK)
-        flags = torch.zeros(rows * nb, dtype=torch.int64, device=x.device)
-        counter = torch.zeros(1, dtype=torch.int32, device=x.device)
-        _scan_one_pass[(rows * nb,)](src, y, flags, counter, L, nb, BLOCK=ONE_PASS_BLOCK, ACC=acc,
-                                     FLOAT=acc_t == torch.float32, WINDOW=32, num_warps=8)
+        flags = torch.zeros(rows * nb + 1, dtype=torch.int64, device=x.device)  # and the counter, last: one memset
+        _scan_one_pass[(rows * nb,)](src, y, flags, flags[rows * nb:], L, nb, BLOCK=ONE_PASS_BLOCK, ACC=acc,
+                                     FLOAT=acc_t == torch.float32, WINDOW=LOOKBACK, num_warps=ONE_PASS_WARPS)
         return y
     nb = triton.cdiv(L, BLOCK)
     if nb > 65535:  # grid dim 1 limit: rows longer than 268 M elements stay on torch
