@@ -172,16 +172,19 @@ def bench_zstd(ts: list[torch.Tensor], level: int, shuffle: bool, reps: int) -> 
 
 
 def bench_scan(size: int, dev: torch.device, reps: int) -> list[dict]:
+    """Each row: a --size-mib input scanned as torch.cumsum would (int32 -> int64), int32 ->
+    int32 (dtype=torch.int32) and float32, against a copy of the input (read + write)."""
     rows = []
-    for dtype in (torch.int32, torch.float32):
+    for dtype, out_dtype in ((torch.int32, None), (torch.int32, torch.int32), (torch.float32, None)):
         n = size // 4
         x = torch.randint(-50, 50, (n,), device=dev, dtype=torch.int32).to(dtype)
         tc, _ = timed(lambda: x.clone(), dev, reps)
-        ts, y = timed(lambda: associative_scan(x, 0), dev, reps)
-        tr, ref = timed(lambda: torch.cumsum(x, 0), dev, reps)
+        ts, y = timed(lambda: associative_scan(x, 0, dtype=out_dtype), dev, reps)
+        tr, ref = timed(lambda: torch.cumsum(x, 0, dtype=out_dtype), dev, reps)
         moved = n * x.element_size() + y.numel() * y.element_size()  # read input + write output
         copy_bw = 2 * n * x.element_size() / tc
-        row = {"dtype": str(dtype).replace("torch.", ""), "nbytes_in": n * x.element_size(),
+        row = {"dtype": str(dtype).replace("torch.", ""), "out_dtype": str(y.dtype).replace("torch.", ""),
+               "nbytes_in": n * x.element_size(),
                "scan_GBps": round(moved / ts / 1e9, 1), "cumsum_GBps": round(moved / tr / 1e9, 1),
                "copy_GBps": round(copy_bw / 1e9, 1), "fraction_of_copy": round(moved / ts / copy_bw, 3)}
         if dtype == torch.int32:

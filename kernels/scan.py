@@ -1,8 +1,8 @@
 """Inclusive associative scan (prefix sum) and stream compaction built on it.
 
 ``associative_scan`` returns what ``torch.cumsum`` returns (same dtype
-promotion: integer and bool inputs give int64; integers bit-identical), forward
-or reversed along a dim. On CUDA with Triton it runs ``kernels.gpu.scan``
+promotion: integer and bool inputs give int64, or the ``dtype`` asked for, as
+torch.cumsum's ``dtype``; integers bit-identical), forward or reversed along a dim. On CUDA with Triton it runs ``kernels.gpu.scan``
 (one pass with decoupled look-back; three for 64-bit inputs); elsewhere it is
 ``torch.cumsum``.
 
@@ -24,19 +24,26 @@ import torch
 from .gpu import use_triton
 
 
-def associative_scan(x: torch.Tensor, dim: int = -1, reverse: bool = False) -> torch.Tensor:
-    """Inclusive prefix sum of ``x`` along ``dim`` (suffix sum when ``reverse``)."""
-    if x.numel() == 0 or not use_triton(x):
+def associative_scan(x: torch.Tensor, dim: int = -1, reverse: bool = False,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Inclusive prefix sum of ``x`` along ``dim`` (suffix sum when ``reverse``).
+
+    ``dtype`` as in torch.cumsum: the input is taken as that dtype and summed in it
+    (``torch.int32`` halves the output of an integer scan; its sums wrap at 32 bits).
+    """
+    if x.numel() == 0 or not use_triton(x) or (dtype is not None and dtype not in (torch.int32, torch.int64)):
         if reverse:
-            return torch.cumsum(x.flip(dim), dim=dim).flip(dim)
-        return torch.cumsum(x, dim=dim)
+            return torch.cumsum(x.flip(dim), dim=dim, dtype=dtype).flip(dim)
+        return torch.cumsum(x, dim=dim, dtype=dtype)
     from .gpu.scan import scan_lastdim
 
     d = dim % x.dim() if x.dim() else 0
     moved = x.movedim(d, -1) if x.dim() else x.reshape(1)
     if reverse:
         moved = moved.flip(-1)
-    out = scan_lastdim(moved.contiguous())
+    if dtype is not None and moved.dtype.is_floating_point:
+        moved = moved.to(dtype)  # torch.cumsum truncates floats to the integer dtype first
+    out = scan_lastdim(moved.contiguous(), dtype)
     if reverse:
         out = out.flip(-1)
     return out.movedim(-1, d).contiguous() if x.dim() else out.reshape(())

@@ -7,17 +7,19 @@ scans its BLOCK in registers (``tl.cumsum``, a tree), publishes the block's tota
 then walks back over the blocks before it, 32 at a time, adding published totals
 until it meets a published inclusive prefix, and publishes its own. A published word is the value and a
 2-bit flag (1: total, 2: inclusive prefix) in one int64, so one atomic reads both: an
-integer sum sits above the flag (|prefix| < 2**61: inputs of 32 bits or less, fewer
-than 2**29 elements a row), a float32 sum as its 32 bits. The input is read once and
-the output written once.
+int64 sum sits above the flag (|prefix| < 2**61: inputs of 32 bits or less, fewer
+than 2**29 elements a row), a float32 or int32 sum as its 32 bits. The input is read
+once and the output written once.
 
 Three launches for 64-bit inputs, and for rows the flag word cannot hold: (1) each
 program sums one BLOCK of a row; (2) the block totals of each row are scanned
 (torch.cumsum: rows x blocks is small); (3) each program scans its BLOCK and adds its
 block's offset. The input is read twice.
 
-Integer and bool inputs accumulate and return int64, as torch.cumsum does;
-float16/bfloat16 accumulate in float32 and round each output once.
+Integer and bool inputs accumulate and return int64, as torch.cumsum does, unless an
+``out_dtype`` of int32 is asked for (torch.cumsum's ``dtype=torch.int32``): then the
+sums wrap at 32 bits, as torch's do, and the output is half as wide. float16/bfloat16
+accumulate in float32 and round each output once.
 """
 from __future__ import annotations
 
@@ -27,14 +29,14 @@ import triton.language as tl
 
 BLOCK = 4096
 ONE_PASS_BLOCK = 8192
-ONE_PASS_WARPS = 8
+ONE_PASS_WARPS = 4
 LOOKBACK = 32  # blocks read at once when looking back
 ONE_PASS_MAX_ROW = 1 << 29  # |prefix| of 32-bit inputs stays below 2**61 (the flag takes 2 bits)
 
 
 @triton.jit
-def _publish(flags_ptr, value, flag: tl.constexpr, FLOAT: tl.constexpr):
-    if FLOAT:
+def _publish(flags_ptr, value, flag: tl.constexpr, WORD32: tl.constexpr):
+    if WORD32:  # a float32 or int32 sum: its 32 bits
         word = (value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF) << 2
     else:
         word = value.to(tl.int64) << 2
@@ -43,7 +45,7 @@ def _publish(flags_ptr, value, flag: tl.constexpr, FLOAT: tl.constexpr):
 
 @triton.jit
 def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.constexpr,
-                   FLOAT: tl.constexpr, WINDOW: tl.constexpr):
+                   WORD32: tl.constexpr, WINDOW: tl.constexpr):
     vid = tl.atomic_add(counter_ptr, 1)  # blocks in the order programs started: predecessors are running
     row = (vid // nb).to(tl.int32)
     blk = (vid % nb).to(tl.int32)
@@ -55,9 +57,9 @@ def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.conste
     flags = flags_ptr + row.to(tl.int64) * nb
     prefix = tl.zeros([], ACC)
     if blk == 0:
-        _publish(flags, total, 2, FLOAT)
+        _publish(flags, total, 2, WORD32)
     else:
-        _publish(flags + blk, total, 1, FLOAT)
+        _publish(flags + blk, total, 1, WORD32)
         lane = tl.arange(0, WINDOW)
         t = blk - 1  # the nearest block not yet added
         while t >= 0:
@@ -70,8 +72,8 @@ def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.conste
             stop = tl.min(tl.where(state == 2, lane, WINDOW), axis=0)  # the nearest inclusive prefix
             needed = lane <= stop
             if tl.sum((needed & (state == 0)).to(tl.int32), axis=0) == 0:  # all published: add them
-                if FLOAT:
-                    v = ((words >> 2) & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+                if WORD32:
+                    v = ((words >> 2) & 0xFFFFFFFF).to(tl.int32).to(ACC, bitcast=True)
                 else:
                     v = (words >> 2).to(ACC)
                 prefix = prefix + tl.sum(tl.where(needed & inside, v, 0), axis=0)
@@ -79,7 +81,7 @@ def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.conste
                     t = tl.full([], -1, t.dtype)
                 else:
                     t = t - WINDOW
-        _publish(flags + blk, prefix + total, 2, FLOAT)
+        _publish(flags + blk, prefix + total, 2, WORD32)
     tl.store(y_ptr + base + offs, (y + prefix).to(y_ptr.dtype.element_ty), mask=offs < L)
 
 
@@ -103,26 +105,29 @@ def _block_scan(x_ptr, y_ptr, offs_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.cons
     tl.store(y_ptr + base + offs, y.to(y_ptr.dtype.element_ty), mask=offs < L)
 
 
-def scan_lastdim(x: torch.Tensor) -> torch.Tensor:
-    """Inclusive cumsum along the last dim of contiguous ``x`` (dtype as torch.cumsum)."""
-    out_dtype = torch.int64 if (x.dtype == torch.bool or not x.dtype.is_floating_point) else x.dtype
-    acc_t = {torch.int64: torch.int64, torch.float64: torch.float64}.get(out_dtype, torch.float32)
-    acc = {torch.int64: tl.int64, torch.float64: tl.float64, torch.float32: tl.float32}[acc_t]
+def scan_lastdim(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Inclusive cumsum along the last dim of contiguous ``x``; the output dtype is torch.cumsum's,
+    or ``out_dtype`` (int32 or int64 for integer and bool inputs)."""
+    if out_dtype is None:
+        out_dtype = torch.int64 if (x.dtype == torch.bool or not x.dtype.is_floating_point) else x.dtype
+    acc_t = {torch.int64: torch.int64, torch.float64: torch.float64, torch.int32: torch.int32}.get(out_dtype, torch.float32)
+    acc = {torch.int64: tl.int64, torch.float64: tl.float64, torch.float32: tl.float32, torch.int32: tl.int32}[acc_t]
+    word32 = acc_t in (torch.float32, torch.int32)
     src = x.view(torch.uint8) if x.dtype == torch.bool else x
     L = x.shape[-1]
     rows = x.numel() // L if L else 0
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if x.numel() == 0:
         return y
-    if x.element_size() <= 4 and L < ONE_PASS_MAX_ROW:
+    if x.element_size() <= 4 and (word32 or L < ONE_PASS_MAX_ROW):
         nb = triton.cdiv(L, ONE_PASS_BLOCK)
         flags = torch.zeros(rows * nb + 1, dtype=torch.int64, device=x.device)  # and the counter, last: one memset
         _scan_one_pass[(rows * nb,)](src, y, flags, flags[rows * nb:], L, nb, BLOCK=ONE_PASS_BLOCK, ACC=acc,
-                                     FLOAT=acc_t == torch.float32, WINDOW=LOOKBACK, num_warps=ONE_PASS_WARPS)
+                                     WORD32=word32, WINDOW=LOOKBACK, num_warps=ONE_PASS_WARPS)
         return y
     nb = triton.cdiv(L, BLOCK)
     if nb > 65535:  # grid dim 1 limit: rows longer than 268 M elements stay on torch
-        return torch.cumsum(x, dim=-1)
+        return torch.cumsum(x, dim=-1, dtype=out_dtype)
     sums = torch.empty((rows, nb), dtype=acc_t, device=x.device)
     grid = (rows, nb)
     _block_sums[grid](src, sums, L, nb, BLOCK=BLOCK, ACC=acc)

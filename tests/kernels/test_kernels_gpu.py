@@ -54,6 +54,16 @@ def test_gpu_roundtrip_property(gpu_path: str, dtype: torch.dtype, codec: str, d
     cross_check(data.draw(tensors(dtype, max_len=5000)), codec)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int16, torch.float16], ids=str)
+def test_gpu_huff_exp_symbol_the_sample_missed(gpu_path: str, dtype: torch.dtype) -> None:
+    """A symbol outside the sampled code set sends the encoder back for a code that has it
+    (the GPU encoder flags it while summing lane lengths): the same bytes as the CPU."""
+    t = torch.ones((1 << 21) + 6, dtype=dtype)
+    # far from 1's symbol, at an odd index: a stride-2 sample never reads it
+    t[12345] = {torch.bfloat16: 3e30, torch.float32: 3e30, torch.int16: 30000, torch.float16: 6e4}[dtype]
+    cross_check(t, "huff_exp")
+
+
 @pytest.mark.parametrize("dtype", list(SPECIAL_BITS), ids=str)
 @pytest.mark.parametrize("codec", list(CODECS))
 def test_gpu_special_values_large(gpu_path: str, dtype: torch.dtype, codec: str) -> None:

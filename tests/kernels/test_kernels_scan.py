@@ -20,6 +20,16 @@ def test_integers_identical_to_cumsum(dtype: torch.dtype, reverse: bool) -> None
         assert out.dtype == ref.dtype and torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("src", [torch.int32, torch.int64, torch.bool, torch.float32])
+def test_dtype_like_cumsum(src: torch.dtype) -> None:
+    x = torch.tensor([2**31 - 1, 2**31 - 1, 5, -7, 3], dtype=torch.int64).to(src)
+    for dtype in (torch.int32, torch.int64):
+        for reverse in (False, True):
+            ref = torch.cumsum(x.flip(0), 0, dtype=dtype).flip(0) if reverse else torch.cumsum(x, 0, dtype=dtype)
+            out = associative_scan(x, 0, reverse=reverse, dtype=dtype)
+            assert out.dtype == dtype and torch.equal(out, ref)
+
+
 def test_int64_wraps_like_cumsum() -> None:
     x = torch.tensor([2**62, 2**62, 2**62, -5], dtype=torch.int64)
     assert torch.equal(associative_scan(x), torch.cumsum(x, 0))
