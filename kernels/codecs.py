@@ -24,6 +24,7 @@ reads (``require``) before indexing with them.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -242,32 +243,59 @@ def ancf_exp_decode(e: Encoded) -> torch.Tensor:
 
 # ---------------------------------------------------------------- (c) huff_exp
 
-def _huff_lengths(t: torch.Tensor, present: np.ndarray) -> np.ndarray:
-    """Code lengths from the sampled symbol counts (``_sample_symbol_hist``), with count 1
-    for symbols that occur in the tensor but not in the sample, so every symbol present
-    has a code. The same inputs on every device, so the same code."""
-    counts = _sample_symbol_hist(t)
-    counts[present & (counts == 0)] = 1
-    return entropy.code_lengths(counts)
+HUFF_MARGIN = 8  # symbols past the sample's range, each side of each sign half, that get a code too
+
+
+@functools.lru_cache(maxsize=None)
+def _special_symbols(dtype: torch.dtype) -> np.ndarray:
+    """The symbols of zero and of the extremes (floats: +-0, +-inf; integers: 0, -1)."""
+    special = [0.0, -0.0, float("inf"), float("-inf")] if dtype.is_floating_point else [0, -1]
+    return symbol_field(torch.tensor(special).to(dtype)).to(torch.int64).numpy()
+
+
+def _huff_counts(hist: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Counts to build the code from: the sample's, and 1 for symbols it missed that the
+    tensor may well hold: within HUFF_MARGIN of the range the sample covers in each half
+    (sign bit clear / set: the rarer, smaller exponents of a distribution's tail) and the
+    symbols of zero and of the extremes. A symbol outside all of these, if the tensor has
+    one, is found while encoding (``huff_exp_encode``). The same counts on every device."""
+    counts = hist.astype(np.int64).copy()
+    floor = np.zeros(256, dtype=bool)
+    for half in (0, 128):
+        seen = np.flatnonzero(hist[half:half + 128])
+        if len(seen):
+            floor[half + max(0, int(seen[0]) - HUFF_MARGIN): half + min(127, int(seen[-1]) + HUFF_MARGIN) + 1] = True
+    floor[_special_symbols(dtype)] = True
+    counts[floor & (counts == 0)] = 1
+    return counts
 
 
 def huff_exp_encode(t: torch.Tensor) -> tuple[Meta, Buffers]:
     if t.dtype == torch.float64:
         raise CodecNotApplicable("huff_exp: float64 is not split; use zero, ancf or raw")
-    if use_triton(t) and t.dtype in _FUSED_EXP:
-        from .gpu.huffman import split_presence
-        sym, raw_b, bits = split_presence(t)
-        present = np.unpackbits(bits.cpu().numpy().view(np.uint8), bitorder="little").astype(bool)
+    n = t.numel()
+    fused = use_triton(t) and t.dtype in _FUSED_EXP and n > 0  # the GPU encoder splits the fields itself
+    if fused:
+        encode_symbols = functools.partial(entropy.encode_fields, t)
     else:
         sym, raw, rbits = split_fields(t)
         raw_b = _raw_field_encode(raw, rbits, t.dtype)
-        present = (torch.bincount(sym.to(torch.int32), minlength=256) > 0).cpu().numpy()
-    if sym.numel() == 0:
-        empty = torch.empty(0, dtype=torch.uint8, device=sym.device)
-        return {"lengths": bytes(256)}, {"stream": empty, "lane_bits": empty, "raw": raw_b}
-    lengths = _huff_lengths(t, present)
-    stream, lane_bits = entropy.encode(sym, lengths)
-    return {"lengths": lengths.tobytes()}, {"stream": stream, "lane_bits": lane_bits, "raw": raw_b}
+        if n == 0:
+            empty = torch.empty(0, dtype=torch.uint8, device=t.device)
+            return {"lengths": bytes(256)}, {"stream": empty, "lane_bits": empty, "raw": raw_b}
+        encode_symbols = functools.partial(entropy.encode, sym)
+    counts = _huff_counts(_sample_symbol_hist(t), t.dtype)
+    lengths = entropy.code_lengths(counts)
+    out = encode_symbols(lengths)
+    if out is None:  # the tensor holds a symbol the code left out: give every symbol present one
+        present = torch.bincount(symbol_field(t.contiguous().reshape(-1)).to(torch.int32), minlength=256) > 0
+        counts[present.cpu().numpy() & (counts == 0)] = 1
+        lengths = entropy.code_lengths(counts)
+        out = encode_symbols(lengths)
+        assert out is not None, "huff_exp: every symbol present has a code"
+    stream, lane_bits, fused_raw = out
+    return {"lengths": lengths.tobytes()}, {"stream": stream, "lane_bits": lane_bits,
+                                          "raw": fused_raw if fused else raw_b}
 
 
 def huff_exp_decode(e: Encoded) -> torch.Tensor:

@@ -19,6 +19,7 @@ lanes in lock step; a GPU thread reads and writes its lane's 4 symbols as one
 """
 from __future__ import annotations
 
+import functools
 import heapq
 
 import numpy as np
@@ -35,13 +36,13 @@ PAD_WORDS = 3         # the GPU decoder reads a 96-bit window at any bit of the 
 
 
 def code_lengths(hist: np.ndarray) -> np.ndarray:
-    """Huffman code lengths (uint8, 0 = unused) for a 256-bin histogram, capped at MAX_LEN.
+    """Huffman code lengths (uint8, 0 = unused) for a 256-bin histogram, at most MAX_LEN bits.
 
-    Over-long trees are fixed by halving the counts (keeping them non-zero) and
-    rebuilding; this converges because equal counts give a balanced tree of
-    depth <= 8.
+    One Huffman tree; where it is deeper than MAX_LEN, the depth counts are adjusted as
+    JPEG does (ITU-T T.81, Annex K.3: two leaves of the deepest level move up, the Kraft
+    sum stays 1) and the lengths are handed out again, shortest to the most frequent.
     """
-    freq = hist.astype(np.int64).copy()
+    freq = hist.astype(np.int64)
     used = np.flatnonzero(freq)
     out = np.zeros(256, dtype=np.uint8)
     if len(used) == 0:
@@ -49,12 +50,23 @@ def code_lengths(hist: np.ndarray) -> np.ndarray:
     if len(used) == 1:
         out[used[0]] = 1
         return out
-    while True:
-        depth = _tree_depths([int(freq[s]) for s in used])
-        if max(depth) <= MAX_LEN:
-            out[used] = depth
-            return out
-        freq[used] = (freq[used] >> 1) | 1
+    depth = _tree_depths(freq[used].tolist())
+    if max(depth) <= MAX_LEN:
+        out[used] = depth
+        return out
+    bits = np.bincount(depth).tolist()
+    for i in range(len(bits) - 1, MAX_LEN, -1):
+        while bits[i] > 0:
+            j = i - 2
+            while bits[j] == 0:
+                j -= 1
+            bits[i] -= 2
+            bits[i - 1] += 1
+            bits[j + 1] += 2
+            bits[j] -= 1
+    by_freq = used[np.lexsort((used, -freq[used]))]  # most frequent first, ties by symbol
+    out[by_freq] = np.repeat(np.arange(MAX_LEN + 1), bits[:MAX_LEN + 1])
+    return out
 
 
 def _tree_depths(freqs: list[int]) -> list[int]:
@@ -77,16 +89,29 @@ def _tree_depths(freqs: list[int]) -> list[int]:
 
 
 def canonical_codes(lengths: np.ndarray) -> np.ndarray:
-    """Bit-reversed canonical codes (int64 per symbol) for LSB-first streams."""
+    """Bit-reversed canonical codes (int64 per symbol) for LSB-first streams.
+
+    Canonical as in DEFLATE: codes of one length are consecutive in symbol order, and
+    the first code of each length follows the last of the length before, shifted.
+    """
     codes = np.zeros(256, dtype=np.int64)
-    code, prev = 0, 0
-    for s in sorted(np.flatnonzero(lengths), key=lambda s: (lengths[s], s)):
-        ln = int(lengths[s])
-        code <<= ln - prev
-        prev = ln
-        codes[s] = int(format(code, f"0{ln}b")[::-1], 2)
-        code += 1
+    used = np.flatnonzero(lengths)
+    if len(used) == 0:
+        return codes
+    order = used[np.lexsort((used, lengths[used]))]  # by (length, symbol)
+    ln = lengths[order].astype(np.int64)
+    count = np.bincount(ln, minlength=MAX_LEN + 1)
+    first = np.zeros(MAX_LEN + 1, dtype=np.int64)
+    code = 0
+    for b in range(1, MAX_LEN + 1):
+        code = (code + int(count[b - 1])) << 1
+        first[b] = code
+    canon = first[ln] + np.arange(len(order)) - np.searchsorted(ln, ln, side="left")
+    codes[order] = _REVERSED[canon] >> (MAX_LEN - ln)  # LSB-first: the low ln bits reversed
     return codes
+
+
+_REVERSED = np.array([int(f"{i:0{MAX_LEN}b}"[::-1], 2) for i in range(1 << MAX_LEN)], dtype=np.int64)
 
 
 def check_lengths(lengths: np.ndarray) -> None:
@@ -100,12 +125,28 @@ def check_lengths(lengths: np.ndarray) -> None:
 def decode_table(lengths: np.ndarray) -> np.ndarray:
     """int32[2**MAX_LEN]: entry = symbol << 4 | length (length 0 marks an invalid code)."""
     check_lengths(lengths)
-    codes = canonical_codes(lengths)
     table = np.zeros(1 << MAX_LEN, dtype=np.int32)
-    for s in np.flatnonzero(lengths):
-        ln = int(lengths[s])
-        table[int(codes[s])::1 << ln] = (int(s) << 4) | ln
+    used = np.flatnonzero(lengths)
+    if len(used) == 0:
+        return table
+    ln = lengths[used].astype(np.int64)
+    codes = canonical_codes(lengths)[used]
+    # a code of length l fills every entry whose low l bits are the code: 2**(MAX_LEN-l) of them
+    reps = 1 << (MAX_LEN - ln)
+    k = np.arange(int(reps.sum())) - np.repeat(np.cumsum(reps) - reps, reps)
+    table[np.repeat(codes, reps) + (k << np.repeat(ln, reps))] = np.repeat((used << 4) | ln, reps)
     return table
+
+
+@functools.lru_cache(maxsize=64)
+def device_tables(lengths: bytes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(encode table int16[256] = code << 4 | length, decode table int16[2**MAX_LEN] = symbol
+    << 4 | length) of a code, on ``device``: 16 bits an entry (both fit), so a GPU gather
+    touches half the cache lines. Cached: the tensors a training step saves repeat their
+    kinds, so their codes repeat from step to step, and a table is built and copied once."""
+    ln = np.frombuffer(lengths, dtype=np.uint8)
+    enc = (canonical_codes(ln) << 4 | ln).astype(np.uint16).view(np.int16)
+    return torch.from_numpy(enc).to(device), torch.from_numpy(decode_table(ln).astype(np.int16)).to(device)
 
 
 def can_merge(n: int) -> bool:
@@ -125,24 +166,32 @@ def _to_steps(s: torch.Tensor, lanes: int, steps: int) -> torch.Tensor:
     return s.view(steps // GROUP, lanes, GROUP).permute(0, 2, 1).reshape(steps, lanes)
 
 
-def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (stream bytes, lane bit lengths as uint16 bytes) for uint8 symbols ``sym``."""
+def _pad_symbol(lengths: np.ndarray) -> int:
+    """The symbol the tail of the last lanes is padded with: the first of the shortest codes."""
+    return int(np.flatnonzero(lengths == lengths[lengths > 0].min())[0])
+
+
+def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None] | None:
+    """(stream bytes, lane bit lengths as uint16 bytes, None) for uint8 symbols ``sym``;
+    None when a symbol has no code (length 0), so the caller can build a code that has one.
+    (The third item is where ``encode_fields`` returns the raw field.)"""
     dev = sym.device
     n = sym.numel()
     lanes, steps = lane_shape(n)
-    pad_sym = int(np.flatnonzero(lengths == lengths[lengths > 0].min())[0])
+    pad_sym = _pad_symbol(lengths)
     if use_triton(sym):
         from .gpu.huffman import encode_lanes
-        lens32 = torch.from_numpy(lengths.astype(np.int32)).to(dev)
-        codes32 = torch.from_numpy(canonical_codes(lengths).astype(np.int32)).to(dev)
-        words, lane_bits = encode_lanes(sym.reshape(-1), lens32, codes32, lanes, steps, pad_sym, PAD_WORDS)
-        return words.view(torch.uint8), lane_bits.to(torch.int16).view(torch.uint8)
+        table = device_tables(lengths.tobytes(), sym.device)[0]
+        return encode_lanes(sym.reshape(-1), 1, table, lanes, steps, pad_sym, PAD_WORDS)
+    len_t = torch.from_numpy(lengths.astype(np.int64)).to(dev)
     s = torch.full((steps * lanes,), pad_sym, dtype=torch.int64, device=dev)
     s[:n] = sym.reshape(-1).to(torch.int64)
-    s = _to_steps(s, lanes, steps)
-    len_t = torch.from_numpy(lengths.astype(np.int64)).to(dev)
-    code_t = torch.from_numpy(canonical_codes(lengths)).to(dev)
     lens = len_t[s]
+    if bool((lens == 0).any()):
+        return None
+    lens = _to_steps(lens, lanes, steps)
+    s = _to_steps(s, lanes, steps)
+    code_t = torch.from_numpy(canonical_codes(lengths)).to(dev)
     lane_bits = lens.sum(dim=0)
     lane_start = associative_scan(lane_bits) - lane_bits
     off = (associative_scan(lens, dim=0) - lens) + lane_start
@@ -153,7 +202,19 @@ def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.
     words = torch.zeros(nwords, dtype=torch.int64, device=dev)
     words.index_add_(0, w.reshape(-1), (v & 0xFFFFFFFF).reshape(-1))
     words.index_add_(0, (w + 1).reshape(-1), (v >> 32).reshape(-1))
-    return _words_to_bytes(words), lane_bits.to(torch.int16).view(torch.uint8)
+    return _words_to_bytes(words), lane_bits.to(torch.int16).view(torch.uint8), None
+
+
+def encode_fields(t: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``encode`` of the symbol field of a CUDA bf16/int16/fp32 tensor, read from the tensor
+    itself (no symbol stream is written): (stream, lane bit lengths, raw field bytes in the
+    layout of kernels.gpu.pack), or None as ``encode``."""
+    from .gpu.huffman import encode_lanes
+    w = t.element_size()
+    x = t.contiguous().reshape(-1).view(torch.int16 if w == 2 else torch.int32)
+    lanes, steps = lane_shape(x.numel())
+    table = device_tables(lengths.tobytes(), t.device)[0]
+    return encode_lanes(x, w, table, lanes, steps, _pad_symbol(lengths), PAD_WORDS)
 
 
 def _words_to_bytes(words: torch.Tensor) -> torch.Tensor:
@@ -171,20 +232,22 @@ def decode(stream: torch.Tensor, lane_bits_b: torch.Tensor, lengths: np.ndarray,
     lanes, steps = lane_shape(n)
     require(lane_bits_b.numel() == 2 * lanes, f"Huffman: {lane_bits_b.numel()} bytes of lane lengths for {lanes} lanes")
     require(stream.numel() % 4 == 0 and stream.numel() >= 4 * PAD_WORDS, "Huffman: stream is not whole 32-bit words")
-    table = decode_table(lengths)
-    lane_bits = lane_bits_b.view(torch.int16).to(torch.int64) & 0xFFFF
-    lane_start = associative_scan(lane_bits) - lane_bits
     nwords = stream.numel() // 4
     if use_triton(stream):
         from .gpu.huffman import decode_lanes
-        out, end = decode_lanes(stream, lane_start, torch.from_numpy(table).to(stream.device), lanes, steps, MAX_LEN,
-                                n, merge_raw, merge_dtype)
-        # one host wait for both checks; the kernel clamps its reads, so it ran safely either way
-        total, ok = torch.stack([lane_start[-1] + lane_bits[-1], (end == lane_start + lane_bits).all().long()]).tolist()
+        check_lengths(lengths)
+        # lane starts: the kernel subtracts each lane's length from this inclusive sum
+        ends = torch.cumsum(lane_bits_b.view(torch.int16), 0, dtype=torch.int64)
+        out, info = decode_lanes(stream, ends, lane_bits_b.view(torch.int16), device_tables(lengths.tobytes(), stream.device)[1],
+                                 lanes, steps, MAX_LEN, n, merge_raw, merge_dtype)
+        bad, total = info.tolist()  # the one host wait; the kernel clamps its reads, so it ran safely either way
         require(-(-total // 32) + PAD_WORDS == nwords, "Huffman: lane lengths do not match the stream length")
-        require(bool(ok), "Huffman: a lane's codes do not match its length (corrupted stream)")
+        require(not bad, "Huffman: a lane's codes do not match its length (corrupted stream)")
         return out[:n]
-    total = int((lane_start[-1] + lane_bits[-1]).item())
+    table = decode_table(lengths)
+    lane_bits = lane_bits_b.view(torch.int16).to(torch.int64) & 0xFFFF
+    lane_start = associative_scan(lane_bits) - lane_bits
+    total = int(lane_bits.sum())
     require(-(-total // 32) + PAD_WORDS == nwords, "Huffman: lane lengths do not match the stream length")
     # CPU (and CUDA without Triton): all lanes in lock step with NumPy gathers,
     # which are several times cheaper than torch advanced indexing on the CPU

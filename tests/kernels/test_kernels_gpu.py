@@ -119,6 +119,18 @@ def test_gpu_scan_int32_extremes_identical() -> None:
     assert torch.equal(associative_scan(x, 1, reverse=True), torch.cumsum(x.flip(1), 1).flip(1))
 
 
+@pytest.mark.parametrize("src", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.float32])
+def test_gpu_scan_int32_output_identical(src: torch.dtype) -> None:
+    """dtype=torch.int32, as torch.cumsum's: the same wrapped 32-bit sums, one pass or three."""
+    x = torch.randint(-2**31, 2**31 - 1, (2, 3_000_000), device="cuda", dtype=torch.int64)
+    x[0, ::2] = 2**31 - 1  # sums wrap many times
+    x = x.to(src) if src != torch.float32 else (x >> 8).to(src)
+    for rev in (False, True):
+        ref = torch.cumsum(x.flip(1), 1, dtype=torch.int32).flip(1) if rev else torch.cumsum(x, 1, dtype=torch.int32)
+        out = associative_scan(x, 1, reverse=rev, dtype=torch.int32)
+        assert out.dtype == torch.int32 and torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_scan_float_bound(dtype: torch.dtype) -> None:
     x = torch.randn(4, 2_000_000, device="cuda", dtype=torch.float64).to(dtype)
