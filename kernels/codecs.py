@@ -14,8 +14,9 @@ reads (``require``) before indexing with them.
 * ``ancf_exp`` (b) the same idea on the symbol field of ``bits.split_fields``
                (bf16 sign+exponent byte, fp16/fp32 exponent): 15 entries + escape
                in 4-bit codes, raw field stored as is. Fixed-length: memory-bound.
-* ``huff_exp`` (c) the symbol field Huffman-coded (kernels.entropy, one table per
-               tensor), raw field as is.
+* ``huff_exp`` (c) the symbol field Huffman-coded (kernels.entropy, one code per
+               tensor, built from a strided sample: see ``_huff_counts``), raw
+               field as is.
 * ``zero``     (d) a 1-bit bitmap of "bit pattern is not all-zero" plus the
                non-zero elements compacted with the scan (-0.0 is non-zero).
 * ``pack``     (e) tensors with at most 4 distinct bit patterns (bool masks,
