@@ -163,12 +163,16 @@ def _sample_symbol_hist(t: torch.Tensor) -> np.ndarray:
     """Histogram (int64[256]) of the symbol field over every ``stride``-th element, the same
     elements on every device (stride = numel // 2**20, at least 1)."""
     flat = t.contiguous().reshape(-1)
-    stride = max(1, flat.numel() // _TABLE_SAMPLE)
     if use_triton(flat) and t.dtype in _FUSED_EXP:
-        from .gpu.pack import sample_histogram
-        return sample_histogram(flat, stride).cpu().numpy().astype(np.int64)
-    sym = symbol_field(flat[::stride].contiguous())
+        return _device_symbol_hist(flat).cpu().numpy().astype(np.int64)
+    sym = symbol_field(flat[::max(1, flat.numel() // _TABLE_SAMPLE)].contiguous())
     return torch.bincount(sym.to(torch.int32), minlength=256).cpu().numpy().astype(np.int64)
+
+
+def _device_symbol_hist(flat: torch.Tensor) -> torch.Tensor:
+    """``_sample_symbol_hist`` of a flat CUDA bf16/int16/fp32 tensor, left on the device (int32)."""
+    from .gpu.pack import sample_histogram
+    return sample_histogram(flat, max(1, flat.numel() // _TABLE_SAMPLE))
 
 
 def _exp_table(hist: np.ndarray) -> np.ndarray:
@@ -254,12 +258,21 @@ def _special_symbols(dtype: torch.dtype) -> np.ndarray:
     return symbol_field(torch.tensor(special).to(dtype)).to(torch.int64).numpy()
 
 
+@functools.lru_cache(maxsize=None)
+def _forced_on_device(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``_special_symbols`` as a uint8[256] mask on ``device``, for the device's code builder."""
+    mask = np.zeros(256, dtype=np.uint8)
+    mask[_special_symbols(dtype)] = 1
+    return torch.from_numpy(mask).to(device)
+
+
 def _huff_counts(hist: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     """Counts to build the code from: the sample's, and 1 for symbols it missed that the
     tensor may well hold: within HUFF_MARGIN of the range the sample covers in each half
     (sign bit clear / set: the rarer, smaller exponents of a distribution's tail) and the
     symbols of zero and of the extremes. A symbol outside all of these, if the tensor has
-    one, is found while encoding (``huff_exp_encode``). The same counts on every device."""
+    one, is found while encoding (``huff_exp_encode``). The same counts on every device
+    (kernels.gpu.huffman.build_code makes them on the GPU)."""
     counts = hist.astype(np.int64).copy()
     floor = np.zeros(256, dtype=bool)
     for half in (0, 128):
@@ -271,32 +284,42 @@ def _huff_counts(hist: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     return counts
 
 
+def _present(t: torch.Tensor) -> torch.Tensor:
+    """Which of the 256 symbols ``t`` holds (bool[256], on t's device): a full pass, only
+    when a code built from the sample missed one."""
+    return torch.bincount(symbol_field(t.contiguous().reshape(-1)).to(torch.int32), minlength=256) > 0
+
+
 def huff_exp_encode(t: torch.Tensor) -> tuple[Meta, Buffers]:
     if t.dtype == torch.float64:
         raise CodecNotApplicable("huff_exp: float64 is not split; use zero, ancf or raw")
     n = t.numel()
-    fused = use_triton(t) and t.dtype in _FUSED_EXP and n > 0  # the GPU encoder splits the fields itself
-    if fused:
-        encode_symbols = functools.partial(entropy.encode_fields, t)
+    if use_triton(t) and t.dtype in _FUSED_EXP and n:
+        # the code is built on the device and the encoder splits the fields itself: the
+        # host waits once, for the stream's length
+        hist = _device_symbol_hist(t.contiguous().reshape(-1))
+        force = _forced_on_device(t.dtype, t.device)
+        out = entropy.encode_fields(t, hist, force, HUFF_MARGIN)
+        if out is None:  # the tensor holds a symbol the code left out: give every symbol present one
+            out = entropy.encode_fields(t, hist, force | _present(t).to(torch.uint8), HUFF_MARGIN)
+            assert out is not None, "huff_exp: every symbol present has a code"
+        stream, lane_bits, raw_b, lengths = out
     else:
         sym, raw, rbits = split_fields(t)
         raw_b = _raw_field_encode(raw, rbits, t.dtype)
         if n == 0:
             empty = torch.empty(0, dtype=torch.uint8, device=t.device)
             return {"lengths": bytes(256)}, {"stream": empty, "lane_bits": empty, "raw": raw_b}
-        encode_symbols = functools.partial(entropy.encode, sym)
-    counts = _huff_counts(_sample_symbol_hist(t), t.dtype)
-    lengths = entropy.code_lengths(counts)
-    out = encode_symbols(lengths)
-    if out is None:  # the tensor holds a symbol the code left out: give every symbol present one
-        present = torch.bincount(symbol_field(t.contiguous().reshape(-1)).to(torch.int32), minlength=256) > 0
-        counts[present.cpu().numpy() & (counts == 0)] = 1
+        counts = _huff_counts(_sample_symbol_hist(t), t.dtype)
         lengths = entropy.code_lengths(counts)
-        out = encode_symbols(lengths)
-        assert out is not None, "huff_exp: every symbol present has a code"
-    stream, lane_bits, fused_raw = out
-    return {"lengths": lengths.tobytes()}, {"stream": stream, "lane_bits": lane_bits,
-                                          "raw": fused_raw if fused else raw_b}
+        out = entropy.encode(sym, lengths)
+        if out is None:
+            counts[_present(t).cpu().numpy() & (counts == 0)] = 1
+            lengths = entropy.code_lengths(counts)
+            out = entropy.encode(sym, lengths)
+            assert out is not None, "huff_exp: every symbol present has a code"
+        stream, lane_bits = out
+    return {"lengths": lengths.tobytes()}, {"stream": stream, "lane_bits": lane_bits, "raw": raw_b}
 
 
 def huff_exp_decode(e: Encoded) -> torch.Tensor:

@@ -171,18 +171,21 @@ def _pad_symbol(lengths: np.ndarray) -> int:
     return int(np.flatnonzero(lengths == lengths[lengths > 0].min())[0])
 
 
-def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None] | None:
-    """(stream bytes, lane bit lengths as uint16 bytes, None) for uint8 symbols ``sym``;
-    None when a symbol has no code (length 0), so the caller can build a code that has one.
-    (The third item is where ``encode_fields`` returns the raw field.)"""
+def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(stream bytes, lane bit lengths as uint16 bytes) for uint8 symbols ``sym``; None when
+    a symbol has no code (length 0), so the caller can build a code that has one."""
     dev = sym.device
     n = sym.numel()
     lanes, steps = lane_shape(n)
     pad_sym = _pad_symbol(lengths)
     if use_triton(sym):
-        from .gpu.huffman import encode_lanes
-        table = device_tables(lengths.tobytes(), sym.device)[0]
-        return encode_lanes(sym.reshape(-1), 1, table, lanes, steps, pad_sym, PAD_WORDS)
+        from .gpu.huffman import CODE_WORDS, encode_lanes
+        code = np.zeros(CODE_WORDS, dtype=np.int64)  # the layout build_code writes on the device
+        code.view(np.uint8)[16:272] = lengths
+        code[34] = pad_sym
+        out = encode_lanes(sym.reshape(-1), 1, device_tables(lengths.tobytes(), dev)[0], torch.from_numpy(code).to(dev),
+                           lanes, steps, PAD_WORDS)
+        return None if out is None else out[:2]
     len_t = torch.from_numpy(lengths.astype(np.int64)).to(dev)
     s = torch.full((steps * lanes,), pad_sym, dtype=torch.int64, device=dev)
     s[:n] = sym.reshape(-1).to(torch.int64)
@@ -202,19 +205,23 @@ def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.
     words = torch.zeros(nwords, dtype=torch.int64, device=dev)
     words.index_add_(0, w.reshape(-1), (v & 0xFFFFFFFF).reshape(-1))
     words.index_add_(0, (w + 1).reshape(-1), (v >> 32).reshape(-1))
-    return _words_to_bytes(words), lane_bits.to(torch.int16).view(torch.uint8), None
+    return _words_to_bytes(words), lane_bits.to(torch.int16).view(torch.uint8)
 
 
-def encode_fields(t: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``encode`` of the symbol field of a CUDA bf16/int16/fp32 tensor, read from the tensor
-    itself (no symbol stream is written): (stream, lane bit lengths, raw field bytes in the
-    layout of kernels.gpu.pack), or None as ``encode``."""
-    from .gpu.huffman import encode_lanes
+def encode_fields(t: torch.Tensor, hist: torch.Tensor, force: torch.Tensor,
+                  margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray] | None:
+    """``encode`` of the symbol field of a CUDA bf16/int16/fp32 tensor with the code built on
+    the device (kernels.gpu.huffman.build_code: the lengths ``code_lengths`` gives for the
+    counts kernels.codecs._huff_counts makes of ``hist``, with ``force``'s symbols and
+    ``margin``), reading the elements themselves (no symbol stream is written): (stream,
+    lane bit lengths, raw field bytes in the layout of kernels.gpu.pack, code lengths), or
+    None as ``encode``."""
+    from .gpu.huffman import build_code, encode_lanes
     w = t.element_size()
     x = t.contiguous().reshape(-1).view(torch.int16 if w == 2 else torch.int32)
     lanes, steps = lane_shape(x.numel())
-    table = device_tables(lengths.tobytes(), t.device)[0]
-    return encode_lanes(x, w, table, lanes, steps, _pad_symbol(lengths), PAD_WORDS)
+    table, code = build_code(hist, force, margin, MAX_LEN)
+    return encode_lanes(x, w, table, code, lanes, steps, PAD_WORDS)
 
 
 def _words_to_bytes(words: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ import triton.language as tl
 from .pack import _fields
 
 LANES = 128
+CODE_WORDS = 35  # int64: info (2), lengths (32 = 256 bytes), pad symbol (1)
 
 
 @triton.jit
@@ -64,6 +65,120 @@ def merge(sym: torch.Tensor, raw: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 def _entry(table_ptr, i):
     # an int16 table entry (code or symbol << 4 | length) as a non-negative int32
     return tl.load(table_ptr + i).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _at(v, i, idx):
+    # v[i] of a register vector, as a scalar
+    return tl.sum(tl.where(idx == i, v, 0), axis=0)
+
+
+@triton.jit
+def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, MARGIN: tl.constexpr, MAX_LEN: tl.constexpr):
+    # The code of kernels.entropy.code_lengths and canonical_codes, on the device, from the
+    # sample's counts and the forced symbols (kernels.codecs._huff_counts): a two-queue
+    # Huffman tree (leaves sorted by (count, symbol), internal nodes in the order they are
+    # made: the order a heap of (count, id) pops them), JPEG's depth limit, canonical codes.
+    # out_ptr is int64[CODE_WORDS]: [0] and [1] the lane pass's info (total bits, a symbol
+    # without a code), bytes 16..271 the lengths (uint8[256]), [34] the pad symbol (the
+    # first of the shortest codes); table_ptr gets the encode table (int16[256] =
+    # reversed code << 4 | length).
+    r = tl.arange(0, 256)
+    h = tl.load(hist_ptr + r).to(tl.int64)
+    half = r >> 7
+    low = r & 127
+    seen = h > 0
+    lo0 = tl.min(tl.where(seen & (half == 0), low, 1000), axis=0)
+    hi0 = tl.max(tl.where(seen & (half == 0), low, -1000), axis=0)
+    lo1 = tl.min(tl.where(seen & (half == 1), low, 1000), axis=0)
+    hi1 = tl.max(tl.where(seen & (half == 1), low, -1000), axis=0)
+    near = tl.where(half == 0, (low >= lo0 - MARGIN) & (low <= hi0 + MARGIN),
+                    (low >= lo1 - MARGIN) & (low <= hi1 + MARGIN))
+    cnt = tl.where(seen, h, tl.where(near | (tl.load(force_ptr + r) != 0), 1, 0).to(tl.int64))
+    used = cnt > 0
+    m = tl.sum(used.to(tl.int32), axis=0)
+    leaf = tl.sort(tl.where(used, (cnt << 8) | r, 1 << 62))  # sorted leaves: (count, symbol)
+    leaf_f = leaf >> 8
+    # two queues: li the next leaf, ii the next internal node, k internal nodes made
+    int_f = tl.zeros([256], dtype=tl.int64)
+    par_leaf = tl.full([256], -1, tl.int32)
+    par_int = tl.full([256], -1, tl.int32)
+    li = tl.zeros([], tl.int32)
+    ii = tl.zeros([], tl.int32)
+    for k in range(0, m - 1):
+        f = tl.zeros([], tl.int64)
+        for _pick in tl.static_range(2):
+            lf = _at(leaf_f, li, r)
+            nf = _at(int_f, ii, r)
+            take_leaf = (li < m) & ((ii >= k) | (lf <= nf))
+            par_leaf = tl.where(take_leaf & (r == li), k, par_leaf)
+            par_int = tl.where((~take_leaf) & (r == ii), k, par_int)
+            f += tl.where(take_leaf, lf, nf)
+            li += take_leaf.to(tl.int32)
+            ii += (1 - take_leaf.to(tl.int32))
+        int_f = tl.where(r == k, f, int_f)
+    # depths, from the root (the last node made) down
+    d_int = tl.zeros([256], tl.int32)
+    d_leaf = tl.zeros([256], tl.int32)
+    for jj in range(0, m - 1):
+        j = m - 2 - jj
+        d = _at(d_int, j, r) + 1
+        d_int = tl.where(par_int == j, d, d_int)
+        d_leaf = tl.where(par_leaf == j, d, d_leaf)
+    d_leaf = tl.where(m == 1, 1, d_leaf)
+    sym = (leaf & 255).to(tl.int32)
+    lens_ptr = out_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + 16
+    tl.store(lens_ptr + r, tl.zeros([256], tl.uint8))
+    tl.debug_barrier()
+    deepest = tl.max(tl.where(r < m, d_leaf, 0), axis=0)
+    if deepest <= MAX_LEN:
+        tl.store(lens_ptr + sym, d_leaf.to(tl.uint8), mask=r < m)
+    else:
+        # JPEG (T.81 Annex K.3) on the count of leaves per depth, then lengths by frequency
+        bits = tl.zeros([256], tl.int32)
+        for dd in range(1, deepest + 1):
+            bits = tl.where(r == dd, tl.sum(((d_leaf == dd) & (r < m)).to(tl.int32), axis=0), bits)
+        for ii2 in range(0, deepest - MAX_LEN):
+            i = deepest - ii2
+            while _at(bits, i, r) > 0:
+                j = i - 2
+                while _at(bits, j, r) == 0:
+                    j -= 1
+                bits = tl.where(r == i, bits - 2, bits)
+                bits = tl.where(r == i - 1, bits + 1, bits)
+                bits = tl.where(r == j + 1, bits + 2, bits)
+                bits = tl.where(r == j, bits - 1, bits)
+        by_freq = tl.sort(tl.where(used, ((((1 << 40) - cnt) << 8) | r), 1 << 62))  # count down, symbol up
+        ln = tl.zeros([256], tl.int32)
+        below = tl.zeros([], tl.int32)
+        for b in range(1, MAX_LEN + 1):
+            nb = _at(bits, b, r)
+            ln = tl.where((r >= below) & (r < below + nb), b, ln)
+            below += nb
+        tl.store(lens_ptr + (by_freq & 255).to(tl.int32), ln.to(tl.uint8), mask=r < m)
+    tl.debug_barrier()
+    # canonical codes, as DEFLATE: by (length, symbol), consecutive within a length
+    ln = tl.load(lens_ptr + r).to(tl.int32)
+    order = tl.sort(tl.where(ln > 0, (ln << 8) | r, 1 << 30))
+    L = order >> 8
+    s = order & 255
+    code = tl.zeros([256], tl.int32)
+    first = tl.zeros([], tl.int32)
+    start = tl.zeros([], tl.int32)
+    prev = tl.zeros([], tl.int32)
+    for b in range(1, MAX_LEN + 1):
+        first = (first + prev) << 1
+        nb = tl.sum((L == b).to(tl.int32), axis=0)
+        code = tl.where(L == b, first + r - start, code)
+        start += nb
+        prev = nb
+    rev = tl.zeros([256], tl.int32)
+    for b in tl.static_range(MAX_LEN):
+        rev |= tl.where(b < L, ((code >> b) & 1) << tl.maximum(L - 1 - b, 0), 0)
+    tl.store(table_ptr + r, tl.zeros([256], tl.int16))
+    tl.debug_barrier()
+    tl.store(table_ptr + s, ((rev << 4) | L).to(tl.int16), mask=r < m)
+    tl.store(out_ptr + 34, _at(s, 0, r).to(tl.int64))
 
 
 @triton.jit
@@ -102,12 +217,13 @@ def _group_syms(x_ptr, raw_ptr, q, lanes, c, live, n, pad, W: tl.constexpr, WRIT
 
 
 @triton.jit
-def _lane_bits(x_ptr, raw_ptr, table_ptr, bits_ptr, info_ptr, n, lanes, groups, pad, W: tl.constexpr,
+def _lane_bits(x_ptr, raw_ptr, table_ptr, bits_ptr, info_ptr, n, lanes, groups, W: tl.constexpr,
                LANES: tl.constexpr):
     # each lane's code length in bits (int16), the raw field of its elements, and into
     # info: the total bits (one atomic per program) and whether a symbol had no code
     c = tl.program_id(0) * LANES + tl.arange(0, LANES)
     live = c < lanes
+    pad = tl.load(info_ptr + 34).to(tl.int32)
     acc = tl.zeros([LANES], dtype=tl.int32)
     miss = tl.zeros([LANES], dtype=tl.int32)
     for q in range(0, groups):
@@ -140,10 +256,11 @@ def _emit2(words_ptr, buf, nb, wp, first, e0, e1, live):
 
 
 @triton.jit
-def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, n, lanes, groups, pad, W: tl.constexpr,
+def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, n, lanes, groups, W: tl.constexpr,
                  LANES: tl.constexpr):
     c = tl.program_id(0) * LANES + tl.arange(0, LANES)
     live = c < lanes
+    pad = tl.load(info_ptr + 34).to(tl.int32)
     pos = tl.load(ends_ptr + c, mask=live, other=0) - tl.load(bits_ptr + c, mask=live, other=0).to(tl.int64)
     first = pos >> 5
     wp = first
@@ -222,28 +339,37 @@ def _fp32_word(s, p0, p1, p2, sh: tl.constexpr):
     return (r & 0x7FFFFF) | (s << 23) | ((r >> 23) << 31)
 
 
-def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, lanes: int, steps: int, pad: int,
-                 pad_words: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """(stream bytes, lane bit lengths as uint16 bytes, raw field bytes or None) in
-    kernels.entropy's layout, for ``x`` a flat uint8 symbol stream (w=1) or the int16
-    (w=2) / int32 (w=4) view of bf16/int16/fp32 elements (whose raw field it writes), and
-    ``table`` the device's encode table (kernels.entropy.device_tables); None when a
-    symbol has no code."""
+def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tensor, lanes: int, steps: int,
+                 pad_words: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, np.ndarray] | None:
+    """(stream bytes, lane bit lengths as uint16 bytes, raw field bytes or None, code lengths)
+    in kernels.entropy's layout, for ``x`` a flat uint8 symbol stream (w=1) or the int16
+    (w=2) / int32 (w=4) view of bf16/int16/fp32 elements (whose raw field it writes).
+    ``table`` and ``info`` hold the code (``build_code``, or the host's with the pad symbol
+    at info[34]); None when a symbol has no code. One host wait: the stream's length."""
     n = x.numel()
     dev = x.device
     groups = steps // 4
     grid = (triton.cdiv(lanes, LANES),)
     bits = torch.empty(lanes, dtype=torch.int16, device=dev)
-    info = torch.zeros(2, dtype=torch.int64, device=dev)  # total bits, a symbol without a code
     raw = torch.empty(n * (w - 1), dtype=torch.uint8, device=dev) if w > 1 else None
-    _lane_bits[grid](x, raw if raw is not None else x, table, bits, info, n, lanes, groups, pad, W=w, LANES=LANES)
+    _lane_bits[grid](x, raw if raw is not None else x, table, bits, info, n, lanes, groups, W=w, LANES=LANES)
     ends = torch.cumsum(bits, 0, dtype=torch.int64)
-    total, missed = info.tolist()  # host waits: sizes the stream
+    host = info.cpu()  # host waits: sizes the stream (and brings the code's lengths)
+    total, missed = int(host[0]), int(host[1])
     if missed:
         return None
     words = torch.zeros(-(-total // 32) + pad_words, dtype=torch.int32, device=dev)
-    _lane_encode[grid](x, table, ends, bits, words, n, lanes, groups, pad, W=w, LANES=LANES)
-    return words.view(torch.uint8), bits.view(torch.uint8), raw
+    _lane_encode[grid](x, table, ends, bits, words, info, n, lanes, groups, W=w, LANES=LANES)
+    return words.view(torch.uint8), bits.view(torch.uint8), raw, host[2:34].numpy().view(np.uint8).copy()
+
+
+def build_code(hist: torch.Tensor, force: torch.Tensor, margin: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(encode table int16[256], code buffer int64[CODE_WORDS]) built on the device from a
+    sample's counts (int32[256]) and the symbols that must have a code (uint8[256])."""
+    table = torch.empty(256, dtype=torch.int16, device=hist.device)
+    info = torch.zeros(CODE_WORDS, dtype=torch.int64, device=hist.device)
+    _build_code[(1,)](hist, force, info, table, MARGIN=margin, MAX_LEN=max_len, num_warps=1)
+    return table, info
 
 
 def decode_lanes(stream: torch.Tensor, ends: torch.Tensor, bits: torch.Tensor, table: torch.Tensor, lanes: int,
