@@ -184,7 +184,7 @@ def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.
         code.view(np.uint8)[16:272] = lengths
         code[34] = pad_sym
         out = encode_lanes(sym.reshape(-1), 1, device_tables(lengths.tobytes(), dev)[0], torch.from_numpy(code).to(dev),
-                           lanes, steps, PAD_WORDS)
+                           lanes, steps, PAD_WORDS, MAX_LEN)
         return None if out is None else out[:2]
     len_t = torch.from_numpy(lengths.astype(np.int64)).to(dev)
     s = torch.full((steps * lanes,), pad_sym, dtype=torch.int64, device=dev)
@@ -221,7 +221,7 @@ def encode_fields(t: torch.Tensor, hist: torch.Tensor, force: torch.Tensor,
     x = t.contiguous().reshape(-1).view(torch.int16 if w == 2 else torch.int32)
     lanes, steps = lane_shape(x.numel())
     table, code = build_code(hist, force, margin, MAX_LEN)
-    return encode_lanes(x, w, table, code, lanes, steps, PAD_WORDS)
+    return encode_lanes(x, w, table, code, lanes, steps, PAD_WORDS, MAX_LEN)
 
 
 def _words_to_bytes(words: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ into lane ends and the host reads the total and the flag once (they size the
 stream, or send the caller back for a code that covers every symbol);
 ``_lane_encode`` adds two codes at a time to a 64-bit register and flushes whole
 32-bit words with plain stores, except the lane's first and last words, which it
-shares with its neighbours (``atomic_or``). One table entry per symbol holds its
+shares with its neighbours (``atomic_or`` into words ``_zero_shared`` cleared). One table entry per symbol holds its
 code and length (``kernels.entropy.device_tables``, cached per code).
 
 Decode: ``_lane_decode`` loads a 96-bit window once per group (enough for 4
@@ -84,7 +84,7 @@ def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, MARGIN: tl.constexpr, M
     # first of the shortest codes); table_ptr gets the encode table (int16[256] =
     # reversed code << 4 | length).
     r = tl.arange(0, 256)
-    h = tl.load(hist_ptr + r).to(tl.int64)
+    h = tl.load(hist_ptr + r)  # int32: a sample has at most 2**21 elements, so every sum fits
     half = r >> 7
     low = r & 127
     seen = h > 0
@@ -94,19 +94,19 @@ def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, MARGIN: tl.constexpr, M
     hi1 = tl.max(tl.where(seen & (half == 1), low, -1000), axis=0)
     near = tl.where(half == 0, (low >= lo0 - MARGIN) & (low <= hi0 + MARGIN),
                     (low >= lo1 - MARGIN) & (low <= hi1 + MARGIN))
-    cnt = tl.where(seen, h, tl.where(near | (tl.load(force_ptr + r) != 0), 1, 0).to(tl.int64))
+    cnt = tl.where(seen, h, tl.where(near | (tl.load(force_ptr + r) != 0), 1, 0))
     used = cnt > 0
     m = tl.sum(used.to(tl.int32), axis=0)
-    leaf = tl.sort(tl.where(used, (cnt << 8) | r, 1 << 62))  # sorted leaves: (count, symbol)
+    leaf = tl.sort(tl.where(used, (cnt << 8) | r, 1 << 30))  # sorted leaves: (count, symbol)
     leaf_f = leaf >> 8
     # two queues: li the next leaf, ii the next internal node, k internal nodes made
-    int_f = tl.zeros([256], dtype=tl.int64)
+    int_f = tl.zeros([256], dtype=tl.int32)
     par_leaf = tl.full([256], -1, tl.int32)
     par_int = tl.full([256], -1, tl.int32)
     li = tl.zeros([], tl.int32)
     ii = tl.zeros([], tl.int32)
     for k in range(0, m - 1):
-        f = tl.zeros([], tl.int64)
+        f = tl.zeros([], tl.int32)
         for _pick in tl.static_range(2):
             lf = _at(leaf_f, li, r)
             nf = _at(int_f, ii, r)
@@ -148,7 +148,7 @@ def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, MARGIN: tl.constexpr, M
                 bits = tl.where(r == i - 1, bits + 1, bits)
                 bits = tl.where(r == j + 1, bits + 2, bits)
                 bits = tl.where(r == j, bits - 1, bits)
-        by_freq = tl.sort(tl.where(used, ((((1 << 40) - cnt) << 8) | r), 1 << 62))  # count down, symbol up
+        by_freq = tl.sort(tl.where(used, ((((1 << 22) - cnt) << 8) | r), 1 << 30))  # count down, symbol up
         ln = tl.zeros([256], tl.int32)
         below = tl.zeros([], tl.int32)
         for b in range(1, MAX_LEN + 1):
@@ -275,6 +275,22 @@ def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, n, l
 
 
 @triton.jit
+def _zero_shared(ends_ptr, bits_ptr, words_ptr, lanes, PAD_WORDS: tl.constexpr, LANES: tl.constexpr):
+    # zeros where the encoder ORs: the word each lane starts in and the one it ends in (each
+    # shared with a neighbour), and the words after the stream, so the stream can be written
+    # into memory nothing cleared
+    c = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    live = c < lanes
+    end = tl.load(ends_ptr + c, mask=live, other=0)
+    start = end - tl.load(bits_ptr + c, mask=live, other=0).to(tl.int64)
+    zero = tl.zeros([LANES], tl.int32)
+    tl.store(words_ptr + (start >> 5), zero, mask=live)
+    tl.store(words_ptr + (end >> 5), zero, mask=live)
+    for k in tl.static_range(1, PAD_WORDS + 1):
+        tl.store(words_ptr + (end >> 5) + k, zero, mask=live & (c == lanes - 1))
+
+
+@triton.jit
 def _lane_decode(words_ptr, table_ptr, ends_ptr, bits_ptr, out_ptr, info_ptr, raw_ptr, nwords, lanes, groups, n,
                  MAX_LEN: tl.constexpr, LANES: tl.constexpr, MERGE: tl.constexpr):
     # MERGE 0: write the symbols; 2: bf16/int16 elements (symbol = high byte, raw = low
@@ -340,12 +356,14 @@ def _fp32_word(s, p0, p1, p2, sh: tl.constexpr):
 
 
 def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tensor, lanes: int, steps: int,
-                 pad_words: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, np.ndarray] | None:
+                 pad_words: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, np.ndarray] | None:
     """(stream bytes, lane bit lengths as uint16 bytes, raw field bytes or None, code lengths)
     in kernels.entropy's layout, for ``x`` a flat uint8 symbol stream (w=1) or the int16
     (w=2) / int32 (w=4) view of bf16/int16/fp32 elements (whose raw field it writes).
     ``table`` and ``info`` hold the code (``build_code``, or the host's with the pad symbol
-    at info[34]); None when a symbol has no code. One host wait: the stream's length."""
+    at info[34]); None when a symbol has no code. Every pass is queued at once, into a
+    stream buffer as long as any stream can be; the host waits once, at the end, for the
+    stream's length (and the code's lengths), and keeps that much of the buffer."""
     n = x.numel()
     dev = x.device
     groups = steps // 4
@@ -354,13 +372,15 @@ def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tenso
     raw = torch.empty(n * (w - 1), dtype=torch.uint8, device=dev) if w > 1 else None
     _lane_bits[grid](x, raw if raw is not None else x, table, bits, info, n, lanes, groups, W=w, LANES=LANES)
     ends = torch.cumsum(bits, 0, dtype=torch.int64)
-    host = info.cpu()  # host waits: sizes the stream (and brings the code's lengths)
+    words = torch.empty(-(-steps * lanes * max_len // 32) + pad_words + 1, dtype=torch.int32, device=dev)
+    _zero_shared[grid](ends, bits, words, lanes, PAD_WORDS=pad_words, LANES=LANES)
+    _lane_encode[grid](x, table, ends, bits, words, info, n, lanes, groups, W=w, LANES=LANES)
+    host = info.cpu()  # the one wait: the stream's length, whether a symbol had no code, the code
     total, missed = int(host[0]), int(host[1])
     if missed:
         return None
-    words = torch.zeros(-(-total // 32) + pad_words, dtype=torch.int32, device=dev)
-    _lane_encode[grid](x, table, ends, bits, words, info, n, lanes, groups, W=w, LANES=LANES)
-    return words.view(torch.uint8), bits.view(torch.uint8), raw, host[2:34].numpy().view(np.uint8).copy()
+    stream = words[:-(-total // 32) + pad_words].clone()  # let the worst-case buffer go
+    return stream.view(torch.uint8), bits.view(torch.uint8), raw, host[2:34].numpy().view(np.uint8).copy()
 
 
 def build_code(hist: torch.Tensor, force: torch.Tensor, margin: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
