@@ -16,6 +16,12 @@ concatenated; their bit lengths (uint16) are stored, and the start of every
 lane is their exclusive prefix sum (``associative_scan``). Decoding runs all
 lanes in lock step; a GPU thread reads and writes its lane's 4 symbols as one
 32-bit word, and neighbouring lanes touch neighbouring words (coalesced).
+
+The code. One Huffman tree over the counts (ties broken by symbol), depths over
+MAX_LEN brought down as JPEG does, canonical codes as DEFLATE's. The host builds
+it here (``code_lengths``, ``canonical_codes``); for CUDA tensors of bf16, int16
+and fp32, kernels.gpu.huffman.build_code builds the same code on the device, so
+the bytes are the same wherever a tensor is encoded.
 """
 from __future__ import annotations
 

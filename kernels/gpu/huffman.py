@@ -6,16 +6,18 @@ consecutive elements: at group step q, lane c owns elements (q * lanes + c) * 4
 
 Encode reads either a uint8 symbol stream (W=1) or the elements of a bf16/int16
 (W=2) or fp32 (W=4) tensor, taking each element's symbol field in registers (no
-symbol stream is written). The code lengths come from a sample's counts
-(kernels.codecs). ``_lane_bits`` sums code lengths per lane, writes the raw field
-of the elements (byte planes, as kernels.gpu.pack lays them out), adds up the
-total and flags a symbol that has no code; torch.cumsum turns the lane lengths
-into lane ends and the host reads the total and the flag once (they size the
-stream, or send the caller back for a code that covers every symbol);
-``_lane_encode`` adds two codes at a time to a 64-bit register and flushes whole
-32-bit words with plain stores, except the lane's first and last words, which it
-shares with its neighbours (``atomic_or`` into words ``_zero_shared`` cleared). One table entry per symbol holds its
-code and length (``kernels.entropy.device_tables``, cached per code).
+symbol stream is written). ``_build_code`` (one program) turns the sample's
+counts into the code on the device: the same lengths, table and pad symbol as
+kernels.entropy.code_lengths / canonical_codes on the host. ``_lane_bits`` sums
+code lengths per lane, writes the raw field of the elements (byte planes, as
+kernels.gpu.pack lays them out), adds up the total and flags a symbol that has no
+code; torch.cumsum turns the lane lengths into lane ends; ``_zero_shared`` clears
+the words two lanes share; ``_lane_encode`` adds two codes at a time to a 64-bit
+register and flushes whole 32-bit words with plain stores, except the lane's
+first and last words, which it ORs into. All of it is queued at once, into a
+buffer as long as any stream can be; the host waits once, at the end, for the
+total (the stream's length), the flag (a symbol without a code sends the caller
+back for a code that covers every symbol) and the code's lengths (the header).
 
 Decode: ``_lane_decode`` loads a 96-bit window once per group (enough for 4
 codes of <= 12 bits), decodes 4 symbols from it through the 2**MAX_LEN-entry

@@ -201,3 +201,44 @@ def test_gpu_frame_runs_on_the_current_stream_without_a_host_wait() -> None:
     assert not done.query(), "encode or decode waited for the device"
     done.synchronize()
     assert bits_equal(out, x.view(torch.int16))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gpu_code_built_on_the_device_is_the_hosts(seed: int) -> None:
+    """kernels.gpu.huffman.build_code against kernels.entropy on the host: the same lengths,
+    encode table and pad symbol for counts that need JPEG's depth limit, one symbol, a few,
+    all 256, and forced symbols."""
+    import numpy as np
+
+    from storm.kernels import entropy
+    from storm.kernels.codecs import HUFF_MARGIN, _forced_on_device, _huff_counts
+    from storm.kernels.gpu.huffman import build_code
+
+    rng = np.random.default_rng(seed)
+    for trial in range(8):
+        hist = np.zeros(256, dtype=np.int64)
+        kind = (seed + trial) % 4
+        if kind == 0:  # exponent-like: geometric tails in both sign halves (deep trees)
+            for half in (0, 128):
+                for k in range(40):
+                    hist[half + 60 - k] = int(2**20 * 0.5 ** abs(k - 3) * rng.random())
+        elif kind == 1:
+            idx = rng.choice(256, int(rng.integers(1, 40)), replace=False)
+            hist[idx] = rng.integers(1, 10**6, len(idx))
+        elif kind == 2:
+            hist[int(rng.integers(0, 256))] = 1000
+        else:
+            hist[:] = rng.integers(1, 1000, 256)
+        forced = np.zeros(256, dtype=np.uint8)
+        forced[rng.choice(256, int(rng.integers(0, 6)), replace=False)] = 1
+        dev = torch.device("cuda")
+        table, code = build_code(torch.from_numpy(hist.astype(np.int32)).to(dev),
+                                 torch.from_numpy(forced).to(dev) | _forced_on_device(torch.bfloat16, dev),
+                                 HUFF_MARGIN, entropy.MAX_LEN)
+        counts = _huff_counts(hist, torch.bfloat16)  # the bf16 specials, as the device's mask has them
+        counts[(forced == 1) & (counts == 0)] = 1
+        lengths = entropy.code_lengths(counts)
+        code = code.cpu()
+        assert (code[2:34].numpy().view(np.uint8) == lengths).all()
+        assert int(code[34]) == int(np.flatnonzero(lengths == lengths[lengths > 0].min())[0])
+        assert (table.cpu().numpy() == entropy.device_tables(lengths.tobytes(), torch.device("cpu"))[0].numpy()).all()
