@@ -69,6 +69,13 @@ def split_fields(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     return rows[:, w - 1].contiguous(), rows[:, : w - 1].contiguous(), 8 * (w - 1)
 
 
+def raw_bits(dtype: torch.dtype) -> int:
+    """The width in bits of ``split_fields``' raw part for ``dtype``."""
+    if dtype in (torch.float16, torch.float32):
+        return 11 if dtype == torch.float16 else 24
+    return 8 * (torch.empty((), dtype=dtype).element_size() - 1)
+
+
 def symbol_field(t: torch.Tensor) -> torch.Tensor:
     """The symbol part of ``split_fields`` alone (uint8 [n])."""
     if t.dtype in (torch.float16, torch.float32):

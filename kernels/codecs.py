@@ -33,7 +33,7 @@ import torch
 
 from . import entropy
 from .bitpack import pack_bits, unpack_bits
-from .bits import bit_keys, flat_bytes, keys_to_tensor, merge_fields, raw_is_bytes, split_fields, symbol_field
+from .bits import bit_keys, flat_bytes, keys_to_tensor, merge_fields, raw_bits, raw_is_bytes, split_fields, symbol_field
 from .format import Encoded, require
 from .gpu import use_triton
 from .scan import compact
@@ -224,7 +224,7 @@ def ancf_exp_decode(e: Encoded) -> torch.Tensor:
     pos = _read(e.buffer("esc_pos"), _pos_dtype(n), esc, "ancf_exp escape positions")
     esc_sym = e.buffer("esc_sym")
     require(esc_sym.numel() == esc, "ancf_exp: escape symbol count")
-    _, _, rbits = split_fields(torch.empty(0, dtype=e.dtype))
+    rbits = raw_bits(e.dtype)
     raw_b = e.buffer("raw")
     if use_triton(codes_b) and e.dtype in _FUSED_EXP and n:
         from .gpu.pack import dict4_decode
@@ -326,7 +326,7 @@ def huff_exp_decode(e: Encoded) -> torch.Tensor:
     n = e.numel
     require(e.dtype != torch.float64, "huff_exp: float64 is never encoded by this codec")
     lengths = np.frombuffer(e.meta_bytes("lengths", 256), dtype=np.uint8)
-    _, _, rbits = split_fields(torch.empty(0, dtype=e.dtype))
+    rbits = raw_bits(e.dtype)
     raw_b = e.buffer("raw")
     if n == 0:
         require(raw_b.numel() == 0, "huff_exp: raw bytes for an empty tensor")

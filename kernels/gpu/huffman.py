@@ -277,17 +277,16 @@ def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, n, l
 
 
 @triton.jit
-def _zero_shared(ends_ptr, bits_ptr, words_ptr, lanes, PAD_WORDS: tl.constexpr, LANES: tl.constexpr):
-    # zeros where the encoder ORs: the word each lane starts in and the one it ends in (each
-    # shared with a neighbour), and the words after the stream, so the stream can be written
-    # into memory nothing cleared
+def _zero_shared(ends_ptr, words_ptr, lanes, PAD_WORDS: tl.constexpr, LANES: tl.constexpr):
+    # zeros where the encoder ORs: the word each lane ends in (where the next lane starts;
+    # the first lane starts in word 0) and the words after the stream, so the stream can be
+    # written into memory nothing cleared
     c = tl.program_id(0) * LANES + tl.arange(0, LANES)
     live = c < lanes
     end = tl.load(ends_ptr + c, mask=live, other=0)
-    start = end - tl.load(bits_ptr + c, mask=live, other=0).to(tl.int64)
     zero = tl.zeros([LANES], tl.int32)
-    tl.store(words_ptr + (start >> 5), zero, mask=live)
     tl.store(words_ptr + (end >> 5), zero, mask=live)
+    tl.store(words_ptr + c, zero, mask=c == 0)
     for k in tl.static_range(1, PAD_WORDS + 1):
         tl.store(words_ptr + (end >> 5) + k, zero, mask=live & (c == lanes - 1))
 
@@ -375,7 +374,7 @@ def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tenso
     _lane_bits[grid](x, raw if raw is not None else x, table, bits, info, n, lanes, groups, W=w, LANES=LANES)
     ends = torch.cumsum(bits, 0, dtype=torch.int64)
     words = torch.empty(-(-steps * lanes * max_len // 32) + pad_words + 1, dtype=torch.int32, device=dev)
-    _zero_shared[grid](ends, bits, words, lanes, PAD_WORDS=pad_words, LANES=LANES)
+    _zero_shared[grid](ends, words, lanes, PAD_WORDS=pad_words, LANES=LANES)
     _lane_encode[grid](x, table, ends, bits, words, info, n, lanes, groups, W=w, LANES=LANES)
     host = info.cpu()  # the one wait: the stream's length, whether a symbol had no code, the code
     total, missed = int(host[0]), int(host[1])
