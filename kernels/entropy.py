@@ -225,6 +225,8 @@ def encode_fields(t: torch.Tensor, hist: torch.Tensor, force: torch.Tensor,
     from .gpu.huffman import build_code, encode_lanes
     w = t.element_size()
     x = t.contiguous().reshape(-1).view(torch.int16 if w == 2 else torch.int32)
+    if x.data_ptr() % 16:  # the lane kernels read 4 elements at once
+        x = x.clone()
     lanes, steps = lane_shape(x.numel())
     table, code = build_code(hist, force, margin, MAX_LEN)
     return encode_lanes(x, w, table, code, lanes, steps, PAD_WORDS, MAX_LEN)

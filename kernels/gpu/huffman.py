@@ -190,37 +190,73 @@ def _sym_at(sym_ptr, base, k: tl.constexpr, word, full, live, n, pad):
 
 
 @triton.jit
-def _elem_sym(x_ptr, raw_ptr, i, live, n, pad, W: tl.constexpr, WRITE_RAW: tl.constexpr):
-    # the symbol of element i (pad past n); with WRITE_RAW its raw field is stored too
-    ok = live & (i < n)
-    s, r = _fields(tl.load(x_ptr + i, mask=ok, other=0).to(tl.int32), W)
-    if WRITE_RAW:
-        if W == 2:
-            tl.store(raw_ptr + i, r.to(tl.uint8), mask=ok)
-        else:
-            for k in tl.static_range(3):
-                tl.store(raw_ptr + k * n + i, ((r >> (8 * k)) & 0xFF).to(tl.uint8), mask=ok)
-    return tl.where(ok, s, pad)
+def _elem_at(x_ptr, base, k: tl.constexpr, word, full, live, n):
+    # element k of a group as an int32 bit pattern: from the group's wide load, or on its
+    # own in the last, partial group
+    part = tl.load(x_ptr + base + k, mask=live & ~full & (base + k < n), other=0).to(tl.int32)
+    return tl.where(full, word, part)
 
 
 @triton.jit
-def _group_syms(x_ptr, raw_ptr, q, lanes, c, live, n, pad, W: tl.constexpr, WRITE_RAW: tl.constexpr):
-    # the 4 symbols (int32 each) of lane c at group step q
+def _store_raw(raw_ptr, base, full, live, n, r0, r1, r2, r3, W: tl.constexpr, PLANES4: tl.constexpr):
+    # the raw fields of a group's 4 elements: one 32-bit store per byte plane (planes start
+    # 4-aligned when n % 4 == 0: PLANES4), byte by byte in the last, partial group
+    for p in tl.static_range(W - 1):
+        sh = 8 * p
+        v0 = (r0 >> sh) & 0xFF
+        v1 = (r1 >> sh) & 0xFF
+        v2 = (r2 >> sh) & 0xFF
+        v3 = (r3 >> sh) & 0xFF
+        at = raw_ptr + p * n + base
+        if PLANES4:
+            tl.store(at.to(tl.pointer_type(tl.int32), bitcast=True), v0 | (v1 << 8) | (v2 << 16) | (v3 << 24), mask=full)
+            one = live & ~full
+        else:
+            one = live
+        tl.store(at, v0.to(tl.uint8), mask=one & (base < n))
+        tl.store(at + 1, v1.to(tl.uint8), mask=one & (base + 1 < n))
+        tl.store(at + 2, v2.to(tl.uint8), mask=one & (base + 2 < n))
+        tl.store(at + 3, v3.to(tl.uint8), mask=one & (base + 3 < n))
+
+
+@triton.jit
+def _group_syms(x_ptr, raw_ptr, q, lanes, c, live, n, pad, W: tl.constexpr, WRITE_RAW: tl.constexpr,
+                PLANES4: tl.constexpr):
+    # the 4 symbols (int32 each) of lane c at group step q, pad past n; with WRITE_RAW the
+    # elements' raw fields are stored too. A full group is one 32-bit load (W=1: symbols),
+    # one 64-bit load (W=2) or two (W=4): the caller keeps x 16-byte aligned.
     base = (q * lanes + c.to(tl.int64)) * 4
-    if W == 1:  # a symbol stream: one 32-bit load, except for the last, partial group
-        full = live & (base + 3 < n)
+    full = live & (base + 3 < n)
+    if W == 1:
         word = tl.load((x_ptr + base).to(tl.pointer_type(tl.int32), bitcast=True), mask=full, other=0)
         return (_sym_at(x_ptr, base, 0, word, full, live, n, pad), _sym_at(x_ptr, base, 1, word, full, live, n, pad),
                 _sym_at(x_ptr, base, 2, word, full, live, n, pad), _sym_at(x_ptr, base, 3, word, full, live, n, pad))
-    return (_elem_sym(x_ptr, raw_ptr, base, live, n, pad, W, WRITE_RAW),
-            _elem_sym(x_ptr, raw_ptr, base + 1, live, n, pad, W, WRITE_RAW),
-            _elem_sym(x_ptr, raw_ptr, base + 2, live, n, pad, W, WRITE_RAW),
-            _elem_sym(x_ptr, raw_ptr, base + 3, live, n, pad, W, WRITE_RAW))
+    if W == 2:
+        v = tl.load((x_ptr + base).to(tl.pointer_type(tl.int64), bitcast=True), mask=full, other=0)
+        w0 = (v & 0xFFFF).to(tl.int32)
+        w1 = ((v >> 16) & 0xFFFF).to(tl.int32)
+        w2 = ((v >> 32) & 0xFFFF).to(tl.int32)
+        w3 = ((v >> 48) & 0xFFFF).to(tl.int32)
+    else:
+        v = tl.load((x_ptr + base).to(tl.pointer_type(tl.int64), bitcast=True), mask=full, other=0)
+        u = tl.load((x_ptr + base + 2).to(tl.pointer_type(tl.int64), bitcast=True), mask=full, other=0)
+        w0 = v.to(tl.int32)
+        w1 = (v >> 32).to(tl.int32)
+        w2 = u.to(tl.int32)
+        w3 = (u >> 32).to(tl.int32)
+    s0, r0 = _fields(_elem_at(x_ptr, base, 0, w0, full, live, n), W)
+    s1, r1 = _fields(_elem_at(x_ptr, base, 1, w1, full, live, n), W)
+    s2, r2 = _fields(_elem_at(x_ptr, base, 2, w2, full, live, n), W)
+    s3, r3 = _fields(_elem_at(x_ptr, base, 3, w3, full, live, n), W)
+    if WRITE_RAW:
+        _store_raw(raw_ptr, base, full, live, n, r0, r1, r2, r3, W, PLANES4)
+    return (tl.where(live & (base < n), s0, pad), tl.where(live & (base + 1 < n), s1, pad),
+            tl.where(live & (base + 2 < n), s2, pad), tl.where(live & (base + 3 < n), s3, pad))
 
 
 @triton.jit
 def _lane_bits(x_ptr, raw_ptr, table_ptr, bits_ptr, info_ptr, n, lanes, groups, W: tl.constexpr,
-               LANES: tl.constexpr):
+               LANES: tl.constexpr, PLANES4: tl.constexpr):
     # each lane's code length in bits (int16), the raw field of its elements, and into
     # info: the total bits (one atomic per program) and whether a symbol had no code
     c = tl.program_id(0) * LANES + tl.arange(0, LANES)
@@ -229,7 +265,7 @@ def _lane_bits(x_ptr, raw_ptr, table_ptr, bits_ptr, info_ptr, n, lanes, groups, 
     acc = tl.zeros([LANES], dtype=tl.int32)
     miss = tl.zeros([LANES], dtype=tl.int32)
     for q in range(0, groups):
-        s0, s1, s2, s3 = _group_syms(x_ptr, raw_ptr, q, lanes, c, live, n, pad, W, W > 1)
+        s0, s1, s2, s3 = _group_syms(x_ptr, raw_ptr, q, lanes, c, live, n, pad, W, W > 1, PLANES4)
         l0 = _entry(table_ptr, s0) & 15
         l1 = _entry(table_ptr, s1) & 15
         l2 = _entry(table_ptr, s2) & 15
@@ -269,7 +305,7 @@ def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, n, l
     nb = (pos & 31).to(tl.int32)
     buf = tl.zeros([LANES], dtype=tl.int64)
     for q in range(0, groups):
-        s0, s1, s2, s3 = _group_syms(x_ptr, x_ptr, q, lanes, c, live, n, pad, W, False)
+        s0, s1, s2, s3 = _group_syms(x_ptr, x_ptr, q, lanes, c, live, n, pad, W, False, False)
         buf, nb, wp = _emit2(words_ptr, buf, nb, wp, first, _entry(table_ptr, s0), _entry(table_ptr, s1), live)
         buf, nb, wp = _emit2(words_ptr, buf, nb, wp, first, _entry(table_ptr, s2), _entry(table_ptr, s3), live)
     # the last, partial word is shared with the next lane
@@ -362,7 +398,7 @@ def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tenso
     in kernels.entropy's layout, for ``x`` a flat uint8 symbol stream (w=1) or the int16
     (w=2) / int32 (w=4) view of bf16/int16/fp32 elements (whose raw field it writes).
     ``table`` and ``info`` hold the code (``build_code``, or the host's with the pad symbol
-    at info[34]); None when a symbol has no code. Every pass is queued at once, into a
+    at info[34]); None when a symbol has no code. ``x`` must be 16-byte aligned. Every pass is queued at once, into a
     stream buffer as long as any stream can be; the host waits once, at the end, for the
     stream's length (and the code's lengths), and keeps that much of the buffer."""
     n = x.numel()
@@ -371,7 +407,8 @@ def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tenso
     grid = (triton.cdiv(lanes, LANES),)
     bits = torch.empty(lanes, dtype=torch.int16, device=dev)
     raw = torch.empty(n * (w - 1), dtype=torch.uint8, device=dev) if w > 1 else None
-    _lane_bits[grid](x, raw if raw is not None else x, table, bits, info, n, lanes, groups, W=w, LANES=LANES)
+    _lane_bits[grid](x, raw if raw is not None else x, table, bits, info, n, lanes, groups, W=w, LANES=LANES,
+                     PLANES4=w == 2 or n % 4 == 0)
     ends = torch.cumsum(bits, 0, dtype=torch.int64)
     words = torch.empty(-(-steps * lanes * max_len // 32) + pad_words + 1, dtype=torch.int32, device=dev)
     _zero_shared[grid](ends, words, lanes, PAD_WORDS=pad_words, LANES=LANES)
