@@ -278,19 +278,21 @@ def _lane_bits(x_ptr, raw_ptr, table_ptr, bits_ptr, info_ptr, n, lanes, groups, 
 
 
 @triton.jit
-def _emit2(words_ptr, buf, nb, wp, first, e0, e1, live):
-    # two codes (<= 24 bits) into the buffer (< 32 bits pending), then at most one word out
+def _emit2(words_ptr, buf, nb, wp, first, head, e0, e1, live):
+    # two codes (<= 24 bits) into the buffer (< 32 bits pending), then at most one word out:
+    # the lane's first word (shared with the lane before) is kept for the end, the others
+    # are the lane's alone and stored as they fill
     l0 = e0 & 15
     buf |= (((e0 >> 4) | ((e1 >> 4) << l0)).to(tl.int64)) << nb.to(tl.int64)
     nb += l0 + (e1 & 15)
     flush = live & (nb >= 32)
     word = (buf & 0xFFFFFFFF).to(tl.int32)
-    tl.atomic_or(words_ptr + wp, word, mask=flush & (wp == first))  # shared with the previous lane
-    tl.store(words_ptr + wp, word, mask=flush & (wp != first))      # this lane's alone
+    head = tl.where(flush & (wp == first), word, head)
+    tl.store(words_ptr + wp, word, mask=flush & (wp != first))
     buf = tl.where(flush, buf >> 32, buf)
     wp = tl.where(flush, wp + 1, wp)
     nb = tl.where(flush, nb - 32, nb)
-    return buf, nb, wp
+    return buf, nb, wp, head
 
 
 @triton.jit
@@ -304,11 +306,13 @@ def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, n, l
     wp = first
     nb = (pos & 31).to(tl.int32)
     buf = tl.zeros([LANES], dtype=tl.int64)
+    head = tl.zeros([LANES], dtype=tl.int32)
     for q in range(0, groups):
         s0, s1, s2, s3 = _group_syms(x_ptr, x_ptr, q, lanes, c, live, n, pad, W, False, False)
-        buf, nb, wp = _emit2(words_ptr, buf, nb, wp, first, _entry(table_ptr, s0), _entry(table_ptr, s1), live)
-        buf, nb, wp = _emit2(words_ptr, buf, nb, wp, first, _entry(table_ptr, s2), _entry(table_ptr, s3), live)
-    # the last, partial word is shared with the next lane
+        buf, nb, wp, head = _emit2(words_ptr, buf, nb, wp, first, head, _entry(table_ptr, s0), _entry(table_ptr, s1), live)
+        buf, nb, wp, head = _emit2(words_ptr, buf, nb, wp, first, head, _entry(table_ptr, s2), _entry(table_ptr, s3), live)
+    # the first word, if it filled, and the last, partial one are shared with the neighbours
+    tl.atomic_or(words_ptr + first, head, mask=live & (wp != first))
     tl.atomic_or(words_ptr + wp, (buf & 0xFFFFFFFF).to(tl.int32), mask=live & (nb > 0))
 
 
