@@ -13,8 +13,10 @@ code lengths per lane, writes the raw field of the elements (byte planes, as
 kernels.gpu.pack lays them out), adds up the total and flags a symbol that has no
 code; torch.cumsum turns the lane lengths into lane ends; ``_zero_shared`` clears
 the words two lanes share; ``_lane_encode`` adds two codes at a time to a 64-bit
-register and flushes whole 32-bit words with plain stores, except the lane's
-first and last words, which it ORs into. All of it is queued at once, into a
+register and stores each 32-bit word as it fills, except the lane's first word
+(kept in a register) and last, which it ORs in at the end. A full group of 4
+elements is one 64-bit load (two for fp32) and its raw bytes one 32-bit store per
+byte plane, so the input must be 16-byte aligned. All of it is queued at once, into a
 buffer as long as any stream can be; the host waits once, at the end, for the
 total (the stream's length), the flag (a symbol without a code sends the caller
 back for a code that covers every symbol) and the code's lengths (the header).
