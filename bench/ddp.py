@@ -8,7 +8,9 @@ trains W1 (bench/workloads.py, --batch per rank) for --steps steps without offlo
 same steps from the same initial state under storm.offload(mode="daemon") through that one
 daemon. Every step's loss and a hash of every gradient (after DDP's all-reduce) must be
 bit-identical between the two; the JSON has both step times per rank (median after --warmup),
-and per-rank throughput with --nproc ranks against the single-rank run. Each rank also measures
+per-rank throughput with --nproc ranks against the single-rank run, and offload's cost (step time
+with offload over step time without) against the single rank's, which leaves out what DDP itself
+costs each rank. Each rank also measures
 its pinned link (GB/s each way) alone, ranks taking turns, and with every rank copying at once:
 full offload is link-bound, so what the ranks' links lose together bounds what offload can keep.
 """
@@ -104,6 +106,7 @@ def worker(a: argparse.Namespace) -> None:
     row = {"rank": rank, "steps": a.steps, "identical_steps": sum(p == o for p, o in zip(plain, offloaded)),
            "offloaded_tensors_per_step": tensors / a.steps,
            "step_ms_no_offload": med(t_plain), "step_ms_offload": med(t_off),
+           "offload_cost": round(med(t_off) / med(t_plain), 3),
            "samples_per_s_offload": round(w.batch / (med(t_off) / 1e3), 2), **link}
     rows: list = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
@@ -156,9 +159,12 @@ def main() -> int:
         finally:
             daemon.terminate()
             daemon.wait(30)
-    base = single["ranks"][0]["samples_per_s_offload"]
+    base, cost = single["ranks"][0]["samples_per_s_offload"], single["ranks"][0]["offload_cost"]
     for r in multi["ranks"]:
         r["throughput_vs_single_rank"] = round(r["samples_per_s_offload"] / base, 3)
+        # DDP alone already slows each rank (gradient all-reduce, a shared host): what
+        # offload adds on top of that, against what it adds to one rank
+        r["offload_cost_vs_single_rank"] = round(r["offload_cost"] / cost, 3)
     results = {"single_rank": single, f"{a.nproc}_ranks": multi,
                "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"}
     ok = all(r["identical_steps"] == r["steps"] and r["offloaded_tensors_per_step"] > 0
