@@ -54,6 +54,13 @@ def keys_to_tensor(keys: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
     return v.view(dtype).reshape(shape)
 
 
+def raw_bits(dtype: torch.dtype) -> int:
+    """The width in bits of ``split_fields``' raw part for ``dtype``."""
+    if dtype in (torch.float16, torch.float32):
+        return 11 if dtype == torch.float16 else 24
+    return 8 * (dtype.itemsize - 1)
+
+
 def split_fields(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Return (symbols uint8 [n], raw int64 [n] or uint8 [n, k], raw bit width)."""
     if t.dtype in (torch.float16, torch.float32):
@@ -62,18 +69,11 @@ def split_fields(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         ebits = 5 if t.dtype == torch.float16 else 8
         sym = ((k >> mbits) & ((1 << ebits) - 1)).to(torch.uint8)
         raw = (k & ((1 << mbits) - 1)) | ((k >> (mbits + ebits)) << mbits)
-        return sym, raw, mbits + 1
+        return sym, raw, raw_bits(t.dtype)
     b = flat_bytes(t)
     w = t.element_size()
     rows = b.view(-1, w)
-    return rows[:, w - 1].contiguous(), rows[:, : w - 1].contiguous(), 8 * (w - 1)
-
-
-def raw_bits(dtype: torch.dtype) -> int:
-    """The width in bits of ``split_fields``' raw part for ``dtype``."""
-    if dtype in (torch.float16, torch.float32):
-        return 11 if dtype == torch.float16 else 24
-    return 8 * (torch.empty((), dtype=dtype).element_size() - 1)
+    return rows[:, w - 1].contiguous(), rows[:, : w - 1].contiguous(), raw_bits(t.dtype)
 
 
 def symbol_field(t: torch.Tensor) -> torch.Tensor:

@@ -165,14 +165,18 @@ def _sample_symbol_hist(t: torch.Tensor) -> np.ndarray:
     flat = t.contiguous().reshape(-1)
     if use_triton(flat) and t.dtype in _FUSED_EXP:
         return _device_symbol_hist(flat).cpu().numpy().astype(np.int64)
-    sym = symbol_field(flat[::max(1, flat.numel() // _TABLE_SAMPLE)].contiguous())
+    sym = symbol_field(flat[::_sample_stride(flat)].contiguous())
     return torch.bincount(sym.to(torch.int32), minlength=256).cpu().numpy().astype(np.int64)
+
+
+def _sample_stride(flat: torch.Tensor) -> int:
+    return max(1, flat.numel() // _TABLE_SAMPLE)
 
 
 def _device_symbol_hist(flat: torch.Tensor) -> torch.Tensor:
     """``_sample_symbol_hist`` of a flat CUDA bf16/int16/fp32 tensor, left on the device (int32)."""
     from .gpu.pack import sample_histogram
-    return sample_histogram(flat, max(1, flat.numel() // _TABLE_SAMPLE))
+    return sample_histogram(flat, _sample_stride(flat))
 
 
 def _exp_table(hist: np.ndarray) -> np.ndarray:

@@ -185,11 +185,8 @@ def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.
     lanes, steps = lane_shape(n)
     pad_sym = _pad_symbol(lengths)
     if use_triton(sym):
-        from .gpu.huffman import CODE_WORDS, encode_lanes
-        code = np.zeros(CODE_WORDS, dtype=np.int64)  # the layout build_code writes on the device
-        code.view(np.uint8)[16:272] = lengths
-        code[34] = pad_sym
-        out = encode_lanes(sym.reshape(-1), 1, device_tables(lengths.tobytes(), dev)[0], torch.from_numpy(code).to(dev),
+        from .gpu.huffman import encode_lanes, host_code
+        out = encode_lanes(sym.reshape(-1), 1, device_tables(lengths.tobytes(), dev)[0], host_code(lengths, pad_sym, dev),
                            lanes, steps, PAD_WORDS, MAX_LEN)
         return None if out is None else out[:2]
     len_t = torch.from_numpy(lengths.astype(np.int64)).to(dev)

@@ -38,7 +38,12 @@ import triton.language as tl
 from .pack import _fields
 
 LANES = 128
-CODE_WORDS = 35  # int64: info (2), lengths (32 = 256 bytes), pad symbol (1)
+# The code buffer (int64[CODE_WORDS]) the lane kernels read and _build_code writes: words 0
+# and 1 the lane pass's info (total bits, a symbol without a code), bytes LENGTHS_AT.. the
+# code lengths (uint8[256]), word PAD_AT the pad symbol. The kernels spell the offsets out.
+CODE_WORDS = 35
+LENGTHS_AT = 16
+PAD_AT = 34
 
 
 @triton.jit
@@ -424,7 +429,16 @@ def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tenso
     if missed:
         return None
     stream = words[:-(-total // 32) + pad_words].clone()  # let the worst-case buffer go
-    return stream.view(torch.uint8), bits.view(torch.uint8), raw, host[2:34].numpy().view(np.uint8).copy()
+    lengths = host.numpy().view(np.uint8)[LENGTHS_AT:LENGTHS_AT + 256].copy()
+    return stream.view(torch.uint8), bits.view(torch.uint8), raw, lengths
+
+
+def host_code(lengths: np.ndarray, pad: int, device: torch.device) -> torch.Tensor:
+    """The code buffer ``build_code`` writes, for a code the host built."""
+    code = np.zeros(CODE_WORDS, dtype=np.int64)
+    code.view(np.uint8)[LENGTHS_AT:LENGTHS_AT + 256] = lengths
+    code[PAD_AT] = pad
+    return torch.from_numpy(code).to(device)
 
 
 def build_code(hist: torch.Tensor, force: torch.Tensor, margin: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
