@@ -18,8 +18,10 @@ import argparse
 import cProfile
 import gzip
 import pstats
+import signal
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import storm  # noqa: E402
+from daemon import start_daemon  # noqa: E402
 from offload import link_bandwidth, write  # noqa: E402
 from workloads import W1, W2  # noqa: E402
 
@@ -62,6 +65,9 @@ def main() -> int:
     p.add_argument("--pool-size", default="8GiB")
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--cprofile", action="store_true", help="print the Python functions that took the host's time")
+    p.add_argument("--daemon", action="store_true",
+                   help="also the budget-fit and full variants through a stormd (its own copies, CUDA IPC); with "
+                        "--cprofile, stormd runs under cProfile too and its functions are printed at the end")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     w = {"W1": W1, "W2": W2}[args.workload]
@@ -71,10 +77,18 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     base = {"mode": "embedded", "pool_size": args.pool_size, "min_bytes": 1 << 20}
     rows: dict = {}
-    variants = [("none", None), ("hooks-only", {**base, "budget": 0})]
-    for name, opts in variants + [("budget-fit", base), ("full", base), ("full-lowmem", base)]:
-        if name == "budget-fit":  # what the link carries while forward runs
-            opts = {**base, "budget": int(bw["d2h_GBps"] * 1e9 * rows["none"]["gpu_fwd_ms"] / 1e3)}
+    variants = [("none", None), ("hooks-only", {**base, "budget": 0}), ("budget-fit", base), ("full", base),
+                ("full-lowmem", base)]
+    daemon = None
+    if args.daemon:
+        tmp = Path(tempfile.mkdtemp())
+        daemon_profile = tmp / "stormd.prof" if args.cprofile else None
+        daemon, endpoint = start_daemon(tmp, args.pool_size, cprofile=daemon_profile)
+        through = {**base, "mode": "daemon", "socket": endpoint}
+        variants += [("daemon-budget-fit", through), ("daemon-full", through)]
+    for name, opts in variants:
+        if name.endswith("budget-fit"):  # what the link carries while forward runs
+            opts = {**opts, "budget": int(bw["d2h_GBps"] * 1e9 * rows["none"]["gpu_fwd_ms"] / 1e3)}
         if name == "full-lowmem":
             opts = {**base, "max_held_bytes": 256 << 20, "prefetch_bytes": 256 << 20}
         for _ in range(args.warmup):
@@ -87,6 +101,7 @@ def main() -> int:
             prof.disable()
             print(f"--- {name}: Python time over {args.steps} steps")
             pstats.Stats(prof).sort_stats("cumulative").print_stats(r"client|stormd|cuda|futures|threading", 30)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         rows[name] = {k: round(statistics.median(s[k] for s in samples), 2) for k in samples[0]}
         if opts is not None:
             rows[name]["budget"] = opts.get("budget")
@@ -101,6 +116,14 @@ def main() -> int:
                 g.write(f.read())
             tmp.unlink()
         print(name, rows[name], flush=True)
+    if daemon is not None:
+        storm.close_all()
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=60)
+        if daemon_profile is not None:
+            print("--- stormd: Python time over all daemon variants")
+            pstats.Stats(str(daemon_profile)).sort_stats("tottime").print_stats(30)
+            pstats.Stats(str(daemon_profile)).sort_stats("cumulative").print_stats(r"stormd", 30)
     write(args, {"link": bw, args.workload: rows})
     return 0
 
