@@ -3,13 +3,16 @@
     python bench/profile_step.py --out bench/results/profile-w1.json [--trace-dir DIR]
 
 For each variant (no offload; hooks with nothing offloaded; the budget that fits
-forward's link time; full offload) it reports, as medians over --steps steps:
+forward's link time; full offload; with --daemon the budget and full offload through a
+stormd that copies by CUDA IPC) it reports, as medians over --steps steps in each of
+--rounds rounds (the variants run in turn, one model, so machine drift hits all alike):
 the step's wall time; how long forward and backward took on the host (the
 Python calls returning) and on the compute stream (events recorded on it). A
 host phase much longer than its GPU phase means STORM's host work is the
 bottleneck; a GPU phase longer than without offload means the compute stream
 waited for copies. With --trace-dir, one step of each variant is written as a
-gzipped Chrome trace.
+gzipped Chrome trace; with --cprofile the first round runs under cProfile (the Python
+functions that took the host's time are printed, and that round's steps are not counted).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="W1", choices=["W1", "W2"])
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the variants this many times in turn, --steps steps each; medians over all")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--pool-size", default="8GiB")
     p.add_argument("--trace-dir", default=None)
@@ -86,36 +91,47 @@ def main() -> int:
         daemon, endpoint = start_daemon(tmp, args.pool_size, cprofile=daemon_profile)
         through = {**base, "mode": "daemon", "socket": endpoint}
         variants += [("daemon-budget-fit", through), ("daemon-full", through)]
-    for name, opts in variants:
-        if name.endswith("budget-fit"):  # what the link carries while forward runs
-            opts = {**opts, "budget": int(bw["d2h_GBps"] * 1e9 * rows["none"]["gpu_fwd_ms"] / 1e3)}
-        if name == "full-lowmem":
-            opts = {**base, "max_held_bytes": 256 << 20, "prefetch_bytes": 256 << 20}
-        for _ in range(args.warmup):
-            step(model, x, opt, opts)
-        prof = cProfile.Profile() if args.cprofile else None
-        if prof is not None:
-            prof.enable()
-        samples = [step(model, x, opt, opts) for _ in range(args.steps)]
-        if prof is not None:
-            prof.disable()
-            print(f"--- {name}: Python time over {args.steps} steps")
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(r"client|stormd|cuda|futures|threading", 30)
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-        rows[name] = {k: round(statistics.median(s[k] for s in samples), 2) for k in samples[0]}
-        if opts is not None:
-            rows[name]["budget"] = opts.get("budget")
-        if args.trace_dir:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+    samples: dict[str, list[dict[str, float]]] = {}
+    profiled: dict[str, list[dict[str, float]]] = {}
+    for rnd in range(args.rounds):  # the variants in alternation, so a drifting machine drifts for all
+        for name, opts in variants:
+            if name.endswith("budget-fit"):  # what the link carries while forward runs
+                fwd_ms = statistics.median(s["gpu_fwd_ms"] for s in samples.get("none") or profiled["none"])
+                opts = {**opts, "budget": int(bw["d2h_GBps"] * 1e9 * fwd_ms / 1e3)}
+            if name == "full-lowmem":
+                opts = {**base, "max_held_bytes": 256 << 20, "prefetch_bytes": 256 << 20}
+            for _ in range(args.warmup):
                 step(model, x, opt, opts)
-            Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-            tmp = Path(args.trace_dir) / f"{name}.json"
-            prof.export_chrome_trace(str(tmp))
-            with open(tmp, "rb") as f, gzip.open(f"{tmp}.gz", "wb") as g:
-                g.write(f.read())
-            tmp.unlink()
-        print(name, rows[name], flush=True)
+            prof = cProfile.Profile() if args.cprofile and rnd == 0 else None
+            if prof is not None:
+                prof.enable()
+            got = [step(model, x, opt, opts) for _ in range(args.steps)]
+            if prof is not None:  # steps timed under cProfile are not reported (its overhead is in them)
+                prof.disable()
+                profiled[name] = got
+                print(f"--- {name}: Python time over {args.steps} steps")
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(r"client|stormd|cuda|futures|threading", 30)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+                continue
+            samples.setdefault(name, []).extend(got)
+            rows[name] = {k: round(statistics.median(s[k] for s in samples[name]), 2) for k in got[0]}
+            if opts is not None:
+                rows[name]["budget"] = opts.get("budget")
+            if args.trace_dir and rnd == 0:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                        torch.profiler.ProfilerActivity.CUDA]) as tprof:
+                    step(model, x, opt, opts)
+                Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+                tmp = Path(args.trace_dir) / f"{name}.json"
+                tprof.export_chrome_trace(str(tmp))
+                with open(tmp, "rb") as f, gzip.open(f"{tmp}.gz", "wb") as g:
+                    g.write(f.read())
+                tmp.unlink()
+            print(f"round {rnd + 1}", name, rows[name], flush=True)
+    for name, row in rows.items():
+        row["steps"] = len(samples[name])
+        if name != "none" and "none" in rows:
+            row["over_none"] = round(row["step_ms"] / rows["none"]["step_ms"], 3)
     if daemon is not None:
         storm.close_all()
         daemon.send_signal(signal.SIGTERM)

@@ -187,6 +187,13 @@ class OnDevice:
             _rt.cudaSetDevice(self.previous)
 
 
+def allocated(device: torch.device) -> int:
+    """Bytes the caching allocator has handed out on ``device`` now: ``torch.cuda.memory_allocated``
+    without its flattening of every statistic into one dict, which took about 230 us a call on the
+    lent host (10 ms of a W1 step, read at each of backward's markers) against about 15 us."""
+    return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
+
+
 def current_stream(device: torch.device) -> int:
     """The raw handle of the stream torch's ops on ``device`` run on now."""
     return torch._C._cuda_getCurrentRawStream(device.index)

@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .backend import Backend, close_backends, open_backend
 from .errors import StormError, StormInPlaceError, StormRequestError
-from .gpu import consume, pack_range, record_ready, unpack_range
+from .gpu import allocated, consume, pack_range, record_ready, unpack_range
 from .policy import Keep, Policy
 from .transfer import Mover, PutRequest, Transfer
 
@@ -267,7 +267,7 @@ class ClientSession:
             self.drain(self.max_held_bytes)
             self.last_past_budget_bytes = step.past_budget_bytes
             if step.order and step.order[0].device.type == "cuda":
-                step.level = torch.cuda.memory_allocated(step.order[0].device)
+                step.level = allocated(step.order[0].device)
 
     # --- saving -------------------------------------------------------------
 
@@ -514,7 +514,7 @@ class ClientSession:
     def _room_made(self, step: Step, marker: Kept) -> int:
         if step.level is None:
             return step.prefetch_room + marker.nbytes
-        freed = step.level - torch.cuda.memory_allocated(marker.device)
+        freed = step.level - allocated(marker.device)
         return max(0, freed) + self._prefetched_bytes  # the bytes prefetched are allocated already
 
     def drain(self, limit: int) -> None:

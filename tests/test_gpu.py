@@ -54,6 +54,17 @@ def test_views_on_cuda_bit_exact(cuda_opts):
     assert all(same_bits(a, b) for a, b in zip(g0, g1))
 
 
+def test_allocated_is_torchs_memory_allocated():
+    from storm.gpu import allocated
+    dev = torch.device("cuda")
+    before = allocated(dev)
+    assert before == torch.cuda.memory_allocated(dev)
+    held = torch.empty(3 << 20, dtype=torch.uint8, device=dev)
+    assert allocated(dev) == torch.cuda.memory_allocated(dev) >= before + held.numel()
+    del held
+    assert allocated(dev) == torch.cuda.memory_allocated(dev) == before
+
+
 def test_offload_frees_device_memory_and_brings_it_back():
     torch.manual_seed(0)
     layers = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8)]).cuda()
