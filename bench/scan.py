@@ -2,7 +2,7 @@
 
 Lent machines differ by up to 20% on the same kernel, so configurations are only compared
 within one run: each round measures a device copy, torch.cumsum and every configuration of
-``kernels.gpu.scan`` (KNOBS) on --size-mib inputs, for int32 -> int64
+``kernels.gpu.scan`` (ONE_PASS_BLOCK, ONE_PASS_WARPS, LOOKBACK_RELAXED) on --size-mib inputs, for int32 -> int64
 (torch.cumsum's promotion), int32 -> int32 (dtype=torch.int32) and float32. Reported: the
 median over rounds of each as a fraction of the copy's bandwidth (input read + output written,
 against the copy's read + write), and whether every output was right.
@@ -31,19 +31,8 @@ import provenance
 import storm.kernels.gpu.scan as gscan
 from storm.kernels import associative_scan
 
-# (ONE_PASS_BLOCK, ONE_PASS_WARPS, LOOKBACK_RELAXED, PERSISTENT_PER_SM)
-CONFIGS = ((8192, 4, False, 0), (4096, 4, True, 0), (8192, 4, True, 0), (4096, 4, True, 4), (4096, 4, True, 8),
-           (8192, 4, True, 2), (8192, 4, True, 4), (4096, 8, True, 4))
-KNOBS = ("ONE_PASS_BLOCK", "ONE_PASS_WARPS", "LOOKBACK_RELAXED", "PERSISTENT_PER_SM")
-
-
-def configure(values: tuple) -> None:
-    for knob, v in zip(KNOBS, values):
-        setattr(gscan, knob, v)
-
-
-def label(block: int, warps: int, relaxed: bool, per_sm: int) -> str:
-    return f"block {block} warps {warps}{' relaxed' if relaxed else ''}{f' persistent {per_sm}/SM' if per_sm else ''}"
+# (ONE_PASS_BLOCK, ONE_PASS_WARPS, LOOKBACK_RELAXED)
+CONFIGS = tuple((b, w, r) for r in (False, True) for b, w in ((4096, 4), (8192, 4), (8192, 8), (32768, 16)))
 CASES = (("int32->int64", torch.int32, None), ("int32->int32", torch.int32, torch.int32), ("float32", torch.float32, None))
 
 
@@ -86,7 +75,7 @@ def main() -> None:
     x[torch.float32] = x[torch.int32].float()
     frac: dict[str, list[float]] = {}
     correct = True
-    default = tuple(getattr(gscan, k) for k in KNOBS)
+    default = gscan.ONE_PASS_BLOCK, gscan.ONE_PASS_WARPS, gscan.LOOKBACK_RELAXED
     for _ in range(a.rounds):
         for clock, seconds in CLOCKS.items():
             copy = 2 * n * 4 / seconds(lambda: x[torch.int32].clone(), a.reps)
@@ -95,21 +84,21 @@ def main() -> None:
                 moved = n * 4 + ref.numel() * ref.element_size()
                 frac.setdefault(f"{clock} torch.cumsum {name}", []).append(
                     moved / seconds(lambda: torch.cumsum(x[dtype], 0, dtype=out), a.reps) / copy)
-                for config in CONFIGS:
-                    configure(config)
+                for block, warps, relaxed in CONFIGS:
+                    gscan.ONE_PASS_BLOCK, gscan.ONE_PASS_WARPS, gscan.LOOKBACK_RELAXED = block, warps, relaxed
                     y = associative_scan(x[dtype], 0, dtype=out)
                     if dtype == torch.int32:
                         correct &= bool(torch.equal(y, ref))
-                    frac.setdefault(f"{clock} {label(*config)} {name}", []).append(
+                    frac.setdefault(f"{clock} block {block} warps {warps}{' relaxed' if relaxed else ''} {name}", []).append(
                         moved / seconds(lambda: associative_scan(x[dtype], 0, dtype=out), a.reps) / copy)
-    configure(default)
+    gscan.ONE_PASS_BLOCK, gscan.ONE_PASS_WARPS, gscan.LOOKBACK_RELAXED = default
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": provenance.commit(), "command": " ".join(["python3"] + sys.argv), "size_bytes": n * 4,
-           "default": dict(zip(KNOBS, default)),
+           "default": {"block": default[0], "warps": default[1], "relaxed": default[2]},
            "integers_identical_to_cumsum": correct,
            "fraction_of_copy": {k: {"median": round(statistics.median(v), 3), "rounds": [round(f, 3) for f in v]} for k, v in frac.items()}}
     for k, v in res["fraction_of_copy"].items():
-        print(f"{k:64s} {v['median']:.3f}   {' '.join(f'{f:.3f}' for f in v['rounds'])}")
+        print(f"{k:52s} {v['median']:.3f}   {' '.join(f'{f:.3f}' for f in v['rounds'])}")
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
 

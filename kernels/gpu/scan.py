@@ -23,8 +23,6 @@ accumulate in float32 and round each output once.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -34,7 +32,6 @@ ONE_PASS_BLOCK = 8192
 ONE_PASS_WARPS = 4
 LOOKBACK = 32  # blocks read at once when looking back
 LOOKBACK_RELAXED = False  # flag words read with volatile loads and written without fences (no acquire/release)
-PERSISTENT_PER_SM = 0  # > 0: this many programs per SM loop over the blocks (_scan_persistent); 0: one per block
 ONE_PASS_MAX_ROW = 1 << 29  # |prefix| of 32-bit inputs stays below 2**61 (the flag takes 2 bits)
 
 
@@ -51,13 +48,14 @@ def _publish(flags_ptr, value, flag: tl.constexpr, WORD32: tl.constexpr, RELAXED
 
 
 @triton.jit
-def _scan_block(x, y_ptr, flags_ptr, vid, L, nb, BLOCK: tl.constexpr, ACC: tl.constexpr, WORD32: tl.constexpr,
-                WINDOW: tl.constexpr, RELAXED: tl.constexpr):
-    """Block ``vid`` (its elements ``x``, loaded): scan, publish its total, add the totals of the
-    blocks before it, publish its inclusive prefix, store."""
+def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.constexpr,
+                   WORD32: tl.constexpr, WINDOW: tl.constexpr, RELAXED: tl.constexpr):
+    vid = tl.atomic_add(counter_ptr, 1)  # blocks in the order programs started: predecessors are running
     row = (vid // nb).to(tl.int32)
     blk = (vid % nb).to(tl.int32)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
+    base = row.to(tl.int64) * L
+    x = tl.load(x_ptr + base + offs, mask=offs < L, other=0).to(ACC)
     y = tl.cumsum(x, axis=0)
     total = tl.sum(x, axis=0)
     flags = flags_ptr + row.to(tl.int64) * nb
@@ -91,40 +89,7 @@ def _scan_block(x, y_ptr, flags_ptr, vid, L, nb, BLOCK: tl.constexpr, ACC: tl.co
                 else:
                     t = t - WINDOW
         _publish(flags + blk, prefix + total, 2, WORD32, RELAXED)
-    tl.store(y_ptr + row.to(tl.int64) * L + offs, (y + prefix).to(y_ptr.dtype.element_ty), mask=offs < L)
-
-
-@triton.jit
-def _load_block(x_ptr, vid, L, nb, blocks, BLOCK: tl.constexpr, ACC: tl.constexpr):
-    """The elements of block ``vid`` (zeros past the row's end, and for a ``vid`` past the last)."""
-    row = (vid // nb).to(tl.int32)
-    offs = (vid % nb).to(tl.int32) * BLOCK + tl.arange(0, BLOCK)
-    return tl.load(x_ptr + row.to(tl.int64) * L + offs, mask=(offs < L) & (vid < blocks), other=0).to(ACC)
-
-
-@triton.jit
-def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.constexpr,
-                   WORD32: tl.constexpr, WINDOW: tl.constexpr, RELAXED: tl.constexpr):
-    vid = tl.atomic_add(counter_ptr, 1)  # blocks in the order programs started: predecessors are running
-    x = _load_block(x_ptr, vid, L, nb, vid + 1, BLOCK, ACC)
-    _scan_block(x, y_ptr, flags_ptr, vid, L, nb, BLOCK, ACC, WORD32, WINDOW, RELAXED)
-
-
-@triton.jit
-def _scan_persistent(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, blocks, BLOCK: tl.constexpr, ACC: tl.constexpr,
-                     WORD32: tl.constexpr, WINDOW: tl.constexpr, RELAXED: tl.constexpr):
-    """A few programs per SM, each taking blocks in turn from the counter; a program loads its
-    next block before it looks back for this one, so the load overlaps the wait. Every block a
-    program waits on was taken earlier, by a running program that finishes its current block
-    (which waits only on earlier ones) before it starts the next: the earliest unfinished block
-    always progresses."""
-    vid = tl.atomic_add(counter_ptr, 1)
-    x = _load_block(x_ptr, vid, L, nb, blocks, BLOCK, ACC)
-    while vid < blocks:
-        nxt = tl.atomic_add(counter_ptr, 1)
-        x_next = _load_block(x_ptr, nxt, L, nb, blocks, BLOCK, ACC)
-        _scan_block(x, y_ptr, flags_ptr, vid, L, nb, BLOCK, ACC, WORD32, WINDOW, RELAXED)
-        vid, x = nxt, x_next
+    tl.store(y_ptr + base + offs, (y + prefix).to(y_ptr.dtype.element_ty), mask=offs < L)
 
 
 @triton.jit
@@ -147,11 +112,6 @@ def _block_scan(x_ptr, y_ptr, offs_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.cons
     tl.store(y_ptr + base + offs, y.to(y_ptr.dtype.element_ty), mask=offs < L)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def scan_lastdim(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Inclusive cumsum along the last dim of contiguous ``x``; the output dtype is torch.cumsum's,
     or ``out_dtype`` (int32 or int64 for integer and bool inputs)."""
@@ -169,17 +129,9 @@ def scan_lastdim(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch
     if x.element_size() <= 4 and (word32 or L < ONE_PASS_MAX_ROW):
         nb = triton.cdiv(L, ONE_PASS_BLOCK)
         flags = torch.zeros(rows * nb + 1, dtype=torch.int64, device=x.device)  # and the counter, last: one memset
-        blocks = rows * nb
-        counter = flags[blocks:]
-        if PERSISTENT_PER_SM:
-            programs = min(blocks, PERSISTENT_PER_SM * _sm_count(x.device))
-            _scan_persistent[(programs,)](src, y, flags, counter, L, nb, blocks, BLOCK=ONE_PASS_BLOCK, ACC=acc,
-                                          WORD32=word32, WINDOW=LOOKBACK, RELAXED=LOOKBACK_RELAXED,
-                                          num_warps=ONE_PASS_WARPS)
-        else:
-            _scan_one_pass[(blocks,)](src, y, flags, counter, L, nb, BLOCK=ONE_PASS_BLOCK, ACC=acc,
-                                      WORD32=word32, WINDOW=LOOKBACK, RELAXED=LOOKBACK_RELAXED,
-                                      num_warps=ONE_PASS_WARPS)
+        _scan_one_pass[(rows * nb,)](src, y, flags, flags[rows * nb:], L, nb, BLOCK=ONE_PASS_BLOCK, ACC=acc,
+                                     WORD32=word32, WINDOW=LOOKBACK, RELAXED=LOOKBACK_RELAXED,
+                                     num_warps=ONE_PASS_WARPS)
         return y
     nb = triton.cdiv(L, BLOCK)
     if nb > 65535:  # grid dim 1 limit: rows longer than 268 M elements stay on torch
