@@ -2,7 +2,7 @@
 
 Lent machines differ by up to 20% on the same kernel, so configurations are only compared
 within one run: each round measures a device copy, torch.cumsum and every configuration of
-``kernels.gpu.scan`` (ONE_PASS_BLOCK, ONE_PASS_WARPS, LOOKBACK_RELAXED) on --size-mib inputs, for int32 -> int64
+``kernels.gpu.scan`` (ONE_PASS_BLOCK, ONE_PASS_WARPS) on --size-mib inputs, for int32 -> int64
 (torch.cumsum's promotion), int32 -> int32 (dtype=torch.int32) and float32. Reported: the
 median over rounds of each as a fraction of the copy's bandwidth (input read + output written,
 against the copy's read + write), and whether every output was right.
@@ -31,8 +31,7 @@ import provenance
 import storm.kernels.gpu.scan as gscan
 from storm.kernels import associative_scan
 
-# (ONE_PASS_BLOCK, ONE_PASS_WARPS, LOOKBACK_RELAXED)
-CONFIGS = tuple((b, w, r) for r in (False, True) for b, w in ((4096, 4), (8192, 4), (8192, 8), (32768, 16)))
+CONFIGS = ((4096, 4), (8192, 4), (8192, 8), (16384, 8))
 CASES = (("int32->int64", torch.int32, None), ("int32->int32", torch.int32, torch.int32), ("float32", torch.float32, None))
 
 
@@ -75,7 +74,7 @@ def main() -> None:
     x[torch.float32] = x[torch.int32].float()
     frac: dict[str, list[float]] = {}
     correct = True
-    default = gscan.ONE_PASS_BLOCK, gscan.ONE_PASS_WARPS, gscan.LOOKBACK_RELAXED
+    default = gscan.ONE_PASS_BLOCK, gscan.ONE_PASS_WARPS
     for _ in range(a.rounds):
         for clock, seconds in CLOCKS.items():
             copy = 2 * n * 4 / seconds(lambda: x[torch.int32].clone(), a.reps)
@@ -84,17 +83,17 @@ def main() -> None:
                 moved = n * 4 + ref.numel() * ref.element_size()
                 frac.setdefault(f"{clock} torch.cumsum {name}", []).append(
                     moved / seconds(lambda: torch.cumsum(x[dtype], 0, dtype=out), a.reps) / copy)
-                for block, warps, relaxed in CONFIGS:
-                    gscan.ONE_PASS_BLOCK, gscan.ONE_PASS_WARPS, gscan.LOOKBACK_RELAXED = block, warps, relaxed
+                for block, warps in CONFIGS:
+                    gscan.ONE_PASS_BLOCK, gscan.ONE_PASS_WARPS = block, warps
                     y = associative_scan(x[dtype], 0, dtype=out)
                     if dtype == torch.int32:
                         correct &= bool(torch.equal(y, ref))
-                    frac.setdefault(f"{clock} block {block} warps {warps}{' relaxed' if relaxed else ''} {name}", []).append(
+                    frac.setdefault(f"{clock} block {block} warps {warps} {name}", []).append(
                         moved / seconds(lambda: associative_scan(x[dtype], 0, dtype=out), a.reps) / copy)
-    gscan.ONE_PASS_BLOCK, gscan.ONE_PASS_WARPS, gscan.LOOKBACK_RELAXED = default
+    gscan.ONE_PASS_BLOCK, gscan.ONE_PASS_WARPS = default
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": provenance.commit(), "command": " ".join(["python3"] + sys.argv), "size_bytes": n * 4,
-           "default": {"block": default[0], "warps": default[1], "relaxed": default[2]},
+           "default": {"block": default[0], "warps": default[1]},
            "integers_identical_to_cumsum": correct,
            "fraction_of_copy": {k: {"median": round(statistics.median(v), 3), "rounds": [round(f, 3) for f in v]} for k, v in frac.items()}}
     for k, v in res["fraction_of_copy"].items():

@@ -6,7 +6,7 @@ next block in launch order from a counter (so every block it waits on is running
 scans its BLOCK in registers (``tl.cumsum``, a tree), publishes the block's total,
 then walks back over the blocks before it, 32 at a time, adding published totals
 until it meets a published inclusive prefix, and publishes its own. A published word is the value and a
-2-bit flag (1: total, 2: inclusive prefix) in one int64, so one atomic reads both: an
+2-bit flag (1: total, 2: inclusive prefix) in one int64, so one load reads both: an
 int64 sum sits above the flag (|prefix| < 2**61: inputs of 32 bits or less, fewer
 than 2**29 elements a row), a float32 or int32 sum as its 32 bits. The input is read
 once and the output written once.
@@ -28,28 +28,25 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096
-ONE_PASS_BLOCK = 8192
+ONE_PASS_BLOCK = 4096
 ONE_PASS_WARPS = 4
 LOOKBACK = 32  # blocks read at once when looking back
-LOOKBACK_RELAXED = False  # flag words read with volatile loads and written without fences (no acquire/release)
 ONE_PASS_MAX_ROW = 1 << 29  # |prefix| of 32-bit inputs stays below 2**61 (the flag takes 2 bits)
 
 
 @triton.jit
-def _publish(flags_ptr, value, flag: tl.constexpr, WORD32: tl.constexpr, RELAXED: tl.constexpr):
+def _publish(flags_ptr, value, flag: tl.constexpr, WORD32: tl.constexpr):
     if WORD32:  # a float32 or int32 sum: its 32 bits
         word = (value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF) << 2
     else:
         word = value.to(tl.int64) << 2
-    if RELAXED:  # the word is all a reader needs, and a 64-bit store is seen whole or not at all
-        tl.atomic_xchg(flags_ptr, word | flag, sem="relaxed")
-    else:
-        tl.atomic_xchg(flags_ptr, word | flag, sem="release")
+    # relaxed, no fence: the word is all a reader needs, and a 64-bit store is seen whole or not at all
+    tl.atomic_xchg(flags_ptr, word | flag, sem="relaxed")
 
 
 @triton.jit
 def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.constexpr,
-                   WORD32: tl.constexpr, WINDOW: tl.constexpr, RELAXED: tl.constexpr):
+                   WORD32: tl.constexpr, WINDOW: tl.constexpr):
     vid = tl.atomic_add(counter_ptr, 1)  # blocks in the order programs started: predecessors are running
     row = (vid // nb).to(tl.int32)
     blk = (vid % nb).to(tl.int32)
@@ -61,20 +58,19 @@ def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.conste
     flags = flags_ptr + row.to(tl.int64) * nb
     prefix = tl.zeros([], ACC)
     if blk == 0:
-        _publish(flags, total, 2, WORD32, RELAXED)
+        _publish(flags, total, 2, WORD32)
     else:
-        _publish(flags + blk, total, 1, WORD32, RELAXED)
+        _publish(flags + blk, total, 1, WORD32)
         lane = tl.arange(0, WINDOW)
         t = blk - 1  # the nearest block not yet added
         while t >= 0:
-            # WINDOW blocks back at once (one atomic each, in parallel): a block walking back
-            # one atomic at a time waits a round trip per block in flight before it
+            # WINDOW blocks back at once (one load each, in parallel): a block walking back
+            # one word at a time waits a round trip per block in flight before it
             idx = t - lane
             inside = idx >= 0
-            if RELAXED:  # volatile: past the SM's cache, so a spinning block sees the others' words
-                words = tl.load(flags + idx, mask=inside, other=0, volatile=True)
-            else:
-                words = tl.atomic_add(flags + idx, tl.zeros([WINDOW], tl.int64), mask=inside, sem="acquire")
+            # volatile loads, past the SM's cache, so a spinning block sees the others' words; no
+            # acquire: nothing but the word itself is read on its strength
+            words = tl.load(flags + idx, mask=inside, other=0, volatile=True)
             state = tl.where(inside, words & 3, 2)  # before block 0: an inclusive prefix of 0
             stop = tl.min(tl.where(state == 2, lane, WINDOW), axis=0)  # the nearest inclusive prefix
             needed = lane <= stop
@@ -88,7 +84,7 @@ def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.conste
                     t = tl.full([], -1, t.dtype)
                 else:
                     t = t - WINDOW
-        _publish(flags + blk, prefix + total, 2, WORD32, RELAXED)
+        _publish(flags + blk, prefix + total, 2, WORD32)
     tl.store(y_ptr + base + offs, (y + prefix).to(y_ptr.dtype.element_ty), mask=offs < L)
 
 
@@ -130,8 +126,7 @@ def scan_lastdim(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch
         nb = triton.cdiv(L, ONE_PASS_BLOCK)
         flags = torch.zeros(rows * nb + 1, dtype=torch.int64, device=x.device)  # and the counter, last: one memset
         _scan_one_pass[(rows * nb,)](src, y, flags, flags[rows * nb:], L, nb, BLOCK=ONE_PASS_BLOCK, ACC=acc,
-                                     WORD32=word32, WINDOW=LOOKBACK, RELAXED=LOOKBACK_RELAXED,
-                                     num_warps=ONE_PASS_WARPS)
+                                     WORD32=word32, WINDOW=LOOKBACK, num_warps=ONE_PASS_WARPS)
         return y
     nb = triton.cdiv(L, BLOCK)
     if nb > 65535:  # grid dim 1 limit: rows longer than 268 M elements stay on torch
