@@ -506,6 +506,8 @@ class ClientSession:
         self.poll()  # copies that finished since forward are released, so prefetch can pass them
         step = kept.step
         self._free_at_backward_end(step)
+        if step.cursor == 0:  # every offloaded save is fetched or was passed over: nothing to pace
+            return
         with self._lock:
             if not step.paced:
                 step.prefetch_room = self._room_made(step, kept)

@@ -119,6 +119,16 @@ def test_gpu_scan_int32_extremes_identical() -> None:
     assert torch.equal(associative_scan(x, 1, reverse=True), torch.cumsum(x.flip(1), 1).flip(1))
 
 
+def test_gpu_scan_many_blocks_identical() -> None:
+    """Thousands of blocks in flight at once, looking back through words read without fences:
+    every output of several runs is torch.cumsum's."""
+    x = torch.randint(-50, 50, (1 << 26,), device="cuda", dtype=torch.int32)
+    for out in (None, torch.int32):
+        ref = torch.cumsum(x, 0, dtype=out)
+        for _ in range(3):
+            assert torch.equal(associative_scan(x, 0, dtype=out), ref)
+
+
 @pytest.mark.parametrize("src", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.float32])
 def test_gpu_scan_int32_output_identical(src: torch.dtype) -> None:
     """dtype=torch.int32, as torch.cumsum's: the same wrapped 32-bit sums, one pass or three."""
