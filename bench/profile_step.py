@@ -74,7 +74,6 @@ def main() -> int:
     p.add_argument("--daemon", action="store_true",
                    help="also the budget-fit and full variants through a stormd (its own copies, CUDA IPC); with "
                         "--cprofile, stormd runs under cProfile too and its functions are printed at the end")
-    p.add_argument("--variants", nargs="+", default=None, help="run only these (\"none\" always runs)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     w = {"W1": W1, "W2": W2}[args.workload]
@@ -94,14 +93,12 @@ def main() -> int:
         through = {**base, "mode": "daemon", "socket": endpoint}
         variants += [("daemon-budget-fit", through), ("daemon-budget-fit-unpaced", through), ("daemon-full", through),
                      ("daemon-full-unpaced", through)]
-    if args.variants:
-        variants = [(n, o) for n, o in variants if n == "none" or n in args.variants]
     samples: dict[str, list[dict[str, float]]] = {}
     pace_bytes = storm.session.PACE_BYTES
     profiled: dict[str, list[dict[str, float]]] = {}
     for rnd in range(args.rounds):  # the variants in alternation, so a drifting machine drifts for all
         for name, opts in variants:
-            if "budget-fit" in name:  # what the link carries while forward runs
+            if name.endswith("budget-fit"):  # what the link carries while forward runs
                 fwd_ms = statistics.median(s["gpu_fwd_ms"] for s in samples.get("none") or profiled["none"])
                 opts = {**opts, "budget": int(bw["d2h_GBps"] * 1e9 * fwd_ms / 1e3)}
             if name == "full-lowmem":
