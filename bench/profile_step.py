@@ -4,8 +4,7 @@
 
 For each variant (no offload; hooks with nothing offloaded; the budget that fits
 forward's link time; full offload; with --daemon the budget and full offload through a
-stormd that copies by CUDA IPC; "-unpaced": every copy started at its save, not paced
-by storm.session.PACE_BYTES) it reports, as medians over --steps steps in each of
+stormd that copies by CUDA IPC) it reports, as medians over --steps steps in each of
 --rounds rounds (the variants run in turn, one model, so machine drift hits all alike):
 the step's wall time; how long forward and backward took on the host (the
 Python calls returning) and on the compute stream (events recorded on it). A
@@ -83,18 +82,16 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     base = {"mode": "embedded", "pool_size": args.pool_size, "min_bytes": 1 << 20}
     rows: dict = {}
-    variants = [("none", None), ("hooks-only", {**base, "budget": 0}), ("budget-fit", base),
-                ("budget-fit-unpaced", base), ("full", base), ("full-lowmem", base)]
+    variants = [("none", None), ("hooks-only", {**base, "budget": 0}), ("budget-fit", base), ("full", base),
+                ("full-lowmem", base)]
     daemon = None
     if args.daemon:
         tmp = Path(tempfile.mkdtemp())
         daemon_profile = tmp / "stormd.prof" if args.cprofile else None
         daemon, endpoint = start_daemon(tmp, args.pool_size, cprofile=daemon_profile)
         through = {**base, "mode": "daemon", "socket": endpoint}
-        variants += [("daemon-budget-fit", through), ("daemon-budget-fit-unpaced", through), ("daemon-full", through),
-                     ("daemon-full-unpaced", through)]
+        variants += [("daemon-budget-fit", through), ("daemon-full", through)]
     samples: dict[str, list[dict[str, float]]] = {}
-    pace_bytes = storm.session.PACE_BYTES
     profiled: dict[str, list[dict[str, float]]] = {}
     for rnd in range(args.rounds):  # the variants in alternation, so a drifting machine drifts for all
         for name, opts in variants:
@@ -103,15 +100,12 @@ def main() -> int:
                 opts = {**opts, "budget": int(bw["d2h_GBps"] * 1e9 * fwd_ms / 1e3)}
             if name == "full-lowmem":
                 opts = {**base, "max_held_bytes": 256 << 20, "prefetch_bytes": 256 << 20}
-            # "-unpaced": every copy starts at its save (storm.session.PACE_BYTES without limit)
-            storm.session.PACE_BYTES = 1 << 62 if name.endswith("-unpaced") else pace_bytes
             for _ in range(args.warmup):
                 step(model, x, opt, opts)
             prof = cProfile.Profile() if args.cprofile and rnd == 0 else None
             if prof is not None:
                 prof.enable()
             got = [step(model, x, opt, opts) for _ in range(args.steps)]
-            storm.session.PACE_BYTES = pace_bytes
             if prof is not None:  # steps timed under cProfile are not reported (its overhead is in them)
                 prof.disable()
                 profiled[name] = got

@@ -3,7 +3,7 @@
 Each offloaded storage is a ``Stored``: held (its tensor kept alive) until the
 mover has copied it, then released, so the memory is freed; fetched back on
 unpack, with the next ones in reverse saving order prefetched. Its copy starts
-when the link has room for it (less than PACE_BYTES of copies under way), at that
+when the mover has room for it (fewer than IN_FLIGHT copies under way), at that
 save or a later one: so the host work of a burst of saves (the first blocks of a
 budget) is spread over the saves that follow, where the GPU has work queued,
 instead of stalling the GPU while it has none, and the link still never idles. Each saved view
@@ -41,8 +41,7 @@ log = logging.getLogger("storm")
 DEFAULT_PREFETCH_BYTES = 256 << 20
 DEFAULT_MAX_HELD_BYTES = 512 << 20  # saving blocks on the mover beyond this much not yet copied
 MARK_BYTES = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
-PACE_BYTES = 64 << 20  # copies started and not yet done; about a millisecond of the link, more than a round trip to stormd
-PACE_POLL_S = 50e-6    # while the link is full, a save looks for finished copies at most this often
+IN_FLIGHT = 2  # copies started and not yet done: one on the link, one queued behind it
 
 
 class State:
@@ -242,8 +241,6 @@ class ClientSession:
         self._held: collections.deque[Stored] = collections.deque()  # copies started, in saving order
         self._waiting: collections.deque[Stored] = collections.deque()  # saves whose copy has not started
         self._held_bytes = 0  # of both: on the device still
-        self._started_bytes = 0  # of the copies started
-        self._next_poll = 0.0
         self._prefetched: dict[int, Transfer] = {}
         self._prefetched_bytes = 0
         self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
@@ -367,16 +364,11 @@ class ClientSession:
         return handle
 
     def _pace(self) -> None:
-        """Start waiting copies while less than PACE_BYTES of copies are under way (one at least)."""
-        if self._started_bytes >= PACE_BYTES:
-            now = time.perf_counter()
-            if now < self._next_poll:
-                return
-            self._next_poll = now + PACE_POLL_S
-            self.poll()  # lets go of finished copies, which makes room
+        """Start waiting copies while fewer than IN_FLIGHT are under way."""
         with self._lock:
-            while self._waiting and self._started_bytes < PACE_BYTES:
-                self._start(self._waiting.popleft())
+            waiting, held = self._waiting, self._held
+            while waiting and (len(held) < IN_FLIGHT or held[-IN_FLIGHT].put.done()):
+                self._start(waiting.popleft())
 
     def start_copies(self) -> None:
         """Start every waiting copy (forward's end, a wait for copies, the held limit)."""
@@ -387,7 +379,6 @@ class ClientSession:
     def _start(self, stored: Stored) -> None:
         stored.put = self.mover.put(stored.request)
         self._held.append(stored)
-        self._started_bytes += stored.nbytes
 
     def poll(self) -> None:
         """Let go of tensors whose copy finished, and free keys nobody holds any more."""
@@ -428,7 +419,6 @@ class ClientSession:
     def _release(self, stored: Stored) -> list[int]:
         """The copy of ``stored`` finished: let its tensor go. Returns keys to free."""
         self._held_bytes -= stored.nbytes
-        self._started_bytes -= stored.nbytes
         stored.request = None
         err = stored.put.error()
         if err is not None:
