@@ -2,11 +2,7 @@
 
 Each offloaded storage is a ``Stored``: held (its tensor kept alive) until the
 mover has copied it, then released, so the memory is freed; fetched back on
-unpack, with the next ones in reverse saving order prefetched. Its copy starts
-when the mover has room for it (fewer than IN_FLIGHT copies under way), at that
-save or a later one: so the host work of a burst of saves (the first blocks of a
-budget) is spread over the saves that follow, where the GPU has work queued,
-instead of stalling the GPU while it has none, and the link still never idles. Each saved view
+unpack, with the next ones in reverse saving order prefetched. Each saved view
 is a ``Handle`` onto a Stored (a storage saved twice is stored once); when the
 last Handle dies (autograd freed the graph) the key is freed in the store.
 
@@ -41,7 +37,6 @@ log = logging.getLogger("storm")
 DEFAULT_PREFETCH_BYTES = 256 << 20
 DEFAULT_MAX_HELD_BYTES = 512 << 20  # saving blocks on the mover beyond this much not yet copied
 MARK_BYTES = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
-IN_FLIGHT = 2  # copies started and not yet done: one on the link, one queued behind it
 
 
 class State:
@@ -238,9 +233,8 @@ class ClientSession:
         self._lock = threading.RLock()
         self._keys = itertools.count(1)
         self._steps = itertools.count(1)
-        self._held: collections.deque[Stored] = collections.deque()  # copies started, in saving order
-        self._waiting: collections.deque[Stored] = collections.deque()  # saves whose copy has not started
-        self._held_bytes = 0  # of both: on the device still
+        self._held: collections.deque[Stored] = collections.deque()
+        self._held_bytes = 0
         self._prefetched: dict[int, Transfer] = {}
         self._prefetched_bytes = 0
         self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
@@ -264,12 +258,10 @@ class ClientSession:
         return Step(next(self._steps), limit)
 
     def end_step(self, step: Step) -> None:
-        """Forward is over: start every copy still waiting and remember its size for fraction
-        budgets. Prefetch waits for backward's first unpack: fetching at the end of forward would
-        bring bytes back at the memory peak."""
+        """Forward is over: remember its size for fraction budgets. Prefetch waits for backward's
+        first unpack: fetching at the end of forward would bring bytes back at the memory peak."""
         if not step.budget_reached:  # saves past the budget are not counted
             self.last_candidate_bytes = step.candidate_bytes
-        self.start_copies()
         self.poll()
         if step.budget_reached:
             self.drain(self.max_held_bytes)
@@ -285,8 +277,6 @@ class ClientSession:
         Runs once per saved tensor on the training thread, where every microsecond is a
         microsecond the GPU may wait for its next kernel: the paths that keep a tensor
         come first and touch little."""
-        if self._waiting:
-            self._pace()
         reason = policy.keep_reason(t)
         if reason is not None:
             step.stats.record_kept(step.layer, reason, t.numel() * t.element_size())
@@ -312,8 +302,6 @@ class ClientSession:
         MARK_BYTES one is a marker; at its unpack prefetch looks at how much room backward has
         made, so the offloaded saves, needed last, come back while backward still computes,
         without raising the peak (the window opens only at the first offloaded save unpacked)."""
-        if self._waiting:
-            self._pace()
         if type(t) is torch.Tensor:  # not a parameter (alive anyway) or a view of one
             base = t._base
             if base is None or type(base) is torch.Tensor:
@@ -348,37 +336,16 @@ class ClientSession:
             handle = Handle(self, stored, t)
             stored.request = PutRequest(stored.key, step.number, storage, meta, ready,
                                         encode=stored.kind not in self._raw_kinds)
-            self._waiting.append(stored)
+            stored.put = self.mover.put(stored.request)
+            self._held.append(stored)
             self._held_bytes += nbytes
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
-            oldest = None
-            if self._held_bytes > self._held_limit(step):  # bound what waits: start them all, wait for the oldest
-                self.start_copies()
-                oldest = self._held[0].put
-            else:
-                self._pace()
+            oldest = self._held[0].put if self._held_bytes > self._held_limit(step) else None
         step.stats.pack_s += time.perf_counter() - t0
-        if oldest is not None:  # wait outside the lock
+        if oldest is not None:  # bound what waits on the mover; wait outside the lock
             oldest.wait()
             self.poll()
         return handle
-
-    def _pace(self) -> None:
-        """Start waiting copies while fewer than IN_FLIGHT are under way."""
-        with self._lock:
-            waiting, held = self._waiting, self._held
-            while waiting and (len(held) < IN_FLIGHT or held[-IN_FLIGHT].put.done()):
-                self._start(waiting.popleft())
-
-    def start_copies(self) -> None:
-        """Start every waiting copy (forward's end, a wait for copies, the held limit)."""
-        with self._lock:
-            while self._waiting:
-                self._start(self._waiting.popleft())
-
-    def _start(self, stored: Stored) -> None:
-        stored.put = self.mover.put(stored.request)
-        self._held.append(stored)
 
     def poll(self) -> None:
         """Let go of tensors whose copy finished, and free keys nobody holds any more."""
@@ -466,7 +433,6 @@ class ClientSession:
 
     def synchronize(self) -> None:
         """Wait until every copy in flight has finished and been checked."""
-        self.start_copies()
         while True:
             self.poll()  # after a wait, it may start copies again: tensors whose frame overflowed
             with self._lock:
@@ -555,7 +521,6 @@ class ClientSession:
 
     def drain(self, limit: int) -> None:
         """Wait, oldest first, until at most ``limit`` bytes of saved tensors wait for their copy."""
-        self.start_copies()
         while True:
             with self._lock:
                 if self._held_bytes <= limit or not self._held:

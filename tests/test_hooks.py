@@ -456,35 +456,6 @@ def test_copies_may_run_behind_by_what_the_last_step_saved_past_its_budget():
     assert limits == [one, one + 3 * one]
 
 
-def test_copies_start_as_the_mover_frees():
-    """A burst of saves does not queue a burst of copies: IN_FLIGHT are under way, the rest wait
-    and start at later saves as copies finish, all of them by forward's end; nothing is lost."""
-    gate = threading.Event()
-    with storm.offload(mode="embedded", min_bytes=0) as ctx:
-        session = ctx._session
-        write = session.mover._write
-        session.mover._write = lambda *a: (gate.wait(30), write(*a))[1]  # the mover stalls until the gate opens
-        x = torch.randn(128, 128, requires_grad=True)
-        h = x
-        for _ in range(6):
-            h = h.tanh()
-        assert len(session._held) == session_mod.IN_FLIGHT and len(session._waiting) == 6 - session_mod.IN_FLIGHT
-        assert ctx.stats.offloaded == 6  # counted (and held) at save time
-        gate.set()
-        session._held[-1].put.wait()
-        h = h.tanh()  # a save: copies have finished, so waiting ones start
-        assert len(session._waiting) < 7 - session_mod.IN_FLIGHT
-        gate.clear()
-        for _ in range(4):
-            h = h.tanh()
-        loss = h.sum()
-    assert not session._waiting  # forward's end starts every copy
-    gate.set()
-    session.mover._write = write
-    loss.backward()
-    assert same_bits(x.grad, chain_grad(x, 11))
-
-
 def test_fraction_budget_follows_the_previous_step():
     offloaded = []
     for _ in range(3):
