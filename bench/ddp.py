@@ -1,13 +1,14 @@
-"""DDP ranks of one node sharing one stormd: identical losses and gradients, and throughput per rank.
+"""DDP (or FSDP2) ranks of one node sharing one stormd: identical losses and gradients, and throughput per rank.
 
     python bench/ddp.py --nproc 2 --out bench/results/ddp-DATE.json        # 2 GPUs (one per rank)
+    python bench/ddp.py --nproc 2 --wrapper fsdp2 --out bench/results/fsdp2-DATE.json
     python bench/ddp.py --nproc 2 --tiny --device cpu --out /tmp/ddp.json   # gloo on CPU, a smoke run
 
 Starts one stormd, then runs torchrun twice: with one rank and with --nproc ranks. Each rank
 trains W1 (bench/workloads.py, --batch per rank) for --steps steps without offload, then the
 same steps from the same initial state under storm.offload(mode="daemon") through that one
 daemon. Every step's loss and a hash of every gradient (after DDP's all-reduce) must be
-bit-identical between the two; the JSON has both step times per rank (median after --warmup),
+bit-identical between the two (FSDP2: this rank's shards of the gradients); the JSON has both step times per rank (median after --warmup),
 per-rank throughput with --nproc ranks against the single-rank run, and offload's cost (step time
 with offload over step time without) against the single rank's, which leaves out what DDP itself
 costs each rank. Each rank also measures
@@ -45,11 +46,22 @@ from workloads import W1, Workload  # noqa: E402
 TINY = Workload("tiny", layers=2, d=64, heads=2, batch=2, seq=32)
 
 
-def train(w: Workload, device: torch.device, steps: int, offload: dict | None) -> tuple[list[str], list[float], int]:
+def wrap(model: torch.nn.Module, wrapper: str, device: torch.device) -> torch.nn.Module:
+    """DDP around the model, or FSDP2: each block sharded, then the rest (torch.distributed.fsdp.fully_shard)."""
+    if wrapper == "ddp":
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def train(w: Workload, device: torch.device, steps: int, offload: dict | None,
+          wrapper: str = "ddp") -> tuple[list[str], list[float], int]:
     """Per step: a hash of the loss and all gradients as the optimizer sees them, and the step time;
     and how many tensors were offloaded in all."""
     model, _ = w.build(device)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = wrap(model, wrapper, device)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     rank = dist.get_rank()
     hashes, times, offloaded = [], [], 0
@@ -70,6 +82,7 @@ def train(w: Workload, device: torch.device, steps: int, offload: dict | None) -
         times.append(time.perf_counter() - t0)
         h = xxhash.xxh3_64()
         for t in [loss.detach(), *(p.grad for p in model.parameters())]:
+            t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: this rank's shard
             h.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
         hashes.append(h.hexdigest())
         opt.step()
@@ -99,9 +112,9 @@ def worker(a: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
     w = TINY if a.tiny else dataclasses.replace(W1, batch=a.batch)
     link = link_alone_and_together(device)
-    plain, t_plain, _ = train(w, device, a.steps, None)
+    plain, t_plain, _ = train(w, device, a.steps, None, a.wrapper)
     opts = {"mode": "daemon", "socket": a.socket, "min_bytes": 0 if a.tiny else 1 << 20, "budget": budget(a.budget)}
-    offloaded, t_off, tensors = train(w, device, a.steps, opts)
+    offloaded, t_off, tensors = train(w, device, a.steps, opts, a.wrapper)
     med = lambda ts: round(statistics.median(ts[a.warmup:]) * 1e3, 2)  # noqa: E731
     row = {"rank": rank, "steps": a.steps, "identical_steps": sum(p == o for p, o in zip(plain, offloaded)),
            "offloaded_tensors_per_step": tensors / a.steps,
@@ -127,7 +140,8 @@ def launch(a: argparse.Namespace, nproc: int, endpoint: str, tmp: str) -> dict:
     result = Path(tmp) / f"ranks-{nproc}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
            "--worker", "--socket", endpoint, "--result", str(result), "--steps", str(a.steps),
-           "--warmup", str(a.warmup), "--batch", str(a.batch), "--device", a.device] + (["--tiny"] if a.tiny else []) \
+           "--warmup", str(a.warmup), "--batch", str(a.batch), "--device", a.device, "--wrapper", a.wrapper] \
+        + (["--tiny"] if a.tiny else []) \
         + (["--budget", a.budget] if a.budget is not None else [])
     subprocess.run(cmd, check=True)
     return json.loads(result.read_text())
@@ -142,6 +156,8 @@ def main() -> int:
     p.add_argument("--pool-size", default="8GiB", help="every rank page-locks all of it: about 1 s per GiB")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="a tiny model instead of W1 (smoke runs on CPU)")
+    p.add_argument("--wrapper", choices=["ddp", "fsdp2"], default="ddp",
+                   help="DistributedDataParallel, or FSDP2 (fully_shard per block, then the model)")
     p.add_argument("--budget", default=None, help="storm.offload(budget=...): a fraction (0.25) or bytes (2GiB); "
                    "default: offload all")
     p.add_argument("--out")
@@ -165,7 +181,7 @@ def main() -> int:
         # DDP alone already slows each rank (gradient all-reduce, a shared host): what
         # offload adds on top of that, against what it adds to one rank
         r["offload_cost_vs_single_rank"] = round(r["offload_cost"] / cost, 3)
-    results = {"single_rank": single, f"{a.nproc}_ranks": multi,
+    results = {"wrapper": a.wrapper, "single_rank": single, f"{a.nproc}_ranks": multi,
                "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"}
     ok = all(r["identical_steps"] == r["steps"] and r["offloaded_tensors_per_step"] > 0
              for run in (single, multi) for r in run["ranks"])
