@@ -408,6 +408,10 @@ def test_markers_past_the_budget_pace_prefetch(monkeypatch):
     and not more: the prefetch window opens only at the first offloaded save unpacked."""
     one = 128 * 128 * 4
     monkeypatch.setattr(session_mod, "MARK_BYTES", 2 * one)
+    paced = []  # markers that measured the room backward made
+    room_made = session_mod.ClientSession._room_made
+    monkeypatch.setattr(session_mod.ClientSession, "_room_made",
+                        lambda self, step, marker: (paced.append(marker), room_made(self, step, marker))[1])
     x = torch.randn(128, 128, requires_grad=True)
     seen: dict[int, int] = {}
     with storm.offload(mode="embedded", min_bytes=0, budget=4 * one) as ctx:
@@ -422,6 +426,7 @@ def test_markers_past_the_budget_pace_prefetch(monkeypatch):
     loss.backward()
     assert seen == {11: 0, 10: 2 * one, 8: 4 * one}
     assert ctx.stats.prefetch_hits == 4
+    assert len(paced) == 2  # the markers at saves 7 and 5 come once all four are fetched: nothing to pace
     assert same_bits(x.grad, chain_grad(x, 12))
 
 
