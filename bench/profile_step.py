@@ -93,11 +93,14 @@ def main() -> int:
         variants += [("daemon-budget-fit", through), ("daemon-full", through)]
     samples: dict[str, list[dict[str, float]]] = {}
     profiled: dict[str, list[dict[str, float]]] = {}
+    fit_budget: int | None = None
     for rnd in range(args.rounds):  # the variants in alternation, so a drifting machine drifts for all
         for name, opts in variants:
-            if name.endswith("budget-fit"):  # what the link carries while forward runs
-                fwd_ms = statistics.median(s["gpu_fwd_ms"] for s in samples.get("none") or profiled["none"])
-                opts = {**opts, "budget": int(bw["d2h_GBps"] * 1e9 * fwd_ms / 1e3)}
+            if name.endswith("budget-fit"):  # what the link carries while forward runs, fixed at the first round's
+                if fit_budget is None:
+                    fwd_ms = statistics.median(s["gpu_fwd_ms"] for s in samples.get("none") or profiled["none"])
+                    fit_budget = int(bw["d2h_GBps"] * 1e9 * fwd_ms / 1e3)
+                opts = {**opts, "budget": fit_budget}
             if name == "full-lowmem":
                 opts = {**base, "max_held_bytes": 256 << 20, "prefetch_bytes": 256 << 20}
             for _ in range(args.warmup):
