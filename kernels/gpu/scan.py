@@ -3,9 +3,13 @@
 One pass with decoupled look-back (Merrill and Garland, "Single-pass parallel prefix
 scan with decoupled look-back", 2016) for 8/16/32-bit inputs: each program takes the
 next block in launch order from a counter (so every block it waits on is running),
-scans its BLOCK in registers (``tl.cumsum``, a tree), publishes the block's total,
-then walks back over the blocks before it, 32 at a time, adding published totals
-until it meets a published inclusive prefix, and publishes its own. A published word is the value and a
+publishes the block's total as soon as it has it (before its own in-block scan: the
+blocks after it look back at that word, so every cycle before it is published is a
+cycle they may spin), scans its BLOCK in registers (``tl.cumsum``, a tree), then walks
+back over the blocks before it, 32 at a time, adding published totals until it meets
+a published inclusive prefix, and publishes its own. The input is read once, and the
+output written once, as streams (evict-first loads, streaming stores: neither is read
+again, so neither should take L2 from the flag words). A published word is the value and a
 2-bit flag (1: total, 2: inclusive prefix) in one int64, so one load reads both: an
 int64 sum sits above the flag (|prefix| < 2**61: inputs of 32 bits or less, fewer
 than 2**29 elements a row), a float32 or int32 sum as its 32 bits. The input is read
@@ -28,7 +32,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096
-ONE_PASS_BLOCK = 4096
+ONE_PASS_BLOCK = 8192  # elements a program scans with 32-bit sums; half as many with 64-bit ones (same registers)
 ONE_PASS_WARPS = 4
 LOOKBACK = 32  # blocks read at once when looking back
 ONE_PASS_MAX_ROW = 1 << 29  # |prefix| of 32-bit inputs stays below 2**61 (the flag takes 2 bits)
@@ -52,15 +56,16 @@ def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.conste
     blk = (vid % nb).to(tl.int32)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     base = row.to(tl.int64) * L
-    x = tl.load(x_ptr + base + offs, mask=offs < L, other=0).to(ACC)
-    y = tl.cumsum(x, axis=0)
+    x = tl.load(x_ptr + base + offs, mask=offs < L, other=0, eviction_policy="evict_first").to(ACC)
     total = tl.sum(x, axis=0)
     flags = flags_ptr + row.to(tl.int64) * nb
-    prefix = tl.zeros([], ACC)
     if blk == 0:
         _publish(flags, total, 2, WORD32)
     else:
         _publish(flags + blk, total, 1, WORD32)
+    y = tl.cumsum(x, axis=0)
+    prefix = tl.zeros([], ACC)
+    if blk != 0:
         lane = tl.arange(0, WINDOW)
         t = blk - 1  # the nearest block not yet added
         while t >= 0:
@@ -85,7 +90,7 @@ def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.conste
                 else:
                     t = t - WINDOW
         _publish(flags + blk, prefix + total, 2, WORD32)
-    tl.store(y_ptr + base + offs, (y + prefix).to(y_ptr.dtype.element_ty), mask=offs < L)
+    tl.store(y_ptr + base + offs, (y + prefix).to(y_ptr.dtype.element_ty), mask=offs < L, cache_modifier=".cs")
 
 
 @triton.jit
@@ -123,9 +128,10 @@ def scan_lastdim(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch
     if x.numel() == 0:
         return y
     if x.element_size() <= 4 and (word32 or L < ONE_PASS_MAX_ROW):
-        nb = triton.cdiv(L, ONE_PASS_BLOCK)
+        block = ONE_PASS_BLOCK if word32 else ONE_PASS_BLOCK // 2
+        nb = triton.cdiv(L, block)
         flags = torch.zeros(rows * nb + 1, dtype=torch.int64, device=x.device)  # and the counter, last: one memset
-        _scan_one_pass[(rows * nb,)](src, y, flags, flags[rows * nb:], L, nb, BLOCK=ONE_PASS_BLOCK, ACC=acc,
+        _scan_one_pass[(rows * nb,)](src, y, flags, flags[rows * nb:], L, nb, BLOCK=block, ACC=acc,
                                      WORD32=word32, WINDOW=LOOKBACK, num_warps=ONE_PASS_WARPS)
         return y
     nb = triton.cdiv(L, BLOCK)
