@@ -7,7 +7,7 @@ torch.cumsum's ``dtype``; integers bit-identical), forward or reversed along a d
 ``torch.cumsum``.
 
 Float summation order and the error bound we test: on the CPU, left to right
-(torch.cumsum). On the GPU each block (8192 float32 elements in one pass, 4096 in
+(torch.cumsum). On the GPU each block (16384 float32 elements in one pass, 4096 in
 three) is summed as a tree (Triton's in-block scan); the blocks before it add up, in
 one pass, from the nearest block back until one whose inclusive prefix is
 published, in three, left to right; the block's offset is added last. Either

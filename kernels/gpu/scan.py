@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096
-ONE_PASS_BLOCK = 8192  # elements a program scans with 32-bit sums; half as many with 64-bit ones (same registers)
+ONE_PASS_BLOCK = 16384  # elements a program scans with 32-bit sums; half as many with 64-bit ones (same registers)
 ONE_PASS_WARPS = 4
 LOOKBACK = 32  # blocks read at once when looking back
 ONE_PASS_MAX_ROW = 1 << 29  # |prefix| of 32-bit inputs stays below 2**61 (the flag takes 2 bits)
