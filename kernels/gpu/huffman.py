@@ -44,6 +44,7 @@ LANES = 128
 CODE_WORDS = 35
 LENGTHS_AT = 16
 PAD_AT = 34
+SCRATCH_WORDS = 5 * 256  # _build_code's working arrays (int32)
 
 
 @triton.jit
@@ -83,7 +84,14 @@ def _at(v, i, idx):
 
 
 @triton.jit
-def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, MARGIN: tl.constexpr, MAX_LEN: tl.constexpr):
+def _add_at(ptr, i, d):
+    # ptr[i] += d for one scratch entry; the barrier makes it visible to the next read of any entry
+    tl.store(ptr + i, tl.load(ptr + i) + d)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, scratch_ptr, MARGIN: tl.constexpr, MAX_LEN: tl.constexpr):
     # The code of kernels.entropy.code_lengths and canonical_codes, on the device, from the
     # sample's counts and the forced symbols (kernels.codecs._huff_counts): a two-queue
     # Huffman tree (leaves sorted by (count, symbol), internal nodes in the order they are
@@ -91,7 +99,15 @@ def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, MARGIN: tl.constexpr, M
     # out_ptr is int64[CODE_WORDS]: [0] and [1] the lane pass's info (total bits, a symbol
     # without a code), bytes 16..271 the lengths (uint8[256]), [34] the pad symbol (the
     # first of the shortest codes); table_ptr gets the encode table (int16[256] =
-    # reversed code << 4 | length).
+    # reversed code << 4 | length). The sequential parts (the merges, JPEG's adjustment)
+    # read single entries from scratch_ptr (int32[SCRATCH_WORDS], in L1) rather than
+    # reducing a register vector for each: a load is a fraction of a reduction's latency,
+    # and the merges are a chain of about a hundred of them.
+    LEAF: tl.constexpr = 0     # counts of the sorted leaves; later the leaves per depth (JPEG)
+    NODE: tl.constexpr = 256   # counts of the internal nodes, in the order they are made
+    PLEAF: tl.constexpr = 512  # parent (internal node) of each sorted leaf
+    ANC: tl.constexpr = 768    # parent of each internal node; then ancestors while depths are found
+    DIST: tl.constexpr = 1024  # distance to that ancestor; in the end each internal node's depth
     r = tl.arange(0, 256)
     h = tl.load(hist_ptr + r)  # int32: a sample has at most 2**21 elements, so every sum fits
     half = r >> 7
@@ -107,33 +123,43 @@ def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, MARGIN: tl.constexpr, M
     used = cnt > 0
     m = tl.sum(used.to(tl.int32), axis=0)
     leaf = tl.sort(tl.where(used, (cnt << 8) | r, 1 << 30))  # sorted leaves: (count, symbol)
-    leaf_f = leaf >> 8
+    tl.store(scratch_ptr + LEAF + r, leaf >> 8)
+    tl.store(scratch_ptr + PLEAF + r, tl.full([256], -1, tl.int32))
+    tl.store(scratch_ptr + ANC + r, tl.full([256], -1, tl.int32))
+    tl.debug_barrier()
     # two queues: li the next leaf, ii the next internal node, k internal nodes made
-    int_f = tl.zeros([256], dtype=tl.int32)
-    par_leaf = tl.full([256], -1, tl.int32)
-    par_int = tl.full([256], -1, tl.int32)
     li = tl.zeros([], tl.int32)
     ii = tl.zeros([], tl.int32)
     for k in range(0, m - 1):
         f = tl.zeros([], tl.int32)
         for _pick in tl.static_range(2):
-            lf = _at(leaf_f, li, r)
-            nf = _at(int_f, ii, r)
+            lf = tl.load(scratch_ptr + LEAF + li, mask=li < m, other=0)
+            nf = tl.load(scratch_ptr + NODE + ii, mask=ii < k, other=0)
             take_leaf = (li < m) & ((ii >= k) | (lf <= nf))
-            par_leaf = tl.where(take_leaf & (r == li), k, par_leaf)
-            par_int = tl.where((~take_leaf) & (r == ii), k, par_int)
+            tl.store(scratch_ptr + PLEAF + li, k, mask=take_leaf)
+            tl.store(scratch_ptr + ANC + ii, k, mask=~take_leaf)
             f += tl.where(take_leaf, lf, nf)
             li += take_leaf.to(tl.int32)
-            ii += (1 - take_leaf.to(tl.int32))
-        int_f = tl.where(r == k, f, int_f)
-    # depths, from the root (the last node made) down
-    d_int = tl.zeros([256], tl.int32)
-    d_leaf = tl.zeros([256], tl.int32)
-    for jj in range(0, m - 1):
-        j = m - 2 - jj
-        d = _at(d_int, j, r) + 1
-        d_int = tl.where(par_int == j, d, d_int)
-        d_leaf = tl.where(par_leaf == j, d, d_leaf)
+            ii += 1 - take_leaf.to(tl.int32)
+        tl.store(scratch_ptr + NODE + k, f)
+        tl.debug_barrier()  # node k is read by the next merge
+    # depths of the internal nodes by pointer jumping (each doubles how far up a node has
+    # looked: 8 rounds reach the root, m - 2, of any tree of <= 256 leaves), then of the leaves
+    node = r < m - 1
+    anc = tl.load(scratch_ptr + ANC + r)
+    dist = tl.where(node & (anc >= 0), 1, 0)
+    anc = tl.where(node & (anc >= 0), anc, r)  # the root, and what is no node, is its own ancestor
+    for _round in tl.static_range(8):
+        tl.store(scratch_ptr + ANC + r, anc)
+        tl.store(scratch_ptr + DIST + r, dist)
+        tl.debug_barrier()
+        up = tl.load(scratch_ptr + ANC + anc)
+        dist += tl.load(scratch_ptr + DIST + anc)
+        anc = up
+        tl.debug_barrier()
+    tl.store(scratch_ptr + DIST + r, dist)
+    tl.debug_barrier()
+    d_leaf = tl.load(scratch_ptr + DIST + tl.load(scratch_ptr + PLEAF + r), mask=r < m, other=0) + 1
     d_leaf = tl.where(m == 1, 1, d_leaf)
     sym = (leaf & 255).to(tl.int32)
     lens_ptr = out_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + 16
@@ -144,24 +170,24 @@ def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, MARGIN: tl.constexpr, M
         tl.store(lens_ptr + sym, d_leaf.to(tl.uint8), mask=r < m)
     else:
         # JPEG (T.81 Annex K.3) on the count of leaves per depth, then lengths by frequency
-        bits = tl.zeros([256], tl.int32)
-        for dd in range(1, deepest + 1):
-            bits = tl.where(r == dd, tl.sum(((d_leaf == dd) & (r < m)).to(tl.int32), axis=0), bits)
+        bits_ptr = scratch_ptr + LEAF
+        tl.store(bits_ptr + r, tl.histogram(d_leaf, 256, mask=r < m))
+        tl.debug_barrier()
         for ii2 in range(0, deepest - MAX_LEN):
             i = deepest - ii2
-            while _at(bits, i, r) > 0:
+            while tl.load(bits_ptr + i) > 0:
                 j = i - 2
-                while _at(bits, j, r) == 0:
+                while tl.load(bits_ptr + j) == 0:
                     j -= 1
-                bits = tl.where(r == i, bits - 2, bits)
-                bits = tl.where(r == i - 1, bits + 1, bits)
-                bits = tl.where(r == j + 1, bits + 2, bits)
-                bits = tl.where(r == j, bits - 1, bits)
+                _add_at(bits_ptr, i, -2)
+                _add_at(bits_ptr, i - 1, 1)
+                _add_at(bits_ptr, j + 1, 2)
+                _add_at(bits_ptr, j, -1)
         by_freq = tl.sort(tl.where(used, ((((1 << 22) - cnt) << 8) | r), 1 << 30))  # count down, symbol up
         ln = tl.zeros([256], tl.int32)
         below = tl.zeros([], tl.int32)
         for b in range(1, MAX_LEN + 1):
-            nb = _at(bits, b, r)
+            nb = tl.load(bits_ptr + b)
             ln = tl.where((r >= below) & (r < below + nb), b, ln)
             below += nb
         tl.store(lens_ptr + (by_freq & 255).to(tl.int32), ln.to(tl.uint8), mask=r < m)
@@ -205,7 +231,8 @@ def _elem_at(x_ptr, base, k: tl.constexpr, word, full, live, n):
 
 
 @triton.jit
-def _store_raw(raw_ptr, base, full, live, n, r0, r1, r2, r3, W: tl.constexpr, PLANES4: tl.constexpr):
+def _store_raw(raw_ptr, base, full, live, n, r0, r1, r2, r3, W: tl.constexpr, PLANES4: tl.constexpr,
+               FULL: tl.constexpr):
     # the raw fields of a group's 4 elements: one 32-bit store per byte plane (planes start
     # 4-aligned when n % 4 == 0: PLANES4), byte by byte in the last, partial group
     for p in tl.static_range(W - 1):
@@ -220,22 +247,30 @@ def _store_raw(raw_ptr, base, full, live, n, r0, r1, r2, r3, W: tl.constexpr, PL
             one = live & ~full
         else:
             one = live
-        tl.store(at, v0.to(tl.uint8), mask=one & (base < n))
-        tl.store(at + 1, v1.to(tl.uint8), mask=one & (base + 1 < n))
-        tl.store(at + 2, v2.to(tl.uint8), mask=one & (base + 2 < n))
-        tl.store(at + 3, v3.to(tl.uint8), mask=one & (base + 3 < n))
+        if not (FULL and PLANES4):
+            tl.store(at, v0.to(tl.uint8), mask=one & (base < n))
+            tl.store(at + 1, v1.to(tl.uint8), mask=one & (base + 1 < n))
+            tl.store(at + 2, v2.to(tl.uint8), mask=one & (base + 2 < n))
+            tl.store(at + 3, v3.to(tl.uint8), mask=one & (base + 3 < n))
 
 
 @triton.jit
 def _group_syms(x_ptr, raw_ptr, q, lanes, c, live, n, pad, W: tl.constexpr, WRITE_RAW: tl.constexpr,
-                PLANES4: tl.constexpr):
+                PLANES4: tl.constexpr, FULL: tl.constexpr):
     # the 4 symbols (int32 each) of lane c at group step q, pad past n; with WRITE_RAW the
     # elements' raw fields are stored too. A full group is one 32-bit load (W=1: symbols),
-    # one 64-bit load (W=2) or two (W=4): the caller keeps x 16-byte aligned.
+    # one 64-bit load (W=2) or two (W=4): the caller keeps x 16-byte aligned. FULL: the caller
+    # knows every live lane's group is whole (every step but the last), so the code for a
+    # partial group, several times the instructions of a whole one, is left out.
     base = (q * lanes + c.to(tl.int64)) * 4
-    full = live & (base + 3 < n)
+    if FULL:
+        full = live
+    else:
+        full = live & (base + 3 < n)
     if W == 1:
         word = tl.load((x_ptr + base).to(tl.pointer_type(tl.int32), bitcast=True), mask=full, other=0)
+        if FULL:
+            return word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF, (word >> 24) & 0xFF
         return (_sym_at(x_ptr, base, 0, word, full, live, n, pad), _sym_at(x_ptr, base, 1, word, full, live, n, pad),
                 _sym_at(x_ptr, base, 2, word, full, live, n, pad), _sym_at(x_ptr, base, 3, word, full, live, n, pad))
     if W == 2:
@@ -251,34 +286,51 @@ def _group_syms(x_ptr, raw_ptr, q, lanes, c, live, n, pad, W: tl.constexpr, WRIT
         w1 = (v >> 32).to(tl.int32)
         w2 = u.to(tl.int32)
         w3 = (u >> 32).to(tl.int32)
-    s0, r0 = _fields(_elem_at(x_ptr, base, 0, w0, full, live, n), W)
-    s1, r1 = _fields(_elem_at(x_ptr, base, 1, w1, full, live, n), W)
-    s2, r2 = _fields(_elem_at(x_ptr, base, 2, w2, full, live, n), W)
-    s3, r3 = _fields(_elem_at(x_ptr, base, 3, w3, full, live, n), W)
+    if not FULL:
+        w0 = _elem_at(x_ptr, base, 0, w0, full, live, n)
+        w1 = _elem_at(x_ptr, base, 1, w1, full, live, n)
+        w2 = _elem_at(x_ptr, base, 2, w2, full, live, n)
+        w3 = _elem_at(x_ptr, base, 3, w3, full, live, n)
+    s0, r0 = _fields(w0, W)
+    s1, r1 = _fields(w1, W)
+    s2, r2 = _fields(w2, W)
+    s3, r3 = _fields(w3, W)
     if WRITE_RAW:
-        _store_raw(raw_ptr, base, full, live, n, r0, r1, r2, r3, W, PLANES4)
+        _store_raw(raw_ptr, base, full, live, n, r0, r1, r2, r3, W, PLANES4, FULL)
+    if FULL:
+        return s0, s1, s2, s3
     return (tl.where(live & (base < n), s0, pad), tl.where(live & (base + 1 < n), s1, pad),
             tl.where(live & (base + 2 < n), s2, pad), tl.where(live & (base + 3 < n), s3, pad))
+
+
+@triton.jit
+def _count_group(x_ptr, raw_ptr, table_ptr, q, lanes, c, live, n, pad, acc, miss, W: tl.constexpr,
+                 PLANES4: tl.constexpr, FULL: tl.constexpr):
+    s0, s1, s2, s3 = _group_syms(x_ptr, raw_ptr, q, lanes, c, live, n, pad, W, W > 1, PLANES4, FULL)
+    l0 = _entry(table_ptr, s0) & 15
+    l1 = _entry(table_ptr, s1) & 15
+    l2 = _entry(table_ptr, s2) & 15
+    l3 = _entry(table_ptr, s3) & 15
+    acc += l0 + l1 + l2 + l3
+    miss |= ((l0 == 0) | (l1 == 0) | (l2 == 0) | (l3 == 0)).to(tl.int32)
+    return acc, miss
 
 
 @triton.jit
 def _lane_bits(x_ptr, raw_ptr, table_ptr, bits_ptr, info_ptr, n, lanes, groups, W: tl.constexpr,
                LANES: tl.constexpr, PLANES4: tl.constexpr):
     # each lane's code length in bits (int16), the raw field of its elements, and into
-    # info: the total bits (one atomic per program) and whether a symbol had no code
+    # info: the total bits (one atomic per program) and whether a symbol had no code.
+    # Every step but the last holds whole groups (lane_shape: (steps - 4) * lanes < n)
     c = tl.program_id(0) * LANES + tl.arange(0, LANES)
     live = c < lanes
     pad = tl.load(info_ptr + 34).to(tl.int32)
     acc = tl.zeros([LANES], dtype=tl.int32)
     miss = tl.zeros([LANES], dtype=tl.int32)
-    for q in range(0, groups):
-        s0, s1, s2, s3 = _group_syms(x_ptr, raw_ptr, q, lanes, c, live, n, pad, W, W > 1, PLANES4)
-        l0 = _entry(table_ptr, s0) & 15
-        l1 = _entry(table_ptr, s1) & 15
-        l2 = _entry(table_ptr, s2) & 15
-        l3 = _entry(table_ptr, s3) & 15
-        acc += l0 + l1 + l2 + l3
-        miss |= ((l0 == 0) | (l1 == 0) | (l2 == 0) | (l3 == 0)).to(tl.int32)
+    for q in range(0, groups - 1):
+        acc, miss = _count_group(x_ptr, raw_ptr, table_ptr, q, lanes, c, live, n, pad, acc, miss, W, PLANES4, True)
+    acc, miss = _count_group(x_ptr, raw_ptr, table_ptr, groups - 1, lanes, c, live, n, pad, acc, miss, W, PLANES4,
+                             False)
     tl.store(bits_ptr + c, acc.to(tl.int16), mask=live)
     tl.atomic_add(info_ptr, tl.sum(tl.where(live, acc, 0).to(tl.int64), axis=0))
     tl.atomic_max(info_ptr + 1, tl.max(tl.where(live, miss, 0), axis=0).to(tl.int64))
@@ -303,6 +355,14 @@ def _emit2(words_ptr, buf, nb, wp, first, head, e0, e1, live):
 
 
 @triton.jit
+def _encode_group(x_ptr, table_ptr, words_ptr, q, lanes, c, live, n, pad, buf, nb, wp, first, head, W: tl.constexpr,
+                  FULL: tl.constexpr):
+    s0, s1, s2, s3 = _group_syms(x_ptr, x_ptr, q, lanes, c, live, n, pad, W, False, False, FULL)
+    buf, nb, wp, head = _emit2(words_ptr, buf, nb, wp, first, head, _entry(table_ptr, s0), _entry(table_ptr, s1), live)
+    return _emit2(words_ptr, buf, nb, wp, first, head, _entry(table_ptr, s2), _entry(table_ptr, s3), live)
+
+
+@triton.jit
 def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, n, lanes, groups, W: tl.constexpr,
                  LANES: tl.constexpr):
     c = tl.program_id(0) * LANES + tl.arange(0, LANES)
@@ -314,10 +374,11 @@ def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, n, l
     nb = (pos & 31).to(tl.int32)
     buf = tl.zeros([LANES], dtype=tl.int64)
     head = tl.zeros([LANES], dtype=tl.int32)
-    for q in range(0, groups):
-        s0, s1, s2, s3 = _group_syms(x_ptr, x_ptr, q, lanes, c, live, n, pad, W, False, False)
-        buf, nb, wp, head = _emit2(words_ptr, buf, nb, wp, first, head, _entry(table_ptr, s0), _entry(table_ptr, s1), live)
-        buf, nb, wp, head = _emit2(words_ptr, buf, nb, wp, first, head, _entry(table_ptr, s2), _entry(table_ptr, s3), live)
+    for q in range(0, groups - 1):  # whole groups (see _lane_bits)
+        buf, nb, wp, head = _encode_group(x_ptr, table_ptr, words_ptr, q, lanes, c, live, n, pad, buf, nb, wp, first,
+                                          head, W, True)
+    buf, nb, wp, head = _encode_group(x_ptr, table_ptr, words_ptr, groups - 1, lanes, c, live, n, pad, buf, nb, wp,
+                                      first, head, W, False)
     # the first word, if it filled, and the last, partial one are shared with the neighbours
     tl.atomic_or(words_ptr + first, head, mask=live & (wp != first))
     tl.atomic_or(words_ptr + wp, (buf & 0xFFFFFFFF).to(tl.int32), mask=live & (nb > 0))
@@ -444,9 +505,10 @@ def host_code(lengths: np.ndarray, pad: int, device: torch.device) -> torch.Tens
 def build_code(hist: torch.Tensor, force: torch.Tensor, margin: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(encode table int16[256], code buffer int64[CODE_WORDS]) built on the device from a
     sample's counts (int32[256]) and the symbols that must have a code (uint8[256])."""
-    table = torch.empty(256, dtype=torch.int16, device=hist.device)
+    work = torch.empty(128 + SCRATCH_WORDS, dtype=torch.int32, device=hist.device)  # the table, then scratch
+    table = work[:128].view(torch.int16)
     info = torch.zeros(CODE_WORDS, dtype=torch.int64, device=hist.device)
-    _build_code[(1,)](hist, force, info, table, MARGIN=margin, MAX_LEN=max_len, num_warps=1)
+    _build_code[(1,)](hist, force, info, table, work[128:], MARGIN=margin, MAX_LEN=max_len, num_warps=1)
     return table, info
 
 
