@@ -301,11 +301,11 @@ def huff_exp_encode(t: torch.Tensor) -> tuple[Meta, Buffers]:
     if use_triton(t) and t.dtype in _FUSED_EXP and n:
         # the code is built on the device and the encoder splits the fields itself: the
         # host waits once, for the stream's length
-        hist = _device_symbol_hist(t.contiguous().reshape(-1))
+        stride = _sample_stride(t.reshape(-1))
         force = _forced_on_device(t.dtype, t.device)
-        out = entropy.encode_fields(t, hist, force, HUFF_MARGIN)
+        out = entropy.encode_fields(t, stride, force, HUFF_MARGIN)
         if out is None:  # the tensor holds a symbol the code left out: give every symbol present one
-            out = entropy.encode_fields(t, hist, force | _present(t).to(torch.uint8), HUFF_MARGIN)
+            out = entropy.encode_fields(t, stride, force | _present(t).to(torch.uint8), HUFF_MARGIN)
             assert out is not None, "huff_exp: every symbol present has a code"
         stream, lane_bits, raw_b, lengths = out
     else:

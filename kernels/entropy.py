@@ -211,22 +211,25 @@ def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.
     return _words_to_bytes(words), lane_bits.to(torch.int16).view(torch.uint8)
 
 
-def encode_fields(t: torch.Tensor, hist: torch.Tensor, force: torch.Tensor,
+def encode_fields(t: torch.Tensor, stride: int, force: torch.Tensor,
                   margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray] | None:
     """``encode`` of the symbol field of a CUDA bf16/int16/fp32 tensor with the code built on
     the device (kernels.gpu.huffman.build_code: the lengths ``code_lengths`` gives for the
-    counts kernels.codecs._huff_counts makes of ``hist``, with ``force``'s symbols and
-    ``margin``), reading the elements themselves (no symbol stream is written): (stream,
-    lane bit lengths, raw field bytes in the layout of kernels.gpu.pack, code lengths), or
-    None as ``encode``."""
-    from .gpu.huffman import build_code, encode_lanes
+    counts kernels.codecs._huff_counts makes of the histogram of every ``stride``-th
+    element, with ``force``'s symbols and ``margin``), reading the elements themselves (no
+    symbol stream is written): (stream, lane bit lengths, raw field bytes in the layout of
+    kernels.gpu.pack, code lengths), or None as ``encode``."""
+    from .gpu.huffman import build_code, code_work, encode_lanes
+    from .gpu.pack import sample_histogram
     w = t.element_size()
     x = t.contiguous().reshape(-1).view(torch.int16 if w == 2 else torch.int32)
     if x.data_ptr() % 16:  # the lane kernels read 4 elements at once
         x = x.clone()
     lanes, steps = lane_shape(x.numel())
-    table, code = build_code(hist, force, margin, MAX_LEN)
-    return encode_lanes(x, w, table, code, lanes, steps, PAD_WORDS, MAX_LEN)
+    work = code_work(x.device)
+    sample_histogram(x, stride, out=work.hist)
+    build_code(work, force, margin, MAX_LEN)
+    return encode_lanes(x, w, work.table, work.info, lanes, steps, PAD_WORDS, MAX_LEN)
 
 
 def _words_to_bytes(words: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,8 @@ with the total length (one wait).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 import triton
@@ -45,6 +47,24 @@ CODE_WORDS = 35
 LENGTHS_AT = 16
 PAD_AT = 34
 SCRATCH_WORDS = 5 * 256  # _build_code's working arrays (int32)
+
+
+class CodeWork(NamedTuple):
+    """What building a code on the device reads and writes, views of one zeroed allocation (one
+    allocation and one fill ahead of the first kernel, not four: until the lane pass starts, the
+    device waits for the host's launches)."""
+    hist: torch.Tensor     # int32[256]: the sample's counts, added by pack.sample_histogram
+    info: torch.Tensor     # int64[CODE_WORDS]: the code buffer (see above)
+    table: torch.Tensor    # int16[256]: the encode table
+    scratch: torch.Tensor  # int32[SCRATCH_WORDS]: _build_code's working arrays
+
+
+def code_work(device: torch.device) -> CodeWork:
+    info_words = 2 * CODE_WORDS + 2  # int32 words of info, kept a multiple of 4 (16-byte aligned views)
+    buf = torch.zeros(info_words + 256 + 128 + SCRATCH_WORDS, dtype=torch.int32, device=device)
+    at = info_words + 256
+    return CodeWork(buf[info_words:at], buf[:2 * CODE_WORDS].view(torch.int64), buf[at:at + 128].view(torch.int16),
+                    buf[at + 128:])
 
 
 @triton.jit
@@ -471,8 +491,10 @@ def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tenso
     (w=2) / int32 (w=4) view of bf16/int16/fp32 elements (whose raw field it writes).
     ``table`` and ``info`` hold the code (``build_code``, or the host's with the pad symbol
     at info[34]); None when a symbol has no code. ``x`` must be 16-byte aligned. Every pass is queued at once, into a
-    stream buffer as long as any stream can be; the host waits once, at the end, for the
-    stream's length (and the code's lengths), and keeps that much of the buffer."""
+    stream buffer as long as any stream can be. The lane pass has found the stream's length
+    (and the code its lengths) long before the encoder is done: the host reads them then, in
+    one wait, and queues the copy of the stream out of the worst-case buffer right behind the
+    encoder, so that the device does not wait for the host between the two."""
     n = x.numel()
     dev = x.device
     groups = steps // 4
@@ -481,16 +503,21 @@ def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tenso
     raw = torch.empty(n * (w - 1), dtype=torch.uint8, device=dev) if w > 1 else None
     _lane_bits[grid](x, raw if raw is not None else x, table, bits, info, n, lanes, groups, W=w, LANES=LANES,
                      PLANES4=w == 2 or n % 4 == 0)
+    host = info.to("cpu", non_blocking=True)  # pinned: the stream's length, a symbol without a code, the code
+    known = torch.cuda.Event() if x.is_cuda else None  # (TRITON_INTERPRET runs these kernels on the CPU)
+    if known is not None:
+        known.record()
     ends = torch.cumsum(bits, 0, dtype=torch.int64)
     words = torch.empty(-(-steps * lanes * max_len // 32) + pad_words + 1, dtype=torch.int32, device=dev)
     _zero_shared[grid](ends, words, lanes, PAD_WORDS=pad_words, LANES=LANES)
     _lane_encode[grid](x, table, ends, bits, words, info, n, lanes, groups, W=w, LANES=LANES)
-    host = info.cpu()  # the one wait: the stream's length, whether a symbol had no code, the code
-    total, missed = int(host[0]), int(host[1])
-    if missed:
+    if known is not None:
+        known.synchronize()  # the one wait, while the encoder runs
+    code = host.numpy()
+    if code[1]:
         return None
-    stream = words[:-(-total // 32) + pad_words].clone()  # let the worst-case buffer go
-    lengths = host.numpy().view(np.uint8)[LENGTHS_AT:LENGTHS_AT + 256].copy()
+    stream = words[:-(-int(code[0]) // 32) + pad_words].clone()  # let the worst-case buffer go
+    lengths = code.view(np.uint8)[LENGTHS_AT:LENGTHS_AT + 256].copy()
     return stream.view(torch.uint8), bits.view(torch.uint8), raw, lengths
 
 
@@ -502,14 +529,11 @@ def host_code(lengths: np.ndarray, pad: int, device: torch.device) -> torch.Tens
     return torch.from_numpy(code).to(device)
 
 
-def build_code(hist: torch.Tensor, force: torch.Tensor, margin: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(encode table int16[256], code buffer int64[CODE_WORDS]) built on the device from a
-    sample's counts (int32[256]) and the symbols that must have a code (uint8[256])."""
-    work = torch.empty(128 + SCRATCH_WORDS, dtype=torch.int32, device=hist.device)  # the table, then scratch
-    table = work[:128].view(torch.int16)
-    info = torch.zeros(CODE_WORDS, dtype=torch.int64, device=hist.device)
-    _build_code[(1,)](hist, force, info, table, work[128:], MARGIN=margin, MAX_LEN=max_len, num_warps=1)
-    return table, info
+def build_code(work: CodeWork, force: torch.Tensor, margin: int, max_len: int) -> None:
+    """The code, built on the device from the sample's counts (``work.hist``) and the symbols that
+    must have one (uint8[256]), into ``work.table`` and ``work.info``."""
+    _build_code[(1,)](work.hist, force, work.info, work.table, work.scratch, MARGIN=margin, MAX_LEN=max_len,
+                      num_warps=1)
 
 
 def decode_lanes(stream: torch.Tensor, ends: torch.Tensor, bits: torch.Tensor, table: torch.Tensor, lanes: int,

@@ -183,11 +183,12 @@ def _launch(kernel, n: int, *args, **kw) -> None:
         kernel[(1,)](*args, full, G=GROUPS, MASKED=True, num_warps=WARPS, **kw)
 
 
-def sample_histogram(t: torch.Tensor, stride: int) -> torch.Tensor:
-    """int32[256] histogram of the symbols of every ``stride``-th element (bf16/int16/fp32)."""
+def sample_histogram(t: torch.Tensor, stride: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int32[256] histogram of the symbols of every ``stride``-th element (bf16/int16/fp32), added
+    into ``out`` (zeroed by the caller) when given."""
     x, w = _word_view(t)
     m = -(-x.numel() // stride)
-    hist = torch.zeros(256, dtype=torch.int32, device=x.device)
+    hist = torch.zeros(256, dtype=torch.int32, device=x.device) if out is None else out
     _sample_hist[(triton.cdiv(m, 4096),)](x, hist, stride, m, W=w, BLOCK=4096)
     return hist
 

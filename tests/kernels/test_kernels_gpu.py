@@ -222,7 +222,7 @@ def test_gpu_code_built_on_the_device_is_the_hosts(seed: int) -> None:
 
     from storm.kernels import entropy
     from storm.kernels.codecs import HUFF_MARGIN, _forced_on_device, _huff_counts
-    from storm.kernels.gpu.huffman import build_code
+    from storm.kernels.gpu.huffman import build_code, code_work
 
     rng = np.random.default_rng(seed)
     for trial in range(8):
@@ -242,9 +242,11 @@ def test_gpu_code_built_on_the_device_is_the_hosts(seed: int) -> None:
         forced = np.zeros(256, dtype=np.uint8)
         forced[rng.choice(256, int(rng.integers(0, 6)), replace=False)] = 1
         dev = torch.device("cuda")
-        table, code = build_code(torch.from_numpy(hist.astype(np.int32)).to(dev),
-                                 torch.from_numpy(forced).to(dev) | _forced_on_device(torch.bfloat16, dev),
-                                 HUFF_MARGIN, entropy.MAX_LEN)
+        work = code_work(dev)
+        work.hist.copy_(torch.from_numpy(hist.astype(np.int32)))
+        build_code(work, torch.from_numpy(forced).to(dev) | _forced_on_device(torch.bfloat16, dev), HUFF_MARGIN,
+                   entropy.MAX_LEN)
+        table, code = work.table, work.info
         counts = _huff_counts(hist, torch.bfloat16)  # the bf16 specials, as the device's mask has them
         counts[(forced == 1) & (counts == 0)] = 1
         lengths = entropy.code_lengths(counts)
