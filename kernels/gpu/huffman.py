@@ -11,7 +11,7 @@ counts into the code on the device: the same lengths, table and pad symbol as
 kernels.entropy.code_lengths / canonical_codes on the host. ``_lane_bits`` sums
 code lengths per lane, writes the raw field of the elements (byte planes, as
 kernels.gpu.pack lays them out), adds up the total and flags a symbol that has no
-code; torch.cumsum turns the lane lengths into lane ends; ``_zero_shared`` clears
+code; kernels.scan turns the lane lengths into lane ends; ``_zero_shared`` clears
 the words two lanes share; ``_lane_encode`` adds two codes at a time to a 64-bit
 register and stores each 32-bit word as it fills, except the lane's first word
 (kept in a register) and last, which it ORs in at the end. A full group of 4
@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..scan import associative_scan
 from .pack import _fields
 
 LANES = 128
@@ -507,7 +508,7 @@ def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tenso
     known = torch.cuda.Event() if x.is_cuda else None  # (TRITON_INTERPRET runs these kernels on the CPU)
     if known is not None:
         known.record()
-    ends = torch.cumsum(bits, 0, dtype=torch.int64)
+    ends = associative_scan(bits, dtype=torch.int64)
     words = torch.empty(-(-steps * lanes * max_len // 32) + pad_words + 1, dtype=torch.int32, device=dev)
     _zero_shared[grid](ends, words, lanes, PAD_WORDS=pad_words, LANES=LANES)
     _lane_encode[grid](x, table, ends, bits, words, info, n, lanes, groups, W=w, LANES=LANES)

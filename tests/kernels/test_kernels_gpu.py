@@ -102,7 +102,7 @@ def test_gpu_corrupt_is_detected(gpu_path: str) -> None:
                 decode(bad)
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int16, torch.uint8, torch.bool, torch.int8])
 def test_gpu_scan_integers_identical(dtype: torch.dtype) -> None:
     x = torch.randint(-100 if dtype.is_signed else 0, 100, (3, 1_000_003), device="cuda").to(dtype)
     for dim in (0, 1):
