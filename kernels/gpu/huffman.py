@@ -16,8 +16,10 @@ the words two lanes share; ``_lane_encode`` adds two codes at a time to a 64-bit
 register and stores each 32-bit word as it fills, except the lane's first word
 (kept in a register) and last, which it ORs in at the end. A full group of 4
 elements is one 64-bit load (two for fp32) and its raw bytes one 32-bit store per
-byte plane, so the input must be 16-byte aligned. All of it is queued at once, into a
-buffer as long as any stream can be; the host waits once, at the end, for the
+byte plane, so the input must be 16-byte aligned. Every step of a lane but the
+last holds whole groups, so the lane kernels run the code for a partial group only
+there. All of it is queued at once, into a buffer as long as any stream can be; the
+host waits once, while the encoder runs, for what the lane pass has found: the
 total (the stream's length), the flag (a symbol without a code sends the caller
 back for a code that covers every symbol) and the code's lengths (the header).
 
