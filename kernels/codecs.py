@@ -169,8 +169,8 @@ def _sample_symbol_hist(t: torch.Tensor) -> np.ndarray:
     return torch.bincount(sym.to(torch.int32), minlength=256).cpu().numpy().astype(np.int64)
 
 
-def _sample_stride(flat: torch.Tensor) -> int:
-    return max(1, flat.numel() // _TABLE_SAMPLE)
+def _sample_stride(t: torch.Tensor) -> int:
+    return max(1, t.numel() // _TABLE_SAMPLE)
 
 
 def _device_symbol_hist(flat: torch.Tensor) -> torch.Tensor:
@@ -301,7 +301,7 @@ def huff_exp_encode(t: torch.Tensor) -> tuple[Meta, Buffers]:
     if use_triton(t) and t.dtype in _FUSED_EXP and n:
         # the code is built on the device and the encoder splits the fields itself: the
         # host waits once, for the stream's length
-        stride = _sample_stride(t.reshape(-1))
+        stride = _sample_stride(t)  # its size is all that counts: no flattened copy of a strided t
         force = _forced_on_device(t.dtype, t.device)
         out = entropy.encode_fields(t, stride, force, HUFF_MARGIN)
         if out is None:  # the tensor holds a symbol the code left out: give every symbol present one
