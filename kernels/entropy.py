@@ -185,9 +185,10 @@ def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.
     lanes, steps = lane_shape(n)
     pad_sym = _pad_symbol(lengths)
     if use_triton(sym):
-        from .gpu.huffman import encode_lanes, host_code
+        from .gpu.huffman import encode_lanes, host_code, programs
+        flags = torch.zeros(1 + programs(lanes), dtype=torch.int64, device=dev)
         out = encode_lanes(sym.reshape(-1), 1, device_tables(lengths.tobytes(), dev)[0], host_code(lengths, pad_sym, dev),
-                           lanes, steps, PAD_WORDS, MAX_LEN)
+                           flags, lanes, steps, PAD_WORDS, MAX_LEN)
         return None if out is None else out[:2]
     len_t = torch.from_numpy(lengths.astype(np.int64)).to(dev)
     s = torch.full((steps * lanes,), pad_sym, dtype=torch.int64, device=dev)
@@ -226,10 +227,10 @@ def encode_fields(t: torch.Tensor, stride: int, force: torch.Tensor,
     if x.data_ptr() % 16:  # the lane kernels read 4 elements at once
         x = x.clone()
     lanes, steps = lane_shape(x.numel())
-    work = code_work(x.device)
+    work = code_work(x.device, lanes)
     sample_histogram(x, stride, out=work.hist)
     build_code(work, force, margin, MAX_LEN)
-    return encode_lanes(x, w, work.table, work.info, lanes, steps, PAD_WORDS, MAX_LEN)
+    return encode_lanes(x, w, work.table, work.info, work.flags, lanes, steps, PAD_WORDS, MAX_LEN)
 
 
 def _words_to_bytes(words: torch.Tensor) -> torch.Tensor:
@@ -251,10 +252,8 @@ def decode(stream: torch.Tensor, lane_bits_b: torch.Tensor, lengths: np.ndarray,
     if use_triton(stream):
         from .gpu.huffman import decode_lanes
         table = device_tables(lengths.tobytes(), stream.device)[1]  # checks the lengths when it builds
-        # lane starts: the kernel subtracts each lane's length from this inclusive sum
-        lane_bits = lane_bits_b.view(torch.int16)
-        ends = associative_scan(lane_bits, dtype=torch.int64)  # one launch where torch.cumsum of int16 makes three
-        out, info = decode_lanes(stream, ends, lane_bits, table, lanes, steps, MAX_LEN, n, merge_raw, merge_dtype)
+        out, info = decode_lanes(stream, lane_bits_b.view(torch.int16), table, lanes, steps, MAX_LEN, n, merge_raw,
+                                 merge_dtype)
         bad, total = info.tolist()  # the one host wait; the kernel clamps its reads, so it ran safely either way
         require(-(-total // 32) + PAD_WORDS == nwords, "Huffman: lane lengths do not match the stream length")
         require(not bad, "Huffman: a lane's codes do not match its length (corrupted stream)")

@@ -10,25 +10,33 @@ symbol stream is written). ``_build_code`` (one program) turns the sample's
 counts into the code on the device: the same lengths, table and pad symbol as
 kernels.entropy.code_lengths / canonical_codes on the host. ``_lane_bits`` sums
 code lengths per lane, writes the raw field of the elements (byte planes, as
-kernels.gpu.pack lays them out), adds up the total and flags a symbol that has no
-code; kernels.scan turns the lane lengths into lane ends; ``_zero_shared`` clears
-the words two lanes share; ``_lane_encode`` adds two codes at a time to a 64-bit
-register and stores each 32-bit word as it fills, except the lane's first word
-(kept in a register) and last, which it ORs in at the end. A full group of 4
-elements is one 64-bit load (two for fp32) and its raw bytes one 32-bit store per
-byte plane, so the input must be 16-byte aligned. Every step of a lane but the
-last holds whole groups, so the lane kernels run the code for a partial group only
-there. All of it is queued at once, into a buffer as long as any stream can be; the
-host waits once, while the encoder runs, for what the lane pass has found: the
-total (the stream's length), the flag (a symbol without a code sends the caller
-back for a code that covers every symbol) and the code's lengths (the header).
+kernels.gpu.pack lays them out), adds up the total, flags a symbol that has no
+code, finds each lane's end (the lengths of the lanes before it: its program's by a
+scan in registers, the programs' before it by kernels.gpu.scan's decoupled
+look-back) and clears the words two lanes share; ``_lane_encode`` adds two codes at
+a time to a 64-bit register and stores each 32-bit word as it fills, except the
+lane's first word (kept in a register) and last, which it ORs in at the end. A full
+group of 4 elements is one 64-bit load (two for fp32) and its raw bytes one 32-bit
+store per byte plane, so the input must be 16-byte aligned. Every step of a lane
+but the last holds whole groups, so the lane kernels run the code for a partial
+group only there. Both passes are queued at once, into a buffer as long as any
+stream can be; the host waits once, while the encoder runs, for what the lane pass
+has found: the total (the stream's length), the flag (a symbol without a code sends
+the caller back for a code that covers every symbol) and the code's lengths (the
+header).
 
-Decode: ``_lane_decode`` loads a 96-bit window once per group (enough for 4
-codes of <= 12 bits), decodes 4 symbols from it through the 2**MAX_LEN-entry
-table, and writes them as one word, or (bf16/fp32 with n % 4 == 0) joins them
-with their raw bytes and writes the 4 finished elements; it checks where every
-lane ends against its stored length and flags a mismatch, which the host reads
-with the total length (one wait).
+Decode: ``_lane_decode`` finds its lanes' starts as ``_lane_bits`` finds their
+ends, loads a 96-bit window once per group (enough for 4 codes of <= 12 bits),
+decodes 4 symbols from it through the 2**MAX_LEN-entry table, and writes them as
+one word, or (bf16/fp32 with n % 4 == 0) joins them with their raw bytes and writes
+the 4 finished elements in one store; it checks where every lane ends against its
+stored length and flags a mismatch, which the host reads with the total length (one
+wait).
+
+On a lent H100's host each launch or allocation took 25 to 100 us, while the device
+decoded 256 MiB in under 300 us: the host's calls, not the kernels, set the speed
+of a call, so the lane lengths are summed inside the lane kernels rather than by
+launches of their own.
 """
 from __future__ import annotations
 
@@ -39,8 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..scan import associative_scan
 from .pack import _fields
+from .scan import LOOKBACK, look_back, publish
+
+_LOOKBACK = tl.constexpr(LOOKBACK)  # a global a kernel reads must be a constexpr
 
 LANES = 128
 # The code buffer (int64[CODE_WORDS]) the lane kernels read and _build_code writes: words 0
@@ -53,21 +63,24 @@ SCRATCH_WORDS = 5 * 256  # _build_code's working arrays (int32)
 
 
 class CodeWork(NamedTuple):
-    """What building a code on the device reads and writes, views of one zeroed allocation (one
-    allocation and one fill ahead of the first kernel, not four: until the lane pass starts, the
-    device waits for the host's launches)."""
+    """What building a code on the device and the lane pass read and write, views of one zeroed
+    allocation (one allocation and one fill ahead of the first kernel, not five: until the lane
+    pass starts, the device waits for the host's launches)."""
     hist: torch.Tensor     # int32[256]: the sample's counts, added by pack.sample_histogram
     info: torch.Tensor     # int64[CODE_WORDS]: the code buffer (see above)
     table: torch.Tensor    # int16[256]: the encode table
     scratch: torch.Tensor  # int32[SCRATCH_WORDS]: _build_code's working arrays
+    flags: torch.Tensor    # int64[1 + programs]: the lane pass's look-back (encode_lanes)
 
 
-def code_work(device: torch.device) -> CodeWork:
+def code_work(device: torch.device, lanes: int) -> CodeWork:
+    """The zeroed work of one encode of ``lanes`` lanes."""
     info_words = 2 * CODE_WORDS + 2  # int32 words of info, kept a multiple of 4 (16-byte aligned views)
-    buf = torch.zeros(info_words + 256 + 128 + SCRATCH_WORDS, dtype=torch.int32, device=device)
     at = info_words + 256
+    flags_at = at + 128 + SCRATCH_WORDS
+    buf = torch.zeros(flags_at + 2 * (1 + programs(lanes)), dtype=torch.int32, device=device)
     return CodeWork(buf[info_words:at], buf[:2 * CODE_WORDS].view(torch.int64), buf[at:at + 128].view(torch.int16),
-                    buf[at + 128:])
+                    buf[at + 128:flags_at], buf[flags_at:].view(torch.int64))
 
 
 @triton.jit
@@ -340,12 +353,30 @@ def _count_group(x_ptr, raw_ptr, table_ptr, q, lanes, c, live, n, pad, acc, miss
 
 
 @triton.jit
-def _lane_bits(x_ptr, raw_ptr, table_ptr, bits_ptr, info_ptr, n, lanes, groups, W: tl.constexpr,
-               LANES: tl.constexpr, PLANES4: tl.constexpr):
-    # each lane's code length in bits (int16), the raw field of its elements, and into
-    # info: the total bits (one atomic per program) and whether a symbol had no code.
-    # Every step but the last holds whole groups (lane_shape: (steps - 4) * lanes < n)
-    c = tl.program_id(0) * LANES + tl.arange(0, LANES)
+def _lane_ends(lbits, vid, flags_ptr):
+    # each lane's end: the inclusive sum of the lane lengths (int64) up to it, the block's in
+    # registers, the blocks' before it by decoupled look-back (kernels.gpu.scan), so no scan
+    # of the lengths is launched between the lane kernels
+    total = tl.sum(lbits, axis=0)
+    if vid == 0:
+        publish(flags_ptr, total, 2, False)
+        prefix = tl.zeros([], tl.int64)
+    else:
+        publish(flags_ptr + vid, total, 1, False)
+        prefix = look_back(flags_ptr, vid, tl.int64, False, _LOOKBACK)
+        publish(flags_ptr + vid, prefix + total, 2, False)
+    return prefix + tl.cumsum(lbits, axis=0)
+
+
+@triton.jit
+def _lane_bits(x_ptr, raw_ptr, table_ptr, bits_ptr, ends_ptr, words_ptr, info_ptr, flags_ptr, n, lanes, groups,
+               W: tl.constexpr, LANES: tl.constexpr, PLANES4: tl.constexpr, PAD_WORDS: tl.constexpr):
+    # each lane's code length in bits (int16) and end (int64), the raw field of its elements,
+    # zeros where the encoder ORs, and into info: the total bits (one atomic per program) and
+    # whether a symbol had no code. flags_ptr: the look-back's counter, then a word per program
+    # (zeroed). Every step but the last holds whole groups (lane_shape: (steps - 4) * lanes < n)
+    vid = tl.atomic_add(flags_ptr, 1)  # blocks in the order programs started: predecessors are running
+    c = vid * LANES + tl.arange(0, LANES)
     live = c < lanes
     pad = tl.load(info_ptr + 34).to(tl.int32)
     acc = tl.zeros([LANES], dtype=tl.int32)
@@ -354,8 +385,19 @@ def _lane_bits(x_ptr, raw_ptr, table_ptr, bits_ptr, info_ptr, n, lanes, groups, 
         acc, miss = _count_group(x_ptr, raw_ptr, table_ptr, q, lanes, c, live, n, pad, acc, miss, W, PLANES4, True)
     acc, miss = _count_group(x_ptr, raw_ptr, table_ptr, groups - 1, lanes, c, live, n, pad, acc, miss, W, PLANES4,
                              False)
+    acc = tl.where(live, acc, 0)
     tl.store(bits_ptr + c, acc.to(tl.int16), mask=live)
-    tl.atomic_add(info_ptr, tl.sum(tl.where(live, acc, 0).to(tl.int64), axis=0))
+    end = _lane_ends(acc.to(tl.int64), vid, flags_ptr + 1)
+    tl.store(ends_ptr + c, end, mask=live)
+    # the encoder ORs into the word each lane ends in (where the next lane starts; the first
+    # lane starts in word 0) and the words after the stream, so the stream can be written
+    # into memory nothing cleared
+    zero = tl.zeros([LANES], tl.int32)
+    tl.store(words_ptr + (end >> 5), zero, mask=live)
+    tl.store(words_ptr + c, zero, mask=c == 0)
+    for k in tl.static_range(1, PAD_WORDS + 1):
+        tl.store(words_ptr + (end >> 5) + k, zero, mask=live & (c == lanes - 1))
+    tl.atomic_add(info_ptr, tl.sum(acc.to(tl.int64), axis=0))
     tl.atomic_max(info_ptr + 1, tl.max(tl.where(live, miss, 0), axis=0).to(tl.int64))
 
 
@@ -408,31 +450,19 @@ def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, n, l
 
 
 @triton.jit
-def _zero_shared(ends_ptr, words_ptr, lanes, PAD_WORDS: tl.constexpr, LANES: tl.constexpr):
-    # zeros where the encoder ORs: the word each lane ends in (where the next lane starts;
-    # the first lane starts in word 0) and the words after the stream, so the stream can be
-    # written into memory nothing cleared
-    c = tl.program_id(0) * LANES + tl.arange(0, LANES)
-    live = c < lanes
-    end = tl.load(ends_ptr + c, mask=live, other=0)
-    zero = tl.zeros([LANES], tl.int32)
-    tl.store(words_ptr + (end >> 5), zero, mask=live)
-    tl.store(words_ptr + c, zero, mask=c == 0)
-    for k in tl.static_range(1, PAD_WORDS + 1):
-        tl.store(words_ptr + (end >> 5) + k, zero, mask=live & (c == lanes - 1))
-
-
-@triton.jit
-def _lane_decode(words_ptr, table_ptr, ends_ptr, bits_ptr, out_ptr, info_ptr, raw_ptr, nwords, lanes, groups, n,
+def _lane_decode(words_ptr, table_ptr, bits_ptr, out_ptr, info_ptr, raw_ptr, nwords, lanes, groups, n,
                  MAX_LEN: tl.constexpr, LANES: tl.constexpr, MERGE: tl.constexpr):
     # MERGE 0: write the symbols; 2: bf16/int16 elements (symbol = high byte, raw = low
     # byte); 4: fp32 elements (symbol = exponent, raw = 3 byte planes). Merging needs n % 4 == 0.
-    # info[0]: a lane whose codes are invalid, or do not end where its length says, or whose
-    # length is impossible; info[1]: the total bits (the last lane's end)
-    c = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    # info (int64, zeroed): [0] a lane whose codes are invalid, or do not end where its length
+    # says, or whose length is impossible; [1] the total bits (the last lane's end); [2] the
+    # look-back's counter, then a word per program: each lane's start is the sum of the
+    # lengths before it, found here (kernels.gpu.scan's look-back), not by a launch before
+    vid = tl.atomic_add(info_ptr + 2, 1)
+    c = vid * LANES + tl.arange(0, LANES)
     live = c < lanes
-    end = tl.load(ends_ptr + c, mask=live, other=0)
     lbits = tl.load(bits_ptr + c, mask=live, other=0).to(tl.int64)
+    end = _lane_ends(lbits, vid, info_ptr + 3)
     pos = end - lbits
     bad = ((lbits < 0) | (lbits > 4 * groups * MAX_LEN)).to(tl.int32)
     for q in range(0, groups):
@@ -465,18 +495,18 @@ def _lane_decode(words_ptr, table_ptr, ends_ptr, bits_ptr, out_ptr, info_ptr, ra
             r = tl.load((raw_ptr + base).to(tl.pointer_type(tl.int32), bitcast=True), mask=keep, other=0)
             lo = ((s0 << 8) | (r & 0xFF)) | (((s1 << 8) | ((r >> 8) & 0xFF)) << 16)
             hi = ((s2 << 8) | ((r >> 16) & 0xFF)) | (((s3 << 8) | ((r >> 24) & 0xFF)) << 16)
-            out = (out_ptr + base).to(tl.pointer_type(tl.int32), bitcast=True)
-            tl.store(out, lo, mask=keep)
-            tl.store(out + 1, hi, mask=keep)
+            out = (out_ptr + base).to(tl.pointer_type(tl.int64), bitcast=True)
+            tl.store(out, (lo.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32), mask=keep)
         else:
             keep = live & (base < n)
             p0 = tl.load((raw_ptr + base).to(tl.pointer_type(tl.int32), bitcast=True), mask=keep, other=0)
             p1 = tl.load((raw_ptr + n + base).to(tl.pointer_type(tl.int32), bitcast=True), mask=keep, other=0)
             p2 = tl.load((raw_ptr + 2 * n + base).to(tl.pointer_type(tl.int32), bitcast=True), mask=keep, other=0)
-            tl.store(out_ptr + base, _fp32_word(s0, p0, p1, p2, 0), mask=keep)
-            tl.store(out_ptr + base + 1, _fp32_word(s1, p0, p1, p2, 8), mask=keep)
-            tl.store(out_ptr + base + 2, _fp32_word(s2, p0, p1, p2, 16), mask=keep)
-            tl.store(out_ptr + base + 3, _fp32_word(s3, p0, p1, p2, 24), mask=keep)
+            # the group's 4 words as one [LANES, 4] block, so each thread stores 16 bytes at once
+            e = tl.join(tl.join(_fp32_word(s0, p0, p1, p2, 0), _fp32_word(s2, p0, p1, p2, 16)),
+                        tl.join(_fp32_word(s1, p0, p1, p2, 8), _fp32_word(s3, p0, p1, p2, 24))).reshape(LANES, 4)
+            k4 = tl.arange(0, 4)
+            tl.store(out_ptr + base[:, None] + k4[None, :], e, mask=keep[:, None] & (k4[None, :] < 4))
     tl.atomic_max(info_ptr, tl.max(tl.where(live & ((bad != 0) | (pos != end)), 1, 0), axis=0).to(tl.int64))
     tl.store(info_ptr + 1 + tl.zeros_like(c), end, mask=c == lanes - 1)
 
@@ -487,32 +517,43 @@ def _fp32_word(s, p0, p1, p2, sh: tl.constexpr):
     return (r & 0x7FFFFF) | (s << 23) | ((r >> 23) << 31)
 
 
-def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tensor, lanes: int, steps: int,
-                 pad_words: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, np.ndarray] | None:
+def programs(lanes: int) -> int:
+    """Programs of the lane kernels for ``lanes`` lanes (each takes LANES)."""
+    return triton.cdiv(lanes, LANES)
+
+
+def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tensor, flags: torch.Tensor, lanes: int,
+                 steps: int, pad_words: int,
+                 max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, np.ndarray] | None:
     """(stream bytes, lane bit lengths as uint16 bytes, raw field bytes or None, code lengths)
     in kernels.entropy's layout, for ``x`` a flat uint8 symbol stream (w=1) or the int16
     (w=2) / int32 (w=4) view of bf16/int16/fp32 elements (whose raw field it writes).
     ``table`` and ``info`` hold the code (``build_code``, or the host's with the pad symbol
-    at info[34]); None when a symbol has no code. ``x`` must be 16-byte aligned. Every pass is queued at once, into a
-    stream buffer as long as any stream can be. The lane pass has found the stream's length
-    (and the code its lengths) long before the encoder is done: the host reads them then, in
-    one wait, and queues the copy of the stream out of the worst-case buffer right behind the
-    encoder, so that the device does not wait for the host between the two."""
+    at info[34]); ``flags``: int64[1 + programs(lanes)], zeroed, for the lane pass's look-back.
+    None when a symbol has no code. ``x`` must be 16-byte aligned. Both passes are queued at
+    once, into a stream buffer as long as any stream can be. The lane pass has found the
+    stream's length (and the code its lengths) long before the encoder is done: the host reads
+    them then, in one wait, and queues the copy of the stream out of the worst-case buffer right
+    behind the encoder, so that the device does not wait for the host between the two. Each
+    host call here is one the device may wait for (on a lent H100's host a launch or an
+    allocation took 25 to 100 us): hence two launches, and two allocations carved into views."""
     n = x.numel()
     dev = x.device
     groups = steps // 4
-    grid = (triton.cdiv(lanes, LANES),)
-    bits = torch.empty(lanes, dtype=torch.int16, device=dev)
-    raw = torch.empty(n * (w - 1), dtype=torch.uint8, device=dev) if w > 1 else None
-    _lane_bits[grid](x, raw if raw is not None else x, table, bits, info, n, lanes, groups, W=w, LANES=LANES,
-                     PLANES4=w == 2 or n % 4 == 0)
+    grid = (programs(lanes),)
+    bits_at = -(-2 * lanes // 16) * 16  # the raw field starts 16-byte aligned (4-byte stores)
+    out = torch.empty(bits_at + n * (w - 1), dtype=torch.uint8, device=dev)  # lane lengths, raw field
+    bits = out[:2 * lanes].view(torch.int16)
+    raw = out[bits_at:] if w > 1 else None
+    nwords = -(-steps * lanes * max_len // 32) + pad_words + 1
+    tmp = torch.empty(2 * lanes + nwords, dtype=torch.int32, device=dev)  # lane ends (int64), the worst-case stream
+    ends, words = tmp[:2 * lanes].view(torch.int64), tmp[2 * lanes:]
+    _lane_bits[grid](x, raw if raw is not None else x, table, bits, ends, words, info, flags, n, lanes, groups, W=w,
+                     LANES=LANES, PLANES4=w == 2 or n % 4 == 0, PAD_WORDS=pad_words)
     host = info.to("cpu", non_blocking=True)  # pinned: the stream's length, a symbol without a code, the code
     known = torch.cuda.Event() if x.is_cuda else None  # (TRITON_INTERPRET runs these kernels on the CPU)
     if known is not None:
         known.record()
-    ends = associative_scan(bits, dtype=torch.int64)
-    words = torch.empty(-(-steps * lanes * max_len // 32) + pad_words + 1, dtype=torch.int32, device=dev)
-    _zero_shared[grid](ends, words, lanes, PAD_WORDS=pad_words, LANES=LANES)
     _lane_encode[grid](x, table, ends, bits, words, info, n, lanes, groups, W=w, LANES=LANES)
     if known is not None:
         known.synchronize()  # the one wait, while the encoder runs
@@ -539,21 +580,21 @@ def build_code(work: CodeWork, force: torch.Tensor, margin: int, max_len: int) -
                       num_warps=1)
 
 
-def decode_lanes(stream: torch.Tensor, ends: torch.Tensor, bits: torch.Tensor, table: torch.Tensor, lanes: int,
-                 steps: int, max_len: int, n: int, raw: torch.Tensor | None = None,
+def decode_lanes(stream: torch.Tensor, bits: torch.Tensor, table: torch.Tensor, lanes: int, steps: int,
+                 max_len: int, n: int, raw: torch.Tensor | None = None,
                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(symbols in element order, padded to steps * lanes; or, with raw/dtype and n % 4 == 0,
-    the merged flat tensor of dtype) and int64[2] info: nonzero first if a lane is corrupt,
-    then the total bits. ``ends``: inclusive sums of the lane lengths ``bits`` (int16).
-    Nothing is read back here: the caller checks info with its other checks."""
+    the merged flat tensor of dtype) and int64 info: [0] nonzero if a lane is corrupt, [1] the
+    total bits. ``bits``: the lane lengths (int16); the decoder sums them into lane starts
+    itself. Nothing is read back here: the caller checks info with its other checks."""
     words = stream.view(torch.int32)
-    info = torch.zeros(2, dtype=torch.int64, device=stream.device)
+    info = torch.zeros(3 + programs(lanes), dtype=torch.int64, device=stream.device)
     if raw is None:
         merge, out = 0, torch.empty(steps * lanes, dtype=torch.uint8, device=stream.device)
         raw = out
     else:
-        merge = torch.empty((), dtype=dtype).element_size()
+        merge = dtype.itemsize
         out = torch.empty(n, dtype=torch.int16 if merge == 2 else torch.int32, device=stream.device)
-    _lane_decode[(triton.cdiv(lanes, LANES),)](words, table, ends, bits, out, info, raw, words.numel(),
-                                               lanes, steps // 4, n, MAX_LEN=max_len, LANES=LANES, MERGE=merge)
-    return (out if merge == 0 else out.view(dtype)), info
+    _lane_decode[(programs(lanes),)](words, table, bits, out, info, raw, words.numel(), lanes, steps // 4, n,
+                                     MAX_LEN=max_len, LANES=LANES, MERGE=merge)
+    return (out if merge == 0 else out.view(dtype)), info[:2]

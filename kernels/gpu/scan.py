@@ -39,13 +39,44 @@ ONE_PASS_MAX_ROW = 1 << 29  # |prefix| of 32-bit inputs stays below 2**61 (the f
 
 
 @triton.jit
-def _publish(flags_ptr, value, flag: tl.constexpr, WORD32: tl.constexpr):
+def publish(flags_ptr, value, flag: tl.constexpr, WORD32: tl.constexpr):
     if WORD32:  # a float32 or int32 sum: its 32 bits
         word = (value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF) << 2
     else:
         word = value.to(tl.int64) << 2
     # relaxed, no fence: the word is all a reader needs, and a 64-bit store is seen whole or not at all
     tl.atomic_xchg(flags_ptr, word | flag, sem="relaxed")
+
+
+@triton.jit
+def look_back(flags, blk, ACC: tl.constexpr, WORD32: tl.constexpr, WINDOW: tl.constexpr):
+    # the sum of the totals of blocks 0 .. blk-1 (blk > 0; each block publishes its total, then
+    # its inclusive prefix, into flags[blk]): walks back from the nearest block until one whose
+    # inclusive prefix is published, WINDOW blocks at once (one load each, in parallel): a block
+    # walking back one word at a time waits a round trip per block in flight before it
+    prefix = tl.zeros([], ACC)
+    lane = tl.arange(0, WINDOW)
+    t = blk - 1  # the nearest block not yet added
+    while t >= 0:
+        idx = t - lane
+        inside = idx >= 0
+        # volatile loads, past the SM's cache, so a spinning block sees the others' words; no
+        # acquire: nothing but the word itself is read on its strength
+        words = tl.load(flags + idx, mask=inside, other=0, volatile=True)
+        state = tl.where(inside, words & 3, 2)  # before block 0: an inclusive prefix of 0
+        stop = tl.min(tl.where(state == 2, lane, WINDOW), axis=0)  # the nearest inclusive prefix
+        needed = lane <= stop
+        if tl.sum((needed & (state == 0)).to(tl.int32), axis=0) == 0:  # all published: add them
+            if WORD32:
+                v = ((words >> 2) & 0xFFFFFFFF).to(tl.int32).to(ACC, bitcast=True)
+            else:
+                v = (words >> 2).to(ACC)
+            prefix = prefix + tl.sum(tl.where(needed & inside, v, 0), axis=0)
+            if stop < WINDOW:
+                t = tl.full([], -1, t.dtype)
+            else:
+                t = t - WINDOW
+    return prefix
 
 
 @triton.jit
@@ -60,36 +91,14 @@ def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.conste
     total = tl.sum(x, axis=0)
     flags = flags_ptr + row.to(tl.int64) * nb
     if blk == 0:
-        _publish(flags, total, 2, WORD32)
+        publish(flags, total, 2, WORD32)
     else:
-        _publish(flags + blk, total, 1, WORD32)
+        publish(flags + blk, total, 1, WORD32)
     y = tl.cumsum(x, axis=0)
     prefix = tl.zeros([], ACC)
     if blk != 0:
-        lane = tl.arange(0, WINDOW)
-        t = blk - 1  # the nearest block not yet added
-        while t >= 0:
-            # WINDOW blocks back at once (one load each, in parallel): a block walking back
-            # one word at a time waits a round trip per block in flight before it
-            idx = t - lane
-            inside = idx >= 0
-            # volatile loads, past the SM's cache, so a spinning block sees the others' words; no
-            # acquire: nothing but the word itself is read on its strength
-            words = tl.load(flags + idx, mask=inside, other=0, volatile=True)
-            state = tl.where(inside, words & 3, 2)  # before block 0: an inclusive prefix of 0
-            stop = tl.min(tl.where(state == 2, lane, WINDOW), axis=0)  # the nearest inclusive prefix
-            needed = lane <= stop
-            if tl.sum((needed & (state == 0)).to(tl.int32), axis=0) == 0:  # all published: add them
-                if WORD32:
-                    v = ((words >> 2) & 0xFFFFFFFF).to(tl.int32).to(ACC, bitcast=True)
-                else:
-                    v = (words >> 2).to(ACC)
-                prefix = prefix + tl.sum(tl.where(needed & inside, v, 0), axis=0)
-                if stop < WINDOW:
-                    t = tl.full([], -1, t.dtype)
-                else:
-                    t = t - WINDOW
-        _publish(flags + blk, prefix + total, 2, WORD32)
+        prefix = look_back(flags, blk, ACC, WORD32, WINDOW)
+        publish(flags + blk, prefix + total, 2, WORD32)
     tl.store(y_ptr + base + offs, (y + prefix).to(y_ptr.dtype.element_ty), mask=offs < L, cache_modifier=".cs")
 
 

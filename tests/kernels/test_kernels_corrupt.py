@@ -112,6 +112,27 @@ def test_huffman_stream_garbage_is_detected() -> None:
         assert out.shape == t.shape
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_huffman_lane_lengths_that_keep_the_total_are_detected(device: str, dtype: torch.dtype) -> None:
+    """Lane lengths moved between lanes far apart (on the GPU, lanes of different programs,
+    whose starts the decoder sums by look-back) keep the stream's length right: every lane must
+    still be checked against where its codes end."""
+    t = torch.randn(300_000).to(dtype).to(device)  # 1172 lanes
+    enc = encode(t, "huff_exp")
+    lengths = enc.buffers["lane_bits"].view(torch.int16)
+    for i, j, d in ((3, 1100, 5), (0, 1171, 1), (200, 900, -3000), (10, 11, 40000)):
+        bad_lengths = lengths.clone()
+        bad_lengths[i] = (bad_lengths[i].to(torch.int32) + d).to(torch.int16)  # wraps: negative lengths too
+        bad_lengths[j] = (bad_lengths[j].to(torch.int32) - d).to(torch.int16)
+        bad = Encoded(enc.codec, enc.dtype, enc.shape, enc.meta,
+                      {**enc.buffers, "lane_bits": bad_lengths.view(torch.uint8)})
+        with pytest.raises(CorruptEncodedError):
+            decode(bad)
+    assert bits_equal(decode(enc), t)
+
+
 @pytest.mark.parametrize("codec,key", [("ancf", "esc_pos"), ("ancf_exp", "esc_pos")])
 def test_repeated_escape_position_is_detected(codec: str, key: str) -> None:
     """Counts still agree, but one escape would be left unpatched: must raise."""

@@ -242,7 +242,7 @@ def test_gpu_code_built_on_the_device_is_the_hosts(seed: int) -> None:
         forced = np.zeros(256, dtype=np.uint8)
         forced[rng.choice(256, int(rng.integers(0, 6)), replace=False)] = 1
         dev = torch.device("cuda")
-        work = code_work(dev)
+        work = code_work(dev, 1)
         work.hist.copy_(torch.from_numpy(hist.astype(np.int32)))
         build_code(work, torch.from_numpy(forced).to(dev) | _forced_on_device(torch.bfloat16, dev), HUFF_MARGIN,
                    entropy.MAX_LEN)
