@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cdiv
 from .pack import _fields
 from .scan import LOOKBACK, look_back, publish
 
@@ -103,7 +104,7 @@ def merge(sym: torch.Tensor, raw: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     w = torch.empty((), dtype=dtype).element_size()
     out = torch.empty(n, dtype=torch.int16 if w == 2 else torch.int32, device=sym.device)
     if n:
-        _merge[(triton.cdiv(n, 4096),)](sym, raw, out, n, W=w, BLOCK=4096)
+        _merge[(cdiv(n, 4096),)](sym, raw, out, n, W=w, BLOCK=4096)
     return out.view(dtype)
 
 
@@ -519,7 +520,7 @@ def _fp32_word(s, p0, p1, p2, sh: tl.constexpr):
 
 def programs(lanes: int) -> int:
     """Programs of the lane kernels for ``lanes`` lanes (each takes LANES)."""
-    return triton.cdiv(lanes, LANES)
+    return cdiv(lanes, LANES)
 
 
 def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tensor, flags: torch.Tensor, lanes: int,

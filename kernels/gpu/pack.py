@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cdiv
+
 GROUPS = 512           # groups of 4 elements per program: 2048 elements (measured best of 256..2048)
 BLOCK = 4 * GROUPS
 WARPS = 4
@@ -189,7 +191,7 @@ def sample_histogram(t: torch.Tensor, stride: int, out: torch.Tensor | None = No
     x, w = _word_view(t)
     m = -(-x.numel() // stride)
     hist = torch.zeros(256, dtype=torch.int32, device=x.device) if out is None else out
-    _sample_hist[(triton.cdiv(m, 4096),)](x, hist, stride, m, W=w, BLOCK=4096)
+    _sample_hist[(cdiv(m, 4096),)](x, hist, stride, m, W=w, BLOCK=4096)
     return hist
 
 
@@ -228,7 +230,7 @@ def dict4_decode(codes: torch.Tensor, raw: torch.Tensor, tab16: torch.Tensor, n:
     stat = torch.zeros(3, dtype=torch.int32, device=codes.device)
     _launch(_dict4_decode, n, codes, raw, tab16, out, stat, n, tlen, W=w, CHECK=True)
     if pos.numel():
-        _dict4_patch[(triton.cdiv(pos.numel(), 1024),)](out, codes, pos, esc_sym, stat, pos.numel(), pos.numel(), n,
+        _dict4_patch[(cdiv(pos.numel(), 1024),)](out, codes, pos, esc_sym, stat, pos.numel(), pos.numel(), n,
                                                          W=w, BLOCK=1024, FRAME=False)
     return out, stat.tolist()  # host waits: the counts are checked before the tensor is returned
 
@@ -261,14 +263,14 @@ def pack_small_triton(v: torch.Tensor, width: int) -> torch.Tensor:
     nbytes = (n * width + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8, device=v.device)
     if n:
-        _pack_small[(triton.cdiv(nbytes, 1024),)](v, out, n, nbytes, WIDTH=width, BLOCK=1024)
+        _pack_small[(cdiv(nbytes, 1024),)](v, out, n, nbytes, WIDTH=width, BLOCK=1024)
     return out
 
 
 def unpack_small_triton(buf: torch.Tensor, width: int, n: int) -> torch.Tensor:
     out = torch.empty(n, dtype=torch.int64, device=buf.device)
     if n:
-        _unpack_small[(triton.cdiv(n, 4096),)](buf, out, n, WIDTH=width, BLOCK=4096)
+        _unpack_small[(cdiv(n, 4096),)](buf, out, n, WIDTH=width, BLOCK=4096)
     return out
 
 
@@ -311,5 +313,5 @@ def frame_decode(parts: dict[str, torch.Tensor], out: torch.Tensor) -> None:
     the escape count is read on the device, so nothing is checked (the frame is the mover's own)."""
     n, cap = out.numel(), parts["pos"].numel()
     _launch(_dict4_decode, n, parts["codes"], parts["raw"], parts["table"], out, out, n, 15, W=2, CHECK=False)
-    _dict4_patch[(triton.cdiv(cap, 1024),)](out, parts["codes"], parts["pos"], parts["sym"], out, parts["header"],
+    _dict4_patch[(cdiv(cap, 1024),)](out, parts["codes"], parts["pos"], parts["sym"], out, parts["header"],
                                              cap, n, W=2, BLOCK=1024, FRAME=True)

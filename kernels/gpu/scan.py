@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cdiv
+
 BLOCK = 4096
 ONE_PASS_BLOCK = 16384  # elements a program scans with 32-bit sums; half as many with 64-bit ones (same registers)
 ONE_PASS_WARPS = 4
@@ -138,12 +140,12 @@ def scan_lastdim(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch
         return y
     if x.element_size() <= 4 and (word32 or L < ONE_PASS_MAX_ROW):
         block = ONE_PASS_BLOCK if word32 else ONE_PASS_BLOCK // 2
-        nb = triton.cdiv(L, block)
+        nb = cdiv(L, block)
         flags = torch.zeros(rows * nb + 1, dtype=torch.int64, device=x.device)  # and the counter, last: one memset
         _scan_one_pass[(rows * nb,)](src, y, flags, flags[rows * nb:], L, nb, BLOCK=block, ACC=acc,
                                      WORD32=word32, WINDOW=LOOKBACK, num_warps=ONE_PASS_WARPS)
         return y
-    nb = triton.cdiv(L, BLOCK)
+    nb = cdiv(L, BLOCK)
     if nb > 65535:  # grid dim 1 limit: rows longer than 268 M elements stay on torch
         return torch.cumsum(x, dim=-1, dtype=out_dtype)
     sums = torch.empty((rows, nb), dtype=acc_t, device=x.device)
