@@ -121,13 +121,6 @@ def _at(v, i, idx):
 
 
 @triton.jit
-def _add_at(ptr, i, d):
-    # ptr[i] += d for one scratch entry; the barrier makes it visible to the next read of any entry
-    tl.store(ptr + i, tl.load(ptr + i) + d)
-    tl.debug_barrier()
-
-
-@triton.jit
 def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, scratch_ptr, MARGIN: tl.constexpr, MAX_LEN: tl.constexpr):
     # The code of kernels.entropy.code_lengths and canonical_codes, on the device, from the
     # sample's counts and the forced symbols (kernels.codecs._huff_counts): a two-queue
@@ -136,11 +129,12 @@ def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, scratch_ptr, MARGIN: tl
     # out_ptr is int64[CODE_WORDS]: [0] and [1] the lane pass's info (total bits, a symbol
     # without a code), bytes 16..271 the lengths (uint8[256]), [34] the pad symbol (the
     # first of the shortest codes); table_ptr gets the encode table (int16[256] =
-    # reversed code << 4 | length). The sequential parts (the merges, JPEG's adjustment)
-    # read single entries from scratch_ptr (int32[SCRATCH_WORDS], in L1) rather than
-    # reducing a register vector for each: a load is a fraction of a reduction's latency,
-    # and the merges are a chain of about a hundred of them.
-    LEAF: tl.constexpr = 0     # counts of the sorted leaves; later the leaves per depth (JPEG)
+    # reversed code << 4 | length). The merges, a chain of about a hundred, read single
+    # entries from scratch_ptr (int32[SCRATCH_WORDS], in L1) rather than reducing a register
+    # vector for each: a load is a fraction of a reduction's latency. JPEG's adjustment keeps
+    # its counts in registers: each of its steps writes four, and through scratch each write
+    # was a store, a barrier and a load before the next step could read.
+    LEAF: tl.constexpr = 0     # counts of the sorted leaves
     NODE: tl.constexpr = 256   # counts of the internal nodes, in the order they are made
     PLEAF: tl.constexpr = 512  # parent (internal node) of each sorted leaf
     ANC: tl.constexpr = 768    # parent of each internal node; then ancestors while depths are found
@@ -206,25 +200,23 @@ def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, scratch_ptr, MARGIN: tl
     if deepest <= MAX_LEN:
         tl.store(lens_ptr + sym, d_leaf.to(tl.uint8), mask=r < m)
     else:
-        # JPEG (T.81 Annex K.3) on the count of leaves per depth, then lengths by frequency
-        bits_ptr = scratch_ptr + LEAF
-        tl.store(bits_ptr + r, tl.histogram(d_leaf, 256, mask=r < m))
-        tl.debug_barrier()
+        # JPEG (T.81 Annex K.3) on the count of leaves per depth, then lengths by frequency. The
+        # counts stay in registers: each step changes four of them (vector selects, no chain of
+        # stores, barriers and loads through scratch) and reads two (reductions)
+        bits = tl.histogram(d_leaf, 256, mask=r < m)
         for ii2 in range(0, deepest - MAX_LEN):
             i = deepest - ii2
-            while tl.load(bits_ptr + i) > 0:
-                j = i - 2
-                while tl.load(bits_ptr + j) == 0:
-                    j -= 1
-                _add_at(bits_ptr, i, -2)
-                _add_at(bits_ptr, i - 1, 1)
-                _add_at(bits_ptr, j + 1, 2)
-                _add_at(bits_ptr, j, -1)
+            left = _at(bits, i, r)
+            while left > 0:  # two leaves of depth i at a time; nothing below touches bits[i]
+                j = tl.max(tl.where((r <= i - 2) & (bits != 0), r, -1), axis=0)  # the deepest level above i - 1 with leaves
+                bits += tl.where(r == i, -2, 0) + tl.where(r == i - 1, 1, 0) + tl.where(r == j + 1, 2, 0) \
+                    + tl.where(r == j, -1, 0)
+                left -= 2
         by_freq = tl.sort(tl.where(used, ((((1 << 22) - cnt) << 8) | r), 1 << 30))  # count down, symbol up
         ln = tl.zeros([256], tl.int32)
         below = tl.zeros([], tl.int32)
         for b in range(1, MAX_LEN + 1):
-            nb = tl.load(bits_ptr + b)
+            nb = _at(bits, b, r)
             ln = tl.where((r >= below) & (r < below + nb), b, ln)
             below += nb
         tl.store(lens_ptr + (by_freq & 255).to(tl.int32), ln.to(tl.uint8), mask=r < m)
