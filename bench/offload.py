@@ -134,6 +134,7 @@ def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: t
         if t.planner is not None:
             pl, p = t.planner, t.planner.plan
             r.update(plan={"offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed),
+                           "compressed": p.compressed,
                            "predicted_peak_GiB": round(p.predicted_peak / GiB, 3),
                            "predicted_cost_ms": p.predicted_cost_ms, "fits": p.fits, "settled": pl.settled,
                            "target_GiB": pl.target and round(pl.target / GiB, 3),
@@ -228,6 +229,10 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
                              for f in (0.25, 0.5, 0.75, 1.0)]
                 if m in ("budgets", "budget-fit"):
                     plan.append(("storm-budget-fit", "storm", base_opts))
+                if m in ("plan", "plan-raw"):  # storm.plan at --budget; plan-raw: frames not allowed
+                    opts = {k: base_opts[k] for k in ("mode", "min_bytes", "pool_size")}
+                    plan.append((f"storm-{m}", "plan", {**opts, "budget": plan_budget(args.budget)}
+                                 | ({"codec": "raw"} if m == "plan-raw" else {})))
             if "spill" in args.methods:
                 plan.append(("storm-daemon-spill", "storm", {**base_opts, "mode": "daemon"}))
             with progress(len(plan), w.name) as advance:
@@ -340,12 +345,23 @@ def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
     return results
 
 
+def plan_budget(budget: str | None) -> float | str:
+    """--budget for storm.plan: a fraction of a step's offloadable bytes ("0.3") or bytes ("6GiB")."""
+    if budget is None:
+        raise SystemExit("the plan methods need --budget (a fraction such as 0.3, or bytes such as 6GiB)")
+    try:
+        return float(budget)
+    except ValueError:
+        return budget
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", nargs="+", default=["W1", "W2"])
     p.add_argument("--methods", nargs="+", default=None,
                    help="timings: none checkpoint save_on_cpu embedded embedded-lowmem daemon budgets (the "
-                        "default), daemon-client-copies, embedded-frames, daemon-frames, budget-fit, spill; "
+                        "default), daemon-client-copies, embedded-frames, daemon-frames, budget-fit, spill, "
+                        "plan and plan-raw (storm.plan at --budget; plan-raw without frames); "
                         "--check: embedded daemon embedded-frames daemon-frames (the default), embedded-budget, "
                         "daemon-budget (with --budget in bytes)")
     p.add_argument("--steps", type=int, default=10)

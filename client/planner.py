@@ -1,5 +1,6 @@
 """``storm.plan``: keep saved activations under a GPU-memory budget at the least step time,
-choosing per block of the model: keep on the device, offload, or recompute in backward.
+choosing per block of the model: keep on the device, offload, or recompute in backward, and
+whether offloaded tensors go raw or compressed (frames).
 
     plan = storm.plan(model.blocks, budget="1GiB")  # or a fraction of a step's activation bytes
     plan = storm.plan(model.blocks, peak="6GiB")    # or: the step's peak above its start (CUDA)
@@ -9,24 +10,35 @@ choosing per block of the model: keep on the device, offload, or recompute in ba
         loss.backward()
     print(plan.explain())
 
-Trace. The first step offloads everything and records per block the bytes it saves
+Trace. The first step offloads everything, raw, and records per block the bytes it saves
 (what offloading or recomputing it removes from the device), how many tensors (each
 offloaded one costs host time, measured in the same step: the median block's, as a
-process's first offload also sets up the pinned pool) and its input's bytes (what
+process's first offload also sets up the pinned pool), which of them a frame codec would
+put in frames (CUDA bf16 storages of at least FRAME_MIN_BYTES, as transfer.Mover.put
+decides) with their bytes and their frames' bytes, and its input's bytes (what
 recomputing keeps). The second recomputes every block and offloads nothing, and records
 each block's forward time (what recomputing it costs), with events on the compute stream
 on CUDA, so a launch-bound model's host time counts as it does in training. Both are the
-least-memory steps of their kind. Pinned copy bandwidth each way is measured once.
+least-memory steps of their kind. Pinned copy bandwidth each way is measured once per
+trace, and, when some tensor would be framed, the training thread's time to encode and
+decode one frame (the median of a few on a FRAME_MIN_BYTES bf16 tensor).
 
 Plan. Offloading takes the earliest saves, which backward needs last: the first k
 blocks. It costs host time per tensor beyond what the compute stream's lag hides, and
 link time: forward stalls while more than the copy queue (one block, or everything sent)
 waits for the link during the first k blocks; what is still on the device when forward
 ends goes out during backward, and everything comes back during backward (about twice
-forward). Recomputing block i costs its forward time. For each k and queue size the other
-blocks are recomputed, cheapest time per byte first, until the predicted peak fits. The
-predicted peak is the largest of backward's start (kept blocks, inputs of recomputed ones,
-offloaded bytes still on the device, the prefetch window) and each block's backward (what
+forward). Offloading compressed (storm.offload codec "ancf_exp") is considered beside raw
+whenever some offloaded tensor would be framed: the link then carries the frames instead
+of those tensors, which is the same model at a bandwidth scaled by raw bytes over carried
+bytes, and each framed tensor adds its measured encode and decode time to the host's.
+A codec given in the storm.offload options is kept: a frame codec allows compressed plans
+only, another raw ones only. Recomputing block i costs its forward time. For each k, queue
+size and raw or compressed, the other blocks are recomputed, cheapest time per byte first,
+until the predicted peak fits. The predicted peak is the largest of backward's start (kept
+blocks, inputs of recomputed ones, offloaded bytes still on the device, the prefetch
+window, and for compressed plans the largest offloaded block's frames, which the host
+holds while it encodes or decodes) and each block's backward (what
 the blocks before it keep and its own saves, kept, rebuilt or fetched; with ``peak``, also
 the parameter gradients backward has allocated by then, traced as those that were None
 before the step). The fitting plan of least predicted cost wins; when none fits, the one
@@ -43,7 +55,6 @@ Over it, what the step took beyond its prediction becomes a margin that plans of
 kind (offloading, or not) must leave, and the next step plans again, up to three times.
 Those steps reset the device's peak-memory statistics (torch.cuda.reset_peak_memory_stats);
 ``settled`` says when no more will.
-Offloaded CUDA tensors go raw: compression is not in the CUDA copy path yet.
 """
 
 from __future__ import annotations
@@ -59,9 +70,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
 from stormd.config import parse_size
 
 from .hooks import Offload, parse_budget
+from .transfer import FRAME_CODECS, FRAME_MIN_BYTES, frameable
 
 log = logging.getLogger("storm")
 
@@ -78,6 +91,9 @@ class BlockTrace:
     input_bytes: int = 0     # tensors it was called with: what recomputing it keeps
     forward_ms: float = 0.0  # what recomputing it costs
     grad_bytes: int = 0      # parameter gradients its backward allocates (none where they outlive the step)
+    framed: int = 0          # of its storages, how many a frame codec puts in frames
+    framed_bytes: int = 0    # their bytes
+    frame_bytes: int = 0     # and their frames': what the link carries for them when compressed
 
 
 @dataclasses.dataclass
@@ -89,6 +105,7 @@ class Trace:
     after_bytes: int = 0            # and after the last (e.g. the loss)
     offloaded_before: list[int] = dataclasses.field(default_factory=list)  # bytes offloaded when block i started
     host_ms_per_tensor: float = 0.0  # pack + unpack on the training thread, per offloaded tensor
+    frame_host_ms_per_tensor: float = 0.0  # and what encoding and decoding its frame adds, per framed tensor
     forward_host_ms: float = 0.0     # forward of the blocks, on the host, nothing offloaded
     forward_device_ms: float = 0.0   # and on the compute stream
     d2h_GBps: float = 0.0
@@ -109,7 +126,8 @@ class Plan:
     predicted_peak: int            # saved bytes (with gradients, when choose() counted them) at the peak
     predicted_cost_ms: float       # step time over no offload
     fits: bool
-    in_flight_bytes: int = 0       # offloaded bytes the peak counts as still on the device
+    in_flight_bytes: int = 0       # offloaded bytes (and frames) the peak counts as still on the device
+    compressed: bool = False       # offloaded tensors go in frames where they can (codec "ancf_exp")
 
 
 def kept_bytes(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int]) -> list[int]:
@@ -141,24 +159,42 @@ def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozense
 
 @dataclasses.dataclass(frozen=True)
 class _Offloading:
-    """What offloading blocks[:k] with a copy queue of ``held`` bytes costs and leaves on the device."""
+    """What offloading blocks[:k] (raw or compressed) with a copy queue of ``held`` bytes costs and
+    leaves on the device."""
 
     sent: int
     held: int
-    cost_ms: float
-    leftover: int  # offloaded bytes still on the device when forward ends
+    host_ms: float
+    link_ms: float
+    leftover: int      # offloaded bytes still on the device when forward ends
+    frames: int = 0    # frame buffers the peak counts beside them
+    compressed: bool = False
+
+    @property
+    def cost_ms(self) -> float:
+        return self.host_ms + self.link_ms
 
     @staticmethod
-    def of(trace: Trace, k: int, held: int | None) -> list["_Offloading"]:
+    def of(trace: Trace, k: int, held: int | None, compressed: bool = False) -> list["_Offloading"]:
         """Per copy queue size to consider (``held``, or: one block, and everything sent)."""
         blocks, n = trace.blocks, len(trace.blocks)
         sent = trace.before_bytes * (k > 0) + sum(b.saved_bytes for b in blocks[:k]) + trace.after_bytes * (k == n)
         if not sent:
-            return [_Offloading(0, 0, 0.0, 0)]
-        d2h, h2d = trace.d2h_GBps * 1e6, trace.h2d_GBps * 1e6  # bytes per ms
+            return [_Offloading(0, 0, 0.0, 0.0, 0)]
+        offloaded = blocks[:k] if compressed else []
+        # the link carries frames instead of the framed tensors: the same model, in raw bytes
+        # (what the copy queue and the device hold) per ms of link. The saves before and after
+        # the blocks (embeddings, the loss: few tensors) are counted raw.
+        carried = sent - sum(b.framed_bytes - b.frame_bytes for b in offloaded)
+        d2h, h2d = (g * 1e6 * sent / carried for g in (trace.d2h_GBps, trace.h2d_GBps))  # raw bytes per ms
         fwd_ms = sum(b.forward_ms for b in blocks)
         slack_ms = max(0.0, trace.forward_device_ms - trace.forward_host_ms)  # host time the GPU hides
-        host_ms = max(0.0, sum(b.tensors for b in blocks[:k]) * trace.host_ms_per_tensor - 2 * slack_ms)
+        host_ms = max(0.0, sum(b.tensors for b in blocks[:k]) * trace.host_ms_per_tensor
+                      + sum(b.framed for b in offloaded) * trace.frame_host_ms_per_tensor - 2 * slack_ms)
+        # a frame being encoded or decoded sits beside its tensor. Kept simple: the largest block's
+        # frames, an upper bound (the caching allocator counts a frame only until the host has
+        # queued its copy or decoding and let go of it)
+        frames = max((b.frame_bytes for b in offloaded), default=0)
         out = []
         for h in ([held] if held is not None else sorted({min(sent, max(b.saved_bytes for b in blocks[:k])), sent})):
             # forward waits while more than `h` bytes wait for the link, until the first k blocks are done
@@ -166,12 +202,12 @@ class _Offloading:
             leftover = int(max(0.0, min(h, sent - d2h * (fwd_ms + stall))))
             # what forward did not carry, and all of it back, during backward (about twice forward)
             link = stall + max(0.0, leftover / d2h + sent / h2d - 2 * fwd_ms)
-            out.append(_Offloading(sent, h, host_ms + link, leftover))
+            out.append(_Offloading(sent, h, host_ms, link, leftover, frames, compressed))
         return out
 
 
 def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_bytes: int | None = None,
-           offload_margin: int = 0, grads: bool = False) -> Plan:
+           offload_margin: int = 0, grads: bool = False, codec: str | None = None) -> Plan:
     """The plan of least predicted cost whose predicted peak (of saves, and with ``grads`` of
     parameter gradients too) is at most ``budget`` bytes, less
     ``offload_margin`` for plans that offload (what such plans were measured to take beyond
@@ -179,14 +215,21 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     user's storm.offload options when given, else the plan picks them: a copy queue of one
     block or of everything offloaded; a prefetch window of one block when no kept block
     follows the offloaded ones, else none (prefetch then runs as far ahead as the room the
-    planner's hooks report as backward reaches each block)."""
+    planner's hooks report as backward reaches each block). Offloaded tensors go raw or
+    compressed, whichever costs less (raw on ties); ``codec``, the user's storm.offload option
+    when given, allows only the one it means (compressed for a frame codec)."""
     blocks, n = trace.blocks, len(trace.blocks)
     best: Plan | None = None
     lowest: Plan | None = None
     lowest_over = 0  # its predicted peak, margin included, over the budget
+    allowed = (False, True) if codec is None else (codec in FRAME_CODECS,)
     for k in range(n + 1):
         block = max((b.saved_bytes for b in blocks[:k]), default=0)
-        for off in _Offloading.of(trace, k, held_bytes):
+        # compressed where allowed and the link would carry fewer bytes (else it is raw by another name)
+        frameable = any(b.frame_bytes < b.framed_bytes for b in blocks[:k])
+        offloading = [off for compressed in sorted({c and frameable for c in allowed})
+                      for off in _Offloading.of(trace, k, held_bytes, compressed)]
+        for off in offloading:
             room = budget - (offload_margin if off.sent else 0)
             if prefetch_bytes is not None or not off.sent:
                 window = prefetch_bytes if off.sent else 0  # nothing offloaded: nothing to fetch
@@ -198,7 +241,8 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
                     window = block
                     recomputed, peak, cost = _recompute_until(trace, k, room, off, block, grads)
             plan = Plan(k, frozenset(recomputed), None if k == n else (trace.offloaded_before[k] if k else 0),
-                        off.held, window, peak, round(cost, 3), peak <= room, off.leftover + window)
+                        off.held, window, peak, round(cost, 3), peak <= room, off.leftover + off.frames + window,
+                        off.compressed)
             if plan.fits and (best is None or plan.predicted_cost_ms < best.predicted_cost_ms):
                 best = plan
             if lowest is None or peak - room < lowest_over:
@@ -213,7 +257,7 @@ def _recompute_until(trace: Trace, k: int, budget: int, off: _Offloading, window
     blocks on ties: what they keep is held through more of backward), until the predicted peak
     fits; with the peak and cost reached."""
     blocks = trace.blocks
-    in_flight = off.leftover + window
+    in_flight = off.leftover + off.frames + window
     recomputed: set[int] = set()
     peak, cost = predicted_peak(trace, k, recomputed, in_flight, grads), off.cost_ms
     for i in sorted(range(k, len(blocks)),
@@ -290,8 +334,12 @@ class Planner:
         if self._phase == "trace-compute":
             return self._trace_compute()
         p = self.plan
-        ctx = Offload(**{"max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes, **self._options},
-                      budget=p.offload_budget)
+        # where frames were weighed, the plan says which (a daemon's codec setting could frame a raw
+        # plan's tensors); a codec of the user's comes first, as choose() knew
+        framing = p.compressed or any(b.framed for b in self.trace.blocks)
+        codec = {"codec": "ancf_exp" if p.compressed else "raw"} if framing else {}
+        ctx = Offload(**{"max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes, **codec,
+                         **self._options}, budget=p.offload_budget)
         self._ctx = ctx
         if self._checking:
             self._measure_this_step()
@@ -323,27 +371,28 @@ class Planner:
             pending()
 
     def _trace_offload(self) -> Offload:
-        """Everything offloaded: bytes and tensors per block, host time per tensor."""
+        """Everything offloaded, raw: bytes, tensors and those a frame codec would frame per block,
+        host time per tensor (raw: what frames add is measured apart)."""
         self._recompute(set())
-        ctx = Offload(**self._options)
+        ctx = Offload(**{**self._options, "codec": "raw"})
         n = len(self.blocks)
-        marks: list[tuple[int, int, float]] = []  # (bytes, tensors, pack s) offloaded when each block started and ended
+        # (bytes, tensors, pack s, storages) offloaded when each block started and ended
+        marks: list[tuple[int, int, float, int]] = []
         inputs, grads = [0] * n, [0] * n
 
-        def pre(i: int, m: nn.Module, args: Any) -> None:
+        def mark() -> None:  # the step's storages, in saving order, say which a frame codec would frame
             st = ctx.stats
-            marks.append((st.offloaded_bytes, st.offloaded, st.pack_s))
+            marks.append((st.offloaded_bytes, st.offloaded, st.pack_s, len(ctx._step.order)))
+
+        def pre(i: int, m: nn.Module, args: Any) -> None:
+            mark()
             inputs[i] = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
             # gradients already there (not set to None between steps) are not allocated by the step
             grads[i] = sum(q.numel() * q.element_size() for q in m.parameters() if q.requires_grad and q.grad is None)
             if i == 0:
                 self._signature = _signature(args)
 
-        def post(i: int, m: nn.Module, args: Any, out: Any) -> None:
-            st = ctx.stats
-            marks.append((st.offloaded_bytes, st.offloaded, st.pack_s))
-
-        self._hook_blocks(pre, post)
+        self._hook_blocks(pre, lambda i, m, args, out: mark())
 
         def collect() -> None:
             self._unhook()
@@ -351,14 +400,22 @@ class Planner:
             if len(marks) != 2 * n:
                 log.warning("storm.plan: the traced step did not run every block once; tracing again")
                 return
-            blocks = [BlockTrace(marks[2 * i + 1][0] - marks[2 * i][0], marks[2 * i + 1][1] - marks[2 * i][1],
-                                 inputs[i], grad_bytes=grads[i]) for i in range(n)]
-            d2h, h2d = link_bandwidth(_device_of(self.blocks))
+            blocks = []
+            for i in range(n):
+                (bytes0, tensors0, _, s0), (bytes1, tensors1, _, s1) = marks[2 * i], marks[2 * i + 1]
+                framed, framed_bytes, frame_bytes = frames_of(ctx._step.order[s0:s1])
+                blocks.append(BlockTrace(bytes1 - bytes0, tensors1 - tensors0, inputs[i], grad_bytes=grads[i],
+                                         framed=framed, framed_bytes=framed_bytes, frame_bytes=frame_bytes))
+            device = _device_of(self.blocks)
+            d2h, h2d = link_bandwidth(device)
+            # frames are timed only where some tensor would be framed: their kernels compile at first use
+            frame_ms = frame_host_ms(device) if any(b.framed for b in blocks) else 0.0
             # the median block's: the first offload of a process also sets up the pinned pool
             per_tensor = [(marks[2 * i + 1][2] - marks[2 * i][2]) / b.tensors for i, b in enumerate(blocks) if b.tensors]
             host_s = statistics.median(per_tensor) if per_tensor else st.pack_s / max(1, st.offloaded)
             self.trace = Trace(blocks, marks[0][0], st.offloaded_bytes - marks[-1][0],
-                               [marks[2 * i][0] for i in range(n)], 2e3 * host_s, d2h_GBps=d2h, h2d_GBps=h2d)
+                               [marks[2 * i][0] for i in range(n)], 2e3 * host_s, frame_ms, d2h_GBps=d2h,
+                               h2d_GBps=h2d)
             self._phase = "trace-compute"
 
         self._pending = collect
@@ -431,7 +488,7 @@ class Planner:
         budget = self._saved_budget() - self._margins[False]
         self.plan = choose(self.trace, budget, self._options.get("max_held_bytes"),
                            self._options.get("prefetch_bytes"), self._margins[True] - self._margins[False],
-                           grads=self._peak is not None)
+                           grads=self._peak is not None, codec=self._options.get("codec"))
         if not self.plan.fits:
             log.warning("storm.plan: no plan keeps the %s under %.1f MiB; the lowest predicted is %.1f MiB",
                         "saved activations" if self._peak is None else "saves and gradients, from peak=,",
@@ -568,6 +625,7 @@ class Planner:
                      f"({'offload' if p.offloaded == len(t.blocks) else 'keep'})")
         lines.append(f"copy queue {p.max_held_bytes / MiB:.1f} MiB, prefetch window {p.prefetch_bytes / MiB:.1f} MiB"
                      + (" (given)" if {"max_held_bytes", "prefetch_bytes"} & self._options.keys() else ""))
+        lines.append(self._explain_codec())
         lines.append(f"predicted: {p.predicted_peak / MiB:.1f} MiB saved on the device at the peak "
                      f"({'fits' if p.fits else 'does NOT fit'}), {p.predicted_cost_ms:.2f} ms over no offload; "
                      f"re-planned {self.replans} times")
@@ -578,6 +636,24 @@ class Planner:
                          f"MiB, plus {self._margins[True] / MiB:.1f} MiB for plans that offload, after "
                          f"{self._checks} measured steps")
         return "\n".join(lines)
+
+    def _explain_codec(self) -> str:
+        """Whether offloaded tensors go raw or compressed, and the predicted times that chose it."""
+        t, p = self.trace, self.plan
+        if not p.offloaded:
+            return "nothing offloaded: no codec"
+        offloaded, given = t.blocks[:p.offloaded], " (codec given)" if "codec" in self._options else ""
+        framed_bytes, frame_bytes = sum(b.framed_bytes for b in offloaded), sum(b.frame_bytes for b in offloaded)
+        if frame_bytes >= framed_bytes:
+            return (f"offloaded tensors go raw{given}: none would be framed (frames are for CUDA bf16 tensors of "
+                    f"at least {FRAME_MIN_BYTES / MiB:g} MiB)")
+        raw, compressed = (_Offloading.of(t, p.offloaded, p.max_held_bytes, c)[0] for c in (False, True))
+        framed = sum(b.framed for b in offloaded)
+        return (f"offloaded tensors go {'compressed' if p.compressed else 'raw'}{given}: predicted link "
+                f"{compressed.link_ms:.2f} ms compressed against {raw.link_ms:.2f} ms raw ({framed_bytes / MiB:.1f} "
+                f"MiB in {framed} tensors would cross as {frame_bytes / MiB:.1f} MiB of frames), host "
+                f"{compressed.host_ms - raw.host_ms:+.2f} ms ({t.frame_host_ms_per_tensor * 1e3:.0f} us per frame, "
+                f"less what the compute stream hides)")
 
 
 class _Clock:
@@ -639,6 +715,34 @@ def link_bandwidth(device: torch.device, nbytes: int = 256 * MiB) -> tuple[float
         end.synchronize()
         out.append(3 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
     return out[0], out[1]
+
+
+def frames_of(saves: Iterable[Any]) -> tuple[int, int, int]:
+    """Of these offloaded storages (session.Stored: device, dtype, nbytes), how many a frame codec
+    puts in frames (transfer.frameable, as the mover decides), their bytes, and their frames' bytes."""
+    framed = [s.nbytes for s in saves if frameable(s.device.type, str(s.dtype).removeprefix("torch."), s.nbytes)]
+    return len(framed), sum(framed), sum(frame_nbytes(b // 2) for b in framed)
+
+
+def frame_host_ms(device: torch.device, repeats: int = 5) -> float:
+    """Training-thread ms that a frame adds to a tensor's offload and fetch, measured now: the
+    host side of encoding and decoding one FRAME_MIN_BYTES bf16 tensor (buffers and kernel
+    launches; the device's work runs on the mover's codec streams), the median of ``repeats``.
+    0 off CUDA, where nothing is framed."""
+    if device.type != "cuda":
+        return 0.0
+    n = FRAME_MIN_BYTES // 2
+    t = torch.randn(n, dtype=torch.bfloat16, device=device)
+    times = []
+    for _ in range(repeats + 1):  # the first also compiles the kernels
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        frame = torch.empty(frame_nbytes(n), dtype=torch.uint8, device=device)
+        encode_frame(t, frame)
+        decode_frame(frame, n)
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize(device)
+    return statistics.median(times[1:]) * 1e3
 
 
 def _device_of(blocks: list[nn.Module]) -> torch.device:

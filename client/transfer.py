@@ -59,6 +59,12 @@ FRAME_CODECS = ("auto", "ancf_exp")  # codec settings that put CUDA tensors in f
 log = logging.getLogger("storm")
 
 
+def frameable(device_type: str, dtype: str, nbytes: int) -> bool:
+    """Whether a frame codec puts a storage of this device type, saved view dtype (its name, as in
+    a PUT's meta) and size in a frame: CUDA bf16 of at least FRAME_MIN_BYTES, whole 16-bit words."""
+    return device_type == "cuda" and dtype == "bfloat16" and nbytes >= FRAME_MIN_BYTES and nbytes % 2 == 0
+
+
 def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole of ``storage`` (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -171,8 +177,8 @@ class Mover:
         if self.codec != "raw" and req.encode and not req.source.is_cuda:  # the PUT needs the encoded size
             return Transfer(self._worker.submit(self._put_encoded, req, self.codec))
         nbytes = req.source.nbytes()
-        framed = (req.source.is_cuda and req.encode and self.codec in FRAME_CODECS
-                  and req.meta["dtype"] == "bfloat16" and nbytes >= FRAME_MIN_BYTES and nbytes % 2 == 0)
+        framed = req.encode and self.codec in FRAME_CODECS and frameable(req.source.device.type, req.meta["dtype"],
+                                                                         nbytes)
         fields = ({"nbytes": frame_nbytes(nbytes // 2), "raw_nbytes": nbytes, "codec": FRAME_CODEC} if framed
                   else {"nbytes": nbytes, "codec": "raw"})
         # Frames are copied here even where stormd could copy them: through stormd, W2 with frames

@@ -6,13 +6,15 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import storm
 from storm.examples.models import GPT, same_bits
-from storm.planner import BlockTrace, Trace, _Offloading, choose, predicted_peak
+from storm.kernels.frame import frame_nbytes
+from storm.planner import BlockTrace, Trace, _Offloading, choose, frames_of, predicted_peak
 
 MiB = 1 << 20
 
@@ -109,6 +111,69 @@ def test_an_unreachable_budget_gets_the_least_peak_plan_and_says_so():
     every = set(range(len(t.blocks)))
     assert p.predicted_peak <= predicted_peak(t, 0, every, 0)  # no worse than recomputing all
     assert p.predicted_peak <= min(o.leftover for o in _Offloading.of(t, len(t.blocks), None)) + 100 * MiB
+
+
+# --- raw or compressed (frames) ----------------------------------------------
+
+def framed(t: Trace, per_block: int, frame_ms: float, saved_by_frames: int | None = None) -> Trace:
+    """Every block's tensors are CUDA bf16 ones a frame codec frames (``per_block`` of equal size),
+    each adding ``frame_ms`` of host time; their frames save ``saved_by_frames`` bytes per block
+    over the link (what real frames save, when None)."""
+    for b in t.blocks:
+        b.framed, b.framed_bytes = per_block, b.saved_bytes
+        b.frame_bytes = (per_block * frame_nbytes(b.saved_bytes // per_block // 2) if saved_by_frames is None
+                         else b.saved_bytes - saved_by_frames)
+    t.frame_host_ms_per_tensor = frame_ms
+    return t
+
+
+def test_the_mover_frames_cuda_bf16_storages_of_at_least_4_mib():
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    saves = [SimpleNamespace(device=d, dtype=t, nbytes=n) for d, t, n in [
+        (cuda, bf16, 4 * MiB), (cuda, bf16, 64 * MiB),                        # framed
+        (cuda, bf16, 4 * MiB - 2), (cuda, torch.float16, 8 * MiB), (cuda, torch.float32, 8 * MiB),
+        (cpu, bf16, 8 * MiB)]]
+    assert frames_of(saves) == (2, 68 * MiB, frame_nbytes(2 * MiB) + frame_nbytes(32 * MiB))
+    assert frames_of([]) == (0, 0, 0)
+
+
+def test_a_link_bound_step_offloads_compressed():
+    # 100 MiB per 1 ms block over 50 GB/s, host time hidden by the GPU: the link decides
+    t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
+    t.forward_device_ms = t.forward_host_ms + 50
+    budget = 300 * MiB
+    p, raw = choose(t, budget), choose(t, budget, codec="raw")
+    assert p.compressed and p.fits and p.offloaded > 0
+    assert raw.fits and raw.offloaded > 0 and not raw.compressed
+    assert p.predicted_cost_ms < raw.predicted_cost_ms
+    assert choose(t, budget, codec="ancf_exp") == p  # the user's frame codec: the same choice, made alone
+    off_raw, off_compressed = (_Offloading.of(t, p.offloaded, p.max_held_bytes, c)[0] for c in (False, True))
+    assert off_compressed.link_ms < off_raw.link_ms
+    # the peak counts one block's frames beside what is in flight
+    assert off_compressed.frames == t.blocks[0].frame_bytes and off_raw.frames == 0
+    assert p.in_flight_bytes >= off_compressed.frames
+
+
+def test_a_host_bound_step_offloads_raw():
+    # 200 tensors a block, frames that save 1 MiB of its 100 and cost 150 us each, nothing hidden
+    t = framed(trace(inputs=60 * MiB, host_ms=0.02, tensors=200), per_block=200, frame_ms=0.15,
+               saved_by_frames=MiB)
+    budget = 300 * MiB
+    p = choose(t, budget)
+    assert p.fits and p.offloaded > 0 and not p.compressed
+    forced = choose(t, budget, codec="ancf_exp")  # the user's frame codec is respected, at its cost
+    assert forced.compressed and forced.predicted_cost_ms > p.predicted_cost_ms
+    off_raw, off_compressed = (_Offloading.of(t, forced.offloaded, forced.max_held_bytes, c)[0] for c in (False, True))
+    assert off_compressed.host_ms - off_raw.host_ms == pytest.approx(forced.offloaded * 200 * 0.15)
+
+
+@pytest.mark.parametrize("codec", [None, "ancf_exp", "auto"])
+def test_nothing_frameable_is_never_compressed(codec):
+    t = trace(inputs=60 * MiB, gbps=1.0)  # a slow link: frames would pay, if anything could be framed
+    t.frame_host_ms_per_tensor = 0.0
+    for budget in (0, 150 * MiB, 300 * MiB, 600 * MiB, t.total_bytes):
+        p = choose(t, budget, codec=codec)
+        assert not p.compressed and p == choose(t, budget, codec="raw")
 
 
 # --- the planner on a real model ---------------------------------------------
@@ -222,14 +287,66 @@ def test_a_block_with_its_own_forward_attribute_is_refused_clearly():
         planner.step()
 
 
-def fix_plan(monkeypatch, offloaded: int, recomputed: set[int]) -> None:
+def test_cpu_blocks_are_planned_raw_and_explained():
+    model, idx = gpt()
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
+    codecs = []
+    for _ in range(4):
+        ctx = planner.step()
+        codecs.append(ctx._options["codec"])
+        grads_of(model, idx, ctx)
+    t, p = planner.trace, planner.plan
+    assert codecs == ["raw", None, None, None]  # the offload trace raw, then no frame codec passed
+    assert all(b.framed == b.framed_bytes == b.frame_bytes == 0 for b in t.blocks)  # CPU: nothing framed
+    assert t.frame_host_ms_per_tensor == 0.0 and not p.compressed
+    # whether offloading or recomputing wins depends on this machine's speed; either way, no frames
+    assert ("offloaded tensors go raw: none would be framed" if p.offloaded else "nothing offloaded") \
+        in planner.explain()
+    planner.close()
+
+
+def test_the_offload_trace_reads_each_blocks_own_storages(monkeypatch):
+    """What a frame codec would frame is read from the storages each block offloaded: here, as
+    if it framed every one."""
+    from storm import planner as planner_module
+
+    def every(saves):
+        saves = list(saves)
+        return len(saves), sum(s.nbytes for s in saves), 0
+
+    monkeypatch.setattr(planner_module, "frames_of", every)
+    model, idx = gpt()
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
+    grads_of(model, idx, planner.step())
+    planner.step()  # reads the offload trace
+    assert all(b.framed == b.tensors > 0 and b.framed_bytes == b.saved_bytes for b in planner.trace.blocks)
+    planner.close()
+
+
+@pytest.mark.parametrize("hidden_ms, choice", [(50.0, "compressed"), (0.0, "raw")])
+def test_explain_says_raw_or_compressed_and_why(hidden_ms, choice):
+    model, _ = gpt()
+    planner = storm.plan(model.blocks, budget=300 * MiB, mode="embedded")
+    t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
+    t.forward_device_ms = t.forward_host_ms + hidden_ms  # unhidden, frames' host time outweighs their link time
+    planner.trace, planner.plan = t, choose(t, 300 * MiB)
+    raw, compressed = (_Offloading.of(t, planner.plan.offloaded, planner.plan.max_held_bytes, c)[0]
+                       for c in (False, True))
+    text = planner.explain()
+    assert f"offloaded tensors go {choice}: predicted link {compressed.link_ms:.2f} ms compressed against " \
+           f"{raw.link_ms:.2f} ms raw" in text
+    assert f"host {compressed.host_ms - raw.host_ms:+.2f} ms (100 us per frame" in text
+    planner.close()
+
+
+def fix_plan(monkeypatch, offloaded: int, recomputed: set[int], compressed: bool = False) -> None:
     """The planner chooses this plan, whatever it measured. Its predicted peak is far above the
     step, so backward has room to fetch everything ahead as soon as it starts."""
     from storm import planner as planner_module
 
-    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False):
+    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None):
         return planner_module.Plan(offloaded, frozenset(recomputed), trace.offloaded_before[offloaded], 1 << 30, 0,
-                                   1 << 40, 0.0, True)
+                                   1 << 40, 0.0, True, compressed=compressed)
 
     monkeypatch.setattr(planner_module, "choose", fixed)
 
@@ -252,6 +369,36 @@ def test_a_given_plan_is_applied_and_backward_progress_drives_prefetch(monkeypat
     st = ctx.stats
     assert st.offloaded_bytes == t.before_bytes + t.blocks[0].saved_bytes + t.blocks[1].saved_bytes
     assert st.fetched == st.offloaded and st.prefetch_hits == st.offloaded
+    planner.close()
+
+
+@pytest.mark.parametrize("given, passed", [({}, "ancf_exp"), ({"codec": "raw"}, "raw")])
+def test_a_compressed_plan_offloads_with_a_frame_codec_unless_the_user_gave_one(monkeypatch, given, passed):
+    fix_plan(monkeypatch, 2, set(), compressed=True)
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0, **given)
+    for _ in range(3):
+        ctx = planner.step()
+        got = grads_of(model, idx, ctx)
+    assert ctx._options["codec"] == passed
+    assert all(same_bits(a, b) for a, b in zip(ref, got))
+    planner.close()
+
+
+def test_a_raw_plan_says_raw_where_frames_were_weighed(monkeypatch):
+    """Where the trace found tensors a frame codec would frame, a plan that chose raw says so, so
+    that a daemon whose codec setting frames CUDA tensors does not frame them behind its back."""
+    from storm import planner as planner_module
+
+    monkeypatch.setattr(planner_module, "frames_of", lambda saves: (1, 8 * MiB, 6 * MiB))
+    fix_plan(monkeypatch, 2, set(), compressed=False)
+    model, idx = gpt()
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
+    for _ in range(3):
+        ctx = planner.step()
+        grads_of(model, idx, ctx)
+    assert ctx._options["codec"] == "raw"
     planner.close()
 
 
@@ -341,7 +488,7 @@ def scripted_planner(monkeypatch, **kw):
     fixed: offload the first 2 blocks unless offloading plans carry a margin, then recompute 4."""
     from storm import planner as planner_module
 
-    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False):
+    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None):
         if offload_margin <= 0:
             return planner_module.Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0,
                                        predicted_peak(trace, 2, set(), 0), 0.0, True)
