@@ -423,6 +423,9 @@ class Planner:
 
     def _trace_compute(self) -> Offload:
         """Every block recomputed, nothing offloaded: forward time per block."""
+        # checkpoint's first call in a process imports torch._dynamo (about 1.4 s on a CPU here):
+        # import it now, or block 0 looks that much dearer to recompute
+        import torch._dynamo  # noqa: F401
         self._recompute(set(range(len(self.blocks))))
         device = _device_of(self.blocks)
         clock = _Clock(device)
