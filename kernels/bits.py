@@ -42,7 +42,7 @@ def bit_keys(t: torch.Tensor) -> torch.Tensor:
 
 def keys_to_tensor(keys: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """Inverse of ``bit_keys``."""
-    w = torch.empty((), dtype=dtype).element_size()
+    w = dtype.itemsize
     if w == 8:
         v = keys
     elif w == 1:
@@ -94,7 +94,7 @@ def merge_fields(sym: torch.Tensor, raw: torch.Tensor, dtype: torch.dtype, shape
         raw = raw.to(torch.int64)
         k = (raw & ((1 << mbits) - 1)) | (sym.to(torch.int64) << mbits) | ((raw >> mbits) << (mbits + ebits))
         return keys_to_tensor(k, dtype, shape)
-    w = torch.empty((), dtype=dtype).element_size()
+    w = dtype.itemsize
     rows = torch.cat([raw.reshape(-1, w - 1), sym.reshape(-1, 1)], dim=1) if w > 1 else sym.reshape(-1, 1)
     return rows.reshape(-1).view(dtype).reshape(shape)
 

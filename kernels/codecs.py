@@ -49,10 +49,6 @@ class CodecNotApplicable(ValueError):
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _elem_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _pos_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < 2**31 else torch.int64
 
@@ -62,7 +58,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _read(buf: torch.Tensor, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
-    size = _elem_size(dtype)
+    size = dtype.itemsize
     require(buf.numel() == count * size, f"{what}: {buf.numel()} bytes, expected {count * size}")
     return buf.contiguous().view(dtype) if count else torch.empty(0, dtype=dtype, device=buf.device)
 
@@ -364,7 +360,7 @@ def zero_encode(t: torch.Tensor) -> tuple[Meta, Buffers]:
 def zero_decode(e: Encoded) -> torch.Tensor:
     n = e.numel
     nnz = e.meta_int("nonzeros", 0, n)
-    itype = _INT_VIEW[_elem_size(e.dtype)]
+    itype = _INT_VIEW[e.dtype.itemsize]
     nz = unpack_bits(e.buffer("bitmap"), 1, n).to(torch.bool)
     vals = _read(e.buffer("values"), itype, nnz, "zero: values")
     require(int(nz.sum()) == nnz, "zero: bitmap population does not match the value count")
@@ -412,7 +408,7 @@ def pack_decode(e: Encoded) -> torch.Tensor:
     width = e.meta_int("width", 1, 2)
     tlen = e.meta_int("table_len", 0, 1 << width)
     require(n == 0 or tlen > 0, "pack: empty table for a non-empty tensor")
-    table = _read(e.buffer("table"), _INT_VIEW[_elem_size(e.dtype)], tlen, "pack: table")
+    table = _read(e.buffer("table"), _INT_VIEW[e.dtype.itemsize], tlen, "pack: table")
     codes = unpack_bits(e.buffer("codes"), width, n)
     require(n == 0 or int(codes.max()) < tlen, "pack: code beyond the table")
     out = table[codes] if n else table[:0]

@@ -66,7 +66,7 @@ class Encoded:
 
     @property
     def raw_nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     @property
     def payload_nbytes(self) -> int:

@@ -101,7 +101,7 @@ def _merge(sym_ptr, raw_ptr, out_ptr, n, W: tl.constexpr, BLOCK: tl.constexpr):
 def merge(sym: torch.Tensor, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Symbols and raw field bytes (layout of kernels.gpu.pack) joined: a flat tensor of ``dtype`` (bf16/int16/fp32)."""
     n = sym.numel()
-    w = torch.empty((), dtype=dtype).element_size()
+    w = dtype.itemsize
     out = torch.empty(n, dtype=torch.int16 if w == 2 else torch.int32, device=sym.device)
     if n:
         _merge[(cdiv(n, 4096),)](sym, raw, out, n, W=w, BLOCK=4096)
@@ -499,7 +499,7 @@ def _lane_decode(words_ptr, table_ptr, bits_ptr, out_ptr, info_ptr, raw_ptr, nwo
             e = tl.join(tl.join(_fp32_word(s0, p0, p1, p2, 0), _fp32_word(s2, p0, p1, p2, 16)),
                         tl.join(_fp32_word(s1, p0, p1, p2, 8), _fp32_word(s3, p0, p1, p2, 24))).reshape(LANES, 4)
             k4 = tl.arange(0, 4)
-            tl.store(out_ptr + base[:, None] + k4[None, :], e, mask=keep[:, None] & (k4[None, :] < 4))
+            tl.store(out_ptr + base[:, None] + k4[None, :], e, mask=keep[:, None])
     tl.atomic_max(info_ptr, tl.max(tl.where(live & ((bad != 0) | (pos != end)), 1, 0), axis=0).to(tl.int64))
     tl.store(info_ptr + 1 + tl.zeros_like(c), end, mask=c == lanes - 1)
 

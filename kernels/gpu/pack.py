@@ -225,13 +225,13 @@ def dict4_decode(codes: torch.Tensor, raw: torch.Tensor, tab16: torch.Tensor, n:
                  dtype: torch.dtype, pos: torch.Tensor, esc_sym: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """Decode, then patch the escapes; returns (words, [escape codes seen, codes beyond the table,
     bad escape positions]) read in one host wait."""
-    w = torch.empty((), dtype=dtype).element_size()
+    w = dtype.itemsize
     out = torch.empty(n, dtype=torch.int16 if w == 2 else torch.int32, device=codes.device)
     stat = torch.zeros(3, dtype=torch.int32, device=codes.device)
     _launch(_dict4_decode, n, codes, raw, tab16, out, stat, n, tlen, W=w, CHECK=True)
     if pos.numel():
         _dict4_patch[(cdiv(pos.numel(), 1024),)](out, codes, pos, esc_sym, stat, pos.numel(), pos.numel(), n,
-                                                         W=w, BLOCK=1024, FRAME=False)
+                                                 W=w, BLOCK=1024, FRAME=False)
     return out, stat.tolist()  # host waits: the counts are checked before the tensor is returned
 
 
@@ -314,4 +314,4 @@ def frame_decode(parts: dict[str, torch.Tensor], out: torch.Tensor) -> None:
     n, cap = out.numel(), parts["pos"].numel()
     _launch(_dict4_decode, n, parts["codes"], parts["raw"], parts["table"], out, out, n, 15, W=2, CHECK=False)
     _dict4_patch[(cdiv(cap, 1024),)](out, parts["codes"], parts["pos"], parts["sym"], out, parts["header"],
-                                             cap, n, W=2, BLOCK=1024, FRAME=True)
+                                     cap, n, W=2, BLOCK=1024, FRAME=True)
