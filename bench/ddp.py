@@ -68,6 +68,7 @@ def train(w: Workload, device: torch.device, steps: int, offload: dict | None,
     for step in range(steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(w.batch, w.seq, w.d, generator=g).to(device, model.blocks[0].ln1.weight.dtype)
+        start_together(device)
         t0 = time.perf_counter()
         if offload is None:
             y = ddp(x)
@@ -88,6 +89,15 @@ def train(w: Workload, device: torch.device, steps: int, offload: dict | None,
         opt.step()
         opt.zero_grad(set_to_none=True)
     return hashes, times, offloaded
+
+
+def start_together(device: torch.device) -> None:
+    """Every rank starts the step at once. Hashing last step's gradients (outside the timer) takes
+    ranks different times; without this, the first rank to finish waits for the others in DDP's
+    all-reduce inside its timed step, and the skew counts as step time."""
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def link_alone_and_together(device: torch.device) -> dict[str, list[float]]:
@@ -182,7 +192,10 @@ def main() -> int:
         # offload adds on top of that, against what it adds to one rank
         r["offload_cost_vs_single_rank"] = round(r["offload_cost"] / cost, 3)
     results = {"wrapper": a.wrapper, "single_rank": single, f"{a.nproc}_ranks": multi,
-               "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"}
+               "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
+               # without peer access NCCL's all-reduce goes through host memory, over the links offload uses
+               "peer_access": a.device == "cuda" and torch.cuda.device_count() > 1
+               and torch.cuda.can_device_access_peer(0, 1)}
     ok = all(r["identical_steps"] == r["steps"] and r["offloaded_tensors_per_step"] > 0
              for run in (single, multi) for r in run["ranks"])
     print(json.dumps(results, indent=1))
