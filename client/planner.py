@@ -21,7 +21,8 @@ each block's forward time (what recomputing it costs), with events on the comput
 on CUDA, so a launch-bound model's host time counts as it does in training. Both are the
 least-memory steps of their kind. Pinned copy bandwidth each way is measured once per
 trace, and, when some tensor would be framed, the training thread's time to encode and
-decode one frame (the median of a few on a FRAME_MIN_BYTES bf16 tensor).
+decode one frame (the median of a few on a FRAME_MIN_BYTES bf16 tensor) and the device's
+time to encode and decode a GiB (on a FRAME_DEVICE_BYTES one).
 
 Plan. Offloading takes the earliest saves, which backward needs last: the first k
 blocks. It costs host time per tensor beyond what the compute stream's lag hides, and
@@ -31,7 +32,10 @@ ends goes out during backward, and everything comes back during backward (about 
 forward). Offloading compressed (storm.offload codec "ancf_exp") is considered beside raw
 whenever some offloaded tensor would be framed: the link then carries the frames instead
 of those tensors, which is the same model at a bandwidth scaled by raw bytes over carried
-bytes, and each framed tensor adds its measured encode and decode time to the host's.
+bytes; each framed tensor adds its measured encode and decode time to the host's, and its
+bytes the codec's device time, in full: its kernels share the GPU with the step's (a
+GPU-bound step, W2 on the lent H100, ran 10 ms slower compressed than raw where a model
+without it predicted 6 ms faster).
 A codec given in the storm.offload options is kept: a frame codec allows compressed plans
 only, another raw ones only. Recomputing block i costs its forward time. For each k, queue
 size and raw or compressed, the other blocks are recomputed, cheapest time per byte first,
@@ -79,6 +83,8 @@ from .transfer import FRAME_CODECS, FRAME_MIN_BYTES, frameable
 log = logging.getLogger("storm")
 
 MiB = 1 << 20
+GiB = 1 << 30
+FRAME_DEVICE_BYTES = 64 * MiB  # large enough that the codec's kernels, not their launches, set its device time
 MAX_CHECKS = 4  # planned steps measured after a trace: the first plan and up to three corrections
 
 
@@ -106,6 +112,7 @@ class Trace:
     offloaded_before: list[int] = dataclasses.field(default_factory=list)  # bytes offloaded when block i started
     host_ms_per_tensor: float = 0.0  # pack + unpack on the training thread, per offloaded tensor
     frame_host_ms_per_tensor: float = 0.0  # and what encoding and decoding its frame adds, per framed tensor
+    frame_device_ms_per_GiB: float = 0.0   # the device's time encoding and decoding frames, per GiB framed
     forward_host_ms: float = 0.0     # forward of the blocks, on the host, nothing offloaded
     forward_device_ms: float = 0.0   # and on the compute stream
     d2h_GBps: float = 0.0
@@ -169,10 +176,11 @@ class _Offloading:
     leftover: int      # offloaded bytes still on the device when forward ends
     frames: int = 0    # frame buffers the peak counts beside them
     compressed: bool = False
+    codec_ms: float = 0.0  # the codec's kernels on the device
 
     @property
     def cost_ms(self) -> float:
-        return self.host_ms + self.link_ms
+        return self.host_ms + self.link_ms + self.codec_ms
 
     @staticmethod
     def of(trace: Trace, k: int, held: int | None, compressed: bool = False) -> list["_Offloading"]:
@@ -195,6 +203,7 @@ class _Offloading:
         # frames, an upper bound (the caching allocator counts a frame only until the host has
         # queued its copy or decoding and let go of it)
         frames = max((b.frame_bytes for b in offloaded), default=0)
+        codec_ms = sum(b.framed_bytes for b in offloaded) / GiB * trace.frame_device_ms_per_GiB
         out = []
         for h in ([held] if held is not None else sorted({min(sent, max(b.saved_bytes for b in blocks[:k])), sent})):
             # forward waits while more than `h` bytes wait for the link, until the first k blocks are done
@@ -202,7 +211,7 @@ class _Offloading:
             leftover = int(max(0.0, min(h, sent - d2h * (fwd_ms + stall))))
             # what forward did not carry, and all of it back, during backward (about twice forward)
             link = stall + max(0.0, leftover / d2h + sent / h2d - 2 * fwd_ms)
-            out.append(_Offloading(sent, h, host_ms, link, leftover, frames, compressed))
+            out.append(_Offloading(sent, h, host_ms, link, leftover, frames, compressed, codec_ms))
         return out
 
 
@@ -409,13 +418,13 @@ class Planner:
             device = _device_of(self.blocks)
             d2h, h2d = link_bandwidth(device)
             # frames are timed only where some tensor would be framed: their kernels compile at first use
-            frame_ms = frame_host_ms(device) if any(b.framed for b in blocks) else 0.0
+            frame_ms, frame_device_ms = frame_costs(device) if any(b.framed for b in blocks) else (0.0, 0.0)
             # the median block's: the first offload of a process also sets up the pinned pool
             per_tensor = [(marks[2 * i + 1][2] - marks[2 * i][2]) / b.tensors for i, b in enumerate(blocks) if b.tensors]
             host_s = statistics.median(per_tensor) if per_tensor else st.pack_s / max(1, st.offloaded)
             self.trace = Trace(blocks, marks[0][0], st.offloaded_bytes - marks[-1][0],
-                               [marks[2 * i][0] for i in range(n)], 2e3 * host_s, frame_ms, d2h_GBps=d2h,
-                               h2d_GBps=h2d)
+                               [marks[2 * i][0] for i in range(n)], 2e3 * host_s, frame_ms, frame_device_ms,
+                               d2h_GBps=d2h, h2d_GBps=h2d)
             self._phase = "trace-compute"
 
         self._pending = collect
@@ -656,7 +665,8 @@ class Planner:
                 f"{compressed.link_ms:.2f} ms compressed against {raw.link_ms:.2f} ms raw ({framed_bytes / MiB:.1f} "
                 f"MiB in {framed} tensors would cross as {frame_bytes / MiB:.1f} MiB of frames), host "
                 f"{compressed.host_ms - raw.host_ms:+.2f} ms ({t.frame_host_ms_per_tensor * 1e3:.0f} us per frame, "
-                f"less what the compute stream hides)")
+                f"less what the compute stream hides), codec kernels +{compressed.codec_ms:.2f} ms on the device "
+                f"({t.frame_device_ms_per_GiB:.2f} ms per GiB framed)")
 
 
 class _Clock:
@@ -727,25 +737,35 @@ def frames_of(saves: Iterable[Any]) -> tuple[int, int, int]:
     return len(framed), sum(framed), sum(frame_nbytes(b // 2) for b in framed)
 
 
-def frame_host_ms(device: torch.device, repeats: int = 5) -> float:
-    """Training-thread ms that a frame adds to a tensor's offload and fetch, measured now: the
-    host side of encoding and decoding one FRAME_MIN_BYTES bf16 tensor (buffers and kernel
-    launches; the device's work runs on the mover's codec streams), the median of ``repeats``.
-    0 off CUDA, where nothing is framed."""
+def frame_costs(device: torch.device, repeats: int = 5) -> tuple[float, float]:
+    """What frames cost, measured now, the median of ``repeats``: the training thread's ms per
+    framed tensor, the host side of encoding and decoding one FRAME_MIN_BYTES bf16 tensor
+    (buffers and kernel launches; the device's work runs on the mover's codec streams); and the
+    device's ms per GiB framed, encoding and decoding a FRAME_DEVICE_BYTES one. (0, 0) off CUDA,
+    where nothing is framed."""
     if device.type != "cuda":
-        return 0.0
-    n = FRAME_MIN_BYTES // 2
-    t = torch.randn(n, dtype=torch.bfloat16, device=device)
-    times = []
+        return 0.0, 0.0
+    small, large = (torch.randn(n // 2, dtype=torch.bfloat16, device=device)
+                    for n in (FRAME_MIN_BYTES, FRAME_DEVICE_BYTES))
+
+    def code(t: torch.Tensor) -> None:
+        frame = torch.empty(frame_nbytes(t.numel()), dtype=torch.uint8, device=device)
+        encode_frame(t, frame)
+        decode_frame(frame, t.numel())
+
+    host, dev = [], []
     for _ in range(repeats + 1):  # the first also compiles the kernels
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        frame = torch.empty(frame_nbytes(n), dtype=torch.uint8, device=device)
-        encode_frame(t, frame)
-        decode_frame(frame, n)
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize(device)
-    return statistics.median(times[1:]) * 1e3
+        code(small)
+        host.append(time.perf_counter() - t0)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        code(large)
+        end.record()
+        end.synchronize()
+        dev.append(start.elapsed_time(end))
+    return statistics.median(host[1:]) * 1e3, statistics.median(dev[1:]) * GiB / FRAME_DEVICE_BYTES
 
 
 def _device_of(blocks: list[nn.Module]) -> torch.device:

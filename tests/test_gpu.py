@@ -181,6 +181,16 @@ def test_planner_on_cuda_bit_exact_and_within_its_measured_target(want):
     planner.close()
 
 
+def test_the_planner_measures_what_frames_cost_on_the_device():
+    """Frames' host time per tensor and device time per GiB, as storm.plan charges them: positive,
+    and the device's no faster than an H200's memory allows (encoding reads the raw bytes and
+    decoding writes them: 2 bytes moved per byte framed, at most 4.8 TB/s)."""
+    from storm.planner import frame_costs
+    host_ms, device_ms_per_GiB = frame_costs(torch.device("cuda"))
+    assert 0 < host_ms < 50
+    assert 2 * 1.074 / 4.8 < device_ms_per_GiB < 100, device_ms_per_GiB
+
+
 def test_bf16_saves_go_through_frames_bit_exact_and_smaller(cuda_opts):
     """codec="ancf_exp": bf16 saves of at least 4 MiB are encoded on the copy stream and stored as
     frames; gradients stay bit-identical and the store holds fewer bytes."""

@@ -154,6 +154,23 @@ def test_a_link_bound_step_offloads_compressed():
     assert p.in_flight_bytes >= off_compressed.frames
 
 
+def test_the_codecs_device_time_can_make_raw_the_cheaper():
+    # the link-bound step above, with a codec whose kernels take 30 ms per GiB framed (encode and
+    # decode): they share the GPU with the step's, so they count in full
+    t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
+    t.forward_device_ms = t.forward_host_ms + 50
+    budget = 300 * MiB
+    assert choose(t, budget).compressed
+    t.frame_device_ms_per_GiB = 30.0
+    p, forced = choose(t, budget), choose(t, budget, codec="ancf_exp")
+    assert p.fits and p.offloaded > 0 and not p.compressed
+    assert forced.compressed and forced.predicted_cost_ms > p.predicted_cost_ms
+    off = _Offloading.of(t, forced.offloaded, forced.max_held_bytes, True)[0]
+    assert off.codec_ms == pytest.approx(forced.offloaded * 100 / 1024 * 30.0)
+    assert off.cost_ms == pytest.approx(off.host_ms + off.link_ms + off.codec_ms)
+    assert _Offloading.of(t, forced.offloaded, forced.max_held_bytes, False)[0].codec_ms == 0.0
+
+
 def test_a_host_bound_step_offloads_raw():
     # 200 tensors a block, frames that save 1 MiB of its 100 and cost 150 us each, nothing hidden
     t = framed(trace(inputs=60 * MiB, host_ms=0.02, tensors=200), per_block=200, frame_ms=0.15,
@@ -298,7 +315,7 @@ def test_cpu_blocks_are_planned_raw_and_explained():
     t, p = planner.trace, planner.plan
     assert codecs == ["raw", None, None, None]  # the offload trace raw, then no frame codec passed
     assert all(b.framed == b.framed_bytes == b.frame_bytes == 0 for b in t.blocks)  # CPU: nothing framed
-    assert t.frame_host_ms_per_tensor == 0.0 and not p.compressed
+    assert t.frame_host_ms_per_tensor == t.frame_device_ms_per_GiB == 0.0 and not p.compressed
     # whether offloading or recomputing wins depends on this machine's speed; either way, no frames
     assert ("offloaded tensors go raw: none would be framed" if p.offloaded else "nothing offloaded") \
         in planner.explain()
@@ -336,6 +353,7 @@ def test_explain_says_raw_or_compressed_and_why(hidden_ms, choice):
     assert f"offloaded tensors go {choice}: predicted link {compressed.link_ms:.2f} ms compressed against " \
            f"{raw.link_ms:.2f} ms raw" in text
     assert f"host {compressed.host_ms - raw.host_ms:+.2f} ms (100 us per frame" in text
+    assert f"codec kernels +{compressed.codec_ms:.2f} ms on the device (0.00 ms per GiB framed)" in text
     planner.close()
 
 
