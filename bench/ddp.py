@@ -123,7 +123,8 @@ def worker(a: argparse.Namespace) -> None:
     w = TINY if a.tiny else dataclasses.replace(W1, batch=a.batch)
     link = link_alone_and_together(device)
     plain, t_plain, _ = train(w, device, a.steps, None, a.wrapper)
-    opts = {"mode": "daemon", "socket": a.socket, "min_bytes": 0 if a.tiny else 1 << 20, "budget": budget(a.budget)}
+    opts = {"mode": a.mode, "min_bytes": 0 if a.tiny else 1 << 20, "budget": budget(a.budget)} \
+        | ({"socket": a.socket} if a.mode == "daemon" else {"pool_size": a.pool_size})
     offloaded, t_off, tensors = train(w, device, a.steps, opts, a.wrapper)
     med = lambda ts: round(statistics.median(ts[a.warmup:]) * 1e3, 2)  # noqa: E731
     row = {"rank": rank, "steps": a.steps, "identical_steps": sum(p == o for p, o in zip(plain, offloaded)),
@@ -150,7 +151,8 @@ def launch(a: argparse.Namespace, nproc: int, endpoint: str, tmp: str) -> dict:
     result = Path(tmp) / f"ranks-{nproc}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
            "--worker", "--socket", endpoint, "--result", str(result), "--steps", str(a.steps),
-           "--warmup", str(a.warmup), "--batch", str(a.batch), "--device", a.device, "--wrapper", a.wrapper] \
+           "--warmup", str(a.warmup), "--batch", str(a.batch), "--device", a.device, "--wrapper", a.wrapper,
+           "--mode", a.mode, "--pool-size", a.pool_size] \
         + (["--tiny"] if a.tiny else []) \
         + (["--budget", a.budget] if a.budget is not None else [])
     subprocess.run(cmd, check=True)
@@ -163,7 +165,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=4, help="W1's batch per rank")
-    p.add_argument("--pool-size", default="8GiB", help="every rank page-locks all of it: about 1 s per GiB")
+    p.add_argument("--pool-size", default="8GiB", help="every rank page-locks all of it: about 1 s per GiB "
+                   "(the daemon's pool; with --mode embedded, each rank's)")
+    p.add_argument("--mode", choices=["daemon", "embedded"], default="daemon",
+                   help="ranks share one stormd, or each offloads to its own embedded store")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="a tiny model instead of W1 (smoke runs on CPU)")
     p.add_argument("--wrapper", choices=["ddp", "fsdp2"], default="ddp",
@@ -179,19 +184,20 @@ def main() -> int:
         worker(a)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        daemon, endpoint = start_daemon(Path(tmp), a.pool_size)
+        daemon, endpoint = start_daemon(Path(tmp), a.pool_size) if a.mode == "daemon" else (None, "")
         try:
             single, multi = launch(a, 1, endpoint, tmp), launch(a, a.nproc, endpoint, tmp)
         finally:
-            daemon.terminate()
-            daemon.wait(30)
+            if daemon is not None:
+                daemon.terminate()
+                daemon.wait(30)
     base, cost = single["ranks"][0]["samples_per_s_offload"], single["ranks"][0]["offload_cost"]
     for r in multi["ranks"]:
         r["throughput_vs_single_rank"] = round(r["samples_per_s_offload"] / base, 3)
         # DDP alone already slows each rank (gradient all-reduce, a shared host): what
         # offload adds on top of that, against what it adds to one rank
         r["offload_cost_vs_single_rank"] = round(r["offload_cost"] / cost, 3)
-    results = {"wrapper": a.wrapper, "single_rank": single, f"{a.nproc}_ranks": multi,
+    results = {"wrapper": a.wrapper, "mode": a.mode, "single_rank": single, f"{a.nproc}_ranks": multi,
                "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
                # without peer access NCCL's all-reduce goes through host memory, over the links offload uses
                "peer_access": a.device == "cuda" and torch.cuda.device_count() > 1
