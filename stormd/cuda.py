@@ -174,7 +174,8 @@ class CudaCopier:
         started = time.monotonic()
         # each device's primary context, bound by cuCtxSetCurrent before its calls: with clients on
         # two GPUs, cudaSetDevice switching between them took the daemon ~0.3 ms a request
-        # (cProfile, two DDP ranks on two H200s), 20 ms of every W1 step's requests
+        # (cProfile, two DDP ranks on two H200s), 20 ms of every W1 step's requests. Made for every
+        # visible GPU at start (a node's training processes use them all; CUDA_VISIBLE_DEVICES limits it)
         self._contexts = []
         for index in range(len(self.uuids)):
             check(rt.cudaSetDevice(index)[0], "cudaSetDevice")
