@@ -382,12 +382,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{', '.join(str(x) for x in default_config_paths())} that exists)")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML and exit")
     for s in SETTINGS:
+        text = f"{s.help} (env {s.env})".replace("%", "%%")  # argparse %-formats help ("saves at least 5%")
         if isinstance(s.kind, _Flag):
-            p.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"{s.help} (env {s.env})")
+            p.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            p.add_argument(s.flag, dest=s.name, default=None, metavar=s.name.upper(),
-                           help=f"{s.help} (env {s.env})")
+            p.add_argument(s.flag, dest=s.name, default=None, metavar=s.name.upper(), help=text)
 
 
 def load(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> DaemonConfig:

@@ -28,6 +28,17 @@ def test_every_daemon_setting_has_one_row_for_file_env_and_flag():
     assert [s.name for s in SETTINGS] == [f.name for f in dataclasses.fields(DaemonConfig)]
 
 
+@pytest.mark.parametrize("program", ["stormd", "stormctl"])
+def test_help_lists_every_option(program):
+    r = subprocess.run([sys.executable, "-m", "stormd" if program == "stormd" else "stormd.ctl", "--help"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: {program}")
+    if program == "stormd":  # every setting's flag and variable, "%" in its help shown as written
+        assert all(s.flag in r.stdout and s.env in r.stdout for s in SETTINGS)
+        assert "saves at least 5%)" in " ".join(r.stdout.split())
+
+
 def test_precedence_is_flags_then_environment_then_file_then_defaults(tmp_path):
     cfg = write(tmp_path, 'pool_size = "2MiB"\nclient_timeout = 3\n')
     assert parse("--config", cfg).pool_size == 2 << 20
