@@ -142,8 +142,8 @@ class Offload(contextlib.ContextDecorator):
 
     def drain(self, limit: int) -> None:
         """Let go of saved tensors whose copy has finished, waiting (oldest first) until at most
-        ``limit`` bytes still wait for theirs. Each save polls; past the budget, where STORM's
-        hooks are off, nothing would until forward ends, so storm.plan calls it after each block:
+        ``limit`` bytes still wait for theirs. Each save polls; past the budget only markers do
+        (about one save in 64 MiB), so storm.plan calls it after each block:
         the host, usually ahead of the GPU, must not hold on to bytes the plan counted as gone."""
         if self._session is not None:
             self._session.drain(limit)
@@ -200,8 +200,8 @@ def offload(fn: Callable | None = None, /, **options: Any) -> Any:
     ``report()``: without it the report has the total only, since tracking
     layers hooks every module call), ``budget`` (offload only the earliest saves, which backward
     needs last, up to this many bytes or this fraction of the previous full
-    step's offloadable bytes; past it, the rest of the step is saved by
-    autograd as without STORM), ``max_held_bytes`` (how many bytes may wait for their
+    step's offloadable bytes; past it, the rest of the step stays on the device, about one
+    save in 64 MiB a marker that paces prefetch), ``max_held_bytes`` (how many bytes may wait for their
     copy before saving blocks: bounds the memory a step holds beyond what it
     keeps), ``codec`` (how tensors are encoded before they are stored:
     "auto", a codec of storm.kernels, or "raw"; default: the daemon's

@@ -3,8 +3,7 @@
 Counters are read from the Service when Prometheus scrapes, on the loop that
 also mutates them, so a scrape never sees a half-updated store (prometheus_client's
 own ``start_http_server`` would read them from another thread while the loop
-changes them). Only what exists is exported: there is no spill tier yet, so
-there is no spill metric.
+changes them). Spill is not exported: ``stormctl status`` (STATS, ``node``) reports it.
 """
 
 from __future__ import annotations
