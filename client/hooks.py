@@ -48,12 +48,13 @@ from .session import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSessi
 class Offload(contextlib.ContextDecorator):
     """One offload scope (a step). Use through ``storm.offload(...)``."""
 
-    def __init__(self, *, mode: str = "auto", socket: str | None = None, min_bytes: int = DEFAULT_MIN_BYTES,
-                 prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, pool_size: str | int | None = None,
+    def __init__(self, *, mode: str = "auto", socket: str | None = None, min_bytes: int | str = DEFAULT_MIN_BYTES,
+                 prefetch_bytes: int | str = DEFAULT_PREFETCH_BYTES, pool_size: str | int | None = None,
                  modules: nn.Module | Iterable[nn.Module] | None = None, budget: int | float | str | None = None,
-                 max_held_bytes: int = DEFAULT_MAX_HELD_BYTES, verify: bool = True, codec: str | None = None):
-        if min_bytes < 0 or prefetch_bytes < 0 or max_held_bytes < 0:
-            raise ValueError("min_bytes, prefetch_bytes and max_held_bytes must be >= 0")
+                 max_held_bytes: int | str = DEFAULT_MAX_HELD_BYTES, verify: bool = True, codec: str | None = None):
+        min_bytes, prefetch_bytes, max_held_bytes = (
+            _bytes_option(name, value) for name, value in
+            (("min_bytes", min_bytes), ("prefetch_bytes", prefetch_bytes), ("max_held_bytes", max_held_bytes)))
         if codec is not None and codec not in ("auto", *CODECS):
             raise ValueError(f"codec must be None (the store's choice), 'auto' or one of {', '.join(CODECS)}; "
                              f"got {codec!r}")
@@ -161,6 +162,17 @@ class Offload(contextlib.ContextDecorator):
             self._session.synchronize()
 
 
+def _bytes_option(name: str, value: int | str) -> int:
+    """An option in bytes: an int >= 0, or a size such as '256MiB' (as pool_size and budget take)."""
+    try:
+        n = -1 if isinstance(value, bool) else parse_size(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{name} must be bytes: an int >= 0 or a size such as '256MiB'; got {value!r}")
+    return n
+
+
 def parse_budget(budget: int | float | str | None) -> int | float | None:
     """None, bytes (int or '8GiB'), or a fraction in (0, 1] of the step's offloadable bytes."""
     if budget is None:
@@ -207,7 +219,8 @@ def offload(fn: Callable | None = None, /, **options: Any) -> Any:
     "auto", a codec of storm.kernels, or "raw"; default: the daemon's
     ``codec`` setting, "raw" for the embedded store; for CUDA tensors "auto"
     and "ancf_exp" put bf16 tensors of at least 4 MiB in frames encoded on the
-    GPU (storm.kernels.frame), the rest is stored raw).
+    GPU (storm.kernels.frame), the rest is stored raw). Options in bytes take an int or a
+    size such as "256MiB".
     """
     if fn is None:
         return Offload(**options)

@@ -303,8 +303,8 @@ class Planner:
         if self._peak is not None and not self._memory.available:
             raise ValueError("storm.plan's peak= is measured with the CUDA caching allocator and these blocks are "
                              "not on a CUDA device; give budget= (the bytes saved activations may take)")
-        Offload(**offload_options)  # refuse bad options now, not at the first step
-        self._options = offload_options
+        checked = Offload(**offload_options)._options  # refuse bad options now, not at the first step
+        self._options = {k: checked[k] for k in offload_options}  # the given ones, sizes read ("512MiB")
         self.trace: Trace | None = None
         self.plan: Plan | None = None
         self.besides: int | None = None        # what a step holds besides its saves, measured (CUDA)

@@ -339,8 +339,12 @@ def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="mode"):
         with storm.offload(mode="fast"):
             pass
-    with pytest.raises(ValueError, match="min_bytes"):
-        storm.offload(min_bytes=-1)
+    for name in ("min_bytes", "prefetch_bytes", "max_held_bytes"):
+        for bad in (-1, "lots", None, True):
+            with pytest.raises(ValueError, match=f"{name} must be bytes.*got {bad!r}"):
+                storm.offload(**{name: bad})
+    sized = storm.offload(min_bytes="1KiB", prefetch_bytes="64MiB", max_held_bytes=1 << 20)
+    assert [sized._options[k] for k in ("min_bytes", "prefetch_bytes", "max_held_bytes")] == [1024, 64 << 20, 1 << 20]
     with pytest.raises(ValueError, match="size"):
         with storm.offload(mode="embedded", pool_size="lots"):
             pass

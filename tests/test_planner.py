@@ -295,6 +295,18 @@ def test_bad_plans_are_refused(blocks, budget, options, error):
         storm.plan(model.blocks if blocks is None else blocks, budget=budget, **options)
 
 
+def test_plan_options_in_sizes_reach_the_plan_as_bytes():
+    model, idx = gpt()
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes="0", max_held_bytes="1MiB",
+                         prefetch_bytes="2MiB")
+    assert planner._options == {"mode": "embedded", "min_bytes": 0, "max_held_bytes": 1 << 20,
+                                "prefetch_bytes": 2 << 20}
+    for _ in range(3):  # two traces, then a plan made with those options
+        grads_of(model, idx, planner.step())
+    assert planner.plan is not None and planner.plan.max_held_bytes == 1 << 20
+    planner.close()
+
+
 def test_a_block_with_its_own_forward_attribute_is_refused_clearly():
     model, idx = gpt()
     model.blocks[3].forward = model.blocks[3].forward  # e.g. wrapped by another tool
