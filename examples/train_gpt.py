@@ -107,14 +107,22 @@ def peak_memory(device: torch.device) -> str:
     return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.1f} MiB"
 
 
+def positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--steps", type=positive, default=20)
+    p.add_argument("--batch", type=positive, default=8)
+    p.add_argument("--seq", type=positive, default=128)
+    p.add_argument("--layers", type=positive, default=4)
+    p.add_argument("--d-model", type=positive, default=128, help="a multiple of --heads")
+    p.add_argument("--heads", type=positive, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--mode", default="auto", choices=["auto", "daemon", "embedded"])
     p.add_argument("--socket", default=None, help="stormd socket (default: $STORMD_SOCKET or the runtime dir)")
@@ -132,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="train with storm.plan: the GPU memory saved activations may take, bytes (e.g. 64MiB) "
                         "or a fraction of a step's (e.g. 0.3); blocks are kept, offloaded or recomputed")
     args = p.parse_args(argv)
+    if args.d_model % args.heads:
+        p.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this torch sees no CUDA device (use --device cpu)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     device = torch.device(args.device)

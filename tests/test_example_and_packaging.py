@@ -7,6 +7,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import storm.examples.train_gpt as train_gpt
 
 SMALL = ["--steps", "2", "--seq", "32", "--d-model", "32", "--layers", "1", "--heads", "2", "--batch", "2",
@@ -30,6 +32,18 @@ def test_train_gpt_with_a_plan_traces_plans_and_explains(capsys):
     decisions = [line.split()[-1] for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert len(decisions) == 3 and set(decisions) <= {"keep", "offload", "recompute"}
     assert set(decisions) != {"keep"}  # 30% of the saves cannot stay as they are
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--steps", "0"], "--steps: must be at least 1, got 0"),
+    (["--batch", "-2"], "--batch: must be at least 1"),
+    (["--heads", "3"], "--d-model 128 is not a multiple of --heads 3"),
+    (["--min-bytes", "x"], "--min-bytes: invalid int value"),
+])
+def test_train_gpt_refuses_bad_arguments_clearly(args, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_gpt.main(args)
+    assert e.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_train_gpt_exits_nonzero_when_a_gradient_differs(monkeypatch, capsys):
