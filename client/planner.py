@@ -16,7 +16,8 @@ offloaded one costs host time, measured in the same step: the median block's, as
 process's first offload also sets up the pinned pool), which of them a frame codec would
 put in frames (CUDA bf16 storages of at least FRAME_MIN_BYTES, as transfer.Mover.put
 decides) with their bytes and their frames' bytes, and its input's bytes (what
-recomputing keeps). The second recomputes every block and offloads nothing, and records
+recomputing keeps); where the store refused some (a full pool), what it took, which
+plans then do not offload beyond. The second recomputes every block and offloads nothing, and records
 each block's forward time (what recomputing it costs), with events on the compute stream
 on CUDA, so a launch-bound model's host time counts as it does in training. Both are the
 least-memory steps of their kind. Pinned copy bandwidth each way is measured once per
@@ -78,6 +79,7 @@ from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
 from stormd.config import parse_size
 
 from .hooks import Offload, parse_budget
+from .policy import Keep
 from .transfer import FRAME_CODECS, FRAME_MIN_BYTES, frameable
 
 log = logging.getLogger("storm")
@@ -117,6 +119,7 @@ class Trace:
     forward_device_ms: float = 0.0   # and on the compute stream
     d2h_GBps: float = 0.0
     h2d_GBps: float = 0.0
+    store_bytes: int | None = None   # what the store took of the offload trace's saves when it refused some
 
     @property
     def total_bytes(self) -> int:
@@ -239,6 +242,8 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
         offloading = [off for compressed in sorted({c and frameable for c in allowed})
                       for off in _Offloading.of(trace, k, held_bytes, compressed)]
         for off in offloading:
+            if trace.store_bytes is not None and off.sent > trace.store_bytes:
+                continue  # more than the store took: the rest would stay on the device
             room = budget - (offload_margin if off.sent else 0)
             if prefetch_bytes is not None or not off.sent:
                 window = prefetch_bytes if off.sent else 0  # nothing offloaded: nothing to fetch
@@ -385,13 +390,14 @@ class Planner:
         self._recompute(set())
         ctx = Offload(**{**self._options, "codec": "raw"})
         n = len(self.blocks)
-        # (bytes, tensors, pack s, storages) offloaded when each block started and ended
-        marks: list[tuple[int, int, float, int]] = []
+        # (pack s, storages offloaded) when each block started and ended. The step's storages, in
+        # saving order, give each block's bytes and which a frame codec would frame: not the
+        # offloaded-bytes counter, which a store's refusal (a full pool) takes back later
+        marks: list[tuple[float, int]] = []
         inputs, grads = [0] * n, [0] * n
 
-        def mark() -> None:  # the step's storages, in saving order, say which a frame codec would frame
-            st = ctx.stats
-            marks.append((st.offloaded_bytes, st.offloaded, st.pack_s, len(ctx._step.order)))
+        def mark() -> None:
+            marks.append((ctx.stats.pack_s, len(ctx._step.order)))
 
         def pre(i: int, m: nn.Module, args: Any) -> None:
             mark()
@@ -409,22 +415,34 @@ class Planner:
             if len(marks) != 2 * n:
                 log.warning("storm.plan: the traced step did not run every block once; tracing again")
                 return
+            ctx.synchronize()  # every copy settled: the store's refusals are counted
+            order = ctx._step.order
+            offset = [0]  # bytes saved before each storage of the step
+            for stored in order:
+                offset.append(offset[-1] + stored.nbytes)
             blocks = []
             for i in range(n):
-                (bytes0, tensors0, _, s0), (bytes1, tensors1, _, s1) = marks[2 * i], marks[2 * i + 1]
-                framed, framed_bytes, frame_bytes = frames_of(ctx._step.order[s0:s1])
-                blocks.append(BlockTrace(bytes1 - bytes0, tensors1 - tensors0, inputs[i], grad_bytes=grads[i],
+                s0, s1 = marks[2 * i][1], marks[2 * i + 1][1]
+                framed, framed_bytes, frame_bytes = frames_of(order[s0:s1])
+                blocks.append(BlockTrace(offset[s1] - offset[s0], s1 - s0, inputs[i], grad_bytes=grads[i],
                                          framed=framed, framed_bytes=framed_bytes, frame_bytes=frame_bytes))
             device = _device_of(self.blocks)
             d2h, h2d = link_bandwidth(device)
             # frames are timed only where some tensor would be framed: their kernels compile at first use
             frame_ms, frame_device_ms = frame_costs(device) if any(b.framed for b in blocks) else (0.0, 0.0)
             # the median block's: the first offload of a process also sets up the pinned pool
-            per_tensor = [(marks[2 * i + 1][2] - marks[2 * i][2]) / b.tensors for i, b in enumerate(blocks) if b.tensors]
+            per_tensor = [(marks[2 * i + 1][0] - marks[2 * i][0]) / b.tensors for i, b in enumerate(blocks) if b.tensors]
             host_s = statistics.median(per_tensor) if per_tensor else st.pack_s / max(1, st.offloaded)
-            self.trace = Trace(blocks, marks[0][0], st.offloaded_bytes - marks[-1][0],
-                               [marks[2 * i][0] for i in range(n)], 2e3 * host_s, frame_ms, frame_device_ms,
-                               d2h_GBps=d2h, h2d_GBps=h2d)
+            store_bytes = None
+            if st.offloaded_bytes < offset[-1]:  # the store refused some (pool full, quota): plans stay within
+                store_bytes = st.offloaded_bytes
+                log.warning("storm.plan: the store took %.1f of the %.1f MiB the traced step offloaded (%s); plans "
+                            "offload at most that. A larger pool_size (or stormd pool) lets them offload more",
+                            store_bytes / MiB, offset[-1] / MiB, ", ".join(f"{v} {k}" for k, v in st.kept.items()
+                                                    if k in (Keep.POOL_FULL, Keep.QUOTA, Keep.STORE_ERROR)))
+            self.trace = Trace(blocks, offset[marks[0][1]], offset[-1] - offset[marks[-1][1]],
+                               [offset[marks[2 * i][1]] for i in range(n)], 2e3 * host_s, frame_ms, frame_device_ms,
+                               d2h_GBps=d2h, h2d_GBps=h2d, store_bytes=store_bytes)
             self._phase = "trace-compute"
 
         self._pending = collect
@@ -637,6 +655,9 @@ class Planner:
                      f"({'offload' if p.offloaded == len(t.blocks) else 'keep'})")
         lines.append(f"copy queue {p.max_held_bytes / MiB:.1f} MiB, prefetch window {p.prefetch_bytes / MiB:.1f} MiB"
                      + (" (given)" if {"max_held_bytes", "prefetch_bytes"} & self._options.keys() else ""))
+        if t.store_bytes is not None:
+            lines.append(f"the store took {t.store_bytes / MiB:.1f} of the {t.total_bytes / MiB:.1f} MiB traced: "
+                         "plans offload at most that")
         lines.append(self._explain_codec())
         lines.append(f"predicted: {p.predicted_peak / MiB:.1f} MiB saved on the device at the peak "
                      f"({'fits' if p.fits else 'does NOT fit'}), {p.predicted_cost_ms:.2f} ms over no offload; "

@@ -563,16 +563,22 @@ class ClientSession:
         still running (it may yet be needed from the device) and goes on once that
         copy is done. A second pass (retain_graph) fetches on demand."""
         step.cursor = min(step.cursor, index)
-        limit = step.prefetch_room + (self.prefetch_bytes if step.fetching else 0)
+        window = self.prefetch_bytes if step.fetching else 0
+        limit = step.prefetch_room + window
         while step.cursor > 0 and self._prefetched_bytes < limit:
             s = step.order[step.cursor - 1]
             if s.state == State.HELD:
                 return
-            step.cursor -= 1
             ref = self._restored.get(s.key)
             if (s.state != State.OFFLOADED or s.unpacks >= s.handles or s.key in self._prefetched
                     or (ref is not None and ref() is not None)):
+                step.cursor -= 1
                 continue  # not in the store, already unpacked, on its way, or here
+            # the room is memory backward has made (storm.plan's is its peak's slack): a fetch
+            # must fit in it; only a window smaller than one tensor may take that tensor
+            if self._prefetched_bytes + s.nbytes > limit and (self._prefetched_bytes or not window):
+                return
+            step.cursor -= 1
             self._prefetched[s.key] = self._fetch(s)
             self._prefetched_bytes += s.nbytes
 

@@ -451,6 +451,57 @@ def test_allow_prefetch_lets_offloaded_bytes_come_back_ahead(told):
     assert ctx.stats.prefetch_hits == (ctx.stats.offloaded if told else 0)
 
 
+def test_prefetch_takes_no_more_than_the_room_backward_made():
+    """A fetch starts only where the whole tensor fits in the room allow_prefetch() reports
+    (storm.plan's is its peak's slack): 2.5 tensors' room fetches two, not three."""
+    x = torch.randn(64, 256, requires_grad=True)
+    one = x.numel() * x.element_size()
+    seen = []
+    with storm.offload(mode="embedded", min_bytes=0, prefetch_bytes=0) as ctx:
+        h = x
+        for _ in range(6):
+            h = torch.tanh(h * 1.5)  # six fresh tensors of `one` bytes
+
+        def room(grad: torch.Tensor) -> None:
+            ctx.allow_prefetch(5 * one // 2)
+            seen.append(ctx._session._prefetched_bytes)
+
+        h.register_hook(room)
+    ctx.synchronize()
+    h.sum().backward()
+    assert seen == [2 * one]
+    assert ctx.stats.fetched == ctx.stats.offloaded == 6
+
+
+def test_a_pool_smaller_than_the_step_is_traced_whole_and_planned_within(caplog):
+    """The offload trace counts each block's saves as the step made them: the store's refusals
+    once its pool is full come back later, in other blocks, and must not move bytes between
+    blocks. Plans then offload no more than the store took, and say so."""
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    traces = []
+    for pool in (None, "small"):
+        options = {} if pool is None else {"pool_size": int(traces[0].total_bytes * 0.4)}
+        planner = storm.plan(model.blocks, budget=0.05, mode="embedded", min_bytes=0, **options)
+        with caplog.at_level(logging.WARNING, logger="storm"):
+            for step in range(3):
+                ctx = planner.step()
+                got = grads_of(model, idx, ctx)
+                assert all(same_bits(a, b) for a, b in zip(ref, got)), f"gradients differ in step {step}"
+        traces.append(planner.trace)
+        if pool is not None:
+            assert storm.Keep.POOL_FULL not in ctx.stats.kept  # the planned step fits in the pool
+            assert ctx.stats.offloaded_bytes <= planner.trace.store_bytes
+            assert "the store took" in planner.explain()
+        planner.close()
+    roomy, small = traces
+    assert roomy.store_bytes is None and 0 < small.store_bytes < small.total_bytes
+    assert [(b.saved_bytes, b.tensors) for b in small.blocks] == [(b.saved_bytes, b.tensors) for b in roomy.blocks]
+    assert (small.before_bytes, small.after_bytes, small.offloaded_before) == \
+        (roomy.before_bytes, roomy.after_bytes, roomy.offloaded_before)
+    assert "plans offload at most that" in caplog.text
+
+
 def test_drain_lets_go_of_copied_tensors_after_the_hooks_are_off():
     torch.manual_seed(0)
     x = torch.randn(64, 256, requires_grad=True)
