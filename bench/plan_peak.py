@@ -10,9 +10,9 @@ offloaded and recomputed, copy queue, prefetch window), its predicted saves and 
 the peak, the measured peak, the margins the planner has learned, and the live allocations
 at the replayed peak grouped by their first STORM frame (storm:module.function), else the
 model's line, else "autograd" (allocations made by the C++ engine in backward, with no
-Python frame: parameter and activation gradients). The replay counts an allocation until
-its free completes, so buffers freed behind a stream's event (record_stream) count longer
-than torch.cuda.max_memory_allocated counts them: the measured peak is the allocator's.
+Python frame: parameter and activation gradients). The replay counts an allocation until its
+free is requested, as torch.cuda.max_memory_allocated does (a buffer freed behind another
+stream's event, record_stream, is reused only once that event has passed).
 """
 
 from __future__ import annotations
@@ -53,12 +53,15 @@ def at_peak(snapshot: dict) -> tuple[int, dict[str, int]]:
             total += e["size"]
             if total > best:
                 best, best_live = total, dict(live)
-        elif e["action"] == "free_completed" and e["addr"] in live:
+        elif e["action"] == "free_requested" and e["addr"] in live:  # where the allocator stops counting it
             total -= live.pop(e["addr"])[0]
-    by = collections.Counter()
+    by, sizes = collections.Counter(), collections.defaultdict(list)
     for size, who in best_live.values():
         by[who] += size
-    return best, {k: round(v / MiB, 1) for k, v in by.most_common()}
+        sizes[who].append(round(size / MiB, 1))
+    # STORM's own buffers one by one (which fetched tensors are still alive there)
+    return best, {k: round(v / MiB, 1) if not k.startswith("storm:") else [round(v / MiB, 1), sorted(sizes[k])]
+                  for k, v in by.most_common()}
 
 
 def planned_steps(w, cap: float, steps: int, pool_size: str) -> list[dict]:
