@@ -51,6 +51,41 @@ def test_the_cheapest_blocks_per_byte_are_recomputed_first():
     assert choose(t, t.total_bytes - 150 * MiB).recomputed == frozenset({5, 2})
 
 
+def test_w2_like_blocks_recompute_the_fewest_that_fit():
+    """24 like blocks whose parameter gradients count at the peak (peak=), the later ones a
+    little cheaper to recompute (measurement noise): every moment of backward over the budget
+    is met by blocks before it, so 7 recomputed blocks fit where picking the cheapest first
+    recomputed 23."""
+    n = 24
+    blocks = [BlockTrace(512 * MiB, 9, 32 * MiB, 2.8 * (1 - 0.002 * i), grad_bytes=384 * MiB) for i in range(n)]
+    t = Trace(blocks, offloaded_before=[i * 512 * MiB for i in range(n)], forward_host_ms=70.0,
+              forward_device_ms=70.0, d2h_GBps=0.5, h2d_GBps=0.5)
+    budget = predicted_peak(t, 0, set(range(n)), 0) + 20 * MiB
+    p = choose(t, budget, grads=True)
+    assert p.fits and p.offloaded == 0 and len(p.recomputed) == 7
+    assert predicted_peak(t, 0, p.recomputed, 0) <= budget
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_like_blocks_are_recomputed_at_the_least_cost(seed):
+    """Blocks that free the same bytes: the plan's recompute cost is the least of every set of
+    blocks that fits (all 2^8 tried), at each budget."""
+    import itertools
+    import random
+    rng = random.Random(seed)
+    n = 8
+    blocks = [BlockTrace(100 * MiB, 5, 10 * MiB, rng.uniform(0.5, 2.0), grad_bytes=60 * MiB) for _ in range(n)]
+    t = Trace(blocks, before_bytes=MiB, after_bytes=2 * MiB, offloaded_before=[MiB + i * 100 * MiB for i in range(n)],
+              forward_host_ms=8.0, forward_device_ms=8.0, d2h_GBps=0.01, h2d_GBps=0.01)  # offloading never pays
+    floor = predicted_peak(t, 0, set(range(n)), 0)
+    for budget in range(floor, predicted_peak(t, 0, set(), 0) + 1, 45 * MiB):
+        best = min(sum(blocks[i].forward_ms for i in r) for size in range(n + 1)
+                   for r in itertools.combinations(range(n), size) if predicted_peak(t, 0, set(r), 0) <= budget)
+        p = choose(t, budget, grads=True)
+        assert p.fits and p.offloaded == 0
+        assert p.predicted_cost_ms == pytest.approx(best, abs=1e-3)
+
+
 def test_recomputing_only_the_last_block_saves_next_to_nothing():
     t = trace(n=2)
     # backward needs the last block's saves first: rebuilt or kept, they are all there at once,
