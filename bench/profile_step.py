@@ -2,7 +2,7 @@
 
     python bench/profile_step.py --out bench/results/profile-w1.json [--trace-dir DIR]
 
-For each variant (no offload; hooks with nothing offloaded; the budget that fits
+For each variant (no offload; hooks with nothing offloaded, a 1-byte budget; the budget that fits
 forward's link time; full offload; with --daemon the budget and full offload through a
 stormd that copies by CUDA IPC) it reports, as medians over --steps steps in each of
 --rounds rounds (the variants run in turn, one model, so machine drift hits all alike):
@@ -82,7 +82,7 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     base = {"mode": "embedded", "pool_size": args.pool_size, "min_bytes": 1 << 20}
     rows: dict = {}
-    variants = [("none", None), ("hooks-only", {**base, "budget": 0}), ("budget-fit", base), ("full", base),
+    variants = [("none", None), ("hooks-only", {**base, "budget": 1}), ("budget-fit", base), ("full", base),
                 ("full-lowmem", base)]
     daemon = None
     if args.daemon:

@@ -82,6 +82,10 @@ class Offload(contextlib.ContextDecorator):
         self._session.mover.verify = o["verify"]
         self._session.mover.codec = o["codec"] or self._session.backend.codec
         self._step = self._session.new_step(self._budget)
+        if self._budget == 0:  # nothing may go: no hooks, so saves cost nothing (storm.plan's recompute-only plans)
+            self._step.budget_reached = True  # as after a first save over the budget: not a size for fractions
+            self._hooks = contextlib.nullcontext()
+            return self
         session, step, policy = self._session, self._step, self._policy
 
         def pack(t: torch.Tensor) -> Any:

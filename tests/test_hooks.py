@@ -601,3 +601,31 @@ def test_a_put_whose_frame_overflowed_is_stored_again_raw(monkeypatch):
         assert ctx.stats.stored_bytes == ctx.stats.offloaded_bytes == 256 * 256 * 4
     assert [r.encode for r in requests] == [True, False, False]
     assert requests[0].key != requests[1].key
+
+
+def test_a_zero_budget_installs_no_hooks_and_keeps_fractions_of_the_last_full_step(monkeypatch):
+    """budget=0: nothing may be offloaded, so no save goes through STORM at all (storm.plan's
+    recompute-only plans then cost nothing per save), and a later fraction budget still
+    measures against the last step that offloaded all."""
+    x = torch.randn(64, 256, requires_grad=True)
+    one = x.numel() * x.element_size()
+
+    def forward() -> torch.Tensor:
+        h = x
+        for _ in range(6):
+            h = torch.tanh(h * 1.5)  # six fresh tensors of `one` bytes
+        return h.sum()
+
+    with storm.offload(mode="embedded", min_bytes=0) as full:
+        forward().backward()
+    assert full.stats.offloaded == 6
+    save = session_mod.ClientSession.save
+    monkeypatch.setattr(session_mod.ClientSession, "save", lambda *a: pytest.fail("a save reached STORM"))
+    with storm.offload(mode="embedded", min_bytes=0, budget=0) as none:
+        loss = forward()
+    loss.backward()
+    assert none.stats.saved == 0 and none.stats.offloaded == 0
+    monkeypatch.setattr(session_mod.ClientSession, "save", save)
+    with storm.offload(mode="embedded", min_bytes=0, budget=0.5) as half:
+        forward().backward()
+    assert half.stats.offloaded_bytes == 3 * one
