@@ -83,7 +83,6 @@ class Offload(contextlib.ContextDecorator):
         self._session.mover.codec = o["codec"] or self._session.backend.codec
         self._step = self._session.new_step(self._budget)
         if self._budget == 0:  # nothing may go: no hooks, so saves cost nothing (storm.plan's recompute-only plans)
-            self._step.budget_reached = True  # as after a first save over the budget: not a size for fractions
             self._hooks = contextlib.nullcontext()
             return self
         session, step, policy = self._session, self._step, self._policy
@@ -116,7 +115,8 @@ class Offload(contextlib.ContextDecorator):
         self._module_hooks = []
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
-        self._session.end_step(self._step)
+        if self._budget != 0:  # a step without hooks leaves the session as it found it
+            self._session.end_step(self._step)
 
     @property
     def stats(self) -> OffloadStats:
