@@ -32,6 +32,7 @@ import storm.session as session  # noqa: E402
 import storm.transfer as transfer  # noqa: E402
 import storm.gpu as gpu  # noqa: E402
 from offload import write  # noqa: E402
+from profile_step import timed_step  # noqa: E402
 from workloads import W1  # noqa: E402
 
 GiB = 1 << 30
@@ -96,29 +97,14 @@ class MinOffload:
 
 def step(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, kind: str, budget: int,
          pinned: torch.Tensor) -> dict[str, float]:
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-    t0 = time.perf_counter()
-    ev[0].record()
     if kind == "none":
-        y = model(x)
+        scope = None
     elif kind == "min":
         m = MinOffload(budget, pinned)
-        with torch.autograd.graph.saved_tensors_hooks(m.pack, m.unpack):
-            y = model(x)
+        scope = torch.autograd.graph.saved_tensors_hooks(m.pack, m.unpack)
     else:
-        with storm.offload(mode="embedded", pool_size="8GiB", min_bytes=1 << 20, budget=budget):
-            y = model(x)
-    ev[1].record()
-    t1 = time.perf_counter()
-    y.float().pow(2).mean().backward()
-    ev[2].record()
-    t2 = time.perf_counter()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    t3 = time.perf_counter()
-    return {"step_ms": (t3 - t0) * 1e3, "host_fwd_ms": (t1 - t0) * 1e3, "host_bwd_ms": (t2 - t1) * 1e3,
-            "gpu_fwd_ms": ev[0].elapsed_time(ev[1]), "gpu_bwd_ms": ev[1].elapsed_time(ev[2])}
+        scope = storm.offload(mode="embedded", pool_size="8GiB", min_bytes=1 << 20, budget=budget)
+    return timed_step(model, x, opt, scope)
 
 
 def medians(samples: list[dict[str, float]]) -> dict[str, float]:

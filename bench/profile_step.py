@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import contextlib
 import gzip
 import pstats
 import signal
@@ -38,15 +39,18 @@ from workloads import W1, W2  # noqa: E402
 
 
 def step(model, x, opt, opts: dict | None) -> dict[str, float]:
-    """One training step; host and compute-stream durations of forward and backward (ms)."""
+    """One training step under storm.offload(**opts) (None: none); see timed_step."""
+    return timed_step(model, x, opt, None if opts is None else storm.offload(**opts))
+
+
+def timed_step(model, x, opt, scope: contextlib.AbstractContextManager | None) -> dict[str, float]:
+    """One training step, forward under ``scope``; host and compute-stream durations of forward
+    and backward (ms)."""
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     t0 = time.perf_counter()
     ev[0].record()
-    if opts is None:
+    with scope if scope is not None else contextlib.nullcontext():
         y = model(x)
-    else:
-        with storm.offload(**opts):
-            y = model(x)
     ev[1].record()
     t1 = time.perf_counter()
     y.float().pow(2).mean().backward()
