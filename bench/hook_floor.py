@@ -97,14 +97,13 @@ class MinOffload:
 
 def step(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, kind: str, budget: int,
          pinned: torch.Tensor) -> dict[str, float]:
-    if kind == "none":
-        scope = None
-    elif kind == "min":
+    def minimal() -> torch.autograd.graph.saved_tensors_hooks:
         m = MinOffload(budget, pinned)
-        scope = torch.autograd.graph.saved_tensors_hooks(m.pack, m.unpack)
-    else:
-        scope = storm.offload(mode="embedded", pool_size="8GiB", min_bytes=1 << 20, budget=budget)
-    return timed_step(model, x, opt, scope)
+        return torch.autograd.graph.saved_tensors_hooks(m.pack, m.unpack)
+
+    scopes = {"none": None, "min": minimal,
+              "storm": lambda: storm.offload(mode="embedded", pool_size="8GiB", min_bytes=1 << 20, budget=budget)}
+    return timed_step(model, x, opt, scopes[kind])
 
 
 def medians(samples: list[dict[str, float]]) -> dict[str, float]:

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -40,16 +41,17 @@ from workloads import W1, W2  # noqa: E402
 
 def step(model, x, opt, opts: dict | None) -> dict[str, float]:
     """One training step under storm.offload(**opts) (None: none); see timed_step."""
-    return timed_step(model, x, opt, None if opts is None else storm.offload(**opts))
+    return timed_step(model, x, opt, None if opts is None else lambda: storm.offload(**opts))
 
 
-def timed_step(model, x, opt, scope: contextlib.AbstractContextManager | None) -> dict[str, float]:
-    """One training step, forward under ``scope``; host and compute-stream durations of forward
+def timed_step(model, x, opt, scope: Callable[[], contextlib.AbstractContextManager] | None) -> dict[str, float]:
+    """One training step, forward under the context ``scope()`` makes (made inside the timed
+    step, as a training loop makes it each step); host and compute-stream durations of forward
     and backward (ms)."""
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     t0 = time.perf_counter()
     ev[0].record()
-    with scope if scope is not None else contextlib.nullcontext():
+    with scope() if scope is not None else contextlib.nullcontext():
         y = model(x)
     ev[1].record()
     t1 = time.perf_counter()
