@@ -17,9 +17,10 @@ process's first offload also sets up the pinned pool), which of them a frame cod
 put in frames (CUDA bf16 storages of at least FRAME_MIN_BYTES, as transfer.Mover.put
 decides) with their bytes and their frames' bytes, and its input's bytes (what
 recomputing keeps); where the store refused some (a full pool), what it took, which
-plans then do not offload beyond. The second recomputes every block and offloads nothing, and records
-each block's forward time (what recomputing it costs), with events on the compute stream
-on CUDA, so a launch-bound model's host time counts as it does in training. Both are the
+plans then do not offload beyond. The second recomputes every block and offloads
+nothing, and records each block's forward time (what recomputing it costs), with events
+on the compute stream on CUDA, so a launch-bound model's host time counts as it does in
+training. Both are the
 least-memory steps of their kind. Pinned copy bandwidth each way is measured once per
 trace, and, when some tensor would be framed, the training thread's time to encode and
 decode one frame (the median of a few on a FRAME_MIN_BYTES bf16 tensor) and the device's
@@ -41,9 +42,9 @@ A codec given in the storm.offload options is kept: a frame codec allows compres
 only, another raw ones only. Recomputing block i costs its forward time. For each k, queue
 size and raw or compressed, other blocks are recomputed until the predicted peak fits:
 each moment of backward over the budget, in the order they come, by the blocks before it
-that cost the least time per byte recomputing removes. The predicted peak is the largest of backward's start (kept
-blocks, inputs of recomputed ones, offloaded bytes still on the device, the prefetch
-window, and for compressed plans the largest offloaded block's frames, which the host
+that cost the least time per byte recomputing removes. The predicted peak is the largest
+of backward's start (kept blocks, inputs of recomputed ones, offloaded bytes still on the
+device, the prefetch window, and for compressed plans the largest offloaded block's frames, which the host
 holds while it encodes or decodes) and each block's backward (what
 the blocks before it keep and its own saves, kept, rebuilt or fetched; with ``peak``, also
 the parameter gradients backward has allocated by then, traced as those that were None
