@@ -609,6 +609,8 @@ class Planner:
                 return
             if i >= p.offloaded:
                 ctx.drain(limit[i])
+            elif i == p.offloaded - 1:  # the later blocks' saves stay: no hooks for them to pass through
+                ctx.stop_offloading()
             t = _first_tensor(out)
             if t is not None and t.requires_grad:
                 t.register_hook(lambda grad: ctx.allow_prefetch(room[i]))

@@ -309,8 +309,7 @@ class ClientSession:
                 if step.past_budget_bytes - step.marked_bytes >= MARK_BYTES:
                     marker = Kept(t, step, step.past_budget_bytes - step.marked_bytes)
                     step.marked_bytes = step.past_budget_bytes
-                    self.poll()  # let go of tensors whose copy finished: nothing else polls past the budget
-                    self.drain(self._held_limit(step))
+                    self.drain(self._held_limit(step))  # it polls: nothing else does past the budget
                     return marker
         return Kept(t)
 
@@ -520,7 +519,9 @@ class ClientSession:
         return max(0, freed) + self._prefetched_bytes  # the bytes prefetched are allocated already
 
     def drain(self, limit: int) -> None:
-        """Wait, oldest first, until at most ``limit`` bytes of saved tensors wait for their copy."""
+        """Let go of saved tensors whose copy has finished, then wait, oldest first, until at most
+        ``limit`` bytes of them wait for their copy."""
+        self.poll()
         while True:
             with self._lock:
                 if self._held_bytes <= limit or not self._held:

@@ -406,6 +406,60 @@ def test_saves_past_the_budget_stay_with_storm(outer):
     assert same_bits(x.grad, chain_grad(x))
 
 
+def test_stop_offloading_takes_the_hooks_off_for_the_rest_of_forward(monkeypatch):
+    """After stop_offloading the later saves pass through no STORM hook (autograd keeps them and
+    checks them for in-place changes itself); what was offloaded before comes back bit-exact."""
+    x = torch.randn(128, 128, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        h = x
+        for _ in range(3):
+            h = h.tanh()
+        assert ctx.stop_offloading() and not ctx.stop_offloading()  # once: the hooks are off
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        monkeypatch.setattr(session_mod.ClientSession, "save", lambda *a: pytest.fail("a save reached STORM"))
+        monkeypatch.setattr(session_mod.ClientSession, "save_past_budget",
+                            lambda *a: pytest.fail("a save reached STORM"))
+        for _ in range(3):
+            h = h.tanh()
+        later = h.exp()
+    monkeypatch.undo()
+    assert ctx.stats.offloaded == 3 and ctx.stats.saved == 3 and not ctx.stats.kept
+    ctx.synchronize()
+    later.sum().backward()
+    expected = x.detach().clone().requires_grad_()
+    h = expected
+    for _ in range(6):
+        h = h.tanh()
+    h.exp().sum().backward()
+    assert same_bits(x.grad, expected.grad)
+    assert ctx.stats.fetched == 3
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        ctx.stop_offloading()
+        y = torch.randn(8, requires_grad=True).exp()
+        y.add_(1)  # exp saved its output: autograd's own version check sees this
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_stop_offloading_changes_nothing_under_other_hooks():
+    """Inside another saved_tensors_hooks (a checkpointed block, save_on_cpu) the innermost hooks
+    are not STORM's: stop_offloading leaves them, and STORM's, in place."""
+    outer = torch.autograd.graph.save_on_cpu()
+    with outer:
+        with storm.offload(mode="embedded", min_bytes=0) as ctx:
+            ours = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            with torch.autograd.graph.save_on_cpu():
+                inner = torch._C._autograd._top_saved_tensors_default_hooks(False)
+                assert not ctx.stop_offloading()
+                assert torch._C._autograd._top_saved_tensors_default_hooks(False) == inner
+            assert torch._C._autograd._top_saved_tensors_default_hooks(False) == ours
+            assert ctx.stop_offloading()
+        # ours came off once: leaving the context takes nothing more off the stack
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False)[0] is outer.pack_hook
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not storm.offload(mode="embedded").stop_offloading()  # not entered
+
+
 def test_markers_past_the_budget_pace_prefetch(monkeypatch):
     """Past the budget one save in about MARK_BYTES is a marker; as backward unpacks each, the
     offloaded saves (needed last) may come back by the bytes saved since the marker before,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import storm
+import storm.session as session_mod
 from storm.examples.models import GPT, same_bits
 from storm.kernels.frame import frame_nbytes
 from storm.planner import BlockTrace, Trace, _Offloading, choose, frames_of, predicted_peak
@@ -425,14 +426,20 @@ def test_a_given_plan_is_applied_and_backward_progress_drives_prefetch(monkeypat
     model, idx = gpt()
     ref = grads_of(copy.deepcopy(model), idx)
     planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
-    for _ in range(3):
-        ctx = planner.step()
-        got = grads_of(model, idx, ctx)
+    for _ in range(2):  # the traces
+        grads_of(model, idx, planner.step())
+    past = []  # saves past the offloaded blocks that reached STORM's hooks
+    monkeypatch.setattr(session_mod.ClientSession, "save_past_budget",
+                        lambda self, t, step: past.append(t) or session_mod.Kept(t))
+    ctx = planner.step()
+    got = grads_of(model, idx, ctx)
     assert all(same_bits(a, b) for a, b in zip(ref, got))
     t = planner.trace
     assert {i for i, b in enumerate(model.blocks) if "forward" in vars(b)} == {4}
     st = ctx.stats
     assert st.offloaded_bytes == t.before_bytes + t.blocks[0].saved_bytes + t.blocks[1].saved_bytes
+    # the hooks came off after block 1: blocks 2-5 saved as without STORM
+    assert not past and storm.Keep.BUDGET not in st.kept
     assert st.fetched == st.offloaded and st.prefetch_hits == st.offloaded
     planner.close()
 
