@@ -18,10 +18,12 @@ quantity, and corrects its plan until one fits). Per budget the
 summary compares the planner's measured step and peak with the fastest other
 method whose measured peak fits the same cap, and with the lower bound
 max(no-offload step, b / D2H, b / H2D), the pinned bandwidths measured in the
-same run. With --duel R, per budget the planner and that best other method are
-then built side by side and timed in alternation, R rounds of --steps steps
-each: the lent machines drift by 10 to 25% within a run, and rows measured
-minutes apart compare that drift too. Without CUDA it exits 2, except
+same run. With --duel R, per budget the planner, that best other method and no
+offload are then built side by side and timed in alternation, R rounds of
+--steps steps each, and the planner is compared with both and with the bound
+from that no-offload time: the lent machines drift by 10 to 40% within a run,
+and rows measured minutes apart compare that drift too. (Three models at once:
+W2's take about 60 GiB of parameters and gradients.) Without CUDA it exits 2, except
 --plot-only, which recomputes the summary from a results JSON, prints the table
 and draws the plot.
 """
@@ -185,37 +187,46 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         sec.update(summarize(sec, link))
         write(args, results)
         if args.duel:
-            sec["duel"] = duel(w, sec, args, device, storm_opts)
+            sec["duel"] = duel(w, sec, args, device, storm_opts, link)
             write(args, results)
     return results
 
 
-def duel(w: Workload, sec: dict, args: argparse.Namespace, device: torch.device, storm_opts: dict) -> list[dict]:
-    """Per budget where the planner fit its cap: the planner and the fastest other method that
-    fits, side by side on the device, timed in alternation; medians of all their steps."""
+def duel(w: Workload, sec: dict, args: argparse.Namespace, device: torch.device, storm_opts: dict,
+         link: dict[str, float]) -> list[dict]:
+    """Per budget where the planner fit its cap: the planner, the fastest other method that fits
+    and no offload (the bound's reference), side by side on the device, timed in alternation;
+    medians of all their steps, and the planner against the bound from that no-offload time."""
     out = []
-    for p in sec["planner"]:
-        if not p["fits_cap"] or p["best_other"] is None:
-            continue
-        row = next(r for r in sec["rows"] if r["label"] == p["best_other"])
-        mine = Trainer(*contender(w, {"method": "plan", "budget_bytes": p["budget_bytes"]}, storm_opts,
-                                  sec["total_bytes"]), device)
-        theirs = Trainer(*contender(w, row, storm_opts), device)
-        try:
-            mine.warm(args.warmup)
-            theirs.warm(args.warmup)
-            times: tuple[list[float], list[float]] = ([], [])
-            for _ in range(args.duel):
-                times[0].extend(mine.step() for _ in range(args.steps))
-                times[1].extend(theirs.step() for _ in range(args.steps))
-        finally:
-            mine.close()
-            theirs.close()
-        plan_ms, other_ms = (round(statistics.median(t) * 1e3, 2) for t in times)
-        out.append({"budget_bytes": p["budget_bytes"], "plan_ms": plan_ms, "other": row["label"],
-                    "other_ms": other_ms, "ratio": round(plan_ms / other_ms, 3)})
-        print(f"{w.name} duel at cap {p['peak_cap_GiB']} GiB: plan {plan_ms} ms, {row['label']} {other_ms} ms",
-              flush=True)
+    none = Trainer(w, "none", {}, device)  # one for every budget: a third model on the device, not more
+    try:
+        none.warm(args.warmup)
+        for p in sec["planner"]:
+            if not p["fits_cap"] or p["best_other"] is None:
+                continue
+            row = next(r for r in sec["rows"] if r["label"] == p["best_other"])
+            mine = Trainer(*contender(w, {"method": "plan", "budget_bytes": p["budget_bytes"]}, storm_opts,
+                                      sec["total_bytes"]), device)
+            theirs = Trainer(*contender(w, row, storm_opts), device)
+            try:
+                mine.warm(args.warmup)
+                theirs.warm(args.warmup)
+                times: tuple[list[float], ...] = ([], [], [])
+                for _ in range(args.duel):
+                    for t, trainer in zip(times, (mine, theirs, none)):
+                        t.extend(trainer.step() for _ in range(args.steps))
+            finally:
+                mine.close()
+                theirs.close()
+            plan_ms, other_ms, none_ms = (round(statistics.median(t) * 1e3, 2) for t in times)
+            bound = round(lower_bound_ms(p["budget_bytes"], none_ms, link), 2)
+            out.append({"budget_bytes": p["budget_bytes"], "plan_ms": plan_ms, "other": row["label"],
+                        "other_ms": other_ms, "ratio": round(plan_ms / other_ms, 3), "none_ms": none_ms,
+                        "lower_bound_ms": bound, "x_bound": round(plan_ms / bound, 3)})
+            print(f"{w.name} duel at cap {p['peak_cap_GiB']} GiB: plan {plan_ms} ms, {row['label']} {other_ms} ms, "
+                  f"none {none_ms} ms (bound {bound} ms)", flush=True)
+    finally:
+        none.close()
     return out
 
 
@@ -239,9 +250,13 @@ def table(name: str, section: dict) -> str:
         line += f"{p['best_other']:<24} {p['best_other_ms']:>8.2f}" if p["best_other"] else "none fits"
         lines.append(line)
     if section.get("duel"):
-        lines += ["", "in alternation:", f"{'budget GiB':>10} {'plan ms':>8} {'other':<24} {'ms':>8} {'ratio':>6}"]
+        timed_none = all("none_ms" in d for d in section["duel"])  # not in results from before it was
+        lines += ["", "in alternation:", f"{'budget GiB':>10} {'plan ms':>8} {'other':<24} {'ms':>8} {'ratio':>6}"
+                  + (f" {'none ms':>8} {'bound ms':>9} {'x bound':>7}" if timed_none else "")]
         lines += [f"{d['budget_bytes'] / GiB:>10.3f} {d['plan_ms']:>8.2f} {d['other']:<24} {d['other_ms']:>8.2f} "
-                  f"{d['ratio']:>6.3f}" for d in section["duel"]]
+                  f"{d['ratio']:>6.3f}" + (f" {d['none_ms']:>8.2f} {d['lower_bound_ms']:>9.2f} {d['x_bound']:>7.3f}"
+                                          if timed_none else "")
+                  for d in section["duel"]]
     return "\n".join(lines)
 
 
@@ -285,7 +300,8 @@ def main() -> int:
                    help="byte budgets instead of --points (bytes or e.g. 512MiB)")
     p.add_argument("--pool-size", default="24GiB")
     p.add_argument("--duel", type=int, default=0, metavar="ROUNDS",
-                   help="then time the planner and the best other method that fits in alternation, per budget")
+                   help="then time the planner, the best other method that fits and no offload in alternation, "
+                        "per budget")
     p.add_argument("--quick", action="store_true", help="3 budgets, --steps 3 --warmup 1: a smoke run")
     p.add_argument("--out", help="results JSON (required unless --plot-only)")
     p.add_argument("--resume", metavar="RESULTS.json", default=None,
