@@ -10,7 +10,9 @@ storm.offload(budget=B) (embedded store); "storm-hooks" its hooks with nothing o
 1-byte budget). Variants run in turn, --rounds times, medians of their steps. Then one
 instrumented run of each at 1 GiB: the training thread's time in the hooks, and for STORM
 per function (pack, unpack and what they call). On a launch-bound model the host time a hook
-adds is step time; what "min" adds is what any per-tensor hook pays on that host.
+adds is step time; what "min" adds is what any per-tensor hook pays on that host. With
+--plan-caps, storm.plan(peak=cap) too, on a model of its own, as it runs ("plan-CAP": STORM's
+hooks come off after the last offloaded block) and with them left on ("plan-CAP-hooks-on").
 """
 
 from __future__ import annotations
@@ -106,6 +108,37 @@ def step(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, ki
     return timed_step(model, x, opt, scopes[kind])
 
 
+class Planned:
+    """W1 under storm.plan(peak=cap) on a model of its own (the plan sets its blocks' forwards);
+    ``hooks_on``: STORM's hooks stay on past the offloaded blocks, as before stop_offloading."""
+
+    def __init__(self, cap: float, hooks_on: bool):
+        torch.manual_seed(0)
+        self.model, self.x = W1.build(torch.device("cuda"))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.planner = storm.plan(self.model.blocks, peak=int(cap * GiB), mode="embedded", pool_size="8GiB",
+                                  min_bytes=1 << 20)
+        self.hooks_on = hooks_on
+        for _ in range(12):  # two traces and the measured planned steps
+            self.step()
+            if self.planner.settled:
+                break
+
+    def _scope(self) -> storm.Offload:
+        ctx = self.planner.step()
+        if self.hooks_on:
+            ctx.stop_offloading = lambda: False
+        return ctx
+
+    def step(self) -> dict[str, float]:
+        return timed_step(self.model, self.x, self.opt, self._scope)
+
+    def describe(self) -> dict[str, Any]:
+        p = self.planner.plan
+        return {"offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed),
+                "settled": self.planner.settled}
+
+
 def medians(samples: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(s[k] for s in samples), 2) for k in samples[0]}
 
@@ -115,6 +148,8 @@ def main() -> int:
     p.add_argument("--budgets", type=float, nargs="+", default=[0.45, 1.0], help="GiB offloaded")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--plan-caps", type=float, nargs="*", default=[], metavar="GiB",
+                   help="also storm.plan(peak=cap) with its hooks off past the offloaded blocks, and on")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     model, x = W1.build(torch.device("cuda"))
@@ -124,13 +159,22 @@ def main() -> int:
     for b in args.budgets:
         variants += [(f"min-{b:g}", "min", int(b * GiB)), (f"storm-{b:g}", "storm", int(b * GiB))]
     variants.append(("storm-hooks", "storm", 1))
+    runs: dict[str, Callable[[], dict[str, float]]] = {
+        name: functools.partial(step, model, x, opt, kind, b, pinned) for name, kind, b in variants}
+    plans = {}
+    for cap in args.plan_caps:
+        for hooks_on in (False, True):
+            name = f"plan-{cap:g}" + ("-hooks-on" if hooks_on else "")
+            plans[name] = Planned(cap, hooks_on)
+            runs[name] = plans[name].step
     samples = collections.defaultdict(list)
     for _ in range(args.rounds):  # in turn, so a drifting host drifts for all
-        for name, kind, b in variants:
+        for name, run in runs.items():
             for _ in range(3):
-                step(model, x, opt, kind, b, pinned)
-            samples[name] += [step(model, x, opt, kind, b, pinned) for _ in range(args.steps)]
+                run()
+            samples[name] += [run() for _ in range(args.steps)]
     rows = {name: medians(s) for name, s in samples.items()}
+    rows.update({f"{name} plan": planned.describe() for name, planned in plans.items()})
     for name, row in rows.items():
         print(name, row, flush=True)
     for name, f in [("save (pack)", "save"), ("_offload", "_offload"), ("poll", "poll"), ("load (unpack)", "load"),
