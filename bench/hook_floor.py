@@ -11,8 +11,9 @@ storm.offload(budget=B) (embedded store); "storm-hooks" its hooks with nothing o
 instrumented run of each at 1 GiB: the training thread's time in the hooks, and for STORM
 per function (pack, unpack and what they call). On a launch-bound model the host time a hook
 adds is step time; what "min" adds is what any per-tensor hook pays on that host. With
---plan-caps, storm.plan(peak=cap) too, on a model of its own, as it runs ("plan-CAP": STORM's
-hooks come off after the last offloaded block) and with them left on ("plan-CAP-hooks-on").
+--plan-caps, storm.plan(peak=cap) too, on a model of its own, its settled plan run as storm.plan
+runs it ("plan-CAP": STORM's hooks come off after the last offloaded block) and with the hooks
+left on ("plan-CAP-hooks-on"); a plan that offloads nothing installs no hooks in either.
 """
 
 from __future__ import annotations
@@ -109,29 +110,29 @@ def step(model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, ki
 
 
 class Planned:
-    """W1 under storm.plan(peak=cap) on a model of its own (the plan sets its blocks' forwards);
-    ``hooks_on``: STORM's hooks stay on past the offloaded blocks, as before stop_offloading."""
+    """W1 under storm.plan(peak=cap) on a model of its own (the plan sets its blocks' forwards).
+    Once the plan has settled, its steps run as storm.plan runs them or, with ``hooks_on``, with
+    STORM's hooks left on past the offloaded blocks (as before stop_offloading): the same plan."""
 
-    def __init__(self, cap: float, hooks_on: bool):
+    def __init__(self, cap: float):
         torch.manual_seed(0)
         self.model, self.x = W1.build(torch.device("cuda"))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
         self.planner = storm.plan(self.model.blocks, peak=int(cap * GiB), mode="embedded", pool_size="8GiB",
                                   min_bytes=1 << 20)
-        self.hooks_on = hooks_on
         for _ in range(12):  # two traces and the measured planned steps
-            self.step()
+            self.step(False)
             if self.planner.settled:
                 break
 
-    def _scope(self) -> storm.Offload:
-        ctx = self.planner.step()
-        if self.hooks_on:
-            ctx.stop_offloading = lambda: False
-        return ctx
+    def step(self, hooks_on: bool) -> dict[str, float]:
+        def scope() -> storm.Offload:
+            ctx = self.planner.step()
+            if hooks_on:
+                ctx.stop_offloading = lambda: False
+            return ctx
 
-    def step(self) -> dict[str, float]:
-        return timed_step(self.model, self.x, self.opt, self._scope)
+        return timed_step(self.model, self.x, self.opt, scope)
 
     def describe(self) -> dict[str, Any]:
         p = self.planner.plan
@@ -149,7 +150,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--plan-caps", type=float, nargs="*", default=[], metavar="GiB",
-                   help="also storm.plan(peak=cap) with its hooks off past the offloaded blocks, and on")
+                   help="also storm.plan(peak=cap), its hooks off past the offloaded blocks and left on")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     model, x = W1.build(torch.device("cuda"))
@@ -163,10 +164,9 @@ def main() -> int:
         name: functools.partial(step, model, x, opt, kind, b, pinned) for name, kind, b in variants}
     plans = {}
     for cap in args.plan_caps:
-        for hooks_on in (False, True):
-            name = f"plan-{cap:g}" + ("-hooks-on" if hooks_on else "")
-            plans[name] = Planned(cap, hooks_on)
-            runs[name] = plans[name].step
+        plans[f"plan-{cap:g}"] = planned = Planned(cap)
+        runs[f"plan-{cap:g}"] = functools.partial(planned.step, False)
+        runs[f"plan-{cap:g}-hooks-on"] = functools.partial(planned.step, True)
     samples = collections.defaultdict(list)
     for _ in range(args.rounds):  # in turn, so a drifting host drifts for all
         for name, run in runs.items():
