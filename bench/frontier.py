@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offload import GiB, Trainer, link_bandwidth, run, write  # noqa: E402
+from offload import GiB, Trainer, link_bandwidth, plan_summary, run, write  # noqa: E402
 from stormd.config import parse_size  # noqa: E402
 from workloads import W1, W2, Net, Workload  # noqa: E402
 
@@ -215,6 +215,7 @@ def duel(w: Workload, sec: dict, args: argparse.Namespace, device: torch.device,
                 for _ in range(args.duel):
                     for t, trainer in zip(times, (mine, theirs, none)):
                         t.extend(trainer.step() for _ in range(args.steps))
+                chosen = plan_summary(mine.planner)  # planned afresh here: it may differ from the row's plan
             finally:
                 mine.close()
                 theirs.close()
@@ -222,7 +223,7 @@ def duel(w: Workload, sec: dict, args: argparse.Namespace, device: torch.device,
             bound = round(lower_bound_ms(p["budget_bytes"], none_ms, link), 2)
             out.append({"budget_bytes": p["budget_bytes"], "plan_ms": plan_ms, "other": row["label"],
                         "other_ms": other_ms, "ratio": round(plan_ms / other_ms, 3), "none_ms": none_ms,
-                        "lower_bound_ms": bound, "x_bound": round(plan_ms / bound, 3)})
+                        "lower_bound_ms": bound, "x_bound": round(plan_ms / bound, 3), "plan": chosen})
             print(f"{w.name} duel at cap {p['peak_cap_GiB']} GiB: plan {plan_ms} ms, {row['label']} {other_ms} ms, "
                   f"none {none_ms} ms (bound {bound} ms)", flush=True)
     finally:

@@ -34,7 +34,7 @@ import storm  # noqa: E402
 import storm.session as session  # noqa: E402
 import storm.transfer as transfer  # noqa: E402
 import storm.gpu as gpu  # noqa: E402
-from offload import write  # noqa: E402
+from offload import plan_summary, write  # noqa: E402
 from profile_step import timed_step  # noqa: E402
 from workloads import W1  # noqa: E402
 
@@ -134,10 +134,6 @@ class Planned:
 
         return timed_step(self.model, self.x, self.opt, scope)
 
-    def describe(self) -> dict[str, Any]:
-        p = self.planner.plan
-        return {"offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed),
-                "settled": self.planner.settled}
 
 
 def medians(samples: list[dict[str, float]]) -> dict[str, float]:
@@ -174,7 +170,7 @@ def main() -> int:
                 run()
             samples[name] += [run() for _ in range(args.steps)]
     rows = {name: medians(s) for name, s in samples.items()}
-    rows.update({f"{name} plan": planned.describe() for name, planned in plans.items()})
+    rows.update({f"{name} plan": plan_summary(planned.planner) for name, planned in plans.items()})
     for name, row in rows.items():
         print(name, row, flush=True)
     for name, f in [("save (pack)", "save"), ("_offload", "_offload"), ("poll", "poll"), ("load (unpack)", "load"),

@@ -102,6 +102,15 @@ class Trainer:
         torch.cuda.empty_cache()
 
 
+def plan_summary(pl: storm.Planner) -> dict:
+    """What a storm.plan chose and predicted, for a results row."""
+    p = pl.plan
+    return {"offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed), "compressed": p.compressed,
+            "predicted_peak_GiB": round(p.predicted_peak / GiB, 3), "predicted_cost_ms": p.predicted_cost_ms,
+            "fits": p.fits, "settled": pl.settled, "target_GiB": pl.target and round(pl.target / GiB, 3),
+            "besides_GiB": pl.besides and round(pl.besides / GiB, 3)}
+
+
 def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: torch.device) -> dict:
     t = Trainer(w, method, opts, device)
     try:
@@ -132,14 +141,7 @@ def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: t
                      frame_overflows=st.frame_overflows, offloaded_tensors=st.offloaded, kept=dict(st.kept),
                      fetch_wait_ms=round(st.fetch_wait_s * 1e3, 2), backend=t.last.backend_name)
         if t.planner is not None:
-            pl, p = t.planner, t.planner.plan
-            r.update(plan={"offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed),
-                           "compressed": p.compressed,
-                           "predicted_peak_GiB": round(p.predicted_peak / GiB, 3),
-                           "predicted_cost_ms": p.predicted_cost_ms, "fits": p.fits, "settled": pl.settled,
-                           "target_GiB": pl.target and round(pl.target / GiB, 3),
-                           "besides_GiB": pl.besides and round(pl.besides / GiB, 3)},
-                     explain=pl.explain())
+            r.update(plan=plan_summary(t.planner), explain=t.planner.explain())
     except torch.OutOfMemoryError:
         r = {"error": "OOM"}
     t.close()
