@@ -76,6 +76,29 @@ def test_the_daemon_copies_cuda_tensors_itself_bit_exact(daemon):
     assert (n["cuda_segments"], n["used"], n["keys"]) == (0, 0, 0), n
 
 
+def test_a_tensor_still_being_computed_is_put_once_complete_bit_exact(daemon):
+    # stormd is never asked to wait on an event that has not fired: its copy stream would stall behind
+    # this process's work (W2 at the budget: 277 ms a step through stormd against 248 embedded)
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 20,), dtype=torch.int32, device="cuda")
+    bits[:5] = torch.tensor([0x7FC00001, -2**31, 1, 0x7F800000, 0x7FA00001], dtype=torch.int32)  # NaN, -0.0, ...
+    x = bits.view(torch.float32).clone().requires_grad_()
+    x.detach().clone().sin()  # load the kernels now: a first launch waits for the device (lazy loading)
+    torch.cuda.synchronize()
+    with storm.offload(mode="daemon", socket=daemon.endpoint, min_bytes=0):
+        torch.cuda._sleep(int(2e9))  # about a second of GPU spin: y is not there yet when it is saved
+        y = x.clone()
+        z = y.sin()
+        time.sleep(0.2)
+        assert node(daemon.endpoint)["keys"] == 0  # the PUT waits for the tensor, not stormd
+    torch.cuda.synchronize()
+    session = session_for("daemon", daemon.endpoint, None)
+    session.drain(0)  # the put has finished: unpack must fetch from the store
+    assert node(daemon.endpoint)["keys"] == 1
+    saved = z.grad_fn._saved_self
+    assert saved.data_ptr() != y.data_ptr()
+    assert same_bits(saved, y.detach())
+
+
 def test_forged_handles_and_ranges_past_a_segment_are_refused(daemon):
     c = RawClient(daemon.endpoint)
     hello = c.hello()
