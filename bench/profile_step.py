@@ -74,6 +74,10 @@ def main() -> int:
                    help="run the variants this many times in turn, --steps steps each; medians over all")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--pool-size", default="8GiB")
+    p.add_argument("--budget", type=int, default=None,
+                   help="bytes for the budget-fit variants (default: what the link carries while forward runs, "
+                        "measured in the first round; fix it to compare runs)")
+    p.add_argument("--only", default=None, help="comma-separated variants to run (default: all)")
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--cprofile", action="store_true", help="print the Python functions that took the host's time")
     p.add_argument("--daemon", action="store_true",
@@ -97,9 +101,17 @@ def main() -> int:
         daemon, endpoint = start_daemon(tmp, args.pool_size, cprofile=daemon_profile)
         through = {**base, "mode": "daemon", "socket": endpoint}
         variants += [("daemon-budget-fit", through), ("daemon-full", through)]
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = set(wanted) - {name for name, _ in variants}
+        if unknown:
+            p.error(f"--only: no variant {sorted(unknown)} (they are {[name for name, _ in variants]})")
+        variants = [v for v in variants if v[0] in wanted]
+        if args.budget is None and "none" not in wanted and any(w.endswith("budget-fit") for w in wanted):
+            p.error("--only: the budget-fit variants size their budget from none's forward: add none, or --budget")
     samples: dict[str, list[dict[str, float]]] = {}
     profiled: dict[str, list[dict[str, float]]] = {}
-    fit_budget: int | None = None
+    fit_budget: int | None = args.budget
     for rnd in range(args.rounds):  # the variants in alternation, so a drifting machine drifts for all
         for name, opts in variants:
             if name.endswith("budget-fit"):  # what the link carries while forward runs, fixed at the first round's
