@@ -1,0 +1,60 @@
+"""The mover's Replied: a copy stormd makes resolves from its reply, on the calling thread, with the
+errors a worker's Future would carry (CPU; tests/test_gpu_daemon_copies.py runs it on stormd's copies)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+
+from client import transfer
+from client.backend import settle
+from client.errors import StormIntegrityError, StormRequestError, StormUnavailable
+from client.transfer import Replied
+
+
+class Backend:
+    name = "stormd under test"
+
+
+def test_it_resolves_from_the_reply_once_and_only_once_it_is_in():
+    reply: Future = Future()
+    calls = []
+    r = Replied(Backend(), "GET", reply, lambda fields: calls.append(fields) or fields["nbytes"] * 2)
+    assert not r.done()
+    settle(reply, {"ok": True, "nbytes": 21})
+    assert r.done()
+    assert r.exception() is None
+    assert r.result() == 42 and r.result() == 42
+    assert calls == [{"ok": True, "nbytes": 21}]  # mapped once
+
+
+def test_an_error_reply_is_its_exception_and_every_result_raises_it():
+    reply: Future = Future()
+    r = Replied(Backend(), "PUT", reply, lambda fields: pytest.fail("an error reply is not mapped"))
+    settle(reply, {"ok": False, "error": "POOL_FULL", "message": "no room"})
+    err = r.exception()
+    assert isinstance(err, StormRequestError) and "POOL_FULL" in str(err)
+    for _ in range(2):
+        with pytest.raises(StormRequestError):
+            r.result()
+
+
+def test_a_reply_the_mapping_refuses_is_the_transfers_error():
+    reply: Future = Future()
+
+    def refuse(fields):
+        raise StormIntegrityError(f"store returned {fields['nbytes']} bytes")
+    r = Replied(Backend(), "GET", reply, refuse)
+    settle(reply, {"ok": True, "nbytes": 3})
+    assert isinstance(r.exception(), StormIntegrityError)
+    with pytest.raises(StormIntegrityError, match="3 bytes"):
+        r.result()
+
+
+def test_a_reply_that_never_comes_is_unavailable_after_the_request_timeout(monkeypatch):
+    monkeypatch.setattr(transfer, "REQUEST_TIMEOUT", 0.05)
+    r = Replied(Backend(), "GET", Future(), lambda fields: fields)
+    with pytest.raises(StormUnavailable, match="did not answer GET"):
+        r.result()
+    assert isinstance(r.exception(), StormUnavailable)
