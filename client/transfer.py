@@ -16,7 +16,8 @@ CUDA tensors through a stormd that copies that GPU's memory (HELLO's
 ``cuda_devices``): PUT and GET name the tensor's (or destination's) cudaMalloc
 segment by its IPC handle, with an interprocess ready event; stormd queues the
 copy on its own streams and records the request's interprocess done event,
-which the transfer returns. A PUT whose tensor the GPU has not finished yet is
+which the transfer returns, read off the reply without the worker (Replied).
+A PUT whose tensor the GPU has not finished yet is
 sent by the worker once it has: stormd's copy stream never waits on another
 process's event (W2 at the budget: 277 ms a step through stormd waiting there,
 258 sent when ready, 254 embedded). Memory that cannot be exported (expandable_segments)
