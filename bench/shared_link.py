@@ -1,0 +1,127 @@
+"""Training processes sharing one GPU and one stormd: does each get its share of the link?
+
+    python bench/shared_link.py --procs 2 --out bench/results/shared-link-DATE.json
+    python bench/shared_link.py --device cpu --tiny --procs 2 --steps 4 --out /tmp/s.json   # a smoke run
+
+Starts one stormd; trains W1 (bench/workloads.py) with full offload through it in one process,
+then in --procs processes at once, all on --device (independent runs, no DDP: NCCL takes one
+rank per GPU). Full offload of W1 is bound by the link, so the processes compete for it.
+stormd gives every session its own copy streams and queues each request's copy when it comes,
+with no ordering of its own between sessions; this measures what that gives each process.
+
+Each process times its steps (wall clock, synchronized) after --warmup steps; the processes start
+their timed steps together, and only steps that ran while every process was still stepping count,
+so none is timed with the link to itself. Reported: the single process's median step, each
+shared process's median step, the spread (slowest over fastest process: 1.0 is an even share)
+and the throughput of all processes together over the single one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import storm  # noqa: E402
+from daemon import start_daemon  # noqa: E402
+from offload import write  # noqa: E402
+from workloads import W1, Workload  # noqa: E402
+
+TINY = Workload("tiny", layers=2, d=64, heads=2, batch=2, seq=32)
+
+
+def train(index: int, a: argparse.Namespace, endpoint: str, start: Any, results: Any) -> None:
+    """One process: --warmup steps, then (once every process is ready) --steps timed steps."""
+    device = torch.device(a.device)
+    w = TINY if a.tiny else W1
+    model, x = w.build(device, seed=index)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    opts = {"mode": "daemon", "socket": endpoint, "min_bytes": 0 if a.tiny else 1 << 20}
+
+    offloaded: list[int] = []
+
+    def step() -> tuple[float, float]:
+        t0 = time.time()
+        with storm.offload(**opts) as ctx:  # mode="daemon": no fallback to an embedded store
+            y = model(x)
+        y.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        offloaded.append(ctx.stats.offloaded)
+        return t0, time.time()
+
+    for _ in range(a.warmup):
+        step()
+    start.wait()
+    spans = [step() for _ in range(a.steps)]
+    results.put({"process": index, "spans": spans, "offloaded_tensors_per_step": min(offloaded[a.warmup:])})
+    storm.close_all()
+
+
+def run(a: argparse.Namespace, procs: int, endpoint: str) -> list[dict[str, Any]]:
+    """``procs`` processes at once; each one's rows, with its median over the steps every process overlapped."""
+    ctx = multiprocessing.get_context("spawn")  # CUDA does not survive fork
+    start, results = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=train, args=(i, a, endpoint, start, results)) for i in range(procs)]
+    for p in workers:
+        p.start()
+    rows = sorted((results.get(timeout=a.timeout) for _ in workers), key=lambda r: r["process"])
+    for p in workers:
+        p.join(timeout=60)
+        if p.exitcode != 0:
+            raise RuntimeError(f"a training process exited with {p.exitcode}")
+    first_end = min(r["spans"][-1][1] for r in rows)  # after it, some process no longer competes
+    for r in rows:
+        inside = [t1 - t0 for t0, t1 in r.pop("spans") if t1 <= first_end]
+        if not inside:
+            raise RuntimeError(f"process {r['process']} finished no step while all processes ran")
+        r["steps_counted"] = len(inside)
+        r["step_ms"] = round(statistics.median(inside) * 1e3, 2)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--pool-size", default="16GiB")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="a tiny model instead of W1 (smoke runs on CPU)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a process's result")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    if a.procs < 2:
+        p.error("--procs: at least 2 (one process alone is always measured)")
+    tmp = Path(tempfile.mkdtemp())
+    daemon, endpoint = start_daemon(tmp, a.pool_size, log=tmp / "stormd.log")
+    try:
+        alone = run(a, 1, endpoint)[0]
+        shared = run(a, a.procs, endpoint)
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
+    w = TINY if a.tiny else W1
+    steps = [r["step_ms"] for r in shared]
+    summary = {"alone_step_ms": alone["step_ms"], "shared_step_ms": steps,
+               "spread": round(max(steps) / min(steps), 3),
+               "throughput_over_alone": round(sum(1 / s for s in steps) / (1 / alone["step_ms"]), 3),
+               "samples_per_s_alone": round(w.batch / alone["step_ms"] * 1e3, 1),
+               "samples_per_s_shared": round(sum(w.batch / s for s in steps) * 1e3, 1)}
+    print(summary)
+    write(a, {"workload": w.name, "alone": alone, "shared": shared, "summary": summary})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

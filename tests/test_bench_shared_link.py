@@ -1,0 +1,28 @@
+"""bench/shared_link.py on CPU: processes training at once through one stormd each offload every
+step, and the script times only the steps they ran together."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_processes_sharing_a_daemon_all_offload_and_are_timed_together(tmp_path):
+    out = tmp_path / "shared.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "shared_link.py"), "--device", "cpu", "--tiny",
+                        "--procs", "2", "--steps", "3", "--warmup", "1", "--pool-size", "256MiB", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    rows = [result["alone"], *result["shared"]]
+    assert [row["process"] for row in result["shared"]] == [0, 1]
+    for row in rows:
+        assert row["offloaded_tensors_per_step"] > 0  # through the daemon: mode="daemon" has no fallback
+        assert 1 <= row["steps_counted"] <= 3 and row["step_ms"] > 0
+    summary = result["summary"]
+    assert summary["shared_step_ms"] == [row["step_ms"] for row in result["shared"]]
+    assert summary["spread"] >= 1.0
