@@ -3,8 +3,8 @@
     python bench/profile_step.py --out bench/results/profile-w1.json [--trace-dir DIR]
 
 For each variant (no offload; hooks with nothing offloaded, a 1-byte budget; the budget that fits
-forward's link time; full offload; with --daemon the budget and full offload through a
-stormd that copies by CUDA IPC) it reports, as medians over --steps steps in each of
+forward's link time, or --budget bytes, which keeps runs comparable; full offload; with --daemon
+the budget and full offload through a stormd that copies by CUDA IPC; --only picks some) it reports, as medians over --steps steps in each of
 --rounds rounds (the variants run in turn, one model, so machine drift hits all alike):
 the step's wall time; how long forward and backward took on the host (the
 Python calls returning) and on the compute stream (events recorded on it). A
