@@ -41,9 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import storm  # noqa: E402
 from daemon import start_daemon  # noqa: E402
 from offload import write  # noqa: E402
-from workloads import W1, Workload  # noqa: E402
+from workloads import TINY, W1, Workload  # noqa: E402
 
-TINY = Workload("tiny", layers=2, d=64, heads=2, batch=2, seq=32)
 
 
 def wrap(model: torch.nn.Module, wrapper: str, device: torch.device) -> torch.nn.Module:

@@ -4,11 +4,11 @@
 
 For each variant (no offload; hooks with nothing offloaded, a 1-byte budget; the budget that fits
 forward's link time, or --budget bytes, which keeps runs comparable; full offload; with --daemon
-the budget and full offload through a stormd that copies by CUDA IPC; --only picks some) it reports, as medians over --steps steps in each of
---rounds rounds (the variants run in turn, one model, so machine drift hits all alike):
-the step's wall time; how long forward and backward took on the host (the
-Python calls returning) and on the compute stream (events recorded on it). A
-host phase much longer than its GPU phase means STORM's host work is the
+the budget and full offload through a stormd that copies by CUDA IPC; --only picks some) it
+reports, as medians over --steps steps in each of --rounds rounds (the variants run in turn, one
+model, so machine drift hits all alike): the step's wall time; how long forward and backward
+took on the host (the Python calls returning) and on the compute stream (events recorded on it).
+A host phase much longer than its GPU phase means STORM's host work is the
 bottleneck; a GPU phase longer than without offload means the compute stream
 waited for copies. With --trace-dir, one step of each variant is written as a
 gzipped Chrome trace; with --cprofile the first round runs under cProfile (the Python

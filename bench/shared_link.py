@@ -33,16 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import storm  # noqa: E402
 from daemon import start_daemon  # noqa: E402
 from offload import write  # noqa: E402
-from workloads import W1, Workload  # noqa: E402
-
-TINY = Workload("tiny", layers=2, d=64, heads=2, batch=2, seq=32)
+from workloads import TINY, W1  # noqa: E402
 
 
 def train(index: int, a: argparse.Namespace, endpoint: str, start: Any, results: Any) -> None:
     """One process: --warmup steps, then (once every process is ready) --steps timed steps."""
     device = torch.device(a.device)
-    w = TINY if a.tiny else W1
-    model, x = w.build(device, seed=index)
+    model, x = a.workload.build(device, seed=index)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     opts = {"mode": "daemon", "socket": endpoint, "min_bytes": 0 if a.tiny else 1 << 20}
 
@@ -103,6 +100,7 @@ def main() -> int:
     a = p.parse_args()
     if a.procs < 2:
         p.error("--procs: at least 2 (one process alone is always measured)")
+    a.workload = TINY if a.tiny else W1
     tmp = Path(tempfile.mkdtemp())
     daemon, endpoint = start_daemon(tmp, a.pool_size, log=tmp / "stormd.log")
     try:
@@ -111,7 +109,7 @@ def main() -> int:
     finally:
         daemon.terminate()
         daemon.wait(timeout=60)
-    w = TINY if a.tiny else W1
+    w = a.workload
     steps = [r["step_ms"] for r in shared]
     summary = {"alone_step_ms": alone["step_ms"], "shared_step_ms": steps,
                "spread": round(max(steps) / min(steps), 3),

@@ -53,3 +53,4 @@ class Workload:
 
 W1 = Workload("W1", 12, 1024, 16, 8, 1024)
 W2 = Workload("W2", 24, 4096, 32, 2, 2048)
+TINY = Workload("tiny", layers=2, d=64, heads=2, batch=2, seq=32)  # smoke runs of the bench scripts on CPU
