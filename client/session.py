@@ -401,7 +401,7 @@ class ClientSession:
             return self._forget(stored) if stored.refs == 0 else []
         stored.in_store = True
         if stored.put.event is not None:
-            self.mover.seal(stored.key)  # the copy's event has fired: the bytes are in the pool now
+            self.mover.seal(stored.key, stored.put)  # the copy's event has fired: the bytes are in the pool now
             stored.put.settle()  # and the event can go (stormd's interprocess events are a scarce resource)
         stored.step.stats.record(stored.layer, stored_bytes=stored.put.result.result().nbytes)
         # The version is read here, on the training thread between two ops, so an

@@ -16,7 +16,8 @@ CUDA tensors through a stormd that copies that GPU's memory (HELLO's
 ``cuda_devices``): PUT and GET name the tensor's (or destination's) cudaMalloc
 segment by its IPC handle, with an interprocess ready event; stormd queues the
 copy on its own streams and records the request's interprocess done event,
-which the transfer returns, read off the reply without the worker (Replied).
+which the transfer returns, read off the reply without the worker (Replied);
+stormd seals the key itself once its copy has finished, so no SEAL is sent.
 A PUT whose tensor the GPU has not finished yet is
 sent by the worker once it has: stormd's copy stream never waits on another
 process's event (W2 at the budget: 277 ms a step through stormd waiting there,
@@ -98,6 +99,7 @@ class Put(NamedTuple):
     nbytes: int            # bytes stored (the encoded size)
     event: Any             # CUDA event marking the copy's end, or None
     frame: torch.Tensor | None = None  # the landed frame's header (pool memory), for a frame put
+    sealed: bool = False   # the store seals it itself (stormd's own copies); else the client must, once copied
 
 
 class Transfer:
@@ -240,13 +242,13 @@ class Mover:
             # (module docstring): the worker sends the PUT once the tensor is complete
             return Transfer(self._worker.submit(self._put_when_ready, req, fields, cuda, done))
         reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta, cuda=cuda)
-        return Transfer(Replied(self.backend, "PUT", reply, lambda _: Put(fields["nbytes"], done)))
+        return Transfer(Replied(self.backend, "PUT", reply, lambda _: Put(fields["nbytes"], done, sealed=True)))
 
     def _put_when_ready(self, req: PutRequest, fields: dict[str, Any], cuda: dict[str, Any], done: IpcEvent) -> Put:
         req.ready.synchronize()  # the runtime lets go of the GIL while it waits
         _wait(self.backend, "PUT", self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta,
                                                         cuda=cuda))
-        return Put(fields["nbytes"], done)  # stormd has queued the copy; ``done`` fires when it is over
+        return Put(fields["nbytes"], done, sealed=True)  # stormd has queued the copy; ``done`` fires when it is over
 
     def get(self, key: int, nbytes: int, device: torch.device, put: Transfer | None = None) -> Transfer:
         """Fetch a key's bytes into a fresh uint8 tensor on ``device``; ``put``: the key's put."""
@@ -295,9 +297,11 @@ class Mover:
         """A request queued behind the transfers already submitted (so STATS sees earlier FREEs)."""
         return self._worker.submit(lambda: _wait(self.backend, op, self.backend.request(op, **fields)))
 
-    def seal(self, key: int) -> None:
-        """Tell the store a CUDA copy into ``key``'s extent has finished (CPU puts seal themselves)."""
-        self.backend.request("SEAL", key=key).add_done_callback(_log_failure)
+    def seal(self, key: int, put: Transfer) -> None:
+        """Tell the store ``put``, a CUDA copy into ``key``'s extent, has finished, unless the store
+        seals it itself (CPU puts seal themselves, stormd's own copies are sealed by stormd)."""
+        if not put.result.result().sealed:
+            self.backend.request("SEAL", key=key).add_done_callback(_log_failure)
 
     def free(self, keys: list[int]) -> None:
         """Sent from the calling thread, like PUT, so a step's PUTs never overtake the FREEs of the

@@ -27,11 +27,12 @@ PUT    key:int step:int nbytes:int dtype:str shape:[int] strides:[int]
                                  size, which the view must fit; for raw they are equal. With
                                  ``cuda`` the daemon has queued the copy of the ``nbytes`` at
                                  the handle's segment + offset into the extent; ``done`` fires
-                                 when it has finished)
+                                 when it has finished, and the daemon seals the key itself then:
+                                 the client sends no SEAL)
 SEAL   key:int checksum?:int    -> {}   (the copy into the extent has finished; GET may return
                                          it. Without checksum (CUDA copies) the bytes are not
-                                         verified on GET. COPY_IN_FLIGHT while the daemon's own
-                                         copy into it still runs)
+                                         verified on GET. For the daemon's own copies it is not
+                                         needed, and COPY_IN_FLIGHT while such a copy still runs)
 GET    key:int cuda?:CUDA
        -> offset nbytes raw_nbytes dtype shape strides storage_offset codec checksum (int or nil)
                                 (offset is where the bytes are now: between SEAL and GET the
@@ -39,7 +40,8 @@ GET    key:int cuda?:CUDA
                                  elsewhere; after GET they stay put until FREE. With ``cuda``
                                  the daemon has queued the copy of the ``nbytes`` stored into
                                  the handle's segment + offset; ``done`` fires when it has
-                                 finished)
+                                 finished. COPY_IN_FLIGHT: the daemon's copy into the key,
+                                 from its PUT, has not finished: wait for that PUT's ``done``)
 FREE   keys?:[int] step?:int all?:bool   (exactly one of them)
        -> freed:int
 STATS  -> session:{...} node:{...}
@@ -92,7 +94,8 @@ from typing import Any, Callable
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+# 2: stormd seals what its own CUDA copies fill; clients send no SEAL for it, which a stormd of 1 needs
+PROTOCOL_VERSION = 2
 
 # Bounds on what one message may say; larger requests are refused, not tried.
 MAX_MESSAGE_BYTES = 1 << 20

@@ -218,6 +218,11 @@ class Store:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"key {key} is not stored in this session")
         return e
 
+    def find(self, session: int, key: int) -> Entry | None:
+        """The session's entry of ``key``, or None."""
+        s = self._sessions.get(session)
+        return s.entries.get(key) if s is not None else None
+
     def seal(self, session: int, key: int, checksum: int | None) -> None:
         self._reap()
         s = self._of(session)

@@ -139,7 +139,7 @@ def test_no_extent_is_sealed_freed_or_reused_while_its_copy_runs(pool):
     _, b = hello(service)
     put = call(service, a, "PUT", **put_fields(1, 4096), cuda=FORGED)
     assert put["ok"] and copier.copies == [("to_host", a["session"], 1, 4096)]
-    sealed = call(service, a, "SEAL", key=1)
+    sealed = call(service, a, "SEAL", key=1)  # not needed (the daemon seals it), and refused while it runs
     assert sealed["error"] == ErrorCode.COPY_IN_FLIGHT, sealed
     # FREE answers at once (the client may go on) but the extent stays taken
     assert call(service, a, "FREE", keys=[1]) == {"id": 7, "ok": True, "freed": 1}
@@ -151,6 +151,39 @@ def test_no_extent_is_sealed_freed_or_reused_while_its_copy_runs(pool):
     assert used(service) == 4096 and call(service, a, "STATS")["session"]["keys"] == 0
     again = call(service, a, "PUT", **put_fields(2, 4096))
     assert again["ok"] and again["offset"] == put["offset"]
+
+
+def test_the_daemon_seals_what_its_copies_filled_once_they_have_finished(pool):
+    copier = ScriptedCopier()
+    service = Service(pool, cuda=copier)
+    _, a = hello(service)
+    for key in (1, 2, 3):
+        assert call(service, a, "PUT", **put_fields(key, 4096), cuda=FORGED)["ok"]
+    early = call(service, a, "GET", key=2, cuda=FORGED)
+    assert early["error"] == ErrorCode.COPY_IN_FLIGHT and "done event" in early["message"], early
+    # copies may finish out of order (several GPUs): a GET takes its key whatever runs before it
+    copier.finish(a["session"], 2)
+    got = call(service, a, "GET", key=2, cuda=FORGED)
+    assert got["ok"] and got["checksum"] is None, got
+    copier.finish(a["session"], 1)
+    copier.finish(a["session"], 3)
+    assert call(service, a, "PING")["ok"]  # any request seals what has finished since
+    for key in (1, 3):
+        assert call(service, a, "GET", key=key, cuda=FORGED)["ok"]
+
+
+def test_a_key_freed_before_the_daemon_sealed_it_is_not_sealed_in_its_next_life(pool):
+    copier = ScriptedCopier()
+    service = Service(pool, cuda=copier)
+    _, a = hello(service)
+    assert call(service, a, "PUT", **put_fields(1, 4096), cuda=FORGED)["ok"]
+    assert call(service, a, "PUT", **put_fields(2, 4096), cuda=FORGED)["ok"]
+    copier.finish(a["session"], 2)  # key 1's copy still runs, so key 2 waits behind it to be sealed
+    assert call(service, a, "FREE", keys=[2])["freed"] == 1
+    assert call(service, a, "PUT", **put_fields(2, 4096))["ok"]  # stored anew, by a CPU copy not yet made
+    copier.finish(a["session"], 1)
+    assert call(service, a, "GET", key=1, cuda=FORGED)["ok"]
+    assert call(service, a, "GET", key=2)["error"] == ErrorCode.NOT_SEALED  # its client has not sealed it
 
 
 def test_a_fetch_in_flight_holds_its_extent_through_free_by_step(pool):

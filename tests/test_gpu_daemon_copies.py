@@ -123,8 +123,7 @@ def test_forged_handles_and_ranges_past_a_segment_are_refused(daemon):
     # the real handle works, and the bytes come back exactly
     r = c.call("PUT", **put_fields(99, t.nbytes), cuda=real)
     assert r["ok"], r
-    done.synchronize()
-    assert c.call("SEAL", key=99)["ok"]
+    done.synchronize()  # no SEAL: stormd seals what its own copy filled
     out = torch.empty_like(t)
     handle2, offset2 = export(out.data_ptr(), 0)
     ready2, done2 = ipc_event(0).record(0), ipc_event(0)

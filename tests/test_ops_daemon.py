@@ -20,7 +20,7 @@ from helpers import RawClient, put_fields
 from prometheus_client.parser import text_string_to_metric_families
 from test_daemon import read_extent, store
 
-from stormd.protocol import ALL_ERROR_CODES, ErrorCode, pack, unpack
+from stormd.protocol import ALL_ERROR_CODES, PROTOCOL_VERSION, ErrorCode, pack, unpack
 
 STORMCTL = str(Path(sys.executable).parent / "stormctl")
 
@@ -88,7 +88,7 @@ def test_sigterm_drains_gets_are_answered_puts_refused_then_exit_0(tmp_path):
         wait_for_log(d, r'msg="draining.*reason=SIGTERM')
         put = c.call("PUT", **put_fields(9, 100))
         assert not put["ok"] and put["error"] == ErrorCode.DRAINING
-        newcomer = RawClient(d.endpoint).call("HELLO", version=1, pid=1, host="h")
+        newcomer = RawClient(d.endpoint).call("HELLO", version=PROTOCOL_VERSION, pid=1, host="h")
         assert newcomer["error"] == ErrorCode.DRAINING
         time.sleep(0.3)  # still serving: this client holds tensors and the deadline is 30 s
         assert d.proc.poll() is None

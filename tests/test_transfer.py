@@ -8,7 +8,7 @@ from concurrent.futures import Future
 import pytest
 
 from client import transfer
-from client.backend import settle
+from client.backend import Settled, settle
 from client.errors import StormIntegrityError, StormRequestError, StormUnavailable
 from client.transfer import Replied
 
@@ -58,3 +58,25 @@ def test_a_reply_that_never_comes_is_unavailable_after_the_request_timeout(monke
     with pytest.raises(StormUnavailable, match="did not answer GET"):
         r.result()
     assert isinstance(r.exception(), StormUnavailable)
+
+
+class RecordingBackend(Backend):
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict]] = []
+
+    def request(self, op: str, **fields) -> Future:
+        self.sent.append((op, fields))
+        reply: Future = Future()
+        settle(reply, {"ok": True})
+        return reply
+
+
+def test_only_puts_the_store_does_not_seal_itself_are_sealed_by_the_client():
+    backend = RecordingBackend()
+    mover = transfer.Mover(backend)
+    try:
+        mover.seal(1, transfer.Transfer(Settled(transfer.Put(4096, None, sealed=True))))  # stormd copied it
+        mover.seal(2, transfer.Transfer(Settled(transfer.Put(4096, None))))  # this process copied it
+    finally:
+        mover.close()
+    assert backend.sent == [("SEAL", {"key": 2})]
