@@ -8,6 +8,8 @@ tests/test_gpu.py runs the real one against real IPC handles."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 from helpers import put_fields
@@ -16,6 +18,7 @@ from stormd.cuda import CudaError
 from stormd.pool import SharedPool
 from stormd.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError
 from stormd.service import Service
+from stormd.store import StoreOptions
 
 FORGED = {"handle": b"\x01" * 64, "offset": 0, "device": "GPU-0", "ready": b"\x02" * 64, "done": b"\x03" * 64}
 
@@ -184,6 +187,30 @@ def test_a_key_freed_before_the_daemon_sealed_it_is_not_sealed_in_its_next_life(
     copier.finish(a["session"], 1)
     assert call(service, a, "GET", key=1, cuda=FORGED)["ok"]
     assert call(service, a, "GET", key=2)["error"] == ErrorCode.NOT_SEALED  # its client has not sealed it
+
+
+def test_what_the_daemons_copies_filled_is_spilled_once_sealed_never_while_they_run():
+    spill_dir = tempfile.mkdtemp(prefix="stormd-spill-test-", dir="/var/tmp")  # on disk, as stormd requires
+    small = SharedPool.anonymous(64 << 10)
+    copier = ScriptedCopier()
+    service = Service(small, cuda=copier, store_options=StoreOptions(spill_dir=spill_dir, spill_limit=1 << 20))
+    try:
+        _, a = hello(service)
+        for key in (1, 2, 3, 4):  # the pool is full of copies still running
+            assert call(service, a, "PUT", **put_fields(key, 16 << 10), cuda=FORGED)["ok"]
+        full = call(service, a, "PUT", **put_fields(5, 16 << 10))
+        assert full["error"] == ErrorCode.POOL_FULL, full  # nothing sealed: nothing may move
+        copier.finish(a["session"], 1)
+        assert call(service, a, "PUT", **put_fields(5, 16 << 10))["ok"]  # key 1, sealed by stormd, went to disk
+        assert call(service, a, "STATS")["session"]["spilled_bytes"] == 16 << 10
+        assert call(service, a, "GET", key=1, cuda=FORGED)["error"] == ErrorCode.POOL_FULL  # no room to read back
+        copier.finish(a["session"], 2)
+        assert call(service, a, "GET", key=1, cuda=FORGED)["ok"]  # key 2 made room
+        assert call(service, a, "STATS")["node"]["read_back_total"] == 16 << 10
+    finally:
+        service.store.close()
+        small.close()
+        shutil.rmtree(spill_dir, ignore_errors=True)
 
 
 def test_a_fetch_in_flight_holds_its_extent_through_free_by_step(pool):
