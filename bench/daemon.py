@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -13,16 +14,18 @@ START_TIMEOUT_S = 120.0  # a pool of many GiB is reserved (posix_fallocate) befo
 
 
 def start_daemon(workdir: Path, pool_size: str, *flags: str, log: Path | None = None,
-                 cprofile: Path | None = None) -> tuple[subprocess.Popen, str]:
+                 cprofile: Path | None = None, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
     """``python -m stormd`` with its socket under ``workdir``; returns the process and its endpoint
     once the socket answers. ``log``: a file for its output (default: this process's).
-    ``cprofile``: run it under cProfile, which writes this file when stormd exits (SIGTERM)."""
+    ``cprofile``: run it under cProfile, which writes this file when stormd exits (SIGTERM).
+    ``cpus``: the only CPUs it may run on (default: this process's)."""
     sock = workdir / "run" / "stormd.sock"
     out = log.open("w") if log is not None else None
     profiled = ["-m", "cProfile", "-o", str(cprofile)] if cprofile is not None else []
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus is not None else None
     proc = subprocess.Popen([sys.executable, *profiled, "-m", "stormd", "--socket", str(sock), "--pool-size", pool_size,
                              *flags],
-                            stdout=out, stderr=subprocess.STDOUT if out is not None else None)
+                            stdout=out, stderr=subprocess.STDOUT if out is not None else None, preexec_fn=pin)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not (sock.exists() and socket_is_live(sock)):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -30,3 +33,45 @@ def start_daemon(workdir: Path, pool_size: str, *flags: str, log: Path | None = 
             raise RuntimeError(f"stormd did not start{why}")
         time.sleep(0.05)
     return proc, f"ipc://{sock}"
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """The kernel's CPU list format ("0-3,8,10-11") as a set."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def physical_cores() -> list[frozenset[int]]:
+    """The CPUs this process may run on, grouped by physical core (SMT siblings together, as
+    /sys says; a CPU without topology there is a core of its own), in CPU order."""
+    allowed = os.sched_getaffinity(0)
+    cores: dict[frozenset[int], None] = {}
+    for cpu in sorted(allowed):
+        path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        siblings = parse_cpu_list(path.read_text()) if path.exists() else {cpu}
+        cores[frozenset((siblings & allowed) | {cpu})] = None
+    return list(cores)
+
+
+def split_cores(cores: list[frozenset[int]], daemon_cores: int) -> tuple[set[int], set[int]]:
+    """(stormd's CPUs, the training process's): the last ``daemon_cores`` physical cores, SMT
+    siblings included, for stormd, the others for the training process, so no thread of one
+    shares a core with a thread of the other."""
+    if not 0 < daemon_cores < len(cores):
+        raise ValueError(f"stormd may have 1 to {len(cores) - 1} of the {len(cores)} physical cores this "
+                         f"process may run on, not {daemon_cores}")
+    return set().union(*cores[-daemon_cores:]), set().union(*cores[:-daemon_cores])
+
+
+def thread_cpus(pid: int) -> dict[int, set[int]]:
+    """Each thread of process ``pid`` (its id) -> the CPUs it may run on."""
+    out = {}
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        for line in status.read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                out[int(status.parent.name)] = parse_cpu_list(line.split(":", 1)[1])
+    return out

@@ -13,6 +13,9 @@ bottleneck; a GPU phase longer than without offload means the compute stream
 waited for copies. With --trace-dir, one step of each variant is written as a
 gzipped Chrome trace; with --cprofile the first round runs under cProfile (the Python
 functions that took the host's time are printed, and that round's steps are not counted).
+With --daemon-cores N, stormd runs on N physical cores of its own and this process on the others
+(through stormd W1's step was 1.01x the embedded one in one run and 1.11x in the next, each
+run's rounds agreeing to 1 ms: where the processes' threads land may be what differs).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import cProfile
 import contextlib
 import gzip
+import os
 import pstats
 import signal
 import statistics
@@ -34,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import storm  # noqa: E402
-from daemon import start_daemon  # noqa: E402
+from daemon import physical_cores, split_cores, start_daemon, thread_cpus  # noqa: E402
 from offload import link_bandwidth, write  # noqa: E402
 from workloads import W1, W2  # noqa: E402
 
@@ -83,8 +87,24 @@ def main() -> int:
     p.add_argument("--daemon", action="store_true",
                    help="also the budget-fit and full variants through a stormd (its own copies, CUDA IPC); with "
                         "--cprofile, stormd runs under cProfile too and its functions are printed at the end")
+    p.add_argument("--daemon-cores", type=int, default=None,
+                   help="with --daemon: stormd runs on this many physical cores of its own (SMT siblings "
+                        "included), this process on the others (default: both anywhere)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    cpus = None
+    if args.daemon_cores is not None:
+        if not args.daemon:
+            p.error("--daemon-cores needs --daemon")
+        cores = physical_cores()
+        try:
+            daemon_cpus, own_cpus = split_cores(cores, args.daemon_cores)
+        except ValueError as e:
+            p.error(f"--daemon-cores: {e}")
+        # before CUDA, the mover and the connection start threads: a thread's affinity is its own,
+        # and threads started later inherit it
+        os.sched_setaffinity(0, own_cpus)
+        cpus = {"cores": [sorted(c) for c in cores], "stormd": sorted(daemon_cpus), "client": sorted(own_cpus)}
     w = {"W1": W1, "W2": W2}[args.workload]
     device = torch.device("cuda")
     bw = link_bandwidth(device)
@@ -98,7 +118,8 @@ def main() -> int:
     if args.daemon:
         tmp = Path(tempfile.mkdtemp())
         daemon_profile = tmp / "stormd.prof" if args.cprofile else None
-        daemon, endpoint = start_daemon(tmp, args.pool_size, cprofile=daemon_profile)
+        daemon, endpoint = start_daemon(tmp, args.pool_size, cprofile=daemon_profile,
+                                        cpus=set(cpus["stormd"]) if cpus is not None else None)
         through = {**base, "mode": "daemon", "socket": endpoint}
         variants += [("daemon-budget-fit", through), ("daemon-full", through)]
     if args.only:
@@ -153,6 +174,10 @@ def main() -> int:
         row["steps"] = len(samples[name])
         if name != "none" and "none" in rows:
             row["over_none"] = round(row["step_ms"] / rows["none"]["step_ms"], 3)
+    if cpus is not None:  # a thread started before the split, or that set its own, would run anywhere
+        cpus["threads_elsewhere"] = {
+            who: sum(allowed != set(cpus[who]) for allowed in thread_cpus(pid).values())
+            for who, pid in (("client", os.getpid()), ("stormd", daemon.pid))}
     if daemon is not None:
         storm.close_all()
         daemon.send_signal(signal.SIGTERM)
@@ -161,7 +186,7 @@ def main() -> int:
             print("--- stormd: Python time over all daemon variants")
             pstats.Stats(str(daemon_profile)).sort_stats("tottime").print_stats(30)
             pstats.Stats(str(daemon_profile)).sort_stats("cumulative").print_stats(r"stormd", 30)
-    write(args, {"link": bw, args.workload: rows})
+    write(args, {"link": bw, args.workload: rows, **({"cpus": cpus} if cpus is not None else {})})
     return 0
 
 
