@@ -212,16 +212,16 @@ class Store:
                                 f"largest extent {st.largest_free}); {why}")
         return offset
 
-    def _entry(self, session: int, key: int) -> Entry:
-        e = self._of(session).entries.get(key)
-        if e is None:
-            raise ProtocolError(ErrorCode.NOT_FOUND, f"key {key} is not stored in this session")
-        return e
-
     def find(self, session: int, key: int) -> Entry | None:
         """The session's entry of ``key``, or None."""
         s = self._sessions.get(session)
         return s.entries.get(key) if s is not None else None
+
+    def _entry(self, session: int, key: int) -> Entry:
+        e = self.find(session, key)
+        if e is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"key {key} is not stored in this session")
+        return e
 
     def seal(self, session: int, key: int, checksum: int | None) -> None:
         self._reap()
