@@ -33,6 +33,7 @@ import torch
 
 import provenance
 from storm.kernels import CODECS, CodecNotApplicable, associative_scan, decode, encode, verify_lossless
+from storm.kernels import frame
 from storm.kernels.frame import complete, decode_frame, encode_frame, frame_nbytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,28 +115,40 @@ def bench_storm(ts: list[torch.Tensor], codec: str, reps: int) -> dict:
     return {**aggregate(parts), "codec_bytes": used, "escape_rate": round(escapes / max(1, elems), 5)}
 
 
-def bench_frame(ts: list[torch.Tensor], reps: int) -> dict:
+def bench_frame(ts: list[torch.Tensor], reps: int, small_tiles: int | None = None) -> dict:
     """Frames of the bf16 tensors (the others count as raw); a frame that overflows would be
-    stored raw by the mover, so it counts as raw too."""
-    parts, overflows = [], 0
-    for t in ts:
-        nb = t.numel() * t.element_size()
-        if t.dtype != torch.bfloat16:
-            parts.append({"raw": nb, "enc_bytes": nb, "te": None, "td": None, "ok": True})
-            continue
-        f = torch.empty(frame_nbytes(t.numel()), dtype=torch.uint8, device=t.device)
-        out = torch.empty(t.numel(), dtype=torch.int16, device=t.device)
-        te, _ = timed(lambda: encode_frame(t, f), t.device, reps)
-        if not complete(f[:16].cpu()):
-            overflows += 1
-            parts.append({"raw": nb, "enc_bytes": nb, "te": te, "td": 0.0, "ok": True})
-            continue
-        td, _ = timed(lambda: decode_frame(f, t.numel(), out=out), t.device, reps)
-        parts.append({"raw": nb, "enc_bytes": f.numel(), "te": te, "td": td,
-                      "ok": verify_lossless(t.reshape(-1).view(torch.int16), out)})
+    stored raw by the mover, so it counts as raw too. Each call allocates its output, as the
+    mover's does. ``small_tiles``: storm.kernels.frame.SMALL_TILES for this run."""
+    kept = frame.SMALL_TILES
+    if small_tiles is not None:
+        frame.SMALL_TILES = small_tiles
+    try:
+        parts, overflows = [], 0
+        for t in ts:
+            n, nb = t.numel(), t.numel() * t.element_size()
+            if t.dtype != torch.bfloat16:
+                parts.append({"raw": nb, "enc_bytes": nb, "te": None, "td": None, "ok": True})
+                continue
+
+            def encoded() -> torch.Tensor:
+                f = torch.empty(frame_nbytes(n), dtype=torch.uint8, device=t.device)
+                encode_frame(t, f)
+                return f
+
+            te, f = timed(encoded, t.device, reps)
+            if not complete(f[:16].cpu()):
+                overflows += 1
+                parts.append({"raw": nb, "enc_bytes": nb, "te": te, "td": 0.0, "ok": True})
+                continue
+            td, out = timed(lambda: decode_frame(f, n), t.device, reps)
+            parts.append({"raw": nb, "enc_bytes": f.numel(), "te": te, "td": td,
+                          "ok": verify_lossless(t.reshape(-1).view(torch.int16), out)})
+    finally:
+        frame.SMALL_TILES = kept
     if all(p["te"] is None for p in parts):
         return {"skipped": "frames are for bf16 tensors"}
-    return {**aggregate(parts), "overflows": overflows}
+    return {**aggregate(parts), "overflows": overflows, "small_tiles": frame.SMALL_TILES if small_tiles is None
+            else small_tiles}
 
 
 def bench_nvcomp(ts: list[torch.Tensor], algo: str, reps: int) -> dict:
@@ -234,6 +247,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kinds", default="", help="comma-separated subset of tensor kinds")
     ap.add_argument("--skip", default="", help="comma-separated: nvcomp, zstd, scan, ancf")
+    ap.add_argument("--only", default="", help="comma-separated implementations to run (e.g. "
+                    "storm:ancf_exp_frame,nvcomp:ANS); default: all")
+    ap.add_argument("--frame-small-tiles", default="",
+                    help="comma-separated values of storm.kernels.frame.SMALL_TILES, a frames row each")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default="", help="profile the codecs on this tensor kind and sweep kernel knobs")
     args = ap.parse_args()
@@ -256,11 +273,15 @@ def main() -> None:
         (f"storm:{c}", lambda t, c=c: bench_storm(t, c, args.reps)) for c in list(CODECS) + ["auto"]
         if not (c == "ancf" and "ancf" in skip)]
     impls.append(("storm:ancf_exp_frame", lambda t: bench_frame(t, args.reps)))
+    impls += [(f"storm:ancf_exp_frame:small_tiles={k}", lambda t, k=k: bench_frame(t, args.reps, k))
+              for k in map(int, filter(None, args.frame_small_tiles.split(",")))]
     if dev.type == "cuda" and "nvcomp" not in skip:
         impls += [(f"nvcomp:{a}", lambda t, a=a: bench_nvcomp(t, a, args.reps)) for a in ("ANS", "Bitcomp", "Cascaded", "GDeflate")]
     if "zstd" not in skip:
         impls += [(f"zstd-cpu:1{'-shuffled' if s else ''}", lambda t, s=s: bench_zstd(t, 1, s, min(args.reps, 2)))
                   for s in (False, True)]
+    if args.only:
+        impls = [(name, fn) for name, fn in impls if name in args.only.split(",")]
     for kind, ts in kinds.items():
         for name, fn in impls:
             try:

@@ -2,31 +2,41 @@
 
 A CUDA tensor on its way to the host is encoded and copied without the host
 waiting for the device: the device-to-host copy is queued before the encoder
-has run, so its size cannot depend on the data. A frame of n 16-bit words
-therefore has a fixed size, ``frame_nbytes(n)``:
+has run, so its size cannot depend on the data. A frame of n 16-bit words in
+T = ceil(n / TILE) tiles therefore has a fixed size, ``frame_nbytes(n)``:
 
-    header  16 B        int32 escape count, int32 magic, int64 n
-    table   16 B        the 15 dictionary symbols (high bytes), then 0
-    codes   ceil(n/2) B one 4-bit code per element, 15 = escape
-    raw     n B         the low byte of every element
-    pos     4 * cap B   int32 positions of the escapes, in any order
-    sym     cap B       their high bytes
+    header  16 B          int32 escape count, int32 magic, int64 n
+    table   16 B          the 15 dictionary symbols (high bytes), then 0
+    ends    8 B a tile    int64: the escapes up to the end of the tile, << 2 | 2
+    codes   ceil(n/2) B   one 4-bit code per element, 15 = escape
+    raw     n B           the low byte of every element
+    sym     cap B         the escapes' high bytes, in element order
 
-with ``cap = n // 128 + 64`` escape slots: bf16 activations of the real sample
-(tests/fixtures) have at most 0.4 % escapes. About 1.3x on bf16 activations.
+with ``cap = n // 128 + 16`` escape slots: bf16 activations of the real sample
+(tests/fixtures) have at most 0.4 % escapes. An escape's slot is the number of
+escapes before it, so it needs no position (a slot is one byte; a position
+and a symbol took five): a tile's first slot is the end of the tile before,
+the codes give the rest. About 1.32x on bf16 activations.
 Frames are for bf16, whose high byte is sign and exponent; any 16-bit words
 round-trip, but fp16's high byte holds mantissa bits too and overflows.
 The count in the header is every escape, also those past ``cap``: a frame with
 more is incomplete (``complete()``), and whoever copied it must store the
 tensor another way (the mover still holds the GPU tensor when it checks).
+Slots past the count are not written.
 
-On CUDA with Triton, ``encode_frame`` and ``decode_frame`` are launches on the
-current stream with no host wait (kernels.gpu.pack), and decode checks nothing:
-a frame read back on the device is the mover's own. The torch path here is the
-reference (the same bytes, except the order of escape slots) and decodes frames
-on the CPU with every check, raising CorruptEncodedError.
+The ends are the look-back words of kernels.gpu.scan (flag 2: an inclusive
+prefix): on the device each tile publishes its count, finds its first slot from
+the tiles before it, and publishes its end, all in one pass. On CUDA with
+Triton, ``encode_frame`` and ``decode_frame`` are launches on the current stream
+with no host wait (kernels.gpu.pack): one each for frames of up to
+``SMALL_TILES`` tiles, where a launch is most of the cost; and decode checks
+nothing: a frame read back on the device is the mover's own. The torch path
+here is the reference (the same bytes) and decodes frames on the CPU with every
+check, raising CorruptEncodedError.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -34,69 +44,88 @@ from .bitpack import pack_bits, unpack_bits
 from .format import require
 from .gpu import use_triton
 
-MAGIC = 0x31465453  # "STF1"
+MAGIC = 0x32465453  # "STF2"
 HEADER = 32         # header and table
 SAMPLE = 16384      # elements the dictionary is chosen from (strided over the tensor)
+TILE = 2048         # words a tile: one program of the encoder and of the decoder
+SMALL_TILES = 16    # frames of at most this many tiles are encoded by one program (one launch)
+PREFIX = 2          # the ends' flag: an inclusive prefix (kernels.gpu.scan.publish)
 
 
 def escape_slots(n: int) -> int:
-    return n // 128 + 64
+    return n // 128 + 16
 
 
-def _offsets(n: int) -> tuple[int, int, int, int, int]:
-    """(codes, raw, pos, sym, end) byte offsets of a frame of n words."""
-    codes = HEADER
+class Layout(NamedTuple):
+    """Where a frame of n words keeps each part (byte offsets), its tiles and escape slots."""
+    n: int
+    tiles: int
+    codes: int
+    raw: int
+    sym: int
+    end: int
+    cap: int
+
+
+def layout(n: int) -> Layout:
+    tiles = -(-n // TILE)
+    codes = HEADER + 8 * tiles
     raw = codes + (n + 1) // 2
-    pos = (raw + n + 3) & ~3  # int32-aligned
-    sym = pos + 4 * escape_slots(n)
-    return codes, raw, pos, sym, sym + escape_slots(n)
+    sym = raw + n
+    cap = escape_slots(n)
+    return Layout(n, tiles, codes, raw, sym, sym + cap, cap)
 
 
 def frame_nbytes(n: int) -> int:
     """The size of a frame of ``n`` 16-bit words, whatever they hold."""
-    return _offsets(n)[4]
+    return layout(n).end
 
 
-def _parts(frame: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
-    codes, raw, pos, sym, end = _offsets(n)
-    require(frame.dtype == torch.uint8 and frame.dim() == 1 and frame.numel() == end,
-            f"a frame of {n} words is {end} bytes, got {frame.numel()}")
-    return {"header": frame[:16].view(torch.int32), "table": frame[16:HEADER], "codes": frame[codes:raw],
-            "raw": frame[raw:raw + n], "pos": frame[pos:sym].view(torch.int32), "sym": frame[sym:end]}
+def _check_frame(frame: torch.Tensor, lay: Layout) -> None:
+    require(frame.dtype == torch.uint8 and frame.dim() == 1 and frame.numel() == lay.end
+            and frame.is_contiguous(), f"a frame of {lay.n} words is {lay.end} contiguous bytes, "
+                                      f"got {frame.numel()} ({frame.dtype})")
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    if t.element_size() != 2:
-        raise ValueError(f"frames hold 16-bit words; got {t.dtype}")
-    return t.contiguous().reshape(-1).view(torch.int16)
+def _tile_ends(esc: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """int64 per tile: the escapes up to its end."""
+    per_element = torch.zeros(lay.tiles * TILE, dtype=torch.int64)
+    per_element[:lay.n] = esc
+    return torch.cumsum(per_element.view(lay.tiles, TILE).sum(1), 0)
 
 
 def encode_frame(t: torch.Tensor, out: torch.Tensor) -> None:
     """Encode the 16-bit tensor ``t`` into ``out`` (uint8, ``frame_nbytes(t.numel())``, on t's device)."""
-    x = _words(t)
-    n = x.numel()
-    parts = _parts(out, n)
-    if use_triton(x):
+    if t.element_size() != 2:
+        raise ValueError(f"frames hold 16-bit words; got {t.dtype}")
+    lay = layout(t.numel())
+    if out.device != t.device:
+        raise ValueError(f"the frame is on {out.device}, the tensor on {t.device}")
+    _check_frame(out, lay)
+    if use_triton(t):
         from .gpu.pack import frame_encode
-        frame_encode(x, parts, torch.empty(256, dtype=torch.int32, device=x.device), SAMPLE, MAGIC)
+        frame_encode(t.contiguous(), out, lay, SAMPLE, SMALL_TILES, MAGIC)
         return
-    s = (x.to(torch.int32) >> 8) & 0xFF
+    n = lay.n
+    w = t.contiguous().reshape(-1).view(torch.int16).to(torch.int32)
+    s = (w >> 8) & 0xFF
     hist = torch.bincount(s[::max(1, n // SAMPLE)], minlength=256)
-    rank = torch.arange(256, device=x.device)
+    rank = torch.arange(256)
     symbols = 255 - (torch.sort((hist << 8) | (255 - rank), descending=True).values & 255)  # ties: lower byte
-    lut = torch.full((256,), 15, dtype=torch.int64, device=x.device)
+    lut = torch.full((256,), 15, dtype=torch.int64)
     lut[symbols[:15]] = rank[:15]
-    parts["table"].zero_()
-    parts["table"][:15] = symbols[:15].to(torch.uint8)
     c = lut[s]
-    parts["codes"].copy_(pack_bits(c, 4))
-    parts["raw"].copy_((x & 0xFF).to(torch.uint8))
-    esc = torch.nonzero(c == 15).reshape(-1)
-    k = min(esc.numel(), parts["pos"].numel())
-    parts["pos"][:k] = esc[:k].to(torch.int32)
-    parts["sym"][:k] = s[esc[:k]].to(torch.uint8)
-    parts["header"].copy_(torch.tensor([esc.numel(), MAGIC, n & 0xFFFFFFFF, n >> 32], dtype=torch.int64)
-                          .to(torch.int32))
+    esc = c == 15
+    count = int(esc.sum())
+    k = min(count, lay.cap)
+    out[:16].view(torch.int32).copy_(torch.tensor([min(count, 2**31 - 1), MAGIC, n & 0xFFFFFFFF, n >> 32],
+                                                  dtype=torch.int64).to(torch.int32))
+    out[16:HEADER].zero_()
+    out[16:16 + 15].copy_(symbols[:15].to(torch.uint8))
+    out[HEADER:lay.codes].view(torch.int64).copy_(_tile_ends(esc, lay) << 2 | PREFIX)
+    out[lay.codes:lay.raw].copy_(pack_bits(c, 4))
+    out[lay.raw:lay.sym].copy_((w & 0xFF).to(torch.uint8))
+    out[lay.sym:lay.sym + k].copy_(s[esc][:k].to(torch.uint8))
 
 
 def _header(frame: torch.Tensor) -> tuple[int, int, int]:
@@ -114,29 +143,32 @@ def complete(frame_header: torch.Tensor) -> bool:
 
 def decode_frame(frame: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The ``n`` 16-bit words (int16) a frame holds, decoded where ``frame`` is; into ``out`` if given."""
-    parts = _parts(frame, n)
+    lay = layout(n)
+    _check_frame(frame, lay)
     if out is None:
         out = torch.empty(n, dtype=torch.int16, device=frame.device)
     require(out.dtype == torch.int16 and out.numel() == n and out.is_contiguous(),
             f"out must be {n} contiguous int16 words")
     if use_triton(frame):
         from .gpu.pack import frame_decode
-        frame_decode(parts, out)
+        frame_decode(frame, out, lay, SMALL_TILES)
         return out
     count, magic, held = _header(frame)
     require(magic == MAGIC, "not a frame (bad magic)")
     require(held == n, f"the frame holds {held} words, not {n}")
-    require(0 <= count <= parts["pos"].numel(), f"{count} escapes do not fit the frame's "
-                                                  f"{parts['pos'].numel()} slots (an incomplete frame)")
-    c = unpack_bits(parts["codes"], 4, n)
-    pos = parts["pos"][:count].to(torch.int64)
-    require(torch.equal(torch.sort(pos).values, torch.nonzero(c == 15).reshape(-1)),
-            "escape positions do not match the escape codes")
-    s = parts["table"].to(torch.int32)[c.clamp(max=14)]
-    s[pos] = parts["sym"][:count].to(torch.int32)
-    w = (s << 8) | parts["raw"].to(torch.int32)
+    require(0 <= count <= lay.cap, f"{count} escapes do not fit the frame's {lay.cap} slots (an incomplete frame)")
+    c = unpack_bits(frame[lay.codes:lay.raw], 4, n)
+    esc = c == 15
+    ends = frame[HEADER:lay.codes].view(torch.int64)
+    require(bool((ends & 3 == PREFIX).all()), "a tile's word is not a tile end (its flag)")
+    require(torch.equal(ends >> 2, _tile_ends(esc, lay)),
+            "the tiles' escape ends do not match the escape codes")
+    require(int(esc.sum()) == count, "the escape count does not match the escape codes")
+    s = frame[16:HEADER].to(torch.int32)[c]
+    s[esc] = frame[lay.sym:lay.sym + count].to(torch.int32)
+    w = (s << 8) | frame[lay.raw:lay.sym].to(torch.int32)
     out.copy_(w - ((w & 0x8000) << 1))  # 0..65535 -> the int16 with those bits
     return out
 
 
-__all__ = ["complete", "decode_frame", "encode_frame", "escape_slots", "frame_nbytes"]
+__all__ = ["complete", "decode_frame", "encode_frame", "escape_slots", "frame_nbytes", "layout"]

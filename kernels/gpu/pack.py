@@ -14,9 +14,10 @@ table) and ``_dict4_patch`` (the escapes, with a range check of each position);
 the host waits once, to check those counts.
 Layouts match the torch path in kernels.codecs bit for bit.
 
-Frames (kernels.frame) reuse the encode, decode and patch kernels with
-``_frame_table`` choosing the dictionary on the device, so neither direction
-has a host wait.
+Frames (kernels.frame) have kernels of their own, neither direction with a host
+wait: the dictionary is chosen on the device, and an escape's slot is its rank
+among the escapes, each tile finding the escapes before it by the look-back of
+kernels.gpu.scan (encode) or in the frame's tile ends (decode).
 """
 from __future__ import annotations
 
@@ -25,10 +26,14 @@ import triton
 import triton.language as tl
 
 from . import cdiv
+from ..frame import TILE as FRAME_TILE
+from .scan import LOOKBACK, look_back, publish
 
 GROUPS = 512           # groups of 4 elements per program: 2048 elements (measured best of 256..2048)
 BLOCK = 4 * GROUPS
 WARPS = 4
+FRAME_G = FRAME_TILE // 4  # a frame's tile in groups of 4
+FRAME_ZERO = 8192      # look-back words a program of _frame_table clears
 
 
 @triton.jit
@@ -95,24 +100,15 @@ def _dict4_encode(x_ptr, lut_ptr, codes_ptr, raw_ptr, nesc_ptr, pos_ptr, sym_ptr
 
 
 @triton.jit
-def _dict4_patch(out_ptr, codes_ptr, pos_ptr, sym_ptr, stat_ptr, count, cap, n, W: tl.constexpr,
-                 BLOCK: tl.constexpr, FRAME: tl.constexpr):
-    # put the escaped symbols back. A position must be in range and on an escape code;
-    # nothing else is ever written. Encoded data (not FRAME): ``count`` escapes, whose
-    # positions must also increase (with the escape count checked, that makes the list
-    # exactly the escapes); violations are counted in stat_ptr[2]. FRAME (kernels.frame):
-    # ``count`` points at the frame's escape count, read here so the host need not wait
-    # for it; the slots are in the order the encoder's atomics gave them.
+def _dict4_patch(out_ptr, codes_ptr, pos_ptr, sym_ptr, stat_ptr, count, n, W: tl.constexpr, BLOCK: tl.constexpr):
+    # put the escaped symbols back. A position must be in range, on an escape code and above
+    # the one before (with the escape count checked, that makes the list exactly the escapes);
+    # nothing else is ever written; violations are counted in stat_ptr[2].
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if FRAME:
-        ok = j < tl.minimum(tl.load(count), cap)
-    else:
-        ok = j < count
+    ok = j < count
     p = tl.load(pos_ptr + j, mask=ok, other=0).to(tl.int64)
-    inside = ok & (p >= 0) & (p < n)
-    if not FRAME:
-        prev = tl.load(pos_ptr + j - 1, mask=ok & (j > 0), other=-1).to(tl.int64)
-        inside = inside & (p > prev)
+    prev = tl.load(pos_ptr + j - 1, mask=ok & (j > 0), other=-1).to(tl.int64)
+    inside = ok & (p >= 0) & (p < n) & (p > prev)
     code = (tl.load(codes_ptr + p // 2, mask=inside, other=0).to(tl.int32) >> ((p % 2) * 4).to(tl.int32)) & 15
     inside = inside & (code == 15)
     s = tl.load(sym_ptr + j, mask=ok, other=0).to(tl.int32)
@@ -121,8 +117,7 @@ def _dict4_patch(out_ptr, codes_ptr, pos_ptr, sym_ptr, stat_ptr, count, cap, n, 
         tl.store(out_ptr + p, ((w & 0xFF) | (s << 8)).to(tl.int16), mask=inside)
     else:
         tl.store(out_ptr + p, (w & ~(0xFF << 23)) | (s << 23), mask=inside)
-    if not FRAME:
-        tl.atomic_add(stat_ptr + 2, tl.sum((ok & ~inside).to(tl.int32), axis=0))
+    tl.atomic_add(stat_ptr + 2, tl.sum((ok & ~inside).to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -230,8 +225,7 @@ def dict4_decode(codes: torch.Tensor, raw: torch.Tensor, tab16: torch.Tensor, n:
     stat = torch.zeros(3, dtype=torch.int32, device=codes.device)
     _launch(_dict4_decode, n, codes, raw, tab16, out, stat, n, tlen, W=w, CHECK=True)
     if pos.numel():
-        _dict4_patch[(cdiv(pos.numel(), 1024),)](out, codes, pos, esc_sym, stat, pos.numel(), pos.numel(), n,
-                                                 W=w, BLOCK=1024, FRAME=False)
+        _dict4_patch[(cdiv(pos.numel(), 1024),)](out, codes, pos, esc_sym, stat, pos.numel(), n, W=w, BLOCK=1024)
     return out, stat.tolist()  # host waits: the counts are checked before the tensor is returned
 
 
@@ -274,44 +268,195 @@ def unpack_small_triton(buf: torch.Tensor, width: int, n: int) -> torch.Tensor:
     return out
 
 
+# ---------------------------------------------------------------- frames (kernels.frame)
+
 @triton.jit
-def _frame_table(x_ptr, hdr_ptr, tab_ptr, lut_ptr, n_lo, n_hi, stride, m, magic, CHUNK: tl.constexpr):
-    # A frame's dictionary (kernels.frame), on the device so the host never waits for it: the
-    # histogram of the high bytes of a strided sample, then the 15 most frequent (ties to the
-    # lower byte, as the CPU reference breaks them). Also writes the header, escape count 0.
+def _frame_dictionary(x_ptr, f_ptr, lut_ptr, stride, m, magic, n_lo, n_hi, CHUNK: tl.constexpr,
+                      LUT: tl.constexpr):
+    # A frame's dictionary, on the device so the host never waits for it: the histogram of the
+    # high bytes of a strided sample, then the 15 most frequent (ties to the lower byte, as the
+    # CPU reference breaks them), into the table; with LUT, each symbol's code into lut_ptr too.
+    # Writes the header, escape count 0.
     hist = tl.zeros((256,), dtype=tl.int32)
     for start in range(0, m, CHUNK):
         j = start + tl.arange(0, CHUNK)
         ok = j < m
-        s = (tl.load(x_ptr + j.to(tl.int64) * stride, mask=ok, other=0).to(tl.int32) >> 8) & 0xFF
-        hist += tl.histogram(s, 256, mask=ok)
+        w = tl.load(x_ptr + j.to(tl.int64) * stride, mask=ok, other=0).to(tl.int16, bitcast=True)
+        hist += tl.histogram((w.to(tl.int32) >> 8) & 0xFF, 256, mask=ok)
     i = tl.arange(0, 256)
     key = tl.sort((hist << 8) | (255 - i), descending=True)
     sym = 255 - (key & 255)
-    tl.store(lut_ptr + sym, tl.minimum(i, 15))
-    tl.store(tab_ptr + i, tl.where(i < 15, sym, 0).to(tl.uint8), mask=i < 16)
+    if LUT:
+        tl.store(lut_ptr + sym, tl.minimum(i, 15))
+    tl.store(f_ptr + 16 + i, tl.where(i < 15, sym, 0).to(tl.uint8), mask=i < 16)
     k = tl.arange(0, 4)
     word = tl.where(k == 1, magic, tl.where(k == 2, n_lo, tl.where(k == 3, n_hi, 0)))
-    tl.store(hdr_ptr + k, word)
+    tl.store(f_ptr.to(tl.pointer_type(tl.int32)) + k, word)
 
 
-def frame_encode(x: torch.Tensor, parts: dict[str, torch.Tensor], lut: torch.Tensor, sample: int, magic: int) -> None:
-    """Encode 16-bit words ``x`` into a frame's parts (kernels.frame) on the current stream:
-    two launches (three when the last program is partial), no host wait."""
-    n = x.numel()
+@triton.jit
+def _frame_tile(x_ptr, f_ptr, lut_ptr, tile, n, codes_off, raw_off, G: tl.constexpr, MASKED: tl.constexpr,
+                LUT: tl.constexpr):
+    # one tile's codes and raw bytes into the frame; returns (symbols, escape mask, element
+    # indices) as (G, 4) tiles, each thread's 4 elements contiguous. Without LUT a symbol's
+    # code is found among the table's 15 bytes (one program's frames: no scratch to hold one)
+    g = tl.cast(tile, tl.int64) * G + tl.arange(0, G)
+    idx = g[:, None] * 4 + tl.arange(0, 4)[None, :]
+    m = idx < n
+    if MASKED:
+        w = tl.load(x_ptr + idx, mask=m, other=0)
+    else:
+        w = tl.load(x_ptr + idx)
+    w = w.to(tl.int16, bitcast=True).to(tl.int32)
+    s = (w >> 8) & 0xFF
+    if LUT:
+        c = tl.load(lut_ptr + s)
+    else:
+        c = tl.full(s.shape, 15, tl.int32)
+        for k in tl.static_range(15):
+            c = tl.where(s == tl.load(f_ptr + 16 + k).to(tl.int32), k, c)
+    if MASKED:
+        c = tl.where(m, c, 0)
+    lo, hi = tl.split(tl.reshape(c, (G, 2, 2)))
+    bidx = g[:, None] * 2 + tl.arange(0, 2)[None, :]
+    if MASKED:
+        tl.store(f_ptr + codes_off + bidx, (lo | (hi << 4)).to(tl.uint8), mask=bidx * 2 < n)
+        tl.store(f_ptr + raw_off + idx, (w & 0xFF).to(tl.uint8), mask=m)
+    else:
+        tl.store(f_ptr + codes_off + bidx, (lo | (hi << 4)).to(tl.uint8))
+        tl.store(f_ptr + raw_off + idx, (w & 0xFF).to(tl.uint8))
+    return s, (c == 15) & m
+
+
+@triton.jit
+def _escape_slots(esc, first):
+    # each escape's slot: ``first`` plus the escapes before it in the (G, 4) tile, in element order
+    e = esc.to(tl.int32)
+    row = tl.sum(e, axis=1)
+    return first + (tl.cumsum(row, axis=0) - row)[:, None] + (tl.cumsum(e, axis=1) - e)
+
+
+@triton.jit
+def _frame_table(x_ptr, f_ptr, lut_ptr, tiles, stride, m, magic, n_lo, n_hi, CHUNK: tl.constexpr,
+                 ZERO: tl.constexpr):
+    # before a frame's encode: every program clears ZERO of the tiles' look-back words; the
+    # first also finds the dictionary (and the codes, into lut_ptr[0:256]) and clears the
+    # encoder's tile counter (lut_ptr[256])
+    pid = tl.program_id(0)
+    j = pid.to(tl.int64) * ZERO + tl.arange(0, ZERO)
+    tl.store(f_ptr.to(tl.pointer_type(tl.int64)) + 4 + j, tl.zeros((ZERO,), tl.int64), mask=j < tiles)
+    if pid == 0:
+        _frame_dictionary(x_ptr, f_ptr, lut_ptr, stride, m, magic, n_lo, n_hi, CHUNK, LUT=True)
+        tl.store(lut_ptr + 256, 0)
+
+
+@triton.jit
+def _frame_encode(x_ptr, f_ptr, lut_ptr, n, tiles, codes_off, raw_off, sym_off, cap, first_tile,
+                  G: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr):
+    # one tile a program, in one pass: its count is published as soon as it is known, then its
+    # codes are stored, then it looks back for the escapes before it (kernels.gpu.scan) and
+    # stores its escapes in their slots. The partial last tile (MASKED) is its own launch, after
+    # every other tile has published its end.
+    if MASKED:
+        tile = tl.full([], first_tile, tl.int32)
+    else:
+        tile = tl.atomic_add(lut_ptr + 256, 1)  # tiles in the order programs started: predecessors run
+    ends = f_ptr.to(tl.pointer_type(tl.int64)) + 4
+    s, esc = _frame_tile(x_ptr, f_ptr, lut_ptr, tile, n, codes_off, raw_off, G, MASKED, LUT=True)
+    count = tl.sum(tl.sum(esc.to(tl.int64), axis=1), axis=0)
+    first = tl.zeros([], tl.int64)
+    if tile == 0:
+        publish(ends, count, 2, False)
+    else:
+        publish(ends + tile, count, 1, False)
+        first = look_back(ends, tile, tl.int64, False, WINDOW)
+        publish(ends + tile, first + count, 2, False)
+    slot = _escape_slots(esc, first)
+    tl.store(f_ptr + sym_off + slot, s.to(tl.uint8), mask=esc & (slot < cap))
+    if tile == tiles - 1:
+        tl.store(f_ptr.to(tl.pointer_type(tl.int32)), tl.minimum(first + count, 2**31 - 1).to(tl.int32))
+
+
+@triton.jit
+def _frame_encode_small(x_ptr, f_ptr, n, tiles, stride, m, magic, n_lo, n_hi, codes_off, raw_off, sym_off, cap,
+                        CHUNK: tl.constexpr, G: tl.constexpr):
+    # a frame of a few tiles by one program, in one launch: the dictionary, then the tiles in order
+    _frame_dictionary(x_ptr, f_ptr, f_ptr, stride, m, magic, n_lo, n_hi, CHUNK, LUT=False)
+    tl.debug_barrier()  # every thread reads the table back
+    ends = f_ptr.to(tl.pointer_type(tl.int64)) + 4
+    first = tl.zeros([], tl.int64)
+    for tile in range(0, tiles):
+        s, esc = _frame_tile(x_ptr, f_ptr, f_ptr, tile, n, codes_off, raw_off, G, MASKED=True, LUT=False)
+        slot = _escape_slots(esc, first)
+        tl.store(f_ptr + sym_off + slot, s.to(tl.uint8), mask=esc & (slot < cap))
+        first += tl.sum(tl.sum(esc.to(tl.int64), axis=1), axis=0)
+        tl.store(ends + tile, first << 2 | 2)
+    tl.debug_barrier()  # the header's count after the dictionary's 0
+    tl.store(f_ptr.to(tl.pointer_type(tl.int32)), tl.minimum(first, 2**31 - 1).to(tl.int32))
+
+
+@triton.jit
+def _frame_decode(f_ptr, out_ptr, n, codes_off, raw_off, sym_off, cap, first_tile, G: tl.constexpr,
+                  MASKED: tl.constexpr):
+    # one tile a program: codes through the table, escapes from their slots (the end of the
+    # tile before is the first), the raw bytes below
+    tile = first_tile + tl.program_id(0)
+    g = tl.cast(tile, tl.int64) * G + tl.arange(0, G)
+    idx = g[:, None] * 4 + tl.arange(0, 4)[None, :]
+    bidx = g[:, None] * 2 + tl.arange(0, 2)[None, :]
+    m = idx < n
+    if MASKED:
+        cb = tl.load(f_ptr + codes_off + bidx, mask=bidx * 2 < n, other=0).to(tl.int32)
+        r = tl.load(f_ptr + raw_off + idx, mask=m, other=0).to(tl.int32)
+    else:
+        cb = tl.load(f_ptr + codes_off + bidx).to(tl.int32)
+        r = tl.load(f_ptr + raw_off + idx).to(tl.int32)
+    c = tl.reshape(tl.join(cb & 15, cb >> 4), (G, 4))
+    esc = (c == 15) & m
+    before = tl.load(f_ptr.to(tl.pointer_type(tl.int64)) + 4 + tl.maximum(tile - 1, 0))
+    slot = _escape_slots(esc, tl.where(tile > 0, before >> 2, 0))
+    s = tl.load(f_ptr + 16 + c).to(tl.int32)
+    s = tl.where(esc, tl.load(f_ptr + sym_off + slot, mask=esc & (slot < cap), other=0).to(tl.int32), s)
+    if MASKED:
+        tl.store(out_ptr + idx, ((s << 8) | r).to(tl.int16), mask=m)
+    else:
+        tl.store(out_ptr + idx, ((s << 8) | r).to(tl.int16))
+
+
+def frame_encode(x: torch.Tensor, frame: torch.Tensor, lay, sample: int, small_tiles: int, magic: int) -> None:
+    """Encode the contiguous 16-bit tensor ``x`` into ``frame`` (kernels.frame, layout ``lay``) on the
+    current stream, no host wait: one launch for up to ``small_tiles`` tiles; else the dictionary,
+    the full tiles, and the partial last one if any."""
+    n = lay.n
     stride = max(1, n // sample)
     m = -(-n // stride)
     lo = n & 0xFFFFFFFF  # n as two int32 words (a small int argument is an int32 in the kernel)
-    _frame_table[(1,)](x, parts["header"], parts["table"], lut, lo - (lo >> 31 << 32), n >> 32, stride, m, magic,
-                       CHUNK=4096, num_warps=8)
-    _launch(_dict4_encode, n, x, lut, parts["codes"], parts["raw"], parts["header"], parts["pos"], parts["sym"],
-            parts["pos"].numel(), n, W=2)
+    lo -= lo >> 31 << 32
+    if lay.tiles <= small_tiles:
+        _frame_encode_small[(1,)](x, frame, n, lay.tiles, stride, m, magic, lo, n >> 32, lay.codes, lay.raw, lay.sym,
+                                  lay.cap, CHUNK=4096, G=FRAME_G, num_warps=WARPS)
+        return
+    scratch = torch.empty(257, dtype=torch.int32, device=x.device)  # symbol -> code, and the tile counter
+    _frame_table[(cdiv(lay.tiles, FRAME_ZERO),)](x, frame, scratch, lay.tiles, stride, m, magic, lo, n >> 32,
+                                                CHUNK=4096, ZERO=FRAME_ZERO, num_warps=8)
+    full = n // FRAME_TILE
+    args = (x, frame, scratch, n, lay.tiles, lay.codes, lay.raw, lay.sym, lay.cap)
+    _frame_encode[(full,)](*args, 0, G=FRAME_G, MASKED=False, WINDOW=LOOKBACK, num_warps=WARPS)
+    if n % FRAME_TILE:
+        _frame_encode[(1,)](*args, full, G=FRAME_G, MASKED=True, WINDOW=LOOKBACK, num_warps=WARPS)
 
 
-def frame_decode(parts: dict[str, torch.Tensor], out: torch.Tensor) -> None:
-    """Decode a frame's parts into 16-bit words ``out`` on the current stream, without a host wait:
-    the escape count is read on the device, so nothing is checked (the frame is the mover's own)."""
-    n, cap = out.numel(), parts["pos"].numel()
-    _launch(_dict4_decode, n, parts["codes"], parts["raw"], parts["table"], out, out, n, 15, W=2, CHECK=False)
-    _dict4_patch[(cdiv(cap, 1024),)](out, parts["codes"], parts["pos"], parts["sym"], out, parts["header"],
-                                     cap, n, W=2, BLOCK=1024, FRAME=True)
+def frame_decode(frame: torch.Tensor, out: torch.Tensor, lay, small_tiles: int) -> None:
+    """Decode ``frame`` (layout ``lay``) into 16-bit words ``out`` on the current stream, without a host
+    wait, so nothing is checked (the frame is the mover's own): one launch for up to ``small_tiles``
+    tiles or a whole number of them."""
+    n = lay.n
+    full = n // FRAME_TILE
+    args = (frame, out, n, lay.codes, lay.raw, lay.sym, lay.cap)
+    if lay.tiles <= small_tiles or full == 0:
+        if lay.tiles:
+            _frame_decode[(lay.tiles,)](*args, 0, G=FRAME_G, MASKED=True, num_warps=WARPS)
+        return
+    _frame_decode[(full,)](*args, 0, G=FRAME_G, MASKED=False, num_warps=WARPS)
+    if n % FRAME_TILE:
+        _frame_decode[(1,)](*args, full, G=FRAME_G, MASKED=True, num_warps=WARPS)

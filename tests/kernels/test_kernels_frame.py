@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kernels_strategies import SPECIAL_BITS, bits_equal, from_bits, tensors
 from storm.kernels import CorruptEncodedError
-from storm.kernels.frame import complete, decode_frame, encode_frame, escape_slots, frame_nbytes
+from storm.kernels.frame import TILE, complete, decode_frame, encode_frame, escape_slots, frame_nbytes, layout
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "activations" / "minilm_saved.pt"
 WORDS = [torch.bfloat16, torch.float16, torch.int16]
@@ -65,8 +65,24 @@ def test_all_distinct_words_overflow_and_say_so() -> None:
 def test_size_is_fixed_by_the_length_alone() -> None:
     a, b = torch.zeros(10_000, dtype=torch.bfloat16), torch.randn(10_000).bfloat16()
     assert framed(a).numel() == framed(b).numel() == frame_nbytes(10_000)
-    n = 1 << 20
-    assert frame_nbytes(n) == 32 + n // 2 + n + 5 * escape_slots(n)
+    for n in (0, 1, 2049, 1 << 20):
+        assert frame_nbytes(n) == 32 + 8 * -(-n // TILE) + (n + 1) // 2 + n + escape_slots(n)
+
+
+def test_escapes_take_slots_in_element_order() -> None:
+    """An escape's slot is its rank among the escapes (no positions are stored), and each tile's
+    end counts the escapes up to it, so a decoder finds any tile's first slot."""
+    t = torch.full((3 * TILE + 5,), 1.0).bfloat16()
+    at = [3, TILE - 1, TILE + 7, 3 * TILE + 4]  # tiles 0, 0, 1, 3
+    t[at] = torch.tensor([2.0 ** 100, -(2.0 ** 90), 2.0 ** -120, 2.0 ** 80]).bfloat16()
+    common = [4.0 ** -k for k in range(1, 15)]  # 14 high bytes besides 1.0's: the dictionary is full
+    t[10:10 + 14 * 100] = torch.tensor(common).repeat(100).bfloat16()
+    f, lay = framed(t), layout(t.numel())
+    assert int(f[:4].view(torch.int32)[0]) == 4
+    high = (t.view(torch.int16)[at].to(torch.int32) >> 8 & 0xFF).tolist()
+    assert f[lay.sym:lay.sym + 4].tolist() == high
+    assert (f[32:lay.codes].view(torch.int64) >> 2).tolist() == [2, 3, 3, 4]
+    assert bits_equal(decode_frame(f, t.numel()), t.view(torch.int16))
 
 
 def test_real_bf16_activations_fit_and_shrink() -> None:
@@ -80,7 +96,7 @@ def test_real_bf16_activations_fit_and_shrink() -> None:
         assert bits_equal(decode_frame(f, t.numel()), t.reshape(-1).view(torch.int16))
         raw, stored = raw + 2 * t.numel(), stored + f.numel()
     print(f"frames, bf16 tensors of the bf16 autocast step: {raw / stored:.3f}x")
-    assert raw / stored >= 1.25
+    assert raw / stored >= 1.31
 
 
 def test_corrupted_frames_raise() -> None:
@@ -94,14 +110,15 @@ def test_corrupted_frames_raise() -> None:
         edit(f)
         return f
 
-    pos = 32 + 2001 + 4001
-    pos += -pos % 4
+    lay = layout(4001)
     cases = {
         "bad magic": broken(lambda f: f.__setitem__(4, 0)),
         "holds 4002 words": broken(lambda f: f[8:16].view(torch.int64).add_(1)),
         "incomplete frame": broken(lambda f: f[:4].view(torch.int32).fill_(escape_slots(4001) + 1)),
-        "escape positions": broken(lambda f: f[pos:pos + 4].view(torch.int32).add_(1)),
-        "escape codes": broken(lambda f: f[:4].view(torch.int32).sub_(1)),
+        "escape ends": broken(lambda f: f[32:40].view(torch.int64).add_(4)),
+        "not a tile end": broken(lambda f: f[32:40].view(torch.int64).sub_(1)),
+        "escape count": broken(lambda f: f[:4].view(torch.int32).sub_(1)),
+        "escape codes": broken(lambda f: f.__setitem__(lay.codes, 0xFF)),
     }
     for what, f in cases.items():
         with pytest.raises(CorruptEncodedError, match=what):
