@@ -33,6 +33,7 @@ GROUPS = 512           # groups of 4 elements per program: 2048 elements (measur
 BLOCK = 4 * GROUPS
 WARPS = 4
 FRAME_G = FRAME_TILE // 4  # a frame's tile in groups of 4
+FRAME_SUPER = 8        # tiles a program of _frame_encode takes, and looks back for as one
 FRAME_ZERO = 8192      # look-back words a program of _frame_table clears
 
 
@@ -295,13 +296,11 @@ def _frame_dictionary(x_ptr, f_ptr, lut_ptr, stride, m, magic, n_lo, n_hi, CHUNK
 
 
 @triton.jit
-def _frame_tile(x_ptr, f_ptr, lut_ptr, tile, n, codes_off, raw_off, G: tl.constexpr, MASKED: tl.constexpr,
-                LUT: tl.constexpr):
-    # one tile's codes and raw bytes into the frame; returns (symbols, escape mask, element
-    # indices) as (G, 4) tiles, each thread's 4 elements contiguous. Without LUT a symbol's
-    # code is found among the table's 15 bytes (one program's frames: no scratch to hold one)
-    g = tl.cast(tile, tl.int64) * G + tl.arange(0, G)
-    idx = g[:, None] * 4 + tl.arange(0, 4)[None, :]
+def _frame_symbols(x_ptr, f_ptr, lut_ptr, tile, n, G: tl.constexpr, MASKED: tl.constexpr, LUT: tl.constexpr):
+    # a tile's words, symbols, codes and escapes as (G, 4) tiles, each thread's 4 elements
+    # contiguous. Without LUT a symbol's code is found among the table's 15 bytes (one program's
+    # frames: no scratch to hold a lookup table)
+    idx = (tl.cast(tile, tl.int64) * G + tl.arange(0, G))[:, None] * 4 + tl.arange(0, 4)[None, :]
     m = idx < n
     if MASKED:
         w = tl.load(x_ptr + idx, mask=m, other=0)
@@ -317,64 +316,106 @@ def _frame_tile(x_ptr, f_ptr, lut_ptr, tile, n, codes_off, raw_off, G: tl.conste
             c = tl.where(s == tl.load(f_ptr + 16 + k).to(tl.int32), k, c)
     if MASKED:
         c = tl.where(m, c, 0)
+    return w, s, c, (c == 15) & m
+
+
+@triton.jit
+def _frame_store(f_ptr, tile, n, w, c, codes_off, raw_off, G: tl.constexpr, MASKED: tl.constexpr):
+    # a tile's codes (two a byte) and raw bytes into the frame
+    g = tl.cast(tile, tl.int64) * G + tl.arange(0, G)
+    idx = g[:, None] * 4 + tl.arange(0, 4)[None, :]
     lo, hi = tl.split(tl.reshape(c, (G, 2, 2)))
     bidx = g[:, None] * 2 + tl.arange(0, 2)[None, :]
     if MASKED:
         tl.store(f_ptr + codes_off + bidx, (lo | (hi << 4)).to(tl.uint8), mask=bidx * 2 < n)
-        tl.store(f_ptr + raw_off + idx, (w & 0xFF).to(tl.uint8), mask=m)
+        tl.store(f_ptr + raw_off + idx, (w & 0xFF).to(tl.uint8), mask=idx < n)
     else:
         tl.store(f_ptr + codes_off + bidx, (lo | (hi << 4)).to(tl.uint8))
         tl.store(f_ptr + raw_off + idx, (w & 0xFF).to(tl.uint8))
-    return s, (c == 15) & m
 
 
 @triton.jit
-def _escape_slots(esc, first):
-    # each escape's slot: ``first`` plus the escapes before it in the (G, 4) tile, in element order
+def _escape_ranks(esc):
+    # each escape's rank among the escapes of the (G, 4) tile, in element order (int32: the
+    # slot is the tile's first plus this, added to the pointer, so no int64 tile is held)
     e = esc.to(tl.int32)
     row = tl.sum(e, axis=1)
-    return first + (tl.cumsum(row, axis=0) - row)[:, None] + (tl.cumsum(e, axis=1) - e)
+    return (tl.cumsum(row, axis=0) - row)[:, None] + (tl.cumsum(e, axis=1) - e)
 
 
 @triton.jit
-def _frame_table(x_ptr, f_ptr, lut_ptr, tiles, stride, m, magic, n_lo, n_hi, CHUNK: tl.constexpr,
+def _slots_left(cap, first):
+    # escape slots from ``first`` on, as an int32 bound for the ranks
+    return tl.minimum(tl.maximum(cap - first, 0), 2**31 - 1).to(tl.int32)
+
+
+@triton.jit
+def _frame_escapes(f_ptr, s, esc, first, sym_off, cap):
+    # a tile's escaped symbols into their slots, the first at ``first``
+    rank = _escape_ranks(esc)
+    tl.store(f_ptr + sym_off + first + rank, s.to(tl.uint8), mask=esc & (rank < _slots_left(cap, first)))
+
+
+@triton.jit
+def _count(esc):
+    return tl.sum(tl.sum(esc.to(tl.int64), axis=1), axis=0)
+
+
+@triton.jit
+def _frame_table(x_ptr, f_ptr, scratch_ptr, groups, stride, m, magic, n_lo, n_hi, CHUNK: tl.constexpr,
                  ZERO: tl.constexpr):
-    # before a frame's encode: every program clears ZERO of the tiles' look-back words; the
-    # first also finds the dictionary (and the codes, into lut_ptr[0:256]) and clears the
-    # encoder's tile counter (lut_ptr[256])
+    # before a frame's encode, in its scratch (int64 words: the symbols' codes as 256 int32 in
+    # words 0-127, the group counter at 128, the groups' look-back words from 129): every program
+    # clears ZERO of the counter and look-back words; the first also finds the dictionary
     pid = tl.program_id(0)
     j = pid.to(tl.int64) * ZERO + tl.arange(0, ZERO)
-    tl.store(f_ptr.to(tl.pointer_type(tl.int64)) + 4 + j, tl.zeros((ZERO,), tl.int64), mask=j < tiles)
+    tl.store(scratch_ptr + 128 + j, tl.zeros((ZERO,), tl.int64), mask=j < groups + 1)
     if pid == 0:
-        _frame_dictionary(x_ptr, f_ptr, lut_ptr, stride, m, magic, n_lo, n_hi, CHUNK, LUT=True)
-        tl.store(lut_ptr + 256, 0)
+        _frame_dictionary(x_ptr, f_ptr, scratch_ptr.to(tl.pointer_type(tl.int32)), stride, m, magic, n_lo, n_hi,
+                          CHUNK, LUT=True)
 
 
 @triton.jit
-def _frame_encode(x_ptr, f_ptr, lut_ptr, n, tiles, codes_off, raw_off, sym_off, cap, first_tile,
-                  G: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr):
-    # one tile a program, in one pass: its count is published as soon as it is known, then its
-    # codes are stored, then it looks back for the escapes before it (kernels.gpu.scan) and
-    # stores its escapes in their slots. The partial last tile (MASKED) is its own launch, after
-    # every other tile has published its end.
+def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_off, sym_off, cap, first_group,
+                  G: tl.constexpr, SUPER: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr):
+    # a group of SUPER tiles a program, in one pass over the input: each tile's codes are stored
+    # and its escapes counted; the group's count is published, the escapes before the group
+    # found by looking back (kernels.gpu.scan: a group, not a tile, so that there are few to
+    # wait on), and its end published; then the tiles with escapes are read again (from L2) to
+    # store them in their slots, and every tile's end goes into the frame. The partial last
+    # group (MASKED) is its own launch, after every other group has published its end.
+    lut_ptr = scratch_ptr.to(tl.pointer_type(tl.int32))
     if MASKED:
-        tile = tl.full([], first_tile, tl.int32)
+        grp = tl.full([], first_group, tl.int32)
     else:
-        tile = tl.atomic_add(lut_ptr + 256, 1)  # tiles in the order programs started: predecessors run
-    ends = f_ptr.to(tl.pointer_type(tl.int64)) + 4
-    s, esc = _frame_tile(x_ptr, f_ptr, lut_ptr, tile, n, codes_off, raw_off, G, MASKED, LUT=True)
-    count = tl.sum(tl.sum(esc.to(tl.int64), axis=1), axis=0)
+        grp = tl.atomic_add(scratch_ptr + 128, 1).to(tl.int32)  # in the order programs started
+    flags = scratch_ptr + 129
+    j = tl.arange(0, SUPER)
+    counts = tl.zeros((SUPER,), tl.int64)
+    for k in range(SUPER):
+        tile = grp * SUPER + k
+        w, s, c, esc = _frame_symbols(x_ptr, f_ptr, lut_ptr, tile, n, G, MASKED, LUT=True)
+        _frame_store(f_ptr, tile, n, w, c, codes_off, raw_off, G, MASKED)
+        counts = tl.where(j == k, _count(esc), counts)
+    total = tl.sum(counts, axis=0)
     first = tl.zeros([], tl.int64)
-    if tile == 0:
-        publish(ends, count, 2, False)
+    if grp == 0:
+        publish(flags, total, 2, False)
     else:
-        publish(ends + tile, count, 1, False)
-        first = look_back(ends, tile, tl.int64, False, WINDOW)
-        publish(ends + tile, first + count, 2, False)
-    slot = _escape_slots(esc, first)
-    tl.store(f_ptr + sym_off + slot, s.to(tl.uint8), mask=esc & (slot < cap))
-    if tile == tiles - 1:
-        tl.store(f_ptr.to(tl.pointer_type(tl.int32)), tl.minimum(first + count, 2**31 - 1).to(tl.int32))
+        publish(flags + grp, total, 1, False)
+        first = look_back(flags, grp, tl.int64, False, WINDOW)
+        publish(flags + grp, first + total, 2, False)
+    ends = f_ptr.to(tl.pointer_type(tl.int64)) + 4
+    for k in range(SUPER):
+        tile = grp * SUPER + k
+        count = tl.sum(tl.where(j == k, counts, 0), axis=0)
+        if count > 0:
+            w, s, c, esc = _frame_symbols(x_ptr, f_ptr, lut_ptr, tile, n, G, MASKED, LUT=True)
+            _frame_escapes(f_ptr, s, esc, first, sym_off, cap)
+        first += count
+        tl.store(ends + tile, first << 2 | 2, mask=tile < tiles)
+    if grp == groups - 1:
+        tl.store(f_ptr.to(tl.pointer_type(tl.int32)), tl.minimum(first, 2**31 - 1).to(tl.int32))
 
 
 @triton.jit
@@ -386,10 +427,10 @@ def _frame_encode_small(x_ptr, f_ptr, n, tiles, stride, m, magic, n_lo, n_hi, co
     ends = f_ptr.to(tl.pointer_type(tl.int64)) + 4
     first = tl.zeros([], tl.int64)
     for tile in range(0, tiles):
-        s, esc = _frame_tile(x_ptr, f_ptr, f_ptr, tile, n, codes_off, raw_off, G, MASKED=True, LUT=False)
-        slot = _escape_slots(esc, first)
-        tl.store(f_ptr + sym_off + slot, s.to(tl.uint8), mask=esc & (slot < cap))
-        first += tl.sum(tl.sum(esc.to(tl.int64), axis=1), axis=0)
+        w, s, c, esc = _frame_symbols(x_ptr, f_ptr, f_ptr, tile, n, G, MASKED=True, LUT=False)
+        _frame_store(f_ptr, tile, n, w, c, codes_off, raw_off, G, MASKED=True)
+        _frame_escapes(f_ptr, s, esc, first, sym_off, cap)
+        first += _count(esc)
         tl.store(ends + tile, first << 2 | 2)
     tl.debug_barrier()  # the header's count after the dictionary's 0
     tl.store(f_ptr.to(tl.pointer_type(tl.int32)), tl.minimum(first, 2**31 - 1).to(tl.int32))
@@ -413,10 +454,13 @@ def _frame_decode(f_ptr, out_ptr, n, codes_off, raw_off, sym_off, cap, first_til
         r = tl.load(f_ptr + raw_off + idx).to(tl.int32)
     c = tl.reshape(tl.join(cb & 15, cb >> 4), (G, 4))
     esc = (c == 15) & m
-    before = tl.load(f_ptr.to(tl.pointer_type(tl.int64)) + 4 + tl.maximum(tile - 1, 0))
-    slot = _escape_slots(esc, tl.where(tile > 0, before >> 2, 0))
+    ends = f_ptr.to(tl.pointer_type(tl.int64)) + 4
+    first = tl.where(tile > 0, tl.load(ends + tl.maximum(tile - 1, 0)) >> 2, 0)
     s = tl.load(f_ptr + 16 + c).to(tl.int32)
-    s = tl.where(esc, tl.load(f_ptr + sym_off + slot, mask=esc & (slot < cap), other=0).to(tl.int32), s)
+    if (tl.load(ends + tile) >> 2) > first:  # most tiles of a bf16 activation have an escape or two
+        rank = _escape_ranks(esc)
+        escaped = tl.load(f_ptr + sym_off + first + rank, mask=esc & (rank < _slots_left(cap, first)), other=0)
+        s = tl.where(esc, escaped.to(tl.int32), s)
     if MASKED:
         tl.store(out_ptr + idx, ((s << 8) | r).to(tl.int16), mask=m)
     else:
@@ -426,7 +470,7 @@ def _frame_decode(f_ptr, out_ptr, n, codes_off, raw_off, sym_off, cap, first_til
 def frame_encode(x: torch.Tensor, frame: torch.Tensor, lay, sample: int, small_tiles: int, magic: int) -> None:
     """Encode the contiguous 16-bit tensor ``x`` into ``frame`` (kernels.frame, layout ``lay``) on the
     current stream, no host wait: one launch for up to ``small_tiles`` tiles; else the dictionary,
-    the full tiles, and the partial last one if any."""
+    the full groups of FRAME_SUPER tiles, and the partial last one if any."""
     n = lay.n
     stride = max(1, n // sample)
     m = -(-n // stride)
@@ -436,14 +480,17 @@ def frame_encode(x: torch.Tensor, frame: torch.Tensor, lay, sample: int, small_t
         _frame_encode_small[(1,)](x, frame, n, lay.tiles, stride, m, magic, lo, n >> 32, lay.codes, lay.raw, lay.sym,
                                   lay.cap, CHUNK=4096, G=FRAME_G, num_warps=WARPS)
         return
-    scratch = torch.empty(257, dtype=torch.int32, device=x.device)  # symbol -> code, and the tile counter
-    _frame_table[(cdiv(lay.tiles, FRAME_ZERO),)](x, frame, scratch, lay.tiles, stride, m, magic, lo, n >> 32,
-                                                CHUNK=4096, ZERO=FRAME_ZERO, num_warps=8)
-    full = n // FRAME_TILE
-    args = (x, frame, scratch, n, lay.tiles, lay.codes, lay.raw, lay.sym, lay.cap)
-    _frame_encode[(full,)](*args, 0, G=FRAME_G, MASKED=False, WINDOW=LOOKBACK, num_warps=WARPS)
-    if n % FRAME_TILE:
-        _frame_encode[(1,)](*args, full, G=FRAME_G, MASKED=True, WINDOW=LOOKBACK, num_warps=WARPS)
+    groups = -(-lay.tiles // FRAME_SUPER)
+    scratch = torch.empty(129 + groups, dtype=torch.int64, device=x.device)  # see _frame_table
+    _frame_table[(cdiv(groups + 1, FRAME_ZERO),)](x, frame, scratch, groups, stride, m, magic, lo, n >> 32,
+                                                 CHUNK=4096, ZERO=FRAME_ZERO, num_warps=8)
+    full = n // (FRAME_TILE * FRAME_SUPER)
+    args = (x, frame, scratch, n, lay.tiles, groups, lay.codes, lay.raw, lay.sym, lay.cap)
+    kw = dict(G=FRAME_G, SUPER=FRAME_SUPER, WINDOW=LOOKBACK, num_warps=WARPS)
+    if full:
+        _frame_encode[(full,)](*args, 0, MASKED=False, **kw)
+    if full < groups:
+        _frame_encode[(1,)](*args, full, MASKED=True, **kw)
 
 
 def frame_decode(frame: torch.Tensor, out: torch.Tensor, lay, small_tiles: int) -> None:
