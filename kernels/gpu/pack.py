@@ -455,7 +455,8 @@ def _frame_decode(f_ptr, out_ptr, n, codes_off, raw_off, sym_off, cap, first_til
     c = tl.reshape(tl.join(cb & 15, cb >> 4), (G, 4))
     esc = (c == 15) & m
     ends = f_ptr.to(tl.pointer_type(tl.int64)) + 4
-    first = tl.where(tile > 0, tl.load(ends + tl.maximum(tile - 1, 0)) >> 2, 0)
+    # clamped to the slots: unchecked as the frame is, a damaged one must not send a read outside it
+    first = tl.minimum(tl.maximum(tl.where(tile > 0, tl.load(ends + tl.maximum(tile - 1, 0)) >> 2, 0), 0), cap)
     s = tl.load(f_ptr + 16 + c).to(tl.int32)
     if (tl.load(ends + tile) >> 2) > first:  # most tiles of a bf16 activation have an escape or two
         rank = _escape_ranks(esc)

@@ -210,6 +210,33 @@ def test_gpu_frame_runs_on_the_current_stream_without_a_host_wait() -> None:
     assert bits_equal(out, x.view(torch.int16))
 
 
+DAMAGED_FRAME = """
+import sys, torch
+from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes, layout
+n = 1 << 20
+x = torch.randn(n, device="cuda").bfloat16()
+x[::997] = 2.0 ** 100  # escapes in most tiles
+f = torch.empty(frame_nbytes(n), dtype=torch.uint8, device="cuda")
+encode_frame(x, f)
+ends = f[32:layout(n).codes].view(torch.int64)
+ends[100] = int(sys.argv[1]) << 2 | 2
+decode_frame(f, n)
+torch.cuda.synchronize()
+print("decoded")
+"""
+
+
+@pytest.mark.parametrize("end", [-(1 << 40), 1 << 40, -5])
+def test_gpu_decode_of_a_damaged_frame_stays_inside_it(end: int) -> None:
+    """The device's decode checks nothing (the frame is the mover's own), but a damaged tile end
+    must not send its reads outside the frame: far outside would be an illegal address, which
+    ends the process's CUDA context (so each case runs in a process of its own)."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", DAMAGED_FRAME, str(end)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "decoded" in run.stdout, run.stderr[-2000:]
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_gpu_code_built_on_the_device_is_the_hosts(seed: int) -> None:
     """kernels.gpu.huffman.build_code against kernels.entropy on the host: the same lengths,
