@@ -281,7 +281,11 @@ def main() -> None:
         impls += [(f"zstd-cpu:1{'-shuffled' if s else ''}", lambda t, s=s: bench_zstd(t, 1, s, min(args.reps, 2)))
                   for s in (False, True)]
     if args.only:
-        impls = [(name, fn) for name, fn in impls if name in args.only.split(",")]
+        only = args.only.split(",")
+        unknown = set(only) - {name for name, _ in impls}
+        if unknown:
+            ap.error(f"--only: unknown {', '.join(sorted(unknown))}; known: {', '.join(name for name, _ in impls)}")
+        impls = [(name, fn) for name, fn in impls if name in only]
     for kind, ts in kinds.items():
         for name, fn in impls:
             try:

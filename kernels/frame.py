@@ -85,6 +85,7 @@ def _check_frame(frame: torch.Tensor, lay: Layout) -> None:
     require(frame.dtype == torch.uint8 and frame.dim() == 1 and frame.numel() == lay.end
             and frame.is_contiguous(), f"a frame of {lay.n} words is {lay.end} contiguous bytes, "
                                       f"got {frame.numel()} ({frame.dtype})")
+    require(frame.data_ptr() % 8 == 0, "a frame must start 8-byte aligned (its tile ends are int64 words)")
 
 
 def _tile_ends(esc: torch.Tensor, lay: Layout) -> torch.Tensor:

@@ -127,6 +127,12 @@ def test_corrupted_frames_raise() -> None:
         decode_frame(good[:-1], 4001)
     with pytest.raises(CorruptEncodedError, match="bytes"):
         decode_frame(good, 4000)
+    shifted = torch.empty(good.numel() + 1, dtype=torch.uint8)[1:]
+    shifted.copy_(good)
+    with pytest.raises(CorruptEncodedError, match="8-byte aligned"):
+        decode_frame(shifted, 4001)
+    with pytest.raises(CorruptEncodedError, match="8-byte aligned"):
+        encode_frame(t, shifted)
 
 
 def test_only_16_bit_words() -> None:
