@@ -1,0 +1,55 @@
+"""The frame kernels (Triton) under Triton's interpreter on the CPU, against kernels.frame's torch
+reference: the same bytes, by one program and by many (the look-back of kernels.gpu.scan), and
+the decoder's round trip. CI has no GPU, so this is where a change to those kernels is first
+checked; the device's tests (test_kernels_gpu.py) run them compiled.
+
+TRITON_INTERPRET is read as the kernels are defined, so they run in a process of their own."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHECK = r"""
+import torch
+from storm.kernels import frame
+from storm.kernels.gpu import pack
+
+def both(x, small_tiles):
+    lay = frame.layout(x.numel())
+    ref = torch.full((lay.end,), 0xAB, dtype=torch.uint8)
+    frame.encode_frame(x, ref)  # a CPU tensor: the torch reference
+    got = torch.full((lay.end,), 0xCD, dtype=torch.uint8)
+    pack.frame_encode(x.contiguous(), got, lay, frame.SAMPLE, small_tiles, frame.MAGIC)
+    count = int(ref[:4].view(torch.int32)[0])
+    written = lay.sym + min(count, lay.cap)  # slots past the count stay unwritten
+    assert torch.equal(ref[:written], got[:written]), (x.numel(), small_tiles)
+    if frame.complete(ref):
+        out = torch.empty(x.numel(), dtype=torch.int16)
+        pack.frame_decode(got, out, lay, small_tiles)
+        assert torch.equal(out, x.view(torch.int16)), (x.numel(), small_tiles)
+    return count <= lay.cap
+
+g = torch.Generator().manual_seed(0)
+specials = torch.tensor([0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC5, 0x0001, 0x807F, 0x7F7F],
+                        dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+for n in (0, 7, 4097, 2 * 16384, 2 * 16384 + 2049):
+    x = (torch.randn(n, generator=g) * 3).bfloat16()
+    x[::400] = specials.repeat(n // 4000 + 1)[: len(x[::400])]
+    x[3::500] = 2.0 ** 100  # escapes: 0.45 % of the words, under the 0.78 % of the slots
+    for small_tiles in (16, 0):  # one program where it fits, and always many
+        assert both(x, small_tiles)
+every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+assert not both(every[:40000], 0)  # overflows: the count, and every slot, still match
+print("frames: the interpreter wrote the reference's bytes")
+"""
+
+
+def test_frame_kernels_write_the_reference_bytes_under_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and "reference's bytes" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
