@@ -1,7 +1,8 @@
-"""The frame kernels (Triton) under Triton's interpreter on the CPU, against kernels.frame's torch
-reference: the same bytes, by one program and by many (the look-back of kernels.gpu.scan), and
-the decoder's round trip. CI has no GPU, so this is where a change to those kernels is first
-checked; the device's tests (test_kernels_gpu.py) run them compiled.
+"""Triton kernels under Triton's interpreter on the CPU: the frame kernels against kernels.frame's
+torch reference (the same bytes, by one program and by many, with the scan's look-back; the
+decoder's round trip), and the one-pass scan against torch.cumsum. CI has no GPU, so this is
+where a change to those kernels is first checked; the device's tests (test_kernels_gpu.py) run
+them compiled.
 
 TRITON_INTERPRET is read as the kernels are defined, so they run in a process of their own."""
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-CHECK = r"""
+FRAMES = r"""
 import torch
 from storm.kernels import frame
 from storm.kernels.gpu import pack
@@ -49,7 +50,29 @@ print("frames: the interpreter wrote the reference's bytes")
 """
 
 
-def test_frame_kernels_write_the_reference_bytes_under_the_interpreter() -> None:
+SCAN = r"""
+import torch
+from storm.kernels.gpu.scan import scan_lastdim
+
+g = torch.Generator().manual_seed(0)
+for rows, length in ((1, 1), (3, 5000), (2, 40000)):  # one block; many, each looking back
+    x = torch.randint(-1000, 1000, (rows, length), generator=g, dtype=torch.int32)
+    assert torch.equal(scan_lastdim(x), torch.cumsum(x, -1)), length
+    assert torch.equal(scan_lastdim(x, torch.int32), torch.cumsum(x, -1, dtype=torch.int32)), length
+print("scan: the interpreter matched torch.cumsum")
+"""
+
+
+def interpret(script: str) -> str:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and "reference's bytes" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+def test_frame_kernels_write_the_reference_bytes_under_the_interpreter() -> None:
+    assert "reference's bytes" in interpret(FRAMES)
+
+
+def test_one_pass_scan_matches_cumsum_under_the_interpreter() -> None:
+    assert "matched torch.cumsum" in interpret(SCAN)
