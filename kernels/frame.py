@@ -68,6 +68,7 @@ class Layout(NamedTuple):
 
 
 def layout(n: int) -> Layout:
+    """The layout of a frame of ``n`` words (the module docstring draws it)."""
     tiles = -(-n // TILE)
     codes = HEADER + 8 * tiles
     raw = codes + (n + 1) // 2
