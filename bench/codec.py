@@ -119,9 +119,8 @@ def bench_frame(ts: list[torch.Tensor], reps: int, small_tiles: int | None = Non
     """Frames of the bf16 tensors (the others count as raw); a frame that overflows would be
     stored raw by the mover, so it counts as raw too. Each call allocates its output, as the
     mover's does. ``small_tiles``: storm.kernels.frame.SMALL_TILES for this run."""
-    kept = frame.SMALL_TILES
-    if small_tiles is not None:
-        frame.SMALL_TILES = small_tiles
+    used = frame.SMALL_TILES if small_tiles is None else small_tiles
+    kept, frame.SMALL_TILES = frame.SMALL_TILES, used
     try:
         parts, overflows = [], 0
         for t in ts:
@@ -147,8 +146,7 @@ def bench_frame(ts: list[torch.Tensor], reps: int, small_tiles: int | None = Non
         frame.SMALL_TILES = kept
     if all(p["te"] is None for p in parts):
         return {"skipped": "frames are for bf16 tensors"}
-    return {**aggregate(parts), "overflows": overflows, "small_tiles": frame.SMALL_TILES if small_tiles is None
-            else small_tiles}
+    return {**aggregate(parts), "overflows": overflows, "small_tiles": used}
 
 
 def bench_nvcomp(ts: list[torch.Tensor], algo: str, reps: int) -> dict:
