@@ -296,17 +296,23 @@ def _frame_dictionary(x_ptr, f_ptr, lut_ptr, stride, m, magic, n_lo, n_hi, CHUNK
 
 
 @triton.jit
-def _frame_symbols(x_ptr, f_ptr, lut_ptr, tile, n, G: tl.constexpr, MASKED: tl.constexpr, LUT: tl.constexpr):
-    # a tile's words, symbols, codes and escapes as (G, 4) tiles, each thread's 4 elements
-    # contiguous. Without LUT a symbol's code is found among the table's 15 bytes (one program's
-    # frames: no scratch to hold a lookup table)
+def _frame_words(x_ptr, tile, n, G: tl.constexpr, MASKED: tl.constexpr):
+    # a tile's words as a (G, 4) tile of int32, each thread's 4 elements contiguous
     idx = (tl.cast(tile, tl.int64) * G + tl.arange(0, G))[:, None] * 4 + tl.arange(0, 4)[None, :]
-    m = idx < n
     if MASKED:
-        w = tl.load(x_ptr + idx, mask=m, other=0)
+        w = tl.load(x_ptr + idx, mask=idx < n, other=0)
     else:
         w = tl.load(x_ptr + idx)
-    w = w.to(tl.int16, bitcast=True).to(tl.int32)
+    return w.to(tl.int16, bitcast=True).to(tl.int32)
+
+
+@triton.jit
+def _frame_symbols(w, f_ptr, lut_ptr, tile, n, G: tl.constexpr, MASKED: tl.constexpr, LUT: tl.constexpr):
+    # a tile's symbols, codes and escapes from its words (_frame_words). Without LUT a symbol's
+    # code is found among the table's 15 bytes (one program's frames: no scratch to hold a
+    # lookup table)
+    idx = (tl.cast(tile, tl.int64) * G + tl.arange(0, G))[:, None] * 4 + tl.arange(0, 4)[None, :]
+    m = idx < n
     s = (w >> 8) & 0xFF
     if LUT:
         c = tl.load(lut_ptr + s)
@@ -316,7 +322,7 @@ def _frame_symbols(x_ptr, f_ptr, lut_ptr, tile, n, G: tl.constexpr, MASKED: tl.c
             c = tl.where(s == tl.load(f_ptr + 16 + k).to(tl.int32), k, c)
     if MASKED:
         c = tl.where(m, c, 0)
-    return w, s, c, (c == 15) & m
+    return s, c, (c == 15) & m
 
 
 @triton.jit
@@ -392,11 +398,14 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
     flags = scratch_ptr + 129
     j = tl.arange(0, SUPER)
     counts = tl.zeros((SUPER,), tl.int64)
-    for k in range(SUPER):
+    w = _frame_words(x_ptr, grp * SUPER, n, G, MASKED)
+    for k in range(SUPER):  # each tile's words loaded while the tile before is coded: two loads in flight
         tile = grp * SUPER + k
-        w, s, c, esc = _frame_symbols(x_ptr, f_ptr, lut_ptr, tile, n, G, MASKED, LUT=True)
+        ahead = _frame_words(x_ptr, tile + 1 - (k + 1) // SUPER, n, G, MASKED)  # (the last tile's again, from L1)
+        s, c, esc = _frame_symbols(w, f_ptr, lut_ptr, tile, n, G, MASKED, LUT=True)
         _frame_store(f_ptr, tile, n, w, c, codes_off, raw_off, G, MASKED)
         counts = tl.where(j == k, _count(esc), counts)
+        w = ahead
     total = tl.sum(counts, axis=0)
     first = tl.zeros([], tl.int64)
     if grp == 0:
@@ -410,7 +419,8 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
         tile = grp * SUPER + k
         count = tl.sum(tl.where(j == k, counts, 0), axis=0)
         if count > 0:
-            w, s, c, esc = _frame_symbols(x_ptr, f_ptr, lut_ptr, tile, n, G, MASKED, LUT=True)
+            s, c, esc = _frame_symbols(_frame_words(x_ptr, tile, n, G, MASKED), f_ptr, lut_ptr, tile, n, G, MASKED,
+                                       LUT=True)
             _frame_escapes(f_ptr, s, esc, first, sym_off, cap)
         first += count
         tl.store(ends + tile, first << 2 | 2, mask=tile < tiles)
@@ -427,7 +437,8 @@ def _frame_encode_small(x_ptr, f_ptr, n, tiles, stride, m, magic, n_lo, n_hi, co
     ends = f_ptr.to(tl.pointer_type(tl.int64)) + 4
     first = tl.zeros([], tl.int64)
     for tile in range(0, tiles):
-        w, s, c, esc = _frame_symbols(x_ptr, f_ptr, f_ptr, tile, n, G, MASKED=True, LUT=False)
+        w = _frame_words(x_ptr, tile, n, G, MASKED=True)
+        s, c, esc = _frame_symbols(w, f_ptr, f_ptr, tile, n, G, MASKED=True, LUT=False)
         _frame_store(f_ptr, tile, n, w, c, codes_off, raw_off, G, MASKED=True)
         _frame_escapes(f_ptr, s, esc, first, sym_off, cap)
         first += _count(esc)
