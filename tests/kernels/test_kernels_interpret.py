@@ -1,6 +1,7 @@
 """Triton kernels under Triton's interpreter on the CPU: the frame kernels against kernels.frame's
 torch reference (the same bytes, by one program and by many, with the scan's look-back; the
-decoder's round trip), and the one-pass scan against torch.cumsum. CI has no GPU, so this is
+decoder's round trip), the Huffman lane kernels (code built on the device, lane pass, encoder,
+decoder) against huff_exp's torch path, and the one-pass scan against torch.cumsum. CI has no GPU, so this is
 where a change to those kernels is first checked; the device's tests (test_kernels_gpu.py) run
 them compiled.
 
@@ -50,6 +51,37 @@ print("frames: the interpreter wrote the reference's bytes")
 """
 
 
+HUFFMAN = r"""
+import torch
+from storm.kernels import codecs, entropy
+from storm.kernels.gpu import huffman
+
+g = torch.Generator().manual_seed(0)
+for n in (7, 4096 + 4, 40000):  # one program of lanes, and several looking back
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(n, generator=g) * 3).to(dtype)
+        x[::97] = 1e-38  # subnormal in bf16, a rare exponent in fp32
+        x[5::301] = float("nan")
+        x[::1000] *= 2.0 ** 60  # rare symbols: codes longer than most
+        meta, bufs = codecs.huff_exp_encode(x)  # the torch path
+        out = entropy.encode_fields(x, codecs._sample_stride(x), codecs._forced_on_device(dtype, x.device),
+                                    codecs.HUFF_MARGIN)
+        stream, lane_bits, raw, lengths = out
+        assert lengths.tobytes() == meta["lengths"], (n, dtype)
+        for got, key in ((stream, "stream"), (lane_bits, "lane_bits"), (raw, "raw")):
+            assert torch.equal(got, bufs[key]), (n, dtype, key)
+        lanes, steps = entropy.lane_shape(n)
+        table = entropy.device_tables(lengths.tobytes(), x.device)[1]
+        merged = (raw, dtype) if entropy.can_merge(n) else (None, None)
+        y, info = huffman.decode_lanes(stream, lane_bits.view(torch.int16), table, lanes, steps, entropy.MAX_LEN, n,
+                                       *merged)
+        assert info[0] == 0 and info[1] == lane_bits.view(torch.int16).to(torch.int64).sum(), (n, dtype, info)
+        want = x.reshape(-1).view(torch.uint8) if merged[0] is not None else codecs.symbol_field(x).to(torch.uint8)
+        assert torch.equal(y[:n].view(torch.uint8) if merged[0] is not None else y[:n], want), (n, dtype)
+print("huffman: the interpreter wrote the torch path's bytes")
+"""
+
+
 SCAN = r"""
 import torch
 from storm.kernels.gpu.scan import scan_lastdim
@@ -72,6 +104,10 @@ def interpret(script: str) -> str:
 
 def test_frame_kernels_write_the_reference_bytes_under_the_interpreter() -> None:
     assert "reference's bytes" in interpret(FRAMES)
+
+
+def test_huffman_lane_kernels_write_the_torch_paths_bytes_under_the_interpreter() -> None:
+    assert "torch path's bytes" in interpret(HUFFMAN)
 
 
 def test_one_pass_scan_matches_cumsum_under_the_interpreter() -> None:
