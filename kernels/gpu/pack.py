@@ -296,11 +296,15 @@ def _frame_dictionary(x_ptr, f_ptr, lut_ptr, stride, m, magic, n_lo, n_hi, CHUNK
 
 
 @triton.jit
-def _frame_words(x_ptr, tile, n, G: tl.constexpr, MASKED: tl.constexpr):
-    # a tile's words as a (G, 4) tile of int32, each thread's 4 elements contiguous
+def _frame_words(x_ptr, tile, n, G: tl.constexpr, MASKED: tl.constexpr, rows=None):
+    # a tile's words as a (G, 4) tile of int32, each thread's 4 elements contiguous; MASKED: only
+    # words below n, and (given ``rows``, (G,) bool) only the rows where it holds
     idx = (tl.cast(tile, tl.int64) * G + tl.arange(0, G))[:, None] * 4 + tl.arange(0, 4)[None, :]
     if MASKED:
-        w = tl.load(x_ptr + idx, mask=idx < n, other=0)
+        m = idx < n
+        if rows is not None:
+            m = m & rows[:, None]
+        w = tl.load(x_ptr + idx, mask=m, other=0)
     else:
         w = tl.load(x_ptr + idx)
     return w.to(tl.int16, bitcast=True).to(tl.int32)
@@ -387,9 +391,13 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
     # a group of SUPER tiles a program, in one pass over the input: each tile's codes are stored
     # and its escapes counted; the group's count is published, the escapes before the group
     # found by looking back (kernels.gpu.scan: a group, not a tile, so that there are few to
-    # wait on), and its end published; then the tiles with escapes are read again (from L2) to
-    # store them in their slots, and every tile's end goes into the frame. The partial last
-    # group (MASKED) is its own launch, after every other group has published its end.
+    # wait on), and its end published; then each tile's escapes are stored in their slots, and
+    # every tile's end goes into the frame. Where a tile's escapes are is kept from the first
+    # pass, 4 bits a row of 4 words (SUPER * 4 <= 32 bits a row), so the second reads only the
+    # rows that hold one (from L2) and looks nothing up again: nearly every tile of a bf16
+    # activation has an escape or two, and reading and coding each tile twice made the encoder
+    # issue-bound. The partial last group (MASKED) is its own launch, after every other group
+    # has published its end.
     lut_ptr = scratch_ptr.to(tl.pointer_type(tl.int32))
     if MASKED:
         grp = tl.full([], first_group, tl.int32)
@@ -398,6 +406,7 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
     flags = scratch_ptr + 129
     j = tl.arange(0, SUPER)
     counts = tl.zeros((SUPER,), tl.int64)
+    rows = tl.zeros((G,), tl.int32)  # bit 4 * k + i: tile k's word i of the row is an escape
     w = _frame_words(x_ptr, grp * SUPER, n, G, MASKED)
     for k in range(SUPER):  # each tile's words loaded while the tile before is coded: two loads in flight
         tile = grp * SUPER + k
@@ -405,6 +414,7 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
         s, c, esc = _frame_symbols(w, f_ptr, lut_ptr, tile, n, G, MASKED, LUT=True)
         _frame_store(f_ptr, tile, n, w, c, codes_off, raw_off, G, MASKED)
         counts = tl.where(j == k, _count(esc), counts)
+        rows |= tl.sum(esc.to(tl.int32) << tl.arange(0, 4)[None, :], axis=1) << (4 * k)
         w = ahead
     total = tl.sum(counts, axis=0)
     first = tl.zeros([], tl.int64)
@@ -419,9 +429,10 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
         tile = grp * SUPER + k
         count = tl.sum(tl.where(j == k, counts, 0), axis=0)
         if count > 0:
-            s, c, esc = _frame_symbols(_frame_words(x_ptr, tile, n, G, MASKED), f_ptr, lut_ptr, tile, n, G, MASKED,
-                                       LUT=True)
-            _frame_escapes(f_ptr, s, esc, first, sym_off, cap)
+            bits = (rows >> (4 * k)) & 15
+            esc = ((bits[:, None] >> tl.arange(0, 4)[None, :]) & 1) != 0
+            w = _frame_words(x_ptr, tile, n, G, True, bits != 0)
+            _frame_escapes(f_ptr, (w >> 8) & 0xFF, esc, first, sym_off, cap)
         first += count
         tl.store(ends + tile, first << 2 | 2, mask=tile < tiles)
     if grp == groups - 1:
