@@ -45,6 +45,7 @@ from .format import require
 from .gpu import use_triton
 
 MAGIC = 0x32465453  # "STF2"
+TABLE = 16          # where the table starts, after the 16-byte header
 HEADER = 32         # header and table
 SAMPLE = 16384      # elements the dictionary is chosen from (strided over the tensor)
 TILE = 2048         # words a tile: one program of the encoder and of the decoder
@@ -122,8 +123,8 @@ def encode_frame(t: torch.Tensor, out: torch.Tensor) -> None:
     k = min(count, lay.cap)
     out[:16].view(torch.int32).copy_(torch.tensor([min(count, 2**31 - 1), MAGIC, n & 0xFFFFFFFF, n >> 32],
                                                   dtype=torch.int64).to(torch.int32))
-    out[16:HEADER].zero_()
-    out[16:16 + 15].copy_(symbols[:15].to(torch.uint8))
+    out[TABLE:HEADER].zero_()
+    out[TABLE:TABLE + 15].copy_(symbols[:15].to(torch.uint8))
     out[HEADER:lay.codes].view(torch.int64).copy_(_tile_ends(esc, lay) << 2 | PREFIX)
     out[lay.codes:lay.raw].copy_(pack_bits(c, 4))
     out[lay.raw:lay.sym].copy_((w & 0xFF).to(torch.uint8))
@@ -166,7 +167,7 @@ def decode_frame(frame: torch.Tensor, n: int, out: torch.Tensor | None = None) -
     require(torch.equal(ends >> 2, _tile_ends(esc, lay)),
             "the tiles' escape ends do not match the escape codes")
     require(int(esc.sum()) == count, "the escape count does not match the escape codes")
-    s = frame[16:HEADER].to(torch.int32)[c]
+    s = frame[TABLE:HEADER].to(torch.int32)[c]
     s[esc] = frame[lay.sym:lay.sym + count].to(torch.int32)
     w = (s << 8) | frame[lay.raw:lay.sym].to(torch.int32)
     out.copy_(w - ((w & 0x8000) << 1))  # 0..65535 -> the int16 with those bits

@@ -26,13 +26,15 @@ import triton
 import triton.language as tl
 
 from . import cdiv
-from ..frame import TILE as FRAME_TILE
+from ..frame import HEADER, TABLE, TILE as FRAME_TILE
 from .scan import LOOKBACK, look_back, publish
 
 GROUPS = 512           # groups of 4 elements per program: 2048 elements (measured best of 256..2048)
 BLOCK = 4 * GROUPS
 WARPS = 4
 FRAME_G = FRAME_TILE // 4  # a frame's tile in groups of 4
+_HEADER = tl.constexpr(HEADER)  # where a frame's tile ends start (bytes); a global a kernel reads must be a constexpr
+_TABLE = tl.constexpr(TABLE)    # where its table of 15 symbols starts (bytes)
 FRAME_SUPER = 8        # tiles a program of _frame_encode takes, and looks back for as one
 FRAME_ZERO = 8192      # look-back words a program of _frame_table clears
 
@@ -57,14 +59,33 @@ def _sample_hist(x_ptr, hist_ptr, stride, m, W: tl.constexpr, BLOCK: tl.constexp
 
 
 @triton.jit
+def _groups(block, G: tl.constexpr):
+    # block's G groups of 4 words: the words' indices as a (G, 4) tile (each thread's 4 contiguous)
+    # and their 4-bit codes' byte indices as a (G, 2) tile
+    g = tl.cast(block, tl.int64) * G + tl.arange(0, G)
+    return g[:, None] * 4 + tl.arange(0, 4)[None, :], g[:, None] * 2 + tl.arange(0, 2)[None, :]
+
+
+@triton.jit
+def _pack_codes(c, G: tl.constexpr):
+    # (G, 4) codes of 4 bits -> (G, 2) bytes, the lower code in the low nibble
+    lo, hi = tl.split(tl.reshape(c, (G, 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _unpack_codes(cb, G: tl.constexpr):
+    # (G, 2) bytes (int32) -> (G, 4) codes
+    return tl.reshape(tl.join(cb & 15, cb >> 4), (G, 4))
+
+
+@triton.jit
 def _dict4_encode(x_ptr, lut_ptr, codes_ptr, raw_ptr, nesc_ptr, pos_ptr, sym_ptr, cap, n, first_prog,
                   W: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr):
     # each program: G groups of 4 consecutive elements, held as a (G, 4) tile so that
     # loads and stores are contiguous per thread; MASKED only for the last, partial program.
     # Escapes (rare) take a slot from one global counter; the host sorts them afterwards.
-    prog = first_prog + tl.program_id(0)
-    g = prog.to(tl.int64) * G + tl.arange(0, G)
-    idx = g[:, None] * 4 + tl.arange(0, 4)[None, :]
+    idx, bidx = _groups(first_prog + tl.program_id(0), G)
     if MASKED:
         m = idx < n
         x = tl.load(x_ptr + idx, mask=m, other=0).to(tl.int32)
@@ -74,9 +95,7 @@ def _dict4_encode(x_ptr, lut_ptr, codes_ptr, raw_ptr, nesc_ptr, pos_ptr, sym_ptr
     c = tl.load(lut_ptr + s)
     if MASKED:
         c = tl.where(m, c, 0)
-    lo, hi = tl.split(tl.reshape(c, (G, 2, 2)))
-    cb = (lo | (hi << 4)).to(tl.uint8)
-    bidx = g[:, None] * 2 + tl.arange(0, 2)[None, :]
+    cb = _pack_codes(c, G)
     miss = c == 15
     if MASKED:
         tl.store(codes_ptr + bidx, cb, mask=bidx * 2 < n)
@@ -125,16 +144,13 @@ def _dict4_patch(out_ptr, codes_ptr, pos_ptr, sym_ptr, stat_ptr, count, n, W: tl
 def _dict4_decode(codes_ptr, raw_ptr, tab_ptr, out_ptr, stat_ptr, n, tlen, first_prog,
                   W: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, CHECK: tl.constexpr):
     # CHECK: count escape codes and codes beyond the table (stat_ptr[0:2]) for the host to check
-    prog = first_prog + tl.program_id(0)
-    g = prog.to(tl.int64) * G + tl.arange(0, G)
-    idx = g[:, None] * 4 + tl.arange(0, 4)[None, :]
-    bidx = g[:, None] * 2 + tl.arange(0, 2)[None, :]
+    idx, bidx = _groups(first_prog + tl.program_id(0), G)
     if MASKED:
         m = idx < n
         cb = tl.load(codes_ptr + bidx, mask=bidx * 2 < n, other=0).to(tl.int32)
     else:
         cb = tl.load(codes_ptr + bidx).to(tl.int32)
-    c = tl.reshape(tl.join(cb & 15, cb >> 4), (G, 4))
+    c = _unpack_codes(cb, G)
     s = tl.load(tab_ptr + c).to(tl.int32)
     if W == 2:
         if MASKED:
@@ -272,6 +288,18 @@ def unpack_small_triton(buf: torch.Tensor, width: int, n: int) -> torch.Tensor:
 # ---------------------------------------------------------------- frames (kernels.frame)
 
 @triton.jit
+def _frame_ends(f_ptr):
+    # the frame's tile ends: int64 words from byte HEADER on (kernels.frame's layout)
+    return f_ptr.to(tl.pointer_type(tl.int64)) + _HEADER // 8
+
+
+@triton.jit
+def _frame_count(f_ptr, count):
+    # the header's escape count (int32, saturated)
+    tl.store(f_ptr.to(tl.pointer_type(tl.int32)), tl.minimum(count, 2**31 - 1).to(tl.int32))
+
+
+@triton.jit
 def _frame_dictionary(x_ptr, f_ptr, lut_ptr, stride, m, magic, n_lo, n_hi, CHUNK: tl.constexpr,
                       LUT: tl.constexpr):
     # A frame's dictionary, on the device so the host never waits for it: the histogram of the
@@ -289,7 +317,7 @@ def _frame_dictionary(x_ptr, f_ptr, lut_ptr, stride, m, magic, n_lo, n_hi, CHUNK
     sym = 255 - (key & 255)
     if LUT:
         tl.store(lut_ptr + sym, tl.minimum(i, 15))
-    tl.store(f_ptr + 16 + i, tl.where(i < 15, sym, 0).to(tl.uint8), mask=i < 16)
+    tl.store(f_ptr + _TABLE + i, tl.where(i < 15, sym, 0).to(tl.uint8), mask=i < 16)
     k = tl.arange(0, 4)
     word = tl.where(k == 1, magic, tl.where(k == 2, n_lo, tl.where(k == 3, n_hi, 0)))
     tl.store(f_ptr.to(tl.pointer_type(tl.int32)) + k, word)
@@ -299,7 +327,7 @@ def _frame_dictionary(x_ptr, f_ptr, lut_ptr, stride, m, magic, n_lo, n_hi, CHUNK
 def _frame_words(x_ptr, tile, n, G: tl.constexpr, MASKED: tl.constexpr, rows=None):
     # a tile's words as a (G, 4) tile of int32, each thread's 4 elements contiguous; MASKED: only
     # words below n, and (given ``rows``, (G,) bool) only the rows where it holds
-    idx = (tl.cast(tile, tl.int64) * G + tl.arange(0, G))[:, None] * 4 + tl.arange(0, 4)[None, :]
+    idx, _ = _groups(tile, G)
     if MASKED:
         m = idx < n
         if rows is not None:
@@ -315,7 +343,7 @@ def _frame_symbols(w, f_ptr, lut_ptr, tile, n, G: tl.constexpr, MASKED: tl.const
     # a tile's symbols, codes and escapes from its words (_frame_words). Without LUT a symbol's
     # code is found among the table's 15 bytes (one program's frames: no scratch to hold a
     # lookup table)
-    idx = (tl.cast(tile, tl.int64) * G + tl.arange(0, G))[:, None] * 4 + tl.arange(0, 4)[None, :]
+    idx, _ = _groups(tile, G)
     m = idx < n
     s = (w >> 8) & 0xFF
     if LUT:
@@ -323,7 +351,7 @@ def _frame_symbols(w, f_ptr, lut_ptr, tile, n, G: tl.constexpr, MASKED: tl.const
     else:
         c = tl.full(s.shape, 15, tl.int32)
         for k in tl.static_range(15):
-            c = tl.where(s == tl.load(f_ptr + 16 + k).to(tl.int32), k, c)
+            c = tl.where(s == tl.load(f_ptr + _TABLE + k).to(tl.int32), k, c)
     if MASKED:
         c = tl.where(m, c, 0)
     return s, c, (c == 15) & m
@@ -332,15 +360,12 @@ def _frame_symbols(w, f_ptr, lut_ptr, tile, n, G: tl.constexpr, MASKED: tl.const
 @triton.jit
 def _frame_store(f_ptr, tile, n, w, c, codes_off, raw_off, G: tl.constexpr, MASKED: tl.constexpr):
     # a tile's codes (two a byte) and raw bytes into the frame
-    g = tl.cast(tile, tl.int64) * G + tl.arange(0, G)
-    idx = g[:, None] * 4 + tl.arange(0, 4)[None, :]
-    lo, hi = tl.split(tl.reshape(c, (G, 2, 2)))
-    bidx = g[:, None] * 2 + tl.arange(0, 2)[None, :]
+    idx, bidx = _groups(tile, G)
     if MASKED:
-        tl.store(f_ptr + codes_off + bidx, (lo | (hi << 4)).to(tl.uint8), mask=bidx * 2 < n)
+        tl.store(f_ptr + codes_off + bidx, _pack_codes(c, G), mask=bidx * 2 < n)
         tl.store(f_ptr + raw_off + idx, (w & 0xFF).to(tl.uint8), mask=idx < n)
     else:
-        tl.store(f_ptr + codes_off + bidx, (lo | (hi << 4)).to(tl.uint8))
+        tl.store(f_ptr + codes_off + bidx, _pack_codes(c, G))
         tl.store(f_ptr + raw_off + idx, (w & 0xFF).to(tl.uint8))
 
 
@@ -424,7 +449,7 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
         publish(flags + grp, total, 1, False)
         first = look_back(flags, grp, tl.int64, False, WINDOW)
         publish(flags + grp, first + total, 2, False)
-    ends = f_ptr.to(tl.pointer_type(tl.int64)) + 4
+    ends = _frame_ends(f_ptr)
     for k in range(SUPER):
         tile = grp * SUPER + k
         count = tl.sum(tl.where(j == k, counts, 0), axis=0)
@@ -436,7 +461,7 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
         first += count
         tl.store(ends + tile, first << 2 | 2, mask=tile < tiles)
     if grp == groups - 1:
-        tl.store(f_ptr.to(tl.pointer_type(tl.int32)), tl.minimum(first, 2**31 - 1).to(tl.int32))
+        _frame_count(f_ptr, first)
 
 
 @triton.jit
@@ -445,7 +470,7 @@ def _frame_encode_small(x_ptr, f_ptr, n, tiles, stride, m, magic, n_lo, n_hi, co
     # a frame of a few tiles by one program, in one launch: the dictionary, then the tiles in order
     _frame_dictionary(x_ptr, f_ptr, f_ptr, stride, m, magic, n_lo, n_hi, CHUNK, LUT=False)
     tl.debug_barrier()  # every thread reads the table back
-    ends = f_ptr.to(tl.pointer_type(tl.int64)) + 4
+    ends = _frame_ends(f_ptr)
     first = tl.zeros([], tl.int64)
     for tile in range(0, tiles):
         w = _frame_words(x_ptr, tile, n, G, MASKED=True)
@@ -455,7 +480,7 @@ def _frame_encode_small(x_ptr, f_ptr, n, tiles, stride, m, magic, n_lo, n_hi, co
         first += _count(esc)
         tl.store(ends + tile, first << 2 | 2)
     tl.debug_barrier()  # the header's count after the dictionary's 0
-    tl.store(f_ptr.to(tl.pointer_type(tl.int32)), tl.minimum(first, 2**31 - 1).to(tl.int32))
+    _frame_count(f_ptr, first)
 
 
 @triton.jit
@@ -464,9 +489,7 @@ def _frame_decode(f_ptr, out_ptr, n, codes_off, raw_off, sym_off, cap, first_til
     # one tile a program: codes through the table, escapes from their slots (the end of the
     # tile before is the first), the raw bytes below
     tile = first_tile + tl.program_id(0)
-    g = tl.cast(tile, tl.int64) * G + tl.arange(0, G)
-    idx = g[:, None] * 4 + tl.arange(0, 4)[None, :]
-    bidx = g[:, None] * 2 + tl.arange(0, 2)[None, :]
+    idx, bidx = _groups(tile, G)
     m = idx < n
     if MASKED:
         cb = tl.load(f_ptr + codes_off + bidx, mask=bidx * 2 < n, other=0).to(tl.int32)
@@ -474,12 +497,12 @@ def _frame_decode(f_ptr, out_ptr, n, codes_off, raw_off, sym_off, cap, first_til
     else:
         cb = tl.load(f_ptr + codes_off + bidx).to(tl.int32)
         r = tl.load(f_ptr + raw_off + idx).to(tl.int32)
-    c = tl.reshape(tl.join(cb & 15, cb >> 4), (G, 4))
+    c = _unpack_codes(cb, G)
     esc = (c == 15) & m
-    ends = f_ptr.to(tl.pointer_type(tl.int64)) + 4
+    ends = _frame_ends(f_ptr)
     # clamped to the slots: unchecked as the frame is, a damaged one must not send a read outside it
     first = tl.minimum(tl.maximum(tl.where(tile > 0, tl.load(ends + tl.maximum(tile - 1, 0)) >> 2, 0), 0), cap)
-    s = tl.load(f_ptr + 16 + c).to(tl.int32)
+    s = tl.load(f_ptr + _TABLE + c).to(tl.int32)
     if (tl.load(ends + tile) >> 2) > first:  # most tiles of a bf16 activation have an escape or two
         rank = _escape_ranks(esc)
         escaped = tl.load(f_ptr + sym_off + first + rank, mask=esc & (rank < _slots_left(cap, first)), other=0)
