@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import storm.kernels.gpu.huffman as huffman  # noqa: E402
 import storm.kernels.gpu.pack as pack  # noqa: E402
 from provenance import commit  # noqa: E402
+from scan import host_seconds  # noqa: E402
 from storm.kernels import decode, encode, frame  # noqa: E402
 
 
@@ -53,15 +53,8 @@ def kernel_us(fn) -> dict[str, float]:
     return out
 
 
-def wall_us(fn, reps: int = 9) -> float:
-    ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t0) * 1e6)
-    return round(statistics.median(ts), 1)
+def wall_us(fn) -> float:
+    return round(host_seconds(fn, 9) * 1e6, 1)
 
 
 def sweep(module, names: tuple[str, ...], settings: tuple[int, ...], run) -> list[dict]:
