@@ -177,13 +177,20 @@ class Service:
         it still run (a GET must not wait for those); COPY_IN_FLIGHT if it has not."""
         queue = self._unsealed.get(session)
         e = queue.get(key) if queue is not None else None
-        if e is None or self.store.find(session, key) is not e:
-            return  # not the daemon's copy, or freed: _seal_finished drops it
-        if self.cuda.busy(session, [key]):
+        if e is not None and not self._seal_if_copied(session, queue, key, e):
             raise ProtocolError(ErrorCode.COPY_IN_FLIGHT, f"key {key}: the daemon's copy into it has not finished; "
                                                           f"GET it once the PUT's done event has fired")
+
+    def _seal_if_copied(self, session: int, queue: collections.OrderedDict[int, Entry], key: int, e: Entry) -> bool:
+        """Seal ``e``, queued under ``key``, and take it off ``queue`` once the daemon's copy into it has
+        finished; False while the copy runs. An entry freed meanwhile (or freed and stored anew)
+        just leaves the queue."""
+        if self.store.find(session, key) is e:
+            if self.cuda.busy(session, [key]):
+                return False
+            self.store.seal(session, key, None)
         del queue[key]
-        self.store.seal(session, key, None)
+        return True
 
     def _seal_finished(self, pending: dict[int, collections.OrderedDict[int, Entry]]) -> None:
         """Seal the entries of ``pending`` whose copies have finished and put the others back. A
@@ -193,11 +200,8 @@ class Service:
         for session, queue in pending.items():
             while queue:
                 key, e = next(iter(queue.items()))
-                if self.store.find(session, key) is e:  # not freed (or freed and stored anew) meanwhile
-                    if self.cuda.busy(session, [key]):
-                        break
-                    self.store.seal(session, key, None)
-                del queue[key]
+                if not self._seal_if_copied(session, queue, key, e):
+                    break
             if queue:
                 self._unsealed[session] = queue
 
