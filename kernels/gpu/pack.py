@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import cdiv
-from ..frame import HEADER, TABLE, TILE as FRAME_TILE
+from ..frame import HEADER, PREFIX, TABLE, TILE as FRAME_TILE
 from .scan import LOOKBACK, look_back, publish
 
 GROUPS = 512           # groups of 4 elements per program: 2048 elements (measured best of 256..2048)
@@ -35,6 +35,7 @@ WARPS = 4
 FRAME_G = FRAME_TILE // 4  # a frame's tile in groups of 4
 _HEADER = tl.constexpr(HEADER)  # where a frame's tile ends start (bytes); a global a kernel reads must be a constexpr
 _TABLE = tl.constexpr(TABLE)    # where its table of 15 symbols starts (bytes)
+_PREFIX = tl.constexpr(PREFIX)  # a tile end's flag
 FRAME_SUPER = 8        # tiles a program of _frame_encode takes, and looks back for as one
 FRAME_ZERO = 8192      # look-back words a program of _frame_table clears
 
@@ -459,7 +460,7 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
             w = _frame_words(x_ptr, tile, n, G, True, bits != 0)
             _frame_escapes(f_ptr, (w >> 8) & 0xFF, esc, first, sym_off, cap)
         first += count
-        tl.store(ends + tile, first << 2 | 2, mask=tile < tiles)
+        tl.store(ends + tile, first << 2 | _PREFIX, mask=tile < tiles)
     if grp == groups - 1:
         _frame_count(f_ptr, first)
 
@@ -478,7 +479,7 @@ def _frame_encode_small(x_ptr, f_ptr, n, tiles, stride, m, magic, n_lo, n_hi, co
         _frame_store(f_ptr, tile, n, w, c, codes_off, raw_off, G, MASKED=True)
         _frame_escapes(f_ptr, s, esc, first, sym_off, cap)
         first += _count(esc)
-        tl.store(ends + tile, first << 2 | 2)
+        tl.store(ends + tile, first << 2 | _PREFIX)
     tl.debug_barrier()  # the header's count after the dictionary's 0
     _frame_count(f_ptr, first)
 
