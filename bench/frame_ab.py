@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from codec import FIXTURE  # noqa: E402
+from codec_ab import timed  # noqa: E402
 from provenance import commit  # noqa: E402
 from storm.kernels import frame  # noqa: E402
 
@@ -40,14 +41,6 @@ def load_old(old: Path) -> types.ModuleType:
     return importlib.import_module("storm_old_kernels.frame")
 
 
-def timed_us(fn) -> tuple[float, object]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e6, out
-
-
 def code(mod: types.ModuleType, ts: list[torch.Tensor]) -> tuple[float, float, int]:
     """(encode us, decode us, frame bytes) of every tensor of ``ts`` through ``mod``, checked."""
     te = td = 0.0
@@ -60,10 +53,10 @@ def code(mod: types.ModuleType, ts: list[torch.Tensor]) -> tuple[float, float, i
             mod.encode_frame(t, f)
             return f
 
-        dt, f = timed_us(encoded)
+        dt, f = timed(encoded)
         te += dt
         assert mod.complete(f[:16].cpu()), "an overflowing frame: pick tensors that fit"
-        dt, out = timed_us(lambda: mod.decode_frame(f, n))
+        dt, out = timed(lambda: mod.decode_frame(f, n))
         td += dt
         assert torch.equal(out, t.reshape(-1).view(torch.int16)), mod.__name__
         nbytes += f.numel()
