@@ -1,4 +1,5 @@
-"""The GPU codec kernels at other ``num_warps``: device time per kernel and wall time of each call.
+"""The GPU codec kernels at other ``num_warps`` (and the sample histogram at other block sizes):
+device time per kernel and wall time of each call.
 
 Each kernel is launched with its usual arguments and ``num_warps`` replaced, one setting at a time,
 on 256 MiB tensors (bf16 N(0,1), bf16 GELU outputs, fp32 N(0,1)); every decode is checked bit
@@ -72,9 +73,33 @@ def sweep(module, names: tuple[str, ...], settings: tuple[int, ...], run) -> lis
     return rows
 
 
+def sample_hist(tensors: dict[str, torch.Tensor]) -> list[dict]:
+    """The strided sample's histogram (huff_exp's first kernel, 2**20 elements 256 or 512 B apart)
+    at other programs (pack.SAMPLE_BLOCK elements each) and warps: the same counts every time."""
+    from storm.kernels.codecs import _sample_stride
+    kept = pack.SAMPLE_BLOCK, pack.SAMPLE_WARPS
+    rows = []
+    try:
+        for kind in ("bf16-gauss", "fp32-gauss"):
+            t = tensors[kind]
+            stride = _sample_stride(t)
+            want = pack.sample_histogram(t, stride)
+            for block in (4096, 2048, 1024, 512, 256):
+                for nw in (4, 8, 2, 1):
+                    pack.SAMPLE_BLOCK, pack.SAMPLE_WARPS = block, nw
+                    assert torch.equal(pack.sample_histogram(t, stride), want), (kind, block, nw)
+                    rows.append({"kind": kind, "block": block, "num_warps": nw,
+                                 "kernels_us": kernel_us(lambda: pack.sample_histogram(t, stride))})
+                    print(json.dumps(rows[-1]), flush=True)
+    finally:
+        pack.SAMPLE_BLOCK, pack.SAMPLE_WARPS = kept
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only", choices=("sample_hist",), help="run this sweep alone")
     args = ap.parse_args()
     torch.manual_seed(0)
     n = 128 << 20
@@ -111,10 +136,12 @@ def main() -> None:
         return rows
 
     out = {"device": torch.cuda.get_device_name(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
-           "command": " ".join(sys.argv),
-           "huffman_lanes": sweep(huffman, ("_lane_bits", "_lane_encode", "_lane_decode"), (4, 2, 1, 8), huff),
-           "huffman_build_code": sweep(huffman, ("_build_code",), (1, 2, 4, 8), huff),
-           "frames": sweep(pack, ("_frame_encode", "_frame_decode"), (4, 8, 2), frames)}
+           "command": " ".join(sys.argv)}
+    if args.only is None:
+        out["huffman_lanes"] = sweep(huffman, ("_lane_bits", "_lane_encode", "_lane_decode"), (4, 2, 1, 8), huff)
+        out["huffman_build_code"] = sweep(huffman, ("_build_code",), (1, 2, 4, 8), huff)
+        out["frames"] = sweep(pack, ("_frame_encode", "_frame_decode"), (4, 8, 2), frames)
+    out["sample_hist"] = sample_hist(tensors)
     Path(args.out).write_text(json.dumps(out, indent=1))
 
 

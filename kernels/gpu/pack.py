@@ -38,6 +38,8 @@ _TABLE = tl.constexpr(TABLE)    # where its table of 15 symbols starts (bytes)
 _PREFIX = tl.constexpr(PREFIX)  # a tile end's flag
 FRAME_SUPER = 8        # tiles a program of _frame_encode takes, and looks back for as one
 FRAME_ZERO = 8192      # look-back words a program of _frame_table clears
+SAMPLE_BLOCK = 4096    # sampled elements a program of _sample_hist takes
+SAMPLE_WARPS = 4
 
 
 @triton.jit
@@ -204,7 +206,7 @@ def sample_histogram(t: torch.Tensor, stride: int, out: torch.Tensor | None = No
     x, w = _word_view(t)
     m = -(-x.numel() // stride)
     hist = torch.zeros(256, dtype=torch.int32, device=x.device) if out is None else out
-    _sample_hist[(cdiv(m, 4096),)](x, hist, stride, m, W=w, BLOCK=4096)
+    _sample_hist[(cdiv(m, SAMPLE_BLOCK),)](x, hist, stride, m, W=w, BLOCK=SAMPLE_BLOCK, num_warps=SAMPLE_WARPS)
     return hist
 
 
