@@ -227,10 +227,10 @@ def encode_fields(t: torch.Tensor, stride: int, force: torch.Tensor,
     if x.data_ptr() % 16:  # the lane kernels read 4 elements at once
         x = x.clone()
     lanes, steps = lane_shape(x.numel())
-    work = code_work(x.device, lanes)
-    sample_histogram(x, stride, out=work.hist)
-    build_code(work, force, margin, MAX_LEN)
-    return encode_lanes(x, w, work.table, work.info, work.flags, lanes, steps, PAD_WORDS, MAX_LEN)
+    with code_work(x.device, lanes) as work:
+        sample_histogram(x, stride, out=work.hist)
+        build_code(work, force, margin, MAX_LEN)
+        return encode_lanes(x, w, work.table, work.info, work.flags, lanes, steps, PAD_WORDS, MAX_LEN)
 
 
 def _words_to_bytes(words: torch.Tensor) -> torch.Tensor:

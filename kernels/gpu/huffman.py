@@ -40,7 +40,8 @@ launches of their own.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -64,24 +65,54 @@ SCRATCH_WORDS = 5 * 256  # _build_code's working arrays (int32)
 
 
 class CodeWork(NamedTuple):
-    """What building a code on the device and the lane pass read and write, views of one zeroed
-    allocation (one allocation and one fill ahead of the first kernel, not five: until the lane
-    pass starts, the device waits for the host's launches)."""
+    """What building a code on the device and the lane pass read and write, views of one
+    allocation, taken from a pool at rest (see ``code_work``)."""
     hist: torch.Tensor     # int32[256]: the sample's counts, added by pack.sample_histogram
     info: torch.Tensor     # int64[CODE_WORDS]: the code buffer (see above)
     table: torch.Tensor    # int16[256]: the encode table
     scratch: torch.Tensor  # int32[SCRATCH_WORDS]: _build_code's working arrays
-    flags: torch.Tensor    # int64[1 + programs]: the lane pass's look-back (encode_lanes)
+    flags: torch.Tensor    # int64[1 + programs, or more]: the lane pass's look-back (encode_lanes)
 
 
-def code_work(device: torch.device, lanes: int) -> CodeWork:
-    """The zeroed work of one encode of ``lanes`` lanes."""
-    info_words = 2 * CODE_WORDS + 2  # int32 words of info, kept a multiple of 4 (16-byte aligned views)
-    at = info_words + 256
-    flags_at = at + 128 + SCRATCH_WORDS
-    buf = torch.zeros(flags_at + 2 * (1 + programs(lanes)), dtype=torch.int32, device=device)
-    return CodeWork(buf[info_words:at], buf[:2 * CODE_WORDS].view(torch.int64), buf[at:at + 128].view(torch.int16),
-                    buf[at + 128:flags_at], buf[flags_at:].view(torch.int64))
+_AT_REST: dict[tuple, list[CodeWork]] = {}  # by queue (_queue): CodeWorks whose kernels left them at rest
+_KEPT = 2  # a queue's resting CodeWorks kept (more than one: threads may share a stream)
+
+
+def _queue(device: torch.device) -> tuple:
+    """The queue a CodeWork's kernels go to: the current stream of a CUDA device, read as Triton
+    reads it (torch.cuda.current_stream took 8 us of host time on the lent H100), or the CPU
+    (TRITON_INTERPRET), which runs each kernel as it is launched."""
+    if device.type != "cuda":
+        return (device.type,)
+    return device.type, device.index, torch._C._cuda_getCurrentRawStream(device.index)
+
+
+@contextlib.contextmanager
+def code_work(device: torch.device, lanes: int) -> Iterator[CodeWork]:
+    """The work of one encode of ``lanes`` lanes on the current stream, at rest: the counts, the
+    lane pass's info (words 0 and 1) and the look-back words zero. The kernels leave it so
+    (_build_code clears the counts it read, _lane_encode the words the lane pass wrote), so
+    the next encode on the same stream, whose kernels run after them, takes it from a pool
+    instead of a zeroed allocation and five views (30 to 90 us of host time ahead of the
+    first kernel on the lent H100). Returned to the pool only when the block ends normally,
+    once every one of its kernels is queued; an encode cut short drops it."""
+    rest = _AT_REST.setdefault(_queue(device), [])
+    need = 1 + programs(lanes)
+    work = None
+    while rest and work is None:
+        work = rest.pop()
+        if work.flags.numel() < need:
+            work = None  # too small: dropped (the allocator reuses it only in this stream's order)
+    if work is None:
+        info_words = 2 * CODE_WORDS + 2  # int32 words of info, kept a multiple of 4 (16-byte aligned views)
+        at = info_words + 256
+        flags_at = at + 128 + SCRATCH_WORDS
+        buf = torch.zeros(flags_at + 2 * max(need, 1024), dtype=torch.int32, device=device)
+        work = CodeWork(buf[info_words:at], buf[:2 * CODE_WORDS].view(torch.int64),
+                        buf[at:at + 128].view(torch.int16), buf[at + 128:flags_at], buf[flags_at:].view(torch.int64))
+    yield work
+    if len(rest) < _KEPT:
+        rest.append(work)
 
 
 @triton.jit
@@ -141,6 +172,7 @@ def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, scratch_ptr, MARGIN: tl
     DIST: tl.constexpr = 1024  # distance to that ancestor; in the end each internal node's depth
     r = tl.arange(0, 256)
     h = tl.load(hist_ptr + r)  # int32: a sample has at most 2**21 elements, so every sum fits
+    tl.store(hist_ptr + r, tl.zeros_like(h))  # left at rest for the next encode (code_work)
     half = r >> 7
     low = r & 127
     seen = h > 0
@@ -421,9 +453,16 @@ def _encode_group(x_ptr, table_ptr, words_ptr, q, lanes, c, live, n, pad, buf, n
 
 
 @triton.jit
-def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, n, lanes, groups, W: tl.constexpr,
-                 LANES: tl.constexpr):
-    c = tl.program_id(0) * LANES + tl.arange(0, LANES)
+def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, flags_ptr, n, lanes, groups,
+                 W: tl.constexpr, LANES: tl.constexpr):
+    # the lane pass is done, and the host's copy of info queued: its info words and look-back
+    # words go back to rest (code_work)
+    pid = tl.program_id(0)
+    k = tl.arange(0, 2)
+    first = (pid + tl.zeros_like(k)) == 0
+    tl.store(flags_ptr + pid + k, tl.zeros((2,), tl.int64), mask=(k == 1) | first)
+    tl.store(info_ptr + k, tl.zeros((2,), tl.int64), mask=first)
+    c = pid * LANES + tl.arange(0, LANES)
     live = c < lanes
     pad = tl.load(info_ptr + 34).to(tl.int32)
     pos = tl.load(ends_ptr + c, mask=live, other=0) - tl.load(bits_ptr + c, mask=live, other=0).to(tl.int64)
@@ -522,7 +561,8 @@ def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tenso
     in kernels.entropy's layout, for ``x`` a flat uint8 symbol stream (w=1) or the int16
     (w=2) / int32 (w=4) view of bf16/int16/fp32 elements (whose raw field it writes).
     ``table`` and ``info`` hold the code (``build_code``, or the host's with the pad symbol
-    at info[34]); ``flags``: int64[1 + programs(lanes)], zeroed, for the lane pass's look-back.
+    at info[34]); ``flags``: int64[1 + programs(lanes)], zeroed, for the lane pass's look-back
+    (the encoder clears it again, and info's first two words: code_work).
     None when a symbol has no code. ``x`` must be 16-byte aligned. Both passes are queued at
     once, into a stream buffer as long as any stream can be. The lane pass has found the
     stream's length (and the code its lengths) long before the encoder is done: the host reads
@@ -543,11 +583,13 @@ def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tenso
     ends, words = tmp[:2 * lanes].view(torch.int64), tmp[2 * lanes:]
     _lane_bits[grid](x, raw if raw is not None else x, table, bits, ends, words, info, flags, n, lanes, groups, W=w,
                      LANES=LANES, PLANES4=w == 2 or n % 4 == 0, PAD_WORDS=pad_words)
-    host = info.to("cpu", non_blocking=True)  # pinned: the stream's length, a symbol without a code, the code
+    # pinned: the stream's length, a symbol without a code, the code (a copy even of a CPU tensor:
+    # the encoder clears the first two words)
+    host = info.to("cpu", non_blocking=True, copy=True)
     known = torch.cuda.Event() if x.is_cuda else None  # (TRITON_INTERPRET runs these kernels on the CPU)
     if known is not None:
         known.record()
-    _lane_encode[grid](x, table, ends, bits, words, info, n, lanes, groups, W=w, LANES=LANES)
+    _lane_encode[grid](x, table, ends, bits, words, info, flags, n, lanes, groups, W=w, LANES=LANES)
     if known is not None:
         known.synchronize()  # the one wait, while the encoder runs
     code = host.numpy()

@@ -266,11 +266,12 @@ def test_gpu_code_built_on_the_device_is_the_hosts(seed: int) -> None:
         forced = np.zeros(256, dtype=np.uint8)
         forced[rng.choice(256, int(rng.integers(0, 6)), replace=False)] = 1
         dev = torch.device("cuda")
-        work = code_work(dev, 1)
-        work.hist.copy_(torch.from_numpy(hist.astype(np.int32)))
-        build_code(work, torch.from_numpy(forced).to(dev) | _forced_on_device(torch.bfloat16, dev), HUFF_MARGIN,
-                   entropy.MAX_LEN)
-        table, code = work.table, work.info
+        with code_work(dev, 1) as work:
+            work.hist.copy_(torch.from_numpy(hist.astype(np.int32)))
+            build_code(work, torch.from_numpy(forced).to(dev) | _forced_on_device(torch.bfloat16, dev), HUFF_MARGIN,
+                       entropy.MAX_LEN)
+        table, code = work.table.clone(), work.info.clone()
+        assert not work.hist.any()  # the counts it read left at rest for the next encode
         counts = _huff_counts(hist, torch.bfloat16)  # the bf16 specials, as the device's mask has them
         counts[(forced == 1) & (counts == 0)] = 1
         lengths = entropy.code_lengths(counts)

@@ -57,6 +57,7 @@ from storm.kernels import codecs, entropy
 from storm.kernels.gpu import huffman
 
 g = torch.Generator().manual_seed(0)
+pooled = set()
 for n in (7, 4096 + 4, 40000):  # one program of lanes, and several looking back
     for dtype in (torch.bfloat16, torch.float32):
         x = (torch.randn(n, generator=g) * 3).to(dtype)
@@ -67,6 +68,10 @@ for n in (7, 4096 + 4, 40000):  # one program of lanes, and several looking back
         out = entropy.encode_fields(x, codecs._sample_stride(x), codecs._forced_on_device(dtype, x.device),
                                     codecs.HUFF_MARGIN)
         stream, lane_bits, raw, lengths = out
+        # the kernels left the pooled work at rest, and every encode took the same one
+        (work,) = huffman._AT_REST[("cpu",)]
+        assert not (work.hist.any() or work.info[:2].any() or work.flags.any()), (n, dtype)
+        pooled.add(id(work))
         assert lengths.tobytes() == meta["lengths"], (n, dtype)
         for got, key in ((stream, "stream"), (lane_bits, "lane_bits"), (raw, "raw")):
             assert torch.equal(got, bufs[key]), (n, dtype, key)
@@ -78,6 +83,7 @@ for n in (7, 4096 + 4, 40000):  # one program of lanes, and several looking back
         assert info[0] == 0 and info[1] == lane_bits.view(torch.int16).to(torch.int64).sum(), (n, dtype, info)
         want = x.reshape(-1).view(torch.uint8) if merged[0] is not None else codecs.symbol_field(x).to(torch.uint8)
         assert torch.equal(y[:n].view(torch.uint8) if merged[0] is not None else y[:n], want), (n, dtype)
+assert len(pooled) == 1, pooled
 print("huffman: the interpreter wrote the torch path's bytes")
 """
 
