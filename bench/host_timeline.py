@@ -6,9 +6,10 @@ makes before the first kernel starts, the gaps where the device waits for a laun
 the tail after the last kernel. This script profiles one call of each path
 (huff_exp encode/decode, frames encode/decode) with torch.profiler and prints the
 timeline: every host step (the codec's own functions, wrapped in record_function), every
-runtime call and every kernel, relative to the call's start. Then it times what single host
-calls cost on this machine: a Triton launch (through the JIT and straight to the compiled
-kernel), an allocation, a zeroed allocation, the current stream.
+runtime call and every kernel, relative to the call's start. It also times what single host
+calls cost on this machine: a Triton launch (through the JIT, through kernels.gpu.launch's
+Launcher, and straight to the compiled kernel's launcher), an allocation, a zeroed
+allocation, the current stream.
 
     python bench/host_timeline.py --out bench/results/host-timeline.json
 """
@@ -93,10 +94,12 @@ def host_costs() -> dict:
     x = torch.zeros(4096, dtype=torch.int16, device="cuda")
     hist = torch.zeros(256, dtype=torch.int32, device="cuda")
     args = (x, hist, 1, 4096)
-    compiled = pack._sample_hist[(1,)](*args, W=2, BLOCK=4096)
+    jit = pack._sample_hist.fn  # the kernel under its kernels.gpu.launch.Launcher
+    compiled = jit[(1,)](*args, W=2, BLOCK=4096)
     stream = torch.cuda.current_stream().cuda_stream
     costs = {
-        "triton_jit_launch": host_cost(lambda: pack._sample_hist[(1,)](*args, W=2, BLOCK=4096)),
+        "triton_jit_launch": host_cost(lambda: jit[(1,)](*args, W=2, BLOCK=4096)),
+        "launcher_launch": host_cost(lambda: pack._sample_hist[(1,)](*args, W=2, BLOCK=4096)),
         "torch_empty_256": host_cost(lambda: torch.empty(256, dtype=torch.int32, device="cuda")),
         "torch_zeros_256": host_cost(lambda: torch.zeros(256, dtype=torch.int32, device="cuda")),
         "tensor_zero_": host_cost(lambda: hist.zero_()),

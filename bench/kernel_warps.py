@@ -84,8 +84,8 @@ def sample_hist(tensors: dict[str, torch.Tensor]) -> list[dict]:
             t = tensors[kind]
             stride = _sample_stride(t)
             want = pack.sample_histogram(t, stride)
-            for block in (4096, 2048, 1024, 512, 256):
-                for nw in (4, 8, 2, 1):
+            for block in (16384, 8192, 4096, 2048, 1024):
+                for nw in (4, 8, 16):
                     pack.SAMPLE_BLOCK, pack.SAMPLE_WARPS = block, nw
                     assert torch.equal(pack.sample_histogram(t, stride), want), (kind, block, nw)
                     rows.append({"kind": kind, "block": block, "num_warps": nw,

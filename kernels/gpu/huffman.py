@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from . import cdiv
+from .launch import Launcher
 from .pack import _fields
 from .scan import LOOKBACK, look_back, publish
 
@@ -84,7 +85,8 @@ def _queue(device: torch.device) -> tuple:
     (TRITON_INTERPRET), which runs each kernel as it is launched."""
     if device.type != "cuda":
         return (device.type,)
-    return device.type, device.index, torch._C._cuda_getCurrentRawStream(device.index)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return device.type, index, torch._C._cuda_getCurrentRawStream(index)
 
 
 @contextlib.contextmanager
@@ -115,6 +117,7 @@ def code_work(device: torch.device, lanes: int) -> Iterator[CodeWork]:
         rest.append(work)
 
 
+@Launcher
 @triton.jit
 def _merge(sym_ptr, raw_ptr, out_ptr, n, W: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -151,6 +154,7 @@ def _at(v, i, idx):
     return tl.sum(tl.where(idx == i, v, 0), axis=0)
 
 
+@Launcher
 @triton.jit
 def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, scratch_ptr, MARGIN: tl.constexpr, MAX_LEN: tl.constexpr):
     # The code of kernels.entropy.code_lengths and canonical_codes, on the device, from the
@@ -393,6 +397,7 @@ def _lane_ends(lbits, vid, flags_ptr):
     return prefix + tl.cumsum(lbits, axis=0)
 
 
+@Launcher
 @triton.jit
 def _lane_bits(x_ptr, raw_ptr, table_ptr, bits_ptr, ends_ptr, words_ptr, info_ptr, flags_ptr, n, lanes, groups,
                W: tl.constexpr, LANES: tl.constexpr, PLANES4: tl.constexpr, PAD_WORDS: tl.constexpr):
@@ -452,6 +457,7 @@ def _encode_group(x_ptr, table_ptr, words_ptr, q, lanes, c, live, n, pad, buf, n
     return _emit2(words_ptr, buf, nb, wp, first, head, _entry(table_ptr, s2), _entry(table_ptr, s3), live)
 
 
+@Launcher
 @triton.jit
 def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, flags_ptr, n, lanes, groups,
                  W: tl.constexpr, LANES: tl.constexpr):
@@ -481,6 +487,7 @@ def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, flag
     tl.atomic_or(words_ptr + wp, (buf & 0xFFFFFFFF).to(tl.int32), mask=live & (nb > 0))
 
 
+@Launcher
 @triton.jit
 def _lane_decode(words_ptr, table_ptr, bits_ptr, out_ptr, info_ptr, raw_ptr, nwords, lanes, groups, n,
                  MAX_LEN: tl.constexpr, LANES: tl.constexpr, MERGE: tl.constexpr):

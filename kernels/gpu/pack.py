@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from . import cdiv
+from .launch import Launcher
 from ..frame import HEADER, PREFIX, TABLE, TILE as FRAME_TILE
 from .scan import LOOKBACK, look_back, publish
 
@@ -39,7 +40,8 @@ _PREFIX = tl.constexpr(PREFIX)  # a tile end's flag
 FRAME_SUPER = 8        # tiles a program of _frame_encode takes, and looks back for as one
 FRAME_ZERO = 8192      # look-back words a program of _frame_table clears
 SAMPLE_BLOCK = 4096    # sampled elements a program of _sample_hist takes
-SAMPLE_WARPS = 4
+SAMPLE_WARPS = 8       # 36 against 4 warps' 41 us on 2**20 elements of a 256 MiB bf16 tensor (lent H100; smaller
+                       # blocks, fewer warps slower: bench/results/kernel-warps-sample-hist-h100-2026-11-25.json)
 
 
 @triton.jit
@@ -52,6 +54,7 @@ def _fields(w, W: tl.constexpr):
         return (w >> 23) & 0xFF, (w & 0x7FFFFF) | (((w >> 31) & 1) << 23)
 
 
+@Launcher
 @triton.jit
 def _sample_hist(x_ptr, hist_ptr, stride, m, W: tl.constexpr, BLOCK: tl.constexpr):
     # histogram of the symbols of elements 0, stride, 2*stride, ... (m of them)
@@ -82,6 +85,7 @@ def _unpack_codes(cb, G: tl.constexpr):
     return tl.reshape(tl.join(cb & 15, cb >> 4), (G, 4))
 
 
+@Launcher
 @triton.jit
 def _dict4_encode(x_ptr, lut_ptr, codes_ptr, raw_ptr, nesc_ptr, pos_ptr, sym_ptr, cap, n, first_prog,
                   W: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr):
@@ -122,6 +126,7 @@ def _dict4_encode(x_ptr, lut_ptr, codes_ptr, raw_ptr, nesc_ptr, pos_ptr, sym_ptr
     tl.store(sym_ptr + slot, s.to(tl.uint8), mask=keep)
 
 
+@Launcher
 @triton.jit
 def _dict4_patch(out_ptr, codes_ptr, pos_ptr, sym_ptr, stat_ptr, count, n, W: tl.constexpr, BLOCK: tl.constexpr):
     # put the escaped symbols back. A position must be in range, on an escape code and above
@@ -143,6 +148,7 @@ def _dict4_patch(out_ptr, codes_ptr, pos_ptr, sym_ptr, stat_ptr, count, n, W: tl
     tl.atomic_add(stat_ptr + 2, tl.sum((ok & ~inside).to(tl.int32), axis=0))
 
 
+@Launcher
 @triton.jit
 def _dict4_decode(codes_ptr, raw_ptr, tab_ptr, out_ptr, stat_ptr, n, tlen, first_prog,
                   W: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, CHECK: tl.constexpr):
@@ -249,6 +255,7 @@ def dict4_decode(codes: torch.Tensor, raw: torch.Tensor, tab16: torch.Tensor, n:
     return out, stat.tolist()  # host waits: the counts are checked before the tensor is returned
 
 
+@Launcher
 @triton.jit
 def _pack_small(v_ptr, out_ptr, n, nbytes, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     per: tl.constexpr = 8 // WIDTH
@@ -260,6 +267,7 @@ def _pack_small(v_ptr, out_ptr, n, nbytes, WIDTH: tl.constexpr, BLOCK: tl.conste
     tl.store(out_ptr + j, byte.to(tl.uint8), mask=j < nbytes)
 
 
+@Launcher
 @triton.jit
 def _unpack_small(buf_ptr, out_ptr, n, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     per: tl.constexpr = 8 // WIDTH
@@ -399,6 +407,7 @@ def _count(esc):
     return tl.sum(tl.sum(esc.to(tl.int64), axis=1), axis=0)
 
 
+@Launcher
 @triton.jit
 def _frame_table(x_ptr, f_ptr, scratch_ptr, groups, stride, m, magic, n_lo, n_hi, CHUNK: tl.constexpr,
                  ZERO: tl.constexpr):
@@ -413,6 +422,7 @@ def _frame_table(x_ptr, f_ptr, scratch_ptr, groups, stride, m, magic, n_lo, n_hi
                           CHUNK, LUT=True)
 
 
+@Launcher
 @triton.jit
 def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_off, sym_off, cap, first_group,
                   G: tl.constexpr, SUPER: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr):
@@ -467,6 +477,7 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
         _frame_count(f_ptr, first)
 
 
+@Launcher
 @triton.jit
 def _frame_encode_small(x_ptr, f_ptr, n, tiles, stride, m, magic, n_lo, n_hi, codes_off, raw_off, sym_off, cap,
                         CHUNK: tl.constexpr, G: tl.constexpr):
@@ -486,6 +497,7 @@ def _frame_encode_small(x_ptr, f_ptr, n, tiles, stride, m, magic, n_lo, n_hi, co
     _frame_count(f_ptr, first)
 
 
+@Launcher
 @triton.jit
 def _frame_decode(f_ptr, out_ptr, n, codes_off, raw_off, sym_off, cap, first_tile, G: tl.constexpr,
                   MASKED: tl.constexpr):

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from . import cdiv
+from .launch import Launcher
 
 BLOCK = 4096
 ONE_PASS_BLOCK = 16384  # elements a program scans with 32-bit sums; half as many with 64-bit ones (same registers)
@@ -81,6 +82,7 @@ def look_back(flags, blk, ACC: tl.constexpr, WORD32: tl.constexpr, WINDOW: tl.co
     return prefix
 
 
+@Launcher
 @triton.jit
 def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.constexpr,
                    WORD32: tl.constexpr, WINDOW: tl.constexpr):
@@ -104,6 +106,7 @@ def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.conste
     tl.store(y_ptr + base + offs, (y + prefix).to(y_ptr.dtype.element_ty), mask=offs < L, cache_modifier=".cs")
 
 
+@Launcher
 @triton.jit
 def _block_sums(x_ptr, sums_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.constexpr):
     row = tl.program_id(0)
@@ -113,6 +116,7 @@ def _block_sums(x_ptr, sums_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.constexpr):
     tl.store(sums_ptr + row * nb + blk, tl.sum(x, axis=0))
 
 
+@Launcher
 @triton.jit
 def _block_scan(x_ptr, y_ptr, offs_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.constexpr):
     row = tl.program_id(0)

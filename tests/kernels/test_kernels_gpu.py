@@ -279,3 +279,31 @@ def test_gpu_code_built_on_the_device_is_the_hosts(seed: int) -> None:
         assert (code[2:34].numpy().view(np.uint8) == lengths).all()
         assert int(code[34]) == int(np.flatnonzero(lengths == lengths[lengths > 0].min())[0])
         assert (table.cpu().numpy() == entropy.device_tables(lengths.tobytes(), torch.device("cpu"))[0].numpy()).all()
+
+
+def test_gpu_launcher_finds_the_kernel_the_jit_would() -> None:
+    """kernels.gpu.launch.Launcher: for arguments the JIT specializes differently (a pointer
+    off 16 bytes, an integer of 1, a multiple of 16, one past 32 bits), each launch past the
+    JIT runs the very kernel the JIT returns for those arguments, and computes what it should."""
+    import triton
+    import triton.language as tl
+
+    from storm.kernels.gpu.launch import Launcher, _spec
+
+    @Launcher
+    @triton.jit
+    def add(x_ptr, out_ptr, k, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < n, other=0) + k, mask=i < n)
+
+    base = torch.arange(64, dtype=torch.int64, device="cuda")
+    for x in (base, base[1:]):  # 16-byte aligned, and 8 bytes off
+        for k in (1, 2, 16, 17, 2**31 - 1, 2**31 + 5, -3):
+            for n in (1, 16, 17):
+                args = (x, torch.zeros(n, dtype=torch.int64, device="cuda"), k, n)
+                for _ in range(2):  # the first goes through the JIT, the second past it
+                    args[1].zero_()
+                    add[(1,)](*args, BLOCK=32)
+                    assert torch.equal(args[1], x[:n] + k), (x.data_ptr() % 16, k, n)
+                key = (torch.cuda.current_device(), tuple(map(_spec, args)), (("BLOCK", 32),))
+                assert add.compiled[key] is add.fn[(1,)](*args, BLOCK=32), (x.data_ptr() % 16, k, n)
