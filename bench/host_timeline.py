@@ -107,6 +107,9 @@ def host_costs() -> dict:
         "event_record": host_cost(lambda: torch.cuda.Event().record()),
         "empty_like_256MiB": host_cost(lambda: torch.empty(128 << 20, dtype=torch.int16, device="cuda"), 20),
     }
+    launcher = pack._sample_hist
+    costs["launcher_state"] = {"jit": launcher.jit, "compiled": len(launcher.compiled),
+                               "enter_hook": repr(triton.knobs.runtime.launch_enter_hook)}
     try:  # the compiled kernel's own launcher, past the JIT's argument binding and cache lookup
         costs["triton_direct_launch"] = host_cost(lambda: compiled.run(
             1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, 2, 4096))

@@ -30,3 +30,17 @@ def test_interpreted_kernels_go_through_the_interpreter() -> None:
     launcher = launch.Launcher(Kernel())
     launcher[(3,)](1, 2, BLOCK=4)
     assert calls == [((3,), (1, 2), {"BLOCK": 4})] and not launcher.compiled
+
+
+def test_a_launch_hook_sends_launches_through_the_jit() -> None:
+    """Triton keeps launch hooks in chains, empty by default: only a hook in one counts."""
+    from triton import knobs
+
+    assert not launch._hooked()
+    hook = lambda *a: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert launch._hooked()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not launch._hooked()
