@@ -17,6 +17,7 @@ def test_the_key_tells_apart_what_the_jit_specializes_on() -> None:
     assert spec(1) != spec(2) and spec(16) != spec(17) and spec(16) == spec(32)
     assert spec(2**31 - 1) != spec(2**31) and spec(2**63 - 1) != spec(2**63)
     assert spec(-3) == spec(3) and spec(True) != spec(1) and spec(None) != spec(0)
+    assert spec(0.5) == spec(2.0) != spec(2)         # floats are fp32 whatever their value
 
 
 def test_interpreted_kernels_go_through_the_interpreter() -> None:
