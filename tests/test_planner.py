@@ -331,7 +331,20 @@ def test_bad_plans_are_refused(blocks, budget, options, error):
         storm.plan(model.blocks if blocks is None else blocks, budget=budget, **options)
 
 
-def test_plan_options_in_sizes_reach_the_plan_as_bytes():
+def test_plan_options_in_sizes_reach_the_plan_as_bytes(monkeypatch):
+    """The options go to the planner's choice as bytes, whatever it chooses (which depends on
+    the trace's timings: on a busy CPU recomputing every block can win, and a plan that
+    offloads nothing has no copy queue); a plan that offloads uses them."""
+    import storm.planner as planner_mod
+
+    asked = []
+    choose = planner_mod.choose
+
+    def recorded(trace, budget, held_bytes=None, prefetch_bytes=None, *args, **kwargs):
+        asked.append((held_bytes, prefetch_bytes))
+        return choose(trace, budget, held_bytes, prefetch_bytes, *args, **kwargs)
+
+    monkeypatch.setattr(planner_mod, "choose", recorded)
     model, idx = gpt()
     planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes="0", max_held_bytes="1MiB",
                          prefetch_bytes="2MiB")
@@ -339,7 +352,8 @@ def test_plan_options_in_sizes_reach_the_plan_as_bytes():
                                 "prefetch_bytes": 2 << 20}
     for _ in range(3):  # two traces, then a plan made with those options
         grads_of(model, idx, planner.step())
-    assert planner.plan is not None and planner.plan.max_held_bytes == 1 << 20
+    assert asked and set(asked) == {(1 << 20, 2 << 20)}
+    assert planner.plan is not None and planner.plan.max_held_bytes == (1 << 20 if planner.plan.offloaded else 0)
     planner.close()
 
 
