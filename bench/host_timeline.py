@@ -64,7 +64,7 @@ def timeline(fn, reps: int = 3) -> list[dict]:
                 torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
     events = [e for e in events if e.get("ph") == "X"]
     call = [e for e in events if e["name"] == "call" and e.get("cat") == "user_annotation"][-1]
     t0, t1 = call["ts"], call["ts"] + call["dur"]

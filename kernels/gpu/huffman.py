@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cdiv
+from . import cdiv, current_stream
 from .launch import Launcher
 from .pack import _fields
 from .scan import LOOKBACK, look_back, publish
@@ -80,13 +80,12 @@ _KEPT = 2  # a queue's resting CodeWorks kept (more than one: threads may share 
 
 
 def _queue(device: torch.device) -> tuple:
-    """The queue a CodeWork's kernels go to: the current stream of a CUDA device, read as Triton
-    reads it (torch.cuda.current_stream took 8 us of host time on the lent H100), or the CPU
+    """The queue a CodeWork's kernels go to: the current stream of a CUDA device, or the CPU
     (TRITON_INTERPRET), which runs each kernel as it is launched."""
     if device.type != "cuda":
         return (device.type,)
     index = torch.cuda.current_device() if device.index is None else device.index
-    return device.type, index, torch._C._cuda_getCurrentRawStream(index)
+    return device.type, index, current_stream(index)
 
 
 @contextlib.contextmanager
@@ -465,7 +464,7 @@ def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, flag
     # words go back to rest (code_work)
     pid = tl.program_id(0)
     k = tl.arange(0, 2)
-    first = (pid + tl.zeros_like(k)) == 0
+    first = (pid + tl.zeros_like(k)) == 0  # a block, not a scalar: the interpreter takes no scalar mask here
     tl.store(flags_ptr + pid + k, tl.zeros((2,), tl.int64), mask=(k == 1) | first)
     tl.store(info_ptr + k, tl.zeros((2,), tl.int64), mask=first)
     c = pid * LANES + tl.arange(0, LANES)

@@ -22,6 +22,8 @@ import torch
 import triton
 from triton import knobs
 
+from . import current_stream
+
 
 def _spec(arg: Any) -> Any:
     """What the JIT specializes a kernel on for ``arg``, as a key."""
@@ -65,7 +67,7 @@ class Launcher:
                 return
             # the call the JIT ends with (no hooks, so no launch metadata)
             kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                       torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata, None, None,
+                       current_stream(device), kernel.function, kernel.packed_metadata, None, None,
                        None, *args, *(kwargs[name] for name in self.names[len(args):]))
             return
         self.fn[grid](*args, **kwargs)

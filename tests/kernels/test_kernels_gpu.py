@@ -212,14 +212,14 @@ def test_gpu_frame_runs_on_the_current_stream_without_a_host_wait() -> None:
 
 DAMAGED_FRAME = """
 import sys, torch
-from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes, layout
+from storm.kernels.frame import HEADER, PREFIX, decode_frame, encode_frame, frame_nbytes, layout
 n = 1 << 20
 x = torch.randn(n, device="cuda").bfloat16()
 x[::997] = 2.0 ** 100  # escapes in most tiles
 f = torch.empty(frame_nbytes(n), dtype=torch.uint8, device="cuda")
 encode_frame(x, f)
-ends = f[32:layout(n).codes].view(torch.int64)
-ends[100] = int(sys.argv[1]) << 2 | 2
+ends = f[HEADER:layout(n).codes].view(torch.int64)
+ends[100] = int(sys.argv[1]) << 2 | PREFIX
 decode_frame(f, n)
 torch.cuda.synchronize()
 print("decoded")
