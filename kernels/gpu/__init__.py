@@ -2,6 +2,11 @@
 
 Set STORM_KERNELS_NO_TRITON=1 to force the torch-op path on CUDA (the tests use
 it to check that both GPU paths produce the same bytes).
+
+Every atomic in these kernels is ``sem="relaxed"``: each one is a ticket, a count or an OR
+whose value is all that is read (within a launch: the look-back's words carry their values; across
+launches: stream order). Triton's default, acq_rel, puts a MEMBAR.ALL.GPU (the thread waits for
+its stores) before each and a CCTL.IVALL after, which empties the SM's L1 under every program on it.
 """
 from __future__ import annotations
 

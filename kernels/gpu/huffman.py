@@ -404,7 +404,7 @@ def _lane_bits(x_ptr, raw_ptr, table_ptr, bits_ptr, ends_ptr, words_ptr, info_pt
     # zeros where the encoder ORs, and into info: the total bits (one atomic per program) and
     # whether a symbol had no code. flags_ptr: the look-back's counter, then a word per program
     # (zeroed). Every step but the last holds whole groups (lane_shape: (steps - 4) * lanes < n)
-    vid = tl.atomic_add(flags_ptr, 1)  # blocks in the order programs started: predecessors are running
+    vid = tl.atomic_add(flags_ptr, 1, sem="relaxed")  # blocks in the order programs started: predecessors are running
     c = vid * LANES + tl.arange(0, LANES)
     live = c < lanes
     pad = tl.load(info_ptr + 34).to(tl.int32)
@@ -426,8 +426,8 @@ def _lane_bits(x_ptr, raw_ptr, table_ptr, bits_ptr, ends_ptr, words_ptr, info_pt
     tl.store(words_ptr + c, zero, mask=c == 0)
     for k in tl.static_range(1, PAD_WORDS + 1):
         tl.store(words_ptr + (end >> 5) + k, zero, mask=live & (c == lanes - 1))
-    tl.atomic_add(info_ptr, tl.sum(acc.to(tl.int64), axis=0))
-    tl.atomic_max(info_ptr + 1, tl.max(tl.where(live, miss, 0), axis=0).to(tl.int64))
+    tl.atomic_add(info_ptr, tl.sum(acc.to(tl.int64), axis=0), sem="relaxed")
+    tl.atomic_max(info_ptr + 1, tl.max(tl.where(live, miss, 0), axis=0).to(tl.int64), sem="relaxed")
 
 
 @triton.jit
@@ -482,8 +482,8 @@ def _lane_encode(x_ptr, table_ptr, ends_ptr, bits_ptr, words_ptr, info_ptr, flag
     buf, nb, wp, head = _encode_group(x_ptr, table_ptr, words_ptr, groups - 1, lanes, c, live, n, pad, buf, nb, wp,
                                       first, head, W, False)
     # the first word, if it filled, and the last, partial one are shared with the neighbours
-    tl.atomic_or(words_ptr + first, head, mask=live & (wp != first))
-    tl.atomic_or(words_ptr + wp, (buf & 0xFFFFFFFF).to(tl.int32), mask=live & (nb > 0))
+    tl.atomic_or(words_ptr + first, head, mask=live & (wp != first), sem="relaxed")
+    tl.atomic_or(words_ptr + wp, (buf & 0xFFFFFFFF).to(tl.int32), mask=live & (nb > 0), sem="relaxed")
 
 
 @Launcher
@@ -496,7 +496,7 @@ def _lane_decode(words_ptr, table_ptr, bits_ptr, out_ptr, info_ptr, raw_ptr, nwo
     # says, or whose length is impossible; [1] the total bits (the last lane's end); [2] the
     # look-back's counter, then a word per program: each lane's start is the sum of the
     # lengths before it, found here (kernels.gpu.scan's look-back), not by a launch before
-    vid = tl.atomic_add(info_ptr + 2, 1)
+    vid = tl.atomic_add(info_ptr + 2, 1, sem="relaxed")
     c = vid * LANES + tl.arange(0, LANES)
     live = c < lanes
     lbits = tl.load(bits_ptr + c, mask=live, other=0).to(tl.int64)
@@ -545,7 +545,8 @@ def _lane_decode(words_ptr, table_ptr, bits_ptr, out_ptr, info_ptr, raw_ptr, nwo
                         tl.join(_fp32_word(s1, p0, p1, p2, 8), _fp32_word(s3, p0, p1, p2, 24))).reshape(LANES, 4)
             k4 = tl.arange(0, 4)
             tl.store(out_ptr + base[:, None] + k4[None, :], e, mask=keep[:, None])
-    tl.atomic_max(info_ptr, tl.max(tl.where(live & ((bad != 0) | (pos != end)), 1, 0), axis=0).to(tl.int64))
+    broken = tl.max(tl.where(live & ((bad != 0) | (pos != end)), 1, 0), axis=0).to(tl.int64)
+    tl.atomic_max(info_ptr, broken, sem="relaxed")
     tl.store(info_ptr + 1 + tl.zeros_like(c), end, mask=c == lanes - 1)
 
 

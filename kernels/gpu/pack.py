@@ -61,7 +61,7 @@ def _sample_hist(x_ptr, hist_ptr, stride, m, W: tl.constexpr, BLOCK: tl.constexp
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = j < m
     s, _ = _fields(tl.load(x_ptr + j * stride, mask=ok, other=0).to(tl.int32), W)
-    tl.atomic_add(hist_ptr + tl.arange(0, 256), tl.histogram(s, 256, mask=ok))
+    tl.atomic_add(hist_ptr + tl.arange(0, 256), tl.histogram(s, 256, mask=ok), sem="relaxed")
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def _dict4_encode(x_ptr, lut_ptr, codes_ptr, raw_ptr, nesc_ptr, pos_ptr, sym_ptr
                 tl.store(raw_ptr + k * n + idx, ((r >> (8 * k)) & 0xFF).to(tl.uint8), mask=m)
             else:
                 tl.store(raw_ptr + k * n + idx, ((r >> (8 * k)) & 0xFF).to(tl.uint8))
-    slot = tl.atomic_add(nesc_ptr + tl.zeros_like(idx), 1, mask=miss)
+    slot = tl.atomic_add(nesc_ptr + tl.zeros_like(idx), 1, mask=miss, sem="relaxed")
     keep = miss & (slot < cap)
     tl.store(pos_ptr + slot, idx.to(pos_ptr.dtype.element_ty), mask=keep)
     tl.store(sym_ptr + slot, s.to(tl.uint8), mask=keep)
@@ -145,7 +145,7 @@ def _dict4_patch(out_ptr, codes_ptr, pos_ptr, sym_ptr, stat_ptr, count, n, W: tl
         tl.store(out_ptr + p, ((w & 0xFF) | (s << 8)).to(tl.int16), mask=inside)
     else:
         tl.store(out_ptr + p, (w & ~(0xFF << 23)) | (s << 23), mask=inside)
-    tl.atomic_add(stat_ptr + 2, tl.sum((ok & ~inside).to(tl.int32), axis=0))
+    tl.atomic_add(stat_ptr + 2, tl.sum((ok & ~inside).to(tl.int32), axis=0), sem="relaxed")
 
 
 @Launcher
@@ -188,8 +188,8 @@ def _dict4_decode(codes_ptr, raw_ptr, tab_ptr, out_ptr, stat_ptr, n, tlen, first
         if MASKED:
             esc = esc & m
             bad = bad & m
-        tl.atomic_add(stat_ptr, tl.sum(tl.sum(esc.to(tl.int32), axis=1), axis=0))
-        tl.atomic_add(stat_ptr + 1, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0))
+        tl.atomic_add(stat_ptr, tl.sum(tl.sum(esc.to(tl.int32), axis=1), axis=0), sem="relaxed")
+        tl.atomic_add(stat_ptr + 1, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0), sem="relaxed")
 
 
 def _word_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -440,7 +440,7 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
     if MASKED:
         grp = tl.full([], first_group, tl.int32)
     else:
-        grp = tl.atomic_add(scratch_ptr + 128, 1).to(tl.int32)  # in the order programs started
+        grp = tl.atomic_add(scratch_ptr + 128, 1, sem="relaxed").to(tl.int32)  # in the order programs started
     flags = scratch_ptr + 129
     j = tl.arange(0, SUPER)
     counts = tl.zeros((SUPER,), tl.int64)

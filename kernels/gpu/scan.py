@@ -86,7 +86,7 @@ def look_back(flags, blk, ACC: tl.constexpr, WORD32: tl.constexpr, WINDOW: tl.co
 @triton.jit
 def _scan_one_pass(x_ptr, y_ptr, flags_ptr, counter_ptr, L, nb, BLOCK: tl.constexpr, ACC: tl.constexpr,
                    WORD32: tl.constexpr, WINDOW: tl.constexpr):
-    vid = tl.atomic_add(counter_ptr, 1)  # blocks in the order programs started: predecessors are running
+    vid = tl.atomic_add(counter_ptr, 1, sem="relaxed")  # blocks in the order programs started: predecessors are running
     row = (vid // nb).to(tl.int32)
     blk = (vid % nb).to(tl.int32)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
