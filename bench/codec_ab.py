@@ -46,6 +46,16 @@ def load_old(old: Path) -> types.ModuleType:
     return ent
 
 
+def ab_arguments(old_help: str, reps: int) -> argparse.ArgumentParser:
+    """The arguments every one-process A/B script takes: the old revision's directory, the
+    reps and the JSON file written."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old", type=Path, required=True, help=old_help)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--out", required=True)
+    return ap
+
+
 def timed(fn):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -55,11 +65,7 @@ def timed(fn):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--old", type=Path, required=True, help="directory with the old huffman.py and entropy.py")
-    ap.add_argument("--reps", type=int, default=11)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = ab_arguments("directory with the old huffman.py and entropy.py", reps=11).parse_args()
     old = load_old(args.old)
     variants = {"old": (old.encode_fields, old.decode), "new": (entropy.encode_fields, entropy.decode)}
     n = 256 << 20

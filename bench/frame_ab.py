@@ -13,7 +13,6 @@ bytes) of each; every decode is checked bit for bit.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import statistics
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from codec import FIXTURE  # noqa: E402
-from codec_ab import timed  # noqa: E402
+from codec_ab import ab_arguments, timed  # noqa: E402
 from provenance import commit  # noqa: E402
 from storm.kernels import frame  # noqa: E402
 
@@ -64,11 +63,8 @@ def code(mod: types.ModuleType, ts: list[torch.Tensor]) -> tuple[float, float, i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--old", type=Path, required=True, help="directory holding the old revision's kernels/")
-    ap.add_argument("--reps", type=int, default=11)
+    ap = ab_arguments("directory holding the old revision's kernels/", reps=11)
     ap.add_argument("--size-mib", type=int, default=256)
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
     variants = {"old": load_old(args.old), "new": frame}
     n = (args.size_mib << 20) // 2

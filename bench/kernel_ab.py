@@ -10,7 +10,6 @@ The two revisions alternate, two rounds each; every huff_exp round trip is check
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from codec_ab import ab_arguments  # noqa: E402
 from frame_ab import load_old  # noqa: E402
 from provenance import commit  # noqa: E402
 import storm.kernels  # noqa: E402
@@ -56,11 +56,7 @@ def calls(pkg: types.ModuleType, x: torch.Tensor, xf: torch.Tensor) -> dict[str,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--old", type=Path, required=True, help="directory holding the old revision's kernels/")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = ab_arguments("directory holding the old revision's kernels/", reps=10).parse_args()
     load_old(args.old)
     variants = {"old": sys.modules["storm_old_kernels"], "new": storm.kernels}
     n = 128 << 20
