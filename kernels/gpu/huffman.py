@@ -41,16 +41,17 @@ launches of their own.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from . import cdiv, current_stream
+from . import cdiv
 from .launch import Launcher
 from .pack import _fields
+from .rest import AtRest
 from .scan import LOOKBACK, look_back, publish
 
 _LOOKBACK = tl.constexpr(LOOKBACK)  # a global a kernel reads must be a constexpr
@@ -75,45 +76,24 @@ class CodeWork(NamedTuple):
     flags: torch.Tensor    # int64[1 + programs, or more]: the lane pass's look-back (encode_lanes)
 
 
-_AT_REST: dict[tuple, list[CodeWork]] = {}  # by queue (_queue): CodeWorks whose kernels left them at rest
-_KEPT = 2  # a queue's resting CodeWorks kept (more than one: threads may share a stream)
+def _new_code_work(device: torch.device, flags: int) -> CodeWork:
+    info_words = 2 * CODE_WORDS + 2  # int32 words of info, kept a multiple of 4 (16-byte aligned views)
+    at = info_words + 256
+    flags_at = at + 128 + SCRATCH_WORDS
+    buf = torch.zeros(flags_at + 2 * max(flags, 1024), dtype=torch.int32, device=device)
+    return CodeWork(buf[info_words:at], buf[:2 * CODE_WORDS].view(torch.int64), buf[at:at + 128].view(torch.int16),
+                    buf[at + 128:flags_at], buf[flags_at:].view(torch.int64))
 
 
-def _queue(device: torch.device) -> tuple:
-    """The queue a CodeWork's kernels go to: the current stream of a CUDA device, or the CPU
-    (TRITON_INTERPRET), which runs each kernel as it is launched."""
-    if device.type != "cuda":
-        return (device.type,)
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return device.type, index, current_stream(index)
+_CODE_WORK = AtRest(_new_code_work, lambda work: work.flags.numel())
 
 
-@contextlib.contextmanager
-def code_work(device: torch.device, lanes: int) -> Iterator[CodeWork]:
-    """The work of one encode of ``lanes`` lanes on the current stream, at rest: the counts, the
-    lane pass's info (words 0 and 1) and the look-back words zero. The kernels leave it so
-    (_build_code clears the counts it read, _lane_encode the words the lane pass wrote), so
-    the next encode on the same stream, whose kernels run after them, takes it from a pool
-    instead of a zeroed allocation and five views (30 to 90 us of host time ahead of the
-    first kernel on the lent H100). Returned to the pool only when the block ends normally,
-    once every one of its kernels is queued; an encode cut short drops it."""
-    rest = _AT_REST.setdefault(_queue(device), [])
-    need = 1 + programs(lanes)
-    work = None
-    while rest and work is None:
-        work = rest.pop()
-        if work.flags.numel() < need:
-            work = None  # too small: dropped (the allocator reuses it only in this stream's order)
-    if work is None:
-        info_words = 2 * CODE_WORDS + 2  # int32 words of info, kept a multiple of 4 (16-byte aligned views)
-        at = info_words + 256
-        flags_at = at + 128 + SCRATCH_WORDS
-        buf = torch.zeros(flags_at + 2 * max(need, 1024), dtype=torch.int32, device=device)
-        work = CodeWork(buf[info_words:at], buf[:2 * CODE_WORDS].view(torch.int64),
-                        buf[at:at + 128].view(torch.int16), buf[at + 128:flags_at], buf[flags_at:].view(torch.int64))
-    yield work
-    if len(rest) < _KEPT:
-        rest.append(work)
+def code_work(device: torch.device, lanes: int) -> contextlib.AbstractContextManager[CodeWork]:
+    """The work of one encode of ``lanes`` lanes on the current stream (kernels.gpu.rest), at
+    rest: the counts, the lane pass's info (words 0 and 1) and the look-back words zero. The
+    kernels leave it so: _build_code clears the counts it read, _lane_encode the words the
+    lane pass wrote."""
+    return _CODE_WORK.take(device, 1 + programs(lanes))
 
 
 @Launcher

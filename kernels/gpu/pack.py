@@ -27,6 +27,7 @@ import triton.language as tl
 
 from . import cdiv
 from .launch import Launcher
+from .rest import AtRest
 from ..frame import HEADER, PREFIX, TABLE, TILE as FRAME_TILE
 from .scan import LOOKBACK, look_back, publish
 
@@ -528,6 +529,12 @@ def _frame_decode(f_ptr, out_ptr, n, codes_off, raw_off, sym_off, cap, first_til
         tl.store(out_ptr + idx, ((s << 8) | r).to(tl.int16))
 
 
+# a frame encode's scratch, from a pool per stream (kernels.gpu.rest): _frame_table writes all of
+# it that the encoder reads, so a buffer needs no state, and the call no allocation
+_FRAME_SCRATCH = AtRest(lambda device, size: torch.empty(max(size, 4096), dtype=torch.int64, device=device),
+                        lambda scratch: scratch.numel())
+
+
 def frame_encode(x: torch.Tensor, frame: torch.Tensor, lay, sample: int, small_tiles: int, magic: int) -> None:
     """Encode the contiguous 16-bit tensor ``x`` into ``frame`` (kernels.frame, layout ``lay``) on the
     current stream, no host wait: one launch for up to ``small_tiles`` tiles; else the dictionary,
@@ -542,16 +549,16 @@ def frame_encode(x: torch.Tensor, frame: torch.Tensor, lay, sample: int, small_t
                                   lay.cap, CHUNK=4096, G=FRAME_G, num_warps=WARPS)
         return
     groups = -(-lay.tiles // FRAME_SUPER)
-    scratch = torch.empty(129 + groups, dtype=torch.int64, device=x.device)  # see _frame_table
-    _frame_table[(cdiv(groups + 1, FRAME_ZERO),)](x, frame, scratch, groups, stride, m, magic, lo, n >> 32,
-                                                 CHUNK=4096, ZERO=FRAME_ZERO, num_warps=8)
-    full = n // (FRAME_TILE * FRAME_SUPER)
-    args = (x, frame, scratch, n, lay.tiles, groups, lay.codes, lay.raw, lay.sym, lay.cap)
-    kw = dict(G=FRAME_G, SUPER=FRAME_SUPER, WINDOW=LOOKBACK, num_warps=WARPS)
-    if full:
-        _frame_encode[(full,)](*args, 0, MASKED=False, **kw)
-    if full < groups:
-        _frame_encode[(1,)](*args, full, MASKED=True, **kw)
+    with _FRAME_SCRATCH.take(x.device, 129 + groups) as scratch:  # see _frame_table
+        _frame_table[(cdiv(groups + 1, FRAME_ZERO),)](x, frame, scratch, groups, stride, m, magic, lo, n >> 32,
+                                                     CHUNK=4096, ZERO=FRAME_ZERO, num_warps=8)
+        full = n // (FRAME_TILE * FRAME_SUPER)
+        args = (x, frame, scratch, n, lay.tiles, groups, lay.codes, lay.raw, lay.sym, lay.cap)
+        kw = dict(G=FRAME_G, SUPER=FRAME_SUPER, WINDOW=LOOKBACK, num_warps=WARPS)
+        if full:
+            _frame_encode[(full,)](*args, 0, MASKED=False, **kw)
+        if full < groups:
+            _frame_encode[(1,)](*args, full, MASKED=True, **kw)
 
 
 def frame_decode(frame: torch.Tensor, out: torch.Tensor, lay, small_tiles: int) -> None:

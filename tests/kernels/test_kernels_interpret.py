@@ -45,6 +45,7 @@ for n in (0, 7, 4097, 2 * 16384, 2 * 16384 + 2049):
     x[3::500] = 2.0 ** 100  # escapes: 0.45 % of the words, under the 0.78 % of the slots
     for small_tiles in (16, 0):  # one program where it fits, and always many
         assert both(x, small_tiles)
+assert len(pack._FRAME_SCRATCH.pools[("cpu",)]) == 1  # one pooled scratch served every encode
 every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
 assert not both(every[:40000], 0)  # overflows: the count, and every slot, still match
 print("frames: the interpreter wrote the reference's bytes")
@@ -69,7 +70,7 @@ for n in (7, 4096 + 4, 40000):  # one program of lanes, and several looking back
                                     codecs.HUFF_MARGIN)
         stream, lane_bits, raw, lengths = out
         # the kernels left the pooled work at rest, and every encode took the same one
-        (work,) = huffman._AT_REST[("cpu",)]
+        (work,) = huffman._CODE_WORK.pools[("cpu",)]
         assert not (work.hist.any() or work.info[:2].any() or work.flags.any()), (n, dtype)
         pooled.add(id(work))
         assert lengths.tobytes() == meta["lengths"], (n, dtype)
