@@ -105,8 +105,8 @@ def aggregate(parts: list[dict]) -> dict:
     out = {"tensors": len(parts), "ratio": round(raw / sum(p["enc_bytes"] for p in parts), 4)}
     for key, field in (("enc_GBps", "te"), ("dec_GBps", "td")):
         for suffix, how in (("", "call"), ("_back_to_back", "stream")):
-            seconds = sum(getattr(p[field], how) for p in timed_parts if p[field])
-            out[key + suffix] = round(traw / seconds / 1e9, 3) if timed_parts and seconds else None
+            seconds = sum(getattr(p[field], how) for p in timed_parts)
+            out[key + suffix] = round(traw / seconds / 1e9, 3) if seconds else None
     out["lossless"] = all(p["ok"] for p in parts)
     if traw != raw:
         out["not_applicable_bytes"] = raw - traw
