@@ -3,10 +3,12 @@
 Set STORM_KERNELS_NO_TRITON=1 to force the torch-op path on CUDA (the tests use
 it to check that both GPU paths produce the same bytes).
 
-Every atomic in these kernels is ``sem="relaxed"``: each one is a ticket, a count or an OR
-whose value is all that is read (within a launch: the look-back's words carry their values; across
-launches: stream order). Triton's default, acq_rel, puts a MEMBAR.ALL.GPU (the thread waits for
-its stores) before each and a CCTL.IVALL after, which empties the SM's L1 under every program on it.
+The atomics in these kernels are ``sem="relaxed"`` where each one is a ticket, a count or an
+OR whose value is all that is read (within a launch: the look-back's words carry their values;
+across launches: stream order). Triton's default, acq_rel, puts a MEMBAR.ALL.GPU (the thread waits
+for its stores) before each and a CCTL.IVALL after, which empties the SM's L1 under every program
+on it. Only the frame dictionary's (a few programs once an encode) keep acq_rel: there the last
+program to count itself done reads the histogram the others added to.
 """
 from __future__ import annotations
 

@@ -40,6 +40,14 @@ _TABLE = tl.constexpr(TABLE)    # where its table of 15 symbols starts (bytes)
 _PREFIX = tl.constexpr(PREFIX)  # a tile end's flag
 FRAME_SUPER = 8        # tiles a program of _frame_encode takes, and looks back for as one
 FRAME_ZERO = 8192      # look-back words a program of _frame_table clears
+FRAME_SAMPLES = 1024   # sample elements a program of _frame_table counts
+# a frame encode's scratch, int64 words: the symbols' codes (256 int32), the sample's histogram
+# (256 int32) and the count of _frame_table's programs that added to it (both at rest: zero),
+# the group counter, then the groups' look-back words
+_SCRATCH_HIST = tl.constexpr(128)
+_SCRATCH_DONE = tl.constexpr(256)
+_SCRATCH_GROUP = tl.constexpr(257)
+_SCRATCH_FLAGS = tl.constexpr(258)
 SAMPLE_BLOCK = 4096    # sampled elements a program of _sample_hist takes
 SAMPLE_WARPS = 8       # 36 against 4 warps' 41 us on 2**20 elements of a 256 MiB bf16 tensor (lent H100; smaller
                        # blocks, fewer warps slower: bench/results/kernel-warps-sample-hist-h100-2026-11-25.json)
@@ -312,23 +320,23 @@ def _frame_count(f_ptr, count):
 
 
 @triton.jit
-def _frame_dictionary(x_ptr, f_ptr, lut_ptr, stride, m, magic, n_lo, n_hi, CHUNK: tl.constexpr,
-                      LUT: tl.constexpr):
-    # A frame's dictionary, on the device so the host never waits for it: the histogram of the
-    # high bytes of a strided sample, then the 15 most frequent (ties to the lower byte, as the
-    # CPU reference breaks them), into the table; with LUT, each symbol's code into lut_ptr too.
-    # Writes the header, escape count 0.
-    hist = tl.zeros((256,), dtype=tl.int32)
-    for start in range(0, m, CHUNK):
-        j = start + tl.arange(0, CHUNK)
-        ok = j < m
-        w = tl.load(x_ptr + j.to(tl.int64) * stride, mask=ok, other=0).to(tl.int16, bitcast=True)
-        hist += tl.histogram((w.to(tl.int32) >> 8) & 0xFF, 256, mask=ok)
+def _sample_symbols(x_ptr, stride, k, m):
+    # the high bytes of sample elements k (elements k * stride, below m of them), and which are
+    return tl.load(x_ptr.to(tl.pointer_type(tl.uint16)) + k.to(tl.int64) * stride, mask=k < m, other=0) >> 8, k < m
+
+
+@triton.jit
+def _frame_dictionary(hist, f_ptr, lut_ptr, magic, n_lo, n_hi, LUT: tl.constexpr):
+    # A frame's dictionary, on the device so the host never waits for it: from the histogram
+    # (256,) of the high bytes of a strided sample, the 15 most frequent (ties to the lower byte,
+    # as the CPU reference breaks them), into the table; with LUT, into lut_ptr each symbol's
+    # code, | 256 for the escape code (the encoder reads both from one load). Writes the header,
+    # escape count 0.
     i = tl.arange(0, 256)
     key = tl.sort((hist << 8) | (255 - i), descending=True)
     sym = 255 - (key & 255)
     if LUT:
-        tl.store(lut_ptr + sym, tl.minimum(i, 15))
+        tl.store(lut_ptr + sym, tl.minimum(i, 15) | tl.where(i >= 15, 256, 0))
     tl.store(f_ptr + _TABLE + i, tl.where(i < 15, sym, 0).to(tl.uint8), mask=i < 16)
     k = tl.arange(0, 4)
     word = tl.where(k == 1, magic, tl.where(k == 2, n_lo, tl.where(k == 3, n_hi, 0)))
@@ -337,9 +345,11 @@ def _frame_dictionary(x_ptr, f_ptr, lut_ptr, stride, m, magic, n_lo, n_hi, CHUNK
 
 @triton.jit
 def _frame_words(x_ptr, tile, n, G: tl.constexpr, MASKED: tl.constexpr, rows=None):
-    # a tile's words as a (G, 4) tile of int32, each thread's 4 elements contiguous; MASKED: only
-    # words below n, and (given ``rows``, (G,) bool) only the rows where it holds
+    # a tile's words as a (G, 4) tile of int32 in 0..65535 (unsigned: the symbol is w >> 8 with
+    # no mask), each thread's 4 elements contiguous; MASKED: only words below n, and (given
+    # ``rows``, (G,) bool) only the rows where it holds
     idx, _ = _groups(tile, G)
+    x_ptr = x_ptr.to(tl.pointer_type(tl.uint16))
     if MASKED:
         m = idx < n
         if rows is not None:
@@ -347,7 +357,29 @@ def _frame_words(x_ptr, tile, n, G: tl.constexpr, MASKED: tl.constexpr, rows=Non
         w = tl.load(x_ptr + idx, mask=m, other=0)
     else:
         w = tl.load(x_ptr + idx)
-    return w.to(tl.int16, bitcast=True).to(tl.int32)
+    return w.to(tl.int32)
+
+
+@triton.jit
+def _frame_pairs(x_ptr, tile, G: tl.constexpr):
+    # a full tile's words two at a time, as a (G, 2) tile of uint32 (word j of a row holds the
+    # row's words 2j and 2j + 1, low half first; x 4-byte aligned): a symbol is then one shift
+    # and mask, where a 16-bit word took three (the compiler masks each half to 16 bits twice)
+    _, pairs = _groups(tile, G)
+    return tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + pairs)
+
+
+@triton.jit
+def _frame_code_pairs(v, f_ptr, lut_ptr, tile, codes_off, raw_off, G: tl.constexpr):
+    # a full tile's codes and raw bytes from its pairs (_frame_pairs) into the frame; returns each
+    # row's escape bits (bit i: the row's word i is an escape)
+    idx, bidx = _groups(tile, G)
+    lo = tl.load(lut_ptr + ((v >> 8) & 0xFF)).to(tl.uint32)  # code | escape << 8
+    hi = tl.load(lut_ptr + (v >> 24)).to(tl.uint32)
+    tl.store(f_ptr + codes_off + bidx, (lo | (hi << 4)).to(tl.uint8))
+    tl.store(f_ptr + raw_off + idx, tl.reshape(tl.join(v & 0xFF, (v >> 16) & 0xFF), (G, 4)).to(tl.uint8))
+    esc = (lo >> 8) | (hi >> 7)  # bit 0: the low word is an escape, bit 1: the high one
+    return tl.sum(esc << (2 * tl.arange(0, 2))[None, :], axis=1).to(tl.int32)
 
 
 @triton.jit
@@ -355,18 +387,17 @@ def _frame_symbols(w, f_ptr, lut_ptr, tile, n, G: tl.constexpr, MASKED: tl.const
     # a tile's symbols, codes and escapes from its words (_frame_words). Without LUT a symbol's
     # code is found among the table's 15 bytes (one program's frames: no scratch to hold a
     # lookup table)
-    idx, _ = _groups(tile, G)
-    m = idx < n
-    s = (w >> 8) & 0xFF
+    s = w >> 8
     if LUT:
-        c = tl.load(lut_ptr + s)
+        c = tl.load(lut_ptr + s) & 15
     else:
         c = tl.full(s.shape, 15, tl.int32)
         for k in tl.static_range(15):
             c = tl.where(s == tl.load(f_ptr + _TABLE + k).to(tl.int32), k, c)
-    if MASKED:
-        c = tl.where(m, c, 0)
-    return s, c, (c == 15) & m
+    if MASKED:  # past n: code 0, no escape
+        idx, _ = _groups(tile, G)
+        c = tl.where(idx < n, c, 0)
+    return s, c, c == 15
 
 
 @triton.jit
@@ -408,19 +439,40 @@ def _count(esc):
     return tl.sum(tl.sum(esc.to(tl.int64), axis=1), axis=0)
 
 
+@triton.jit
+def _tile_counts(rows, SUPER: tl.constexpr):
+    # each tile's escapes, (SUPER,), from the rows' escape bits (bit 4 * k + i: tile k's word i):
+    # one reduction for the group, where a count a tile was a reduction (and a barrier) each
+    pairs = rows - ((rows >> 1) & 0x55555555)  # bits counted in pairs, then in nibbles (at most 4)
+    nibbles = (pairs & 0x33333333) + ((pairs >> 2) & 0x33333333)
+    return tl.sum((nibbles[:, None] >> (4 * tl.arange(0, SUPER))[None, :]) & 15, axis=0)
+
+
 @Launcher
 @triton.jit
-def _frame_table(x_ptr, f_ptr, scratch_ptr, groups, stride, m, magic, n_lo, n_hi, CHUNK: tl.constexpr,
+def _frame_table(x_ptr, f_ptr, scratch_ptr, groups, stride, m, magic, n_lo, n_hi, SAMPLES: tl.constexpr,
                  ZERO: tl.constexpr):
-    # before a frame's encode, in its scratch (int64 words: the symbols' codes as 256 int32 in
-    # words 0-127, the group counter at 128, the groups' look-back words from 129): every program
-    # clears ZERO of the counter and look-back words; the first also finds the dictionary
+    # before a frame's encode, in its scratch (int64 words, _SCRATCH_*): every program clears ZERO
+    # of the group counter and look-back words; the first cdiv(m, SAMPLES) each add the
+    # histogram of SAMPLES of the sample's symbols to the scratch's, and the last of them to
+    # finish finds the dictionary from it and puts the histogram and the count of those done
+    # back at rest (zero). One program took the whole sample: 23 us of the encode's critical
+    # path on the lent H100
     pid = tl.program_id(0)
     j = pid.to(tl.int64) * ZERO + tl.arange(0, ZERO)
-    tl.store(scratch_ptr + 128 + j, tl.zeros((ZERO,), tl.int64), mask=j < groups + 1)
-    if pid == 0:
-        _frame_dictionary(x_ptr, f_ptr, scratch_ptr.to(tl.pointer_type(tl.int32)), stride, m, magic, n_lo, n_hi,
-                          CHUNK, LUT=True)
+    tl.store(scratch_ptr + _SCRATCH_GROUP + j, tl.zeros((ZERO,), tl.int64), mask=j < groups + 1)
+    parts = tl.cdiv(m, SAMPLES)
+    if pid < parts:
+        hist_ptr = (scratch_ptr + _SCRATCH_HIST).to(tl.pointer_type(tl.int32)) + tl.arange(0, 256)
+        s, ok = _sample_symbols(x_ptr, stride, pid * SAMPLES + tl.arange(0, SAMPLES), m)
+        # acq_rel: a thread waits for its adds to be made, so all are made (the barrier) before the
+        # count, whose last reader then finds them (one program's fence orders only its own thread's)
+        tl.atomic_add(hist_ptr, tl.histogram(s.to(tl.int32), 256, mask=ok), sem="acq_rel")
+        tl.debug_barrier()
+        if tl.atomic_add(scratch_ptr + _SCRATCH_DONE, 1, sem="acq_rel") == parts - 1:
+            hist = tl.atomic_xchg(hist_ptr, tl.zeros((256,), tl.int32), sem="relaxed")  # read at L2 and put at rest
+            tl.store(scratch_ptr + _SCRATCH_DONE, 0)
+            _frame_dictionary(hist, f_ptr, scratch_ptr.to(tl.pointer_type(tl.int32)), magic, n_lo, n_hi, LUT=True)
 
 
 @Launcher
@@ -428,7 +480,8 @@ def _frame_table(x_ptr, f_ptr, scratch_ptr, groups, stride, m, magic, n_lo, n_hi
 def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_off, sym_off, cap, first_group,
                   G: tl.constexpr, SUPER: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr):
     # a group of SUPER tiles a program, in one pass over the input: each tile's codes are stored
-    # and its escapes counted; the group's count is published, the escapes before the group
+    # and its escapes marked, and the tiles' counts found from the marks in one reduction (a
+    # count a tile was a barrier a tile); the group's count is published, the escapes before the group
     # found by looking back (kernels.gpu.scan: a group, not a tile, so that there are few to
     # wait on), and its end published; then each tile's escapes are stored in their slots, and
     # every tile's end goes into the frame. Where a tile's escapes are is kept from the first
@@ -441,20 +494,28 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
     if MASKED:
         grp = tl.full([], first_group, tl.int32)
     else:
-        grp = tl.atomic_add(scratch_ptr + 128, 1, sem="relaxed").to(tl.int32)  # in the order programs started
-    flags = scratch_ptr + 129
+        grp = tl.atomic_add(scratch_ptr + _SCRATCH_GROUP, 1, sem="relaxed").to(tl.int32)  # in the order programs started
+    flags = scratch_ptr + _SCRATCH_FLAGS
     j = tl.arange(0, SUPER)
-    counts = tl.zeros((SUPER,), tl.int64)
     rows = tl.zeros((G,), tl.int32)  # bit 4 * k + i: tile k's word i of the row is an escape
-    w = _frame_words(x_ptr, grp * SUPER, n, G, MASKED)
+    if MASKED:
+        w = _frame_words(x_ptr, grp * SUPER, n, G, True)
+    else:
+        w = _frame_pairs(x_ptr, grp * SUPER, G)
     for k in range(SUPER):  # each tile's words loaded while the tile before is coded: two loads in flight
         tile = grp * SUPER + k
-        ahead = _frame_words(x_ptr, tile + 1 - (k + 1) // SUPER, n, G, MASKED)  # (the last tile's again, from L1)
-        s, c, esc = _frame_symbols(w, f_ptr, lut_ptr, tile, n, G, MASKED, LUT=True)
-        _frame_store(f_ptr, tile, n, w, c, codes_off, raw_off, G, MASKED)
-        counts = tl.where(j == k, _count(esc), counts)
-        rows |= tl.sum(esc.to(tl.int32) << tl.arange(0, 4)[None, :], axis=1) << (4 * k)
+        after = tile + 1 - (k + 1) // SUPER  # (the last tile's again, from L1)
+        if MASKED:
+            ahead = _frame_words(x_ptr, after, n, G, True)
+            s, c, esc = _frame_symbols(w, f_ptr, lut_ptr, tile, n, G, True, LUT=True)
+            _frame_store(f_ptr, tile, n, w, c, codes_off, raw_off, G, True)
+            bits = tl.sum(esc.to(tl.int32) << tl.arange(0, 4)[None, :], axis=1)
+        else:
+            ahead = _frame_pairs(x_ptr, after, G)
+            bits = _frame_code_pairs(w, f_ptr, lut_ptr, tile, codes_off, raw_off, G)
+        rows |= bits << (4 * k)
         w = ahead
+    counts = _tile_counts(rows, SUPER)
     total = tl.sum(counts, axis=0)
     first = tl.zeros([], tl.int64)
     if grp == 0:
@@ -470,8 +531,8 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
         if count > 0:
             bits = (rows >> (4 * k)) & 15
             esc = ((bits[:, None] >> tl.arange(0, 4)[None, :]) & 1) != 0
-            w = _frame_words(x_ptr, tile, n, G, True, bits != 0)
-            _frame_escapes(f_ptr, (w >> 8) & 0xFF, esc, first, sym_off, cap)
+            words = _frame_words(x_ptr, tile, n, G, True, bits != 0)
+            _frame_escapes(f_ptr, words >> 8, esc, first, sym_off, cap)
         first += count
         tl.store(ends + tile, first << 2 | _PREFIX, mask=tile < tiles)
     if grp == groups - 1:
@@ -483,7 +544,11 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
 def _frame_encode_small(x_ptr, f_ptr, n, tiles, stride, m, magic, n_lo, n_hi, codes_off, raw_off, sym_off, cap,
                         CHUNK: tl.constexpr, G: tl.constexpr):
     # a frame of a few tiles by one program, in one launch: the dictionary, then the tiles in order
-    _frame_dictionary(x_ptr, f_ptr, f_ptr, stride, m, magic, n_lo, n_hi, CHUNK, LUT=False)
+    hist = tl.zeros((256,), dtype=tl.int32)
+    for start in range(0, m, CHUNK):
+        s, ok = _sample_symbols(x_ptr, stride, start + tl.arange(0, CHUNK), m)
+        hist += tl.histogram(s.to(tl.int32), 256, mask=ok)
+    _frame_dictionary(hist, f_ptr, f_ptr, magic, n_lo, n_hi, LUT=False)
     tl.debug_barrier()  # every thread reads the table back
     ends = _frame_ends(f_ptr)
     first = tl.zeros([], tl.int64)
@@ -529,16 +594,17 @@ def _frame_decode(f_ptr, out_ptr, n, codes_off, raw_off, sym_off, cap, first_til
         tl.store(out_ptr + idx, ((s << 8) | r).to(tl.int16))
 
 
-# a frame encode's scratch, from a pool per stream (kernels.gpu.rest): _frame_table writes all of
-# it that the encoder reads, so a buffer needs no state, and the call no allocation
-_FRAME_SCRATCH = AtRest(lambda device, size: torch.empty(max(size, 4096), dtype=torch.int64, device=device),
+# a frame encode's scratch (_SCRATCH_*), from a pool per stream (kernels.gpu.rest): its histogram
+# and count at rest, _frame_table writes the rest of what the encoder reads
+_FRAME_SCRATCH = AtRest(lambda device, size: torch.zeros(max(size, 4096), dtype=torch.int64, device=device),
                         lambda scratch: scratch.numel())
 
 
 def frame_encode(x: torch.Tensor, frame: torch.Tensor, lay, sample: int, small_tiles: int, magic: int) -> None:
     """Encode the contiguous 16-bit tensor ``x`` into ``frame`` (kernels.frame, layout ``lay``) on the
     current stream, no host wait: one launch for up to ``small_tiles`` tiles; else the dictionary,
-    the full groups of FRAME_SUPER tiles, and the partial last one if any."""
+    the full groups of FRAME_SUPER tiles, and the partial last one if any (from a copy of ``x``
+    if it is not 4-byte aligned: the full tiles are read in pairs of words)."""
     n = lay.n
     stride = max(1, n // sample)
     m = -(-n // stride)
@@ -548,10 +614,13 @@ def frame_encode(x: torch.Tensor, frame: torch.Tensor, lay, sample: int, small_t
         _frame_encode_small[(1,)](x, frame, n, lay.tiles, stride, m, magic, lo, n >> 32, lay.codes, lay.raw, lay.sym,
                                   lay.cap, CHUNK=4096, G=FRAME_G, num_warps=WARPS)
         return
+    if x.data_ptr() % 4:
+        x = x.clone()  # _frame_pairs
     groups = -(-lay.tiles // FRAME_SUPER)
-    with _FRAME_SCRATCH.take(x.device, 129 + groups) as scratch:  # see _frame_table
-        _frame_table[(cdiv(groups + 1, FRAME_ZERO),)](x, frame, scratch, groups, stride, m, magic, lo, n >> 32,
-                                                     CHUNK=4096, ZERO=FRAME_ZERO, num_warps=8)
+    with _FRAME_SCRATCH.take(x.device, _SCRATCH_FLAGS.value + groups) as scratch:  # see _frame_table
+        grid = max(cdiv(groups + 1, FRAME_ZERO), cdiv(m, FRAME_SAMPLES))
+        _frame_table[(grid,)](x, frame, scratch, groups, stride, m, magic, lo, n >> 32, SAMPLES=FRAME_SAMPLES,
+                              ZERO=FRAME_ZERO, num_warps=8)
         full = n // (FRAME_TILE * FRAME_SUPER)
         args = (x, frame, scratch, n, lay.tiles, groups, lay.codes, lay.raw, lay.sym, lay.cap)
         kw = dict(G=FRAME_G, SUPER=FRAME_SUPER, WINDOW=LOOKBACK, num_warps=WARPS)

@@ -5,9 +5,8 @@ tickets, look-back words, counts added by atomics. A zeroed allocation for each 
 the host 10 to 90 us ahead of the first kernel on the lent H100 (a fill launch, and views
 carved out of it), time the device waits. So the kernels that use such a buffer put it back
 in that state as they finish with it, and the buffer is kept for the next call on the same
-stream, whose kernels run after them: the state is there when they start. Kernels whose first
-launch sets up all it reads (the frame encoder's table) need no state, only the memory, and
-take it from the same kind of pool: it saves them the allocation. A buffer goes
+stream, whose kernels run after them: the state is there when they start (the frame encoder's
+scratch: its dictionary's histogram and count; its first launch sets up the rest). A buffer goes
 back into the pool only when the caller's block ends normally, once every kernel that
 uses it is queued; a call cut short drops it.
 """

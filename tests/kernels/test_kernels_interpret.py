@@ -45,7 +45,9 @@ for n in (0, 7, 4097, 2 * 16384, 2 * 16384 + 2049):
     x[3::500] = 2.0 ** 100  # escapes: 0.45 % of the words, under the 0.78 % of the slots
     for small_tiles in (16, 0):  # one program where it fits, and always many
         assert both(x, small_tiles)
-assert len(pack._FRAME_SCRATCH.pools[("cpu",)]) == 1  # one pooled scratch served every encode
+    assert both(torch.cat([x[:1], x])[1:], 0)  # 2 bytes past 4-byte alignment: the pairs' reads need 4
+(scratch,) = pack._FRAME_SCRATCH.pools[("cpu",)]  # one pooled scratch served every encode
+assert not scratch[pack._SCRATCH_HIST.value:pack._SCRATCH_GROUP.value].any()  # its histogram and count at rest
 every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
 assert not both(every[:40000], 0)  # overflows: the count, and every slot, still match
 print("frames: the interpreter wrote the reference's bytes")
