@@ -36,7 +36,7 @@ import storm  # noqa: E402
 from storm.examples.models import same_bits  # noqa: E402
 from storm.report import progress  # noqa: E402
 import provenance  # noqa: E402
-from daemon import start_daemon  # noqa: E402
+from daemon import start_daemon, stop_daemon  # noqa: E402
 from workloads import W1, W2, Workload  # noqa: E402
 
 GiB = 1 << 30
@@ -170,8 +170,7 @@ def spill_run(w: Workload, rows: dict, opts: dict, args: argparse.Namespace, dev
             return {"error": str(e), "pool_bytes": pool}
         after = storm.stats(mode="daemon", socket=endpoint)["node"]
     finally:
-        daemon.terminate()
-        daemon.wait(30)
+        stop_daemon(daemon)
     steps = args.steps + args.warmup
     spilled = (after["spilled_total"] - node["spilled_total"]) / steps
     r.update(pool_bytes=pool, spilled_GB_per_step=round(spilled / 1e9, 3),
@@ -267,8 +266,7 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
             results[w.name] = rows
     finally:
         for daemon, _ in daemons:
-            daemon.terminate()
-            daemon.wait(30)
+            stop_daemon(daemon)
     return results
 
 
@@ -342,8 +340,7 @@ def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
             results[w.name] = row
             del ref
     finally:
-        daemon.terminate()
-        daemon.wait(30)
+        stop_daemon(daemon)
     return results
 
 

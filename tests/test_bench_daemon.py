@@ -1,5 +1,6 @@
-"""bench/daemon.py's CPU split: stormd on physical cores of its own, the training process on the
-others (bench/profile_step.py --daemon-cores), checked on this machine's kernel."""
+"""bench/daemon.py: its CPU split (stormd on physical cores of its own, the training process on the
+others: bench/profile_step.py --daemon-cores), checked on this machine's kernel; and its stop, which
+says BYE for the benchmark's own sessions first."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import storm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from daemon import parse_cpu_list, physical_cores, split_cores, start_daemon, thread_cpus  # noqa: E402
+from daemon import parse_cpu_list, physical_cores, split_cores, start_daemon, stop_daemon, thread_cpus  # noqa: E402
 
 
 def test_cpu_lists_parse_as_the_kernel_writes_them():
@@ -56,3 +60,22 @@ def test_profile_step_refuses_a_split_it_cannot_make_before_touching_the_gpu(tmp
     r = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" / "profile_step.py"),
                         *flags, "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and says in r.stderr, r.stderr
+
+
+def test_stop_says_bye_so_a_session_holding_keys_does_not_wait_out_the_drain_deadline(tmp_path):
+    log = tmp_path / "stormd.log"
+    proc, endpoint = start_daemon(tmp_path, "64MiB", "--drain-timeout", "20", log=log)
+    try:
+        x = torch.randn(1 << 19, requires_grad=True)  # 2 MiB: offloaded
+        with storm.offload(mode="daemon", socket=endpoint) as ctx:
+            y = x.exp()  # saves its output; no backward, so the store keeps it
+        ctx.synchronize()
+        assert storm.stats(mode="daemon", socket=endpoint)["node"]["keys"] >= 1
+        stop_daemon(proc)  # without its BYE, stormd would hold on for its 20 s deadline and say so
+        assert proc.returncode == 0
+        text = log.read_text()
+        assert "drained: no client holds a tensor" in text and "drain deadline passed" not in text, text
+        del y
+    finally:
+        if proc.poll() is None:
+            proc.kill()
