@@ -494,7 +494,8 @@ def _frame_encode(x_ptr, f_ptr, scratch_ptr, n, tiles, groups, codes_off, raw_of
     if MASKED:
         grp = tl.full([], first_group, tl.int32)
     else:
-        grp = tl.atomic_add(scratch_ptr + _SCRATCH_GROUP, 1, sem="relaxed").to(tl.int32)  # in the order programs started
+        # groups in the order programs started
+        grp = tl.atomic_add(scratch_ptr + _SCRATCH_GROUP, 1, sem="relaxed").to(tl.int32)
     flags = scratch_ptr + _SCRATCH_FLAGS
     j = tl.arange(0, SUPER)
     rows = tl.zeros((G,), tl.int32)  # bit 4 * k + i: tile k's word i of the row is an escape
