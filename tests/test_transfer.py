@@ -3,9 +3,11 @@ errors a worker's Future would carry (CPU; tests/test_gpu_daemon_copies.py runs 
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 
 import pytest
+import torch
 
 from client import transfer
 from client.backend import Settled, settle
@@ -80,3 +82,24 @@ def test_only_puts_the_store_does_not_seal_itself_are_sealed_by_the_client():
     finally:
         mover.close()
     assert backend.sent == [("SEAL", {"key": 2})]
+
+
+def test_the_mover_copies_on_one_cpu_thread_and_leaves_the_callers_threads_as_they_were():
+    """The worker's own OpenMP team beside the training thread's made a 2-core machine's CPU steps
+    2.5x slower; the worker runs single-threaded and the caller and later threads keep the default."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a count the worker must not take, even on a one-core machine
+    try:
+        mover = transfer.Mover(Backend())
+        try:
+            assert mover._worker.submit(torch.get_num_threads).result() == 1
+        finally:
+            mover.close()
+        assert torch.get_num_threads() == 2
+        later: list[int] = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert later == [2]
+    finally:
+        torch.set_num_threads(before)
