@@ -16,9 +16,10 @@ peak of at most cap = (no-offload peak - b); storm.plan is given that cap
 (peak=cap: it measures its own steps' peaks above their start, the same
 quantity, and corrects its plan until one fits). Per budget the
 summary compares the planner's measured step and peak with the fastest other
-method whose measured peak fits the same cap, and with the lower bound
-max(no-offload step, b / D2H, b / H2D), the pinned bandwidths measured in the
-same run. With --duel R, per budget the planner, that best other method and no
+method whose measured peak fits the same cap, and with the lower bound (Bound:
+from the no-offload step, the pinned bandwidths measured in the same run and
+what recomputing a block removes; budgets no method fits are marked
+unreachable). With --duel R, per budget the planner, that best other method and no
 offload are then built side by side and timed in alternation, R rounds of
 --steps steps each, and the planner is compared with both and with the bound
 from that no-offload time: the lent machines drift by 10 to 40% within a run,
@@ -111,9 +112,52 @@ def blocks_for(budget: int, m: Measurements) -> int:
     return min(m.layers, round(budget / m.bytes_per_block))
 
 
-def lower_bound_ms(budget: int, none_ms: float, link: dict[str, float]) -> float:
-    """max(no-offload step, budget / D2H, budget / H2D): b bytes cross the link each way."""
-    return max(none_ms, budget / (link["d2h_GBps"] * 1e9) * 1e3, budget / (link["h2d_GBps"] * 1e9) * 1e3)
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """The least step time any method here could reach at a budget b, from the no-offload
+    step, the measured pinned bandwidths and what recomputing a block removes and costs.
+
+    A peak cap of (no-offload peak - b) holds when forward ends, before backward frees
+    anything, so by then b bytes of saves are either off the device or never kept: o bytes
+    offloaded, whose copies to the host end before forward does (forward lasts at least
+    o / D2H) and whose copies back run in backward (at least o / H2D), and the rest
+    recomputed, r = (b - o) / bytes_per_block blocks, each a block's forward of GPU time
+    more in backward (no-offload forward / layers: that forward is GPU-bound on the H100,
+    its host done launching it in about half its time). So a step takes at least
+        max(F, o / D2H) + max(B + r * F / layers, o / H2D)
+    (F, B: the no-offload step's forward and the rest), no host time counted, for the best
+    split o. Bandwidth alone (max(no-offload step, b / D2H, b / H2D), ``link_only``) bounds
+    offloading only: recomputing beats it (checkpointing every block of W1, 35 ms, against
+    its 53 ms at 2.5 GiB), and it lets forward carry more bytes than its own duration can."""
+
+    forward_ms: float       # the no-offload forward
+    layers: int
+    bytes_per_block: float  # what recomputing a block removes
+    d2h_GBps: float
+    h2d_GBps: float
+
+    @classmethod
+    def of(cls, section: dict, link: dict[str, float]) -> "Bound":
+        none = next(r for r in section["rows"] if r["method"] == "none")
+        return cls(none["forward_ms"], section["layers"], section["bytes_per_block"], link["d2h_GBps"],
+                   link["h2d_GBps"])
+
+    def ms(self, budget: int, none_ms: float, splits: int = 1000) -> float:
+        fwd = min(self.forward_ms, none_ms)
+        rest, block_ms = none_ms - fwd, fwd / self.layers
+        d2h, h2d = self.d2h_GBps * 1e6, self.h2d_GBps * 1e6  # bytes per ms
+        recomputable = self.layers * self.bytes_per_block if self.bytes_per_block > 0 else 0.0
+        lowest = max(0.0, budget - recomputable)  # recomputing every block removes no more
+        best = float("inf")
+        for i in range(splits + 1):  # convex in o: a fine grid finds its least to well under 0.01 ms
+            o = lowest + (budget - lowest) * i / splits
+            blocks = (budget - o) / self.bytes_per_block if budget > o else 0.0
+            best = min(best, max(fwd, o / d2h) + max(rest + blocks * block_ms, o / h2d))
+        return best
+
+    def link_only(self, budget: int, none_ms: float) -> float:
+        """max(no-offload step, b / D2H, b / H2D): the earlier runs' bound, offload alone."""
+        return max(none_ms, budget / (self.d2h_GBps * 1e6), budget / (self.h2d_GBps * 1e6))
 
 
 def best_other(budget: int, m: Measurements) -> dict | None:
@@ -124,21 +168,34 @@ def best_other(budget: int, m: Measurements) -> dict | None:
 
 
 def summarize(section: dict, link: dict[str, float]) -> dict:
-    """Per budget: the bound, the planner's measured row and the best other method that fits."""
+    """Per budget: the bound, the planner's measured row and the best other method that fits
+    (a budget no measured method fits is unreachable, and left out of the verdict); and the
+    duel's planner against its bound, from the no-offload time measured beside it."""
     m = Measurements.of(section)
+    lower = Bound.of(section, link)
     none_ms = next(r["step_ms"] for r in m.rows if r["method"] == "none")
     bound, planner = [], []
     for b in section["budgets"]:
-        lb = round(lower_bound_ms(b, none_ms, link), 2)
-        bound.append({"budget_bytes": b, "lower_bound_ms": lb})
+        lb = round(lower.ms(b, none_ms), 2)
+        bound.append({"budget_bytes": b, "lower_bound_ms": lb, "link_only_ms": round(lower.link_only(b, none_ms), 2)})
         mine = next((r for r in m.rows if r["method"] == "plan" and r["budget_bytes"] == b and "step_ms" in r), None)
         other = best_other(b, m)
         cap = m.total_bytes - b
-        planner.append({"budget_bytes": b, "peak_cap_GiB": round(cap / GiB, 3), "lower_bound_ms": lb,
-                        "step_ms": mine and mine["step_ms"], "peak_GiB": mine and mine["peak_GiB"],
-                        "fits_cap": bool(mine) and mine["peak_GiB"] * GiB <= cap,
-                        "best_other": other and other["label"], "best_other_ms": other and other["step_ms"]})
-    return {"bound": bound, "planner": planner}
+        fits = bool(mine) and mine["peak_GiB"] * GiB <= cap
+        entry = {"budget_bytes": b, "peak_cap_GiB": round(cap / GiB, 3), "lower_bound_ms": lb,
+                 "step_ms": mine and mine["step_ms"], "peak_GiB": mine and mine["peak_GiB"], "fits_cap": fits,
+                 "best_other": other and other["label"], "best_other_ms": other and other["step_ms"],
+                 "reachable": fits or other is not None}
+        if fits:
+            entry.update(x_bound=round(mine["step_ms"] / lb, 3),
+                         x_other=other and round(mine["step_ms"] / other["step_ms"], 3))
+        planner.append(entry)
+    out = {"bound": bound, "planner": planner}
+    if section.get("duel"):
+        out["duel"] = [{**d, "lower_bound_ms": round(lower.ms(d["budget_bytes"], d["none_ms"]), 2),
+                        "x_bound": round(d["plan_ms"] / lower.ms(d["budget_bytes"], d["none_ms"]), 3)}
+                       if "none_ms" in d else d for d in section["duel"]]
+    return out
 
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict:
@@ -220,7 +277,7 @@ def duel(w: Workload, sec: dict, args: argparse.Namespace, device: torch.device,
                 mine.close()
                 theirs.close()
             plan_ms, other_ms, none_ms = (round(statistics.median(t) * 1e3, 2) for t in times)
-            bound = round(lower_bound_ms(p["budget_bytes"], none_ms, link), 2)
+            bound = round(Bound.of(sec, link).ms(p["budget_bytes"], none_ms), 2)
             out.append({"budget_bytes": p["budget_bytes"], "plan_ms": plan_ms, "other": row["label"],
                         "other_ms": other_ms, "ratio": round(plan_ms / other_ms, 3), "none_ms": none_ms,
                         "lower_bound_ms": bound, "x_bound": round(plan_ms / bound, 3), "plan": chosen})
@@ -241,14 +298,16 @@ def table(name: str, section: dict) -> str:
             lines.append(f"{r['label']:<24} {r['step_ms']:>9.2f} {r['peak_GiB']:>9.3f} {r['step_ms'] / none_ms:>7.2f}")
         else:
             lines.append(f"{r['label']:<24} {r.get('error', 'failed'):>9}")
-    lines += ["", f"{'budget GiB':>10} {'peak cap GiB':>12} {'bound ms':>9} {'plan ms':>8} {'plan GiB':>8} "
-              f"{'fits':>4} {'x bound':>7}  {'best other that fits':<24} {'ms':>8}"]
-    for p in section["planner"]:
-        line = f"{p['budget_bytes'] / GiB:>10.3f} {p['peak_cap_GiB']:>12.3f} {p['lower_bound_ms']:>9.2f} "
+    lines += ["", f"{'budget GiB':>10} {'peak cap GiB':>12} {'bound ms':>9} {'link-only':>9} {'plan ms':>8} "
+              f"{'plan GiB':>8} {'fits':>4} {'x bound':>7}  {'best other that fits':<24} {'ms':>8}"]
+    for p, b in zip(section["planner"], section["bound"]):
+        line = (f"{p['budget_bytes'] / GiB:>10.3f} {p['peak_cap_GiB']:>12.3f} {p['lower_bound_ms']:>9.2f} "
+                f"{b.get('link_only_ms', float('nan')):>9.2f} ")
         line += (f"{p['step_ms']:>8.2f} {p['peak_GiB']:>8.3f} {'yes' if p['fits_cap'] else 'no':>4} "
                  f"{p['step_ms'] / p['lower_bound_ms']:>7.2f}  " if p["step_ms"] is not None
                  else f"{'failed':>8} {'':>8} {'':>4} {'':>7}  ")
-        line += f"{p['best_other']:<24} {p['best_other_ms']:>8.2f}" if p["best_other"] else "none fits"
+        line += (f"{p['best_other']:<24} {p['best_other_ms']:>8.2f}" if p["best_other"]
+                 else "none fits" + ("" if p.get("reachable", True) else ": unreachable"))
         lines.append(line)
     if section.get("duel"):
         timed_none = all("none_ms" in d for d in section["duel"])  # not in results from before it was

@@ -15,7 +15,7 @@ import storm
 import storm.session as session_mod
 from storm.examples.models import GPT, same_bits
 from storm.kernels.frame import frame_nbytes
-from storm.planner import BlockTrace, Trace, _Offloading, choose, frames_of, predicted_peak
+from storm.planner import BlockTrace, Recompute, Trace, _Offloading, choose, frames_of, predicted_peak
 
 MiB = 1 << 20
 
@@ -135,7 +135,14 @@ def test_host_time_per_tensor_counts_when_the_compute_stream_does_not_hide_it():
     t = trace(fwd_ms=20.0, gbps=50.0, host_ms=50.0, tensors=5)  # 250 ms per offloaded block: recompute wins
     p = choose(t, t.total_bytes - 250 * MiB)
     assert p.offloaded == 0 and p.recomputed
-    t.forward_device_ms = t.forward_host_ms + 10_000  # the GPU is far behind the host: host time is free
+    # the GPU ends forward far behind the host, but the host is not ahead while it launches the
+    # first blocks (as at a step's start): their packs (half of each tensor's time) still cost
+    t.forward_device_ms = t.forward_host_ms + 10_000
+    t.lead_ms = [0.0] * (len(t.blocks) + 1)
+    p = choose(t, t.total_bytes - 250 * MiB)
+    assert p.offloaded == 0 and p.recomputed
+    assert _Offloading.of(t, 3, None)[0].host_ms == pytest.approx(3 * 5 * 50.0 / 2)  # the packs; unpacks hidden
+    t.lead_ms = [0.0] + [10_000.0] * len(t.blocks)  # far ahead from block 1 on: host time is free
     p = choose(t, t.total_bytes - 250 * MiB)
     assert p.offloaded == 3 and not p.recomputed
 
@@ -177,6 +184,7 @@ def test_a_link_bound_step_offloads_compressed():
     # 100 MiB per 1 ms block over 50 GB/s, host time hidden by the GPU: the link decides
     t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
     t.forward_device_ms = t.forward_host_ms + 50
+    t.lead_ms = [0.0] + [50.0] * len(t.blocks)
     budget = 300 * MiB
     p, raw = choose(t, budget), choose(t, budget, codec="raw")
     assert p.compressed and p.fits and p.offloaded > 0
@@ -195,6 +203,7 @@ def test_the_codecs_device_time_can_make_raw_the_cheaper():
     # decode): they share the GPU with the step's, so they count in full
     t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
     t.forward_device_ms = t.forward_host_ms + 50
+    t.lead_ms = [0.0] + [50.0] * len(t.blocks)
     budget = 300 * MiB
     assert choose(t, budget).compressed
     t.frame_device_ms_per_GiB = 30.0
@@ -262,6 +271,8 @@ def test_planned_steps_train_bit_exact_and_follow_the_plan(budget):
     plan, t = planner.plan, planner.trace
     assert plan is not None and len(t.blocks) == 6
     assert all(b.saved_bytes > 0 and b.tensors > 0 and b.input_bytes > 0 and b.forward_ms > 0 for b in t.blocks)
+    # on CPU host and "stream" are one clock: the host is never ahead
+    assert len(t.lead_ms) == len(t.blocks) + 1 and all(abs(lead) < 5.0 for lead in t.lead_ms)
     # set to None before each step: each block's backward allocates its parameters' gradients
     assert [b.grad_bytes for b in t.blocks] == [sum(q.numel() * q.element_size() for q in m.parameters())
                                                 for m in model.blocks]
@@ -354,6 +365,72 @@ def test_plan_options_in_sizes_reach_the_plan_as_bytes(monkeypatch):
         grads_of(model, idx, planner.step())
     assert asked and set(asked) == {(1 << 20, 2 << 20)}
     assert planner.plan is not None and planner.plan.max_held_bytes == (1 << 20 if planner.plan.offloaded else 0)
+    planner.close()
+
+
+class Scaled(torch.nn.Module):
+    """A block that takes a keyword argument and draws dropout masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return torch.nn.functional.dropout(torch.nn.functional.gelu(self.lin(x)), 0.2) * scale
+
+
+def recompute_grads(reentrant: bool | None, kwargs: bool) -> list[torch.Tensor]:
+    """A block whose input does not require grad (as a model's first block's), recomputed or not."""
+    torch.manual_seed(0)
+    blocks = [Scaled(), Scaled()]
+    if reentrant is not None:
+        for b in blocks:
+            b.forward = Recompute(type(b).forward.__get__(b), torch.device("cpu"), reentrant)
+    x = torch.randn(4, 32)
+    torch.manual_seed(3)
+    h = x
+    for b in blocks:
+        h = b(h, scale=0.5) if kwargs else b(h)
+    h.pow(2).sum().backward()
+    return [p.grad for b in blocks for p in b.parameters()]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("kwargs", [False, True])
+def test_recomputed_blocks_give_every_parameter_its_gradient_bit_for_bit(reentrant, kwargs):
+    """The first block's input does not require grad: without the grad-requiring tensor that goes
+    in beside it, a reentrant recompute would leave its parameters without gradients."""
+    ref = recompute_grads(None, kwargs)
+    got = recompute_grads(reentrant, kwargs)
+    assert all(g is not None for g in got)
+    assert all(same_bits(a, b) for a, b in zip(ref, got))
+
+
+def test_a_recomputed_block_under_no_grad_just_runs():
+    torch.manual_seed(0)
+    b = torch.nn.Linear(8, 8)
+    r = Recompute(b.forward, torch.device("cpu"))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        out = r(x)
+    assert out.grad_fn is None and same_bits(out, b(x).detach())
+
+
+def test_reentrant_false_recomputes_for_torch_autograd_grad():
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    planner = storm.plan(model.blocks, budget=0.05, mode="embedded", min_bytes=0, reentrant=False)
+    for _ in range(4):
+        ctx = planner.step()
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        with ctx:
+            loss = model.loss(idx[:, :-1], idx[:, 1:])
+        ctx.synchronize()
+        got = torch.autograd.grad(loss, list(model.parameters()))
+        assert all(same_bits(a, b) for a, b in zip(ref, got))
+    assert planner.plan.recomputed
+    assert all(not model.blocks[i].forward.reentrant for i in planner.plan.recomputed)
     planner.close()
 
 

@@ -1,0 +1,83 @@
+"""What recomputing W1's blocks costs the host: storm.plan's reentrant recompute against the non-reentrant one.
+
+    python bench/recompute.py --out bench/results/recompute-w1.json   # CUDA
+
+Per variant, a fresh model whose first k blocks are storm.planner.Recompute (the wrapper
+storm.plan sets as a recomputed block's forward), reentrant or not, and no offload (k = 0):
+median over --steps steps, after 3, of the host's time to return from forward and from
+backward and of the whole step (synchronized); --rounds rounds of every variant in turn, as
+the lent hosts drift. When forward's or backward's host time reaches its GPU time the step
+is host-bound and every microsecond of a recompute's Python is step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from storm.planner import Recompute  # noqa: E402
+from offload import write  # noqa: E402
+from workloads import W1  # noqa: E402
+
+
+def variant(k: int, reentrant: bool, steps: int, device: torch.device) -> dict:
+    model, x = W1.build(device)
+    for b in list(model.blocks)[:k]:
+        b.forward = Recompute(type(b).forward.__get__(b), device, reentrant)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    fwd, bwd, step = [], [], []
+    for i in range(steps + 3):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        y = model(x)
+        t1 = time.perf_counter()
+        y.float().pow(2).mean().backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        if i >= 3:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+            step.append(time.perf_counter() - t0)
+    del model, x, opt, y
+    torch.cuda.empty_cache()
+    return {name: round(statistics.median(v) * 1e3, 2) for name, v in
+            (("forward_host_ms", fwd), ("backward_host_ms", bwd), ("step_ms", step))}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--blocks", type=int, nargs="+", default=[3, 12], help="recompute the first k blocks")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/recompute.py measures on CUDA and torch sees no CUDA device here", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    variants = [("none", 0, True)] + [(f"{'reentrant' if r else 'non-reentrant'}-{k}", k, r)
+                                      for k in args.blocks for r in (True, False)]
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in variants}
+    for _ in range(args.rounds):
+        for label, k, reentrant in variants:
+            runs[label].append(variant(k, reentrant, args.steps, device))
+            print(label, runs[label][-1], flush=True)
+    summary = {label: {key: round(statistics.median(r[key] for r in rs), 2) for key in rs[0]}
+               for label, rs in runs.items()}
+    write(args, {"workload": "W1", "steps": args.steps, "rounds": args.rounds, "runs": runs, "median": summary})
+    for label, s in summary.items():
+        print(f"{label:<18} forward host {s['forward_host_ms']:>7.2f}  backward host {s['backward_host_ms']:>7.2f}  "
+              f"step {s['step_ms']:>7.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

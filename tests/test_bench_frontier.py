@@ -1,0 +1,74 @@
+"""bench/frontier.py's lower bound and summary, on numbers given here (the measured runs are CUDA's)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from frontier import Bound, summarize  # noqa: E402
+
+GiB = 1 << 30
+GB = 1e9
+
+# W1-like: 8 ms forward of a 26 ms step over 12 blocks, 0.25 GB removed per recomputed block, 50 GB/s
+W1 = Bound(forward_ms=8.0, layers=12, bytes_per_block=0.25 * GB, d2h_GBps=50.0, h2d_GBps=50.0)
+
+
+def test_what_forward_can_carry_costs_nothing():
+    assert W1.ms(0, 26.0) == pytest.approx(26.0)
+    assert W1.ms(int(0.4 * GB), 26.0) == pytest.approx(26.0)  # 8 ms of forward carries 0.4 GB
+
+
+def test_beyond_it_the_cheaper_of_stalling_forward_and_recomputing_counts():
+    # 1 GB: 0.4 GB offloaded in forward's 8 ms, 0.6 GB recomputed (2.4 blocks of 8/12 ms) ...
+    assert W1.ms(int(1.0 * GB), 26.0) == pytest.approx(26.0 + 2.4 * 8.0 / 12, abs=0.01)
+    # ... unless recomputing is dearer than the link: blocks of 20 ms, forward stalls instead
+    slow = Bound(forward_ms=240.0, layers=12, bytes_per_block=0.25 * GB, d2h_GBps=50.0, h2d_GBps=1e6)
+    assert slow.ms(int(13.0 * GB), 300.0) == pytest.approx(300.0 + 13.0 * GB / 50e6 - 240.0, abs=0.01)
+
+
+def test_more_than_recomputing_every_block_removes_must_be_offloaded():
+    # 3.5 GB with 3 GB recomputable: at least 0.5 GB crosses, 2 ms more than forward's 8 carry
+    assert W1.ms(int(3.5 * GB), 26.0) == pytest.approx(26.0 + 2.0 + 12 * 8.0 / 12, abs=0.01)
+    no_recompute = Bound(forward_ms=8.0, layers=12, bytes_per_block=0.0, d2h_GBps=50.0, h2d_GBps=50.0)
+    assert no_recompute.ms(int(1.0 * GB), 26.0) == pytest.approx(20.0 + max(18.0, 20.0), abs=0.01)
+
+
+def test_the_link_only_bound_is_not_a_bound_where_recomputing_is_cheaper():
+    b = int(2.5 * GB)
+    assert W1.link_only(b, 26.0) == pytest.approx(50.0)
+    assert W1.ms(b, 26.0) < 36.0 < W1.link_only(b, 26.0)  # checkpointing every block: 26 + 8 ms
+
+
+LOOSE = int(0.3 * GiB)  # less than forward's 8 ms carry: the bound is the no-offload step
+
+
+def section() -> dict:
+    rows = [
+        {"label": "none", "method": "none", "step_ms": 26.0, "forward_ms": 8.0, "peak_GiB": 3.0},
+        {"label": "checkpoint", "method": "checkpoint", "step_ms": 36.0, "peak_GiB": 1.0},
+        {"label": "plan 2.70GiB", "method": "plan", "budget_bytes": LOOSE, "step_ms": 27.0, "peak_GiB": 2.4},
+        {"label": "plan 0.50GiB", "method": "plan", "budget_bytes": 5 * GiB // 2, "step_ms": 40.0, "peak_GiB": 1.0},
+    ]
+    return {"layers": 12, "rows": rows, "total_bytes": 3 * GiB, "bytes_per_block": 2 * GiB / 12,
+            "budgets": [LOOSE, 5 * GiB // 2],
+            "duel": [{"budget_bytes": LOOSE, "plan_ms": 28.0, "other": "checkpoint", "other_ms": 36.0,
+                      "ratio": 0.778, "none_ms": 27.0, "lower_bound_ms": 1.0, "x_bound": 28.0}]}
+
+
+def test_the_summary_compares_fitting_plans_and_marks_what_nothing_reaches():
+    out = summarize(section(), {"d2h_GBps": 50.0, "h2d_GBps": 50.0})
+    loose, tight = out["planner"]
+    assert loose["fits_cap"] and loose["reachable"] and loose["best_other"] == "checkpoint"
+    assert loose["x_bound"] == pytest.approx(27.0 / 26.0, abs=1e-3)
+    assert loose["x_other"] == pytest.approx(27.0 / 36.0, abs=1e-3)
+    # a cap of 0.5 GiB: the plan's 1 GiB and checkpointing's do not fit, nor does anything else
+    assert not tight["fits_cap"] and tight["best_other"] is None and not tight["reachable"]
+    assert "x_bound" not in tight
+    # the duel's bound is recomputed from the no-offload time measured beside it
+    duel = out["duel"][0]
+    assert duel["lower_bound_ms"] == pytest.approx(27.0, abs=0.01) and duel["x_bound"] == pytest.approx(28 / 27, abs=1e-3)
+    assert out["bound"][0]["link_only_ms"] == pytest.approx(26.0)
