@@ -20,8 +20,9 @@ recomputing keeps); where the store refused some (a full pool), what it took, wh
 plans then do not offload beyond. The second recomputes every block and offloads
 nothing, and records each block's forward time (what recomputing it costs), with events
 on the compute stream on CUDA, so a launch-bound model's host time counts as it does in
-training, and as each block starts how far the host is ahead of the stream. Both are the
-least-memory steps of their kind. Pinned copy bandwidth each way is measured once per
+training, and as each block starts how far the host is ahead of the stream. With peak= (CUDA), a third
+recomputes every block in the non-reentrant form (Recompute), to measure what it holds
+besides. Each is the least-memory step of its kind. Pinned copy bandwidth each way is measured once per
 trace, and, when some tensor would be framed, the training thread's time to encode and
 decode one frame (the median of a few on a FRAME_MIN_BYTES bf16 tensor) and the device's
 time to encode and decode a GiB (on a FRAME_DEVICE_BYTES one).
@@ -50,7 +51,8 @@ device, the prefetch window, and for compressed plans the largest offloaded bloc
 holds while it encodes or decodes) and each block's backward (what
 the blocks before it keep and its own saves, kept, rebuilt or fetched; with ``peak``, also
 the parameter gradients backward has allocated by then, traced as those that were None
-before the step). The fitting plan of least predicted cost wins; when none fits, the one
+before the step). The fitting plan of least predicted cost wins, recomputing in the reentrant form;
+where none fits, the non-reentrant form's if its lower besides lets one fit; else the one
 of least peak, with a warning. When block 0 is called with other input shapes than those
 traced, the next step traces again.
 
@@ -337,7 +339,8 @@ class Planner:
         self._options = {k: checked[k] for k in offload_options}  # the given ones, sizes read ("512MiB")
         self.trace: Trace | None = None
         self.plan: Plan | None = None
-        self.besides: int | None = None        # what a step holds besides its saves, measured (CUDA)
+        self._besides: dict[bool, int] = {}    # what a step holds besides its saves, per recompute form (CUDA)
+        self.reentrant_in_force = reentrant    # the recompute form of the plan in force
         self.measured_peak: int | None = None  # the last measured planned step's peak above its start
         self._margins = {False: 0, True: 0}    # measured peak beyond predicted, for plans that (do not) offload
         self._checks = 0                       # planned steps measured since the last trace
@@ -350,7 +353,14 @@ class Planner:
         self._stale = False
         self._ctx: Offload | None = None  # the planned step running now
         self._measured: int | None = None  # the measured step's peak, read as its backward ended
+        self._measure_hook: Any = None     # on the last block, until the measured step's forward ends
         self.replans = 0
+
+    @property
+    def besides(self) -> int | None:
+        """What a step holds besides its saves (activations' gradients, temporaries), measured on
+        CUDA in the compute trace of the recompute form in force; None before it or off CUDA."""
+        return self._besides.get(self.reentrant_in_force)
 
     @property
     def settled(self) -> bool:
@@ -367,11 +377,14 @@ class Planner:
         if self._stale:
             self._stale, self._phase, self.plan = False, "trace-offload", None
             self._margins, self._checks, self._checking = {False: 0, True: 0}, 0, False
+            self._besides, self.reentrant_in_force = {}, self.reentrant
             self.replans += 1
         if self._phase == "trace-offload":
             return self._trace_offload()
         if self._phase == "trace-compute":
-            return self._trace_compute()
+            return self._trace_compute(self.reentrant)
+        if self._phase == "trace-compute-non-reentrant":
+            return self._trace_compute(False)
         p = self.plan
         # where frames were weighed, the plan says which (a daemon's codec setting could frame a raw
         # plan's tensors); a codec of the user's comes first, as choose() knew
@@ -402,7 +415,7 @@ class Planner:
             if t is not None and t.requires_grad:  # its gradient is ready as backward starts
                 t.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(read))
 
-        handle = self.blocks[-1].register_forward_hook(at_output)
+        handle = self._measure_hook = self.blocks[-1].register_forward_hook(at_output)
 
     def _finish_last_step(self) -> None:
         if self._pending is not None:
@@ -473,11 +486,17 @@ class Planner:
         self._pending = collect
         return ctx
 
-    def _trace_compute(self) -> Offload:
-        """Every block recomputed, nothing offloaded: forward time per block."""
+    def _trace_compute(self, reentrant: bool) -> Offload:
+        """Every block recomputed (in the ``reentrant`` form or not), nothing offloaded: forward
+        time per block in the planner's form, and what a step holds besides its saves in this
+        one. With peak=, where the reentrant form is the planner's, a second traced step measures
+        the besides of the non-reentrant form too: it holds less while a block's backward runs
+        (the reentrant one keeps the rebuilt block's output and its input's gradient through a
+        nested backward), which the tightest peaks can need."""
         # checkpoint's first call in a process imports torch._dynamo (about 1.4 s on a CPU here):
         # import it now, or block 0 looks that much dearer to recompute
         import torch._dynamo  # noqa: F401
+        self.reentrant_in_force = reentrant
         self._recompute(set(range(len(self.blocks))))
         device = _device_of(self.blocks)
         clock = _Clock(device)
@@ -504,17 +523,22 @@ class Planner:
                 log.warning("storm.plan: the traced step did not run every block once; tracing again")
                 return
             trace = self.trace
-            for b, s, e in zip(trace.blocks, starts, ends):
-                b.forward_ms = clock.elapsed_ms(s, e)
-            trace.forward_host_ms = (host[n] - host[0]) * 1e3
-            trace.forward_device_ms = clock.elapsed_ms(starts[0], ends[-1])
-            # the stream's time from block 0 to block i less the host's: how far ahead the host is
-            # (at least: the stream may start block 0 after the host reached it)
-            trace.lead_ms = [clock.elapsed_ms(starts[0], starts[i]) - (host[i] - host[0]) * 1e3 for i in range(n)]
-            trace.lead_ms.append(trace.forward_device_ms - trace.forward_host_ms)
+            if reentrant == self.reentrant:  # the times of the form plans take
+                for b, s, e in zip(trace.blocks, starts, ends):
+                    b.forward_ms = clock.elapsed_ms(s, e)
+                trace.forward_host_ms = (host[n] - host[0]) * 1e3
+                trace.forward_device_ms = clock.elapsed_ms(starts[0], ends[-1])
+                # the stream's time from block 0 to block i less the host's: how far ahead the host
+                # is (at least: the stream may start block 0 after the host reached it)
+                trace.lead_ms = [clock.elapsed_ms(starts[0], starts[i]) - (host[i] - host[0]) * 1e3
+                                 for i in range(n)]
+                trace.lead_ms.append(trace.forward_device_ms - trace.forward_host_ms)
             if self._measured is not None:  # what the model leaves out: activations' gradients, temporaries
-                self.besides = max(0, self._measured - predicted_peak(trace, 0, set(range(n)), 0))
-            self._make_plan()
+                self._besides[reentrant] = max(0, self._measured - predicted_peak(trace, 0, set(range(n)), 0))
+            if reentrant and self._peak is not None and self._measured is not None:
+                self._phase = "trace-compute-non-reentrant"
+            else:
+                self._make_plan()
 
         self._pending = collect
         return Offload(**self._options, budget=0)
@@ -542,11 +566,24 @@ class Planner:
             return self._peak
         return self.besides + self._step_peak(self.plan) + max(0, self._saved_budget() - self.plan.predicted_peak)
 
+    def _choose(self) -> Plan:
+        return choose(self.trace, self._saved_budget() - self._margins[False], self._options.get("max_held_bytes"),
+                      self._options.get("prefetch_bytes"), self._margins[True] - self._margins[False],
+                      grads=self._peak is not None, codec=self._options.get("codec"))
+
     def _make_plan(self) -> None:
+        """The plan of least predicted cost in the planner's recompute form; where none fits,
+        in the non-reentrant form if its lower besides (when measured) lets one fit."""
+        self.reentrant_in_force = self.reentrant
+        self.plan = self._choose()
+        if not self.plan.fits and self.reentrant and False in self._besides:
+            self.reentrant_in_force = False
+            plan = self._choose()
+            if plan.fits:
+                self.plan = plan
+            else:
+                self.reentrant_in_force = True
         budget = self._saved_budget() - self._margins[False]
-        self.plan = choose(self.trace, budget, self._options.get("max_held_bytes"),
-                           self._options.get("prefetch_bytes"), self._margins[True] - self._margins[False],
-                           grads=self._peak is not None, codec=self._options.get("codec"))
         if not self.plan.fits:
             log.warning("storm.plan: no plan keeps the %s under %.1f MiB; the lowest predicted is %.1f MiB",
                         "saved activations" if self._peak is None else "saves and gradients, from peak=,",
@@ -645,21 +682,25 @@ class Planner:
         self._hooks = []
 
     def _recompute(self, which: set[int]) -> None:
-        """Make exactly the blocks in ``which`` recompute in backward (Recompute, set as their forward)."""
+        """Make exactly the blocks in ``which`` recompute in backward (Recompute, set as their
+        forward), in the form in force."""
         for i in which - self._recomputing:
             if "forward" in vars(self.blocks[i]):
                 raise RuntimeError(f"storm.plan: block {i} ({type(self.blocks[i]).__name__}) already has its own "
                                    "forward attribute; storm.plan recomputes a block by setting it")
         for i in self._recomputing - which:
             del self.blocks[i].forward  # back to the class's forward
-        for i in which - self._recomputing:
+        for i in which:
             b = self.blocks[i]
-            b.forward = Recompute(type(b).forward.__get__(b), _device_of([b]), self.reentrant)
+            if i not in self._recomputing or b.forward.reentrant != self.reentrant_in_force:
+                b.forward = Recompute(type(b).forward.__get__(b), _device_of([b]), self.reentrant_in_force)
         self._recomputing = set(which)
 
     def close(self) -> None:
         """Restore the blocks' own forwards and remove STORM's hooks from them."""
         self._unhook()
+        if self._measure_hook is not None:  # a step begun but never run leaves it waiting
+            self._measure_hook.remove()
         self._recompute(set())
         self._pending = None
 
@@ -685,6 +726,8 @@ class Planner:
                      f"({'offload' if p.offloaded == len(t.blocks) else 'keep'})")
         lines.append(f"copy queue {p.max_held_bytes / MiB:.1f} MiB, prefetch window {p.prefetch_bytes / MiB:.1f} MiB"
                      + (" (given)" if {"max_held_bytes", "prefetch_bytes"} & self._options.keys() else ""))
+        if p.recomputed:
+            lines.append(self._explain_recompute())
         if t.store_bytes is not None:
             lines.append(f"the store took {t.store_bytes / MiB:.1f} of the {t.total_bytes / MiB:.1f} MiB traced: "
                          "plans offload at most that")
@@ -699,6 +742,15 @@ class Planner:
                          f"MiB, plus {self._margins[True] / MiB:.1f} MiB for plans that offload, after "
                          f"{self._checks} measured steps")
         return "\n".join(lines)
+
+    def _explain_recompute(self) -> str:
+        if self.reentrant_in_force:
+            return "recomputed with the reentrant checkpoint"
+        if self.reentrant:
+            return (f"recomputed with the non-reentrant checkpoint: no plan fits with the reentrant one, which "
+                    f"holds {self._besides[True] / MiB:.1f} MiB besides the saves against "
+                    f"{self._besides[False] / MiB:.1f}")
+        return "recomputed with the non-reentrant checkpoint (reentrant=False)"
 
     def _explain_codec(self) -> str:
         """Whether offloaded tensors go raw or compressed, and the predicted times that chose it."""

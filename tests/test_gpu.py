@@ -137,7 +137,7 @@ def test_budget_keeps_the_latest_saves_on_the_device():
 
 @pytest.mark.parametrize("want", [{"budget": 0.5}, {"budget": 0.25}, {"peak": 0.5}])
 def test_planner_on_cuda_bit_exact_and_within_its_measured_target(want):
-    """storm.plan on CUDA: every step (the two traces and the planned ones) gives the gradients of
+    """storm.plan on CUDA: every step (the traces and the planned ones) gives the gradients of
     no offload, bit for bit, and once the plan has settled (its measured steps corrected), a
     step's peak stays within the planner's target (``peak``, or with ``budget`` the plan's own
     prediction, besides and unused budget included). budget 0.25 is below what recomputing
@@ -157,7 +157,7 @@ def test_planner_on_cuda_bit_exact_and_within_its_measured_target(want):
         want = {"peak": int(want["peak"] * no_offload_peak)}
     planner = storm.plan(model.blocks, **want, mode="embedded", min_bytes=1 << 16, pool_size="1GiB")
     peaks = []
-    for step in range(8):
+    for step in range(9):
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -173,7 +173,7 @@ def test_planner_on_cuda_bit_exact_and_within_its_measured_target(want):
             peaks.append(torch.cuda.max_memory_allocated() - base)
     p = planner.plan
     assert p.fits and (p.offloaded or p.recomputed) and planner.besides is not None
-    assert len(peaks) >= 2, planner.explain()  # settled within 6 steps
+    assert len(peaks) >= 2, planner.explain()  # settled within 7 steps (peak= traces 3)
     target = planner.target
     assert max(peaks) <= 1.02 * target, (peaks, target, planner.explain())
     assert max(peaks) < no_offload_peak
