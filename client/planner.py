@@ -573,13 +573,15 @@ class Planner:
 
     def _make_plan(self) -> None:
         """The plan of least predicted cost in the planner's recompute form; where none fits,
-        in the non-reentrant form if its lower besides (when measured) lets one fit."""
+        in the non-reentrant form if its lower besides (when measured) lets one fit; where
+        neither does, the form whose least-peak plan holds less."""
         self.reentrant_in_force = self.reentrant
         self.plan = self._choose()
         if not self.plan.fits and self.reentrant and False in self._besides:
+            over = self._step_peak(self.plan) + self.besides
             self.reentrant_in_force = False
             plan = self._choose()
-            if plan.fits:
+            if plan.fits or self._step_peak(plan) + self.besides < over:  # fits, or the least peak of the two
                 self.plan = plan
             else:
                 self.reentrant_in_force = True
