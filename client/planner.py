@@ -779,10 +779,10 @@ class Recompute:
 
     Reentrant (torch.utils.checkpoint, use_reentrant=True): forward runs without autograd and
     backward recomputes the block and runs a nested backward through it. That costs the host
-    about half what the non-reentrant checkpoint does, whose Python hooks pack and unpack every
-    tensor the block saves: W1 on a lent H100, all 12 blocks recomputed, 35.4 against 50.3 ms
-    a step (no offload 26.7; first 3 blocks 28.9 against 29.5), and a host-bound step pays all
-    of it. A tensor that requires grad (``_grad``, empty) goes in beside the inputs, so that
+    less than the non-reentrant checkpoint does, whose Python hooks pack and unpack every
+    tensor the block saves: W1 on lent H100s, all 12 blocks recomputed, 36.8 against 40.3 ms a
+    step (no offload 26.8) and on a slower host 40.5 against 56.4 (no offload 29.0;
+    bench/recompute.py), and a host-bound step pays all of it. A tensor that requires grad (``_grad``, empty) goes in beside the inputs, so that
     the block's parameters get their gradients where its input does not require grad (the
     first block's). Keyword arguments, which the reentrant form does not take, and
     ``reentrant=False`` use the non-reentrant form, which also works with torch.autograd.grad

@@ -377,7 +377,8 @@ def _one_cpu_thread() -> None:
     beside the training thread's makes libgomp count more threads than cores and cut its
     workers' spin-waits short, so every parallel op of the training thread pays futex wake-ups:
     on the 2-core dev machine a small CPU model's forward took 6.1 ms before any offload and
-    18.6 ms after (34 against 11 ms backward) while the worker's team existed.
+    12.6 ms after (24.1 against 11.9 ms backward; bench/cpu_threads.py) while the worker's
+    team existed.
     get_num_threads first: ATen applies the process default to a thread at its first parallel
     op, which would undo a setting made before it."""
     torch.get_num_threads()
