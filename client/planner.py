@@ -493,12 +493,15 @@ class Planner:
         the besides of the non-reentrant form too: it holds less while a block's backward runs
         (the reentrant one keeps the rebuilt block's output and its input's gradient through a
         nested backward), which the tightest peaks can need."""
-        # checkpoint's first call in a process imports torch._dynamo (about 1.4 s on a CPU here):
-        # import it now, or block 0 looks that much dearer to recompute
-        import torch._dynamo  # noqa: F401
+        device = _device_of(self.blocks)
+        # checkpoint's first call in a process imports torch._dynamo (about 1.4 s on a CPU here), and
+        # each form's first call pays more (block 0's traced forward took 40 ms to 1.05 s in the
+        # first plan of bench/frontier.py's W1 runs on lent H100s, the reentrant form's first use
+        # there): pay it now, or block 0 looks that much dearer to recompute
+        warm = torch.zeros(1, device=device, requires_grad=True)
+        Recompute(lambda t: t * 2, device, reentrant)(warm).sum().backward()
         self.reentrant_in_force = reentrant
         self._recompute(set(range(len(self.blocks))))
-        device = _device_of(self.blocks)
         clock = _Clock(device)
         n = len(self.blocks)
         starts: list[Any] = [None] * n
