@@ -495,8 +495,7 @@ class Planner:
         nested backward), which the tightest peaks can need."""
         device = _device_of(self.blocks)
         # checkpoint's first call in a process imports torch._dynamo (about 1.4 s on a CPU here) and
-        # sets up its machinery (a first reentrant call, 7 ms forward and 17 ms backward on a CPU
-        # here, against 0.5): pay it now, or block 0 looks that much dearer to recompute
+        # sets up its machinery: pay it now, or block 0 looks that much dearer to recompute
         warm = torch.zeros(1, device=device, requires_grad=True)
         Recompute(lambda t: t * 2, device, reentrant)(warm).sum().backward()
         self.reentrant_in_force = reentrant
@@ -517,17 +516,6 @@ class Planner:
                 host[n] = time.perf_counter()
 
         self._hook_blocks(pre, post)
-
-        def warm(m: nn.Module, args: Any, kwargs: Any) -> None:
-            # a first forward without autograd can launch kernels grad mode did not, loaded at
-            # first use: in the first plan of each W1 frontier run on lent H100s block 0's traced
-            # forward took 40 ms to 1.05 s (428 ms after the warm-up above), the others about 1.
-            # Run it once untimed, its random draws undone
-            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                type(m).forward(m, *args, **kwargs)
-
-        if reentrant:  # its forward runs without autograd
-            self._hooks.append(self.blocks[0].register_forward_pre_hook(warm, prepend=True, with_kwargs=True))
         self._measure_this_step()
 
         def collect() -> None:
