@@ -121,14 +121,16 @@ class Bound:
     anything, so by then b bytes of saves are either off the device or never kept: o bytes
     offloaded, whose copies to the host end before forward does (forward lasts at least
     o / D2H) and whose copies back run in backward (at least o / H2D), and the rest
-    recomputed, r = (b - o) / bytes_per_block blocks, each a block's forward of GPU time
-    more in backward (no-offload forward / layers: that forward is GPU-bound on the H100,
-    its host done launching it in about half its time). So a step takes at least
+    recomputed, r = (b - o) / bytes_per_block blocks, each a block's forward more in
+    backward (the no-offload forward over the layers, as the step runs it). So a step takes
+    at least
         max(F, o / D2H) + max(B + r * F / layers, o / H2D)
-    (F, B: the no-offload step's forward and the rest), no host time counted, for the best
-    split o. Bandwidth alone (max(no-offload step, b / D2H, b / H2D), ``link_only``) bounds
-    offloading only: recomputing beats it (checkpointing every block of W1, 35 ms, against
-    its 53 ms at 2.5 GiB), and it lets forward carry more bytes than its own duration can."""
+    (F, B: the no-offload step's forward and the rest), for the best split o; what hooks
+    and recomputing cost the host beyond that is not counted. Bandwidth alone
+    (max(no-offload step, b / D2H, b / H2D), ``link_only``) bounds offloading only:
+    recomputing beats it (W1, checkpointing the first 12 blocks: 35.8 ms against its
+    49.2 at b = 2.53 GiB, frontier-w1-h100-2026-11-26-3b96131.json), and it lets forward
+    carry more bytes than its own duration can."""
 
     forward_ms: float       # the no-offload forward
     layers: int
@@ -192,10 +194,14 @@ def summarize(section: dict, link: dict[str, float]) -> dict:
         planner.append(entry)
     out = {"bound": bound, "planner": planner}
     if section.get("duel"):
-        out["duel"] = [{**d, "lower_bound_ms": round(lower.ms(d["budget_bytes"], d["none_ms"]), 2),
-                        "x_bound": round(d["plan_ms"] / lower.ms(d["budget_bytes"], d["none_ms"]), 3)}
-                       if "none_ms" in d else d for d in section["duel"]]
+        out["duel"] = [rebound(d, lower) if "none_ms" in d else d for d in section["duel"]]
     return out
+
+
+def rebound(duel: dict, lower: Bound) -> dict:
+    """A duel's entry with its bound from the no-offload time measured beside the planner."""
+    lb = lower.ms(duel["budget_bytes"], duel["none_ms"])
+    return {**duel, "lower_bound_ms": round(lb, 2), "x_bound": round(duel["plan_ms"] / lb, 3)}
 
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict:

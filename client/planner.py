@@ -20,10 +20,10 @@ recomputing keeps); where the store refused some (a full pool), what it took, wh
 plans then do not offload beyond. The second recomputes every block and offloads
 nothing, and records each block's forward time (what recomputing it costs), with events
 on the compute stream on CUDA, so a launch-bound model's host time counts as it does in
-training, and as each block starts how far the host is ahead of the stream. With peak= (CUDA), a third
-recomputes every block in the non-reentrant form (Recompute), to measure what it holds
-besides. Each is the least-memory step of its kind. Pinned copy bandwidth each way is measured once per
-trace, and, when some tensor would be framed, the training thread's time to encode and
+training, and as each block starts how far the host is ahead of the stream. With peak=
+(CUDA), a third recomputes every block in the non-reentrant form (Recompute), to measure
+what it holds besides. Each is the least-memory step of its kind. Pinned copy bandwidth
+each way is measured once per trace, and, when some tensor would be framed, the training thread's time to encode and
 decode one frame (the median of a few on a FRAME_MIN_BYTES bf16 tensor) and the device's
 time to encode and decode a GiB (on a FRAME_DEVICE_BYTES one).
 
@@ -31,8 +31,8 @@ Plan. Offloading takes the earliest saves, which backward needs last: the first 
 blocks. It costs host time per tensor beyond what the compute stream's lag hides (a
 tensor's pack, half its time, behind how far the host had got ahead of the stream by
 block k in the compute trace, nothing at the step's start; its unpack behind forward's
-slack), and link time: forward stalls while more than the copy queue (one block, or everything sent)
-waits for the link during the first k blocks; what is still on the device when forward
+slack), and link time: forward stalls while more than the copy queue (one block, or
+everything sent) waits for the link during the first k blocks; what is still on the device when forward
 ends goes out during backward, and everything comes back during backward (about twice
 forward). Offloading compressed (storm.offload codec "ancf_exp") is considered beside raw
 whenever some offloaded tensor would be framed: the link then carries the frames instead
@@ -51,10 +51,10 @@ device, the prefetch window, and for compressed plans the largest offloaded bloc
 holds while it encodes or decodes) and each block's backward (what
 the blocks before it keep and its own saves, kept, rebuilt or fetched; with ``peak``, also
 the parameter gradients backward has allocated by then, traced as those that were None
-before the step). The fitting plan of least predicted cost wins, recomputing in the reentrant form;
-where none fits, the non-reentrant form's if its lower besides lets one fit; else the one
-of least peak, with a warning. When block 0 is called with other input shapes than those
-traced, the next step traces again.
+before the step). The fitting plan of least predicted cost wins, recomputing in the
+reentrant form; where none fits, the non-reentrant form's if its lower besides lets one
+fit; else the one of least peak (of either form), with a warning. When block 0 is called
+with other input shapes than those traced, the next step traces again.
 
 Measure. The model counts saves and gradients; a step also holds activations' gradients,
 temporaries and, when it offloads, copies and fetches whose timing the model only
@@ -123,7 +123,7 @@ class Trace:
     frame_device_ms_per_GiB: float = 0.0   # the device's time encoding and decoding frames, per GiB framed
     forward_host_ms: float = 0.0     # forward of the blocks, on the host, nothing offloaded
     forward_device_ms: float = 0.0   # and on the compute stream
-    lead_ms: list[float] = dataclasses.field(default_factory=list)  # host ahead of the stream as block i starts
+    lead_ms: list[float] = dataclasses.field(default_factory=list)  # host ahead of the stream at block i, at the end
     d2h_GBps: float = 0.0
     h2d_GBps: float = 0.0
     store_bytes: int | None = None   # what the store took of the offload trace's saves when it refused some
@@ -783,12 +783,13 @@ class Recompute:
     less than the non-reentrant checkpoint does, whose Python hooks pack and unpack every
     tensor the block saves: W1 on lent H100s, all 12 blocks recomputed, 36.8 against 40.3 ms a
     step (no offload 26.8) and on a slower host 40.5 against 56.4 (no offload 29.0;
-    bench/recompute.py), and a host-bound step pays all of it. A tensor that requires grad (``_grad``, empty) goes in beside the inputs, so that
-    the block's parameters get their gradients where its input does not require grad (the
-    first block's). Keyword arguments, which the reentrant form does not take, and
-    ``reentrant=False`` use the non-reentrant form, which also works with torch.autograd.grad
-    and backward(inputs=...); under no_grad the block just runs. The RNG state is kept for
-    the recompute either way (the same dropout masks)."""
+    bench/recompute.py), and a host-bound step pays all of it. A tensor that requires grad
+    (``_grad``, empty) goes in beside the inputs, so that the block's parameters get their
+    gradients where its input does not require grad (the first block's). Keyword arguments,
+    which the reentrant form does not take, and ``reentrant=False`` use the non-reentrant
+    form, which also works with torch.autograd.grad and backward(inputs=...); under no_grad
+    the block just runs. The RNG state is kept for the recompute either way (the same
+    dropout masks)."""
 
     def __init__(self, forward: Callable[..., Any], device: torch.device, reentrant: bool = True):
         self.forward, self.reentrant = forward, reentrant

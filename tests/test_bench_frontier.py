@@ -70,5 +70,6 @@ def test_the_summary_compares_fitting_plans_and_marks_what_nothing_reaches():
     assert "x_bound" not in tight
     # the duel's bound is recomputed from the no-offload time measured beside it
     duel = out["duel"][0]
-    assert duel["lower_bound_ms"] == pytest.approx(27.0, abs=0.01) and duel["x_bound"] == pytest.approx(28 / 27, abs=1e-3)
+    assert duel["lower_bound_ms"] == pytest.approx(27.0, abs=0.01)
+    assert duel["x_bound"] == pytest.approx(28 / 27, abs=1e-3)
     assert out["bound"][0]["link_only_ms"] == pytest.approx(26.0)
