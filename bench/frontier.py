@@ -261,6 +261,7 @@ def duel(w: Workload, sec: dict, args: argparse.Namespace, device: torch.device,
     and no offload (the bound's reference), side by side on the device, timed in alternation;
     medians of all their steps, and the planner against the bound from that no-offload time."""
     out = []
+    lower = Bound.of(sec, link)
     none = Trainer(w, "none", {}, device)  # one for every budget: a third model on the device, not more
     try:
         none.warm(args.warmup)
@@ -283,12 +284,11 @@ def duel(w: Workload, sec: dict, args: argparse.Namespace, device: torch.device,
                 mine.close()
                 theirs.close()
             plan_ms, other_ms, none_ms = (round(statistics.median(t) * 1e3, 2) for t in times)
-            bound = round(Bound.of(sec, link).ms(p["budget_bytes"], none_ms), 2)
-            out.append({"budget_bytes": p["budget_bytes"], "plan_ms": plan_ms, "other": row["label"],
-                        "other_ms": other_ms, "ratio": round(plan_ms / other_ms, 3), "none_ms": none_ms,
-                        "lower_bound_ms": bound, "x_bound": round(plan_ms / bound, 3), "plan": chosen})
+            out.append(rebound({"budget_bytes": p["budget_bytes"], "plan_ms": plan_ms, "other": row["label"],
+                                "other_ms": other_ms, "ratio": round(plan_ms / other_ms, 3), "none_ms": none_ms,
+                                "plan": chosen}, lower))
             print(f"{w.name} duel at cap {p['peak_cap_GiB']} GiB: plan {plan_ms} ms, {row['label']} {other_ms} ms, "
-                  f"none {none_ms} ms (bound {bound} ms)", flush=True)
+                  f"none {none_ms} ms (bound {out[-1]['lower_bound_ms']} ms)", flush=True)
     finally:
         none.close()
     return out

@@ -4,10 +4,11 @@
 
 Per variant, a fresh model whose first k blocks are storm.planner.Recompute (the wrapper
 storm.plan sets as a recomputed block's forward), reentrant or not, and no offload (k = 0):
-median over --steps steps, after 3, of the host's time to return from forward and from
-backward and of the whole step (synchronized); --rounds rounds of every variant in turn, as
-the lent hosts drift. When forward's or backward's host time reaches its GPU time the step
-is host-bound and every microsecond of a recompute's Python is step time.
+median over --steps steps, after 3, of bench/profile_step.timed_step's times: the host's to
+return from forward and from backward, the compute stream's for each, and the whole step
+(synchronized); --rounds rounds of every variant in turn, as the lent hosts drift. When
+forward's or backward's host time reaches its GPU time the step is host-bound and every
+microsecond of a recompute's Python is step time.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from storm.planner import Recompute  # noqa: E402
 from offload import write  # noqa: E402
+from profile_step import timed_step  # noqa: E402
 from workloads import W1  # noqa: E402
 
 
@@ -31,25 +32,12 @@ def variant(k: int, reentrant: bool, steps: int, device: torch.device) -> dict:
     for b in list(model.blocks)[:k]:
         b.forward = Recompute(type(b).forward.__get__(b), device, reentrant)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    fwd, bwd, step = [], [], []
-    for i in range(steps + 3):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        y = model(x)
-        t1 = time.perf_counter()
-        y.float().pow(2).mean().backward()
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
-        if i >= 3:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-            step.append(time.perf_counter() - t0)
-    del model, x, opt, y
+    for _ in range(3):
+        timed_step(model, x, opt, None)
+    times = [timed_step(model, x, opt, None) for _ in range(steps)]
+    del model, x, opt
     torch.cuda.empty_cache()
-    return {name: round(statistics.median(v) * 1e3, 2) for name, v in
-            (("forward_host_ms", fwd), ("backward_host_ms", bwd), ("step_ms", step))}
+    return {key: round(statistics.median(t[key] for t in times), 2) for key in times[0]}
 
 
 def main() -> int:
@@ -74,8 +62,8 @@ def main() -> int:
                for label, rs in runs.items()}
     write(args, {"workload": "W1", "steps": args.steps, "rounds": args.rounds, "runs": runs, "median": summary})
     for label, s in summary.items():
-        print(f"{label:<18} forward host {s['forward_host_ms']:>7.2f}  backward host {s['backward_host_ms']:>7.2f}  "
-              f"step {s['step_ms']:>7.2f} ms")
+        print(f"{label:<18} forward host {s['host_fwd_ms']:>7.2f} gpu {s['gpu_fwd_ms']:>7.2f}  backward host "
+              f"{s['host_bwd_ms']:>7.2f} gpu {s['gpu_bwd_ms']:>7.2f}  step {s['step_ms']:>7.2f} ms")
     return 0
 
 
