@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import storm.session as session  # noqa: E402
 import storm.transfer as transfer  # noqa: E402
 import storm.gpu as gpu  # noqa: E402
 from offload import plan_summary, write  # noqa: E402
-from profile_step import timed_step  # noqa: E402
+from profile_step import medians, timed_step  # noqa: E402
 from workloads import W1  # noqa: E402
 
 GiB = 1 << 30
@@ -134,10 +133,6 @@ class Planned:
 
         return timed_step(self.model, self.x, self.opt, scope)
 
-
-
-def medians(samples: list[dict[str, float]]) -> dict[str, float]:
-    return {k: round(statistics.median(s[k] for s in samples), 2) for k in samples[0]}
 
 
 def main() -> int:

@@ -70,6 +70,11 @@ def timed_step(model, x, opt, scope: Callable[[], contextlib.AbstractContextMana
             "gpu_fwd_ms": ev[0].elapsed_time(ev[1]), "gpu_bwd_ms": ev[1].elapsed_time(ev[2])}
 
 
+def medians(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Per key of timed_step's (or any) samples, the median, in ms to 0.01."""
+    return {k: round(statistics.median(s[k] for s in samples), 2) for k in samples[0]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="W1", choices=["W1", "W2"])
@@ -156,7 +161,7 @@ def main() -> int:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
                 continue
             samples.setdefault(name, []).extend(got)
-            rows[name] = {k: round(statistics.median(s[k] for s in samples[name]), 2) for k in got[0]}
+            rows[name] = medians(samples[name])
             if opts is not None:
                 rows[name]["budget"] = opts.get("budget")
             if args.trace_dir and rnd == 0:

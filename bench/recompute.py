@@ -14,7 +14,6 @@ microsecond of a recompute's Python is step time.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from storm.planner import Recompute  # noqa: E402
 from offload import write  # noqa: E402
-from profile_step import timed_step  # noqa: E402
+from profile_step import medians, timed_step  # noqa: E402
 from workloads import W1  # noqa: E402
 
 
@@ -37,7 +36,7 @@ def variant(k: int, reentrant: bool, steps: int, device: torch.device) -> dict:
     times = [timed_step(model, x, opt, None) for _ in range(steps)]
     del model, x, opt
     torch.cuda.empty_cache()
-    return {key: round(statistics.median(t[key] for t in times), 2) for key in times[0]}
+    return medians(times)
 
 
 def main() -> int:
@@ -58,8 +57,7 @@ def main() -> int:
         for label, k, reentrant in variants:
             runs[label].append(variant(k, reentrant, args.steps, device))
             print(label, runs[label][-1], flush=True)
-    summary = {label: {key: round(statistics.median(r[key] for r in rs), 2) for key in rs[0]}
-               for label, rs in runs.items()}
+    summary = {label: medians(rs) for label, rs in runs.items()}
     write(args, {"workload": "W1", "steps": args.steps, "rounds": args.rounds, "runs": runs, "median": summary})
     for label, s in summary.items():
         print(f"{label:<18} forward host {s['host_fwd_ms']:>7.2f} gpu {s['gpu_fwd_ms']:>7.2f}  backward host "
