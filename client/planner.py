@@ -20,7 +20,8 @@ recomputing keeps); where the store refused some (a full pool), what it took, wh
 plans then do not offload beyond. The second recomputes every block and offloads
 nothing, and records each block's forward time (what recomputing it costs), with events
 on the compute stream on CUDA, so a launch-bound model's host time counts as it does in
-training, and as each block starts how far the host is ahead of the stream. With peak=
+training, and as each block starts how far the host is ahead of the stream (each block
+runs once untimed before, without autograd: a first such forward loads kernels). With peak=
 (CUDA), a third recomputes every block in the non-reentrant form (Recompute), to measure
 what it holds besides. Each is the least-memory step of its kind. Pinned copy bandwidth
 each way is measured once per trace, and, when some tensor would be framed, the training thread's time to encode and
@@ -437,7 +438,7 @@ class Planner:
         def mark() -> None:
             marks.append((ctx.stats.pack_s, len(ctx._step.order)))
 
-        def pre(i: int, m: nn.Module, args: Any) -> None:
+        def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
             mark()
             inputs[i] = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
             # gradients already there (not set to None between steps) are not allocated by the step
@@ -506,7 +507,9 @@ class Planner:
         ends: list[Any] = [None] * n
         host = [0.0] * (n + 1)  # as each block starts, and as the last ends
 
-        def pre(i: int, m: nn.Module, args: Any) -> None:
+        def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
+            if reentrant:  # untimed first: see _warm
+                _warm(m, args, kwargs, device)
             host[i] = time.perf_counter()
             starts[i] = clock.mark()
 
@@ -676,7 +679,7 @@ class Planner:
     def _hook_blocks(self, pre: Callable, post: Callable) -> None:
         self._unhook()
         for i, b in enumerate(self.blocks):
-            self._hooks.append(b.register_forward_pre_hook(functools.partial(pre, i)))
+            self._hooks.append(b.register_forward_pre_hook(functools.partial(pre, i), with_kwargs=True))
             self._hooks.append(b.register_forward_hook(functools.partial(post, i)))
 
     def _unhook(self) -> None:
@@ -804,6 +807,19 @@ class Recompute:
 
     def _run(self, _grad: torch.Tensor, *args: Any) -> Any:
         return self.forward(*args)
+
+
+def _warm(block: nn.Module, args: Any, kwargs: dict, device: torch.device) -> None:
+    """Run ``block`` once without autograd, its output dropped and the RNG left as it was (the
+    same dropout masks after): a process's first forward without autograd loads kernels that
+    grad-mode steps never used (W1's first block on the lent H100: 595 ms, then 0.96), which
+    the compute trace's reentrant forward would otherwise count as the block's cost of
+    recomputing. A block that keeps state in training (BatchNorm's running statistics) sees
+    one more update in that step."""
+    cuda = device.type == "cuda"
+    rng = [device.index if device.index is not None else torch.cuda.current_device()] if cuda else []
+    with torch.no_grad(), torch.random.fork_rng(devices=rng, device_type=device.type):
+        block.forward(*args, **kwargs)  # the Recompute set as its forward: under no_grad, just the block
 
 
 class _Clock:
