@@ -20,8 +20,8 @@ recomputing keeps); where the store refused some (a full pool), what it took, wh
 plans then do not offload beyond. The second recomputes every block and offloads
 nothing, and records each block's forward time (what recomputing it costs), with events
 on the compute stream on CUDA, so a launch-bound model's host time counts as it does in
-training, and as each block starts how far the host is ahead of the stream (each block
-runs once untimed before, without autograd: a first such forward loads kernels). With peak=
+training, and as each block starts how far the host is ahead of the stream (block 0 runs
+once untimed before, without autograd: a process's first such forward loads kernels). With peak=
 (CUDA), a third recomputes every block in the non-reentrant form (Recompute), to measure
 what it holds besides. Each is the least-memory step of its kind. Pinned copy bandwidth
 each way is measured once per trace, and, when some tensor would be framed, the training thread's time to encode and
@@ -508,7 +508,7 @@ class Planner:
         host = [0.0] * (n + 1)  # as each block starts, and as the last ends
 
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
-            if reentrant:  # untimed first: see _warm
+            if reentrant and i == 0:  # untimed first, before any mark: see _warm
                 _warm(m, args, kwargs, device)
             host[i] = time.perf_counter()
             starts[i] = clock.mark()
@@ -814,8 +814,10 @@ def _warm(block: nn.Module, args: Any, kwargs: dict, device: torch.device) -> No
     same dropout masks after): a process's first forward without autograd loads kernels that
     grad-mode steps never used (W1's first block on the lent H100: 595 ms, then 0.96), which
     the compute trace's reentrant forward would otherwise count as the block's cost of
-    recomputing. A block that keeps state in training (BatchNorm's running statistics) sees
-    one more update in that step."""
+    recomputing. Block 0 only, before the trace's first mark: running each block would add
+    its time to the forward and host lead the trace measures, and like blocks share kernels
+    (a block of another kind is still charged for its first no-grad forward). A block that
+    keeps state in training (BatchNorm's running statistics) sees one more update in that step."""
     cuda = device.type == "cuda"
     rng = [device.index if device.index is not None else torch.cuda.current_device()] if cuda else []
     with torch.no_grad(), torch.random.fork_rng(devices=rng, device_type=device.type):

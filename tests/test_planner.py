@@ -892,6 +892,8 @@ def test_the_compute_trace_does_not_charge_block_0_for_a_first_forward_without_a
                 h = b(h)
         h.sum().backward()
     assert _SlowFirstNoGrad.loaded  # the compute trace ran the blocks without autograd
-    ms = [b.forward_ms for b in planner.trace.blocks]
+    t = planner.trace
+    ms = [b.forward_ms for b in t.blocks]
     assert max(ms) < 100, ms  # the 300 ms went to the untimed run before block 0's timed one
+    assert t.forward_host_ms < 100 and t.forward_device_ms < 100 and max(t.lead_ms) < 100, t
     planner.close()
