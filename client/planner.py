@@ -65,8 +65,10 @@ step is measured the same way as its backward ends. Its target is ``peak``, or w
 ``budget`` its own prediction plus the besides plus the budget its saves leave unused.
 Over it, what the step took beyond its prediction becomes a margin that plans of its
 kind (offloading, or not) must leave, and the next step plans again, up to three times.
-Those steps reset the device's peak-memory statistics (torch.cuda.reset_peak_memory_stats);
-``settled`` says when no more will.
+Those steps reset the device's peak-memory statistics (torch.cuda.reset_peak_memory_stats).
+The second planned step that offloads also has its packs' host time per tensor read: where
+it is over the trace's by more than half, the trace takes it and the next step plans
+again, once per trace (_check_host). ``settled`` says when no more of either will come.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ MiB = 1 << 20
 GiB = 1 << 30
 FRAME_DEVICE_BYTES = 64 * MiB  # large enough that the codec's kernels, not their launches, set its device time
 MAX_CHECKS = 4  # planned steps measured after a trace: the first plan and up to three corrections
+HOST_CHECK_STEP = 2  # the planned step that offloads whose host time per tensor is checked (the first warms up)
+HOST_CHECK_TOLERANCE = 1.5  # measured over traced by more than this: plan with the measured (not noise)
 
 
 @dataclasses.dataclass
@@ -355,6 +359,8 @@ class Planner:
         self._ctx: Offload | None = None  # the planned step running now
         self._measured: int | None = None  # the measured step's peak, read as its backward ended
         self._measure_hook: Any = None     # on the last block, until the measured step's forward ends
+        self._offloading_steps = 0         # planned steps that offloaded, since the last trace
+        self.traced_host_ms_per_tensor: float | None = None  # the trace's, where a planned step measured more
         self.replans = 0
 
     @property
@@ -368,7 +374,9 @@ class Planner:
         """True once a plan is in force that no further step will measure or change (until the
         inputs' shapes change). Reading it between steps finishes reading the last step."""
         self._finish_last_step()
-        return self._phase == "planned" and not self._checking and not self._stale
+        host_check_due = (self.plan is not None and self.plan.offloaded > 0 and self.traced_host_ms_per_tensor is None
+                          and self._offloading_steps < HOST_CHECK_STEP)
+        return self._phase == "planned" and not self._checking and not self._stale and not host_check_due
 
     # --- each step ----------------------------------------------------------
 
@@ -379,6 +387,7 @@ class Planner:
             self._stale, self._phase, self.plan = False, "trace-offload", None
             self._margins, self._checks, self._checking = {False: 0, True: 0}, 0, False
             self._besides, self.reentrant_in_force = {}, self.reentrant
+            self._offloading_steps, self.traced_host_ms_per_tensor = 0, None
             self.replans += 1
         if self._phase == "trace-offload":
             return self._trace_offload()
@@ -394,10 +403,38 @@ class Planner:
         ctx = Offload(**{"max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes, **codec,
                          **self._options}, budget=p.offload_budget)
         self._ctx = ctx
+        after: list[Callable[[], None]] = []
         if self._checking:
             self._measure_this_step()
-            self._pending = self._check
+            after.append(self._check)
+        if p.offloaded and self.traced_host_ms_per_tensor is None:
+            self._offloading_steps += 1
+            if self._offloading_steps == HOST_CHECK_STEP:
+                after.append(functools.partial(self._check_host, ctx))
+        if after:
+            def finish() -> None:
+                for f in after:
+                    f()
+            self._pending = finish
         return ctx
+
+    def _check_host(self, ctx: Offload) -> None:
+        """After a planned step that offloaded: where its packs took more host time per tensor
+        than the offload trace's (whose median block's leaves out what an offloading step pays
+        at its first block, and whose saves all go: W1 on the lent H100, 166 us a pack against
+        87), that becomes the trace's, and the next step plans again; once per trace. Not
+        where they took less: a plan of fewer offloads must not bring back a dearer one."""
+        st = ctx.stats
+        if not st.offloaded or self.plan is None or self._stale:
+            return
+        measured = 2e3 * st.pack_s / st.offloaded  # pack and unpack, as the trace counts it
+        if measured <= HOST_CHECK_TOLERANCE * self.trace.host_ms_per_tensor:
+            return
+        log.info("storm.plan: a planned step took %.0f us of host time per offloaded tensor against %.0f traced; "
+                 "planning with it", measured * 1e3, self.trace.host_ms_per_tensor * 1e3)
+        self.traced_host_ms_per_tensor = self.trace.host_ms_per_tensor
+        self.trace.host_ms_per_tensor = measured
+        self._make_plan()
 
     def _measure_this_step(self) -> None:
         """Reset the peak statistics now and read them when this step's backward ends (before
@@ -719,8 +756,10 @@ class Planner:
         t, p = self.trace, self.plan
         want = (f"peak {self._peak / MiB:.1f} MiB above the step's start" if self._peak is not None
                 else f"budget {_describe_budget(self._budget, t.total_bytes)}")
-        lines = [f"storm.plan: {want}; link {t.d2h_GBps:.1f} GB/s "
-                 f"to host, {t.h2d_GBps:.1f} back; host {t.host_ms_per_tensor * 1e3:.0f} us per offloaded tensor; "
+        host = f"host {t.host_ms_per_tensor * 1e3:.0f} us per offloaded tensor" + (
+            "" if self.traced_host_ms_per_tensor is None
+            else f" (measured in a planned step; traced {self.traced_host_ms_per_tensor * 1e3:.0f})")
+        lines = [f"storm.plan: {want}; link {t.d2h_GBps:.1f} GB/s to host, {t.h2d_GBps:.1f} back; {host}; "
                  f"forward {t.forward_host_ms:.2f} ms host, {t.forward_device_ms:.2f} ms compute stream",
                  f"{'block':>5} {'saved MiB':>10} {'tensors':>7} {'input MiB':>10} {'forward ms':>10}  decision"]
         for i, b in enumerate(t.blocks):
