@@ -421,8 +421,9 @@ class Planner:
     def _check_host(self, ctx: Offload) -> None:
         """After a planned step that offloaded: where its packs took more host time per tensor
         than the offload trace's (whose median block's leaves out what an offloading step pays
-        at its first block, and whose saves all go: W1 on the lent H100, 166 us a pack against
-        87), that becomes the trace's, and the next step plans again; once per trace. Not
+        at its first block, and whose saves all go: W1 on a lent H100 with block 0 offloaded,
+        205 us a pack against 75, bench/plan_costs.py), that becomes the trace's, and the next
+        step plans again; once per trace. Not
         where they took less: a plan of fewer offloads must not bring back a dearer one."""
         st = ctx.stats
         if not st.offloaded or self.plan is None or self._stale:
@@ -851,12 +852,13 @@ class Recompute:
 def _warm(block: nn.Module, args: Any, kwargs: dict, device: torch.device) -> None:
     """Run ``block`` once without autograd, its output dropped and the RNG left as it was (the
     same dropout masks after): a process's first forward without autograd loads kernels that
-    grad-mode steps never used (W1's first block on the lent H100: 595 ms, then 0.96), which
-    the compute trace's reentrant forward would otherwise count as the block's cost of
-    recomputing. Block 0 only, before the trace's first mark: running each block would add
-    its time to the forward and host lead the trace measures, and like blocks share kernels
-    (a block of another kind is still charged for its first no-grad forward). A block that
-    keeps state in training (BatchNorm's running statistics) sees one more update in that step."""
+    grad-mode steps never used (W1's first block on a lent H100: 411 ms, then 0.81;
+    bench/plan_costs.py), which the compute trace's reentrant forward would otherwise count
+    as the block's cost of recomputing. Block 0 only, before the trace's first mark: running
+    each block would add its time to the forward and host lead the trace measures, and like
+    blocks share kernels (a block of another kind is still charged for its first no-grad
+    forward). A block that keeps state in training (BatchNorm's running statistics) sees one
+    more update in that step."""
     cuda = device.type == "cuda"
     rng = [device.index if device.index is not None else torch.cuda.current_device()] if cuda else []
     with torch.no_grad(), torch.random.fork_rng(devices=rng, device_type=device.type):

@@ -868,7 +868,7 @@ planner.close()
 
 class _SlowFirstNoGrad(torch.nn.Module):
     """A block whose process's first forward without autograd takes 0.3 s more, as a GPU's does
-    when it loads kernels that grad-mode steps never used (W1's block 0 on the H100: 0.6 s)."""
+    when it loads kernels that grad-mode steps never used (W1's block 0 on a lent H100: 0.4 s)."""
 
     loaded = False  # per process, as loaded kernels are
 
@@ -922,8 +922,8 @@ def fix_plan_by_host_cost(monkeypatch, dearer_than_ms: float) -> list[float]:
 @pytest.mark.parametrize("slow_ms", [0.0, 20.0])
 def test_a_planned_steps_dearer_packs_replace_the_traced_host_time(monkeypatch, slow_ms):
     """The trace's host time per offloaded tensor is the offload trace's median block's; a
-    planned step's packs can cost more (on the lent H100 W1's first block, 166 us against 87).
-    The second planned step that offloads is read: slower packs (here each put sleeps
+    planned step's packs can cost more (on a lent H100 with W1's block 0 offloaded, 205 us
+    against 75). The second planned step that offloads is read: slower packs (here each put sleeps
     ``slow_ms`` more once the trace is done) become the trace's and the planner plans again,
     here to recompute instead; faster ones (here against a trace set to 5 ms a tensor) change
     nothing. Gradients stay bit-exact."""
