@@ -119,7 +119,7 @@ class Planned:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
         self.planner = storm.plan(self.model.blocks, peak=int(cap * GiB), mode="embedded", pool_size="8GiB",
                                   min_bytes=1 << 20)
-        for _ in range(12):  # two traces and the measured planned steps
+        for _ in range(20):  # the traces, the measured planned steps and a trial of two plans
             self.step(False)
             if self.planner.settled:
                 break

@@ -80,12 +80,13 @@ class Trainer:
         self.last: storm.Offload | None = None
 
     def warm(self, steps: int) -> None:
-        """``steps`` steps, and as many more (up to 8) as storm.plan needs to settle: it traces two
-        steps, plans at the third and on CUDA measures planned steps until one is within its
-        target, resetting the peak statistics."""
+        """``steps`` steps, and as many more (up to 16) as storm.plan needs to settle: it traces
+        two steps (three with peak=), plans at the next, on CUDA measures planned steps until one
+        is within its target, resetting the peak statistics, reads a second offloading step's
+        host time, and tries its plan against the best of the other kind in alternation."""
         for _ in range(steps):
             self.step()
-        for _ in range(8):
+        for _ in range(16):
             if self.planner is None or self.planner.settled:
                 break
             self.step()
@@ -111,7 +112,7 @@ def plan_summary(pl: storm.Planner) -> dict:
             "predicted_peak_GiB": round(p.predicted_peak / GiB, 3), "predicted_cost_ms": p.predicted_cost_ms,
             "fits": p.fits, "reentrant": pl.reentrant_in_force, "settled": pl.settled,
             "target_GiB": pl.target and round(pl.target / GiB, 3),
-            "besides_GiB": pl.besides and round(pl.besides / GiB, 3)}
+            "besides_GiB": pl.besides and round(pl.besides / GiB, 3), "trial": pl.trial and pl.trial.describe()}
 
 
 def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: torch.device) -> dict:

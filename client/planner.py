@@ -68,7 +68,15 @@ kind (offloading, or not) must leave, and the next step plans again, up to three
 Those steps reset the device's peak-memory statistics (torch.cuda.reset_peak_memory_stats).
 The second planned step that offloads also has its packs' host time per tensor read: where
 it is over the trace's by more than half, the trace takes it and the next step plans
-again, once per trace (_check_host). ``settled`` says when no more of either will come.
+again, once per trace (_check_host).
+
+Try. The model's costs are approximate, offloading's host time most (W1 on a lent H100:
+block 0 offloaded cost 6.0 ms a step where it said 1.2, bench/plan_costs.py). So where
+the best plan that offloads and the best that does not both fit, once the chosen one's peak
+is settled, the two run in alternation, TRIAL_STEPS steps each, timed on the compute
+stream from the step's start to backward's end, and the faster is kept (the other only if
+its first step stayed within its target); once per trace, and ``explain`` says what each
+took. ``settled`` says when no more measuring, correcting or trying will come.
 """
 
 from __future__ import annotations
@@ -99,6 +107,7 @@ FRAME_DEVICE_BYTES = 64 * MiB  # large enough that the codec's kernels, not thei
 MAX_CHECKS = 4  # planned steps measured after a trace: the first plan and up to three corrections
 HOST_CHECK_STEP = 2  # the planned step that offloads whose host time per tensor is checked (the first warms up)
 HOST_CHECK_TOLERANCE = 1.5  # measured over traced by more than this: plan with the measured (not noise)
+TRIAL_STEPS = 3  # steps of each of the two plans tried in alternation; the lower median is kept
 
 
 @dataclasses.dataclass
@@ -242,7 +251,8 @@ class _Offloading:
 
 
 def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_bytes: int | None = None,
-           offload_margin: int = 0, grads: bool = False, codec: str | None = None) -> Plan:
+           offload_margin: int = 0, grads: bool = False, codec: str | None = None,
+           offload: bool | None = None) -> Plan | None:
     """The plan of least predicted cost whose predicted peak (of saves, and with ``grads`` of
     parameter gradients too) is at most ``budget`` bytes, less
     ``offload_margin`` for plans that offload (what such plans were measured to take beyond
@@ -252,13 +262,15 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     follows the offloaded ones, else none (prefetch then runs as far ahead as the room the
     planner's hooks report as backward reaches each block). Offloaded tensors go raw or
     compressed, whichever costs less (raw on ties); ``codec``, the user's storm.offload option
-    when given, allows only the one it means (compressed for a frame codec)."""
+    when given, allows only the one it means (compressed for a frame codec). ``offload``: only
+    plans that offload (True) or that do not (False); None where there is none (every offload
+    more than the store took)."""
     blocks, n = trace.blocks, len(trace.blocks)
     best: Plan | None = None
     lowest: Plan | None = None
     lowest_over = 0  # its predicted peak, margin included, over the budget
     allowed = (False, True) if codec is None else (codec in FRAME_CODECS,)
-    for k in range(n + 1):
+    for k in range(n + 1) if offload is None else range(1, n + 1) if offload else range(1):
         block = max((b.saved_bytes for b in blocks[:k]), default=0)
         # compressed where allowed and the link would carry fewer bytes (else it is raw by another name)
         frameable = any(b.frame_bytes < b.framed_bytes for b in blocks[:k])
@@ -284,7 +296,6 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
                 best = plan
             if lowest is None or peak - room < lowest_over:
                 lowest, lowest_over = plan, peak - room
-    assert lowest is not None
     return best or lowest
 
 
@@ -358,9 +369,12 @@ class Planner:
         self._stale = False
         self._ctx: Offload | None = None  # the planned step running now
         self._measured: int | None = None  # the measured step's peak, read as its backward ended
-        self._measure_hook: Any = None     # on the last block, until the measured step's forward ends
         self._offloading_steps = 0         # planned steps that offloaded, since the last trace
         self.traced_host_ms_per_tensor: float | None = None  # the trace's, where a planned step measured more
+        self._alternative: Plan | None = None  # the best fitting plan of the other kind (offloading or not)
+        self._trial: _Trial | None = None      # the plan and the alternative, tried in alternation
+        self.trial: _Trial | None = None       # the last trial, decided
+        self._end_hooks: list[Any] = []        # on the last block, until the measured step's forward ends
         self.replans = 0
 
     @property
@@ -374,20 +388,27 @@ class Planner:
         """True once a plan is in force that no further step will measure or change (until the
         inputs' shapes change). Reading it between steps finishes reading the last step."""
         self._finish_last_step()
-        host_check_due = (self.plan is not None and self.plan.offloaded > 0 and self.traced_host_ms_per_tensor is None
-                          and self._offloading_steps < HOST_CHECK_STEP)
-        return self._phase == "planned" and not self._checking and not self._stale and not host_check_due
+        return (self._phase == "planned" and not self._checking and not self._stale and not self._host_check_due()
+                and self._trial is None and self._alternative is None)
+
+    def _host_check_due(self) -> bool:
+        """A planned step that offloads is yet to be read (_check_host); not after a trial, whose
+        step times decided."""
+        return (self.plan is not None and self.plan.offloaded > 0 and self.traced_host_ms_per_tensor is None
+                and self._offloading_steps < HOST_CHECK_STEP and self.trial is None)
 
     # --- each step ----------------------------------------------------------
 
     def step(self) -> Offload:
         """The storm.offload context of the next step, with the plan (or the trace) applied."""
         self._finish_last_step()
+        self._remove_end_hooks()  # the last step's, where it never ran a backward
         if self._stale:
             self._stale, self._phase, self.plan = False, "trace-offload", None
             self._margins, self._checks, self._checking = {False: 0, True: 0}, 0, False
             self._besides, self.reentrant_in_force = {}, self.reentrant
             self._offloading_steps, self.traced_host_ms_per_tensor = 0, None
+            self._alternative, self._trial, self.trial = None, None, None
             self.replans += 1
         if self._phase == "trace-offload":
             return self._trace_offload()
@@ -395,6 +416,11 @@ class Planner:
             return self._trace_compute(self.reentrant)
         if self._phase == "trace-compute-non-reentrant":
             return self._trace_compute(False)
+        if self._trial is None and self._alternative is not None and not self._checking \
+                and not self._host_check_due():
+            self._trial, self._alternative = _Trial((self.plan, self._alternative)), None
+        if self._trial is not None and self._trial.next_plan() is not self.plan:
+            self._apply(self._trial.next_plan())
         p = self.plan
         # where frames were weighed, the plan says which (a daemon's codec setting could frame a raw
         # plan's tensors); a codec of the user's comes first, as choose() knew
@@ -407,10 +433,12 @@ class Planner:
         if self._checking:
             self._measure_this_step()
             after.append(self._check)
-        if p.offloaded and self.traced_host_ms_per_tensor is None:
+        if self._host_check_due() and self._trial is None:
             self._offloading_steps += 1
             if self._offloading_steps == HOST_CHECK_STEP:
                 after.append(functools.partial(self._check_host, ctx))
+        if self._trial is not None:
+            after.append(self._time_trial_step())
         if after:
             def finish() -> None:
                 for f in after:
@@ -448,13 +476,59 @@ class Planner:
         def read() -> None:
             self._measured = self._memory.peak()
 
+        self._at_backward_end(read)
+
+    def _at_backward_end(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` as this step's backward ends: queued on the autograd engine from the
+        gradient of the last block's output, which is ready as backward starts."""
         def at_output(m: nn.Module, args: Any, out: Any) -> None:
             handle.remove()  # once: not again when a checkpointed last block is rebuilt
             t = _first_tensor(out)
-            if t is not None and t.requires_grad:  # its gradient is ready as backward starts
-                t.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(read))
+            if t is not None and t.requires_grad:
+                t.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(fn))
 
-        handle = self._measure_hook = self.blocks[-1].register_forward_hook(at_output)
+        handle = self.blocks[-1].register_forward_hook(at_output)
+        self._end_hooks.append(handle)
+
+    def _remove_end_hooks(self) -> None:
+        for h in self._end_hooks:
+            h.remove()
+        self._end_hooks = []
+
+    def _time_trial_step(self) -> Callable[[], None]:
+        """Time this trial step, forward and backward on the compute stream (host-bound gaps
+        included; CPU: the host clock); the first step of the alternative is measured against its
+        target too. Returns what reads it after the step, and decides the trial once both plans
+        have TRIAL_STEPS."""
+        trial, clock = self._trial, _Clock(_device_of(self.blocks))
+        turn, marks = trial.turn, [clock.mark()]
+        self._at_backward_end(lambda: marks.append(clock.mark()))
+        measured = turn == 1 and self._memory.available
+        if measured:
+            self._measure_this_step()
+
+        def read() -> None:
+            trial.turn += 1
+            if len(marks) < 2 or self._stale or self._trial is not trial:  # no backward, or traced again
+                return
+            trial.ms[turn % 2].append(clock.elapsed_ms(*marks))
+            if measured and (self._measured is None or self._measured > self.target):
+                trial.over = self._measured
+                self._decide_trial()
+            elif all(len(ms) >= TRIAL_STEPS for ms in trial.ms):
+                self._decide_trial()
+
+        return read
+
+    def _decide_trial(self) -> None:
+        """Keep the plan of the two whose steps took less (the alternative only if it stayed within
+        its target)."""
+        trial, self._trial, self.trial = self._trial, None, self._trial
+        keep = trial.plans[1] if trial.over is None and trial.median(1) < trial.median(0) else trial.plans[0]
+        trial.kept = keep
+        if keep is not self.plan:
+            self._apply(keep)
+        log.info("storm.plan: %s", trial.describe())
 
     def _finish_last_step(self) -> None:
         if self._pending is not None:
@@ -608,10 +682,10 @@ class Planner:
             return self._peak
         return self.besides + self._step_peak(self.plan) + max(0, self._saved_budget() - self.plan.predicted_peak)
 
-    def _choose(self) -> Plan:
+    def _choose(self, offload: bool | None = None) -> Plan | None:
         return choose(self.trace, self._saved_budget() - self._margins[False], self._options.get("max_held_bytes"),
                       self._options.get("prefetch_bytes"), self._margins[True] - self._margins[False],
-                      grads=self._peak is not None, codec=self._options.get("codec"))
+                      grads=self._peak is not None, codec=self._options.get("codec"), offload=offload)
 
     def _make_plan(self) -> None:
         """The plan of least predicted cost in the planner's recompute form; where none fits,
@@ -634,16 +708,28 @@ class Planner:
                         budget / MiB, self.plan.predicted_peak / MiB)
         # a plan that cannot fit is not measured: no margin would make it
         self._checking = self.plan.fits and self.target is not None and self._checks < MAX_CHECKS
-        self._unhook()
-        self._recompute(set(self.plan.recomputed))
+        # the model's costs are approximate (offloading's host time most): where a plan of the other
+        # kind fits too, both are tried in alternation once this one's peak is settled
+        self._alternative = None
+        if self.plan.fits and self.trial is None and self._trial is None:
+            other = self._choose(offload=not self.plan.offloaded)
+            if other is not None and other.fits and bool(other.offloaded) != bool(self.plan.offloaded):
+                self._alternative = other
+        self._apply(self.plan)
         self._phase = "planned"
+
+    def _apply(self, plan: Plan) -> None:
+        """Put ``plan`` in force from the next step: its recomputed blocks and its hooks."""
+        self.plan = plan
+        self._unhook()
+        self._recompute(set(plan.recomputed))
 
         def check(m: nn.Module, args: Any) -> None:  # a new input shape: the trace no longer holds
             if _signature(args) != self._signature:
                 self._stale = True
 
         self._hooks.append(self.blocks[0].register_forward_pre_hook(check))
-        if self.plan.offloaded:
+        if plan.offloaded:
             self._hook_later_blocks()
 
     def _check(self) -> None:
@@ -743,8 +829,7 @@ class Planner:
     def close(self) -> None:
         """Restore the blocks' own forwards and remove STORM's hooks from them."""
         self._unhook()
-        if self._measure_hook is not None:  # a step begun but never run leaves it waiting
-            self._measure_hook.remove()
+        self._remove_end_hooks()  # a step begun but never run leaves its hook waiting
         self._recompute(set())
         self._pending = None
 
@@ -781,6 +866,8 @@ class Planner:
         lines.append(f"predicted: {p.predicted_peak / MiB:.1f} MiB saved on the device at the peak "
                      f"({'fits' if p.fits else 'does NOT fit'}), {p.predicted_cost_ms:.2f} ms over no offload; "
                      f"re-planned {self.replans} times")
+        if self.trial is not None:
+            lines.append(self.trial.describe())
         if self.besides is not None:
             measured = "not yet" if self.measured_peak is None else f"{self.measured_peak / MiB:.1f} MiB"
             lines.append(f"measured: step peak {measured} against a target of {self.target / MiB:.1f} MiB "
@@ -816,6 +903,39 @@ class Planner:
                 f"{compressed.host_ms - raw.host_ms:+.2f} ms ({t.frame_host_ms_per_tensor * 1e3:.0f} us per frame, "
                 f"less what the compute stream hides), codec kernels +{compressed.codec_ms:.2f} ms on the device "
                 f"({t.frame_device_ms_per_GiB:.2f} ms per GiB framed)")
+
+
+@dataclasses.dataclass
+class _Trial:
+    """The plan chosen and the best fitting plan of the other kind (offloading or not), tried in
+    alternation: step times per plan, and which was kept."""
+
+    plans: tuple[Plan, Plan]
+    ms: tuple[list[float], list[float]] = dataclasses.field(default_factory=lambda: ([], []))
+    turn: int = 0
+    over: int | None = None  # the alternative's measured peak, where it went over its target
+    kept: Plan | None = None
+
+    def next_plan(self) -> Plan:
+        return self.plans[self.turn % 2]
+
+    def median(self, i: int) -> float:
+        return statistics.median(self.ms[i]) if self.ms[i] else float("inf")
+
+    def describe(self) -> str:
+        names = [_plan_name(p) for p in self.plans]
+        if self.over is not None:
+            return (f"tried {names[1]} beside {names[0]}: it peaked at {self.over / MiB:.1f} MiB, over its target; "
+                    f"kept {names[0]}")
+        times = ", ".join(f"{name} {self.median(i):.2f} ms" for i, name in enumerate(names))
+        return (f"tried in alternation, forward and backward a step (median of {min(map(len, self.ms))}): {times}; "
+                f"kept {_plan_name(self.kept)}")
+
+
+def _plan_name(p: Plan) -> str:
+    parts = ([f"offload {p.offloaded}"] if p.offloaded else []) + ([f"recompute {len(p.recomputed)}"]
+                                                                    if p.recomputed else [])
+    return " and ".join(parts) + " blocks" if parts else "keep every block"
 
 
 class Recompute:

@@ -501,7 +501,8 @@ def fix_plan(monkeypatch, offloaded: int, recomputed: set[int], compressed: bool
     step, so backward has room to fetch everything ahead as soon as it starts."""
     from storm import planner as planner_module
 
-    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None):
+    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
+              offload=None):
         return planner_module.Plan(offloaded, frozenset(recomputed), trace.offloaded_before[offloaded], 1 << 30, 0,
                                    1 << 40, 0.0, True, compressed=compressed)
 
@@ -704,7 +705,8 @@ def scripted_planner(monkeypatch, **kw):
     fixed: offload the first 2 blocks unless offloading plans carry a margin, then recompute 4."""
     from storm import planner as planner_module
 
-    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None):
+    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
+              offload=None):
         if offload_margin <= 0:
             return planner_module.Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0,
                                        predicted_peak(trace, 2, set(), 0), 0.0, True)
@@ -909,7 +911,8 @@ def fix_plan_by_host_cost(monkeypatch, dearer_than_ms: float) -> list[float]:
 
     seen = []
 
-    def by_host_cost(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None):
+    def by_host_cost(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
+                     offload=None):
         seen.append(trace.host_ms_per_tensor)
         if trace.host_ms_per_tensor <= dearer_than_ms:
             return planner_module.Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0, 1 << 40, 0.0, True)
@@ -964,5 +967,64 @@ def test_a_planned_steps_dearer_packs_replace_the_traced_host_time(monkeypatch, 
         assert f"(measured in a planned step; traced {traced_ms * 1e3:.0f})" in planner.explain()
     else:
         assert offloading == [True] * 4 and planner.traced_host_ms_per_tensor is None
-        assert planner.trace.host_ms_per_tensor == traced_ms and len(seen) == 1
+        assert planner.trace.host_ms_per_tensor == traced_ms and set(seen) == {traced_ms}  # never planned again
     planner.close()
+
+
+@pytest.mark.parametrize("slow, kept", [("offload", "recompute"), ("recompute", "offload")])
+def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(monkeypatch, slow, kept):
+    """The model's costs are approximate; where the best plan that offloads and the best that
+    does not both fit, the planner runs them in alternation, TRIAL_STEPS steps each, times
+    forward and backward, and keeps the faster: here offloading blocks 0-1 (the model's choice)
+    against recomputing them, with ``slow`` made 20 ms a call slower. Every step's gradients
+    are those of no offload, bit for bit."""
+    from storm import planner as planner_module
+    from storm import transfer
+
+    def by_kind(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
+                offload=None):
+        if offload is False:
+            return planner_module.Plan(0, frozenset({0, 1}), 0, 0, 0, 1 << 40, 5.0, True)
+        return planner_module.Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0, 1 << 40, 1.0, True)
+
+    monkeypatch.setattr(planner_module, "choose", by_kind)
+    traced = [False]
+    if slow == "offload":
+        put = transfer.Mover.put
+        monkeypatch.setattr(transfer.Mover, "put", lambda self, req: (traced[0] and time.sleep(0.02), put(self, req))[1])
+    else:
+        run = Recompute._run
+        monkeypatch.setattr(Recompute, "_run", lambda self, *a: (traced[0] and time.sleep(0.02), run(self, *a))[1])
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
+    for _ in range(2):  # the traces
+        grads_of(model, idx, planner.step())
+    traced[0] = True
+    offloading = []
+    for step in range(planner_module.HOST_CHECK_STEP + 2 * planner_module.TRIAL_STEPS + 2):
+        assert planner.settled == (len(offloading) >= planner_module.HOST_CHECK_STEP + 2 * planner_module.TRIAL_STEPS)
+        ctx = planner.step()
+        got = grads_of(model, idx, ctx)
+        assert all(same_bits(a, b) for a, b in zip(ref, got)), f"gradients differ in planned step {step}"
+        offloading.append(ctx.stats.offloaded > 0)
+    trial = planner.trial
+    # the model's plan until its host time is read, then both in turn, then the faster
+    assert offloading == [True] * 2 + [True, False] * 3 + [kept == "offload"] * 2
+    assert all(len(ms) == planner_module.TRIAL_STEPS for ms in trial.ms)
+    assert trial.median(0 if slow == "recompute" else 1) < trial.median(1 if slow == "recompute" else 0)
+    assert (planner.plan.offloaded > 0) == (kept == "offload") and trial.kept is planner.plan
+    assert {i for i, b in enumerate(model.blocks) if "forward" in vars(b)} == set(planner.plan.recomputed)
+    text = planner.explain()
+    assert "tried in alternation" in text
+    assert f"kept {'offload 2 blocks' if kept == 'offload' else 'recompute 2 blocks'}" in text
+    planner.close()
+
+
+def test_no_trial_where_the_other_kind_does_not_fit():
+    t = trace(fwd_ms=1.0, gbps=50.0)
+    assert choose(t, 0, offload=False).fits is False  # nothing fits a budget of 0 without offloading
+    assert choose(t, t.total_bytes, offload=True).offloaded > 0
+    assert choose(t, t.total_bytes, offload=False).offloaded == 0
+    t.store_bytes = 0  # the store took nothing: no plan offloads
+    assert choose(t, t.total_bytes, offload=True) is None
