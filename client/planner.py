@@ -374,7 +374,7 @@ class Planner:
         self._alternative: Plan | None = None  # the best fitting plan of the other kind (offloading or not)
         self._trial: _Trial | None = None      # the plan and the alternative, tried in alternation
         self.trial: _Trial | None = None       # the last trial, decided
-        self._end_hooks: list[Any] = []        # on the last block, until the measured step's forward ends
+        self._end_hooks: list[Any] = []        # on the last block (_at_backward_end), until their step's forward ends
         self.replans = 0
 
     @property
@@ -451,8 +451,8 @@ class Planner:
         than the offload trace's (whose median block's leaves out what an offloading step pays
         at its first block, and whose saves all go: W1 on a lent H100 with block 0 offloaded,
         205 us a pack against 75, bench/plan_costs.py), that becomes the trace's, and the next
-        step plans again; once per trace. Not
-        where they took less: a plan of fewer offloads must not bring back a dearer one."""
+        step plans again; once per trace. Not where they took less: a plan of fewer offloads
+        must not bring back a dearer one."""
         st = ctx.stats
         if not st.offloaded or self.plan is None or self._stale:
             return
@@ -512,7 +512,7 @@ class Planner:
             if len(marks) < 2 or self._stale or self._trial is not trial:  # no backward, or traced again
                 return
             trial.ms[turn % 2].append(clock.elapsed_ms(*marks))
-            if measured and (self._measured is None or self._measured > self.target):
+            if measured and self._measured is not None and self._measured > self.target:
                 trial.over = self._measured
                 self._decide_trial()
             elif all(len(ms) >= TRIAL_STEPS for ms in trial.ms):

@@ -991,7 +991,8 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
     traced = [False]
     if slow == "offload":
         put = transfer.Mover.put
-        monkeypatch.setattr(transfer.Mover, "put", lambda self, req: (traced[0] and time.sleep(0.02), put(self, req))[1])
+        monkeypatch.setattr(transfer.Mover, "put",
+                            lambda self, req: (traced[0] and time.sleep(0.02), put(self, req))[1])
     else:
         run = Recompute._run
         monkeypatch.setattr(Recompute, "_run", lambda self, *a: (traced[0] and time.sleep(0.02), run(self, *a))[1])
