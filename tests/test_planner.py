@@ -843,13 +843,30 @@ def test_one_slow_first_offload_does_not_make_offloading_look_slow(monkeypatch):
     planner.close()
 
 
-def test_the_compute_trace_does_not_charge_block_0_for_a_first_import():
-    """A process's first torch.utils.checkpoint call imports torch._dynamo (over a second on a
-    CPU): in a fresh process, block 0's traced forward time is in line with the others'."""
+def test_the_compute_trace_does_not_charge_block_0_for_a_processs_first_calls():
+    """In a fresh process: the first torch.utils.checkpoint call imports torch._dynamo (over a
+    second on a CPU), and the first forward without autograd takes longer, as a GPU's does when
+    it loads kernels that grad-mode steps never used (W1's block 0 on a lent H100: 0.4 s; here
+    0.3 s of sleep). Block 0's traced forward time is in line with the others', and the trace's
+    forward totals and host lead leave it out."""
     code = """
-import statistics, torch, storm
+import statistics, time, torch, storm
+
+class Block(torch.nn.Module):
+    loaded = False  # per process, as loaded kernels are
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        if not torch.is_grad_enabled() and not Block.loaded:
+            Block.loaded = True
+            time.sleep(0.3)
+        return torch.nn.functional.gelu(self.lin(x))
+
 torch.manual_seed(0)
-blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(6))
+blocks = torch.nn.ModuleList(Block() for _ in range(6))
 x = torch.randn(64, 256)
 planner = storm.plan(blocks, budget=0.5, mode="embedded", min_bytes=0)
 for _ in range(3):
@@ -858,52 +875,20 @@ for _ in range(3):
         for b in blocks:
             h = b(h)
     h.sum().backward()
-ms = [b.forward_ms for b in planner.trace.blocks]
-print(ms[0], statistics.median(ms[1:]))
+t = planner.trace
+ms = [b.forward_ms for b in t.blocks]
+assert Block.loaded  # the compute trace ran the blocks without autograd
+print(ms[0], statistics.median(ms[1:]), sum(ms), t.forward_host_ms, t.forward_device_ms, max(t.lead_ms))
 planner.close()
 """
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    first, others = map(float, out.stdout.split()[-2:])
-    assert first < 20 * others + 5.0, (first, others)
-
-
-class _SlowFirstNoGrad(torch.nn.Module):
-    """A block whose process's first forward without autograd takes 0.3 s more, as a GPU's does
-    when it loads kernels that grad-mode steps never used (W1's block 0 on a lent H100: 0.4 s)."""
-
-    loaded = False  # per process, as loaded kernels are
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(64, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() and not _SlowFirstNoGrad.loaded:
-            _SlowFirstNoGrad.loaded = True
-            time.sleep(0.3)
-        return torch.relu(self.lin(x))
-
-
-def test_the_compute_trace_does_not_charge_block_0_for_a_first_forward_without_autograd():
-    torch.manual_seed(0)
-    blocks = torch.nn.ModuleList(_SlowFirstNoGrad() for _ in range(4))
-    x = torch.randn(32, 64)
-    planner = storm.plan(blocks, budget=0.5, mode="embedded", min_bytes=0)
-    for _ in range(3):
-        with planner.step():
-            h = x
-            for b in blocks:
-                h = b(h)
-        h.sum().backward()
-    assert _SlowFirstNoGrad.loaded  # the compute trace ran the blocks without autograd
-    t = planner.trace
-    ms = [b.forward_ms for b in t.blocks]
-    assert max(ms) < 100, ms  # the 300 ms went to the untimed run before block 0's timed one
-    assert t.forward_host_ms < 100 and t.forward_device_ms < 100 and max(t.lead_ms) < 100, t
-    planner.close()
+    first, others, blocks, host, device, lead = map(float, out.stdout.split()[-6:])
+    # the import and the sleep take over 300 ms; the blocks' own time grows with the machine's load
+    assert first < 2 * others + 150, (first, others)
+    assert host < blocks + 150 and device < blocks + 150 and lead < 150, (blocks, host, device, lead)
 
 
 def fix_plan_by_host_cost(monkeypatch, dearer_than_ms: float) -> list[float]:
