@@ -256,6 +256,17 @@ def grads_of(model: GPT, idx: torch.Tensor, ctx=None) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
+def traced_gpt_planner() -> tuple[GPT, torch.Tensor, list[torch.Tensor], storm.Planner]:
+    """The CPU GPT, its gradients without offload, and a storm.plan(budget=0.5) over its blocks
+    past the two traced steps."""
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
+    for _ in range(2):  # the traces
+        grads_of(model, idx, planner.step())
+    return model, idx, ref, planner
+
+
 @pytest.mark.parametrize("budget", [0.5, 0.05])
 def test_planned_steps_train_bit_exact_and_follow_the_plan(budget):
     model, idx = gpt()
@@ -515,11 +526,7 @@ def test_a_given_plan_is_applied_and_backward_progress_drives_prefetch(monkeypat
     tensor ahead of its unpack although its own prefetch window is 0: the hooks on the kept
     blocks' outputs report the room backward has made."""
     fix_plan(monkeypatch, 2, {4})
-    model, idx = gpt()
-    ref = grads_of(copy.deepcopy(model), idx)
-    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
-    for _ in range(2):  # the traces
-        grads_of(model, idx, planner.step())
+    model, idx, ref, planner = traced_gpt_planner()
     past = []  # saves past the offloaded blocks that reached STORM's hooks
     monkeypatch.setattr(session_mod.ClientSession, "save_past_budget",
                         lambda self, t, step: past.append(t) or session_mod.Kept(t))
@@ -928,11 +935,7 @@ def test_a_planned_steps_dearer_packs_replace_the_traced_host_time(monkeypatch, 
         return put(self, req)
 
     monkeypatch.setattr(transfer.Mover, "put", put_slower_after_the_trace)
-    model, idx = gpt()
-    ref = grads_of(copy.deepcopy(model), idx)
-    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
-    for _ in range(2):  # the traces
-        grads_of(model, idx, planner.step())
+    model, idx, ref, planner = traced_gpt_planner()
     traced[0] = True
     assert planner.trace.host_ms_per_tensor < 10.0  # on a CPU here: well under the sleep
     if not slow_ms:
@@ -983,11 +986,7 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
     else:
         run = Recompute._run
         monkeypatch.setattr(Recompute, "_run", lambda self, *a: (traced[0] and time.sleep(0.02), run(self, *a))[1])
-    model, idx = gpt()
-    ref = grads_of(copy.deepcopy(model), idx)
-    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
-    for _ in range(2):  # the traces
-        grads_of(model, idx, planner.step())
+    model, idx, ref, planner = traced_gpt_planner()
     traced[0] = True
     offloading = []
     for step in range(planner_module.HOST_CHECK_STEP + 2 * planner_module.TRIAL_STEPS + 2):
