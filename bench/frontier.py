@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offload import GiB, Trainer, link_bandwidth, plan_summary, run, write  # noqa: E402
+from offload import GiB, Trainer, cuda_device, link_bandwidth, plan_summary, run, write  # noqa: E402
 from stormd.config import parse_size  # noqa: E402
 from workloads import W1, W2, Net, Workload  # noqa: E402
 
@@ -389,11 +389,11 @@ def main() -> int:
         return 0
     if not args.out:
         p.error("--out is required unless --plot-only")
-    if not torch.cuda.is_available():
-        print("bench/frontier.py measures on CUDA and torch sees no CUDA device here; "
-              "--plot-only RESULTS.json --plot OUT.png draws saved results on any machine", file=sys.stderr)
+    device = cuda_device("frontier.py", "; --plot-only RESULTS.json --plot OUT.png draws saved results on any "
+                                        "machine")
+    if device is None:
         return 2
-    results = measure(args, torch.device("cuda"))
+    results = measure(args, device)
     for name in args.workloads:
         print(table(name, results[name]) + "\n")
     if args.plot:

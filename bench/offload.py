@@ -42,6 +42,15 @@ from workloads import W1, W2, Workload  # noqa: E402
 GiB = 1 << 30
 
 
+def cuda_device(script: str, hint: str = "") -> torch.device | None:
+    """The CUDA device a benchmark that measures only there runs on; None, having said so on
+    stderr (naming ``script``, then ``hint``), where torch sees none."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    print(f"bench/{script} measures on CUDA and torch sees no CUDA device here{hint}", file=sys.stderr)
+    return None
+
+
 def link_bandwidth(device: torch.device, nbytes: int = GiB, tries: int = 3) -> dict[str, float]:
     """Pinned D2H and H2D GB/s, measured here, now (machines drift): the best of ``tries``, each
     direction, as the link's speed is what the lower bounds need and a lent host's first

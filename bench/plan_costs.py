@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import storm  # noqa: E402
 from storm.planner import _Offloading  # noqa: E402
-from offload import GiB, Trainer, write  # noqa: E402
+from offload import GiB, Trainer, cuda_device, write  # noqa: E402
 from profile_step import medians, timed_step  # noqa: E402
 from workloads import W1  # noqa: E402
 
@@ -70,10 +70,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/plan_costs.py measures on CUDA and torch sees no CUDA device here", file=sys.stderr)
+    device = cuda_device("plan_costs.py")
+    if device is None:
         return 2
-    device = torch.device("cuda")
     results: dict = {"first_forward_block0": first_forward_without_autograd(device)}
     print(results, flush=True)
     k = [0]

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from storm.planner import Recompute  # noqa: E402
-from offload import write  # noqa: E402
+from offload import cuda_device, write  # noqa: E402
 from profile_step import medians, timed_step  # noqa: E402
 from workloads import W1  # noqa: E402
 
@@ -46,10 +46,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/recompute.py measures on CUDA and torch sees no CUDA device here", file=sys.stderr)
+    device = cuda_device("recompute.py")
+    if device is None:
         return 2
-    device = torch.device("cuda")
     variants = [("none", 0, True)] + [(f"{'reentrant' if r else 'non-reentrant'}-{k}", k, r)
                                       for k in args.blocks for r in (True, False)]
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in variants}

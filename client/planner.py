@@ -682,8 +682,12 @@ class Planner:
             return self._peak
         return self.besides + self._step_peak(self.plan) + max(0, self._saved_budget() - self.plan.predicted_peak)
 
+    def _plans_budget(self) -> int:
+        """What choose() holds plans to: the saved budget, less the margin every plan leaves."""
+        return self._saved_budget() - self._margins[False]
+
     def _choose(self, offload: bool | None = None) -> Plan | None:
-        return choose(self.trace, self._saved_budget() - self._margins[False], self._options.get("max_held_bytes"),
+        return choose(self.trace, self._plans_budget(), self._options.get("max_held_bytes"),
                       self._options.get("prefetch_bytes"), self._margins[True] - self._margins[False],
                       grads=self._peak is not None, codec=self._options.get("codec"), offload=offload)
 
@@ -701,11 +705,10 @@ class Planner:
                 self.plan = plan
             else:
                 self.reentrant_in_force = True
-        budget = self._saved_budget() - self._margins[False]
         if not self.plan.fits:
             log.warning("storm.plan: no plan keeps the %s under %.1f MiB; the lowest predicted is %.1f MiB",
                         "saved activations" if self._peak is None else "saves and gradients, from peak=,",
-                        budget / MiB, self.plan.predicted_peak / MiB)
+                        self._plans_budget() / MiB, self.plan.predicted_peak / MiB)
         # a plan that cannot fit is not measured: no margin would make it
         self._checking = self.plan.fits and self.target is not None and self._checks < MAX_CHECKS
         # the model's costs are approximate (offloading's host time most): where a plan of the other
