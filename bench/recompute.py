@@ -1,4 +1,4 @@
-"""What recomputing W1's blocks costs the host: storm.plan's reentrant recompute against the non-reentrant one.
+"""What recomputing W1's blocks costs the host and holds: storm.plan's reentrant recompute against the non-reentrant one.
 
     python bench/recompute.py --out bench/results/recompute-w1.json   # CUDA
 
@@ -6,7 +6,8 @@ Per variant, a fresh model whose first k blocks are storm.planner.Recompute (the
 storm.plan sets as a recomputed block's forward), reentrant or not, and no offload (k = 0):
 median over --steps steps, after 3, of bench/profile_step.timed_step's times: the host's to
 return from forward and from backward, the compute stream's for each, and the whole step
-(synchronized); --rounds rounds of every variant in turn, as the lent hosts drift. When
+(synchronized), and the steps' peak GPU memory above what was allocated before them
+(``peak_MiB``: what the planner's besides compares per form); --rounds rounds of every variant in turn, as the lent hosts drift. When
 forward's or backward's host time reaches its GPU time the step is host-bound and every
 microsecond of a recompute's Python is step time.
 """
@@ -33,10 +34,13 @@ def variant(k: int, reentrant: bool, steps: int, device: torch.device) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     for _ in range(3):
         timed_step(model, x, opt, None)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
     times = [timed_step(model, x, opt, None) for _ in range(steps)]
+    peak_mib = (torch.cuda.max_memory_allocated(device) - base) / 2**20
     del model, x, opt
     torch.cuda.empty_cache()
-    return medians(times)
+    return {**medians(times), "peak_MiB": round(peak_mib, 1)}
 
 
 def main() -> int:
@@ -60,7 +64,8 @@ def main() -> int:
     write(args, {"workload": "W1", "steps": args.steps, "rounds": args.rounds, "runs": runs, "median": summary})
     for label, s in summary.items():
         print(f"{label:<18} forward host {s['host_fwd_ms']:>7.2f} gpu {s['gpu_fwd_ms']:>7.2f}  backward host "
-              f"{s['host_bwd_ms']:>7.2f} gpu {s['gpu_bwd_ms']:>7.2f}  step {s['step_ms']:>7.2f} ms")
+              f"{s['host_bwd_ms']:>7.2f} gpu {s['gpu_bwd_ms']:>7.2f}  step {s['step_ms']:>7.2f} ms  "
+              f"peak {s['peak_MiB']:>7.1f} MiB")
     return 0
 
 

@@ -969,7 +969,23 @@ class Recompute:
         return checkpoint(self._run, self._grad, *args, use_reentrant=True)
 
     def _run(self, _grad: torch.Tensor, *args: Any) -> Any:
-        return self.forward(*args)
+        out = self.forward(*args)
+        if torch.is_grad_enabled():  # the recompute in backward (forward runs under no_grad)
+            for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, tuple) else ():
+                _release(t)
+        return out
+
+
+def _release(out: torch.Tensor) -> None:
+    """Let the reentrant recompute's rebuilt output go before the nested backward runs: that
+    backward needs only its graph (``grad_fn``) and shape, and would otherwise keep the block's
+    output alive beside everything the block's backward holds, which is why the reentrant form
+    held more than the non-reentrant one (bench/recompute.py's peaks). The tensor keeps its shape
+    over a one-element stride-0 buffer; a node that saved the output (``exp``'s backward) holds
+    its own reference to the storage, so its gradient is unchanged and only the unshared bytes
+    go. Views and leaves (a block that returns its input) are left alone."""
+    if isinstance(out, torch.Tensor) and out.grad_fn is not None and not out._is_view():
+        out.data = torch.empty((), dtype=out.dtype, device=out.device).expand(out.shape)
 
 
 def _warm(block: nn.Module, args: Any, kwargs: dict, device: torch.device) -> None:
