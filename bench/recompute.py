@@ -2,7 +2,7 @@
 
     python bench/recompute.py --out bench/results/recompute-w1.json   # CUDA
 
-Per variant, a fresh model whose first k blocks are storm.planner.Recompute (the wrapper
+Per variant, a fresh model whose first k blocks are storm.recompute.Recompute (the wrapper
 storm.plan sets as a recomputed block's forward), reentrant or not, and no offload (k = 0):
 median over --steps steps, after 3, of bench/profile_step.timed_step's times: the host's to
 return from forward and from backward, the compute stream's for each, and the whole step
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from storm.planner import Recompute  # noqa: E402
+from storm.recompute import Recompute  # noqa: E402
 from offload import cuda_device, write  # noqa: E402
 from profile_step import medians, timed_step  # noqa: E402
 from workloads import W1  # noqa: E402

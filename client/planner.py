@@ -90,13 +90,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
 from stormd.config import parse_size
 
 from .hooks import Offload, parse_budget
 from .policy import Keep
+from .recompute import Recompute
 from .transfer import FRAME_CODECS, FRAME_MIN_BYTES, frameable
 
 log = logging.getLogger("storm")
@@ -939,54 +939,6 @@ def _plan_name(p: Plan) -> str:
     parts = ([f"offload {p.offloaded}"] if p.offloaded else []) + ([f"recompute {len(p.recomputed)}"]
                                                                     if p.recomputed else [])
     return " and ".join(parts) + " blocks" if parts else "keep every block"
-
-
-class Recompute:
-    """A block's forward that keeps only its inputs and runs again in backward.
-
-    Reentrant (torch.utils.checkpoint, use_reentrant=True): forward runs without autograd and
-    backward recomputes the block and runs a nested backward through it. That costs the host
-    less than the non-reentrant checkpoint does, whose Python hooks pack and unpack every
-    tensor the block saves: W1 on lent H100s, all 12 blocks recomputed, 36.8 against 40.3 ms a
-    step (no offload 26.8) and on a slower host 40.5 against 56.4 (no offload 29.0;
-    bench/recompute.py), and a host-bound step pays all of it. A tensor that requires grad
-    (``_grad``, empty) goes in beside the inputs, so that the block's parameters get their
-    gradients where its input does not require grad (the first block's). Keyword arguments,
-    which the reentrant form does not take, and ``reentrant=False`` use the non-reentrant
-    form, which also works with torch.autograd.grad and backward(inputs=...); under no_grad
-    the block just runs. The RNG state is kept for the recompute either way (the same
-    dropout masks)."""
-
-    def __init__(self, forward: Callable[..., Any], device: torch.device, reentrant: bool = True):
-        self.forward, self.reentrant = forward, reentrant
-        self._grad = torch.empty(0, device=device, requires_grad=True)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return self.forward(*args, **kwargs)
-        if kwargs or not self.reentrant:
-            return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
-        return checkpoint(self._run, self._grad, *args, use_reentrant=True)
-
-    def _run(self, _grad: torch.Tensor, *args: Any) -> Any:
-        out = self.forward(*args)
-        if torch.is_grad_enabled():  # the recompute in backward (forward runs under no_grad)
-            for t in out if isinstance(out, tuple) else (out,):
-                _release(t)
-        return out
-
-
-def _release(out: Any) -> None:
-    """Let the reentrant recompute's rebuilt output go before the nested backward runs: that
-    backward needs only its graph (``grad_fn``) and shape, and would otherwise keep the block's
-    output alive beside everything the block's backward holds (W1 on a lent H100, 11 blocks
-    recomputed: the step's peak 688.9 MiB before, 672.9 after, the non-reentrant form's 620.9;
-    bench/recompute.py). The tensor keeps its shape over a one-element stride-0 buffer; a node
-    that saved the output (``exp``'s backward) holds its own reference to the storage, so its
-    gradient is unchanged and only the unshared bytes go. Views, leaves (a block that returns
-    its input) and what is not a tensor are left alone."""
-    if isinstance(out, torch.Tensor) and out.grad_fn is not None and not out._is_view():
-        out.data = torch.empty((), dtype=out.dtype, device=out.device).expand(out.shape)
 
 
 def _warm(block: nn.Module, args: Any, kwargs: dict, device: torch.device) -> None:

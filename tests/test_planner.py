@@ -6,19 +6,17 @@ from __future__ import annotations
 import copy
 import logging
 import time
-import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import storm
 import storm.session as session_mod
-from storm.examples.models import GPT, GPTBlock, same_bits
+from storm.examples.models import GPT, same_bits
 from storm.kernels.frame import frame_nbytes
-from storm.planner import BlockTrace, Recompute, Trace, _Offloading, choose, frames_of, predicted_peak
+from storm.planner import BlockTrace, Trace, _Offloading, choose, frames_of, predicted_peak
+from storm.recompute import Recompute
 
 MiB = 1 << 20
 
@@ -380,131 +378,6 @@ def test_plan_options_in_sizes_reach_the_plan_as_bytes(monkeypatch):
     assert asked and set(asked) == {(1 << 20, 2 << 20)}
     assert planner.plan is not None and planner.plan.max_held_bytes == (1 << 20 if planner.plan.offloaded else 0)
     planner.close()
-
-
-class Scaled(torch.nn.Module):
-    """A block that takes a keyword argument and draws dropout masks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(32, 32)
-
-    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        return torch.nn.functional.dropout(torch.nn.functional.gelu(self.lin(x)), 0.2) * scale
-
-
-def recompute_grads(reentrant: bool | None, kwargs: bool) -> list[torch.Tensor]:
-    """A block whose input does not require grad (as a model's first block's), recomputed or not."""
-    torch.manual_seed(0)
-    blocks = [Scaled(), Scaled()]
-    if reentrant is not None:
-        for b in blocks:
-            b.forward = Recompute(type(b).forward.__get__(b), torch.device("cpu"), reentrant)
-    x = torch.randn(4, 32)
-    torch.manual_seed(3)
-    h = x
-    for b in blocks:
-        h = b(h, scale=0.5) if kwargs else b(h)
-    h.pow(2).sum().backward()
-    return [p.grad for b in blocks for p in b.parameters()]
-
-
-@pytest.mark.parametrize("reentrant", [True, False])
-@pytest.mark.parametrize("kwargs", [False, True])
-def test_recomputed_blocks_give_every_parameter_its_gradient_bit_for_bit(reentrant, kwargs):
-    """The first block's input does not require grad: without the grad-requiring tensor that goes
-    in beside it, a reentrant recompute would leave its parameters without gradients."""
-    ref = recompute_grads(None, kwargs)
-    got = recompute_grads(reentrant, kwargs)
-    assert all(g is not None for g in got)
-    assert all(same_bits(a, b) for a, b in zip(ref, got))
-
-
-class LiveBytes(TorchDispatchMode):
-    """The most bytes that tensors made under it held at once: every op's outputs counted
-    until their storage is freed (CPU has no allocator statistics to read)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.now = self.peak = 0
-
-    def _count(self, t: object) -> None:
-        if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() in self.live:
-            return
-        key, n = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-        self.live[key] = n
-        self.now += n
-        self.peak = max(self.peak, self.now)
-        weakref.finalize(t.untyped_storage(), self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        pytree.tree_map(self._count, out)
-        return out
-
-
-def recompute_peak(reentrant: bool) -> int:
-    torch.manual_seed(0)
-    blocks = [GPTBlock(64, 2, dropout=0.1) for _ in range(4)]
-    with LiveBytes() as live:
-        h = torch.randn(2, 128, 64)
-        for b in blocks:
-            h = Recompute(b, torch.device("cpu"), reentrant)(h)
-        h.sum().backward()
-    return live.peak
-
-
-def test_the_reentrant_recompute_holds_no_more_than_the_non_reentrant_one():
-    """The reentrant form's nested backward used to keep the rebuilt block's output beside
-    everything the block's backward holds: here one block output (64 KiB) over the
-    non-reentrant form's peak. (On CUDA the forms still differ: W1, 672.9 against 620.9 MiB.)"""
-    assert recompute_peak(True) <= recompute_peak(False)
-
-
-class Ends(torch.nn.Module):
-    """A block whose output is saved by its own last op, or is a view, or a tuple."""
-
-    def __init__(self, end: str):
-        super().__init__()
-        self.lin, self.end = torch.nn.Linear(16, 16), end
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        y = self.lin(x)
-        if self.end == "exp":  # exp's backward reads its output
-            return y.exp()
-        if self.end == "view":
-            return y.view(-1, 4, 4)[..., :2].reshape(x.shape[0], -1)
-        return y.sigmoid(), y * 2
-
-
-@pytest.mark.parametrize("end", ["exp", "view", "tuple"])
-def test_releasing_the_rebuilt_output_keeps_gradients_bit_for_bit(end):
-    def grads(recompute: bool) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        b = Ends(end)
-        if recompute:
-            b.forward = Recompute(type(b).forward.__get__(b), torch.device("cpu"))
-        x = torch.randn(4, 16, requires_grad=True)
-        out = b(x)
-        loss = sum(o.pow(2).sum() for o in out) if isinstance(out, tuple) else out.pow(3).sum()
-        loss.backward()
-        return [x.grad] + [p.grad for p in b.parameters()]
-
-    assert all(same_bits(a, b) for a, b in zip(grads(False), grads(True), strict=True))
-
-
-def test_a_recomputed_block_under_no_grad_just_runs():
-    torch.manual_seed(0)
-    b = torch.nn.Linear(8, 8)
-    r = Recompute(b.forward, torch.device("cpu"))
-    x = torch.randn(2, 8)
-    with torch.no_grad():
-        out = r(x)
-    assert out.grad_fn is None and same_bits(out, b(x).detach())
 
 
 def test_reentrant_false_recomputes_for_torch_autograd_grad():
