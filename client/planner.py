@@ -22,8 +22,10 @@ nothing, and records each block's forward time (what recomputing it costs), with
 on the compute stream on CUDA, so a launch-bound model's host time counts as it does in
 training, and as each block starts how far the host is ahead of the stream (block 0 runs
 once untimed before, without autograd: a process's first such forward loads kernels). With peak=
-(CUDA), a third recomputes every block in the non-reentrant form (Recompute), to measure
-what it holds besides. Each is the least-memory step of its kind. Pinned copy bandwidth
+(CUDA) and the reentrant form, a third recomputes every block again without Recompute's
+hand-over of saved tensors, so that each block's backward holds its saves as a kept block's
+does, to measure what a kept block's backward holds beyond a recomputed one's
+(``kept_extra``). Each is the least-memory step of its kind. Pinned copy bandwidth
 each way is measured once per trace, and, when some tensor would be framed, the training thread's time to encode and
 decode one frame (the median of a few on a FRAME_MIN_BYTES bf16 tensor) and the device's
 time to encode and decode a GiB (on a FRAME_DEVICE_BYTES one).
@@ -52,10 +54,9 @@ device, the prefetch window, and for compressed plans the largest offloaded bloc
 holds while it encodes or decodes) and each block's backward (what
 the blocks before it keep and its own saves, kept, rebuilt or fetched; with ``peak``, also
 the parameter gradients backward has allocated by then, traced as those that were None
-before the step). The fitting plan of least predicted cost wins, recomputing in the
-reentrant form; where none fits, the non-reentrant form's if its lower besides lets one
-fit; else the one of least peak (of either form), with a warning. When block 0 is called
-with other input shapes than those traced, the next step traces again.
+before the step, and where the block is kept, ``kept_extra``). The fitting plan of least
+predicted cost wins; where none fits, the one of least peak, with a warning. When block 0
+is called with other input shapes than those traced, the next step traces again.
 
 Measure. The model counts saves and gradients; a step also holds activations' gradients,
 temporaries and, when it offloads, copies and fetches whose timing the model only
@@ -169,17 +170,21 @@ def kept_bytes(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[in
 
 
 def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
-                   grads: bool = True) -> int:
+                   grads: bool = True, kept_extra: int = 0) -> int:
     """Saved bytes (and with ``grads`` parameter gradients) on the device at the worst moment of
-    backward when blocks[:offloaded] are offloaded and ``recomputed`` are recomputed."""
-    return max(_moments(trace, offloaded, recomputed, in_flight_bytes, grads))
+    backward when blocks[:offloaded] are offloaded and ``recomputed`` are recomputed; a kept
+    block's backward also holds ``kept_extra``."""
+    return max(_moments(trace, offloaded, recomputed, in_flight_bytes, grads, kept_extra))
 
 
 def _moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
-             grads: bool) -> list[int]:
+             grads: bool, kept_extra: int = 0) -> list[int]:
     """What the device holds as backward reaches each block i (what the blocks before i keep,
-    block i's own saves, kept, rebuilt or fetched, and the gradients of blocks i.. by then),
-    and last at backward's start (every kept save, offloaded bytes still in flight)."""
+    block i's own saves, kept, rebuilt or fetched, and the gradients of blocks i.. by then,
+    plus ``kept_extra`` where block i is kept: autograd holds a kept block's saves until each
+    node that saved them ends, beside the node's temporaries, where a recomputed or offloaded
+    block's are handed over and dropped as the node takes them), and last at backward's start
+    (every kept save, offloaded bytes still in flight)."""
     blocks, n = trace.blocks, len(trace.blocks)
     kept = kept_bytes(trace, offloaded, recomputed)
     grad = [b.grad_bytes * grads for b in blocks]
@@ -188,7 +193,7 @@ def _moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int]
     allocated = sum(grad)
     held = []
     for i, b in enumerate(blocks):
-        held.append(before + b.saved_bytes + allocated)
+        held.append(before + b.saved_bytes + allocated + kept_extra * (i >= offloaded and i not in recomputed))
         before += kept[i]
         allocated -= grad[i]
     return held + [start]
@@ -252,7 +257,7 @@ class _Offloading:
 
 def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_bytes: int | None = None,
            offload_margin: int = 0, grads: bool = False, codec: str | None = None,
-           offload: bool | None = None) -> Plan | None:
+           offload: bool | None = None, kept_extra: int = 0) -> Plan | None:
     """The plan of least predicted cost whose predicted peak (of saves, and with ``grads`` of
     parameter gradients too) is at most ``budget`` bytes, less
     ``offload_margin`` for plans that offload (what such plans were measured to take beyond
@@ -264,7 +269,8 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     compressed, whichever costs less (raw on ties); ``codec``, the user's storm.offload option
     when given, allows only the one it means (compressed for a frame codec). ``offload``: only
     plans that offload (True) or that do not (False); None where there is none (every offload
-    more than the store took)."""
+    more than the store took). ``kept_extra``: what a kept block's backward holds beyond a
+    recomputed one's (_moments)."""
     blocks, n = trace.blocks, len(trace.blocks)
     best: Plan | None = None
     lowest: Plan | None = None
@@ -282,13 +288,13 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
             room = budget - (offload_margin if off.sent else 0)
             if prefetch_bytes is not None or not off.sent:
                 window = prefetch_bytes if off.sent else 0  # nothing offloaded: nothing to fetch
-                recomputed, peak, cost = _recompute_until(trace, k, room, off, window, grads)
+                recomputed, peak, cost = _recompute_until(trace, k, room, off, window, grads, kept_extra)
             else:  # no window while kept blocks follow: backward frees them before it needs the offloaded ones
                 window = 0
-                recomputed, peak, cost = _recompute_until(trace, k, room, off, 0, grads)
+                recomputed, peak, cost = _recompute_until(trace, k, room, off, 0, grads, kept_extra)
                 if all(i in recomputed for i in range(k, n)):
                     window = block
-                    recomputed, peak, cost = _recompute_until(trace, k, room, off, block, grads)
+                    recomputed, peak, cost = _recompute_until(trace, k, room, off, block, grads, kept_extra)
             plan = Plan(k, frozenset(recomputed), None if k == n else (trace.offloaded_before[k] if k else 0),
                         off.held, window, peak, round(cost, 3), peak <= room, off.leftover + off.frames + window,
                         off.compressed)
@@ -300,7 +306,7 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
 
 
 def _recompute_until(trace: Trace, k: int, budget: int, off: _Offloading, window: int,
-                     grads: bool) -> tuple[set[int], int, float]:
+                     grads: bool, kept_extra: int = 0) -> tuple[set[int], int, float]:
     """Blocks past the first k to recompute until the predicted peak fits; with the peak and
     cost reached. Recomputing block j lowers what every later moment holds (the start of
     backward, and each block i > j as backward reaches it) by its saves less its input, and
@@ -308,22 +314,24 @@ def _recompute_until(trace: Trace, k: int, budget: int, off: _Offloading, window
     then 1's, ..., then backward's start), each by the cheapest blocks in forward ms per byte
     removed (earlier blocks on ties) among those before it. Picking the cheapest anywhere
     first can spend them where no moment over the budget gains (W2's 24 like blocks, with
-    later ones 0.2% cheaper each, recomputed 23 where 7 fit)."""
+    later ones 0.2% cheaper each, recomputed 23 where 7 fit). A kept block's own moment also
+    holds ``kept_extra``, which recomputing it removes: for that moment it is a candidate too."""
     blocks, n = trace.blocks, len(trace.blocks)
     in_flight = off.leftover + off.frames + window
     gain = [b.saved_bytes - b.input_bytes for b in blocks]
     order = sorted((j for j in range(k, n) if gain[j] > 0), key=lambda j: (blocks[j].forward_ms / gain[j], j))
-    moments = _moments(trace, k, set(), in_flight, grads)  # block i's, for i < n, then backward's start
+    # block i's, for i < n (every block past k kept, so each with kept_extra), then backward's start
+    moments = _moments(trace, k, set(), in_flight, grads, kept_extra)
     recomputed: set[int] = set()
     for i, held in enumerate(moments):
-        lowered = held - sum(gain[j] for j in recomputed if j < i)
+        lowered = held - sum(gain[j] for j in recomputed if j < i) - kept_extra * (i in recomputed)
         for j in order:
             if lowered <= budget:
                 break
-            if j < i and j not in recomputed:
+            if j <= i and j not in recomputed and (j < i or kept_extra):
                 recomputed.add(j)
-                lowered -= gain[j]
-    peak = predicted_peak(trace, k, recomputed, in_flight, grads)
+                lowered -= gain[j] if j < i else kept_extra
+    peak = predicted_peak(trace, k, recomputed, in_flight, grads, kept_extra)
     return recomputed, peak, off.cost_ms + sum(blocks[j].forward_ms for j in recomputed)
 
 
@@ -355,8 +363,10 @@ class Planner:
         self._options = {k: checked[k] for k in offload_options}  # the given ones, sizes read ("512MiB")
         self.trace: Trace | None = None
         self.plan: Plan | None = None
-        self._besides: dict[bool, int] = {}    # what a step holds besides its saves, per recompute form (CUDA)
-        self.reentrant_in_force = reentrant    # the recompute form of the plan in force
+        # what a step holds besides its saves (activations' gradients, temporaries) at a recomputed
+        # or offloaded block's backward, measured on CUDA in the compute trace; None before it
+        self.besides: int | None = None
+        self._kept_besides: int | None = None  # the same where each block's saves stay to their nodes' ends
         self.measured_peak: int | None = None  # the last measured planned step's peak above its start
         self._margins = {False: 0, True: 0}    # measured peak beyond predicted, for plans that (do not) offload
         self._checks = 0                       # planned steps measured since the last trace
@@ -378,10 +388,15 @@ class Planner:
         self.replans = 0
 
     @property
-    def besides(self) -> int | None:
-        """What a step holds besides its saves (activations' gradients, temporaries), measured on
-        CUDA in the compute trace of the recompute form in force; None before it or off CUDA."""
-        return self._besides.get(self.reentrant_in_force)
+    def kept_extra(self) -> int:
+        """What a kept block's backward holds beyond a recomputed one's: autograd keeps a kept
+        block's saves until each node that saved them ends, beside the node's temporaries (W1: a
+        bias gradient's reduction buffer of up to 132 MiB), where Recompute hands them over and
+        they go as the node takes them. Measured with peak= in the reentrant form (the second
+        compute trace, without the hand-over); else 0."""
+        if self.besides is None or self._kept_besides is None:
+            return 0
+        return max(0, self._kept_besides - self.besides)
 
     @property
     def settled(self) -> bool:
@@ -406,16 +421,16 @@ class Planner:
         if self._stale:
             self._stale, self._phase, self.plan = False, "trace-offload", None
             self._margins, self._checks, self._checking = {False: 0, True: 0}, 0, False
-            self._besides, self.reentrant_in_force = {}, self.reentrant
+            self.besides, self._kept_besides = None, None
             self._offloading_steps, self.traced_host_ms_per_tensor = 0, None
             self._alternative, self._trial, self.trial = None, None, None
             self.replans += 1
         if self._phase == "trace-offload":
             return self._trace_offload()
         if self._phase == "trace-compute":
-            return self._trace_compute(self.reentrant)
-        if self._phase == "trace-compute-non-reentrant":
-            return self._trace_compute(False)
+            return self._trace_compute(hand_over=True)
+        if self._phase == "trace-compute-kept":
+            return self._trace_compute(hand_over=False)
         if self._trial is None and self._alternative is not None and not self._checking \
                 and not self._host_check_due():
             self._trial, self._alternative = _Trial((self.plan, self._alternative)), None
@@ -599,20 +614,18 @@ class Planner:
         self._pending = collect
         return ctx
 
-    def _trace_compute(self, reentrant: bool) -> Offload:
-        """Every block recomputed (in the ``reentrant`` form or not), nothing offloaded: forward
-        time per block in the planner's form, and what a step holds besides its saves in this
-        one. With peak=, where the reentrant form is the planner's, a second traced step measures
-        the besides of the non-reentrant form too: it holds less while a block's backward runs
-        (the reentrant one keeps the rebuilt block's output and its input's gradient through a
-        nested backward), which the tightest peaks can need."""
+    def _trace_compute(self, hand_over: bool) -> Offload:
+        """Every block recomputed in the planner's form, nothing offloaded: forward time per
+        block, and what a step holds besides its saves. With peak=, where the reentrant form is
+        the planner's, a second traced step recomputes without Recompute's hand-over of saved
+        tensors (``hand_over=False``): each block's backward then holds its saves as a kept
+        block's does, and what it holds besides them gives ``kept_extra``."""
         device = _device_of(self.blocks)
         # checkpoint's first call in a process imports torch._dynamo (about 1.4 s on a CPU here) and
         # sets up its machinery: pay it now, or block 0 looks that much dearer to recompute
         warm = torch.zeros(1, device=device, requires_grad=True)
-        Recompute(lambda t: t * 2, device, reentrant)(warm).sum().backward()
-        self.reentrant_in_force = reentrant
-        self._recompute(set(range(len(self.blocks))))
+        Recompute(lambda t: t * 2, device, self.reentrant)(warm).sum().backward()
+        self._recompute(set(range(len(self.blocks))), hand_over)
         clock = _Clock(device)
         n = len(self.blocks)
         starts: list[Any] = [None] * n
@@ -620,7 +633,7 @@ class Planner:
         host = [0.0] * (n + 1)  # as each block starts, and as the last ends
 
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
-            if reentrant and i == 0:  # untimed first, before any mark: see _warm
+            if self.reentrant and i == 0:  # untimed first, before any mark: see _warm
                 _warm(m, args, kwargs, device)
             host[i] = time.perf_counter()
             starts[i] = clock.mark()
@@ -639,7 +652,7 @@ class Planner:
                 log.warning("storm.plan: the traced step did not run every block once; tracing again")
                 return
             trace = self.trace
-            if reentrant == self.reentrant:  # the times of the form plans take
+            if hand_over:  # the times of the form plans take
                 for b, s, e in zip(trace.blocks, starts, ends):
                     b.forward_ms = clock.elapsed_ms(s, e)
                 trace.forward_host_ms = (host[n] - host[0]) * 1e3
@@ -650,9 +663,13 @@ class Planner:
                                  for i in range(n)]
                 trace.lead_ms.append(trace.forward_device_ms - trace.forward_host_ms)
             if self._measured is not None:  # what the model leaves out: activations' gradients, temporaries
-                self._besides[reentrant] = max(0, self._measured - predicted_peak(trace, 0, set(range(n)), 0))
-            if reentrant and self._peak is not None and self._measured is not None:
-                self._phase = "trace-compute-non-reentrant"
+                besides = max(0, self._measured - predicted_peak(trace, 0, set(range(n)), 0))
+                if hand_over:
+                    self.besides = besides
+                else:
+                    self._kept_besides = besides
+            if hand_over and self.reentrant and self._peak is not None and self._measured is not None:
+                self._phase = "trace-compute-kept"
             else:
                 self._make_plan()
 
@@ -668,7 +685,8 @@ class Planner:
 
     def _step_peak(self, plan: Plan) -> int:
         """The plan's saves and parameter gradients on the device at its predicted peak."""
-        return predicted_peak(self.trace, plan.offloaded, plan.recomputed, plan.in_flight_bytes)
+        return predicted_peak(self.trace, plan.offloaded, plan.recomputed, plan.in_flight_bytes,
+                              kept_extra=self.kept_extra)
 
     @property
     def target(self) -> int | None:
@@ -689,22 +707,12 @@ class Planner:
     def _choose(self, offload: bool | None = None) -> Plan | None:
         return choose(self.trace, self._plans_budget(), self._options.get("max_held_bytes"),
                       self._options.get("prefetch_bytes"), self._margins[True] - self._margins[False],
-                      grads=self._peak is not None, codec=self._options.get("codec"), offload=offload)
+                      grads=self._peak is not None, codec=self._options.get("codec"), offload=offload,
+                      kept_extra=self.kept_extra)
 
     def _make_plan(self) -> None:
-        """The plan of least predicted cost in the planner's recompute form; where none fits,
-        in the non-reentrant form if its lower besides (when measured) lets one fit; where
-        neither does, the form whose least-peak plan holds less."""
-        self.reentrant_in_force = self.reentrant
+        """The plan of least predicted cost; where none fits, the one of least peak."""
         self.plan = self._choose()
-        if not self.plan.fits and self.reentrant and False in self._besides:
-            over = self._step_peak(self.plan) + self.besides
-            self.reentrant_in_force = False
-            plan = self._choose()
-            if plan.fits or self._step_peak(plan) + self.besides < over:  # fits, or the least peak of the two
-                self.plan = plan
-            else:
-                self.reentrant_in_force = True
         if not self.plan.fits:
             log.warning("storm.plan: no plan keeps the %s under %.1f MiB; the lowest predicted is %.1f MiB",
                         "saved activations" if self._peak is None else "saves and gradients, from peak=,",
@@ -814,9 +822,9 @@ class Planner:
             h.remove()
         self._hooks = []
 
-    def _recompute(self, which: set[int]) -> None:
+    def _recompute(self, which: set[int], hand_over: bool = True) -> None:
         """Make exactly the blocks in ``which`` recompute in backward (Recompute, set as their
-        forward), in the form in force."""
+        forward, in the planner's form; ``hand_over``: see Recompute)."""
         for i in which - self._recomputing:
             if "forward" in vars(self.blocks[i]):
                 raise RuntimeError(f"storm.plan: block {i} ({type(self.blocks[i]).__name__}) already has its own "
@@ -825,8 +833,8 @@ class Planner:
             del self.blocks[i].forward  # back to the class's forward
         for i in which:
             b = self.blocks[i]
-            if i not in self._recomputing or b.forward.reentrant != self.reentrant_in_force:
-                b.forward = Recompute(type(b).forward.__get__(b), _device_of([b]), self.reentrant_in_force)
+            if i not in self._recomputing or b.forward.hand_over != hand_over:
+                b.forward = Recompute(type(b).forward.__get__(b), _device_of([b]), self.reentrant, hand_over)
         self._recomputing = set(which)
 
     def close(self) -> None:
@@ -874,18 +882,15 @@ class Planner:
         if self.besides is not None:
             measured = "not yet" if self.measured_peak is None else f"{self.measured_peak / MiB:.1f} MiB"
             lines.append(f"measured: step peak {measured} against a target of {self.target / MiB:.1f} MiB "
-                         f"(besides the saves {self.besides / MiB:.1f} MiB); margins {self._margins[False] / MiB:.1f} "
+                         f"(besides the saves {self.besides / MiB:.1f} MiB, and {self.kept_extra / MiB:.1f} more "
+                         f"while a kept block's backward runs); margins {self._margins[False] / MiB:.1f} "
                          f"MiB, plus {self._margins[True] / MiB:.1f} MiB for plans that offload, after "
                          f"{self._checks} measured steps")
         return "\n".join(lines)
 
     def _explain_recompute(self) -> str:
-        if self.reentrant_in_force:
-            return "recomputed with the reentrant checkpoint"
         if self.reentrant:
-            return (f"recomputed with the non-reentrant checkpoint: no plan fits with the reentrant one, which "
-                    f"holds {self._besides[True] / MiB:.1f} MiB besides the saves against "
-                    f"{self._besides[False] / MiB:.1f}")
+            return "recomputed with the reentrant checkpoint"
         return "recomputed with the non-reentrant checkpoint (reentrant=False)"
 
     def _explain_codec(self) -> str:

@@ -37,10 +37,13 @@ class Recompute:
     """A block's forward (``forward``, the block's own bound method) recomputed in backward,
     in the reentrant form unless ``reentrant=False``. A tensor that requires grad (``_grad``,
     empty) goes in beside the inputs, so that the block's parameters get their gradients where
-    its input does not require grad (the first block's)."""
+    its input does not require grad (the first block's). ``hand_over=False`` leaves the
+    reentrant recompute's saved tensors to autograd, which keeps them as it keeps a block's
+    that is not recomputed: storm.plan measures what that holds (Planner.kept_extra)."""
 
-    def __init__(self, forward: Callable[..., Any], device: torch.device, reentrant: bool = True):
-        self.forward, self.reentrant = forward, reentrant
+    def __init__(self, forward: Callable[..., Any], device: torch.device, reentrant: bool = True,
+                 hand_over: bool = True):
+        self.forward, self.reentrant, self.hand_over = forward, reentrant, hand_over
         self._grad = torch.empty(0, device=device, requires_grad=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -53,7 +56,10 @@ class Recompute:
     def _run(self, _grad: torch.Tensor, *args: Any) -> Any:
         if not torch.is_grad_enabled():  # checkpoint's forward
             return self.forward(*args)
-        with torch.autograd.graph.saved_tensors_hooks(_Saved, _Saved.take):  # the recompute in backward
+        if self.hand_over:  # the recompute in backward
+            with torch.autograd.graph.saved_tensors_hooks(_Saved, _Saved.take):
+                out = self.forward(*args)
+        else:
             out = self.forward(*args)
         for t in out if isinstance(out, tuple) else (out,):
             _release(t)

@@ -15,7 +15,7 @@ import storm
 import storm.session as session_mod
 from storm.examples.models import GPT, same_bits
 from storm.kernels.frame import frame_nbytes
-from storm.planner import BlockTrace, Trace, _Offloading, choose, frames_of, predicted_peak
+from storm.planner import BlockTrace, Trace, _moments, _Offloading, choose, frames_of, predicted_peak
 from storm.recompute import Recompute
 
 MiB = 1 << 20
@@ -43,6 +43,26 @@ def test_a_slow_link_recomputes_instead_of_offloading():
     assert p.fits and p.predicted_peak <= budget
     assert p.offloaded == 0 and len(p.recomputed) == 4  # each recompute removes 90 MiB, plus the largest's 100
     assert p.predicted_cost_ms == pytest.approx(4.0)
+
+
+def test_only_a_kept_blocks_backward_holds_the_kept_extra():
+    t = trace(n=4, gbps=0.5)  # a slow link: plans recompute
+    every, extra = set(range(4)), 5 * MiB
+
+    def added(offloaded: int, recomputed: set[int]) -> list[int]:  # per block's backward, then backward's start
+        return [a - b for a, b in zip(_moments(t, offloaded, recomputed, 0, True, extra),
+                                      _moments(t, offloaded, recomputed, 0, True))]
+
+    assert added(0, set()) == [extra] * 4 + [0]
+    assert added(0, {1, 2}) == [extra, 0, 0, extra, 0]
+    assert added(0, every) == [0] * 5  # handed over
+    assert added(2, {3}) == [0, 0, extra, 0, 0]  # fetched ones are handed over too
+    # a budget that recomputing blocks 0-2 meets exactly, but not with block 3's kept extra:
+    # recomputing block 3 too removes it there
+    budget = predicted_peak(t, 0, {0, 1, 2}, 0)
+    assert choose(t, budget).recomputed == {0, 1, 2}
+    assert predicted_peak(t, 0, {0, 1, 2}, 0, kept_extra=extra) > budget
+    assert choose(t, budget, kept_extra=extra).recomputed == every
 
 
 def test_the_cheapest_blocks_per_byte_are_recomputed_first():
@@ -466,7 +486,7 @@ def fix_plan(monkeypatch, offloaded: int, recomputed: set[int], compressed: bool
     from storm import planner as planner_module
 
     def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-              offload=None):
+              offload=None, kept_extra=0):
         return planner_module.Plan(offloaded, frozenset(recomputed), trace.offloaded_before[offloaded], 1 << 30, 0,
                                    1 << 40, 0.0, True, compressed=compressed)
 
@@ -643,7 +663,7 @@ class ScriptedMemory:
     `besides`, and for plans that offload `extra` more than they predict."""
 
     besides, extra = 40 * MiB, 70 * MiB
-    reentrant_extra = 0  # what the reentrant form holds beyond the non-reentrant one
+    kept_extra = 0  # what a kept block's backward holds beyond a recomputed one's
     planner = None
 
     def __init__(self, device):
@@ -654,10 +674,13 @@ class ScriptedMemory:
 
     def peak(self) -> int:
         pl = ScriptedMemory.planner
-        besides = self.besides + self.reentrant_extra * pl.reentrant_in_force
-        if pl.plan is None:  # the compute trace: every block recomputed
-            return besides + predicted_peak(pl.trace, 0, set(range(len(pl.trace.blocks))), 0)
-        return besides + pl._step_peak(pl.plan) + (self.extra if pl.plan.offloaded else 0)
+        if pl.plan is None:  # the compute traces: every block recomputed, without the hand-over in the second
+            every = set(range(len(pl.trace.blocks)))
+            return (self.besides + predicted_peak(pl.trace, 0, every, 0)
+                    + self.kept_extra * (pl._phase == "trace-compute-kept"))
+        p = pl.plan
+        return (self.besides + predicted_peak(pl.trace, p.offloaded, p.recomputed, p.in_flight_bytes,
+                                              kept_extra=self.kept_extra) + (self.extra if p.offloaded else 0))
 
 
 def scripted_planner(monkeypatch, **kw):
@@ -666,7 +689,7 @@ def scripted_planner(monkeypatch, **kw):
     from storm import planner as planner_module
 
     def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-              offload=None):
+              offload=None, kept_extra=0):
         if offload_margin <= 0:
             return planner_module.Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0,
                                        predicted_peak(trace, 2, set(), 0), 0.0, True)
@@ -713,7 +736,7 @@ def test_a_step_measured_over_its_target_plans_again_with_a_margin(monkeypatch):
 def test_peak_is_the_target_and_the_besides_come_off_it(monkeypatch):
     monkeypatch.setattr(ScriptedMemory, "extra", 0)
     model, idx, planner = scripted_planner(monkeypatch, peak="60MiB")
-    for _ in range(4):  # with peak=, the compute trace runs in both recompute forms
+    for _ in range(4):  # with peak=, the compute trace runs twice, with and without the hand-over
         grads_of(model, idx, planner.step())
     assert planner._saved_budget() == 60 * MiB - ScriptedMemory.besides
     assert planner.target == 60 * MiB
@@ -725,38 +748,43 @@ def test_peak_is_the_target_and_the_besides_come_off_it(monkeypatch):
     planner.close()
 
 
-@pytest.mark.parametrize("reentrant_extra, spare", [(0, 4 * MiB), (8 * MiB, 4 * MiB), (8 * MiB, -4 * MiB)])
-def test_a_peak_only_the_non_reentrant_form_reaches_is_planned_in_it(monkeypatch, reentrant_extra, spare):
-    """The reentrant form holds more besides the saves (W1 on the H100: 673 against 606 MiB with
-    every block recomputed); where no plan fits with it and one does without, that one is taken,
-    and where neither fits, the form of the lower peak."""
+def test_kept_blocks_backward_is_planned_with_what_it_holds_more(monkeypatch):
+    """Autograd keeps a kept block's saves until each node that saved them ends, where Recompute
+    hands a recomputed block's over as the node takes them (W1 on the H100: a plan that kept
+    blocks 0 and 1 went 18 MiB over its cap without counting it). The second compute trace,
+    without the hand-over, measures the difference, and plans count it at kept blocks'
+    backward: at a peak where the plan that leaves it out would go over, the planner takes one
+    that does not, and its steps stay within the target."""
     from storm import planner as planner_module
 
     monkeypatch.setattr(planner_module, "_PeakMemory", ScriptedMemory)
     monkeypatch.setattr(ScriptedMemory, "extra", 0)
-    monkeypatch.setattr(ScriptedMemory, "reentrant_extra", reentrant_extra)
     model, idx = gpt()
     ref = grads_of(copy.deepcopy(model), idx)
-    # a pool that takes almost nothing: plans offload at most what it took, and recompute the rest
-    options = {"mode": "embedded", "min_bytes": 0, "pool_size": "64KiB"}
+    options = {"mode": "embedded", "min_bytes": 0, "pool_size": "64KiB"}  # plans offload almost nothing
     probe = ScriptedMemory.planner = storm.plan(model.blocks, peak="1GiB", **options)
-    for _ in range(2):
+    for _ in range(3):
         grads_of(model, idx, probe.step())
-    probe.step()  # reads the compute trace
-    lowest = choose(probe.trace, 0, grads=True).predicted_peak  # the least any plan can hold
+    t = probe.trace
     probe.close()
-    # a peak the least-peak plan fits with the non-reentrant besides with `spare` to spare (< 0: not)
-    planner = ScriptedMemory.planner = storm.plan(model.blocks, peak=lowest + ScriptedMemory.besides + spare,
-                                                  **options)
+    extra = t.blocks[0].saved_bytes // 2
+
+    def over(b: int) -> bool:  # the plan that leaves the extra out goes over b with it
+        blind = choose(t, b, grads=True)
+        return predicted_peak(t, blind.offloaded, blind.recomputed, blind.in_flight_bytes, kept_extra=extra) > b
+
+    budget = next(b for b in range(t.total_bytes, 0, -MiB // 8)
+                  if over(b) and choose(t, b, grads=True, kept_extra=extra).fits)
+    blind = choose(t, budget, grads=True)
+    monkeypatch.setattr(ScriptedMemory, "kept_extra", extra)
+    planner = ScriptedMemory.planner = storm.plan(model.blocks, peak=budget + ScriptedMemory.besides, **options)
     for _ in range(5):
         got = grads_of(model, idx, planner.step())
         assert all(same_bits(a, b) for a, b in zip(ref, got))
-    p = planner.plan
-    assert p.recomputed and planner.settled and p.fits == (spare > 0)
-    assert not p.fits or planner.measured_peak <= planner.target
-    forms = {model.blocks[i].forward.reentrant for i in p.recomputed}
-    assert forms == {planner.reentrant_in_force} == {reentrant_extra == 0}
-    assert ("recomputed with the non-reentrant checkpoint: no plan fits" in planner.explain()) == bool(reentrant_extra)
+    assert planner.kept_extra == extra and planner.besides == ScriptedMemory.besides
+    assert planner.plan == choose(planner.trace, budget, grads=True, kept_extra=extra) != blind
+    assert planner.settled and planner._checks == 1 and planner.measured_peak <= planner.target
+    assert f"and {extra / MiB:.1f} more while a kept block's backward runs" in planner.explain()
     planner.close()
 
 
@@ -859,7 +887,7 @@ def fix_plan_by_host_cost(monkeypatch, dearer_than_ms: float) -> list[float]:
     seen = []
 
     def by_host_cost(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-                     offload=None):
+                     offload=None, kept_extra=0):
         seen.append(trace.host_ms_per_tensor)
         if trace.host_ms_per_tensor <= dearer_than_ms:
             return planner_module.Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0, 1 << 40, 0.0, True)
@@ -925,7 +953,7 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
     from storm import transfer
 
     def by_kind(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-                offload=None):
+                offload=None, kept_extra=0):
         if offload is False:
             return planner_module.Plan(0, frozenset({0, 1}), 0, 0, 0, 1 << 40, 5.0, True)
         return planner_module.Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0, 1 << 40, 1.0, True)
