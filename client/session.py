@@ -19,6 +19,7 @@ import itertools
 import logging
 import threading
 import time
+import traceback
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -396,6 +397,10 @@ class ClientSession:
                 self._warned.add(kind)  # once per kind of failure, not once per tensor
                 log.warning("storm: saved tensors stay where they are while the store refuses them: %s", err)
             stored.state = State.KEPT
+            # the error's traceback holds the frames it passed through (the put's, with the tensor's
+            # storage), some holding the error again: a cycle until the garbage collector ran
+            traceback.clear_frames(err.__traceback__)
+            stored.put = None
             stored.step.stats.record(stored.layer, keep=reason, kept_bytes=stored.nbytes,
                                      offloaded=-1, offloaded_bytes=-stored.nbytes)
             return self._forget(stored) if stored.refs == 0 else []

@@ -78,7 +78,10 @@ class Service:
                 self.settle_copies()  # inside the try: a CUDA failure there costs a reply, not the daemon
             return self.handle(msg if trusted else parse_request(msg), peer)
         except ProtocolError as e:
-            error = e
+            # without its traceback: kept in this frame, whose traceback it is, the two would form a
+            # cycle holding the caller's frames (in the embedded store, the training thread's, with
+            # the tensor it was saving) until the garbage collector ran
+            error = e.with_traceback(None)
         except Exception as e:  # a bug must cost one reply, not the daemon
             log.exception("internal error handling %r", msg.op if trusted else msg.get("op") if isinstance(msg, dict)
                           else msg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import logging
 
 import threading
@@ -282,6 +283,33 @@ def test_embedded_pool_full_keeps_tensors_on_their_device():
         model(x).square().sum().backward()
     ctx.synchronize()  # the mover's replies decide what was kept
     assert ctx.stats.kept.get(storm.Keep.POOL_FULL, 0) >= 1 and ctx.stats.offloaded >= 1
+
+
+def test_saves_the_store_refused_go_without_the_garbage_collector():
+    """A refusal's traceback runs through the frames that saved the tensor (the embedded store
+    answers on the training thread) and through the put's, which hold its storage: kept where
+    the traceback's frames could reach them, each step's refused saves stayed on the device
+    until the garbage collector ran."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    lin = nn.Linear(256, 256)
+    saved = []
+    gc.disable()
+    try:
+        for _ in range(3):
+            x = torch.randn(64, 256, requires_grad=True)
+            with storm.offload(mode="embedded", min_bytes=0, pool_size="16KiB") as ctx:
+                h = torch.relu(lin(x))  # relu and tanh save their outputs: what the store refuses
+                saved.append(StorageWeakRef(h.untyped_storage()))
+                y = torch.tanh(lin(h))
+            del h
+            y.sum().backward()
+            del y
+        ctx.synchronize()  # every refusal read: the tensors are the session's to let go of now
+        assert ctx.stats.kept.get(storm.Keep.POOL_FULL, 0) >= 1
+        assert [r.expired() for r in saved] == [True, True, True]
+    finally:
+        gc.enable()
 
 
 def test_daemon_pool_full_keeps_tensors(small_daemon):
