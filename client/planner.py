@@ -391,7 +391,7 @@ class Planner:
     def kept_extra(self) -> int:
         """What a kept block's backward holds beyond a recomputed one's: autograd keeps a kept
         block's saves until each node that saved them ends, beside the node's temporaries (W1: a
-        bias gradient's reduction buffer of up to 132 MiB), where Recompute hands them over and
+        bias gradient's reduction buffer; 52 MiB more in all), where Recompute hands them over and
         they go as the node takes them. Measured with peak= in the reentrant form (the second
         compute trace, without the hand-over); else 0."""
         if self.besides is None or self._kept_besides is None:

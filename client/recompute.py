@@ -18,7 +18,7 @@ What the reentrant form's nested backward holds is kept to what the non-reentran
 - Each tensor the recompute saves is handed to the node that saved it when that node runs
   (``_Saved``), and dropped then, as the non-reentrant form's hooks do; autograd would keep it
   until the node finishes, beside the node's own temporaries (a bias gradient's reduction
-  buffer of up to 132 MiB in W1).
+  buffer, in W1).
 - The rebuilt output goes before the nested backward runs (``_release``).
 
 Under no_grad the block just runs. The RNG state is kept for the recompute either way (the
