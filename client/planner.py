@@ -623,8 +623,9 @@ class Planner:
         device = _device_of(self.blocks)
         # checkpoint's first call in a process imports torch._dynamo (about 1.4 s on a CPU here) and
         # sets up its machinery: pay it now, or block 0 looks that much dearer to recompute
-        warm = torch.zeros(1, device=device, requires_grad=True)
-        Recompute(lambda t: t * 2, device, self.reentrant)(warm).sum().backward()
+        if hand_over:  # the first compute trace: the second times nothing
+            warm = torch.zeros(1, device=device, requires_grad=True)
+            Recompute(lambda t: t * 2, device, self.reentrant)(warm).sum().backward()
         self._recompute(set(range(len(self.blocks))), hand_over)
         clock = _Clock(device)
         n = len(self.blocks)
@@ -633,7 +634,7 @@ class Planner:
         host = [0.0] * (n + 1)  # as each block starts, and as the last ends
 
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
-            if self.reentrant and i == 0:  # untimed first, before any mark: see _warm
+            if hand_over and self.reentrant and i == 0:  # untimed first, before any mark: see _warm
                 _warm(m, args, kwargs, device)
             host[i] = time.perf_counter()
             starts[i] = clock.mark()

@@ -27,6 +27,7 @@ same dropout masks).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -56,10 +57,9 @@ class Recompute:
     def _run(self, _grad: torch.Tensor, *args: Any) -> Any:
         if not torch.is_grad_enabled():  # checkpoint's forward
             return self.forward(*args)
-        if self.hand_over:  # the recompute in backward
-            with torch.autograd.graph.saved_tensors_hooks(_Saved, _Saved.take):
-                out = self.forward(*args)
-        else:
+        # the recompute in backward
+        hooks = torch.autograd.graph.saved_tensors_hooks(_Saved, _Saved.take) if self.hand_over else nullcontext()
+        with hooks:
             out = self.forward(*args)
         for t in out if isinstance(out, tuple) else (out,):
             _release(t)
