@@ -40,6 +40,7 @@ tensor raw (it still holds it).
 from __future__ import annotations
 
 import logging
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -53,7 +54,7 @@ from stormd.cuda import register_pool
 from stormd.protocol import FRAME_CODEC
 
 from .backend import Backend, Settled
-from .errors import StormIntegrityError, StormUnavailable
+from .errors import StormIntegrityError, StormRequestError, StormUnavailable
 from .gpu import DeviceStreams, IpcEvent, NotExportable, export, ipc_event, uuid
 
 REQUEST_TIMEOUT = 30.0
@@ -77,6 +78,17 @@ def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
 def checksum(buf: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(buf.numpy()) if buf.numel() else 0
+
+
+def detached(e: BaseException) -> BaseException:
+    """``e``, to keep in a Transfer, without its traceback. Caught on the training thread, the
+    traceback's frames link through ``f_back`` to their callers' (the pack hook's, the model's
+    forward with its tensors, the save's Handle), which then lived as long as the error: on W1
+    through a pool too small for a step, every refused save stayed on the GPU after its step
+    (bench/results/refused-saves-*). An error the store did not send keeps its traceback as a note."""
+    if not isinstance(e, StormRequestError):
+        e.add_note("".join(traceback.format_tb(e.__traceback__)).rstrip())
+    return e.with_traceback(None)
 
 
 def _log_failure(fut: Future) -> None:
@@ -170,7 +182,7 @@ class Replied:
             try:
                 self._out = Settled(self._then(_wait(self._backend, self._op, self._reply)))
             except Exception as e:  # kept, as a Future keeps it: every later call raises it again
-                self._out = Settled(error=e)
+                self._out = Settled(error=detached(e))
         return self._out.result()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -294,7 +306,7 @@ class Mover:
         try:
             return Transfer(Settled(fn(*args)))
         except Exception as e:  # the worker's Future would carry it too
-            return Transfer(Settled(error=e))
+            return Transfer(Settled(error=detached(e)))
 
     def request(self, op: str, **fields: Any) -> Future:
         """A request queued behind the transfers already submitted (so STATS sees earlier FREEs)."""
