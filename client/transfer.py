@@ -178,19 +178,18 @@ class Replied:
         return self._reply.done()
 
     def result(self, timeout: float | None = None) -> Any:
+        return self._settled().result()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._settled().exception()  # not raised: raising would give it this caller's frames
+
+    def _settled(self) -> Settled:
         if self._out is None:
             try:
                 self._out = Settled(self._then(_wait(self._backend, self._op, self._reply)))
-            except Exception as e:  # kept, as a Future keeps it: every later call raises it again
+            except Exception as e:  # kept, as a Future keeps it: every later result() raises it again
                 self._out = Settled(error=detached(e))
-        return self._out.result()
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        try:
-            self.result()
-        except Exception:
-            pass  # kept in _out
-        return self._out.exception()
+        return self._out
 
 
 class Mover:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -103,6 +104,36 @@ def test_fetched_bytes_are_freed_once_backward_has_used_them():
     torch.cuda.synchronize()
     left = torch.cuda.memory_allocated() - base
     assert ctx.stats.fetched_bytes > 0 and left < 0.1 * ctx.stats.fetched_bytes, (left, ctx.stats.fetched_bytes)
+
+
+@pytest.mark.parametrize("store", ["embedded", "daemon"])
+def test_saves_the_store_refused_leave_the_device_with_their_step(store, request):
+    """A refused put fails on the training thread (the embedded store answers at once; stormd's
+    copies are read off the reply there): kept with its traceback, the error held the frames
+    that saved the tensor, and every refused save outlived its step (bench/refused_saves.py)."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(4)]).cuda()
+    x = torch.randn(4096, 1024, device="cuda")
+    layers(x).sum().backward()  # the gradients exist from here on, accumulated in place
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    # a step saves 128 MiB: most of it is refused
+    opts = ({"mode": "embedded", "pool_size": "16MiB"} if store == "embedded"
+            else {"mode": "daemon", "socket": request.getfixturevalue("small_daemon").endpoint})
+    gc.disable()
+    try:
+        for _ in range(3):
+            with storm.offload(min_bytes=0, **opts) as ctx:
+                loss = layers(x).sum()
+            loss.backward()
+            del loss
+            ctx.synchronize()
+            torch.cuda.synchronize()
+            refused = ctx.stats.kept.get(storm.Keep.POOL_FULL, 0)
+            left = torch.cuda.memory_allocated() - base
+            assert refused >= 4 and left < 0.25 * ctx.stats.kept_bytes, (refused, left, ctx.stats.kept_bytes)
+    finally:
+        gc.enable()
 
 
 def test_inplace_change_racing_the_copy_is_caught_on_cuda():

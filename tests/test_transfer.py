@@ -1,9 +1,12 @@
 """The mover's Replied: a copy stormd makes resolves from its reply, on the calling thread, with the
-errors a worker's Future would carry (CPU; tests/test_gpu_daemon_copies.py runs it on stormd's copies)."""
+errors a worker's Future would carry (CPU; tests/test_gpu_daemon_copies.py runs it on stormd's copies);
+errors kept by transfers made on the calling thread."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from concurrent.futures import Future
 
 import pytest
@@ -103,3 +106,49 @@ def test_the_mover_copies_on_one_cpu_thread_and_leaves_the_callers_threads_as_th
         assert later == [2]
     finally:
         torch.set_num_threads(before)
+
+
+class Canary:
+    """A local of the frame that started a transfer: alive only as long as that frame is."""
+
+
+def failed_start(mover: transfer.Mover) -> tuple[transfer.Transfer, weakref.ref]:
+    """A CUDA put whose reply is in and refused: the copy is queued on this thread, and fails here."""
+    canary = Canary()
+    reply = Settled.reply({"ok": False, "error": "POOL_FULL", "message": "no room"})
+    return mover._start(reply, object(), mover._put, None, reply, object(), None), weakref.ref(canary)
+
+
+def failed_reply() -> tuple[transfer.Transfer, weakref.ref]:
+    """A copy stormd refused, its error read on this thread."""
+    canary = Canary()
+    reply: Future = Future()
+    settle(reply, {"ok": False, "error": "POOL_FULL", "message": "no room"})
+    t = transfer.Transfer(Replied(Backend(), "PUT", reply, lambda fields: fields))
+    assert t.done()
+    return t, weakref.ref(canary)
+
+
+@pytest.mark.parametrize("how", ["started here", "replied"])
+def test_a_kept_error_holds_none_of_the_frames_that_started_the_transfer(how):
+    """The error's traceback linked, through each frame's caller, to the frames that saved the tensor
+    (the model's forward, with its tensors and the save's Handle): on CUDA every save the store refused
+    outlived its step, with or without the garbage collector (bench/results/refused-saves-*)."""
+    mover = transfer.Mover(Backend())
+    gc.disable()
+    try:
+        t, canary = failed_start(mover) if how == "started here" else failed_reply()
+        assert isinstance(t.error(), StormRequestError) and t.error().code == "POOL_FULL"
+        assert canary() is None
+    finally:
+        gc.enable()
+        mover.close()
+
+
+def test_an_error_the_store_did_not_send_keeps_where_it_was_raised_as_a_note():
+    def broken(fields):
+        raise KeyError("offset")
+    t = transfer.Transfer(Replied(Backend(), "GET", Settled({"ok": True}), broken))
+    err = t.error()
+    assert isinstance(err, KeyError) and err.__traceback__ is None
+    assert "in broken" in err.__notes__[0]
