@@ -89,15 +89,21 @@ def test_offload_frees_device_memory_and_brings_it_back():
     assert all(same_bits(a.grad, b.grad) for a, b in zip(ref.parameters(), layers.parameters()))
 
 
+def trained_mlp(n: int) -> tuple[nn.Module, torch.Tensor, int]:
+    """``n`` Linear+GELU layers of 1024 on CUDA, a 4096-row input (16 MiB a save), one step taken
+    so the gradients exist (accumulated in place from then on), and the memory allocated then."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(n)]).cuda()
+    x = torch.randn(4096, 1024, device="cuda")
+    layers(x).sum().backward()
+    torch.cuda.synchronize()
+    return layers, x, torch.cuda.memory_allocated()
+
+
 def test_fetched_bytes_are_freed_once_backward_has_used_them():
     """Nothing of a step's fetched tensors may outlive its backward, even while the step's
     context (and so its bookkeeping) is still referenced."""
-    torch.manual_seed(0)
-    layers = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8)]).cuda()
-    x = torch.randn(4096, 1024, device="cuda")
-    layers(x).sum().backward()  # the gradients exist from here on, accumulated in place
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    layers, x, base = trained_mlp(8)
     with storm.offload(mode="embedded", min_bytes=0, pool_size="512MiB") as ctx:
         loss = layers(x).sum()
     loss.backward()
@@ -111,12 +117,7 @@ def test_saves_the_store_refused_leave_the_device_with_their_step(store, request
     """A refused put fails on the training thread (the embedded store answers at once; stormd's
     copies are read off the reply there): kept with its traceback, the error held the frames
     that saved the tensor, and every refused save outlived its step (bench/refused_saves.py)."""
-    torch.manual_seed(0)
-    layers = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(4)]).cuda()
-    x = torch.randn(4096, 1024, device="cuda")
-    layers(x).sum().backward()  # the gradients exist from here on, accumulated in place
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    layers, x, base = trained_mlp(4)
     # a step saves 128 MiB: most of it is refused
     opts = ({"mode": "embedded", "pool_size": "16MiB"} if store == "embedded"
             else {"mode": "daemon", "socket": request.getfixturevalue("small_daemon").endpoint})
