@@ -219,6 +219,16 @@ def _description(shape: tuple[int, ...], dtype: torch.dtype, producer: str) -> s
     return f"{shape} {str(dtype).removeprefix('torch.')} tensor ({producer})"
 
 
+# what a refusal means for the user, logged once per session and kind (%s: the store's reason)
+_REFUSED = {
+    Keep.POOL_FULL: "storm: the store's pool has no room for some saved tensors (%s): they stay on their device. "
+                    "A larger pool takes them: storm.offload(pool_size=...) for the embedded store, stormd's "
+                    "pool_size for a daemon; .stats.kept counts what stayed",
+    Keep.QUOTA: "storm: this client's quota in stormd is used up: saved tensors stay on their device (%s). "
+                "stormd's client_quota or clients table sets it",
+    Keep.STORE_ERROR: "storm: saved tensors stay where they are while the store refuses them: %s",
+}
+
 _FIX = ("make the op out of place (e.g. relu instead of relu_, x = x + y instead of x += y) "
         "or clone the tensor before modifying it")
 
@@ -244,7 +254,7 @@ class ClientSession:
         self._reading: collections.deque[tuple[list[Any], int]] = collections.deque()
         self.last_candidate_bytes: int | None = None
         self.last_past_budget_bytes = 0  # saved past the budget in the last step that had one
-        self._warned: set[str] = set()  # kinds of store failure already logged
+        self._warned: set[str] = set()  # kinds of store refusal already logged
         self._raw_kinds: set[tuple[Any, ...]] = set()  # Stored.kind whose frame overflowed: stored raw
 
     def new_step(self, budget: int | float | None = None) -> Step:
@@ -393,9 +403,9 @@ class ClientSession:
             reason = {"POOL_FULL": Keep.POOL_FULL, "TOO_LARGE": Keep.POOL_FULL,
                       "QUOTA": Keep.QUOTA}.get(code, Keep.STORE_ERROR)
             kind = f"{type(err).__name__}:{code}"
-            if reason == Keep.STORE_ERROR and kind not in self._warned:
-                self._warned.add(kind)  # once per kind of failure, not once per tensor
-                log.warning("storm: saved tensors stay where they are while the store refuses them: %s", err)
+            if kind not in self._warned:
+                self._warned.add(kind)  # once per kind of refusal, not once per tensor
+                log.warning(_REFUSED[reason], err)
             stored.state = State.KEPT
             # the error's traceback holds the frames it passed through (the put's, with the tensor's
             # storage), some holding the error again: a cycle until the garbage collector ran

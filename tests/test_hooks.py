@@ -273,16 +273,19 @@ def test_small_tensors_stay():
     assert ctx.stats.offloaded == 0 and ctx.stats.kept == {storm.Keep.SMALL: 1}
 
 
-def test_embedded_pool_full_keeps_tensors_on_their_device():
+def test_embedded_pool_full_keeps_tensors_on_their_device_and_says_so_once(caplog):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
     x = torch.randn(256, 128)
-    assert_same_grads(model, lambda m: m(x).square().sum(), {"mode": "embedded", "min_bytes": 0,
-                                                              "pool_size": "300KiB"})
-    with storm.offload(mode="embedded", min_bytes=0, pool_size="300KiB") as ctx:
-        model(x).square().sum().backward()
-    ctx.synchronize()  # the mover's replies decide what was kept
+    with caplog.at_level(logging.WARNING, logger="storm"):
+        assert_same_grads(model, lambda m: m(x).square().sum(), {"mode": "embedded", "min_bytes": 0,
+                                                                  "pool_size": "300KiB"})
+        with storm.offload(mode="embedded", min_bytes=0, pool_size="300KiB") as ctx:
+            model(x).square().sum().backward()
+        ctx.synchronize()  # the mover's replies decide what was kept
     assert ctx.stats.kept.get(storm.Keep.POOL_FULL, 0) >= 1 and ctx.stats.offloaded >= 1
+    said = [r.getMessage() for r in caplog.records if r.name == "storm"]
+    assert len(said) == 1 and "no room" in said[0] and "pool_size" in said[0], said  # two steps, one line
 
 
 def test_saves_the_store_refused_go_without_the_garbage_collector():
