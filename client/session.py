@@ -133,7 +133,7 @@ class Stored:
         self.layer = step.layer
         self.nbytes = nbytes
         self.device = t.device
-        self.tensor: torch.Tensor | None = t
+        self.tensor: torch.Tensor | None = t.detach()  # not t: see Kept
         self.version = t._version
         self.weak = weak  # also the dedup key (weak.cdata) while this step lasts
         self.shape, self.dtype = tuple(t.shape), t.dtype
@@ -188,12 +188,18 @@ class Kept:
     """A saved tensor that stays where it is, with its version, so unpack can still
     detect in-place changes (autograd's own check is off under saved_tensors_hooks).
     A marker (``step`` set: the first save over the budget, then about one in MARK_BYTES
-    past it) also tells prefetch how far backward has come."""
+    past it) also tells prefetch how far backward has come.
+
+    It holds the tensor detached (the same storage and version counter, no grad_fn): a
+    tensor saved by the op that made it (tanh, exp, softmax) holds that op's node, which
+    holds what pack returned, a cycle through C++ that no garbage collector sees. A graph
+    dropped without a backward (a skipped step, an evaluation under grad) then kept such
+    saves for the life of the process. Autograd restores the grad_fn at unpack itself."""
 
     __slots__ = ("tensor", "version", "step", "index", "nbytes")
 
     def __init__(self, t: torch.Tensor, step: Step | None = None, nbytes: int = 0):
-        self.tensor = t
+        self.tensor = t.detach()
         self.version = t._version
         self.step = step                                      # set for markers
         self.index = len(step.order) if step is not None else 0  # offloaded saves before this one
@@ -205,8 +211,9 @@ class Kept:
 
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:
-            t = self.tensor
-            raise StormInPlaceError(f"a saved {_description(tuple(t.shape), t.dtype, _producer(t))} was "
+            t, node = self.tensor, torch._C._current_autograd_node()
+            user = f"saved for {type(node).__name__}" if node is not None else "read outside backward"
+            raise StormInPlaceError(f"a saved {_description(tuple(t.shape), t.dtype, user)} was "
                                     f"modified in place after autograd saved it; {_FIX}")
         return self.tensor
 

@@ -142,8 +142,33 @@ def test_inplace_modification_of_a_kept_tensor_is_an_error():
         y = x.exp()
         y.mul_(3)
     assert ctx.stats.offloaded == 0
-    with pytest.raises(storm.StormInPlaceError):
+    with pytest.raises(storm.StormInPlaceError, match=r"\(8, 8\) float32 tensor \(saved for ExpBackward0\)"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("way", ["small", "past the budget", "refused", "offloaded"])
+def test_a_graph_dropped_without_backward_takes_its_saves_with_it(way):
+    """tanh saves its output: held with its grad_fn, whose node holds what pack returned, it formed
+    a cycle through C++ that no garbage collector sees, and a step that never ran its backward
+    (skipped, or an evaluation under grad) kept its saves for the life of the process."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    opts, reason = {"small": ({"min_bytes": 1 << 30}, storm.Keep.SMALL),
+                    "past the budget": ({"min_bytes": 0, "budget": 1}, storm.Keep.BUDGET),
+                    "refused": ({"min_bytes": 0, "pool_size": "16KiB"}, storm.Keep.POOL_FULL),
+                    "offloaded": ({"min_bytes": 0}, None)}[way]
+    lin = nn.Linear(256, 256)
+    x = torch.randn(64, 256, requires_grad=True)
+    with storm.offload(mode="embedded", **opts) as ctx:
+        h = torch.tanh(lin(x))
+        y = torch.tanh(lin(h))
+    saved = StorageWeakRef(h.untyped_storage())
+    ctx.synchronize()
+    assert (reason in ctx.stats.kept) if reason else ctx.stats.offloaded == 2, ctx.stats
+    del h, y
+    ctx.synchronize()
+    gc.collect()
+    assert saved.expired()
 
 
 def test_inplace_modification_after_copy_uses_saved_value(opts):
