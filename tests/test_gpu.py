@@ -137,6 +137,23 @@ def test_saves_the_store_refused_leave_the_device_with_their_step(store, request
         gc.enable()
 
 
+@pytest.mark.parametrize("opts", [{"budget": "16MiB"}, {"pool_size": "16MiB"}, {}],
+                         ids=["past the budget", "refused", "offloaded"])
+def test_a_step_dropped_without_backward_leaves_nothing_on_the_device(opts):
+    """GELU saves its input, which the Linear before made; tanh saves its output: held with its
+    grad_fn, such a save formed a cycle through autograd's nodes that outlived a skipped step."""
+    layers, x, base = trained_mlp(4)
+    tanh = nn.Tanh()
+    for _ in range(2):
+        with storm.offload(mode="embedded", min_bytes=0, **opts) as ctx:
+            loss = tanh(layers(x)).sum()
+        del loss  # skipped: no backward
+        ctx.synchronize()
+        torch.cuda.synchronize()
+        left = torch.cuda.memory_allocated() - base
+        assert left < 1 << 20, (left, ctx.stats)  # a save is 16 MiB
+
+
 def test_inplace_change_racing_the_copy_is_caught_on_cuda():
     x = torch.randn(4096, 1024, device="cuda", requires_grad=True)
     with storm.offload(mode="embedded", min_bytes=0, pool_size="512MiB"):
