@@ -19,7 +19,6 @@ import itertools
 import logging
 import threading
 import time
-import traceback
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +30,7 @@ from .backend import Backend, close_backends, open_backend
 from .errors import StormError, StormInPlaceError, StormRequestError
 from .gpu import allocated, consume, pack_range, record_ready, unpack_range
 from .policy import Keep, Policy
-from .transfer import Mover, PutRequest, Transfer
+from .transfer import Mover, PutRequest, Transfer, detached
 
 log = logging.getLogger("storm")
 
@@ -414,9 +413,7 @@ class ClientSession:
                 self._warned.add(kind)  # once per kind of refusal, not once per tensor
                 log.warning(_REFUSED[reason], err)
             stored.state = State.KEPT
-            # the error's traceback holds the frames it passed through (the put's, with the tensor's
-            # storage), some holding the error again: a cycle until the garbage collector ran
-            traceback.clear_frames(err.__traceback__)
+            detached(err)  # a worker's Future keeps it with the put's frames
             stored.put = None
             stored.step.stats.record(stored.layer, keep=reason, kept_bytes=stored.nbytes,
                                      offloaded=-1, offloaded_bytes=-stored.nbytes)

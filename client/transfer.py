@@ -81,13 +81,16 @@ def checksum(buf: torch.Tensor) -> int:
 
 
 def detached(e: BaseException) -> BaseException:
-    """``e``, to keep in a Transfer, without its traceback. Caught on the training thread, the
-    traceback's frames link through ``f_back`` to their callers' (the pack hook's, the model's
-    forward with its tensors, the save's Handle), which then lived as long as the error: on W1
-    through a pool too small for a step, every refused save stayed on the GPU after its step
-    (bench/results/refused-saves-*). An error the store did not send keeps its traceback as a note."""
+    """``e``, to keep, without its traceback, whose frames are cleared too. Caught on the training
+    thread, the traceback's frames link through ``f_back`` to their callers' (the pack hook's, the
+    model's forward with its tensors, the save's Handle), which then lived as long as the error: on
+    W1 through a pool too small for a step, every refused save stayed on the GPU after its step
+    (bench/results/refused-saves-*). Raised on the worker, they hold the put's request (the tensor's
+    storage) and its reply, which holds the error again: a cycle until the garbage collector ran.
+    An error the store did not send keeps its traceback as a note."""
     if not isinstance(e, StormRequestError):
         e.add_note("".join(traceback.format_tb(e.__traceback__)).rstrip())
+    traceback.clear_frames(e.__traceback__)
     return e.with_traceback(None)
 
 
