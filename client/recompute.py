@@ -2,12 +2,16 @@
 
 storm.plan sets it as a recomputed block's ``forward``. Two forms:
 
-- Reentrant (the default; torch.utils.checkpoint, use_reentrant=True): forward runs without
-  autograd, and backward recomputes the block and runs a nested backward through it. It costs
-  the host less than the non-reentrant form, whose Python hooks pack and unpack every tensor
-  the block saves, in forward as well: W1 on lent H100s, all 12 blocks recomputed, 36.8 against
-  40.3 ms a step (no offload 26.8) and on a slower host 40.5 against 56.4 (no offload 29.0;
-  bench/recompute.py), and a host-bound step pays all of it.
+- Reentrant (the default): forward runs without autograd, and backward recomputes the block
+  and runs a nested backward through it, as torch.utils.checkpoint's use_reentrant=True form
+  does; written out here (``_Reentrant``) because a recomputed block's Python is step time on
+  a host-bound step, and torch's generic form (autocast and RNG contexts entered every time,
+  argument scans) cost W1's blocks on the 2-core dev host 8.4 ms of backward against 7.8
+  (12 tiny-width blocks, no recompute 3.0). It costs the host less than the non-reentrant
+  form, whose Python hooks pack and unpack every tensor the block saves, in forward as well:
+  W1 on lent H100s, all 12 blocks recomputed, 36.8 against 40.3 ms a step (no offload 26.8)
+  and on a slower host 40.5 against 56.4 (no offload 29.0; bench/recompute.py), and a
+  host-bound step pays all of it.
 - Non-reentrant (torch.utils.checkpoint, use_reentrant=False): for keyword arguments, which the
   reentrant form does not take, and ``reentrant=False``; it also works with
   torch.autograd.grad and backward(inputs=...).
@@ -21,14 +25,14 @@ What the reentrant form's nested backward holds is kept to what the non-reentran
   buffer, in W1).
 - The rebuilt output goes before the nested backward runs (``_release``).
 
-Under no_grad the block just runs. The RNG state is kept for the recompute either way (the
-same dropout masks).
+Under no_grad the block just runs. The recompute draws the same random numbers as forward
+(dropout masks), on the CPU and the block's device, and runs under forward's autocast.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any, Callable
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -44,7 +48,7 @@ class Recompute:
 
     def __init__(self, forward: Callable[..., Any], device: torch.device, reentrant: bool = True,
                  hand_over: bool = True):
-        self.forward, self.reentrant, self.hand_over = forward, reentrant, hand_over
+        self.forward, self.device, self.reentrant, self.hand_over = forward, device, reentrant, hand_over
         self._grad = torch.empty(0, device=device, requires_grad=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -52,18 +56,92 @@ class Recompute:
             return self.forward(*args, **kwargs)
         if kwargs or not self.reentrant:
             return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
-        return checkpoint(self._run, self._grad, *args, use_reentrant=True)
+        return _Reentrant.apply(self, self._grad, *args)
 
-    def _run(self, _grad: torch.Tensor, *args: Any) -> Any:
-        if not torch.is_grad_enabled():  # checkpoint's forward
-            return self.forward(*args)
-        # the recompute in backward
-        hooks = torch.autograd.graph.saved_tensors_hooks(_Saved, _Saved.take) if self.hand_over else nullcontext()
-        with hooks:
-            out = self.forward(*args)
-        for t in out if isinstance(out, tuple) else (out,):
-            _release(t)
-        return out
+
+class _Reentrant(torch.autograd.Function):
+    """The reentrant recompute: forward keeps the inputs (tensors through save_for_backward,
+    which checks them for in-place changes), the RNG states and the autocast settings; backward
+    runs the block again under them and backward through it."""
+
+    @staticmethod
+    def forward(ctx: Any, rec: Recompute, _grad: torch.Tensor, *args: Any) -> Any:
+        ctx.rec, ctx.state = rec, _State(rec.device)
+        ctx.tensor_at = frozenset(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        ctx.args = [None if i in ctx.tensor_at else a for i, a in enumerate(args)]
+        ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)))
+        return rec.forward(*args)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("storm: a block recomputed in the reentrant form (storm.plan's default) cannot run "
+                               "its backward under torch.autograd.grad or backward(inputs=...); pass "
+                               "reentrant=False to storm.plan")
+        rec, saved = ctx.rec, iter(ctx.saved_tensors)
+        args = [_detached(next(saved)) if i in ctx.tensor_at else a for i, a in enumerate(ctx.args)]
+        hooks = torch.autograd.graph.saved_tensors_hooks(_Saved, _Saved.take) if rec.hand_over else nullcontext()
+        with ctx.state.restored(), torch.enable_grad(), hooks:
+            out = rec.forward(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not pairs:
+            raise RuntimeError("storm: a recomputed block's outputs do not require grad; nothing to recompute")
+        for o, _ in pairs:
+            _release(o)
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *(a.grad if isinstance(a, torch.Tensor) else None for a in args))
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """The recompute's own leaf over an input: its gradient is the input's."""
+    return t.detach().requires_grad_(t.requires_grad)
+
+
+def _autocast(device_type: str) -> tuple[torch.dtype, bool] | None:
+    """Autocast's dtype and cache setting for ``device_type``; None where it is off."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled()
+
+
+class _State:
+    """What forward ran under and its recompute must too: the CPU's and the block's device's
+    RNG states (the same dropout masks) and autocast's settings."""
+
+    __slots__ = ("device", "cpu_rng", "device_rng", "autocast")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu_rng = torch.get_rng_state()
+        self.device_rng = _device_rng(device)
+        types = ("cpu",) if device.type == "cpu" else (device.type, "cpu")
+        self.autocast = {t: _autocast(t) for t in types}
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        """Forward's RNG states and autocast within; the RNG states as they were after (backward
+        goes on drawing where it was)."""
+        cpu_rng, device_rng = torch.get_rng_state(), _device_rng(self.device)
+        torch.set_rng_state(self.cpu_rng)
+        if device_rng is not None:
+            torch.get_device_module(self.device).set_rng_state(self.device_rng, self.device)
+        try:
+            with ExitStack() as stack:
+                for t, setting in self.autocast.items():
+                    if _autocast(t) != setting:  # entered only where backward's differs: each costs the host
+                        stack.enter_context(torch.autocast(t, enabled=False) if setting is None else
+                                            torch.autocast(t, dtype=setting[0], cache_enabled=setting[1]))
+                yield
+        finally:
+            torch.set_rng_state(cpu_rng)
+            if device_rng is not None:
+                torch.get_device_module(self.device).set_rng_state(device_rng, self.device)
+
+
+def _device_rng(device: torch.device) -> torch.Tensor | None:
+    """The RNG state of ``device``'s default generator; None for the CPU (kept beside it)."""
+    return None if device.type == "cpu" else torch.get_device_module(device).get_rng_state(device)
 
 
 class _Saved:

@@ -230,6 +230,29 @@ def test_planner_on_cuda_bit_exact_and_within_its_measured_target(want):
     planner.close()
 
 
+def test_recomputed_blocks_under_cuda_autocast_bit_exact():
+    """Recompute on CUDA: forward under autocast to bfloat16 with dropout; the recompute in
+    backward draws the same masks from the device's RNG under the same autocast, and puts the
+    RNG back: gradients and the next draw are those of the blocks run plainly."""
+    from storm.recompute import Recompute
+
+    def run(recompute: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = GPT(seq_len=64, d_model=128, n_heads=4, n_layers=3).cuda()
+        if recompute:
+            for b in model.blocks:
+                b.forward = Recompute(type(b).forward.__get__(b), torch.device("cuda"))
+        idx = torch.randint(0, 256, (4, 65), device="cuda")
+        torch.manual_seed(7)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model.loss(idx[:, :-1], idx[:, 1:])
+        torch.rand(3, device="cuda")  # the program draws between forward and backward
+        loss.backward()
+        return [p.grad for p in model.parameters()] + [torch.rand(8, device="cuda")]
+
+    assert all(same_bits(a, b) for a, b in zip(run(False), run(True), strict=True))
+
+
 def test_the_planner_measures_what_frames_cost_on_the_device():
     """Frames' host time per tensor and device time per GiB, as storm.plan charges them: positive,
     and the device's no faster than an H200's memory allows (encoding reads the raw bytes and

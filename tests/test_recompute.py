@@ -161,3 +161,89 @@ def test_a_saved_tensor_read_twice_in_backward_is_a_clear_error():
     y = Recompute(lambda t: Twice.apply(torch.sin(t)), torch.device("cpu"))(x)
     with pytest.raises(RuntimeError, match="unpacked twice in one backward"):
         y.sum().backward()
+
+
+def autocast_grads(recompute: bool, where: str) -> list[torch.Tensor]:
+    """Two dropout blocks whose forward (``where="forward"``) or backward (``"backward"``) runs
+    under CPU autocast to bfloat16."""
+    torch.manual_seed(0)
+    blocks = [Scaled(), Scaled()]
+    if recompute:
+        for b in blocks:
+            b.forward = Recompute(type(b).forward.__get__(b), torch.device("cpu"))
+    x = torch.randn(4, 32, requires_grad=True)
+    torch.manual_seed(3)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=where == "forward"):
+        h = blocks[1](blocks[0](x))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=where == "backward"):
+        h.float().pow(2).sum().backward()
+    return [x.grad] + [p.grad for b in blocks for p in b.parameters()]
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_the_recompute_runs_under_forwards_autocast_not_backwards(where):
+    """Recomputed in bfloat16 where forward ran so (a recompute in float32 changes every
+    gradient), and in float32 where only backward is under autocast (CPU backward runs on the
+    caller's thread, in its autocast)."""
+    ref = autocast_grads(False, where)
+    got = autocast_grads(True, where)
+    assert all(same_bits(a, b) for a, b in zip(ref, got, strict=True))
+
+
+def test_the_recompute_leaves_the_rng_where_backward_without_it_would():
+    """The recompute draws forward's dropout masks again from forward's RNG state, then puts the
+    generator back: what the program draws after backward is what it draws without recompute."""
+    def after_backward(recompute: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        b = Scaled()
+        if recompute:
+            b.forward = Recompute(b.forward, torch.device("cpu"))
+        y = b(torch.randn(4, 32, requires_grad=True))
+        torch.rand(3)  # the program draws between forward and backward
+        y.sum().backward()
+        return torch.rand(8)
+
+    assert same_bits(after_backward(False), after_backward(True))
+
+
+class Masked(torch.nn.Module):
+    """A block whose positional arguments include what is not a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        y = self.lin(x) * scale
+        return y if mask is None else y.masked_fill(mask, 0.0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_positional_arguments_that_are_not_tensors_reach_the_recompute(masked):
+    def grads(recompute: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        b = Masked()
+        f = Recompute(b.forward, torch.device("cpu")) if recompute else b
+        x = torch.randn(4, 16, requires_grad=True)
+        mask = torch.rand(4, 16) > 0.5 if masked else None
+        f(x, mask, 0.5).pow(2).sum().backward()
+        return [x.grad] + [p.grad for p in b.parameters()]
+
+    assert all(same_bits(a, b) for a, b in zip(grads(False), grads(True), strict=True))
+
+
+def test_an_input_changed_in_place_before_backward_is_autograds_error():
+    """The recompute would run on the changed values: autograd's version check refuses."""
+    x = torch.randn(4, 16, requires_grad=True)
+    h = x * 1
+    y = Recompute(torch.nn.Linear(16, 16).forward, torch.device("cpu"))(h)
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_the_reentrant_form_under_autograd_grad_names_the_fix():
+    x = torch.randn(4, 16, requires_grad=True)
+    y = Recompute(torch.nn.Linear(16, 16).forward, torch.device("cpu"))(x)
+    with pytest.raises(RuntimeError, match="reentrant=False"):
+        torch.autograd.grad(y.sum(), [x])
