@@ -5,13 +5,14 @@ storm.plan sets it as a recomputed block's ``forward``. Two forms:
 - Reentrant (the default): forward runs without autograd, and backward recomputes the block
   and runs a nested backward through it, as torch.utils.checkpoint's use_reentrant=True form
   does; written out here (``_Reentrant``) because a recomputed block's Python is step time on
-  a host-bound step, and torch's generic form (autocast and RNG contexts entered every time,
-  argument scans) cost W1's blocks on the 2-core dev host 8.4 ms of backward against 7.8
-  (12 tiny-width blocks, no recompute 3.0). It costs the host less than the non-reentrant
-  form, whose Python hooks pack and unpack every tensor the block saves, in forward as well:
-  W1 on lent H100s, all 12 blocks recomputed, 36.8 against 40.3 ms a step (no offload 26.8)
-  and on a slower host 40.5 against 56.4 (no offload 29.0; bench/recompute.py), and a
-  host-bound step pays all of it.
+  a host-bound step, and torch's generic form enters autocast and RNG contexts and scans its
+  arguments at every call: W1 on a lent H100, 11 blocks recomputed, 34.55 against 35.36 ms a
+  step, forward's host time 5.76 against 7.16 ms (12 blocks: 35.39 against 36.48; no offload
+  27.19; bench/recompute.py --forms reentrant torch-reentrant, recompute-w1-h100-2026-11-26-
+  dcc82ba.json). It costs the host less than the non-reentrant form, whose Python hooks pack
+  and unpack every tensor the block saves, in forward as well: in the same run 39.97 ms (11
+  blocks) and 43.66 (12), and on a slower host, all 12 blocks recomputed by torch's reentrant
+  form, 40.5 against 56.4 (no offload 29.0); a host-bound step pays all of it.
 - Non-reentrant (torch.utils.checkpoint, use_reentrant=False): for keyword arguments, which the
   reentrant form does not take, and ``reentrant=False``; it also works with
   torch.autograd.grad and backward(inputs=...).
