@@ -19,6 +19,7 @@ from stormd.cuda import unregister_pool
 from stormd.pool import SharedPool
 from stormd.protocol import PROTOCOL_VERSION, Request
 from stormd.service import Service
+from stormd.store import StoreOptions
 
 from .backend import Settled
 
@@ -28,7 +29,8 @@ class EmbeddedStore:
 
     def __init__(self, pool_size: int):
         self.pool = SharedPool.anonymous(pool_size)
-        self.service = Service(self.pool, log_sessions=False)
+        self.service = Service(self.pool, log_sessions=False,
+                               store_options=StoreOptions(spill_off="the embedded store does not spill to disk"))
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # the mover thread and the training thread both call in
         hello = self.request("HELLO", version=PROTOCOL_VERSION, pid=os.getpid(), host=socket.gethostname()).result()

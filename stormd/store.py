@@ -99,6 +99,8 @@ class StoreOptions:
     spill_limit: int = 0
     default_limits: ClientLimits = ClientLimits()
     clients: dict[str, ClientLimits] = field(default_factory=dict)  # by the name a client gives in HELLO
+    # what POOL_FULL says while spill is off: stormd's settings; the embedded store cannot spill
+    spill_off: str = "spill is off (set spill = true and spill_dir to let stormd move old tensors to disk)"
 
     @classmethod
     def from_config(cls, config: DaemonConfig) -> "StoreOptions":
@@ -201,7 +203,7 @@ class Store:
             s.counters.pool_full += 1
             st = self.allocator.stats()
             if self.spill is None:
-                why = "spill is off (set spill = true and spill_dir to let stormd move old tensors to disk)"
+                why = self.options.spill_off
             elif self.spill.space.stats().largest_free < nbytes:
                 why = f"the spill file is full too (spill_limit {self.spill.space.capacity} bytes; raise it)"
             else:

@@ -313,6 +313,21 @@ def test_embedded_pool_full_keeps_tensors_on_their_device_and_says_so_once(caplo
     assert len(said) == 1 and "no room" in said[0] and "pool_size" in said[0], said  # two steps, one line
 
 
+def test_a_full_embedded_pool_names_no_daemon_setting(caplog):
+    """The embedded store runs stormd's store code, whose POOL_FULL names stormd's spill
+    settings; a storm.offload user cannot set those."""
+    x = torch.randn(64 * 1024, requires_grad=True)  # 256 KiB saves: four fill the pool
+    with caplog.at_level(logging.WARNING, logger="storm"):
+        with storm.offload(mode="embedded", min_bytes=0, pool_size="1MiB") as ctx:
+            y = x
+            for _ in range(6):
+                y = y.exp()
+        ctx.synchronize()
+    assert ctx.stats.kept.get(storm.Keep.POOL_FULL, 0) >= 1
+    said = [r.getMessage() for r in caplog.records if r.name == "storm"]
+    assert len(said) == 1 and "does not spill" in said[0] and "spill_dir" not in said[0], said
+
+
 def test_saves_the_store_refused_go_without_the_garbage_collector():
     """A refusal's traceback runs through the frames that saved the tensor (the embedded store
     answers on the training thread) and through the put's, which hold its storage: kept where
