@@ -119,10 +119,10 @@ def plan_summary(pl: storm.Planner) -> dict:
     p = pl.plan
     return {"offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed), "compressed": p.compressed,
             "predicted_peak_GiB": round(p.predicted_peak / GiB, 3), "predicted_cost_ms": p.predicted_cost_ms,
-            "fits": p.fits, "reentrant": pl.reentrant, "settled": pl.settled,
+            "fits": p.fits, "reentrant": p.reentrant, "settled": pl.settled,
             "target_GiB": pl.target and round(pl.target / GiB, 3),
             "besides_GiB": pl.besides and round(pl.besides / GiB, 3), "kept_extra_GiB": round(pl.kept_extra / GiB, 3),
-            "trial": pl.trial and pl.trial.describe()}
+            "trial": "; ".join(t.describe() for t in pl.trials) or None}
 
 
 def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: torch.device) -> dict:

@@ -77,7 +77,10 @@ the best plan that offloads and the best that does not both fit, once the chosen
 is settled, the two run in alternation, TRIAL_STEPS steps each, timed on the compute
 stream from the step's start to backward's end, and the faster is kept (the other only if
 its first step stayed within its target); once per trace, and ``explain`` says what each
-took. ``settled`` says when no more measuring, correcting or trying will come.
+took. Then, where the plan kept recomputes in the reentrant form, the same plan recomputing
+with torch's non-reentrant checkpoint is tried the same way (_other_form says why neither
+form is faster everywhere). ``settled`` says when no more measuring, correcting or trying
+will come.
 """
 
 from __future__ import annotations
@@ -160,6 +163,7 @@ class Plan:
     fits: bool
     in_flight_bytes: int = 0       # offloaded bytes (and frames) the peak counts as still on the device
     compressed: bool = False       # offloaded tensors go in frames where they can (codec "ancf_exp")
+    reentrant: bool = True         # recomputed blocks in Recompute's reentrant form, else torch's non-reentrant
 
 
 def kept_bytes(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int]) -> list[int]:
@@ -384,6 +388,8 @@ class Planner:
         self._alternative: Plan | None = None  # the best fitting plan of the other kind (offloading or not)
         self._trial: _Trial | None = None      # the plan and the alternative, tried in alternation
         self.trial: _Trial | None = None       # the last trial, decided
+        self.trials: list[_Trial] = []         # this trace's trials, decided, in order
+        self._form_tried = False               # the other recompute form has had its trial, this trace
         self._end_hooks: list[Any] = []        # on the last block (_at_backward_end), until their step's forward ends
         self.replans = 0
 
@@ -424,6 +430,7 @@ class Planner:
             self.besides, self._kept_besides = None, None
             self._offloading_steps, self.traced_host_ms_per_tensor = 0, None
             self._alternative, self._trial, self.trial = None, None, None
+            self.trials, self._form_tried = [], False
             self.replans += 1
         if self._phase == "trace-offload":
             return self._trace_offload()
@@ -434,6 +441,7 @@ class Planner:
         if self._trial is None and self._alternative is not None and not self._checking \
                 and not self._host_check_due():
             self._trial, self._alternative = _Trial((self.plan, self._alternative)), None
+            self._form_tried |= self._trial.plans[1].reentrant != self.plan.reentrant
         if self._trial is not None and self._trial.next_plan() is not self.plan:
             self._apply(self._trial.next_plan())
         p = self.plan
@@ -539,11 +547,13 @@ class Planner:
         """Keep the plan of the two whose steps took less (the alternative only if it stayed within
         its target)."""
         trial, self._trial, self.trial = self._trial, None, self._trial
+        self.trials.append(trial)
         keep = trial.plans[1] if trial.over is None and trial.median(1) < trial.median(0) else trial.plans[0]
         trial.kept = keep
         if keep is not self.plan:
             self._apply(keep)
         log.info("storm.plan: %s", trial.describe())
+        self._alternative = self._other_form(keep)
 
     def _finish_last_step(self) -> None:
         if self._pending is not None:
@@ -706,10 +716,23 @@ class Planner:
         return self._saved_budget() - self._margins[False]
 
     def _choose(self, offload: bool | None = None) -> Plan | None:
-        return choose(self.trace, self._plans_budget(), self._options.get("max_held_bytes"),
+        plan = choose(self.trace, self._plans_budget(), self._options.get("max_held_bytes"),
                       self._options.get("prefetch_bytes"), self._margins[True] - self._margins[False],
                       grads=self._peak is not None, codec=self._options.get("codec"), offload=offload,
                       kept_extra=self.kept_extra)
+        return plan and dataclasses.replace(plan, reentrant=self.reentrant)
+
+    def _other_form(self, plan: Plan) -> Plan | None:
+        """``plan`` with its blocks recomputed by torch's non-reentrant checkpoint, to be tried
+        once per trace beside the reentrant form. Neither is faster everywhere: the reentrant form
+        costs the host less (W1, host-bound: 34.55 against 39.97 ms a step, 11 blocks recomputed,
+        bench/recompute.py), the non-reentrant one stops each recompute at the block's last saved
+        tensor and skips what follows (a transformer block's last matmul and residual add; W2,
+        GPU-bound: checkpointing the first 8 blocks took 268.0 ms a step where the reentrant plan
+        recomputing 7 took 272.7, frontier-w2-h100-2026-11-26-ac0286b.json)."""
+        if self._form_tried or not plan.fits or not plan.recomputed or not plan.reentrant:
+            return None
+        return dataclasses.replace(plan, reentrant=False)
 
     def _make_plan(self) -> None:
         """The plan of least predicted cost; where none fits, the one of least peak."""
@@ -727,6 +750,8 @@ class Planner:
             other = self._choose(offload=not self.plan.offloaded)
             if other is not None and other.fits and bool(other.offloaded) != bool(self.plan.offloaded):
                 self._alternative = other
+        if self._alternative is None and self._trial is None:
+            self._alternative = self._other_form(self.plan)
         self._apply(self.plan)
         self._phase = "planned"
 
@@ -734,7 +759,7 @@ class Planner:
         """Put ``plan`` in force from the next step: its recomputed blocks and its hooks."""
         self.plan = plan
         self._unhook()
-        self._recompute(set(plan.recomputed))
+        self._recompute(set(plan.recomputed), reentrant=plan.reentrant)
 
         def check(m: nn.Module, args: Any) -> None:  # a new input shape: the trace no longer holds
             if _signature(args) != self._signature:
@@ -823,9 +848,10 @@ class Planner:
             h.remove()
         self._hooks = []
 
-    def _recompute(self, which: set[int], hand_over: bool = True) -> None:
+    def _recompute(self, which: set[int], hand_over: bool = True, reentrant: bool | None = None) -> None:
         """Make exactly the blocks in ``which`` recompute in backward (Recompute, set as their
-        forward, in the planner's form; ``hand_over``: see Recompute)."""
+        forward, in the planner's form unless ``reentrant`` says; ``hand_over``: see Recompute)."""
+        reentrant = self.reentrant if reentrant is None else reentrant
         for i in which - self._recomputing:
             if "forward" in vars(self.blocks[i]):
                 raise RuntimeError(f"storm.plan: block {i} ({type(self.blocks[i]).__name__}) already has its own "
@@ -834,8 +860,8 @@ class Planner:
             del self.blocks[i].forward  # back to the class's forward
         for i in which:
             b = self.blocks[i]
-            if i not in self._recomputing or b.forward.hand_over != hand_over:
-                b.forward = Recompute(type(b).forward.__get__(b), _device_of([b]), self.reentrant, hand_over)
+            if i not in self._recomputing or (b.forward.hand_over, b.forward.reentrant) != (hand_over, reentrant):
+                b.forward = Recompute(type(b).forward.__get__(b), _device_of([b]), reentrant, hand_over)
         self._recomputing = set(which)
 
     def close(self) -> None:
@@ -878,8 +904,7 @@ class Planner:
         lines.append(f"predicted: {p.predicted_peak / MiB:.1f} MiB saved on the device at the peak "
                      f"({'fits' if p.fits else 'does NOT fit'}), {p.predicted_cost_ms:.2f} ms over no offload; "
                      f"re-planned {self.replans} times")
-        if self.trial is not None:
-            lines.append(self.trial.describe())
+        lines += [t.describe() for t in self.trials]
         if self.besides is not None:
             measured = "not yet" if self.measured_peak is None else f"{self.measured_peak / MiB:.1f} MiB"
             lines.append(f"measured: step peak {measured} against a target of {self.target / MiB:.1f} MiB "
@@ -890,9 +915,11 @@ class Planner:
         return "\n".join(lines)
 
     def _explain_recompute(self) -> str:
+        if self.plan.reentrant:
+            return "recomputed in the reentrant form (storm.recompute)"
         if self.reentrant:
-            return "recomputed with the reentrant checkpoint"
-        return "recomputed with the non-reentrant checkpoint (reentrant=False)"
+            return "recomputed with torch's non-reentrant checkpoint, faster here in its trial"
+        return "recomputed with torch's non-reentrant checkpoint (reentrant=False)"
 
     def _explain_codec(self) -> str:
         """Whether offloaded tensors go raw or compressed, and the predicted times that chose it."""
@@ -916,8 +943,9 @@ class Planner:
 
 @dataclasses.dataclass
 class _Trial:
-    """The plan chosen and the best fitting plan of the other kind (offloading or not), tried in
-    alternation: step times per plan, and which was kept."""
+    """The plan chosen and an alternative (the best fitting plan of the other kind, offloading or
+    not, or the same plan in the other recompute form), tried in alternation: step times per
+    plan, and which was kept."""
 
     plans: tuple[Plan, Plan]
     ms: tuple[list[float], list[float]] = dataclasses.field(default_factory=lambda: ([], []))
@@ -944,7 +972,8 @@ class _Trial:
 def _plan_name(p: Plan) -> str:
     parts = ([f"offload {p.offloaded}"] if p.offloaded else []) + ([f"recompute {len(p.recomputed)}"]
                                                                     if p.recomputed else [])
-    return " and ".join(parts) + " blocks" if parts else "keep every block"
+    form = "" if p.reentrant or not p.recomputed else " non-reentrant"
+    return " and ".join(parts) + " blocks" + form if parts else "keep every block"
 
 
 def _warm(block: nn.Module, args: Any, kwargs: dict, device: torch.device) -> None:

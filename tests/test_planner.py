@@ -683,6 +683,12 @@ class ScriptedMemory:
                                               kept_extra=self.kept_extra) + (self.extra if p.offloaded else 0))
 
 
+def no_form_trial(monkeypatch) -> None:
+    """For tests that follow the steps before it: the recompute form's trial, which comes last
+    (test_the_faster_recompute_form_is_kept), would add its steps."""
+    monkeypatch.setattr(storm.Planner, "_other_form", lambda self, plan: None)
+
+
 def scripted_planner(monkeypatch, **kw):
     """A planner on the CPU GPT whose steps' peaks ScriptedMemory reports, and whose choice is
     fixed: offload the first 2 blocks unless offloading plans carry a margin, then recompute 4."""
@@ -698,6 +704,7 @@ def scripted_planner(monkeypatch, **kw):
 
     monkeypatch.setattr(planner_module, "choose", fixed)
     monkeypatch.setattr(planner_module, "_PeakMemory", ScriptedMemory)
+    no_form_trial(monkeypatch)
     # these tests follow the peak: a host check set off by a loaded CPU's pack times would plan again
     monkeypatch.setattr(planner_module, "HOST_CHECK_TOLERANCE", float("inf"))
     model, idx = gpt()
@@ -759,6 +766,7 @@ def test_kept_blocks_backward_is_planned_with_what_it_holds_more(monkeypatch):
 
     monkeypatch.setattr(planner_module, "_PeakMemory", ScriptedMemory)
     monkeypatch.setattr(ScriptedMemory, "extra", 0)
+    no_form_trial(monkeypatch)
     model, idx = gpt()
     ref = grads_of(copy.deepcopy(model), idx)
     options = {"mode": "embedded", "min_bytes": 0, "pool_size": "64KiB"}  # plans offload almost nothing
@@ -894,6 +902,7 @@ def fix_plan_by_host_cost(monkeypatch, dearer_than_ms: float) -> list[float]:
         return planner_module.Plan(0, frozenset({0, 1}), 0, 0, 0, 1 << 40, 1.0, True)
 
     monkeypatch.setattr(planner_module, "choose", by_host_cost)
+    no_form_trial(monkeypatch)
     return seen
 
 
@@ -959,6 +968,7 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
         return planner_module.Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0, 1 << 40, 1.0, True)
 
     monkeypatch.setattr(planner_module, "choose", by_kind)
+    no_form_trial(monkeypatch)
     traced = [False]
     if slow == "offload":
         put = transfer.Mover.put
@@ -987,6 +997,58 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
     text = planner.explain()
     assert "tried in alternation" in text
     assert f"kept {'offload 2 blocks' if kept == 'offload' else 'recompute 2 blocks'}" in text
+    planner.close()
+
+
+@pytest.mark.parametrize("slow", ["reentrant", "non-reentrant"])
+def test_the_faster_recompute_form_is_kept(monkeypatch, slow):
+    """A plan that recomputes in the reentrant form runs in alternation with the same plan
+    recomputing by torch's non-reentrant checkpoint (cheaper on the GPU where blocks end in
+    work nothing saves, dearer on the host), and the faster is kept; here the ``slow`` form's
+    blocks each take 100 ms more. Every step's gradients are those of no offload, bit for bit."""
+    from storm import planner as planner_module
+
+    def recompute_two(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False,
+                      codec=None, offload=None, kept_extra=0):
+        if offload:
+            return None  # no plan of the other kind: the form's trial comes at once
+        return planner_module.Plan(0, frozenset({0, 1}), 0, 0, 0, 1 << 40, 1.0, True)
+
+    monkeypatch.setattr(planner_module, "choose", recompute_two)
+    traced = [False]
+    call = Recompute.__call__
+
+    def slower(self, *a, **k):
+        if traced[0] and self.reentrant == (slow == "reentrant"):
+            time.sleep(0.1)
+        return call(self, *a, **k)
+
+    monkeypatch.setattr(Recompute, "__call__", slower)
+    model, idx, ref, planner = traced_gpt_planner()
+    traced[0] = True
+    forms = []
+    for step in range(2 * planner_module.TRIAL_STEPS + 2):
+        assert planner.settled == (step >= 2 * planner_module.TRIAL_STEPS)
+        ctx = planner.step()
+        got = grads_of(model, idx, ctx)
+        assert all(same_bits(a, b) for a, b in zip(ref, got)), f"gradients differ in planned step {step}"
+        forms.append({model.blocks[i].forward.reentrant for i in (0, 1)})
+    kept = slow == "non-reentrant"
+    assert forms == [{True}, {False}] * planner_module.TRIAL_STEPS + [{kept}] * 2, planner.explain()
+    assert planner.plan.reentrant == kept and planner.plan.recomputed == frozenset({0, 1})
+    text = planner.explain()
+    assert f"kept recompute 2 blocks{'' if kept else ' non-reentrant'}" in text
+    assert ("reentrant form (storm.recompute)" if kept else "non-reentrant checkpoint, faster here") in text
+    planner.close()
+
+
+def test_no_form_trial_where_the_user_asked_for_the_non_reentrant_form():
+    model, idx = gpt()
+    planner = storm.plan(model.blocks, budget=0.05, mode="embedded", min_bytes=0, reentrant=False)
+    for _ in range(3):
+        grads_of(model, idx, planner.step())
+    assert planner.plan.recomputed and not planner.plan.reentrant
+    assert planner.settled and not planner.trials
     planner.close()
 
 
