@@ -19,6 +19,7 @@ keys from the environment (stormd/auth.py).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import queue
@@ -114,8 +115,14 @@ class DaemonConnection:
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         last_sent = last_heard = time.monotonic()
+        # Sends never block this thread: a socket with no connection to queue on (a CURVE handshake the
+        # daemon refused drops it) would hold it, and with it every reply, heartbeat and shutdown. What
+        # cannot go yet waits here, and the poller wakes the loop when the socket can take it.
+        unsent: collections.deque = collections.deque()
         try:
             while not self._closed.is_set():
+                sendable = unsent and len(self._pending) < self.max_in_flight  # else replies wake it
+                poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if sendable else 0))
                 events = dict(poller.poll(timeout=int(self.heartbeat * 1000)))
                 if self._wake_r in events:
                     os.read(self._wake_r, 4096)
@@ -128,23 +135,25 @@ class DaemonConnection:
                         settle(fut, reply)
                     if reply.get("error") == "UNAUTHORIZED" and self._auth:
                         self.lost = f"stormd at {self.endpoint} no longer knows session {self.session} (restarted?)"
-                while len(self._pending) < self.max_in_flight and not self._outbox.empty():
-                    msg, fut = self._outbox.get()
+                if self._auth and not unsent and time.monotonic() - last_sent >= self.heartbeat:
+                    unsent.append(({"op": "PING", "id": next(self._ids), **self._auth}, Future()))
+                while len(self._pending) < self.max_in_flight and (unsent or not self._outbox.empty()):
+                    msg, fut = unsent.popleft() if unsent else self._outbox.get()
+                    try:
+                        sock.send(pack(msg), zmq.NOBLOCK)
+                    except zmq.Again:
+                        unsent.appendleft((msg, fut))
+                        break
                     self._pending[msg["id"]] = fut
-                    sock.send(pack(msg))
                     last_sent = time.monotonic()
-                if self._pending and time.monotonic() - last_heard > self.dead_after:
+                if (self._pending or unsent) and time.monotonic() - last_heard > self.dead_after:
                     self.lost = f"stormd at {self.endpoint} did not answer for {self.dead_after:g} s"
                 if self.lost:
                     self._closed.set()
                     break
-                if self._auth and time.monotonic() - last_sent >= self.heartbeat:
-                    self._pending[ping := next(self._ids)] = Future()
-                    sock.send(pack({"op": "PING", "id": ping, **self._auth}))
-                    last_sent = time.monotonic()
         finally:
             sock.close(linger=0)
-            for fut in self._pending.values():
+            for fut in [*self._pending.values(), *(fut for _, fut in unsent)]:
                 if not fut.done():
                     fut.set_exception(StormUnavailable(self.lost or f"connection to {self.endpoint} closed"))
             self._pending.clear()

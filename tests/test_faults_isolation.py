@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -160,6 +161,22 @@ def curve_daemon(tmp_path):
     storm.close_all()
     proc.terminate()
     assert proc.wait(10) == 0, log.read_text()
+
+
+def test_a_socket_with_no_connection_never_holds_the_clients_io_thread(monkeypatch):
+    """A send on a socket with no connection to queue on blocks: a CURVE handshake the daemon
+    refuses drops the connection (seen in CI: the client's thread held in HELLO's send, and
+    connecting failed only after the 5 s join gave up). ZMQ_IMMEDIATE to a port nobody listens
+    on gives such a socket every time. The I/O thread keeps what cannot go yet, so connecting
+    fails at its timeout and the thread, free to see the shutdown, ends at once."""
+    from storm import connection
+
+    monkeypatch.setattr(connection, "client_curve_options", lambda endpoint: {zmq.IMMEDIATE: 1})
+    t0 = time.monotonic()
+    with pytest.raises(storm.StormUnavailable, match="no stormd answered .* within 1.5 s"):
+        connection.DaemonConnection(f"tcp://127.0.0.1:{free_port()}", connect_timeout=1.5)
+    assert time.monotonic() - t0 < 4.5
+    assert not [t for t in threading.enumerate() if t.name == "storm-io"]
 
 
 def test_tcp_serves_only_clients_with_an_authorized_curve_key(curve_daemon, monkeypatch):
