@@ -387,11 +387,14 @@ class Planner:
         self.traced_host_ms_per_tensor: float | None = None  # the trace's, where a planned step measured more
         self._alternative: Plan | None = None  # the best fitting plan of the other kind (offloading or not)
         self._trial: _Trial | None = None      # the plan and the alternative, tried in alternation
-        self.trial: _Trial | None = None       # the last trial, decided
         self.trials: list[_Trial] = []         # this trace's trials, decided, in order
-        self._form_tried = False               # the other recompute form has had its trial, this trace
         self._end_hooks: list[Any] = []        # on the last block (_at_backward_end), until their step's forward ends
         self.replans = 0
+
+    @property
+    def trial(self) -> _Trial | None:
+        """The last trial decided since the last trace."""
+        return self.trials[-1] if self.trials else None
 
     @property
     def kept_extra(self) -> int:
@@ -429,8 +432,7 @@ class Planner:
             self._margins, self._checks, self._checking = {False: 0, True: 0}, 0, False
             self.besides, self._kept_besides = None, None
             self._offloading_steps, self.traced_host_ms_per_tensor = 0, None
-            self._alternative, self._trial, self.trial = None, None, None
-            self.trials, self._form_tried = [], False
+            self._alternative, self._trial, self.trials = None, None, []
             self.replans += 1
         if self._phase == "trace-offload":
             return self._trace_offload()
@@ -441,7 +443,6 @@ class Planner:
         if self._trial is None and self._alternative is not None and not self._checking \
                 and not self._host_check_due():
             self._trial, self._alternative = _Trial((self.plan, self._alternative)), None
-            self._form_tried |= self._trial.plans[1].reentrant != self.plan.reentrant
         if self._trial is not None and self._trial.next_plan() is not self.plan:
             self._apply(self._trial.next_plan())
         p = self.plan
@@ -546,7 +547,7 @@ class Planner:
     def _decide_trial(self) -> None:
         """Keep the plan of the two whose steps took less (the alternative only if it stayed within
         its target)."""
-        trial, self._trial, self.trial = self._trial, None, self._trial
+        trial, self._trial = self._trial, None
         self.trials.append(trial)
         keep = trial.plans[1] if trial.over is None and trial.median(1) < trial.median(0) else trial.plans[0]
         trial.kept = keep
@@ -631,11 +632,13 @@ class Planner:
         tensors (``hand_over=False``): each block's backward then holds its saves as a kept
         block's does, and what it holds besides them gives ``kept_extra``."""
         device = _device_of(self.blocks)
-        # checkpoint's first call in a process imports torch._dynamo (about 1.4 s on a CPU here) and
-        # sets up its machinery: pay it now, or block 0 looks that much dearer to recompute
+        # each recompute form's first call in a process sets up its machinery (torch's checkpoint, the
+        # non-reentrant form, imports torch._dynamo; 0.5 and 1.1 s on a CPU here): pay it now, or block 0
+        # looks that much dearer to recompute, or the form trial's first non-reentrant step slower
         if hand_over:  # the first compute trace: the second times nothing
             warm = torch.zeros(1, device=device, requires_grad=True)
-            Recompute(lambda t: t * 2, device, self.reentrant)(warm).sum().backward()
+            for reentrant in {self.reentrant, False}:
+                Recompute(lambda t: t * 2, device, reentrant)(warm).sum().backward()
         self._recompute(set(range(len(self.blocks))), hand_over)
         clock = _Clock(device)
         n = len(self.blocks)
@@ -730,7 +733,8 @@ class Planner:
         tensor and skips what follows (a transformer block's last matmul and residual add; W2,
         GPU-bound: checkpointing the first 8 blocks took 268.0 ms a step where the reentrant plan
         recomputing 7 took 272.7, frontier-w2-h100-2026-11-26-ac0286b.json)."""
-        if self._form_tried or not plan.fits or not plan.recomputed or not plan.reentrant:
+        tried = any(t.plans[0].reentrant != t.plans[1].reentrant for t in (*self.trials, self._trial) if t)
+        if tried or not plan.fits or not plan.recomputed or not plan.reentrant:
             return None
         return dataclasses.replace(plan, reentrant=False)
 
