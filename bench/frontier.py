@@ -21,8 +21,9 @@ from the no-offload step, the pinned bandwidths measured in the same run and
 what recomputing a block removes; budgets no method fits are marked
 unreachable). With --duel R, per budget the planner, that best other method and no
 offload are then built side by side and timed in alternation, R rounds of
---steps steps each, and the planner is compared with both and with the bound
-from that no-offload time: the lent machines drift by 10 to 40% within a run,
+--steps steps each (each round in a shuffled order), and the planner is compared
+with both (with a 95% interval of the ratio to the other, resampling rounds) and
+with the bound from that no-offload time: the lent machines drift by 10 to 40% within a run,
 and rows measured minutes apart compare that drift too. (Three models at once:
 W2's take about 60 GiB of parameters and gradients.) Without CUDA it exits 2, except
 --plot-only, which recomputes the summary from a results JSON, prints the table
@@ -34,9 +35,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -250,23 +253,32 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         sec.update(summarize(sec, link))
         write(args, results)
         if args.duel:
-            sec["duel"] = duel(w, sec, args, device, storm_opts, link)
-            write(args, results)
+            sec["duel"] = []
+            resumed = prior.get(w.name, {}).get("duel", [])
+            dueled = {d["budget_bytes"]: d for d in resumed if d.get("rounds") == args.duel}
+            for entry in duel(w, sec, args, device, storm_opts, link, dueled):
+                sec["duel"].append(entry)
+                write(args, results)  # each budget's, as it comes: a time limit keeps those done
     return results
 
 
 def duel(w: Workload, sec: dict, args: argparse.Namespace, device: torch.device, storm_opts: dict,
-         link: dict[str, float]) -> list[dict]:
+         link: dict[str, float], done: dict[int, dict]) -> Iterator[dict]:
     """Per budget where the planner fit its cap: the planner, the fastest other method that fits
-    and no offload (the bound's reference), side by side on the device, timed in alternation;
-    medians of all their steps, and the planner against the bound from that no-offload time."""
-    out = []
+    and no offload (the bound's reference), side by side on the device, timed in alternation
+    (each round in a shuffled order, so that none always runs after the same one); medians of
+    all their steps, the planner against the bound from that no-offload time, and the ratio's
+    95% interval over rounds (ratio_interval). Budgets in ``done`` (a resumed run's) are yielded as they were."""
     lower = Bound.of(sec, link)
+    order = random.Random(0)
     none = Trainer(w, "none", {}, device)  # one for every budget: a third model on the device, not more
     try:
         none.warm(args.warmup)
         for p in sec["planner"]:
             if not p["fits_cap"] or p["best_other"] is None:
+                continue
+            if p["budget_bytes"] in done:
+                yield done[p["budget_bytes"]]
                 continue
             row = next(r for r in sec["rows"] if r["label"] == p["best_other"])
             mine = Trainer(*contender(w, {"method": "plan", "budget_bytes": p["budget_bytes"]}, storm_opts,
@@ -275,23 +287,42 @@ def duel(w: Workload, sec: dict, args: argparse.Namespace, device: torch.device,
             try:
                 mine.warm(args.warmup)
                 theirs.warm(args.warmup)
-                times: tuple[list[float], ...] = ([], [], [])
+                rounds: tuple[list[list[float]], ...] = ([], [], [])
                 for _ in range(args.duel):
-                    for t, trainer in zip(times, (mine, theirs, none)):
-                        t.extend(trainer.step() for _ in range(args.steps))
+                    turns = list(zip(rounds, (mine, theirs, none)))
+                    order.shuffle(turns)
+                    for r, trainer in turns:
+                        r.append([trainer.step() for _ in range(args.steps)])
                 chosen = plan_summary(mine.planner)  # planned afresh here: it may differ from the row's plan
             finally:
                 mine.close()
                 theirs.close()
-            plan_ms, other_ms, none_ms = (round(statistics.median(t) * 1e3, 2) for t in times)
-            out.append(rebound({"budget_bytes": p["budget_bytes"], "plan_ms": plan_ms, "other": row["label"],
-                                "other_ms": other_ms, "ratio": round(plan_ms / other_ms, 3), "none_ms": none_ms,
-                                "plan": chosen}, lower))
-            print(f"{w.name} duel at cap {p['peak_cap_GiB']} GiB: plan {plan_ms} ms, {row['label']} {other_ms} ms, "
-                  f"none {none_ms} ms (bound {out[-1]['lower_bound_ms']} ms)", flush=True)
+            plan_ms, other_ms, none_ms = (round(statistics.median(s for r in rs for s in r) * 1e3, 2) for rs in rounds)
+            lo, hi = ratio_interval(rounds[0], rounds[1])
+            entry = rebound({"budget_bytes": p["budget_bytes"], "plan_ms": plan_ms, "other": row["label"],
+                             "other_ms": other_ms, "ratio": round(plan_ms / other_ms, 3),
+                             "ratio_95": [round(lo, 3), round(hi, 3)], "rounds": args.duel, "none_ms": none_ms,
+                             "plan": chosen}, lower)
+            print(f"{w.name} duel at cap {p['peak_cap_GiB']} GiB: plan {plan_ms} ms, {row['label']} {other_ms} ms "
+                  f"(ratio {lo:.3f} to {hi:.3f}), none {none_ms} ms (bound {entry['lower_bound_ms']} ms)", flush=True)
+            yield entry
     finally:
         none.close()
-    return out
+
+
+def ratio_interval(mine: list[list[float]], theirs: list[list[float]], resamples: int = 2000,
+                   seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of median(mine) / median(theirs), all steps pooled, resampling
+    rounds (round i of each, together: they ran minutes apart at most, so drift moves both)."""
+    rng = random.Random(seed)
+    n = len(mine)
+    ratios = []
+    for _ in range(resamples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        ratios.append(statistics.median(s for i in picks for s in mine[i])
+                      / statistics.median(s for i in picks for s in theirs[i]))
+    ratios.sort()
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
 
 
 def table(name: str, section: dict) -> str:
@@ -317,11 +348,12 @@ def table(name: str, section: dict) -> str:
         lines.append(line)
     if section.get("duel"):
         timed_none = all("none_ms" in d for d in section["duel"])  # not in results from before it was
-        lines += ["", "in alternation:", f"{'budget GiB':>10} {'plan ms':>8} {'other':<24} {'ms':>8} {'ratio':>6}"
-                  + (f" {'none ms':>8} {'bound ms':>9} {'x bound':>7}" if timed_none else "")]
+        lines += ["", "in alternation:", f"{'budget GiB':>10} {'plan ms':>8} {'other':<24} {'ms':>8} {'ratio':>6} "
+                  f"{'95% of rounds':>13}" + (f" {'none ms':>8} {'bound ms':>9} {'x bound':>7}" if timed_none else "")]
         lines += [f"{d['budget_bytes'] / GiB:>10.3f} {d['plan_ms']:>8.2f} {d['other']:<24} {d['other_ms']:>8.2f} "
-                  f"{d['ratio']:>6.3f}" + (f" {d['none_ms']:>8.2f} {d['lower_bound_ms']:>9.2f} {d['x_bound']:>7.3f}"
-                                          if timed_none else "")
+                  f"{d['ratio']:>6.3f} "
+                  + (f"{d['ratio_95'][0]:>6.3f}-{d['ratio_95'][1]:<6.3f}" if "ratio_95" in d else f"{'':>13}")
+                  + (f" {d['none_ms']:>8.2f} {d['lower_bound_ms']:>9.2f} {d['x_bound']:>7.3f}" if timed_none else "")
                   for d in section["duel"]]
     return "\n".join(lines)
 
@@ -371,7 +403,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="3 budgets, --steps 3 --warmup 1: a smoke run")
     p.add_argument("--out", help="results JSON (required unless --plot-only)")
     p.add_argument("--resume", metavar="RESULTS.json", default=None,
-                   help="keep the rows of an earlier (cut-off) run and measure only the missing ones")
+                   help="keep the rows of an earlier (cut-off) run, and its duel's budgets where it ran as many "
+                        "rounds, and measure only the missing ones")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw step time against peak memory")
     p.add_argument("--plot-only", metavar="RESULTS.json", default=None,
                    help="measure nothing: re-plan, print and (with --plot) draw from a results JSON")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from frontier import Bound, summarize  # noqa: E402
+from frontier import Bound, ratio_interval, summarize  # noqa: E402
 
 GiB = 1 << 30
 GB = 1e9
@@ -73,3 +73,16 @@ def test_the_summary_compares_fitting_plans_and_marks_what_nothing_reaches():
     assert duel["lower_bound_ms"] == pytest.approx(27.0, abs=0.01)
     assert duel["x_bound"] == pytest.approx(28 / 27, abs=1e-3)
     assert out["bound"][0]["link_only_ms"] == pytest.approx(26.0)
+
+
+def test_the_duels_interval_excludes_a_tie_only_where_the_rounds_agree():
+    faster = [[98.0 + i % 3, 99.0, 100.0] for i in range(8)]
+    slower = [[100.0 + i % 3, 101.0, 102.0] for i in range(8)]
+    lo, hi = ratio_interval(faster, slower)
+    assert lo <= 99.0 / 101.0 <= hi < 1.0
+    # rounds that disagree (each method faster in half of them) give an interval around 1
+    mixed_a = [[100.0 + (3 if i % 2 else -3)] * 5 for i in range(8)]
+    mixed_b = [[100.0 - (3 if i % 2 else -3)] * 5 for i in range(8)]
+    lo, hi = ratio_interval(mixed_a, mixed_b)
+    assert lo < 1.0 < hi
+    assert ratio_interval(mixed_a, mixed_b) == (lo, hi)  # seeded: a rerun of the summary gives the same
