@@ -1042,6 +1042,42 @@ def test_the_faster_recompute_form_is_kept(monkeypatch, slow):
     planner.close()
 
 
+@pytest.mark.parametrize("apart, close", [(0.01, True), (0.05, False)])
+def test_a_trial_whose_medians_are_close_runs_more_steps_before_it_decides(monkeypatch, apart, close):
+    """Medians within TRIAL_CLOSE of each other are within a lent GPU's step-to-step noise: the
+    trial then runs each plan up to TRIAL_MAX_STEPS steps before it keeps the faster; farther
+    apart, TRIAL_STEPS decide. The step times are given here: the non-reentrant form's
+    ``apart`` less than the reentrant one's."""
+    from storm import planner as planner_module
+
+    def recompute_two(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False,
+                      codec=None, offload=None, kept_extra=0):
+        return None if offload else planner_module.Plan(0, frozenset({0, 1}), 0, 0, 0, 1 << 40, 1.0, True)
+
+    monkeypatch.setattr(planner_module, "choose", recompute_two)
+    model, idx, ref, planner = traced_gpt_planner()
+    measured = planner_module._Clock.elapsed_ms
+
+    def given(self, start, end):  # a trial step's, read as the next step starts with its plan still in force
+        if planner._trial is None:
+            return measured(self, start, end)
+        return 100.0 if planner.plan.reentrant else 100.0 * (1 - apart)
+
+    monkeypatch.setattr(planner_module._Clock, "elapsed_ms", given)
+    steps = planner_module.TRIAL_MAX_STEPS if close else planner_module.TRIAL_STEPS
+    assert planner_module.TRIAL_STEPS < planner_module.TRIAL_MAX_STEPS
+    forms = []
+    for step in range(2 * steps + 2):
+        assert planner.settled == (step >= 2 * steps), planner.explain()
+        ctx = planner.step()
+        forms.append(planner.plan.reentrant)
+        grads_of(model, idx, ctx)
+    assert forms == [True, False] * steps + [False] * 2
+    assert [len(ms) for ms in planner.trial.ms] == [steps, steps]
+    assert f"median of {steps}" in planner.explain()
+    planner.close()
+
+
 def test_no_form_trial_where_the_user_asked_for_the_non_reentrant_form():
     model, idx = gpt()
     planner = storm.plan(model.blocks, budget=0.05, mode="embedded", min_bytes=0, reentrant=False)
