@@ -89,14 +89,14 @@ class Trainer:
         self.last: storm.Offload | None = None
 
     def warm(self, steps: int) -> None:
-        """``steps`` steps, and as many more (up to 40) as storm.plan needs to settle: it traces
+        """``steps`` steps, and as many more (up to 50) as storm.plan needs to settle: it traces
         two steps (three with peak=), plans at the next, on CUDA measures planned steps until one
         is within its target (up to 4), resetting the peak statistics, reads a second offloading
         step's host time, and tries its plan against the best of the other kind, then in the
-        other recompute form, in alternation (6 to 12 steps each trial)."""
+        other recompute form, in alternation (10 to 18 steps each trial)."""
         for _ in range(steps):
             self.step()
-        for _ in range(40):
+        for _ in range(50):
             if self.planner is None or self.planner.settled:
                 break
             self.step()

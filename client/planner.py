@@ -75,9 +75,9 @@ Try. The model's costs are approximate, offloading's host time most (W1 on a len
 block 0 offloaded cost 6.0 ms a step where it said 1.2, bench/plan_costs.py). So where
 the best plan that offloads and the best that does not both fit, once the chosen one's peak
 is settled, the two run in alternation, TRIAL_STEPS steps each (up to TRIAL_MAX_STEPS
-while their medians are within TRIAL_CLOSE of each other), timed on the compute
-stream from the step's start to backward's end, and the faster is kept (the other only if
-its first step stayed within its target); once per trace, and ``explain`` says what each
+while they are within TRIAL_CLOSE of each other), timed on the compute stream from the
+step's start to backward's end, and the faster in the median of its differences with the
+step beside it is kept (the other only if its first step stayed within its target); once per trace, and ``explain`` says what each
 took. Then, where the plan kept recomputes in the reentrant form, the same plan recomputing
 with torch's non-reentrant checkpoint is tried the same way (_other_form says why neither
 form is faster everywhere). ``settled`` says when no more measuring, correcting or trying
@@ -112,12 +112,17 @@ FRAME_DEVICE_BYTES = 64 * MiB  # large enough that the codec's kernels, not thei
 MAX_CHECKS = 4  # planned steps measured after a trace: the first plan and up to three corrections
 HOST_CHECK_STEP = 2  # the planned step that offloads whose host time per tensor is checked (the first warms up)
 HOST_CHECK_TOLERANCE = 1.5  # measured over traced by more than this: plan with the measured (not noise)
-TRIAL_STEPS = 3  # steps of each of the two plans tried in alternation; the lower median is kept
-# medians closer than this fraction are within a lent H100's step-to-step noise (W1's form trial,
-# frontier-w1-h100-2026-11-26-c4b34d3.json: non-reentrant kept by 0.9%, 30.84 against 31.12 ms):
-# then up to TRIAL_MAX_STEPS steps each decide
+# steps of each of the two plans tried in alternation. A lent H100's host has bursts that slow a
+# few steps in a row: W1's trial at b6ab0c9 took a median of 3 steps recomputing 7 blocks at
+# 37.73 ms and kept the plan beside it (32.50), which the frontier's duel then timed at 39.36
+# where checkpointing took 39.95 (frontier-w1-h100-2026-11-26-b6ab0c9.json). So 5 steps each,
+# compared by the median of the differences of steps run one after the other, which a slow
+# stretch of the host moves less than it moves either plan's own median
+TRIAL_STEPS = 5
+# plans closer than this fraction are within a step's noise (W1's form trial at c4b34d3 kept the
+# non-reentrant form by 0.9%, 30.84 against 31.12 ms): then up to TRIAL_MAX_STEPS each decide
 TRIAL_CLOSE = 0.02
-TRIAL_MAX_STEPS = 6
+TRIAL_MAX_STEPS = 9
 
 
 @dataclasses.dataclass
@@ -555,7 +560,7 @@ class Planner:
         its target)."""
         trial, self._trial = self._trial, None
         self.trials.append(trial)
-        keep = trial.plans[1] if trial.over is None and trial.median(1) < trial.median(0) else trial.plans[0]
+        keep = trial.plans[1] if trial.over is None and trial.gain_ms > 0 else trial.plans[0]
         trial.kept = keep
         if keep is not self.plan:
             self._apply(keep)
@@ -970,14 +975,19 @@ class _Trial:
         return statistics.median(self.ms[i]) if self.ms[i] else float("inf")
 
     @property
+    def gain_ms(self) -> float:
+        """How much less the alternative's step took than the chosen plan's step before it, in
+        the median over such pairs."""
+        return statistics.median(a - b for a, b in zip(*self.ms)) if all(self.ms) else 0.0
+
+    @property
     def decided(self) -> bool:
-        """Both plans have TRIAL_STEPS steps and their medians are more than TRIAL_CLOSE apart, or
-        both have TRIAL_MAX_STEPS."""
+        """Both plans have TRIAL_STEPS steps and differ by more than TRIAL_CLOSE of the chosen
+        plan's median step, or both have TRIAL_MAX_STEPS."""
         steps = min(map(len, self.ms))
         if steps < TRIAL_STEPS:
             return False
-        a, b = self.median(0), self.median(1)
-        return abs(a - b) > TRIAL_CLOSE * min(a, b) or steps >= TRIAL_MAX_STEPS
+        return abs(self.gain_ms) > TRIAL_CLOSE * self.median(0) or steps >= TRIAL_MAX_STEPS
 
     def describe(self) -> str:
         names = [_plan_name(p) for p in self.plans]
@@ -985,8 +995,10 @@ class _Trial:
             return (f"tried {names[1]} beside {names[0]}: it peaked at {self.over / MiB:.1f} MiB, over its target; "
                     f"kept {names[0]}")
         times = ", ".join(f"{name} {self.median(i):.2f} ms" for i, name in enumerate(names))
-        return (f"tried in alternation, forward and backward a step (median of {min(map(len, self.ms))}): {times}; "
-                f"kept {_plan_name(self.kept)}")
+        n = min(map(len, self.ms))
+        return (f"tried in alternation, forward and backward a step (median of {n}): {times}, the second "
+                f"{abs(self.gain_ms):.2f} ms {'faster' if self.gain_ms > 0 else 'slower'} in the median of {n} "
+                f"pairs; kept {_plan_name(self.kept)}")
 
 
 def _plan_name(p: Plan) -> str:

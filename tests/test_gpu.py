@@ -206,7 +206,7 @@ def test_planner_on_cuda_bit_exact_and_within_its_measured_target(want):
         want = {"peak": int(want["peak"] * no_offload_peak)}
     planner = storm.plan(model.blocks, **want, mode="embedded", min_bytes=1 << 16, pool_size="1GiB")
     peaks = []
-    for step in range(36):
+    for step in range(50):
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -222,7 +222,7 @@ def test_planner_on_cuda_bit_exact_and_within_its_measured_target(want):
             peaks.append(torch.cuda.max_memory_allocated() - base)
     p = planner.plan
     assert p.fits and (p.offloaded or p.recomputed) and planner.besides is not None
-    # settled within 34 steps: peak= traces 3, a measured step or more (up to 4), and two trials of 6 to 12
+    # settled within 48 steps: peak= traces 3, a measured step or more (up to 4), and two trials of 10 to 18
     # steps (the kind's and the recompute form's)
     assert len(peaks) >= 2, planner.explain()
     target = planner.target

@@ -989,7 +989,7 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
         offloading.append(ctx.stats.offloaded > 0)
     trial = planner.trial
     # the model's plan until its host time is read, then both in turn, then the faster
-    assert offloading == [True] * 2 + [True, False] * 3 + [kept == "offload"] * 2
+    assert offloading == [True] * 2 + [True, False] * planner_module.TRIAL_STEPS + [kept == "offload"] * 2
     assert all(len(ms) == planner_module.TRIAL_STEPS for ms in trial.ms)
     assert trial.median(0 if slow == "recompute" else 1) < trial.median(1 if slow == "recompute" else 0)
     assert (planner.plan.offloaded > 0) == (kept == "offload") and trial.kept is planner.plan
@@ -1042,12 +1042,10 @@ def test_the_faster_recompute_form_is_kept(monkeypatch, slow):
     planner.close()
 
 
-@pytest.mark.parametrize("apart, close", [(0.01, True), (0.05, False)])
-def test_a_trial_whose_medians_are_close_runs_more_steps_before_it_decides(monkeypatch, apart, close):
-    """Medians within TRIAL_CLOSE of each other are within a lent GPU's step-to-step noise: the
-    trial then runs each plan up to TRIAL_MAX_STEPS steps before it keeps the faster; farther
-    apart, TRIAL_STEPS decide. The step times are given here: the non-reentrant form's
-    ``apart`` less than the reentrant one's."""
+def timed_form_trial(monkeypatch, ms) -> tuple[list[bool], storm.Planner]:
+    """A planner on the CPU GPT whose plan recomputes blocks 0 and 1, run through its form trial
+    (and 2 steps more) with the trial's step times given: ``ms(k, reentrant)`` for its k-th
+    step. Returns the form of each step and the planner."""
     from storm import planner as planner_module
 
     def recompute_two(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False,
@@ -1056,25 +1054,54 @@ def test_a_trial_whose_medians_are_close_runs_more_steps_before_it_decides(monke
 
     monkeypatch.setattr(planner_module, "choose", recompute_two)
     model, idx, ref, planner = traced_gpt_planner()
-    measured = planner_module._Clock.elapsed_ms
+    measured, timed = planner_module._Clock.elapsed_ms, []
 
     def given(self, start, end):  # a trial step's, read as the next step starts with its plan still in force
         if planner._trial is None:
             return measured(self, start, end)
-        return 100.0 if planner.plan.reentrant else 100.0 * (1 - apart)
+        timed.append(ms(len(timed), planner.plan.reentrant))
+        return timed[-1]
 
     monkeypatch.setattr(planner_module._Clock, "elapsed_ms", given)
-    steps = planner_module.TRIAL_MAX_STEPS if close else planner_module.TRIAL_STEPS
-    assert planner_module.TRIAL_STEPS < planner_module.TRIAL_MAX_STEPS
     forms = []
-    for step in range(2 * steps + 2):
-        assert planner.settled == (step >= 2 * steps), planner.explain()
+    while not planner.settled or len(forms) < len(timed) + 2:
+        assert len(forms) <= 2 * planner_module.TRIAL_MAX_STEPS + 2, planner.explain()
         ctx = planner.step()
         forms.append(planner.plan.reentrant)
         grads_of(model, idx, ctx)
+    return forms, planner
+
+
+@pytest.mark.parametrize("apart, close", [(0.01, True), (0.05, False)])
+def test_a_trial_whose_plans_are_close_runs_more_steps_before_it_decides(monkeypatch, apart, close):
+    """Plans within TRIAL_CLOSE of each other are within a lent GPU's step-to-step noise: the
+    trial then runs each plan up to TRIAL_MAX_STEPS steps before it keeps the faster; farther
+    apart, TRIAL_STEPS decide. Here the non-reentrant form's steps take ``apart`` less."""
+    from storm import planner as planner_module
+
+    forms, planner = timed_form_trial(monkeypatch, lambda k, reentrant: 100.0 if reentrant else 100.0 * (1 - apart))
+    steps = planner_module.TRIAL_MAX_STEPS if close else planner_module.TRIAL_STEPS
+    assert planner_module.TRIAL_STEPS < planner_module.TRIAL_MAX_STEPS
     assert forms == [True, False] * steps + [False] * 2
     assert [len(ms) for ms in planner.trial.ms] == [steps, steps]
     assert f"median of {steps}" in planner.explain()
+    planner.close()
+
+
+def test_a_slow_stretch_of_the_host_does_not_decide_a_trial(monkeypatch):
+    """The host slows by 40 ms a step from the trial's sixth step on, so the reentrant form's
+    median step (100 ms) is under the non-reentrant one's (137); but each non-reentrant step
+    took 3 ms less than the reentrant step before it, but for the one where the slowdown began,
+    and that form is kept: the median of those differences decides."""
+    from storm import planner as planner_module
+
+    forms, planner = timed_form_trial(monkeypatch,
+                                      lambda k, reentrant: (100.0 if reentrant else 97.0) + 40.0 * (k >= 5))
+    assert planner_module.TRIAL_STEPS == 5  # the slowdown's start, above, is placed for it
+    assert planner.trial.median(0) < planner.trial.median(1)
+    assert planner.trial.gain_ms == pytest.approx(3.0)
+    assert forms[-2:] == [False, False] and not planner.plan.reentrant
+    assert "the second 3.00 ms faster in the median of 5 pairs" in planner.explain()
     planner.close()
 
 
