@@ -48,7 +48,8 @@ A codec given in the storm.offload options is kept: a frame codec allows compres
 only, another raw ones only. Recomputing block i costs its forward time. For each k, queue
 size and raw or compressed, other blocks are recomputed until the predicted peak fits:
 each moment of backward over the budget, in the order they come, by the blocks before it
-that cost the least time per byte recomputing removes. The predicted peak is the largest
+that cost the least time per byte recomputing removes; then those the fit no longer
+needs, the dearest first, are kept. The predicted peak is the largest
 of backward's start (kept blocks, inputs of recomputed ones, offloaded bytes still on the
 device, the prefetch window, and for compressed plans the largest offloaded block's frames, which the host
 holds while it encodes or decodes) and each block's backward (what
@@ -330,7 +331,12 @@ def _recompute_until(trace: Trace, k: int, budget: int, off: _Offloading, window
     removed (earlier blocks on ties) among those before it. Picking the cheapest anywhere
     first can spend them where no moment over the budget gains (W2's 24 like blocks, with
     later ones 0.2% cheaper each, recomputed 23 where 7 fit). A kept block's own moment also
-    holds ``kept_extra``, which recomputing it removes: for that moment it is a candidate too."""
+    holds ``kept_extra``, which recomputing it removes: for that moment it is a candidate too.
+    Meeting each moment in turn can leave blocks that later choices made unneeded (like blocks
+    traced 1% apart, as noise makes them: 2 recomputed where 1 fit, tests/test_planner.py; W1
+    on a lent H100 recomputed 8 where checkpointing the first 7 fit the same cap,
+    frontier-w1-h100-2026-11-26-de00e7c.json); those go after, the dearest first, while the
+    peak still fits."""
     blocks, n = trace.blocks, len(trace.blocks)
     in_flight = off.leftover + off.frames + window
     gain = [b.saved_bytes - b.input_bytes for b in blocks]
@@ -346,6 +352,10 @@ def _recompute_until(trace: Trace, k: int, budget: int, off: _Offloading, window
             if j <= i and j not in recomputed and (j < i or kept_extra):
                 recomputed.add(j)
                 lowered -= gain[j] if j < i else kept_extra
+    if predicted_peak(trace, k, recomputed, in_flight, grads, kept_extra) <= budget:
+        for j in sorted(recomputed, key=lambda j: (-blocks[j].forward_ms, -j)):
+            if predicted_peak(trace, k, recomputed - {j}, in_flight, grads, kept_extra) <= budget:
+                recomputed.discard(j)
     peak = predicted_peak(trace, k, recomputed, in_flight, grads, kept_extra)
     return recomputed, peak, off.cost_ms + sum(blocks[j].forward_ms for j in recomputed)
 

@@ -45,6 +45,25 @@ def test_a_slow_link_recomputes_instead_of_offloading():
     assert p.predicted_cost_ms == pytest.approx(4.0)
 
 
+def test_no_block_is_recomputed_that_the_fit_does_not_need():
+    """Like blocks, each traced 1% cheaper than the one before (noise makes such differences):
+    meeting backward's moments in turn picked block 11 for its own moment's kept_extra and
+    block 10 for backward's start, where one block fits (and 6 where 5 did, ...). Every block
+    the plan recomputes is needed: without any one of them the peak is over the budget, and
+    no more are recomputed than checkpointing the first blocks would need."""
+    n, extra = 12, 50 * MiB
+    t = trace(n=n, saved=200 * MiB, inputs=16 * MiB, gbps=0.5)  # a slow link: plans recompute
+    for i, b in enumerate(t.blocks):
+        b.forward_ms, b.grad_bytes = 1.0 - 0.01 * i, 24 * MiB
+    for budget in range(1000 * MiB, 2600 * MiB, 200 * MiB):
+        p = choose(t, budget, grads=True, kept_extra=extra)
+        assert p.fits and p.offloaded == 0
+        for j in p.recomputed:
+            assert predicted_peak(t, 0, p.recomputed - {j}, 0, True, extra) > budget, (budget, sorted(p.recomputed), j)
+        first = next(k for k in range(n + 1) if predicted_peak(t, 0, set(range(k)), 0, True, extra) <= budget)
+        assert len(p.recomputed) <= first, (budget, sorted(p.recomputed), first)
+
+
 def test_only_a_kept_blocks_backward_holds_the_kept_extra():
     t = trace(n=4, gbps=0.5)  # a slow link: plans recompute
     every, extra = set(range(4)), 5 * MiB
