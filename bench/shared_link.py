@@ -10,8 +10,9 @@ stormd gives every session its own copy streams and queues each request's copy w
 with no ordering of its own between sessions; this measures what that gives each process.
 
 Each process times its steps (wall clock, synchronized) after --warmup steps; the processes start
-their timed steps together, and only steps that ran while every process was still stepping count,
-so none is timed with the link to itself. Reported: the single process's median step, each
+their timed steps together, and each goes on stepping until every one has run --steps. Only steps
+that ended by the time the last one had run its --steps count (every process was still stepping
+then), so none is timed with the link to itself, and each counts at least --steps. Reported: the single process's median step, each
 shared process's median step, the spread (slowest over fastest process: 1.0 is an even share)
 and the throughput of all processes together over the single one's.
 """
@@ -36,8 +37,10 @@ from offload import write  # noqa: E402
 from workloads import TINY, W1  # noqa: E402
 
 
-def train(index: int, a: argparse.Namespace, endpoint: str, start: Any, results: Any) -> None:
-    """One process: --warmup steps, then (once every process is ready) --steps timed steps."""
+def train(index: int, a: argparse.Namespace, endpoint: str, start: Any, done: Any, procs: int,
+          results: Any) -> None:
+    """One process: --warmup steps, then (once every process is ready) timed steps until every
+    process has run --steps of them (``done`` counts those that have)."""
     device = torch.device(a.device)
     model, x = a.workload.build(device, seed=index)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -60,7 +63,13 @@ def train(index: int, a: argparse.Namespace, endpoint: str, start: Any, results:
     for _ in range(a.warmup):
         step()
     start.wait()
-    spans = [step() for _ in range(a.steps)]
+    spans: list[tuple[float, float]] = []
+    deadline = time.time() + a.timeout  # another process may have died: stop anyway
+    while len(spans) < a.steps or (done.value < procs and time.time() < deadline):
+        spans.append(step())
+        if len(spans) == a.steps:
+            with done.get_lock():
+                done.value += 1
     results.put({"process": index, "spans": spans, "offloaded_tensors_per_step": min(offloaded[a.warmup:])})
     storm.close_all()
 
@@ -68,8 +77,8 @@ def train(index: int, a: argparse.Namespace, endpoint: str, start: Any, results:
 def run(a: argparse.Namespace, procs: int, endpoint: str) -> list[dict[str, Any]]:
     """``procs`` processes at once; each one's rows, with its median over the steps every process overlapped."""
     ctx = multiprocessing.get_context("spawn")  # CUDA does not survive fork
-    start, results = ctx.Barrier(procs), ctx.Queue()
-    workers = [ctx.Process(target=train, args=(i, a, endpoint, start, results)) for i in range(procs)]
+    start, done, results = ctx.Barrier(procs), ctx.Value("i", 0), ctx.Queue()
+    workers = [ctx.Process(target=train, args=(i, a, endpoint, start, done, procs, results)) for i in range(procs)]
     for p in workers:
         p.start()
     rows = sorted((results.get(timeout=a.timeout) for _ in workers), key=lambda r: r["process"])
@@ -77,9 +86,11 @@ def run(a: argparse.Namespace, procs: int, endpoint: str) -> list[dict[str, Any]
         p.join(timeout=60)
         if p.exitcode != 0:
             raise RuntimeError(f"a training process exited with {p.exitcode}")
-    first_end = min(r["spans"][-1][1] for r in rows)  # after it, some process no longer competes
+    # every process steps until the last has run --steps: up to then, all compete (a process that
+    # stopped at its deadline before then, another having died, leaves its later steps out)
+    together = min(max(r["spans"][a.steps - 1][1] for r in rows), min(r["spans"][-1][1] for r in rows))
     for r in rows:
-        inside = [t1 - t0 for t0, t1 in r.pop("spans") if t1 <= first_end]
+        inside = [t1 - t0 for t0, t1 in r.pop("spans") if t1 <= together]
         if not inside:
             raise RuntimeError(f"process {r['process']} finished no step while all processes ran")
         r["steps_counted"] = len(inside)

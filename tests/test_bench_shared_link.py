@@ -22,7 +22,7 @@ def test_processes_sharing_a_daemon_all_offload_and_are_timed_together(tmp_path)
     assert [row["process"] for row in result["shared"]] == [0, 1]
     for row in rows:
         assert row["offloaded_tensors_per_step"] > 0  # through the daemon: mode="daemon" has no fallback
-        assert 1 <= row["steps_counted"] <= 3 and row["step_ms"] > 0
+        assert row["steps_counted"] >= 3 and row["step_ms"] > 0  # each steps until all have run 3
     summary = result["summary"]
     assert summary["shared_step_ms"] == [row["step_ms"] for row in result["shared"]]
     assert summary["spread"] >= 1.0
