@@ -12,9 +12,10 @@ with no ordering of its own between sessions; this measures what that gives each
 Each process times its steps (wall clock, synchronized) after --warmup steps; the processes start
 their timed steps together, and each goes on stepping until every one has run --steps. Only steps
 that ended by the time the last one had run its --steps count (every process was still stepping
-then), so none is timed with the link to itself, and each counts at least --steps. Reported: the single process's median step, each
-shared process's median step, the spread (slowest over fastest process: 1.0 is an even share)
-and the throughput of all processes together over the single one's.
+then), so none is timed with the link to itself, and each counts at least --steps. Reported: the
+single process's median step, each shared process's median step, the spread (slowest over
+fastest process: 1.0 is an even share) and the throughput of all processes together over the
+single one's.
 """
 
 from __future__ import annotations

@@ -78,11 +78,11 @@ the best plan that offloads and the best that does not both fit, once the chosen
 is settled, the two run in alternation, TRIAL_STEPS steps each (up to TRIAL_MAX_STEPS
 while they are within TRIAL_CLOSE of each other), timed on the compute stream from the
 step's start to backward's end, and the faster in the median of its differences with the
-step beside it is kept (the other only if its first step stayed within its target); once per trace, and ``explain`` says what each
-took. Then, where the plan kept recomputes in the reentrant form, the same plan recomputing
-with torch's non-reentrant checkpoint is tried the same way (_other_form says why neither
-form is faster everywhere). ``settled`` says when no more measuring, correcting or trying
-will come.
+step beside it is kept (the other only if its first step stayed within its target); once
+per trace, and ``explain`` says what each took. Then, where the plan kept recomputes in the
+reentrant form, the same plan recomputing with torch's non-reentrant checkpoint is tried the
+same way (_other_form says why neither form is faster everywhere). ``settled`` says when no
+more measuring, correcting or trying will come.
 """
 
 from __future__ import annotations
@@ -352,11 +352,13 @@ def _recompute_until(trace: Trace, k: int, budget: int, off: _Offloading, window
             if j <= i and j not in recomputed and (j < i or kept_extra):
                 recomputed.add(j)
                 lowered -= gain[j] if j < i else kept_extra
-    if predicted_peak(trace, k, recomputed, in_flight, grads, kept_extra) <= budget:
-        for j in sorted(recomputed, key=lambda j: (-blocks[j].forward_ms, -j)):
-            if predicted_peak(trace, k, recomputed - {j}, in_flight, grads, kept_extra) <= budget:
-                recomputed.discard(j)
     peak = predicted_peak(trace, k, recomputed, in_flight, grads, kept_extra)
+    if peak <= budget:
+        for j in sorted(recomputed, key=lambda j: (-blocks[j].forward_ms, -j)):
+            without = predicted_peak(trace, k, recomputed - {j}, in_flight, grads, kept_extra)
+            if without <= budget:
+                recomputed.discard(j)
+                peak = without
     return recomputed, peak, off.cost_ms + sum(blocks[j].forward_ms for j in recomputed)
 
 

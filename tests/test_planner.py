@@ -1019,6 +1019,15 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
     planner.close()
 
 
+def recompute_two(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
+                  offload=None, kept_extra=0):
+    """choose() for the form trials' tests: recompute blocks 0 and 1, and no plan that offloads
+    (none of the other kind: the form's trial comes at once)."""
+    from storm import planner as planner_module
+
+    return None if offload else planner_module.Plan(0, frozenset({0, 1}), 0, 0, 0, 1 << 40, 1.0, True)
+
+
 @pytest.mark.parametrize("slow", ["reentrant", "non-reentrant"])
 def test_the_faster_recompute_form_is_kept(monkeypatch, slow):
     """A plan that recomputes in the reentrant form runs in alternation with the same plan
@@ -1026,12 +1035,6 @@ def test_the_faster_recompute_form_is_kept(monkeypatch, slow):
     work nothing saves, dearer on the host), and the faster is kept; here the ``slow`` form's
     blocks each take 100 ms more. Every step's gradients are those of no offload, bit for bit."""
     from storm import planner as planner_module
-
-    def recompute_two(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False,
-                      codec=None, offload=None, kept_extra=0):
-        if offload:
-            return None  # no plan of the other kind: the form's trial comes at once
-        return planner_module.Plan(0, frozenset({0, 1}), 0, 0, 0, 1 << 40, 1.0, True)
 
     monkeypatch.setattr(planner_module, "choose", recompute_two)
     traced = [False]
@@ -1066,10 +1069,6 @@ def timed_form_trial(monkeypatch, ms) -> tuple[list[bool], storm.Planner]:
     (and 2 steps more) with the trial's step times given: ``ms(k, reentrant)`` for its k-th
     step. Returns the form of each step and the planner."""
     from storm import planner as planner_module
-
-    def recompute_two(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False,
-                      codec=None, offload=None, kept_extra=0):
-        return None if offload else planner_module.Plan(0, frozenset({0, 1}), 0, 0, 0, 1 << 40, 1.0, True)
 
     monkeypatch.setattr(planner_module, "choose", recompute_two)
     model, idx, ref, planner = traced_gpt_planner()
