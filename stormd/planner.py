@@ -10,8 +10,10 @@ time never overlap while the whole step fits in as few bytes as possible
 tightest gap left by the tensors whose lifetimes overlap its own). Later steps
 then take one region of that size from the general allocator and place the
 tensor saved n-th at the n-th planned offset, as long as its size fits; any
-other tensor (a bigger one, one past the planned count, or one whose slot is
-still occupied by the previous step) falls back to the general allocator.
+other tensor (a bigger one, one past the planned count, one whose slot is
+still occupied by the previous step, or one whose slot lies past the end of a
+smaller region that a tensor of an earlier plan still holds) falls back to the
+general allocator.
 
 A planned step never fragments the general pool, and the report says how
 close the plan is to the ideal: "using X of Y", X the planned footprint, Y
@@ -156,6 +158,12 @@ class StepPlanner:
             if self._region is None:
                 self._miss()
                 return None
+        if self._plan[slot][1] + size > self.allocator.size_of(self._region):
+            # The region was taken for an earlier plan and a tensor of that time still holds it
+            # (a plan is remade or dropped while one lives on), so it may be smaller than this
+            # plan's footprint: bytes past its end belong to someone else.
+            self._miss()
+            return None
         start = self._region + self._plan[slot][1]
         end = start + size
         i = self._live.bisect_left(start)
