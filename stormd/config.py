@@ -126,6 +126,7 @@ class DaemonConfig:
     clients: dict = field(default_factory=dict)  # name -> {"quota": bytes, "priority": int}
     codec: str = "raw"  # how clients encode tensors before storing them (told at HELLO)
     cuda_ipc: bool = True  # copy clients' CUDA tensors in the daemon through CUDA IPC, where it sees a GPU
+    check_extents: bool = False  # refuse a placement that overlaps a live extent (tests, debugging)
 
 
 CONFIG_ENV = "STORMD_CONFIG"
@@ -364,6 +365,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cuda_ipc", _Flag(), "copy clients' CUDA tensors in stormd, on its own streams, through CUDA IPC "
             "(where stormd sees a GPU; the pool is page-locked at start-up, about a second per GiB); "
             "off: clients copy them into the pool themselves"),
+    Setting("check_extents", _Flag(), "check every pool extent handed to a tensor against those still live and "
+            "refuse (INTERNAL) one that overlaps another: a guard against placement bugs, for tests and "
+            "debugging (costs time on every PUT and FREE)"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 

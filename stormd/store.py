@@ -22,6 +22,7 @@ from sortedcontainers import SortedList
 
 from .allocator import ExtentAllocator
 from .config import DaemonConfig
+from .ledger import ExtentConflict, ExtentLedger
 from .planner import StepPlanner
 from .pool import SharedPool
 from .protocol import ErrorCode, ProtocolError
@@ -101,12 +102,14 @@ class StoreOptions:
     clients: dict[str, ClientLimits] = field(default_factory=dict)  # by the name a client gives in HELLO
     # what POOL_FULL says while spill is off: stormd's settings; the embedded store cannot spill
     spill_off: str = "spill is off (set spill = true and spill_dir to let stormd move old tensors to disk)"
+    check_extents: bool = False    # keep a ledger that refuses overlapping extents (ledger.py)
 
     @classmethod
     def from_config(cls, config: DaemonConfig) -> "StoreOptions":
         return cls(config.spill_dir if config.spill else None, config.spill_limit,
                    ClientLimits(config.client_quota, config.client_priority),
-                   {name: ClientLimits(row["quota"], row["priority"]) for name, row in config.clients.items()})
+                   {name: ClientLimits(row["quota"], row["priority"]) for name, row in config.clients.items()},
+                   check_extents=config.check_extents)
 
 
 @dataclass
@@ -144,6 +147,7 @@ class Store:
         self.node = NodeCounters()
         self._sessions: dict[int, _SessionEntries] = {}
         self._in_flight: list[tuple[int, Entry]] = []  # (session, entry) with spill I/O running
+        self.ledger = ExtentLedger(allocator.capacity) if self.options.check_extents else None
 
     def open_session(self, session: int, name: str = "") -> None:
         limits = self.options.clients.get(name, self.options.default_limits)
@@ -176,12 +180,13 @@ class Store:
         slot = s.planner.slot(f["step"])
         offset = s.planner.place(f["step"], slot, self.allocator.aligned(f["nbytes"]))
         planned = offset is not None
-        if offset is None:
-            try:
+        try:
+            if offset is None:
                 offset = self._alloc(f["nbytes"], s)
-            except ProtocolError:
-                s.planner.cancel(f["step"], slot)  # not stored: no lifetime to learn from
-                raise
+            self._claim(session, s, f["key"], offset, f["nbytes"], planned)
+        except (ProtocolError, ExtentConflict):
+            s.planner.cancel(f["step"], slot)  # not stored: no lifetime to learn from
+            raise
         e = Entry(f["key"], f["step"], offset, f["nbytes"], f["dtype"], list(f["shape"]), list(f["strides"]),
                   f["storage_offset"], f["codec"], f.get("raw_nbytes", f["nbytes"]), slot=slot, planned=planned)
         s.entries[e.key] = e
@@ -292,12 +297,28 @@ class Store:
         self._prefetch(session, s)
         return len(doomed)
 
+    def _claim(self, session: int, s: _SessionEntries, key: int, offset: int, nbytes: int, planned: bool) -> None:
+        """Record a tensor's new pool extent in the ledger, when checking. One that overlaps a live extent
+        is a placement bug: it is given back and the request refused, so the tensor there keeps its bytes."""
+        if self.ledger is None:
+            return
+        try:
+            self.ledger.place(offset, self.allocator.aligned(nbytes), f"key {key} of session {session}")
+        except ExtentConflict:
+            self._give_back(s, offset, planned)
+            raise
+
     def _release_extent(self, s: _SessionEntries, e: Entry) -> None:
-        if e.planned:
-            s.planner.release(e.offset)
-        else:
-            self.allocator.free(e.offset)
+        if self.ledger is not None:
+            self.ledger.release(e.offset, self.allocator.aligned(e.nbytes))
+        self._give_back(s, e.offset, e.planned)
         e.offset, e.planned = None, False
+
+    def _give_back(self, s: _SessionEntries, offset: int, planned: bool) -> None:
+        if planned:
+            s.planner.release(offset)
+        else:
+            self.allocator.free(offset)
 
     def _unspill(self, s: _SessionEntries, e: Entry) -> None:
         self.spill.release(e.file_offset)
@@ -342,6 +363,7 @@ class Store:
             leaving += self._in_flight[-1][1].nbytes
 
     def _read_back(self, session: int, s: _SessionEntries, e: Entry, offset: int) -> None:
+        self._claim(session, s, e.key, offset, e.nbytes, planned=False)
         s.spilled.discard((e.step, e.key))
         e.offset = offset
         e.io = self.spill.read(e.file_offset, self.pool.view(offset, e.nbytes))

@@ -47,8 +47,10 @@ def start_daemon(tmp_path: Path, *args: str, timeout: float = 20.0) -> Daemon:
     sock_dir = tmp_path / "run"
     sock = sock_dir / "stormd.sock"
     log = tmp_path / "stormd.log"
+    # every test daemon refuses a tensor placed over another's bytes, so a placement bug fails loudly
+    env = {**os.environ, "STORMD_CHECK_EXTENTS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "stormd", "--socket", str(sock), *args],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout
     while not (sock.exists() and socket_is_live(sock)):  # a killed daemon's file may linger
         if proc.poll() is not None:
