@@ -1,22 +1,30 @@
 """No two live pool extents overlap, whatever the step planner did: the sequence that made a planned
 slot land past its region onto another session's tensor, the ledger that refuses such a placement,
-and random PUT / SEAL / GET / FREE / new-step / BYE traffic from several sessions checked after
-every operation."""
+random PUT / SEAL / GET / FREE / new-step / BYE traffic from several sessions checked after every
+operation, and the symptom with real clients (a trainer keeping an old graph, growing its batch)."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
+import torch
+from conftest import start_daemon, stop_daemon
 
+import storm
+from storm.examples.models import GPT, same_bits
 from stormd.allocator import ExtentAllocator
 from stormd.config import add_arguments, load
 from stormd.ledger import ExtentConflict, ExtentLedger
 from stormd.pool import SharedPool
 from stormd.protocol import ErrorCode, ProtocolError
 from stormd.store import Store, StoreOptions
-from tests.helpers import put_fields
+from tests.helpers import RawClient, put_fields
 
 A, B = 1, 2
 
@@ -250,3 +258,68 @@ def test_random_traffic_with_spill_never_overlaps_live_extents(tmp_path):
         store.drop_session(sid)
     store.close()
     assert store.ledger.extents() == [] and store.allocator.stats().used == 0
+
+
+SECOND_TRAINER = textwrap.dedent("""
+    import sys, torch, storm
+    from storm.examples.models import GPT
+    torch.manual_seed(1)
+    m = GPT(seq_len=16, d_model=32, n_heads=2, n_layers=2)
+    idx = torch.randint(0, 256, (2, 17))
+    for _ in sys.stdin:  # one training step per line, so the two trainers take turns
+        try:
+            with storm.offload(mode="daemon", socket=sys.argv[1], min_bytes=0):
+                loss = m.loss(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            print("ok", flush=True)
+        except Exception as e:
+            print(type(e).__name__, str(e).replace(chr(10), " "), flush=True)
+""")
+
+
+def test_a_trainer_keeping_an_old_graph_and_growing_its_batch_beside_another(tmp_path):
+    """The issue's real-client symptom: one process keeps one step's graph alive and later grows its
+    batch while a second process trains, taking turns step by step through one daemon. On main the
+    first trainer's later steps failed with StormIntegrityError (its planned slots were placed past
+    its old region, over extents handed out since); with check_extents on (as in every test daemon)
+    the ledger would refuse such a placement, so the daemon must also have answered no INTERNAL."""
+    d = start_daemon(tmp_path, "--pool-size", "16MiB", "--metrics-port", "0")
+    other = subprocess.Popen([sys.executable, "-c", SECOND_TRAINER, d.endpoint], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        torch.manual_seed(0)
+        model = GPT(seq_len=16, d_model=32, n_heads=2, n_layers=2)
+        reference = copy.deepcopy(model)
+        kept = []
+        for step in range(10):
+            idx = torch.randint(0, 256, (2 if step < 6 else 8, 17))
+            torch.manual_seed(step)  # the same dropout masks in the reference
+            with storm.offload(mode="daemon", socket=d.endpoint, min_bytes=0):
+                loss = model.loss(idx[:, :-1], idx[:, 1:])
+            if step == 2:
+                kept.append(loss)  # this step's graph (and its stored tensors) stays alive
+            else:
+                loss.backward()
+                torch.manual_seed(step)
+                reference.loss(idx[:, :-1], idx[:, 1:]).backward()
+                for a, b in zip(reference.parameters(), model.parameters()):
+                    assert same_bits(a.grad, b.grad), f"step {step}: gradient differs"
+            other.stdin.write("step\n")
+            other.stdin.flush()
+            said = other.stdout.readline().strip()
+            assert said == "ok", f"step {step}: the second trainer failed: {said or 'it exited'}"
+        watcher = RawClient(d.endpoint)
+        watcher.hello()
+        node = watcher.call("STATS")["node"]
+        watcher.close()
+        assert node["plan_hits"] > 0 and "INTERNAL" not in node["errors"], (node["errors"], d.output())
+    finally:
+        other.stdin.close()  # the second trainer says BYE and exits at the end of its input
+        try:
+            other.wait(60)
+        except subprocess.TimeoutExpired:
+            other.kill()
+            raise
+        finally:
+            storm.close_all()
+            stop_daemon(d)
