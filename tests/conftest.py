@@ -70,6 +70,8 @@ def stop_daemon(d: Daemon) -> None:
         except subprocess.TimeoutExpired:
             d.proc.kill()
             d.proc.wait()
+    # a client falls back quietly when a PUT is refused, so the refusal is looked for in the log
+    assert "ExtentConflict" not in d.output(), f"stormd placed a tensor over a live one:\n{d.output()}"
 
 
 def serve(tmp_path: Path, pool_size: str):
