@@ -8,6 +8,8 @@ GET: extents come from the session's step plan (planner.py) or the general
 allocator (allocator.py), and when the pool is full the store moves sealed,
 not yet fetched extents to the spill file and back (spill.py). A GET reply
 therefore carries the offset the bytes have now, which may differ from PUT's.
+With ``check_extents`` on, a ledger (ledger.py) refuses an extent that would
+overlap a live one, whichever of the two placed it.
 Budgets: a node-wide pool, and per client (by the name it gives in HELLO) a
 quota on the bytes it holds and a priority that orders what is spilled first.
 """
