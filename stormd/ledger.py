@@ -36,7 +36,9 @@ class ExtentLedger:
         if offset < 0 or end > self.capacity:
             raise ExtentConflict(f"{owner} placed at [{offset}, {end}), outside the pool of {self.capacity} bytes")
         live = self._live
-        i = live.bisect_right(offset)  # only the extents either side of offset can overlap it: none overlap
+        # live extents never overlap each other, so only the last one starting at or before offset
+        # and the first one after it can overlap [offset, end)
+        i = live.bisect_right(offset)
         for lo, (hi, other) in (live.peekitem(j) for j in (i - 1, i) if 0 <= j < len(live)):
             if lo < end and offset < hi:
                 raise ExtentConflict(f"{owner} placed at [{offset}, {end}) overlaps {other} at [{lo}, {hi})")
