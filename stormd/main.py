@@ -75,11 +75,13 @@ async def run(config: DaemonConfig, notifier: Notifier | None = None) -> None:
             if http is not None:
                 http.close()
     finally:
-        if service is not None:
-            service.store.close()  # finishes spill I/O, which reads and writes the pool
-            if service.cuda is not None:
-                service.cuda.close()  # closes clients' segments, unpins the pool before it is unmapped
-        pool.close()
+        try:
+            if service is not None:
+                service.store.close()  # finishes spill I/O, which reads and writes the pool
+                if service.cuda is not None:
+                    service.cuda.close()  # closes clients' segments, unpins the pool before it is unmapped
+        finally:
+            pool.close()  # whatever failed above: the segment must not outlive the daemon in /dev/shm
 
 
 async def _start_metrics(metrics: Metrics, config: DaemonConfig) -> tuple[asyncio.Server | None, str]:

@@ -41,7 +41,9 @@ GET    key:int cuda?:CUDA
                                  the daemon has queued the copy of the ``nbytes`` stored into
                                  the handle's segment + offset; ``done`` fires when it has
                                  finished. COPY_IN_FLIGHT: the daemon's copy into the key,
-                                 from its PUT, has not finished: wait for that PUT's ``done``)
+                                 from its PUT, has not finished: wait for that PUT's ``done``.
+                                 SPILL_FAILED: reading the key back from the spill file
+                                 failed; its bytes are lost (that key's only): FREE it)
 FREE   keys?:[int] step?:int all?:bool   (exactly one of them)
        -> freed:int
 STATS  -> session:{...} node:{...}
@@ -137,6 +139,8 @@ class ErrorCode:
     BAD_HANDLE = "BAD_HANDLE"              # a CUDA IPC handle or event that does not open or fit
     COPY_IN_FLIGHT = "COPY_IN_FLIGHT"      # the daemon's copy into the key (or segment) has not finished
     DRAINING = "DRAINING"                  # daemon is shutting down
+    SPILL_FAILED = "SPILL_FAILED"          # GET of a key whose read-back from the spill file failed: its bytes are lost
+    TOO_MANY_SESSIONS = "TOO_MANY_SESSIONS"  # HELLO beyond max_sessions_per_peer or max_sessions
     INTERNAL = "INTERNAL"
 
 

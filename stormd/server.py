@@ -84,7 +84,10 @@ class Server:
         try:
             while True:
                 frames = await self._sock.recv_multipart()
-                self._answer(frames)
+                try:
+                    self._answer(frames)
+                except Exception:  # a bug in one answer (or in ending a gone peer's sessions) costs that, not the node
+                    log.exception("answering a request failed; serving on")
         finally:
             reaper.cancel()
             self.close()
@@ -158,21 +161,29 @@ class Server:
         while self._backlog:
             await asyncio.sleep(BACKLOG_RETRY)
             for peer, backlog in list(self._backlog.items()):
-                while backlog and self._try_send(peer, backlog[0]):
-                    backlog.popleft()
+                try:
+                    while backlog and self._try_send(peer, backlog[0]):
+                        backlog.popleft()
+                except Exception:  # ending a gone peer's sessions failed: that peer's replies go, the others' wait
+                    log.exception("flushing a client's replies failed; they are dropped")
+                    backlog.clear()
                 if not backlog:
                     self._backlog.pop(peer, None)
 
     async def _reap_silent_clients(self) -> None:
+        """Runs as long as the server: whatever one round raises is logged and the next round runs."""
         timeout = self.config.client_timeout
         while True:
             await asyncio.sleep(reap_interval(timeout))
             try:
                 self.service.settle_copies()  # extents that waited for CUDA copies, when no request came
-            except Exception:  # the reaper must go on reaping silent clients
+            except Exception:
                 log.exception("releasing extents after CUDA copies failed")
             for s in self.service.sessions.silent_since(time.monotonic() - timeout):
-                self.service.end_session(s, f"no message for {timeout:g} s")
+                try:
+                    self.service.end_session(s, f"no message for {timeout:g} s")
+                except Exception:
+                    log.exception("ending a silent client's session failed", extra={"session": s.id})
 
     def close(self) -> None:
         if self._flusher is not None:
