@@ -486,6 +486,11 @@ class Store:
             self._reap(block=True)
             self.spill.close()
 
+    def held_bytes(self, session: int) -> int:
+        """What the session holds, in the pool and spilled (0 for a session the store does not know)."""
+        s = self._sessions.get(session)
+        return s.counters.held_bytes if s is not None else 0
+
     def session_stats(self, session: int) -> dict[str, Any]:
         s = self._of(session)
         return {"keys": len(s.entries), **vars(s.counters), "name": s.name, "quota": s.limits.quota,
