@@ -137,6 +137,32 @@ def test_a_failed_read_back_fails_that_keys_get_only(spill_dir):
     store.close()
 
 
+def test_a_spill_file_cut_short_loses_the_spilled_keys_only_and_the_store_goes_on(spill_dir):
+    store = store_on(FailingDisk(), spill_dir)  # a disk that works: the file itself is cut short
+    for key in range(1, 7):
+        put_sealed(store, 1, key)
+    store._reap(block=True)
+    spilled = {k for k, e in store._sessions[1].entries.items() if e.where == Where.SPILLED}
+    assert spilled
+    os.ftruncate(store.spill.fd, 0)
+    for key in range(6, 0, -1):
+        if key in spilled:
+            with pytest.raises(ProtocolError) as err:
+                store.get(1, key)
+            assert err.value.code == ErrorCode.SPILL_FAILED and "spill file ended" in err.value.message
+        else:
+            assert intact(store, 1, key)
+        store.free(1, keys=[key])
+    assert store.node_stats()["spill_read_errors"] == len(spilled)
+    for key in range(1, 7):  # the file takes writes again (it grows back), and reads them back intact
+        put_sealed(store, 1, key)
+    for key in range(6, 0, -1):
+        assert intact(store, 1, key)
+        store.free(1, keys=[key])
+    assert store.node_stats()["spilled_total"] > 0 and store.node_stats()["used"] == 0
+    store.close()
+
+
 @pytest_asyncio.fixture
 async def full_disk_server(tmp_path, spill_dir):
     """A server whose spill disk is full; its reaper never ends a session by itself (timeout 600 s)."""
