@@ -21,7 +21,7 @@ HELLO  version:int pid:int host:str name?:str   (name picks the client's quota a
                                  CUDA IPC, the ``cuda`` field below; empty: clients copy CUDA
                                  tensors into the pool themselves)
        TOO_MANY_SESSIONS: this socket holds max_sessions_per_peer sessions already, or the
-       daemon max_sessions
+       daemon serves max_sessions
 PUT    key:int step:int nbytes:int dtype:str shape:[int] strides:[int]
        storage_offset:int codec:str raw_nbytes?:int cuda?:CUDA   (codec: one of STORED_CODECS)
        -> offset:int            (an extent of ``nbytes`` in the pool, reserved. With a codec other

@@ -427,6 +427,10 @@ class Store:
             s.spilled.add((e.step, e.key))
             s.counters.spilled_bytes += e.nbytes
             self.node.spilled_total += e.nbytes
+            if self.spill_failure is not None:
+                log.warning("spill writes succeed again; background spill resumes",
+                            extra={"spill_dir": self.spill.directory, "failed_writes": self.node.spill_write_errors})
+                self.spill_failure = None
         else:  # read back: the file space is free, the entry is in the pool again
             self.spill.release(e.file_offset)
             e.file_offset = None
@@ -437,10 +441,6 @@ class Store:
             self._reads_failing = False
             if not e.fetched:
                 self.order.add(s.limits.priority, e.step, e.key, session)
-        if failure is None and e.where == Where.SPILLED and self.spill_failure is not None:
-            log.warning("spill writes succeed again; background spill resumes",
-                        extra={"spill_dir": self.spill.directory, "failed_writes": self.node.spill_write_errors})
-            self.spill_failure = None
 
     def _write_failed(self, session: int, s: _SessionEntries, e: Entry, failure: BaseException) -> None:
         """The bytes are still in the pool extent: the entry stays there, and may be spilled again
