@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
-from .protocol import CODECS
+from .protocol import CODECS, MAX_MESSAGE_BYTES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -116,6 +116,10 @@ class DaemonConfig:
     metrics_port: int = 9466
     hwm: int = 1000  # ZeroMQ high-water mark per client and direction, in messages
     client_max_backlog: int = 10000  # unread replies a client may leave before its session is ended
+    client_max_backlog_bytes: int = 64 << 20  # and their bytes
+    max_message_size: int = 2 << 20  # larger frames are dropped by ZeroMQ before they are buffered
+    max_sessions_per_peer: int = 16  # HELLOs one socket connection may hold open (a process needs one)
+    max_sessions: int = 1024  # sessions of the whole daemon
     curve_secret_key: str = ""  # tcp:// only: the server's CURVE secret key file (zmq.auth format)
     curve_authorized_keys: str = ""  # tcp:// only: directory of the clients' CURVE public key files
     spill: bool = False  # move the oldest tensors to spill_dir when the pool is full
@@ -341,6 +345,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("client_max_backlog", _Number(1, 10_000_000, integer=True),
             "replies a client may leave unread beyond the socket's buffers before its session is ended "
             "(logged, its tensors freed); no reply is dropped before that"),
+    Setting("client_max_backlog_bytes", _Size(MAX_MESSAGE_BYTES),
+            "bytes of the replies a client may leave unread beyond the socket's buffers before its session is "
+            "ended, like client_max_backlog"),
+    Setting("max_message_size", _Size(MAX_MESSAGE_BYTES),
+            "frames larger than this are dropped by ZeroMQ as they arrive, never buffered, and their connection "
+            f"is closed (requests are at most {format_size(MAX_MESSAGE_BYTES)}; larger frames up to this one get "
+            f"a BAD_MESSAGE reply)"),
+    Setting("max_sessions_per_peer", _Number(1, 1_000_000, integer=True),
+            "sessions (HELLOs) one client socket may hold open; one more is refused with TOO_MANY_SESSIONS"),
+    Setting("max_sessions", _Number(1, 1_000_000, integer=True),
+            "sessions the daemon serves at once, all clients together; one more is refused with TOO_MANY_SESSIONS"),
     Setting("curve_secret_key", _Text("empty, or an absolute path", _optional_path),
             "tcp:// only (required there): the server's CURVE secret key file, as zmq.auth.create_certificates "
             "writes it"),

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import format_size, normalize_endpoint
-from .protocol import pack, unpack
+from .protocol import ProtocolError, pack, unpack
 
 VERBS = {"status": "STATUS", "stats": "CLIENTS", "ping": "PING", "drain": "DRAIN"}
 
@@ -42,7 +42,11 @@ def request(endpoint: str, op: str, timeout: float) -> dict[str, Any]:
         if not sock.poll(int(timeout * 1000), zmq.POLLIN):
             raise CtlError(f"no stormd answered at {endpoint} within {timeout:g} s "
                            f"(is it running? is --socket or $STORMD_SOCKET right?)")
-        reply = unpack(sock.recv())
+        try:
+            reply = unpack(sock.recv())
+        except ProtocolError as e:  # e.g. a reply over the size any client decodes, from an older stormd
+            raise CtlError(f"stormd at {endpoint} answered {op} with a reply stormctl cannot read: "
+                           f"{e.message}") from None
     finally:
         sock.close(linger=0)
     if not reply.get("ok"):
@@ -77,7 +81,11 @@ def render_status(reply: dict[str, Any], endpoint: str) -> Table:
 
 
 def render_clients(reply: dict[str, Any], endpoint: str) -> Table:
+    shown, total = len(reply["clients"]), reply.get("total", len(reply["clients"]))
     t = Table(title=f"clients of stormd at {endpoint}")
+    if total > shown:  # the daemon bounds its reply; it lists those holding the most bytes
+        t.caption = (f"{shown} of {total} clients shown, those holding the most bytes; "
+                     f"{total - shown} more not shown (stormctl status counts them all)")
     for col in ("session", "pid", "host", "connected s", "idle s", "tensors", "held", "peak held",
                 "PUT", "GET", "in", "out", "pool full"):
         t.add_column(col, justify="left" if col == "host" else "right")

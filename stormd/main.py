@@ -2,10 +2,14 @@
 
 Lifecycle: read the configuration (config.py), allocate the pool, start the
 metrics endpoint, bind the socket, tell systemd READY=1, serve. SIGTERM,
-SIGINT or ``stormctl drain`` start a drain: new PUTs and HELLOs are refused
-while GETs, FREEs and BYEs are answered, until no client holds a tensor or
-``drain_timeout`` passes; then the daemon exits 0. A second signal stops it
-at once.
+SIGINT, SIGHUP or ``stormctl drain`` start a drain: new PUTs and HELLOs are
+refused while GETs, FREEs and BYEs are answered, until no client holds a
+tensor or ``drain_timeout`` passes; then the daemon exits 0, its socket and
+pool segment removed. A second signal stops it at once. SIGHUP drains rather
+than reloads: most settings (the pool, the socket, the spill file) cannot
+change under running clients, and a terminal that closes under a foreground
+stormd sends SIGHUP, where a clean stop is what is wanted. New settings take
+a restart.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from .cuda import open_copier
 from .pool import PoolError, SharedPool
 from .server import Server
 from .service import Service
+from .sessions import SessionLimits
 from .store import StoreOptions
 
 log = logging.getLogger("stormd")
@@ -62,7 +67,8 @@ async def run(config: DaemonConfig, notifier: Notifier | None = None) -> None:
     try:
         error_log = logs.ErrorReplyLog(log, config.error_log_interval)
         cuda = open_copier(pool) if config.cuda_ipc else None
-        service = Service(pool, error_log, StoreOptions.from_config(config), codec=config.codec, cuda=cuda)
+        service = Service(pool, error_log, StoreOptions.from_config(config), codec=config.codec, cuda=cuda,
+                          session_limits=SessionLimits(config.max_sessions_per_peer, config.max_sessions))
         metrics = Metrics(service) if config.metrics else None
         server = Server(service, config, observe=metrics.observe if metrics else None)
         server.bind()
@@ -75,11 +81,13 @@ async def run(config: DaemonConfig, notifier: Notifier | None = None) -> None:
             if http is not None:
                 http.close()
     finally:
-        if service is not None:
-            service.store.close()  # finishes spill I/O, which reads and writes the pool
-            if service.cuda is not None:
-                service.cuda.close()  # closes clients' segments, unpins the pool before it is unmapped
-        pool.close()
+        try:
+            if service is not None:
+                service.store.close()  # finishes spill I/O, which reads and writes the pool
+                if service.cuda is not None:
+                    service.cuda.close()  # closes clients' segments, unpins the pool before it is unmapped
+        finally:
+            pool.close()  # whatever failed above: the segment must not outlive the daemon in /dev/shm
 
 
 async def _start_metrics(metrics: Metrics, config: DaemonConfig) -> tuple[asyncio.Server | None, str]:
@@ -106,7 +114,7 @@ async def _serve(server: Server, service: Service, config: DaemonConfig, notifie
         else:
             service.start_draining(name)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, on_signal, sig.name)
     notifier.send(READY=1, STATUS=status_line(service))
     helpers = [asyncio.create_task(_stop_after_drain(service, serving, config.drain_timeout, notifier)),

@@ -20,6 +20,8 @@ HELLO  version:int pid:int host:str name?:str   (name picks the client's quota a
           cuda_devices:[str]    (UUIDs of the GPUs whose memory the daemon copies itself through
                                  CUDA IPC, the ``cuda`` field below; empty: clients copy CUDA
                                  tensors into the pool themselves)
+       TOO_MANY_SESSIONS: this socket holds max_sessions_per_peer sessions already, or the
+       daemon serves max_sessions
 PUT    key:int step:int nbytes:int dtype:str shape:[int] strides:[int]
        storage_offset:int codec:str raw_nbytes?:int cuda?:CUDA   (codec: one of STORED_CODECS)
        -> offset:int            (an extent of ``nbytes`` in the pool, reserved. With a codec other
@@ -41,7 +43,9 @@ GET    key:int cuda?:CUDA
                                  the daemon has queued the copy of the ``nbytes`` stored into
                                  the handle's segment + offset; ``done`` fires when it has
                                  finished. COPY_IN_FLIGHT: the daemon's copy into the key,
-                                 from its PUT, has not finished: wait for that PUT's ``done``)
+                                 from its PUT, has not finished: wait for that PUT's ``done``.
+                                 SPILL_FAILED: reading the key back from the spill file
+                                 failed; its bytes are lost (that key's only): FREE it)
 FREE   keys?:[int] step?:int all?:bool   (exactly one of them)
        -> freed:int
 STATS  -> session:{...} node:{...}
@@ -50,7 +54,7 @@ STATS  -> session:{...} node:{...}
                 planned_footprint plan_peak_live plan_first_fit plan ("using X of Y bytes ...")
        node:    capacity used peak fragmentation free_extents largest_free keys spill
                 spill_capacity spilled_bytes spilled_total read_back_total read_back_on_get
-                prefetched plan_hits plan_misses clients errors
+                prefetched spill_write_errors spill_read_errors plan_hits plan_misses clients errors
                 cuda_segments (clients' GPU memory segments the daemon has open through CUDA IPC)
 PING   -> time:float        (session and token optional; refreshes the heartbeat)
 BYE    -> freed:int         (frees everything of the session and ends it)
@@ -71,7 +75,9 @@ Admin verbs (``stormctl``), without session or token: whoever can open the
 socket (mode 0600, the daemon's user) may run them.
 
 STATUS -> server:str version:int uptime_s:float draining:bool traffic:{...} node:{...}
-CLIENTS -> clients:[{session pid host connected_s idle_s keys puts gets bytes_in bytes_out ...}]
+CLIENTS -> clients:[{session pid host connected_s idle_s keys puts gets bytes_in bytes_out ...}] total:int
+                            (those holding the most bytes first, as many as fit in a message of
+                             MAX_MESSAGE_BYTES; total counts every session)
 DRAIN  -> as STATUS         (refuse PUT and HELLO from now on; the daemon exits when
                              clients hold nothing more or its drain deadline passes)
 
@@ -81,9 +87,12 @@ DRAIN  -> as STATUS         (refuse PUT and HELLO from now on; the daemon exits 
 Hostile or broken input: every frame gets exactly one reply, in the order the
 client sent them; a frame that is not a request (bad msgpack, not a map, an
 op that is not a known name, several frames) gets ``id`` 0. Replies a client
-does not read wait for it (none is dropped) up to ``client_max_backlog``;
-past that its session ends. A client that sends faster than the daemon
-answers is slowed by the socket's high-water mark (``hwm``), not refused.
+does not read wait for it (none is dropped) up to ``client_max_backlog``
+replies or ``client_max_backlog_bytes``; past that its session ends. A client
+that sends faster than the daemon answers is slowed by the socket's high-water
+mark (``hwm``), not refused. Exception to "exactly one reply": a frame larger
+than ``max_message_size`` (at least MAX_MESSAGE_BYTES) is dropped by ZeroMQ as
+it arrives, unanswered, and its connection closed.
 """
 
 from __future__ import annotations
@@ -137,6 +146,8 @@ class ErrorCode:
     BAD_HANDLE = "BAD_HANDLE"              # a CUDA IPC handle or event that does not open or fit
     COPY_IN_FLIGHT = "COPY_IN_FLIGHT"      # the daemon's copy into the key (or segment) has not finished
     DRAINING = "DRAINING"                  # daemon is shutting down
+    SPILL_FAILED = "SPILL_FAILED"          # GET of a key whose read-back from the spill file failed: its bytes are lost
+    TOO_MANY_SESSIONS = "TOO_MANY_SESSIONS"  # HELLO beyond max_sessions_per_peer or max_sessions
     INTERNAL = "INTERNAL"
 
 

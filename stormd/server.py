@@ -10,8 +10,11 @@ connection, so the client's sends block, while the ROUTER keeps taking the
 other clients' messages in turn. A reply the socket cannot take now (the
 client does not read its replies) waits in that client's backlog, in order,
 and is sent when the client reads; nothing is dropped. A client whose backlog
-grows past ``client_max_backlog`` is cut off: its session ends (logged at
-ERROR, its tensors freed) rather than letting it hold the daemon's memory.
+grows past ``client_max_backlog`` replies or ``client_max_backlog_bytes`` is
+cut off: its session ends (logged at ERROR, its tensors freed) rather than
+letting it hold the daemon's memory. Frames larger than ``max_message_size``
+are dropped by ZeroMQ as their header arrives (ZMQ_MAXMSGSIZE; it closes that
+connection), so no client makes the daemon buffer a frame of any size.
 tcp:// sockets are served only with CURVE (auth.py).
 """
 
@@ -21,6 +24,7 @@ import asyncio
 import collections
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq
@@ -42,6 +46,28 @@ def reap_interval(client_timeout: float) -> float:
     return max(client_timeout / 4, 0.05)
 
 
+@dataclass
+class _Backlog:
+    """A client's replies the socket could not take yet, oldest first, and their bytes."""
+
+    frames: collections.deque[bytes] = field(default_factory=collections.deque)
+    nbytes: int = 0
+
+    def append(self, frame: bytes) -> None:
+        self.frames.append(frame)
+        self.nbytes += len(frame)
+
+    def popleft(self) -> None:
+        self.nbytes -= len(self.frames.popleft())
+
+    def clear(self) -> None:
+        self.frames.clear()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+
 class Server:
     def __init__(self, service: Service, config: DaemonConfig,
                  observe: Callable[[str, float], None] | None = None):
@@ -51,8 +77,7 @@ class Server:
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._auth = None  # the ZAP authenticator of a tcp:// (CURVE) socket
-        # peer -> packed replies the socket could not take yet, oldest first
-        self._backlog: dict[bytes, collections.deque[bytes]] = {}
+        self._backlog: dict[bytes, _Backlog] = {}  # by peer
         self._flusher: asyncio.Task | None = None
 
     def bind(self) -> None:
@@ -69,6 +94,7 @@ class Server:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self.config.hwm)
         sock.setsockopt(zmq.RCVHWM, self.config.hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_size)
         if self.config.socket.startswith("tcp://"):
             self._auth = secure_server(sock, self._ctx, self.config.curve_secret_key,
                                        self.config.curve_authorized_keys)
@@ -84,7 +110,10 @@ class Server:
         try:
             while True:
                 frames = await self._sock.recv_multipart()
-                self._answer(frames)
+                try:
+                    self._answer(frames)
+                except Exception:  # a bug in one answer (or in ending a gone peer's sessions) costs that, not the node
+                    log.exception("answering a request failed; serving on")
         finally:
             reaper.cancel()
             self.close()
@@ -114,12 +143,12 @@ class Server:
         if backlog is None:
             if self._try_send(peer, frame):
                 return
-            backlog = self._backlog[peer] = collections.deque()
+            backlog = self._backlog[peer] = _Backlog()
             if self._flusher is None or self._flusher.done():
                 self._flusher = asyncio.get_running_loop().create_task(self._flush_backlogs())
         backlog.append(frame)  # behind the replies already waiting, so the client reads them in order
-        if len(backlog) > self.config.client_max_backlog:
-            self._cut_off(peer, len(backlog))
+        if len(backlog) > self.config.client_max_backlog or backlog.nbytes > self.config.client_max_backlog_bytes:
+            self._cut_off(peer, backlog)
 
     def _try_send(self, peer: bytes, frame: bytes) -> bool:
         """Send now if the peer's pipe has room. False: it is full (retry later); True: sent, or the
@@ -145,12 +174,14 @@ class Server:
         for s in self.service.sessions.by_peer(peer):
             self.service.end_session(s, why)
 
-    def _cut_off(self, peer: bytes, unread: int) -> None:
+    def _cut_off(self, peer: bytes, backlog: _Backlog) -> None:
         sessions = [s.id for s in self.service.sessions.by_peer(peer)]
+        limits = {"client_max_backlog": self.config.client_max_backlog,
+                  "client_max_backlog_bytes": self.config.client_max_backlog_bytes}
         log.error("client cut off: it does not read its replies", extra={
-            "sessions": sessions, "unread_replies": unread, "client_max_backlog": self.config.client_max_backlog})
-        self._peer_gone(peer, f"it left {unread} replies unread (client_max_backlog "
-                              f"{self.config.client_max_backlog})")
+            "sessions": sessions, "unread_replies": len(backlog), "unread_bytes": backlog.nbytes, **limits})
+        self._peer_gone(peer, f"it left {len(backlog)} replies unread ({backlog.nbytes} bytes; "
+                              + ", ".join(f"{k} {v}" for k, v in limits.items()) + ")")
 
     async def _flush_backlogs(self) -> None:
         """Retry waiting replies until every backlog is empty. ROUTER cannot say which peer became
@@ -158,21 +189,29 @@ class Server:
         while self._backlog:
             await asyncio.sleep(BACKLOG_RETRY)
             for peer, backlog in list(self._backlog.items()):
-                while backlog and self._try_send(peer, backlog[0]):
-                    backlog.popleft()
+                try:
+                    while backlog and self._try_send(peer, backlog.frames[0]):
+                        backlog.popleft()
+                except Exception:  # ending a gone peer's sessions failed: that peer's replies go, the others' wait
+                    log.exception("flushing a client's replies failed; they are dropped")
+                    backlog.clear()
                 if not backlog:
                     self._backlog.pop(peer, None)
 
     async def _reap_silent_clients(self) -> None:
+        """Runs as long as the server: whatever one round raises is logged and the next round runs."""
         timeout = self.config.client_timeout
         while True:
             await asyncio.sleep(reap_interval(timeout))
             try:
                 self.service.settle_copies()  # extents that waited for CUDA copies, when no request came
-            except Exception:  # the reaper must go on reaping silent clients
+            except Exception:
                 log.exception("releasing extents after CUDA copies failed")
             for s in self.service.sessions.silent_since(time.monotonic() - timeout):
-                self.service.end_session(s, f"no message for {timeout:g} s")
+                try:
+                    self.service.end_session(s, f"no message for {timeout:g} s")
+                except Exception:
+                    log.exception("ending a silent client's session failed", extra={"session": s.id})
 
     def close(self) -> None:
         if self._flusher is not None:

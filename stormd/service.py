@@ -14,14 +14,17 @@ from typing import Any, Protocol
 from .allocator import ExtentAllocator
 from .cuda import CudaCopier
 from .pool import SharedPool
-from .protocol import (ADMIN_OPS, PROTOCOL_VERSION, ErrorCode, ProtocolError, Request, error, ok, parse_request,
-                       request_id)
-from .sessions import Session, SessionTable
+from .protocol import (ADMIN_OPS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorCode, ProtocolError, Request, error, ok,
+                       pack, parse_request, request_id)
+from .sessions import Session, SessionLimits, SessionTable
 from .store import Entry, Store, StoreOptions
 
 log = logging.getLogger("stormd")
 
 SERVER_NAME = f"stormd/{PROTOCOL_VERSION} on {socket.gethostname()} pid {os.getpid()}"
+# CLIENTS lists as many sessions as fit in a message any client decodes (stormctl included);
+# the rest of the reply (id, ok, total, the list's header) takes far less than this margin.
+CLIENTS_REPLY_BYTES = MAX_MESSAGE_BYTES - 1024
 
 
 @dataclass
@@ -41,7 +44,8 @@ class ErrorSink(Protocol):
 
 class Service:
     def __init__(self, pool: SharedPool, error_log: ErrorSink | None = None, store_options: StoreOptions | None = None,
-                 log_sessions: bool = True, codec: str = "raw", cuda: CudaCopier | None = None):
+                 log_sessions: bool = True, codec: str = "raw", cuda: CudaCopier | None = None,
+                 session_limits: SessionLimits = SessionLimits()):
         self.pool = pool
         self.codec = codec  # told to clients at HELLO: how to encode CPU tensors
         self.cuda = cuda    # copies CUDA tensors through IPC (stormd/cuda.py); None: clients copy them
@@ -58,7 +62,7 @@ class Service:
         # its own process, so a line about it would only be noise in the training log.
         self.log_sessions = log_sessions
         self.store = Store(ExtentAllocator(pool.size), pool, store_options)
-        self.sessions = SessionTable()
+        self.sessions = SessionTable(session_limits)
         self.draining = False
         self.errors: dict[str, int] = {}
         self.traffic = Traffic()
@@ -260,10 +264,21 @@ class Service:
         if req.op == "DRAIN":
             self.start_draining("DRAIN request")
         if req.op == "CLIENTS":
-            now = time.monotonic()
-            return ok(req.id, clients=[{"session": s.id, "pid": s.pid, "host": s.host,
-                                        "connected_s": round(now - s.started, 3),
-                                        "idle_s": round(now - s.last_seen, 3), **self.store.session_stats(s.id)}
-                                       for s in self.sessions])
+            return self._clients(req.id)
         return ok(req.id, server=SERVER_NAME, version=PROTOCOL_VERSION, uptime_s=round(time.time() - self.started, 3),
                   draining=self.draining, traffic=vars(self.traffic).copy(), node=self.node_stats())
+
+    def _clients(self, rid: int) -> dict[str, Any]:
+        """One row per session, those holding the most bytes first, as many as fit in
+        CLIENTS_REPLY_BYTES; ``total`` counts them all."""
+        now = time.monotonic()
+        rows: list[dict[str, Any]] = []
+        room = CLIENTS_REPLY_BYTES
+        for s in sorted(self.sessions, key=lambda s: self.store.held_bytes(s.id), reverse=True):
+            row = {"session": s.id, "pid": s.pid, "host": s.host, "connected_s": round(now - s.started, 3),
+                   "idle_s": round(now - s.last_seen, 3), **self.store.session_stats(s.id)}
+            room -= len(pack(row))
+            if room < 0:
+                break
+            rows.append(row)
+        return ok(rid, clients=rows, total=len(self.sessions))

@@ -2,6 +2,9 @@
 
 A session starts at HELLO and ends at BYE, when its heartbeats stop, or when
 the daemon can no longer reach it; the store frees everything it held then.
+Each session costs the daemon memory, so how many may be open is capped per
+client socket (a process opens one; a HELLO loop on one connection is a bug
+or an attack) and for the whole daemon.
 """
 
 from __future__ import annotations
@@ -16,6 +19,12 @@ from typing import Iterator
 from .protocol import ErrorCode, ProtocolError
 
 
+@dataclass(frozen=True)
+class SessionLimits:
+    per_peer: int = 0  # sessions one client socket may hold open; 0: no limit (the embedded store)
+    total: int = 0     # sessions of the whole daemon; 0: no limit
+
+
 @dataclass
 class Session:
     id: int
@@ -28,13 +37,27 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self) -> None:
+    def __init__(self, limits: SessionLimits = SessionLimits()) -> None:
+        self.limits = limits
         self._sessions: dict[int, Session] = {}
+        self._by_peer: dict[bytes, set[int]] = {}
         self._ids = itertools.count(1)
 
     def open(self, pid: int, host: str, peer: bytes | None) -> Session:
+        """A new session; TOO_MANY_SESSIONS past a limit."""
+        if self.limits.total and len(self._sessions) >= self.limits.total:
+            raise ProtocolError(ErrorCode.TOO_MANY_SESSIONS,
+                                f"stormd serves {len(self._sessions)} sessions, its limit (max_sessions); "
+                                f"retry once others have ended, or raise max_sessions")
+        mine = self._by_peer.get(peer, set()) if peer is not None else set()
+        if self.limits.per_peer and len(mine) >= self.limits.per_peer:
+            raise ProtocolError(ErrorCode.TOO_MANY_SESSIONS,
+                                f"this connection holds {len(mine)} sessions, its limit (max_sessions_per_peer); "
+                                f"a process needs one: end those it no longer uses with BYE")
         s = Session(next(self._ids), secrets.token_hex(16), pid, host, peer)
         self._sessions[s.id] = s
+        if peer is not None:
+            self._by_peer.setdefault(peer, set()).add(s.id)
         return s
 
     def authenticate(self, session_id: int, token: str) -> Session:
@@ -46,14 +69,20 @@ class SessionTable:
         return s
 
     def close(self, session_id: int) -> Session | None:
-        return self._sessions.pop(session_id, None)
+        s = self._sessions.pop(session_id, None)
+        if s is not None and s.peer is not None:
+            mine = self._by_peer[s.peer]
+            mine.discard(s.id)
+            if not mine:
+                del self._by_peer[s.peer]
+        return s
 
     def silent_since(self, deadline: float) -> list[Session]:
         """Sessions not heard from since ``deadline`` (time.monotonic())."""
         return [s for s in self._sessions.values() if s.last_seen < deadline]
 
     def by_peer(self, peer: bytes) -> list[Session]:
-        return [s for s in self._sessions.values() if s.peer == peer]
+        return [self._sessions[i] for i in sorted(self._by_peer.get(peer, ()))]
 
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))

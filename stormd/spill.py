@@ -10,7 +10,9 @@ created and unlinked at once, so a killed daemon leaves nothing behind), as
 large as the spill limit and sparse, sub-allocated by the same extent
 allocator as the pool. Writes and reads run on one worker thread so the
 daemon's loop keeps answering while bytes move; the store applies a finished
-write (frees the pool extent) on its own thread.
+write (frees the pool extent) on its own thread. The bytes move through a
+``SpillIO``: the one seam between the store and the disk, so a test can stand
+a failing disk (full, broken) in for the real one.
 """
 
 from __future__ import annotations
@@ -54,8 +56,27 @@ class SpillOrder:
         return len(self._ranked)
 
 
+class SpillIO:
+    """Copies between pool views and the spill file with pwrite/preadv; raises OSError as the disk does."""
+
+    def write(self, fd: int, src: torch.Tensor, where: int) -> None:
+        view = memoryview(src.numpy())
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], where + done)
+
+    def read(self, fd: int, dst: torch.Tensor, where: int) -> None:
+        view = memoryview(dst.numpy())
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], where + done)
+            if n == 0:
+                raise OSError(f"spill file ended at {where + done} while reading back {len(view)} bytes")
+            done += n
+
+
 class SpillFile:
-    def __init__(self, directory: str, limit: int):
+    def __init__(self, directory: str, limit: int, io: SpillIO | None = None):
         try:
             fd = _unnamed_file(directory)
             os.ftruncate(fd, limit)  # sparse: disk blocks are used only where extents are written
@@ -65,18 +86,20 @@ class SpillFile:
         self.fd = fd
         self.directory = directory
         self.space = ExtentAllocator(limit, alignment=SPILL_ALIGNMENT)
+        self.io = io or SpillIO()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="stormd-spill")
 
     def write(self, src: torch.Tensor) -> tuple[int, Future] | None:
-        """Start copying ``src`` (a pool view) to the file: (file offset, future), or None when full."""
+        """Start copying ``src`` (a pool view) to the file: (file offset, future), or None when full.
+        A failed write's future holds its OSError; the file space stays allocated until released."""
         where = self.space.alloc(src.numel())
         if where is None:
             return None
-        return where, self._io.submit(_pwrite_all, self.fd, src, where)
+        return where, self._io.submit(self.io.write, self.fd, src, where)
 
     def read(self, where: int, dst: torch.Tensor) -> Future:
         """Start copying the bytes at file offset ``where`` into ``dst`` (a pool view)."""
-        return self._io.submit(_pread_all, self.fd, dst, where)
+        return self._io.submit(self.io.read, self.fd, dst, where)
 
     def release(self, where: int) -> None:
         self.space.free(where)
@@ -98,19 +121,3 @@ def _unnamed_file(directory: str) -> int:
     os.unlink(path)
     return fd
 
-
-def _pwrite_all(fd: int, src: torch.Tensor, where: int) -> None:
-    view = memoryview(src.numpy())
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], where + done)
-
-
-def _pread_all(fd: int, dst: torch.Tensor, where: int) -> None:
-    view = memoryview(dst.numpy())
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], where + done)
-        if n == 0:
-            raise OSError(f"spill file ended at {where + done} while reading back {len(view)} bytes")
-        done += n

@@ -12,10 +12,18 @@ With ``check_extents`` on, a ledger (ledger.py) refuses an extent that would
 overlap a live one, whichever of the two placed it.
 Budgets: a node-wide pool, and per client (by the name it gives in HELLO) a
 quota on the bytes it holds and a priority that orders what is spilled first.
+
+Spill I/O fails as disks do (full, a file cut short): a failed write leaves
+its tensor in the pool, and background spill rests until a write succeeds
+again (a PUT that needs the room tries one write and is refused POOL_FULL
+saying why); a failed read-back loses that one key's bytes (its GET is
+SPILL_FAILED). Neither is ever raised to a caller that did not ask for that
+key, so one bad write cannot fail other sessions' requests or their BYE.
 """
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +36,9 @@ from .ledger import ExtentConflict, ExtentLedger
 from .planner import StepPlanner
 from .pool import SharedPool
 from .protocol import ErrorCode, ProtocolError
-from .spill import SpillFile, SpillOrder
+from .spill import SpillFile, SpillIO, SpillOrder
+
+log = logging.getLogger("stormd")
 
 # Background spill starts when the pool is this full and stops once it is down to
 # SPILL_TARGET, so a burst of PUTs usually finds room without waiting for a write.
@@ -46,6 +56,7 @@ class Where:
     SPILLING = "spilling"  # in the pool, a copy to the spill file is being written
     SPILLED = "spilled"    # only in the spill file
     LOADING = "loading"    # being read back into a pool extent
+    LOST = "lost"          # reading it back failed: its bytes are gone (Entry.lost says why)
 
 
 @dataclass
@@ -68,6 +79,7 @@ class Entry:
     where: str = Where.POOL
     file_offset: int | None = None
     io: Future | None = None
+    lost: str | None = None  # why its bytes are gone (Where.LOST)
 
     def describe(self) -> dict[str, Any]:
         return {"offset": self.offset, "nbytes": self.nbytes, "raw_nbytes": self.raw_nbytes, "dtype": self.dtype,
@@ -105,6 +117,7 @@ class StoreOptions:
     # what POOL_FULL says while spill is off: stormd's settings; the embedded store cannot spill
     spill_off: str = "spill is off (set spill = true and spill_dir to let stormd move old tensors to disk)"
     check_extents: bool = False    # keep a ledger that refuses overlapping extents (ledger.py)
+    spill_io: SpillIO = field(default_factory=SpillIO)  # how bytes reach the spill file (tests: a failing disk)
 
     @classmethod
     def from_config(cls, config: DaemonConfig) -> "StoreOptions":
@@ -122,6 +135,8 @@ class NodeCounters:
     read_back_total: int = 0     # bytes read back from it
     read_back_on_get: int = 0    # read-backs a GET had to wait for (prefetch came too late)
     prefetched: int = 0          # read-backs started before their GET
+    spill_write_errors: int = 0  # writes to the spill file that failed (their tensors stayed in the pool)
+    spill_read_errors: int = 0   # read-backs that failed (those keys' bytes are lost)
     plan_hits: int = 0
     plan_misses: int = 0
 
@@ -143,13 +158,17 @@ class Store:
         self.allocator = allocator
         self.pool = pool
         self.options = options or StoreOptions()
-        self.spill = SpillFile(self.options.spill_dir, self.options.spill_limit) \
+        self.spill = SpillFile(self.options.spill_dir, self.options.spill_limit, self.options.spill_io) \
             if self.options.spill_dir and pool is not None else None
         self.order = SpillOrder()
         self.node = NodeCounters()
         self._sessions: dict[int, _SessionEntries] = {}
         self._in_flight: list[tuple[int, Entry]] = []  # (session, entry) with spill I/O running
         self.ledger = ExtentLedger(allocator.capacity) if self.options.check_extents else None
+        # Why the last spill write failed, until one succeeds: background spill rests meanwhile, so
+        # a full disk costs one log line and one write per PUT that needs room, not one per SEAL.
+        self.spill_failure: str | None = None
+        self._reads_failing = False  # a read-back failed and none has succeeded since: logged once
 
     def open_session(self, session: int, name: str = "") -> None:
         limits = self.options.clients.get(name, self.options.default_limits)
@@ -211,6 +230,9 @@ class Store:
             st = self.allocator.stats()
             if self.spill is None:
                 why = self.options.spill_off
+            elif self.spill_failure is not None:
+                why = (f"spilling to make room failed: {self.spill_failure}; the tensors stay in the pool "
+                       f"until the spill file takes writes again (free space there, or set spill_dir to another disk)")
             elif self.spill.space.stats().largest_free < nbytes:
                 why = f"the spill file is full too (spill_limit {self.spill.space.capacity} bytes; raise it)"
             else:
@@ -255,6 +277,10 @@ class Store:
             self.node.read_back_on_get += 1
             self._read_back(session, s, e, self._alloc(e.nbytes, s))
             self._settle(session, e)
+        if e.where == Where.LOST:
+            raise ProtocolError(ErrorCode.SPILL_FAILED,
+                                f"key {key}: {e.lost}; its bytes are lost (this key's only: the session's other "
+                                f"tensors are intact); FREE it")
         if not e.fetched:
             e.fetched = True
             self.order.discard(s.limits.priority, e.step, e.key, session)
@@ -290,7 +316,7 @@ class Store:
             self._settle(session, e)
             if e.where == Where.SPILLED:
                 self._unspill(s, e)
-            else:
+            elif e.where != Where.LOST:  # a lost entry's extent and file space went when its read failed
                 self._release_extent(s, e)
             self.order.discard(s.limits.priority, e.step, e.key, session)
             s.planner.forget(e.step, e.slot)
@@ -332,7 +358,7 @@ class Store:
 
     def _spill_next(self, wait: bool) -> bool:
         """Start spilling the first victim (and wait for it, and any write in flight, when asked).
-        False when nothing can move: no victim, or no room in the spill file."""
+        False when nothing can move: no victim, no room in the spill file, or (waiting) the write failed."""
         if wait and any(e.where == Where.SPILLING for _, e in self._in_flight):
             self._reap(block=True)  # writes already under way free their extents first
             return True
@@ -350,10 +376,11 @@ class Store:
         self._in_flight.append((session, e))
         if wait:
             self._settle(session, e)
+            return e.where == Where.SPILLED
         return True
 
     def _spill_in_background(self) -> None:
-        if self.spill is None:
+        if self.spill is None or self.spill_failure is not None:
             return
         cap = self.allocator.capacity
         if self.allocator.stats().used <= SPILL_START * cap:
@@ -392,32 +419,42 @@ class Store:
     def _settle(self, session: int, e: Entry) -> None:
         """Wait for ``e``'s spill I/O, if any, and apply it."""
         if e.io is not None:
-            e.io.result()
             self._in_flight.remove((session, e))
             self._finish(session, e)
 
     def _reap(self, block: bool = False) -> None:
-        """Apply spill I/O that has finished (all of it, waiting, when ``block``)."""
+        """Apply spill I/O that has finished (all of it, waiting, when ``block``). Never raises for a
+        failed one: _finish applies the failure to its own entry."""
         if not self._in_flight:
             return
         still = []
         for session, e in self._in_flight:
             if block or e.io.done():
-                e.io.result()  # an I/O error surfaces here, as an INTERNAL reply
                 self._finish(session, e)
             else:
                 still.append((session, e))
         self._in_flight = still
 
     def _finish(self, session: int, e: Entry) -> None:
+        """Apply ``e``'s spill I/O (waiting for it): its new place, or what its failure leaves."""
         s = self._sessions[session]
+        failure = e.io.exception()  # whatever the worker raised is this entry's, never the caller's
         e.io = None
-        if e.where == Where.SPILLING:  # written: the pool extent is free for others now
+        if failure is not None:
+            if e.where == Where.SPILLING:
+                self._write_failed(session, s, e, failure)
+            else:
+                self._read_failed(session, s, e, failure)
+        elif e.where == Where.SPILLING:  # written: the pool extent is free for others now
             self._release_extent(s, e)
             e.where = Where.SPILLED
             s.spilled.add((e.step, e.key))
             s.counters.spilled_bytes += e.nbytes
             self.node.spilled_total += e.nbytes
+            if self.spill_failure is not None:
+                log.warning("spill writes succeed again; background spill resumes",
+                            extra={"spill_dir": self.spill.directory, "failed_writes": self.node.spill_write_errors})
+                self.spill_failure = None
         else:  # read back: the file space is free, the entry is in the pool again
             self.spill.release(e.file_offset)
             e.file_offset = None
@@ -425,8 +462,38 @@ class Store:
             s.loading -= 1
             s.counters.spilled_bytes -= e.nbytes
             self.node.read_back_total += e.nbytes
+            self._reads_failing = False
             if not e.fetched:
                 self.order.add(s.limits.priority, e.step, e.key, session)
+
+    def _write_failed(self, session: int, s: _SessionEntries, e: Entry, failure: BaseException) -> None:
+        """The bytes are still in the pool extent: the entry stays there, and may be spilled again
+        once the disk takes writes."""
+        self.spill.release(e.file_offset)
+        e.file_offset = None
+        e.where = Where.POOL
+        self.order.add(s.limits.priority, e.step, e.key, session)
+        self.node.spill_write_errors += 1
+        if self.spill_failure is None:
+            log.error("spill write failed: tensors stay in the pool and background spill rests until a write "
+                      "succeeds", extra={"spill_dir": self.spill.directory, "error": str(failure)})
+        self.spill_failure = f"writing to the spill file in {self.spill.directory} failed: {failure}"
+
+    def _read_failed(self, session: int, s: _SessionEntries, e: Entry, failure: BaseException) -> None:
+        """The pool extent holds no whole copy and the file's cannot be read: the key's bytes are lost.
+        Both places are released now; the entry stays (its GET says why) until FREE."""
+        self._release_extent(s, e)
+        self.spill.release(e.file_offset)
+        e.file_offset = None
+        e.where = Where.LOST
+        e.lost = f"reading it back from the spill file in {self.spill.directory} failed: {failure}"
+        s.loading -= 1
+        s.counters.spilled_bytes -= e.nbytes
+        self.node.spill_read_errors += 1
+        if not self._reads_failing:  # the rest are counted (spill_read_errors) and their GETs logged as errors
+            self._reads_failing = True
+            log.error("spill read-back failed: that tensor's bytes are lost", extra={
+                "session": session, "key": e.key, "spill_dir": self.spill.directory, "error": str(failure)})
 
     # --- sessions and statistics ----------------------------------------------
 
@@ -442,6 +509,11 @@ class Store:
         if self.spill is not None:
             self._reap(block=True)
             self.spill.close()
+
+    def held_bytes(self, session: int) -> int:
+        """What the session holds, in the pool and spilled (0 for a session the store does not know)."""
+        s = self._sessions.get(session)
+        return s.counters.held_bytes if s is not None else 0
 
     def session_stats(self, session: int) -> dict[str, Any]:
         s = self._of(session)

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import zmq
 from conftest import Daemon, start_daemon, stop_daemon
 from helpers import RawClient, put_fields
 from prometheus_client.parser import text_string_to_metric_families
@@ -237,3 +238,69 @@ def test_metrics_port_in_use_costs_the_metrics_not_the_daemon(tmp_path):
         assert d.proc.returncode == 0
     finally:
         busy.close()
+
+
+def test_sighup_drains_and_exits_0_leaving_no_socket_or_pool_segment(tmp_path):
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics", "--drain-timeout", "30")
+    try:
+        c = RawClient(d.endpoint)
+        pool = c.hello()["pool"]["path"]
+        store(c, pool, 1, b"h" * 1000)
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for_log(d, r'msg="draining.*reason=SIGHUP', timeout=30)
+        assert c.call("PUT", **put_fields(2, 10))["error"] == ErrorCode.DRAINING  # alive, draining
+        assert c.call("BYE")["freed"] == 1
+        assert d.proc.wait(30) == 0, d.output()
+        assert 'msg="drained: no client holds a tensor; stopping"' in d.output()
+        assert not d.socket.exists() and not os.path.exists(pool)
+    finally:
+        stop_daemon(d)
+
+
+def peak_rss(pid: int) -> int:
+    """VmHWM: the most resident memory the process has had, so a frame buffered and freed since still shows."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+def test_a_huge_frame_is_dropped_as_it_arrives_not_buffered(tmp_path):
+    frame_bytes = 256 << 20
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics")
+    try:
+        before = peak_rss(d.proc.pid)
+        c = RawClient(d.endpoint, timeout_ms=60_000)
+        events = c.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        c.sock.send(b"\x00" * frame_bytes)
+        # Either the daemon closes the connection (the frame was dropped) or it answers (it took it all in).
+        poller = zmq.Poller()
+        poller.register(events, zmq.POLLIN)
+        poller.register(c.sock, zmq.POLLIN)
+        ready = dict(poller.poll(60_000))
+        assert ready, "within 60 s the daemon neither answered the frame nor closed the connection"
+        assert events in ready and c.sock not in ready, unpack(c.sock.recv())
+        grown = peak_rss(d.proc.pid) - before
+        assert grown < 64 << 20, f"the daemon's peak RSS grew by {grown >> 20} MiB for a {frame_bytes >> 20} MiB frame"
+        assert RawClient(d.endpoint).call("PING")["ok"]
+    finally:
+        stop_daemon(d)
+    assert d.proc.returncode == 0, d.output()
+
+
+def test_stormctl_stats_with_thousands_of_sessions_prints_what_fits_and_counts_the_rest(tmp_path):
+    n = 4000
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics", "--max-sessions-per-peer", str(n),
+                     "--max-sessions", str(n), "--client-timeout", "600")
+    try:
+        c = RawClient(d.endpoint, timeout_ms=60_000)
+        for i in range(n):  # pipelined: all sent, then all read
+            c.sock.send(pack({"op": "HELLO", "id": i + 1, "version": PROTOCOL_VERSION, "pid": i + 1, "host": "h" * 64}))
+        assert all(unpack(c.sock.recv())["ok"] for _ in range(n))
+        out = ctl(d, "--timeout", "60", "stats")
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+        shown = json.loads(ctl(d, "--timeout", "60", "--json", "stats").stdout)
+        assert shown["total"] == n and 0 < len(shown["clients"]) < n
+        assert f"{len(shown['clients'])} of {n} clients shown" in " ".join(out.stdout.split())
+    finally:
+        stop_daemon(d)

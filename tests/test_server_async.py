@@ -96,3 +96,51 @@ async def test_silent_sessions_are_reaped(server):
     assert len(server.service.sessions) == 0
     assert server.service.store.node_stats()["used"] == 0
     assert (await c.call("GET", key=1))["error"] == ErrorCode.UNAUTHORIZED
+
+
+async def until(what: str, done, timeout: float = 30.0) -> None:
+    """Poll ``done()`` while the server's loop runs; fail naming ``what`` after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not done():
+        assert loop.time() < deadline, f"waited {timeout:g} s for {what}"
+        await asyncio.sleep(0.02)
+
+
+def failing_end_session(*args, **kwargs):
+    raise RuntimeError("ending a session failed (injected)")
+
+
+def logged(caplog, text: str) -> list:
+    return [r for r in caplog.records if text in r.getMessage()]
+
+
+@pytest.mark.asyncio
+async def test_the_silent_client_reaper_survives_an_exception_and_reaps_on(server, caplog, monkeypatch):
+    c = AsyncClient(server.config.socket)
+    await c.hello()
+    assert (await c.call("PUT", **put_fields(1, 5000)))["ok"]
+    monkeypatch.setattr(server.service, "end_session", failing_end_session)
+    await until("the reaper to log its failure", lambda: logged(caplog, "ending a silent client's session failed"))
+    assert logged(caplog, "ending a silent client's session failed")[0].exc_info is not None  # with its traceback
+    monkeypatch.undo()
+    await until("the reaper to end the silent session", lambda: len(server.service.sessions) == 0)
+    assert server.service.store.node_stats()["used"] == 0
+
+
+@pytest.mark.asyncio
+async def test_an_exception_while_ending_a_gone_clients_sessions_does_not_end_serve(server, caplog, monkeypatch):
+    monkeypatch.setattr(server.service, "end_session", failing_end_session)
+    gone = AsyncClient(server.config.socket)
+    gone.sock.setsockopt(zmq.RCVHWM, 1)
+    await gone.hello()
+    for i in range(5000):  # replies it never reads: sending them finds it gone, which ends its sessions
+        await gone.sock.send(pack({"op": "STATS", "id": 10 + i, **gone.auth}))
+    gone.sock.close(linger=0)
+    failures = ("answering a request failed", "flushing a client's replies failed")
+    await until("the server to log the failure", lambda: any(logged(caplog, f) for f in failures))
+    monkeypatch.undo()
+    other = AsyncClient(server.config.socket)
+    assert (await other.call("PING"))["ok"]
+    await other.hello()
+    assert (await other.call("PUT", **put_fields(1, 100)))["ok"]
