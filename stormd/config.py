@@ -53,22 +53,26 @@ def format_size(n: int) -> str:
     return str(n)
 
 
-def runtime_dir() -> Path:
+def runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
     """Private directory of this uid for the socket: $XDG_RUNTIME_DIR/stormd, else /tmp/stormd-UID."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    xdg = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
     if xdg and Path(xdg).is_dir():
         return Path(xdg) / "stormd"
     return Path(f"/tmp/stormd-{os.getuid()}")
 
 
-def default_endpoint() -> str:
-    return os.environ.get(SOCKET_ENV) or f"ipc://{runtime_dir() / SOCKET_NAME}"
-
-
-def normalize_endpoint(value: str | None) -> str:
-    """A path, ipc://PATH or tcp://LOOPBACK:PORT -> a ZeroMQ endpoint; None -> the default."""
+def normalize_endpoint(value: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The ZeroMQ endpoint of a socket given as a path, ipc://PATH or tcp://LOOPBACK:PORT; for None
+    (not given) $STORMD_SOCKET, read the same way, else the runtime directory's socket. stormd, the
+    client and stormctl all find the socket here, so what one accepts the others do."""
     if not value:
-        return default_endpoint()
+        env = os.environ if environ is None else environ
+        if not env.get(SOCKET_ENV):
+            return f"ipc://{runtime_dir(env) / SOCKET_NAME}"
+        try:
+            return normalize_endpoint(env[SOCKET_ENV])
+        except ValueError as e:
+            raise ValueError(f"{SOCKET_ENV}: {e}") from None
     if value.startswith("ipc://"):
         return value
     if value.startswith("tcp://"):
@@ -404,7 +408,7 @@ def load(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> 
         v = getattr(args, s.name, None)
         if v is not None:
             values[s.name] = v if isinstance(v, bool) else _parse(s.name, v, s.flag, from_text=True)
-    values.setdefault("socket", f"ipc://{runtime_dir() / SOCKET_NAME}")
+    values.setdefault("socket", normalize_endpoint(None, env))
     config = DaemonConfig(**values)
     check_curve(config)
     return config
