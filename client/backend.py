@@ -17,7 +17,8 @@ from typing import Any, Protocol
 from stormd.config import ipc_path, normalize_endpoint, parse_size, socket_is_live
 from stormd.pool import SharedPool
 
-from .errors import StormRequestError, StormUnavailable
+from .errors import StormRequestError, StormUnavailable, StormUntrusted
+from .trust import check_socket
 
 log = logging.getLogger("storm")
 
@@ -110,19 +111,21 @@ def open_backend(mode: str, socket: str | None = None, pool_size: str | int | No
             except StormUnavailable as e:
                 if mode == "daemon":
                     raise
-                why = str(e)
+                why, level = str(e), logging.WARNING if isinstance(e, StormUntrusted) else logging.INFO
         else:
-            why = "mode='embedded'"
+            why, level = "mode='embedded'", logging.INFO
         b = _backends.get(("embedded", size))
         if b is None:
             from .embedded import EmbeddedStore
             b = _backends[("embedded", size)] = EmbeddedStore(size)
-        _announce(f"storm: using the embedded store ({b.pool.size} byte pool): {why}")
+        _announce(f"storm: using the embedded store ({b.pool.size} byte pool): {why}", level)
         return b
 
 
 def _connect(endpoint: str) -> Backend:
     path = ipc_path(endpoint)
+    if path is not None:
+        check_socket(path)  # before anything reaches the socket, the liveness probe included
     try:
         exists = path is None or path.exists()
     except PermissionError:  # the socket's directory belongs to another user
@@ -138,10 +141,10 @@ def _connect(endpoint: str) -> Backend:
     return DaemonConnection(endpoint)
 
 
-def _announce(line: str) -> None:
+def _announce(line: str, level: int = logging.INFO) -> None:
     if line not in _announced:  # once per process and mode: nothing per step
         _announced.add(line)
-        log.info(line)
+        log.log(level, line)
 
 
 def close_backends() -> None:

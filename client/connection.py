@@ -40,7 +40,8 @@ from stormd.pool import PoolError, SharedPool
 from stormd.protocol import PROTOCOL_VERSION, pack, unpack
 
 from .backend import settle
-from .errors import StormUnavailable
+from .errors import StormUnavailable, StormUntrusted
+from .trust import check_pool
 
 CONNECT_TIMEOUT = 2.0
 HEARTBEAT = 1.0
@@ -86,11 +87,15 @@ class DaemonConnection:
         self.codec = hello.get("codec", "raw")  # the daemon's choice of codec
         self.cuda_devices = frozenset(hello.get("cuda_devices", ()))  # GPUs whose memory the daemon copies
         self.name = f"stormd at {endpoint} (session {self.session}, {hello['server']})"
+        path = hello["pool"]["path"]
         try:
-            self.pool = SharedPool.attach(hello["pool"]["path"], hello["pool"]["size"])
+            self.pool = SharedPool.attach(path, hello["pool"]["size"], check=lambda st: check_pool(path, st))
         except PoolError as e:
             self.close()
             raise StormUnavailable(f"connected to {endpoint} but cannot map its pool: {e}") from None
+        except StormUntrusted:
+            self.close()  # BYE: nothing was stored
+            raise
 
     def request(self, op: str, **fields: Any) -> Future:
         fut: Future = Future()
