@@ -9,22 +9,19 @@ one per process and endpoint, so every step reuses its session and pool.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from stormd.config import ipc_path, normalize_endpoint, parse_size, socket_is_live
+from stormd.config import ipc_path, normalize_endpoint, socket_is_live
 from stormd.pool import SharedPool
 
 from .errors import StormRequestError, StormUnavailable, StormUntrusted
+from .options import mode_option, pool_size_option
 from .trust import check_socket
 
 log = logging.getLogger("storm")
 
-MODES = ("auto", "daemon", "embedded")
-POOL_SIZE_ENV = "STORM_POOL_SIZE"
-DEFAULT_EMBEDDED_POOL = "2GiB"
 
 
 class Backend(Protocol):
@@ -91,10 +88,9 @@ _announced: set[str] = set()
 
 def open_backend(mode: str, socket: str | None = None, pool_size: str | int | None = None) -> Backend:
     """The process's backend for this mode and endpoint, created on first use."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = mode_option(mode)
     endpoint = normalize_endpoint(socket)
-    size = parse_size(pool_size or os.environ.get(POOL_SIZE_ENV) or DEFAULT_EMBEDDED_POOL)
+    size = pool_size_option(pool_size)
     with _lock:
         if mode in ("auto", "daemon"):
             b = _backends.get(("daemon", endpoint))
