@@ -291,3 +291,17 @@ def test_storm_daemon_uid_must_be_a_uid(tmp_path, monkeypatch):
     monkeypatch.setenv("STORM_DAEMON_UID", "storm")
     with pytest.raises(ValueError, match="STORM_DAEMON_UID='storm': must be a numeric uid"):
         offload_one_step(mode="daemon", socket=str(tmp_path / "run" / "stormd.sock"))
+
+
+def test_the_default_socket_directory_is_checked_too(tmp_path, monkeypatch):
+    """The runtime directory's socket (what a plain storm.offload() uses) gets the same check, before
+    even the probe that tells a live socket from a stale one."""
+    monkeypatch.delenv("STORMD_SOCKET", raising=False)
+    monkeypatch.delenv("STORM_DAEMON_UID", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    run = tmp_path / "stormd"
+    run.mkdir()
+    run.chmod(0o777)  # anyone could have put the socket there
+    (run / "stormd.sock").touch()
+    with pytest.raises(storm.StormUntrusted, match=f"refusing the stormd socket directory {run}: .* mode 0o777"):
+        offload_one_step(mode="daemon")
