@@ -438,7 +438,8 @@ def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
     warnings = []
     for name in sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in known):
         # compared without the prefix, which every name shares and which would make any name look close
-        close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), [k.removeprefix(ENV_PREFIX) for k in known], n=1)
+        close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), [k.removeprefix(ENV_PREFIX) for k in known],
+                                          n=1)
         hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else "`stormd --help` names each setting's variable"
         warnings.append(f"ignoring environment variable {name}: stormd has no such setting; {hint}")
     return warnings
