@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import StormError, StormInPlaceError, StormIntegrityError, StormRequestError, StormUnavailable
+from .errors import (StormError, StormInPlaceError, StormIntegrityError, StormRequestError, StormUnavailable,
+                     StormUntrusted)
 from .hooks import Offload, offload
 from .planner import Planner, plan
 from .policy import Keep
@@ -28,4 +29,4 @@ def stats(mode: str = "auto", socket: str | None = None) -> dict[str, Any]:
 
 
 __all__ = ["offload", "Offload", "plan", "Planner", "OffloadStats", "Keep", "stats", "close_all", "StormError", "StormUnavailable",
-           "StormInPlaceError", "StormIntegrityError", "StormRequestError", "__version__"]
+           "StormUntrusted", "StormInPlaceError", "StormIntegrityError", "StormRequestError", "__version__"]

@@ -9,21 +9,19 @@ one per process and endpoint, so every step reuses its session and pool.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from stormd.config import ipc_path, normalize_endpoint, parse_size, socket_is_live
+from stormd.config import ipc_path, normalize_endpoint, socket_is_live
 from stormd.pool import SharedPool
 
-from .errors import StormRequestError, StormUnavailable
+from .errors import StormRequestError, StormUnavailable, StormUntrusted
+from .options import mode_option, pool_size_option
+from .trust import check_socket
 
 log = logging.getLogger("storm")
 
-MODES = ("auto", "daemon", "embedded")
-POOL_SIZE_ENV = "STORM_POOL_SIZE"
-DEFAULT_EMBEDDED_POOL = "2GiB"
 
 
 class Backend(Protocol):
@@ -90,10 +88,9 @@ _announced: set[str] = set()
 
 def open_backend(mode: str, socket: str | None = None, pool_size: str | int | None = None) -> Backend:
     """The process's backend for this mode and endpoint, created on first use."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = mode_option(mode)
     endpoint = normalize_endpoint(socket)
-    size = parse_size(pool_size or os.environ.get(POOL_SIZE_ENV) or DEFAULT_EMBEDDED_POOL)
+    size = pool_size_option(pool_size)
     with _lock:
         if mode in ("auto", "daemon"):
             b = _backends.get(("daemon", endpoint))
@@ -110,19 +107,21 @@ def open_backend(mode: str, socket: str | None = None, pool_size: str | int | No
             except StormUnavailable as e:
                 if mode == "daemon":
                     raise
-                why = str(e)
+                why, level = str(e), logging.WARNING if isinstance(e, StormUntrusted) else logging.INFO
         else:
-            why = "mode='embedded'"
+            why, level = "mode='embedded'", logging.INFO
         b = _backends.get(("embedded", size))
         if b is None:
             from .embedded import EmbeddedStore
             b = _backends[("embedded", size)] = EmbeddedStore(size)
-        _announce(f"storm: using the embedded store ({b.pool.size} byte pool): {why}")
+        _announce(f"storm: using the embedded store ({b.pool.size} byte pool): {why}", level)
         return b
 
 
 def _connect(endpoint: str) -> Backend:
     path = ipc_path(endpoint)
+    if path is not None:
+        check_socket(path)  # before anything reaches the socket, the liveness probe included
     try:
         exists = path is None or path.exists()
     except PermissionError:  # the socket's directory belongs to another user
@@ -138,10 +137,10 @@ def _connect(endpoint: str) -> Backend:
     return DaemonConnection(endpoint)
 
 
-def _announce(line: str) -> None:
+def _announce(line: str, level: int = logging.INFO) -> None:
     if line not in _announced:  # once per process and mode: nothing per step
         _announced.add(line)
-        log.info(line)
+        log.log(level, line)
 
 
 def close_backends() -> None:

@@ -6,8 +6,11 @@ wake the I/O thread through a pipe; it sends, matches replies to futures by
 id, and pings the daemon every ``heartbeat`` seconds so the daemon knows the
 client is alive while no tensors flow. The same pings tell the client the daemon
 is gone: when nothing has come back for ``dead_after`` seconds while requests
-wait, or the daemon no longer knows the session (it restarted), every waiting
-request fails with StormUnavailable and the connection closes for good.
+wait, or the daemon no longer knows the session (it restarted), the connection
+closes for good and every request fails at once with StormUnavailable: those
+sent, those still queued here and any made later. So no caller (the mover's
+worker, with hundreds of requests behind it) waits out a timeout per request,
+and a process that catches the error can exit.
 
 Credit: at most ``max_in_flight`` requests are on the wire unanswered; later
 ones wait here, in order. So a process that produces requests faster than
@@ -37,7 +40,8 @@ from stormd.pool import PoolError, SharedPool
 from stormd.protocol import PROTOCOL_VERSION, pack, unpack
 
 from .backend import settle
-from .errors import StormUnavailable
+from .errors import StormUnavailable, StormUntrusted
+from .trust import check_pool
 
 CONNECT_TIMEOUT = 2.0
 HEARTBEAT = 1.0
@@ -83,21 +87,41 @@ class DaemonConnection:
         self.codec = hello.get("codec", "raw")  # the daemon's choice of codec
         self.cuda_devices = frozenset(hello.get("cuda_devices", ()))  # GPUs whose memory the daemon copies
         self.name = f"stormd at {endpoint} (session {self.session}, {hello['server']})"
+        path = hello["pool"]["path"]
         try:
-            self.pool = SharedPool.attach(hello["pool"]["path"], hello["pool"]["size"])
+            self.pool = SharedPool.attach(path, hello["pool"]["size"], check=lambda st: check_pool(path, st))
         except PoolError as e:
             self.close()
             raise StormUnavailable(f"connected to {endpoint} but cannot map its pool: {e}") from None
+        except StormUntrusted:
+            self.close()  # BYE: nothing was stored
+            raise
 
     def request(self, op: str, **fields: Any) -> Future:
         fut: Future = Future()
         if self._closed.is_set():
-            fut.set_exception(StormUnavailable(self.lost or f"connection to {self.endpoint} is closed"))
+            fut.set_exception(self._closing_error())
             return fut
         msg = {"op": op, "id": next(self._ids), **(self._auth if op != "HELLO" else {}), **fields}
         self._outbox.put((msg, fut))
+        if self._closed.is_set():  # closed since the check above: the I/O thread may have emptied the outbox already
+            self._fail_outbox()
         self._wake()
         return fut
+
+    def _fail_outbox(self) -> None:
+        """Fail every request still queued: once the connection is closed none of them is sent, and
+        their callers (the mover's worker among them) would each wait out their timeout for a reply."""
+        error = self._closing_error()
+        while True:
+            try:
+                _, fut = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            fut.set_exception(error)
+
+    def _closing_error(self) -> StormUnavailable:
+        return StormUnavailable(self.lost or f"connection to {self.endpoint} is closed")
 
     def _wake(self) -> None:
         try:
@@ -107,6 +131,25 @@ class DaemonConnection:
 
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
+        unsent: collections.deque = collections.deque()
+        try:
+            self._serve(sock, unsent)
+        except Exception as e:  # the requests fail with this, rather than the thread dying with a traceback
+            self.lost = f"connection to {self.endpoint} failed: {type(e).__name__}: {e}"
+        finally:
+            # closed first: a request queued from here on fails in request() instead of waiting in the outbox
+            self._closed.set()
+            sock.close(linger=0)
+            error = self._closing_error()
+            for fut in [*self._pending.values(), *(fut for _, fut in unsent)]:
+                if not fut.done():
+                    fut.set_exception(error)
+            self._pending.clear()
+            self._fail_outbox()
+
+    def _serve(self, sock: zmq.Socket, unsent: collections.deque) -> None:
+        """Send, receive and ping until closed or the daemon is lost. ``unsent``: requests taken from
+        the outbox that the socket could not take yet."""
         sock.setsockopt(zmq.LINGER, 0)
         for option, value in self._sockopts.items():
             sock.setsockopt(option, value)
@@ -117,46 +160,37 @@ class DaemonConnection:
         last_sent = last_heard = time.monotonic()
         # Sends never block this thread: a socket with no connection to queue on (a CURVE handshake the
         # daemon refused drops it) would hold it, and with it every reply, heartbeat and shutdown. What
-        # cannot go yet waits here, and the poller wakes the loop when the socket can take it.
-        unsent: collections.deque = collections.deque()
-        try:
-            while not self._closed.is_set():
-                sendable = unsent and len(self._pending) < self.max_in_flight  # else replies wake it
-                poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if sendable else 0))
-                events = dict(poller.poll(timeout=int(self.heartbeat * 1000)))
-                if self._wake_r in events:
-                    os.read(self._wake_r, 4096)
-                # replies first: each one returns a credit the outbox below may use
-                while sock.poll(0, zmq.POLLIN):
-                    reply = unpack(sock.recv())
-                    last_heard = time.monotonic()
-                    fut = self._pending.pop(reply.get("id"), None)
-                    if fut is not None:
-                        settle(fut, reply)
-                    if reply.get("error") == "UNAUTHORIZED" and self._auth:
-                        self.lost = f"stormd at {self.endpoint} no longer knows session {self.session} (restarted?)"
-                if self._auth and not unsent and time.monotonic() - last_sent >= self.heartbeat:
-                    unsent.append(({"op": "PING", "id": next(self._ids), **self._auth}, Future()))
-                while len(self._pending) < self.max_in_flight and (unsent or not self._outbox.empty()):
-                    msg, fut = unsent.popleft() if unsent else self._outbox.get()
-                    try:
-                        sock.send(pack(msg), zmq.NOBLOCK)
-                    except zmq.Again:
-                        unsent.appendleft((msg, fut))
-                        break
-                    self._pending[msg["id"]] = fut
-                    last_sent = time.monotonic()
-                if (self._pending or unsent) and time.monotonic() - last_heard > self.dead_after:
-                    self.lost = f"stormd at {self.endpoint} did not answer for {self.dead_after:g} s"
-                if self.lost:
-                    self._closed.set()
+        # cannot go yet waits in ``unsent``, and the poller wakes the loop when the socket can take it.
+        while not self._closed.is_set():
+            sendable = unsent and len(self._pending) < self.max_in_flight  # else replies wake it
+            poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if sendable else 0))
+            events = dict(poller.poll(timeout=int(self.heartbeat * 1000)))
+            if self._wake_r in events:
+                os.read(self._wake_r, 4096)
+            # replies first: each one returns a credit the outbox below may use
+            while sock.poll(0, zmq.POLLIN):
+                reply = unpack(sock.recv())
+                last_heard = time.monotonic()
+                fut = self._pending.pop(reply.get("id"), None)
+                if fut is not None:
+                    settle(fut, reply)
+                if reply.get("error") == "UNAUTHORIZED" and self._auth:
+                    self.lost = f"stormd at {self.endpoint} no longer knows session {self.session} (restarted?)"
+            if self._auth and not unsent and time.monotonic() - last_sent >= self.heartbeat:
+                unsent.append(({"op": "PING", "id": next(self._ids), **self._auth}, Future()))
+            while len(self._pending) < self.max_in_flight and (unsent or not self._outbox.empty()):
+                msg, fut = unsent.popleft() if unsent else self._outbox.get()
+                try:
+                    sock.send(pack(msg), zmq.NOBLOCK)
+                except zmq.Again:
+                    unsent.appendleft((msg, fut))
                     break
-        finally:
-            sock.close(linger=0)
-            for fut in [*self._pending.values(), *(fut for _, fut in unsent)]:
-                if not fut.done():
-                    fut.set_exception(StormUnavailable(self.lost or f"connection to {self.endpoint} closed"))
-            self._pending.clear()
+                self._pending[msg["id"]] = fut
+                last_sent = time.monotonic()
+            if (self._pending or unsent) and time.monotonic() - last_heard > self.dead_after:
+                self.lost = f"stormd at {self.endpoint} did not answer for {self.dead_after:g} s"
+            if self.lost:
+                return
 
     @property
     def alive(self) -> bool:

@@ -11,6 +11,11 @@ class StormUnavailable(StormError):
     """No stormd answered (mode='daemon'), or the daemon went away mid-request."""
 
 
+class StormUntrusted(StormUnavailable):
+    """The daemon at the socket is not a trusted user's (its directory, socket or pool belongs to
+    another uid or is open to other users); nothing was offloaded through it."""
+
+
 class StormRequestError(StormError):
     """The daemon (or the embedded store) refused a request; ``code`` is a protocol ErrorCode."""
 

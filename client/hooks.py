@@ -39,9 +39,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from stormd.config import parse_size
+from stormd.config import normalize_endpoint, parse_size
 from stormd.protocol import CODECS
 
+from .options import bytes_option, mode_option, pool_size_option
 from .policy import DEFAULT_MIN_BYTES, Policy
 from .session import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSession, OffloadStats, Step, session_for
 
@@ -52,12 +53,17 @@ class Offload(contextlib.ContextDecorator):
                  prefetch_bytes: int | str = DEFAULT_PREFETCH_BYTES, pool_size: str | int | None = None,
                  modules: nn.Module | Iterable[nn.Module] | None = None, budget: int | float | str | None = None,
                  max_held_bytes: int | str = DEFAULT_MAX_HELD_BYTES, verify: bool = True, codec: str | None = None):
+        mode = mode_option(mode)
+        socket = normalize_endpoint(socket)  # a socket= or $STORMD_SOCKET that is no endpoint: named now
+        pool_size = pool_size_option(pool_size)
         min_bytes, prefetch_bytes, max_held_bytes = (
-            _bytes_option(name, value) for name, value in
+            bytes_option(name, value) for name, value in
             (("min_bytes", min_bytes), ("prefetch_bytes", prefetch_bytes), ("max_held_bytes", max_held_bytes)))
         if codec is not None and codec not in ("auto", *CODECS):
             raise ValueError(f"codec must be None (the store's choice), 'auto' or one of {', '.join(CODECS)}; "
                              f"got {codec!r}")
+        if not isinstance(verify, bool):
+            raise ValueError(f"verify must be True or False; got {verify!r}")
         self._options = dict(mode=mode, socket=socket, min_bytes=min_bytes, prefetch_bytes=prefetch_bytes,
                              pool_size=pool_size, modules=modules, budget=budget, max_held_bytes=max_held_bytes,
                              verify=verify, codec=codec)
@@ -188,32 +194,21 @@ class Offload(contextlib.ContextDecorator):
             self._session.synchronize()
 
 
-def _bytes_option(name: str, value: int | str) -> int:
-    """An option in bytes: an int >= 0, or a size such as '256MiB' (as pool_size and budget take)."""
-    try:
-        n = -1 if isinstance(value, bool) else parse_size(value)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"{name} must be bytes: an int >= 0 or a size such as '256MiB'; got {value!r}")
-    return n
-
-
 def parse_budget(budget: int | float | str | None) -> int | float | None:
     """None, bytes (int or '8GiB'), or a fraction in (0, 1] of the step's offloadable bytes."""
     if budget is None:
         return None
     if isinstance(budget, float):
-        value, valid = budget, 0.0 < budget <= 1.0
-    elif isinstance(budget, bool):  # an int to Python, but True/False bytes is surely a mistake
-        value, valid = budget, False
+        valid = 0.0 < budget <= 1.0
     else:
-        value = parse_size(budget)
-        valid = value >= 0
+        try:
+            return parse_size(budget)  # True/False are refused there: bytes as a bool is surely a mistake
+        except ValueError:
+            valid = False
     if not valid:
-        raise ValueError(f"budget must be bytes (an int or a size such as '8GiB') or a fraction in (0, 1], "
+        raise ValueError(f"budget must be bytes (an int >= 0 or a size such as '8GiB') or a fraction in (0, 1], "
                          f"got {budget!r}")
-    return value
+    return budget
 
 
 def _module_names(modules: nn.Module | Iterable[nn.Module] | None) -> dict[int, str]:

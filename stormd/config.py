@@ -10,6 +10,7 @@ it is read, so an error names the key, where it came from and what is allowed.
 from __future__ import annotations
 
 import argparse
+import difflib
 import ipaddress
 import json
 import os
@@ -17,6 +18,7 @@ import re
 import stat
 import sys
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
@@ -36,39 +38,57 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 
 
 def parse_size(text: str | int) -> int:
-    """'8GiB', '512MiB', '1.5GB', '4096' -> bytes."""
-    if isinstance(text, int):
+    """'8GiB', '512MiB', '1.5GB', '4096', 4096 -> bytes. A size is a whole number of bytes >= 0:
+    anything else (-1, '1.5', 1.5, True) is a ValueError rather than a size rounded into range."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"size {text} is negative")
         return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not isinstance(text, str):
+        raise ValueError(f"a size is an int or a string, not {type(text).__name__}")
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read size {text!r}: use bytes or a number with a unit such as 512MiB or 8GiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    n = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]  # exact: '1.1GB' is 1100000000, not a float's guess
+    if n.denominator != 1:
+        raise ValueError(f"size {text!r} is not a whole number of bytes")
+    return int(n)
+
+
+_FACTORS = sorted(((f, u) for u, f in (("TiB", 1 << 40), ("TB", 1000**4), ("GiB", 1 << 30), ("GB", 1000**3),
+                                      ("MiB", 1 << 20), ("MB", 1000**2), ("KiB", 1 << 10), ("KB", 1000))),
+                  reverse=True)
 
 
 def format_size(n: int) -> str:
-    """Bytes in the largest binary unit that divides them exactly: 1073741824 -> '1GiB'."""
-    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    """Bytes in the largest unit, binary or decimal, that divides them exactly, so that parse_size
+    reads it back to the same number: 1073741824 -> '1GiB', 8000000000 -> '8GB', 1000 -> '1KB'."""
+    for factor, unit in _FACTORS:
         if n >= factor and n % factor == 0:
             return f"{n // factor}{unit}"
     return str(n)
 
 
-def runtime_dir() -> Path:
+def runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
     """Private directory of this uid for the socket: $XDG_RUNTIME_DIR/stormd, else /tmp/stormd-UID."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    xdg = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
     if xdg and Path(xdg).is_dir():
         return Path(xdg) / "stormd"
     return Path(f"/tmp/stormd-{os.getuid()}")
 
 
-def default_endpoint() -> str:
-    return os.environ.get(SOCKET_ENV) or f"ipc://{runtime_dir() / SOCKET_NAME}"
-
-
-def normalize_endpoint(value: str | None) -> str:
-    """A path, ipc://PATH or tcp://LOOPBACK:PORT -> a ZeroMQ endpoint; None -> the default."""
+def normalize_endpoint(value: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The ZeroMQ endpoint of a socket given as a path, ipc://PATH or tcp://LOOPBACK:PORT; for None
+    (not given) $STORMD_SOCKET, read the same way, else the runtime directory's socket. stormd, the
+    client and stormctl all find the socket here, so what one accepts the others do."""
     if not value:
-        return default_endpoint()
+        env = os.environ if environ is None else environ
+        if not env.get(SOCKET_ENV):
+            return f"ipc://{runtime_dir(env) / SOCKET_NAME}"
+        try:
+            return normalize_endpoint(env[SOCKET_ENV])
+        except ValueError as e:
+            raise ValueError(f"{SOCKET_ENV}: {e}") from None
     if value.startswith("ipc://"):
         return value
     if value.startswith("tcp://"):
@@ -423,10 +443,25 @@ def load(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> 
         v = getattr(args, s.name, None)
         if v is not None:
             values[s.name] = v if isinstance(v, bool) else _parse(s.name, v, s.flag, from_text=True)
-    values.setdefault("socket", f"ipc://{runtime_dir() / SOCKET_NAME}")
+    values.setdefault("socket", normalize_endpoint(None, env))
     config = DaemonConfig(**values)
     check_curve(config)
     return config
+
+
+def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each STORMD_* variable that is no setting: a misspelt one would otherwise be
+    ignored without a word, and stormd run with a default the operator meant to change."""
+    env = os.environ if environ is None else environ
+    known = [s.env for s in SETTINGS] + [CONFIG_ENV]
+    warnings = []
+    for name in sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in known):
+        # compared without the prefix, which every name shares and which would make any name look close
+        close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), [k.removeprefix(ENV_PREFIX) for k in known],
+                                          n=1)
+        hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else "`stormd --help` names each setting's variable"
+        warnings.append(f"ignoring environment variable {name}: stormd has no such setting; {hint}")
+    return warnings
 
 
 def check_curve(config: DaemonConfig) -> None:

@@ -21,7 +21,7 @@ import signal
 import sys
 
 from . import logs
-from .config import ConfigError, DaemonConfig, add_arguments, format_size, load, to_toml
+from .config import ConfigError, DaemonConfig, add_arguments, format_size, load, to_toml, unknown_environment
 from .metrics import Metrics
 from .notify import Notifier
 from .limits import check_host
@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(to_toml(config))
         return 0
     logs.configure(config.log_level, config.log_format)
+    for warning in unknown_environment():
+        log.warning(warning)
     try:
         import uvloop
         runner = uvloop.run

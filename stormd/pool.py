@@ -15,6 +15,7 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -74,14 +75,18 @@ class SharedPool:
         return cls(mmap.mmap(-1, size), size, None, owner=False)
 
     @classmethod
-    def attach(cls, path: str, size: int) -> "SharedPool":
-        """Map a segment a daemon created (client side)."""
+    def attach(cls, path: str, size: int, check: Callable[[os.stat_result], None] | None = None) -> "SharedPool":
+        """Map a segment a daemon created (client side). ``check`` sees the opened file's status
+        before it is mapped (the client's trust check: whose file it is, who else may open it)."""
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as e:
             raise PoolError(f"cannot open the daemon's pool {path}: {e.strerror}") from None
         try:
-            actual = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if check is not None:
+                check(st)
+            actual = st.st_size
             if actual < size:
                 raise PoolError(f"pool {path} has {actual} bytes, the daemon announced {size}")
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -4,7 +4,9 @@ tcp:// (open to every local user) is served only with CURVE keys."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -203,3 +205,103 @@ def test_tcp_serves_only_clients_with_an_authorized_curve_key(curve_daemon, monk
     plain = RawClient(endpoint, timeout_ms=1500)  # no CURVE at all: the handshake fails, nothing is read
     with pytest.raises(zmq.Again):
         plain.call("PING")
+
+
+def pool_of(d) -> str:
+    """The pool segment the daemon logged at start-up (read there, so no session is opened for it)."""
+    return wait_for_log(d, r"stormd ready.* pool=(\S+)", timeout=30).group(1)
+
+
+def offload_one_step(**options) -> storm.Offload:
+    lin = torch.nn.Linear(64, 64)
+    with storm.offload(min_bytes=0, **options) as ctx:
+        loss = lin(torch.randn(16, 64)).tanh().sum()
+    loss.backward()
+    return ctx
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="handing a directory to another uid needs root")
+@pytest.mark.parametrize("squat", ["owned-by-another-uid", "world-writable"])
+def test_a_socket_directory_another_user_could_have_made_is_refused_before_anything_is_sent(
+        tmp_path, squat, monkeypatch, caplog):
+    """Issue 38, item 2: another user can make /tmp/stormd-UID first and serve a daemon in it.
+    Here the directory of a running daemon is handed to uid 65534 (or opened to everyone): the
+    client must refuse it before it sends a byte; mode='auto' runs embedded and says why."""
+    monkeypatch.delenv("STORM_DAEMON_UID", raising=False)
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics")
+    run = d.socket.parent
+    try:
+        if squat == "owned-by-another-uid":
+            os.chown(run, NOBODY, NOBODY)
+            owner, mode = NOBODY, "0o700"
+        else:
+            run.chmod(0o777)
+            owner, mode = 0, "0o777"
+        said = f"refusing the stormd socket directory {run}: it belongs to uid {owner} with mode {mode}"
+        with pytest.raises(storm.StormUntrusted, match=re.escape(said) + ".*accepted: a directory of this user"):
+            offload_one_step(mode="daemon", socket=str(d.socket))
+        with caplog.at_level(logging.WARNING, logger="storm"):
+            ctx = offload_one_step(socket=str(d.socket))
+        assert ctx.backend_name == "embedded store" and ctx.stats.offloaded > 0
+        assert [r.levelno for r in caplog.records if said in r.getMessage()] == [logging.WARNING], caplog.text
+        assert "client connected" not in d.output()  # not even a HELLO reached it
+        if squat == "owned-by-another-uid":  # the container case: stormd runs as a service uid the user names
+            monkeypatch.setenv("STORM_DAEMON_UID", str(NOBODY))
+            assert offload_one_step(mode="daemon", socket=str(d.socket)).backend_name.startswith("stormd")
+    finally:
+        storm.close_all()
+        os.chown(run, 0, 0)
+        run.chmod(0o700)
+        stop_daemon(d)
+
+
+@pytest.mark.parametrize("change", ["open-to-others", "owned-by-another-uid"])
+def test_a_pool_segment_of_another_user_or_open_to_others_is_refused_before_any_put(tmp_path, change, monkeypatch):
+    """The daemon names its pool in HELLO; a pool another uid owns, or that others may open, is not
+    a trusted daemon's: the client says BYE without storing anything."""
+    if change == "owned-by-another-uid" and os.getuid() != 0:
+        pytest.skip("handing a file to another uid needs root")
+    monkeypatch.delenv("STORM_DAEMON_UID", raising=False)
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics")
+    pool = pool_of(d)
+    try:
+        if change == "open-to-others":
+            os.chmod(pool, 0o666)
+            said = f"refusing stormd's pool segment {pool}: it belongs to uid {os.getuid()} with mode 0o666"
+        else:
+            os.chown(pool, NOBODY, NOBODY)
+            said = f"refusing stormd's pool segment {pool}: it belongs to uid {NOBODY} with mode 0o600"
+        with pytest.raises(storm.StormUntrusted, match=re.escape(said) + ".*accepted: a file of this user"):
+            offload_one_step(mode="daemon", socket=str(d.socket))
+        wait_for_log(d, "client disconnected", timeout=30)  # its BYE
+        status = RawClient(d.endpoint).call("STATUS")
+        assert status["traffic"]["puts"] == 0 and status["node"]["clients"] == 0, status
+        if change == "owned-by-another-uid":
+            monkeypatch.setenv("STORM_DAEMON_UID", str(NOBODY))
+            assert offload_one_step(mode="daemon", socket=str(d.socket)).backend_name.startswith("stormd")
+    finally:
+        storm.close_all()
+        if os.getuid() == 0:
+            os.chown(pool, os.getuid(), os.getgid())
+        os.chmod(pool, 0o600)
+        stop_daemon(d)
+
+
+def test_storm_daemon_uid_must_be_a_uid(tmp_path, monkeypatch):
+    monkeypatch.setenv("STORM_DAEMON_UID", "storm")
+    with pytest.raises(ValueError, match="STORM_DAEMON_UID='storm': must be a numeric uid"):
+        offload_one_step(mode="daemon", socket=str(tmp_path / "run" / "stormd.sock"))
+
+
+def test_the_default_socket_directory_is_checked_too(tmp_path, monkeypatch):
+    """The runtime directory's socket (what a plain storm.offload() uses) gets the same check, before
+    even the probe that tells a live socket from a stale one."""
+    monkeypatch.delenv("STORMD_SOCKET", raising=False)
+    monkeypatch.delenv("STORM_DAEMON_UID", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    run = tmp_path / "stormd"
+    run.mkdir()
+    run.chmod(0o777)  # anyone could have put the socket there
+    (run / "stormd.sock").touch()
+    with pytest.raises(storm.StormUntrusted, match=f"refusing the stormd socket directory {run}: .* mode 0o777"):
+        offload_one_step(mode="daemon")

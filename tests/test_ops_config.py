@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import subprocess
 import sys
 
 import pytest
+from conftest import start_daemon, stop_daemon
+from test_ops_daemon import wait_for_log
 
-from stormd.config import SETTINGS, ConfigError, DaemonConfig, add_arguments, load, to_toml, tomllib
+from stormd.config import (SETTINGS, ConfigError, DaemonConfig, add_arguments, format_size, load, parse_size, to_toml,
+                           tomllib, unknown_environment)
 
 
 def parse(*argv: str, env: dict[str, str] | None = None, home=None) -> DaemonConfig:
@@ -119,3 +123,41 @@ def test_print_config_prints_toml_that_reads_back_to_the_same_config(tmp_path):
     assert data["socket"] == f"ipc://{tmp_path}/s.sock"
     again = parse("--config", write(tmp_path, r.stdout))
     assert to_toml(again) == r.stdout
+
+
+@pytest.mark.parametrize("n,text", [(8_000_000_000, "8GB"), (1 << 30, "1GiB"), (1000, "1KB"), (1 << 40, "1TiB"),
+                                    (10**12, "1TB"), (1536, "1536"), (1_500_000, "1500KB"), (0, "0")])
+def test_a_size_prints_in_the_largest_unit_that_divides_it_and_reads_back(n, text):
+    """Issue 38, item 12: --pool-size 8GB printed as 7812500KiB (binary units only)."""
+    assert format_size(n) == text
+    assert parse_size(format_size(n)) == n
+
+
+def test_print_config_shows_a_decimal_pool_size_as_given(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "stormd", "--print-config", "--pool-size", "8GB",
+                        "--socket", str(tmp_path / "s.sock")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert 'pool_size = "8GB"' in r.stdout.splitlines()
+
+
+@pytest.mark.parametrize("bad,why", [(-1, "size -1 is negative"), ("-1", "cannot read size '-1'"),
+                                     ("abc", "cannot read size 'abc'"), ("1.5", "'1.5' is not a whole number of bytes"),
+                                     (1.5, "not float"), (True, "not bool"), (None, "not NoneType")])
+def test_a_size_is_a_whole_number_of_bytes_or_an_error(bad, why):
+    with pytest.raises(ValueError, match=re.escape(why)):
+        parse_size(bad)
+
+
+def test_unknown_stormd_variables_are_named_with_the_closest_setting(tmp_path, monkeypatch):
+    """A misspelt STORMD_* variable was ignored without a word; now stormd warns at start."""
+    assert unknown_environment({"STORMD_POOLSIZE": "1MiB", "STORMD_SOCKET": "/x", "STORMD_CONFIG": "/y",
+                                "STORMD_METRICS": "0", "STORM_POOL_SIZE": "1MiB", "STORMD_XYZZY": "1"}) == [
+        "ignoring environment variable STORMD_POOLSIZE: stormd has no such setting; did you mean STORMD_POOL_SIZE?",
+        "ignoring environment variable STORMD_XYZZY: stormd has no such setting; `stormd --help` names each "
+        "setting's variable"]
+    monkeypatch.setenv("STORMD_POOLSIZE", "1MiB")
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics")
+    try:
+        wait_for_log(d, "ignoring environment variable STORMD_POOLSIZE: .*did you mean STORMD_POOL_SIZE", timeout=30)
+    finally:
+        stop_daemon(d)

@@ -304,3 +304,33 @@ def test_stormctl_stats_with_thousands_of_sessions_prints_what_fits_and_counts_t
         assert f"{len(shown['clients'])} of {n} clients shown" in " ".join(out.stdout.split())
     finally:
         stop_daemon(d)
+
+
+def test_a_plain_path_in_stormd_socket_serves_stormd_the_client_and_stormctl(tmp_path, monkeypatch):
+    """Issue 38, item 5: STORMD_SOCKET=/run/stormd/stormd.sock (the README's form) is read by one function
+    for all three. Before, stormd took it but the client's I/O thread died on it (ZMQError: Invalid
+    argument, then the embedded store) and stormctl crashed."""
+    import torch
+
+    import storm
+
+    sock = tmp_path / "run" / "stormd.sock"
+    env = {**os.environ, "STORMD_SOCKET": str(sock)}
+    log = tmp_path / "stormd.log"
+    proc = subprocess.Popen([sys.executable, "-m", "stormd", "--pool-size", "1MiB", "--no-metrics"], env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    d = Daemon(sock, proc, log)
+    try:
+        wait_for_log(d, "stormd ready", timeout=60)
+        assert f"socket=ipc://{sock} " in d.output()
+        monkeypatch.setenv("STORMD_SOCKET", str(sock))
+        with storm.offload(mode="daemon", min_bytes=0) as ctx:
+            loss = torch.nn.Linear(8, 8)(torch.ones(4, 8)).tanh().sum()
+        loss.backward()
+        assert ctx.backend_name.startswith(f"stormd at ipc://{sock}") and ctx.stats.offloaded > 0
+        r = subprocess.run([STORMCTL, "--json", "status"], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["endpoint"] == f"ipc://{sock}"
+    finally:
+        storm.close_all()
+        stop_daemon(d)
