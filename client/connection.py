@@ -40,7 +40,7 @@ from stormd.pool import PoolError, SharedPool
 from stormd.protocol import PROTOCOL_VERSION, pack, unpack
 
 from .backend import settle
-from .errors import StormUnavailable, StormUntrusted
+from .errors import StormRequestError, StormUnavailable, StormUntrusted
 from .trust import check_pool
 
 CONNECT_TIMEOUT = 2.0
@@ -79,6 +79,9 @@ class DaemonConnection:
         except TimeoutError:
             self._shutdown()
             raise StormUnavailable(f"no stormd answered at {endpoint} within {connect_timeout:g} s") from None
+        except StormRequestError as e:  # draining, at its session limit, another protocol: it serves no one new
+            self._shutdown()
+            raise StormUnavailable(f"stormd at {endpoint} refused a new session: {e}") from None
         except Exception:
             self._shutdown()
             raise

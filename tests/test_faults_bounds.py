@@ -10,7 +10,8 @@ import logging
 import pytest
 import pytest_asyncio
 import zmq
-from helpers import put_fields
+from conftest import start_daemon, stop_daemon
+from helpers import RawClient, put_fields
 from test_server_async import AsyncClient, until
 
 from stormd import ctl
@@ -106,3 +107,28 @@ async def test_a_client_whose_unread_replies_pass_the_byte_bound_is_cut_off(smal
     assert srv.service.store.node_stats()["used"] == srv.service.store.held_bytes(owner.auth["session"]) == 4096
     assert (await owner.call("SEAL", key=1, checksum=1))["ok"]  # the owner is served as before
     assert (await owner.call("GET", key=1))["checksum"] == 1
+
+
+def test_a_daemon_at_its_session_limit_is_unavailable_to_a_new_client(tmp_path, caplog):
+    """A HELLO the daemon refuses (at its session limit, draining) leaves it of no use to this process:
+    mode='auto' trains on the embedded store, mode='daemon' raises StormUnavailable saying why."""
+    import torch
+
+    import storm
+
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics", "--max-sessions", "1")
+    try:
+        first = RawClient(d.endpoint)
+        first.hello()
+        with pytest.raises(storm.StormUnavailable, match="TOO_MANY_SESSIONS"):
+            storm.offload(mode="daemon", socket=str(d.socket)).__enter__()
+        caplog.set_level(logging.INFO, logger="storm")
+        with storm.offload(mode="auto", socket=str(d.socket), min_bytes=0) as ctx:
+            loss = torch.nn.Linear(8, 8)(torch.ones(4, 8)).tanh().sum()
+        loss.backward()
+        assert ctx.backend_name == "embedded store" and ctx.stats.offloaded > 0
+        assert any("TOO_MANY_SESSIONS" in r.getMessage() for r in caplog.records)
+        first.close()
+    finally:
+        storm.close_all()
+        stop_daemon(d)
