@@ -201,7 +201,8 @@ def test_bad_configuration_is_refused_with_a_reason(tmp_path, args, message):
 
 
 def test_second_daemon_on_the_same_socket_is_refused(daemon):
-    r = subprocess.run([sys.executable, "-m", "stormd", "--socket", str(daemon.socket), "--pool-size", "1MiB"],
+    r = subprocess.run([sys.executable, "-m", "stormd", "--socket", str(daemon.socket), "--pool-size", "1MiB",
+                        "--no-metrics"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "another stormd" in r.stderr
     assert RawClient(daemon.endpoint).call("PING")["ok"]
