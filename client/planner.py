@@ -368,10 +368,12 @@ class Planner:
     bytes), or keeps the step's peak GPU memory above its start under ``peak`` (bytes; CUDA),
     planning from traced steps. Each step: ``with planner.step(): ...``. ``reentrant``: how
     blocks are recomputed (Recompute); False for training that calls torch.autograd.grad or
-    backward(inputs=...). Other options go to storm.offload."""
+    backward(inputs=...). ``clock``: what steps and blocks are timed by (Clock: the compute
+    stream's, else the host's). Other options go to storm.offload."""
 
     def __init__(self, blocks: Iterable[nn.Module], budget: int | float | str | None = None, *,
-                 peak: int | str | None = None, reentrant: bool = True, **offload_options: Any):
+                 peak: int | str | None = None, reentrant: bool = True, clock: Clock | None = None,
+                 **offload_options: Any):
         self.blocks = list(blocks)
         self.reentrant = reentrant
         if not self.blocks or not all(isinstance(b, nn.Module) for b in self.blocks):
@@ -383,6 +385,7 @@ class Planner:
         self._budget = parse_budget(budget)
         self._peak = None if peak is None else _parse_peak(peak)
         self._memory = _PeakMemory(_device_of(self.blocks))
+        self.clock = clock or Clock(_device_of(self.blocks))  # what the traces and trials are timed by
         if self._peak is not None and not self._memory.available:
             raise ValueError("storm.plan's peak= is measured with the CUDA caching allocator and these blocks are "
                              "not on a CUDA device; give budget= (the bytes saved activations may take)")
@@ -547,7 +550,7 @@ class Planner:
         included; CPU: the host clock); the first step of the alternative is measured against its
         target too. Returns what reads it after the step, and decides the trial once it can
         (_Trial.decided)."""
-        trial, clock = self._trial, _Clock(_device_of(self.blocks))
+        trial, clock = self._trial, self.clock
         turn, marks = trial.turn, [clock.mark()]
         self._at_backward_end(lambda: marks.append(clock.mark()))
         measured = turn == 1 and self._memory.available
@@ -663,7 +666,7 @@ class Planner:
             for reentrant in {self.reentrant, False}:
                 Recompute(lambda t: t * 2, device, reentrant)(warm).sum().backward()
         self._recompute(set(range(len(self.blocks))), hand_over)
-        clock = _Clock(device)
+        clock = self.clock
         n = len(self.blocks)
         starts: list[Any] = [None] * n
         ends: list[Any] = [None] * n
@@ -672,13 +675,13 @@ class Planner:
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
             if hand_over and self.reentrant and i == 0:  # untimed first, before any mark: see _warm
                 _warm(m, args, kwargs, device)
-            host[i] = time.perf_counter()
+            host[i] = clock.host()
             starts[i] = clock.mark()
 
         def post(i: int, m: nn.Module, args: Any, out: Any) -> None:
             ends[i] = clock.mark()
             if i == n - 1:
-                host[n] = time.perf_counter()
+                host[n] = clock.host()
 
         self._hook_blocks(pre, post)
         self._measure_this_step()
@@ -1036,15 +1039,21 @@ def _warm(block: nn.Module, args: Any, kwargs: dict, device: torch.device) -> No
         block.forward(*args, **kwargs)  # the Recompute set as its forward: under no_grad, just the block
 
 
-class _Clock:
-    """Marks on the compute stream (CUDA events) or the host clock (CPU)."""
+class Clock:
+    """Where storm.plan's timings come from: marks on the compute stream (CUDA events) or the
+    host clock (CPU), and the host clock. A Planner takes another (``clock=``) so that tests
+    decide its trials by the timings they give, never by how fast a loaded machine ran."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
+    def host(self) -> float:
+        """The host's time, in seconds."""
+        return time.perf_counter()
+
     def mark(self) -> Any:
         if not self.cuda:
-            return time.perf_counter()
+            return self.host()
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         return e
@@ -1173,6 +1182,6 @@ def _describe_budget(budget: int | float, total: int) -> str:
 
 
 def plan(blocks: Iterable[nn.Module], budget: int | float | str | None = None, *, peak: int | str | None = None,
-         reentrant: bool = True, **offload_options: Any) -> Planner:
+         reentrant: bool = True, clock: Clock | None = None, **offload_options: Any) -> Planner:
     """A Planner (see its docstring and this module's)."""
-    return Planner(blocks, budget, peak=peak, reentrant=reentrant, **offload_options)
+    return Planner(blocks, budget, peak=peak, reentrant=reentrant, clock=clock, **offload_options)
