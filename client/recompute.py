@@ -28,15 +28,30 @@ What the reentrant form's nested backward holds is kept to what the non-reentran
 
 Under no_grad the block just runs. The recompute draws the same random numbers as forward
 (dropout masks), on the CPU and the block's device, and runs under forward's autocast.
+
+A recompute runs the block's code a second time, so whatever the block changes besides its
+output happens twice. Hugging Face's layers write the model's KV cache as they run (``use_cache``
+is on in their configs by default): the replay would append to it again and compute attention
+over the keys twice. As transformers' own gradient checkpointing does, a recomputed block is
+called with ``use_cache=False`` and without its cache (``cache``, ``past_key_values``,
+``past_key_value``, ``layer_past``), unless its class says it only reads the cache
+(``_can_checkpoint_with_cache``), with a warning once.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger("storm")
+
+# the keyword arguments Hugging Face's layers take their KV cache by (the name changed over versions)
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 class Recompute:
@@ -50,14 +65,35 @@ class Recompute:
     def __init__(self, forward: Callable[..., Any], device: torch.device, reentrant: bool = True,
                  hand_over: bool = True):
         self.forward, self.device, self.reentrant, self.hand_over = forward, device, reentrant, hand_over
+        self.block = getattr(forward, "__self__", None)  # a bound method's module: its class may keep a KV cache
         self._grad = torch.empty(0, device=device, requires_grad=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
         if kwargs or not self.reentrant:
-            return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(self.forward, *args, use_reentrant=False, **self._without_cache(kwargs))
         return _Reentrant.apply(self, self._grad, *args)
+
+
+    def _without_cache(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` with a Hugging Face layer's KV cache turned off (see the module's
+        docstring); a block whose class only reads the cache keeps it."""
+        turned_off = {"use_cache": False} if kwargs.get("use_cache") else {}
+        if not getattr(self.block, "_can_checkpoint_with_cache", False):
+            turned_off.update((k, None) for k in CACHE_KWARGS if kwargs.get(k) is not None)
+        if not turned_off:
+            return kwargs
+        _warn_cache_off(type(self.block).__name__, tuple(turned_off))
+        return {**kwargs, **turned_off}
+
+
+@functools.cache
+def _warn_cache_off(block: str, names: tuple[str, ...]) -> None:
+    """Once per block class and arguments turned off."""
+    log.warning("storm: %s is recomputed in backward, which would write its KV cache a second time and change "
+                "what it computes; it runs with %s, as transformers' gradient checkpointing does", block,
+                ", ".join("use_cache=False" if n == "use_cache" else f"{n}=None" for n in names))
 
 
 class _Reentrant(torch.autograd.Function):
