@@ -299,3 +299,33 @@ def test_a_block_that_only_reads_its_cache_keeps_it():
     rec = Recompute(type(block).forward.__get__(block), torch.device("cpu"), True)
     cache = ["kept"]
     assert rec._without_cache({"cache": cache, "use_cache": True}) == {"cache": cache, "use_cache": False}
+
+
+class Normed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.norm(self.lin(x))) * scale
+
+
+@pytest.mark.parametrize("reentrant, kwargs", [(True, False), (False, False), (True, True)])
+def test_a_recompute_leaves_batchnorms_running_statistics_as_forward_left_them(reentrant, kwargs):
+    """The replay normalizes by the batch's statistics as forward did, and counts the batch
+    once: running mean, variance and batch count, and every gradient, are those of the block
+    run plainly."""
+    def run(recompute: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        block = Normed()
+        if recompute:
+            block.forward = Recompute(type(block).forward.__get__(block), torch.device("cpu"), reentrant)
+        x = torch.randn(8, 32, requires_grad=True)
+        for _ in range(2):
+            (block(x, scale=0.5) if kwargs else block(x)).sum().backward()
+        return [x.grad, *(p.grad for p in block.parameters())], list(block.norm.buffers())
+
+    (want, want_stats), (got, got_stats) = run(False), run(True)
+    assert got_stats[-1].item() == 2  # num_batches_tracked: each step's batch once
+    assert all(same_bits(a, b) for a, b in zip(want_stats, got_stats))
+    assert all(same_bits(a, b) for a, b in zip(want, got))
