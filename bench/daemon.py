@@ -1,32 +1,65 @@
-"""A stormd for one benchmark run: started in a directory of its own, answered before use."""
+"""A stormd for one benchmark run or test: started in a directory of its own, answered before
+use, dying with the process that started it, and serving no metrics unless asked."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import storm
 from stormd.config import socket_is_live
 
 START_TIMEOUT_S = 120.0  # a pool of many GiB is reserved (posix_fallocate) before the socket opens
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+METRICS_FLAGS = {"--metrics", "--no-metrics", "--metrics-port"}
+
+
+def die_with_parent(parent: int) -> None:
+    """In a child before it runs stormd (preexec_fn): the kernel sends it SIGTERM (a drain, then
+    exit) when the thread that started it ends, so no benchmark's or test's daemon outlives its
+    run however that ends (interrupted, killed): an orphan kept its pool and the default metrics
+    port, and the next real stormd then ran without metrics. ``parent``: the starting process's
+    pid, read before the fork, to catch a parent that died before the signal was set up."""
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def popen_stormd(args: list[str], cpus: set[int] | None = None, python: Sequence[str] = (),
+                 **popen: object) -> subprocess.Popen:
+    """``python [*python] -m stormd *args``, dying with this process (die_with_parent), on
+    ``cpus`` only where given. It serves no metrics unless ``args`` asks (--metrics or
+    --metrics-port, 0 for any free port): the default port belongs to the node's real stormd."""
+    if not METRICS_FLAGS & {a.split("=")[0] for a in args}:
+        args = [*args, "--no-metrics"]
+    parent = os.getpid()
+
+    def before_exec() -> None:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        die_with_parent(parent)
+
+    return subprocess.Popen([sys.executable, *python, "-m", "stormd", *args], preexec_fn=before_exec, **popen)
 
 
 def start_daemon(workdir: Path, pool_size: str, *flags: str, log: Path | None = None,
                  cprofile: Path | None = None, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
-    """``python -m stormd`` with its socket under ``workdir``; returns the process and its endpoint
-    once the socket answers. ``log``: a file for its output (default: this process's).
+    """``python -m stormd`` (popen_stormd) with its socket under ``workdir``; returns the process
+    and its endpoint once the socket answers. ``log``: a file for its output (default: this process's).
     ``cprofile``: run it under cProfile, which writes this file when stormd exits (SIGTERM).
     ``cpus``: the only CPUs it may run on (default: this process's)."""
     sock = workdir / "run" / "stormd.sock"
     out = log.open("w") if log is not None else None
     profiled = ["-m", "cProfile", "-o", str(cprofile)] if cprofile is not None else []
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus is not None else None
-    proc = subprocess.Popen([sys.executable, *profiled, "-m", "stormd", "--socket", str(sock), "--pool-size", pool_size,
-                             *flags],
-                            stdout=out, stderr=subprocess.STDOUT if out is not None else None, preexec_fn=pin)
+    proc = popen_stormd(["--socket", str(sock), "--pool-size", pool_size, *flags], cpus, profiled,
+                        stdout=out, stderr=subprocess.STDOUT if out is not None else None)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not (sock.exists() and socket_is_live(sock)):
         if proc.poll() is not None or time.monotonic() > deadline:

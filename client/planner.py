@@ -18,10 +18,10 @@ put in frames (CUDA bf16 storages of at least FRAME_MIN_BYTES, as transfer.Mover
 decides) with their bytes and their frames' bytes, and its input's bytes (what
 recomputing keeps); where the store refused some (a full pool), what it took, which
 plans then do not offload beyond. The second recomputes every block and offloads
-nothing, and records each block's forward time (what recomputing it costs), with events
-on the compute stream on CUDA, so a launch-bound model's host time counts as it does in
-training, and as each block starts how far the host is ahead of the stream (block 0 runs
-once untimed before, without autograd: a process's first such forward loads kernels). With peak=
+nothing, and records each block's recompute time in backward (what recomputing it costs),
+with events on the compute stream on CUDA, so a launch-bound model's host time counts as it
+does in training, and as each block starts in forward how far the host is ahead of the
+stream. The planner calls no block beyond the step's own calls and their recomputes. With peak=
 (CUDA) and the reentrant form, a third recomputes every block again without Recompute's
 hand-over of saved tensors, so that each block's backward holds its saves as a kept block's
 does, to measure what a kept block's backward holds beyond a recomputed one's
@@ -368,10 +368,12 @@ class Planner:
     bytes), or keeps the step's peak GPU memory above its start under ``peak`` (bytes; CUDA),
     planning from traced steps. Each step: ``with planner.step(): ...``. ``reentrant``: how
     blocks are recomputed (Recompute); False for training that calls torch.autograd.grad or
-    backward(inputs=...). Other options go to storm.offload."""
+    backward(inputs=...). ``clock``: what steps and blocks are timed by (Clock: the compute
+    stream's, else the host's). Other options go to storm.offload."""
 
     def __init__(self, blocks: Iterable[nn.Module], budget: int | float | str | None = None, *,
-                 peak: int | str | None = None, reentrant: bool = True, **offload_options: Any):
+                 peak: int | str | None = None, reentrant: bool = True, clock: Clock | None = None,
+                 **offload_options: Any):
         self.blocks = list(blocks)
         self.reentrant = reentrant
         if not self.blocks or not all(isinstance(b, nn.Module) for b in self.blocks):
@@ -383,6 +385,7 @@ class Planner:
         self._budget = parse_budget(budget)
         self._peak = None if peak is None else _parse_peak(peak)
         self._memory = _PeakMemory(_device_of(self.blocks))
+        self.clock = clock or Clock(_device_of(self.blocks))  # what the traces and trials are timed by
         if self._peak is not None and not self._memory.available:
             raise ValueError("storm.plan's peak= is measured with the CUDA caching allocator and these blocks are "
                              "not on a CUDA device; give budget= (the bytes saved activations may take)")
@@ -547,7 +550,7 @@ class Planner:
         included; CPU: the host clock); the first step of the alternative is measured against its
         target too. Returns what reads it after the step, and decides the trial once it can
         (_Trial.decided)."""
-        trial, clock = self._trial, _Clock(_device_of(self.blocks))
+        trial, clock = self._trial, self.clock
         turn, marks = trial.turn, [clock.mark()]
         self._at_backward_end(lambda: marks.append(clock.mark()))
         measured = turn == 1 and self._memory.available
@@ -656,42 +659,48 @@ class Planner:
         block's does, and what it holds besides them gives ``kept_extra``."""
         device = _device_of(self.blocks)
         # each recompute form's first call in a process sets up its machinery (torch's checkpoint, the
-        # non-reentrant form, imports torch._dynamo; 0.5 and 1.1 s on a CPU here): pay it now, or block 0
-        # looks that much dearer to recompute, or the form trial's first non-reentrant step slower
+        # non-reentrant form, imports torch._dynamo): paid now on a function of STORM's own, or the
+        # traced forward, or the form trial's first non-reentrant step, would look that much slower
         if hand_over:  # the first compute trace: the second times nothing
             warm = torch.zeros(1, device=device, requires_grad=True)
             for reentrant in {self.reentrant, False}:
                 Recompute(lambda t: t * 2, device, reentrant)(warm).sum().backward()
         self._recompute(set(range(len(self.blocks))), hand_over)
-        clock = _Clock(device)
+        clock = self.clock
         n = len(self.blocks)
         starts: list[Any] = [None] * n
         ends: list[Any] = [None] * n
         host = [0.0] * (n + 1)  # as each block starts, and as the last ends
+        # each block's last call, its recompute in backward: what recomputing it costs (see _timing)
+        recomputes: list[tuple[Any, Any] | None] = [None] * n
+        untimed = [b.forward.forward for b in self.blocks]
+        if hand_over:
+            for i, b in enumerate(self.blocks):
+                b.forward.forward = _timing(untimed[i], clock, recomputes, i)
 
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
-            if hand_over and self.reentrant and i == 0:  # untimed first, before any mark: see _warm
-                _warm(m, args, kwargs, device)
-            host[i] = time.perf_counter()
+            host[i] = clock.host()
             starts[i] = clock.mark()
 
         def post(i: int, m: nn.Module, args: Any, out: Any) -> None:
             ends[i] = clock.mark()
             if i == n - 1:
-                host[n] = time.perf_counter()
+                host[n] = clock.host()
 
         self._hook_blocks(pre, post)
         self._measure_this_step()
 
         def collect() -> None:
             self._unhook()
+            for b, forward in zip(self.blocks, untimed):
+                b.forward.forward = forward
             if any(s is None for s in starts + ends):
                 log.warning("storm.plan: the traced step did not run every block once; tracing again")
                 return
             trace = self.trace
             if hand_over:  # the times of the form plans take
-                for b, s, e in zip(trace.blocks, starts, ends):
-                    b.forward_ms = clock.elapsed_ms(s, e)
+                for b, marks in zip(trace.blocks, recomputes):
+                    b.forward_ms = clock.elapsed_ms(*marks)
                 trace.forward_host_ms = (host[n] - host[0]) * 1e3
                 trace.forward_device_ms = clock.elapsed_ms(starts[0], ends[-1])
                 # the stream's time from block 0 to block i less the host's: how far ahead the host
@@ -1020,31 +1029,39 @@ def _plan_name(p: Plan) -> str:
     return " and ".join(parts) + " blocks" + form if parts else "keep every block"
 
 
-def _warm(block: nn.Module, args: Any, kwargs: dict, device: torch.device) -> None:
-    """Run ``block`` once without autograd, its output dropped and the RNG left as it was (the
-    same dropout masks after): a process's first forward without autograd loads kernels that
-    grad-mode steps never used (W1's first block on a lent H100: 411 ms, then 0.81;
-    bench/plan_costs.py), which the compute trace's reentrant forward would otherwise count
-    as the block's cost of recomputing. Block 0 only, before the trace's first mark: running
-    each block would add its time to the forward and host lead the trace measures, and like
-    blocks share kernels (a block of another kind is still charged for its first no-grad
-    forward). A block that keeps state in training (BatchNorm's running statistics) sees one
-    more update in that step."""
-    cuda = device.type == "cuda"
-    rng = [device.index if device.index is not None else torch.cuda.current_device()] if cuda else []
-    with torch.no_grad(), torch.random.fork_rng(devices=rng, device_type=device.type):
-        block.forward(*args, **kwargs)  # the Recompute set as its forward: under no_grad, just the block
+def _timing(forward: Callable[..., Any], clock: Clock, marks: list[Any], i: int) -> Callable[..., Any]:
+    """``forward`` (a recomputed block's own), each call's start and end on ``clock`` kept in
+    ``marks[i]``: the last call of a step is the block's recompute in backward (the non-reentrant
+    form's stops early, by raising, where the block's last saved tensor is rebuilt), which is what
+    recomputing it costs. Timing the recompute rather than forward's call, which runs without
+    autograd, leaves out what a process's first such call loads (kernels that grad-mode steps
+    never used) and needs no extra call of the block to pay that beforehand: a block with a side
+    effect (a KV cache, running statistics) must run exactly as training runs it."""
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = clock.mark()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            marks[i] = (start, clock.mark())
+
+    return timed
 
 
-class _Clock:
-    """Marks on the compute stream (CUDA events) or the host clock (CPU)."""
+class Clock:
+    """Where storm.plan's timings come from: marks on the compute stream (CUDA events) or the
+    host clock (CPU), and the host clock. A Planner takes another (``clock=``) so that tests
+    decide its trials by the timings they give, never by how fast a loaded machine ran."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
+    def host(self) -> float:
+        """The host's time, in seconds."""
+        return time.perf_counter()
+
     def mark(self) -> Any:
         if not self.cuda:
-            return time.perf_counter()
+            return self.host()
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         return e
@@ -1173,6 +1190,6 @@ def _describe_budget(budget: int | float, total: int) -> str:
 
 
 def plan(blocks: Iterable[nn.Module], budget: int | float | str | None = None, *, peak: int | str | None = None,
-         reentrant: bool = True, **offload_options: Any) -> Planner:
+         reentrant: bool = True, clock: Clock | None = None, **offload_options: Any) -> Planner:
     """A Planner (see its docstring and this module's)."""
-    return Planner(blocks, budget, peak=peak, reentrant=reentrant, **offload_options)
+    return Planner(blocks, budget, peak=peak, reentrant=reentrant, clock=clock, **offload_options)

@@ -28,15 +28,34 @@ What the reentrant form's nested backward holds is kept to what the non-reentran
 
 Under no_grad the block just runs. The recompute draws the same random numbers as forward
 (dropout masks), on the CPU and the block's device, and runs under forward's autocast.
+
+A recompute runs the block's code a second time, so whatever the block changes besides its
+output happens twice. Hugging Face's layers write the model's KV cache as they run (``use_cache``
+is on in their configs by default): the replay would append to it again and compute attention
+over the keys twice. As transformers' own gradient checkpointing does, a recomputed block is
+called with ``use_cache=False`` and without its cache (``cache``, ``past_key_values``,
+``past_key_value``, ``layer_past``), unless its class says it only reads the cache
+(``_can_checkpoint_with_cache``), with a warning once. BatchNorm layers in training keep running
+statistics: the replay normalizes by the batch's statistics as forward did, but leaves the
+running ones as forward left them (``Recompute.replaying``), or each step would count every
+batch twice.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger("storm")
+
+# the keyword arguments Hugging Face's layers take their KV cache by (the name changed over versions)
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 class Recompute:
@@ -50,14 +69,54 @@ class Recompute:
     def __init__(self, forward: Callable[..., Any], device: torch.device, reentrant: bool = True,
                  hand_over: bool = True):
         self.forward, self.device, self.reentrant, self.hand_over = forward, device, reentrant, hand_over
+        self.block = getattr(forward, "__self__", None)  # a bound method's module: its class may keep a KV cache
+        # its layers whose state a replay would update a second time
+        self._stateful = [m for m in self.block.modules() if isinstance(m, _BatchNorm) and m.track_running_stats] \
+            if isinstance(self.block, torch.nn.Module) else []
         self._grad = torch.empty(0, device=device, requires_grad=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
         if kwargs or not self.reentrant:
-            return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+            contexts = {"context_fn": lambda: (nullcontext(), self.replaying())} if self._stateful else {}
+            return checkpoint(self.forward, *args, use_reentrant=False, **contexts, **self._without_cache(kwargs))
         return _Reentrant.apply(self, self._grad, *args)
+
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Within: the block's BatchNorm layers in training leave their running statistics and
+        batch count as they were. A momentum of 0 keeps the running mean and variance (the
+        batch's are still what normalizes); turning tracking off instead would change which
+        tensors batch_norm saves, which torch's non-reentrant checkpoint refuses."""
+        frozen = [(m, m.momentum, m.num_batches_tracked.clone()) for m in self._stateful if m.training]
+        for m, _, _ in frozen:
+            m.momentum = 0.0
+        try:
+            yield
+        finally:
+            for m, momentum, count in frozen:
+                m.momentum = momentum
+                m.num_batches_tracked.copy_(count)
+
+    def _without_cache(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` with a Hugging Face layer's KV cache turned off (see the module's
+        docstring); a block whose class only reads the cache keeps it."""
+        turned_off = {"use_cache": False} if kwargs.get("use_cache") else {}
+        if not getattr(self.block, "_can_checkpoint_with_cache", False):
+            turned_off.update((k, None) for k in CACHE_KWARGS if kwargs.get(k) is not None)
+        if not turned_off:
+            return kwargs
+        _warn_cache_off(type(self.block).__name__, tuple(turned_off))
+        return {**kwargs, **turned_off}
+
+
+@functools.cache
+def _warn_cache_off(block: str, names: tuple[str, ...]) -> None:
+    """Once per block class and arguments turned off."""
+    log.warning("storm: %s is recomputed in backward, which would write its KV cache a second time and change "
+                "what it computes; it runs with %s, as transformers' gradient checkpointing does", block,
+                ", ".join("use_cache=False" if n == "use_cache" else f"{n}=None" for n in names))
 
 
 class _Reentrant(torch.autograd.Function):
@@ -82,7 +141,7 @@ class _Reentrant(torch.autograd.Function):
         rec, saved = ctx.rec, iter(ctx.saved_tensors)
         args = [_detached(next(saved)) if i in ctx.tensor_at else a for i, a in enumerate(ctx.args)]
         hooks = torch.autograd.graph.saved_tensors_hooks(_Saved, _Saved.take) if rec.hand_over else nullcontext()
-        with ctx.state.restored(), torch.enable_grad(), hooks:
+        with ctx.state.restored(), torch.enable_grad(), hooks, rec.replaying():
             out = rec.forward(*args)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]

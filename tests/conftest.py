@@ -12,6 +12,9 @@ import torch
 import storm
 from stormd.config import socket_is_live
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import daemon as bench_daemon  # noqa: E402  (bench/daemon.py: how a test's or a benchmark's stormd starts)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -43,33 +46,57 @@ class Daemon:
         return self.log.read_text()
 
 
-def start_daemon(tmp_path: Path, *args: str, timeout: float = 20.0) -> Daemon:
+_started: list[subprocess.Popen] = []  # every stormd a test started, stopped at its end (_stop_daemons_left)
+
+
+def popen_stormd(args: list[str], **popen: object) -> subprocess.Popen:
+    """A test's ``python -m stormd *args``: it dies with this process and serves no metrics unless
+    asked (bench/daemon.py's popen_stormd), and is stopped at the test's end if still running."""
+    proc = bench_daemon.popen_stormd(args, **popen)
+    _started.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _stop_daemons_left():
+    """Whatever a test left running (it failed before stopping its daemon) is stopped and reaped."""
+    yield
+    while _started:
+        stop_process(_started.pop())
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it is still there after 10 s; reaped either way."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_daemon(tmp_path: Path, *args: str, timeout: float = 60.0) -> Daemon:
+    """A stormd on a socket under ``tmp_path`` (see popen_stormd), once the socket answers."""
     sock_dir = tmp_path / "run"
     sock = sock_dir / "stormd.sock"
     log = tmp_path / "stormd.log"
     # every test daemon refuses a tensor placed over another's bytes, so a placement bug fails loudly
     env = {**os.environ, "STORMD_CHECK_EXTENTS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "stormd", "--socket", str(sock), *args],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    proc = popen_stormd(["--socket", str(sock), *args], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout
     while not (sock.exists() and socket_is_live(sock)):  # a killed daemon's file may linger
         if proc.poll() is not None:
             raise RuntimeError(f"stormd exited with {proc.returncode}: {log.read_text()}")
         if time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"stormd did not bind within {timeout} s: {log.read_text()}")
+            raise RuntimeError(f"stormd did not answer on {sock} within {timeout} s: {log.read_text()}")
         time.sleep(0.02)
     return Daemon(sock, proc, log)
 
 
 def stop_daemon(d: Daemon) -> None:
-    if d.proc.poll() is None:
-        d.proc.terminate()
-        try:
-            d.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            d.proc.kill()
-            d.proc.wait()
+    stop_process(d.proc)
     # a client falls back quietly when a PUT is refused, so the refusal is looked for in the log
     assert "ExtentConflict" not in d.output(), f"stormd placed a tensor over a live one:\n{d.output()}"
 

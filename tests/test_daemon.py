@@ -120,13 +120,11 @@ def test_silent_client_is_dropped_and_its_extents_freed(tmp_path):
         store(c, pool, 1, b"z" * 500_000)
         watcher = RawClient(d.endpoint)
         watcher.hello()
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            node = watcher.call("STATS")["node"]
-            if node["used"] == 0:
-                break
+        deadline = time.monotonic() + 60  # the drop comes after 0.5 s; a loaded machine may take longer
+        while (node := watcher.call("STATS")["node"])["used"]:
+            assert time.monotonic() < deadline, f"the silent client's extents still held after 60 s: {node}"
             time.sleep(0.1)
-        assert node["used"] == 0 and node["clients"] == 1
+        assert node["clients"] == 1
         assert "no message for 0.5 s" in d.output()
     finally:
         stop_daemon(d)
@@ -201,7 +199,8 @@ def test_bad_configuration_is_refused_with_a_reason(tmp_path, args, message):
 
 
 def test_second_daemon_on_the_same_socket_is_refused(daemon):
-    r = subprocess.run([sys.executable, "-m", "stormd", "--socket", str(daemon.socket), "--pool-size", "1MiB"],
+    r = subprocess.run([sys.executable, "-m", "stormd", "--socket", str(daemon.socket), "--pool-size", "1MiB",
+                        "--no-metrics"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "another stormd" in r.stderr
     assert RawClient(daemon.endpoint).call("PING")["ok"]

@@ -20,7 +20,7 @@ import pytest
 import torch
 import zmq
 import zmq.auth
-from conftest import start_daemon, stop_daemon
+from conftest import Daemon, popen_stormd, start_daemon, stop_daemon
 from helpers import RawClient
 from test_ops_daemon import wait_for_log
 
@@ -152,11 +152,8 @@ def curve_daemon(tmp_path):
     zmq.auth.create_certificates(strangers, "stranger")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     log = tmp_path / "stormd.log"
-    proc = subprocess.Popen([sys.executable, "-m", "stormd", "--socket", endpoint, "--pool-size", "4MiB",
-                             "--no-metrics", "--curve-secret-key", server_secret,
-                             "--curve-authorized-keys", str(authorized)],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
-    from conftest import Daemon
+    proc = popen_stormd(["--socket", endpoint, "--pool-size", "4MiB", "--curve-secret-key", server_secret,
+                         "--curve-authorized-keys", str(authorized)], stdout=log.open("w"), stderr=subprocess.STDOUT)
     d = Daemon(tmp_path / "unused", proc, log)
     wait_for_log(d, "stormd ready", timeout=30)
     yield endpoint, server_public, client_secret, strangers / "stranger.key_secret"

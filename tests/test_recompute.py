@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from storm.examples.models import GPTBlock, same_bits
-from storm.recompute import Recompute
+from storm.recompute import Recompute, _warn_cache_off
 
 
 class Scaled(torch.nn.Module):
@@ -247,3 +247,85 @@ def test_the_reentrant_form_under_autograd_grad_names_the_fix():
     y = Recompute(torch.nn.Linear(16, 16).forward, torch.device("cpu"))(x)
     with pytest.raises(RuntimeError, match="reentrant=False"):
         torch.autograd.grad(y.sum(), [x])
+
+
+class Cached(torch.nn.Module):
+    """A block that keeps a KV cache as a Hugging Face layer does: with ``use_cache`` it appends
+    its keys to ``cache`` (a list) and attends over everything there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, cache: list | None = None, use_cache: bool = False) -> torch.Tensor:
+        keys = self.lin(x)
+        if use_cache and cache is not None:
+            cache.append(keys)
+            keys = torch.cat(cache)
+        return x + torch.softmax(x @ keys.T, dim=-1) @ keys
+
+
+def cached_grads(recompute: bool) -> tuple[list[torch.Tensor], list]:
+    torch.manual_seed(0)
+    block = Cached()
+    if recompute:
+        block.forward = Recompute(type(block).forward.__get__(block), torch.device("cpu"), True)
+    x, cache = torch.randn(4, 32, requires_grad=True), []
+    block(x, cache=cache, use_cache=True).sum().backward()
+    return [x.grad, *(p.grad for p in block.parameters())], cache
+
+
+def test_a_recomputed_block_runs_without_its_kv_cache_and_says_so(caplog):
+    """The recompute would append to the cache a second time and attend over the keys twice;
+    as transformers' gradient checkpointing does, a recomputed block runs with use_cache=False
+    and no cache (a warning once), so its gradients are those of the block run plainly."""
+    want, cache = cached_grads(recompute=False)
+    assert len(cache) == 1
+    _warn_cache_off.cache_clear()  # warned once a process: maybe by an earlier test
+    with caplog.at_level("WARNING", logger="storm"):
+        got, cache = cached_grads(recompute=True)
+        cached_grads(recompute=True)
+    assert all(same_bits(a, b) for a, b in zip(want, got))
+    assert cache == []
+    warned = [r.getMessage() for r in caplog.records if "KV cache" in r.getMessage()]
+    assert len(warned) == 1 and "Cached is recomputed" in warned[0] and "use_cache=False, cache=None" in warned[0]
+
+
+def test_a_block_that_only_reads_its_cache_keeps_it():
+    """transformers' _can_checkpoint_with_cache: the layer's class says the replay reads the
+    same states, so the cache stays."""
+    block = Cached()
+    block._can_checkpoint_with_cache = True
+    rec = Recompute(type(block).forward.__get__(block), torch.device("cpu"), True)
+    cache = ["kept"]
+    assert rec._without_cache({"cache": cache, "use_cache": True}) == {"cache": cache, "use_cache": False}
+
+
+class Normed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.norm(self.lin(x))) * scale
+
+
+@pytest.mark.parametrize("reentrant, kwargs", [(True, False), (False, False), (True, True)])
+def test_a_recompute_leaves_batchnorms_running_statistics_as_forward_left_them(reentrant, kwargs):
+    """The replay normalizes by the batch's statistics as forward did, and counts the batch
+    once: running mean, variance and batch count, and every gradient, are those of the block
+    run plainly."""
+    def run(recompute: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        block = Normed()
+        if recompute:
+            block.forward = Recompute(type(block).forward.__get__(block), torch.device("cpu"), reentrant)
+        x = torch.randn(8, 32, requires_grad=True)
+        for _ in range(2):
+            (block(x, scale=0.5) if kwargs else block(x)).sum().backward()
+        return [x.grad, *(p.grad for p in block.parameters())], list(block.norm.buffers())
+
+    (want, want_stats), (got, got_stats) = run(False), run(True)
+    assert got_stats[-1].item() == 2  # num_batches_tracked: each step's batch once
+    assert all(same_bits(a, b) for a, b in zip(want_stats, got_stats))
+    assert all(same_bits(a, b) for a, b in zip(want, got))

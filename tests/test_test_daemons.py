@@ -1,0 +1,89 @@
+"""The stormd that tests and benchmarks start (conftest.start_daemon, bench/daemon.py) serves no
+metrics unless asked, so it never takes the default port (9466) from the node's real stormd,
+and it dies with the process that started it however that ends: an interrupted pytest once
+left an orphaned stormd (parent 1) holding 127.0.0.1:9466, and the next real stormd ran
+without metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import start_daemon, stop_daemon
+from test_ops_daemon import wait_for_log
+
+from stormd.config import socket_is_live
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS.parent / "bench"))
+from daemon import start_daemon as start_bench_daemon  # noqa: E402
+from daemon import stop_daemon as stop_bench_daemon  # noqa: E402
+
+DEADLINE_S = 60.0  # a drain takes at most its 5 s deadline; the rest is a loaded machine's slack
+
+PARENT = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from conftest import start_daemon
+d = start_daemon(Path(sys.argv[2]), "--pool-size", "1MiB")
+print(d.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped has exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def test_a_test_daemon_dies_with_the_process_that_started_it(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(TESTS), str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        line = parent.stdout.readline()  # once its daemon answers, or empty where the parent failed
+        assert line.strip().isdigit(), f"the parent did not start its daemon: {parent.stderr.read()}"
+        pid, sock = int(line), tmp_path / "run" / "stormd.sock"
+        assert running(pid) and socket_is_live(sock)
+        parent.send_signal(signal.SIGKILL)  # as a runner killing pytest would: no finalizer runs
+        parent.wait()
+        deadline = time.monotonic() + DEADLINE_S
+        while running(pid):
+            assert time.monotonic() < deadline, (f"stormd {pid} still runs {DEADLINE_S:g} s after the process that "
+                                                 f"started it was killed:\n{(tmp_path / 'stormd.log').read_text()}")
+            time.sleep(0.1)
+        assert not socket_is_live(sock)
+    finally:
+        parent.kill()
+        parent.wait()
+        if pid is not None and running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_test_daemons_serve_no_metrics_unless_asked(tmp_path):
+    for name in ("tests", "bench"):
+        (tmp_path / name).mkdir()
+    d = start_daemon(tmp_path / "tests", "--pool-size", "1MiB")
+    try:
+        assert "metrics=off" in wait_for_log(d, r"stormd ready.*", timeout=DEADLINE_S).group(0), d.output()
+    finally:
+        stop_daemon(d)
+    log = tmp_path / "bench.log"
+    proc, _ = start_bench_daemon(tmp_path / "bench", "1MiB", log=log)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while "stormd ready" not in log.read_text():
+            assert time.monotonic() < deadline, f"no 'stormd ready' line within {DEADLINE_S:g} s:\n{log.read_text()}"
+            time.sleep(0.05)
+        assert "metrics=off" in log.read_text(), log.read_text()
+    finally:
+        stop_bench_daemon(proc)
