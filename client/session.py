@@ -128,7 +128,7 @@ class Step:
 class Stored:
     def __init__(self, key: int, step: Step, t: torch.Tensor, weak: StorageWeakRef, nbytes: int):
         self.key = key
-        self.step = step
+        self.step: Step | None = step  # None once freed (_forget)
         self.index = len(step.order)
         self.layer = step.layer
         self.nbytes = nbytes
@@ -444,6 +444,10 @@ class ClientSession:
         stored.state = State.FREED
         stored.tensor = None
         stored.step.by_storage.pop(stored.weak.cdata, None)
+        # The step keeps its saves in order (its stats, storm.plan's trace): with each referring back
+        # to it, every finished step was a reference cycle, freed only by the garbage collector, and
+        # the host's heap grew with what waited for it
+        stored.step = None
         unread = self._take_prefetched(stored)
         self._restored.pop(stored.key, None)
         self._awaited.pop(stored.key, None)

@@ -169,8 +169,8 @@ class Transfer:
         return frame is not None and not complete(frame)
 
     def settle(self) -> None:
-        """Forget the event of a finished put: the Stored that keeps this transfer may live on in a
-        reference cycle until the garbage collector finds it, and interprocess events are limited
+        """Forget the event of a finished put: the Stored that keeps this transfer lives on with its
+        step (the storm.offload context keeps it for its stats), and interprocess events are limited
         (about 20,000 per process)."""
         self.result = Settled(self.result.result()._replace(event=None))
 
