@@ -61,6 +61,7 @@ class Counters:
     prefetch_hits: int = 0
     fetch_wait_s: float = 0.0      # time unpack waited for bytes that were not there yet
     frame_overflows: int = 0       # CUDA tensors whose frame had too many escapes: stored again, raw
+    copies_dropped: int = 0        # offloaded saves backward took from their tensor before the mover began their copy
 
 
 @dataclass
@@ -127,7 +128,7 @@ class Step:
 class Stored:
     def __init__(self, key: int, step: Step, t: torch.Tensor, weak: StorageWeakRef, nbytes: int):
         self.key = key
-        self.step = step
+        self.step: Step | None = step  # None once freed (_forget)
         self.index = len(step.order)
         self.layer = step.layer
         self.nbytes = nbytes
@@ -385,8 +386,13 @@ class ClientSession:
             while dropped:
                 stored = dropped.popleft()
                 stored.refs -= 1
-                if stored.refs == 0 and stored.state != State.HELD:
-                    frees.extend(self._forget(stored))
+                if stored.refs != 0:
+                    continue
+                if stored.state == State.HELD:  # backward took it from its tensor, or its graph went
+                    if not stored.put.cancel():
+                        continue  # its copy has begun: freed once it is done (_release)
+                    stored.step.stats.record(stored.layer, copies_dropped=1)
+                frees.extend(self._forget(stored))
         self.mover.free(frees)
 
     def _store_raw(self, stored: Stored) -> int:
@@ -403,6 +409,8 @@ class ClientSession:
         """The copy of ``stored`` finished: let its tensor go. Returns keys to free."""
         self._held_bytes -= stored.nbytes
         stored.request = None
+        if stored.state == State.FREED:  # its put was cancelled (poll): nothing of it reached the store
+            return []
         err = stored.put.error()
         if err is not None:
             code = err.code if isinstance(err, StormRequestError) else None
@@ -436,6 +444,10 @@ class ClientSession:
         stored.state = State.FREED
         stored.tensor = None
         stored.step.by_storage.pop(stored.weak.cdata, None)
+        # The step keeps its saves in order (its stats, storm.plan's trace): with each referring back
+        # to it, every finished step was a reference cycle, freed only by the garbage collector, and
+        # the host's heap grew with what waited for it
+        stored.step = None
         unread = self._take_prefetched(stored)
         self._restored.pop(stored.key, None)
         self._awaited.pop(stored.key, None)

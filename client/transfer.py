@@ -1,17 +1,24 @@
 """The mover: copies storages into pool extents and back, off the training thread.
 
-Saving never waits for a round trip: the training thread sends PUT (or GET)
-and hands the rest to one worker thread, which takes the store's reply and
-moves the bytes. Requests are pipelined, so the store's latency is paid once
-per burst, not once per tensor.
+Saving never waits for a round trip: the training thread sends GET (and PUT
+for a CUDA tensor) and hands the rest to one worker thread, which takes the
+store's reply and moves the bytes. Those requests are pipelined, so the
+store's latency is paid once per burst, not once per tensor.
 
-CPU tensors: the worker copies with memcpy and checksums (xxh3) what it wrote;
-GET verifies the checksum on what it read back (``verify``, on by default:
-a byte changed in the pool raises StormIntegrityError instead of becoming
-data; off saves one hash pass over every fetched byte). With a codec
-(``storm.offload(codec=...)``, or the daemon's ``codec`` setting) the worker
-encodes first (storm.kernels) and sends the PUT itself, once the size is
-known; GET decodes.
+CPU tensors: the worker sends the PUT itself when it comes to the tensor,
+copies with memcpy and checksums (xxh3) what it wrote; GET verifies the
+checksum on what it read back (``verify``, on by default: a byte changed in
+the pool raises StormIntegrityError instead of becoming data; off saves one
+hash pass over every fetched byte). With a codec (``storm.offload(codec=...)``,
+or the daemon's ``codec`` setting) the worker encodes first (storm.kernels);
+GET decodes. A PUT reserves an extent of the node's shared pool, and one
+worker can copy CPU tensors more slowly than a small model saves them: PUTs
+sent at save time reserved the whole backlog, many times a step's working set,
+until clients of the node were refused for a full pool. Sent by the worker, a
+client reserves only the extent it is copying; and a put whose tensor backward
+no longer needs before the worker reached it (it unpacked the still-held
+tensor, and autograd let go of every handle) is cancelled (``Transfer.cancel``):
+it takes neither pool space nor the worker's time.
 CUDA tensors through a stormd that copies that GPU's memory (HELLO's
 ``cuda_devices``): PUT and GET name the tensor's (or destination's) cudaMalloc
 segment by its IPC handle, with an interprocess ready event; stormd queues the
@@ -41,7 +48,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -119,10 +126,20 @@ class Put(NamedTuple):
 
 class Transfer:
     """A copy in flight. ``result`` resolves to a Put, or for a get to (fetched tensor, CUDA event
-    or None)."""
+    or None). ``cancellable``: a put of the worker's that has sent nothing to the store until it
+    starts (a CPU put)."""
 
-    def __init__(self, result: Future | Settled | Replied):
+    def __init__(self, result: Future | Settled | Replied, cancellable: bool = False):
         self.result = result
+        self.cancellable = cancellable
+
+    def cancel(self) -> bool:
+        """Drop a cancellable put the worker has not started: nothing of it reaches the store, and it
+        fails with CancelledError. False where it has started (or cannot be dropped)."""
+        if not (self.cancellable and self.result.cancel()):
+            return False
+        self.result = Settled(error=CancelledError())  # what the Future raises, kept as the transfer's error
+        return True
 
     def done(self) -> bool:
         """True once the bytes have arrived (or the transfer failed); never blocks."""
@@ -152,8 +169,8 @@ class Transfer:
         return frame is not None and not complete(frame)
 
     def settle(self) -> None:
-        """Forget the event of a finished put: the Stored that keeps this transfer may live on in a
-        reference cycle until the garbage collector finds it, and interprocess events are limited
+        """Forget the event of a finished put: the Stored that keeps this transfer lives on with its
+        step (the storm.offload context keeps it for its stats), and interprocess events are limited
         (about 20,000 per process)."""
         self.result = Settled(self.result.result()._replace(event=None))
 
@@ -229,8 +246,9 @@ class Mover:
         self._uuids[device.index] = None
 
     def put(self, req: PutRequest) -> Transfer:
-        if self.codec != "raw" and req.encode and not req.source.is_cuda:  # the PUT needs the encoded size
-            return Transfer(self._worker.submit(self._put_encoded, req, self.codec))
+        if not req.source.is_cuda:  # the worker sends the PUT as it comes to the tensor (module docstring)
+            return Transfer(self._worker.submit(self._put_host, req, self.codec if req.encode else "raw"),
+                            cancellable=True)
         nbytes = req.source.nbytes()
         framed = req.encode and self.codec in FRAME_CODECS and frameable(req.source.device.type, req.meta["dtype"],
                                                                          nbytes)
@@ -244,7 +262,7 @@ class Mover:
             except NotExportable as e:
                 self._no_daemon_copies(req.source.device, e)
         reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta)
-        streams = self._streams_for(req.source.device) if req.source.is_cuda else None
+        streams = self._streams_for(req.source.device)
         return self._start(reply, streams, self._put, req, reply, streams, fields["nbytes"] if framed else None)
 
     def _put_by_daemon(self, req: PutRequest, fields: dict[str, Any]) -> Transfer:
@@ -326,12 +344,10 @@ class Mover:
         if keys:
             self.backend.request("FREE", keys=keys).add_done_callback(_log_failure)
 
-    def _put(self, req: PutRequest, reply: Future | Settled, streams: DeviceStreams | None,
-             frame: int | None) -> Put:
-        """``frame``: the frame's size, for a put into a frame."""
+    def _put(self, req: PutRequest, reply: Future | Settled, streams: DeviceStreams, frame: int | None) -> Put:
+        """A CUDA put: the copy into the extent the PUT reserved. ``frame``: the frame's size, for a put
+        into a frame."""
         offset = _wait(self.backend, "PUT", reply)["offset"]
-        if streams is None:
-            return Put(self._write(req.key, offset, storage_bytes(req.source)), None)
         pool = self.backend.pool  # CUDA puts are sealed once the event has fired (seal())
         if frame is not None:
             return Put(frame, streams.to_host_frame(pool.address(offset, frame), req.source, req.ready),
@@ -339,12 +355,16 @@ class Mover:
         nbytes = req.source.nbytes()
         return Put(nbytes, streams.to_host(pool.address(offset, nbytes), req.source, req.ready))
 
-    def _put_encoded(self, req: PutRequest, codec: str) -> Put:
+    def _put_host(self, req: PutRequest, codec: str) -> Put:
+        """A CPU put, on the worker: encoded (unless ``codec`` is raw), PUT for the size that takes,
+        copied into the extent and sealed."""
         raw = req.source.nbytes()
-        try:
-            enc = encode(torch.empty(0, dtype=getattr(torch, req.meta["dtype"])).set_(req.source), codec)
-        except ValueError:  # a dtype or a tensor the codec does not take: stored as it is
-            enc = None
+        enc = None
+        if codec != "raw":
+            try:
+                enc = encode(torch.empty(0, dtype=getattr(torch, req.meta["dtype"])).set_(req.source), codec)
+            except ValueError:  # a dtype or a tensor the codec does not take: stored as it is
+                pass
         if enc is None or enc.codec == "raw" or enc.nbytes >= raw:
             fields, data = {"nbytes": raw, "codec": "raw"}, storage_bytes(req.source)
         else:
