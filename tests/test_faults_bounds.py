@@ -4,7 +4,6 @@ reply stays within what any client (stormctl) decodes however many sessions ther
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
@@ -12,13 +11,12 @@ import pytest_asyncio
 import zmq
 from conftest import start_daemon, stop_daemon
 from helpers import RawClient, put_fields
-from test_server_async import AsyncClient, until
+from test_server_async import AsyncClient, serving, until
 
 from stormd import ctl
 from stormd.config import DaemonConfig
 from stormd.pool import SharedPool
 from stormd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorCode, Request, pack, unpack
-from stormd.server import Server
 from stormd.service import Service
 from stormd.sessions import SessionLimits
 
@@ -70,16 +68,9 @@ def test_the_clients_reply_fits_any_client_however_many_sessions_and_lists_the_b
 @pytest_asyncio.fixture
 async def small_backlog_server(tmp_path):
     """Unread replies are cut off at 1 MiB of them, never by their count."""
-    pool = SharedPool.anonymous(MIB)
-    srv = Server(Service(pool), DaemonConfig(socket=f"ipc://{tmp_path}/run/s.sock", hwm=1, client_timeout=600,
-                                             client_max_backlog=10_000_000, client_max_backlog_bytes=MIB))
-    srv.bind()
-    task = asyncio.create_task(srv.serve())
-    yield srv
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    pool.close()
+    async with serving(MIB, DaemonConfig(socket=f"ipc://{tmp_path}/run/s.sock", hwm=1, client_timeout=600,
+                                         client_max_backlog=10_000_000, client_max_backlog_bytes=MIB)) as srv:
+        yield srv
 
 
 @pytest.mark.asyncio

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 
@@ -37,17 +38,26 @@ class AsyncClient:
         return r
 
 
-@pytest_asyncio.fixture
-async def server(tmp_path):
-    pool = SharedPool.anonymous(1 << 20)
-    srv = Server(Service(pool), DaemonConfig(socket=f"ipc://{tmp_path}/run/s.sock", client_timeout=0.3))
+@contextlib.asynccontextmanager
+async def serving(pool_size: int, config: DaemonConfig):
+    """A Server over a fresh pool of ``pool_size`` bytes, serving on this loop until the block ends."""
+    pool = SharedPool.anonymous(pool_size)
+    srv = Server(Service(pool), config)
     srv.bind()
     task = asyncio.create_task(srv.serve())
-    yield srv
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    pool.close()
+    try:
+        yield srv
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        pool.close()
+
+
+@pytest_asyncio.fixture
+async def server(tmp_path):
+    async with serving(1 << 20, DaemonConfig(socket=f"ipc://{tmp_path}/run/s.sock", client_timeout=0.3)) as srv:
+        yield srv
 
 
 @pytest.mark.asyncio
