@@ -300,8 +300,9 @@ class FakeClock:
     time and the compute stream's marks are both ``now`` (seconds). Tests of decisions made by
     timings give the timings this way, never by sleeping, which a loaded machine outweighs."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_calls_load: bool = False) -> None:
         self.now = 0.0
+        self.first_calls_load = first_calls_load  # as a GPU's clock: a slow first call is traced again
 
     def host(self) -> float:
         return self.now
@@ -909,7 +910,7 @@ def test_the_compute_trace_charges_each_block_its_recompute(monkeypatch, reentra
     A compute trace whose forward paid that call is repeated once, so the forward's totals (the
     host's lead, forward's slack) are those of later steps too."""
     monkeypatch.setattr(FirstCallSlow, "loaded", False)
-    clock = FakeClock()
+    clock = FakeClock(first_calls_load=True)
     blocks = torch.nn.ModuleList(FirstCallSlow(clock) for _ in range(6))
     x = torch.randn(32, 64)
     planner = storm.plan(blocks, budget=0.5, mode="embedded", min_bytes=0, reentrant=reentrant, clock=clock)
