@@ -19,20 +19,20 @@ pytest.importorskip("triton")
 FRAMES = r"""
 import torch
 from storm.kernels import frame
-from storm.kernels.gpu import pack
+from storm.kernels.gpu import frame as gframe
 
 def both(x, small_tiles):
     lay = frame.layout(x.numel())
     ref = torch.full((lay.end,), 0xAB, dtype=torch.uint8)
     frame.encode_frame(x, ref)  # a CPU tensor: the torch reference
     got = torch.full((lay.end,), 0xCD, dtype=torch.uint8)
-    pack.frame_encode(x.contiguous(), got, lay, frame.SAMPLE, small_tiles, frame.MAGIC)
+    gframe.frame_encode(x.contiguous(), got, lay, frame.SAMPLE, small_tiles, frame.MAGIC)
     count = int(ref[:4].view(torch.int32)[0])
     written = lay.sym + min(count, lay.cap)  # slots past the count stay unwritten
     assert torch.equal(ref[:written], got[:written]), (x.numel(), small_tiles)
     if frame.complete(ref):
         out = torch.empty(x.numel(), dtype=torch.int16)
-        pack.frame_decode(got, out, lay, small_tiles)
+        gframe.frame_decode(got, out, lay, small_tiles)
         assert torch.equal(out, x.view(torch.int16)), (x.numel(), small_tiles)
     return count <= lay.cap
 
@@ -46,8 +46,8 @@ for n in (0, 7, 4097, 2 * 16384, 2 * 16384 + 2049):
     for small_tiles in (16, 0):  # one program where it fits, and always many
         assert both(x, small_tiles)
     assert both(torch.cat([x[:1], x])[1:], 0)  # 2 bytes past 4-byte alignment: the pairs' reads need 4
-(scratch,) = pack._FRAME_SCRATCH.pools[("cpu",)]  # one pooled scratch served every encode
-assert not scratch[pack._SCRATCH_HIST.value:pack._SCRATCH_GROUP.value].any()  # its histogram and count at rest
+(scratch,) = gframe._FRAME_SCRATCH.pools[("cpu",)]  # one pooled scratch served every encode
+assert not scratch[gframe._SCRATCH_HIST.value:gframe._SCRATCH_GROUP.value].any()  # its histogram and count at rest
 every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
 assert not both(every[:40000], 0)  # overflows: the count, and every slot, still match
 print("frames: the interpreter wrote the reference's bytes")
@@ -56,8 +56,10 @@ print("frames: the interpreter wrote the reference's bytes")
 
 HUFFMAN = r"""
 import torch
-from storm.kernels import codecs, entropy
-from storm.kernels.gpu import huffman
+from storm.kernels import huffman
+from storm.kernels.bits import symbol_field
+from storm.kernels.codecs import fields, huff_exp
+from storm.kernels.gpu import huffman as ghuffman
 
 g = torch.Generator().manual_seed(0)
 pooled = set()
@@ -67,24 +69,24 @@ for n in (7, 4096 + 4, 40000):  # one program of lanes, and several looking back
         x[::97] = 1e-38  # subnormal in bf16, a rare exponent in fp32
         x[5::301] = float("nan")
         x[::1000] *= 2.0 ** 60  # rare symbols: codes longer than most
-        meta, bufs = codecs.huff_exp_encode(x)  # the torch path
-        out = entropy.encode_fields(x, codecs._sample_stride(x), codecs._forced_on_device(dtype, x.device),
-                                    codecs.HUFF_MARGIN)
+        meta, bufs = huff_exp.encode(x)  # the torch path
+        out = huffman.encode_fields(x, fields.sample_stride(x), huff_exp._forced_on_device(dtype, x.device),
+                                    huff_exp.HUFF_MARGIN)
         stream, lane_bits, raw, lengths = out
         # the kernels left the pooled work at rest, and every encode took the same one
-        (work,) = huffman._CODE_WORK.pools[("cpu",)]
+        (work,) = ghuffman._CODE_WORK.pools[("cpu",)]
         assert not (work.hist.any() or work.info[:2].any() or work.flags.any()), (n, dtype)
         pooled.add(id(work))
         assert lengths.tobytes() == meta["lengths"], (n, dtype)
         for got, key in ((stream, "stream"), (lane_bits, "lane_bits"), (raw, "raw")):
             assert torch.equal(got, bufs[key]), (n, dtype, key)
-        lanes, steps = entropy.lane_shape(n)
-        table = entropy.device_tables(lengths.tobytes(), x.device)[1]
-        merged = (raw, dtype) if entropy.can_merge(n) else (None, None)
-        y, info = huffman.decode_lanes(stream, lane_bits.view(torch.int16), table, lanes, steps, entropy.MAX_LEN, n,
-                                       *merged)
+        lanes, steps = huffman.lane_shape(n)
+        table = huffman.device_tables(lengths.tobytes(), x.device)[1]
+        merged = (raw, dtype) if huffman.can_merge(n) else (None, None)
+        y, info = ghuffman.decode_lanes(stream, lane_bits.view(torch.int16), table, lanes, steps, huffman.MAX_LEN, n,
+                                        *merged)
         assert info[0] == 0 and info[1] == lane_bits.view(torch.int16).to(torch.int64).sum(), (n, dtype, info)
-        want = x.reshape(-1).view(torch.uint8) if merged[0] is not None else codecs.symbol_field(x).to(torch.uint8)
+        want = x.reshape(-1).view(torch.uint8) if merged[0] is not None else symbol_field(x).to(torch.uint8)
         assert torch.equal(y[:n].view(torch.uint8) if merged[0] is not None else y[:n], want), (n, dtype)
 assert len(pooled) == 1, pooled
 print("huffman: the interpreter wrote the torch path's bytes")
