@@ -1,7 +1,8 @@
 """Triton kernels under Triton's interpreter on the CPU: the frame kernels against kernels.frame's
 torch reference (the same bytes, by one program and by many, with the scan's look-back; the
 decoder's round trip), the Huffman lane kernels (code built on the device, lane pass, encoder,
-decoder) against huff_exp's torch path, and the one-pass scan against torch.cumsum. CI has no GPU, so this is
+decoder) against huff_exp's torch path, codec b's fused kernels (kernels.gpu.ancf_exp) and 1/2-bit
+packing against their torch paths, and the one-pass scan against torch.cumsum. CI has no GPU, so this is
 where a change to those kernels is first checked; the device's tests (test_kernels_gpu.py) run
 them compiled.
 
@@ -93,6 +94,43 @@ print("huffman: the interpreter wrote the torch path's bytes")
 """
 
 
+# codec b's fused kernels, the sample histogram they start from, and 1/2-bit packing
+ANCF_EXP = r"""
+import numpy as np
+import torch
+from storm.kernels import bitpack
+from storm.kernels.codecs import ancf_exp, fields
+from storm.kernels.codecs.base import pos_dtype
+from storm.kernels.gpu import ancf_exp as gancf, bitpack as gbit
+from storm.kernels.gpu.fields import sample_histogram
+g = torch.Generator().manual_seed(0)
+for dtype in (torch.bfloat16, torch.float32):
+    for n in (5, 2048 * 3 + 7):
+        x = (torch.randn(n, generator=g) * 3).to(dtype)
+        x[::97] = 1e-38  # rare exponents: escapes
+        meta, bufs = ancf_exp.encode(x)  # the torch path
+        hist = fields.sample_symbol_hist(x)
+        assert (sample_histogram(x.reshape(-1), fields.sample_stride(x)).numpy() == hist).all()
+        top = np.frombuffer(meta["table"], dtype=np.uint8)
+        lut_np = np.full(256, 15, dtype=np.int32)
+        lut_np[top] = np.arange(len(top), dtype=np.int32)
+        codes, raw, pos, sym = gancf.dict4_encode(x, torch.from_numpy(lut_np), pos_dtype(n), 0)
+        assert torch.equal(codes, bufs["codes"]) and torch.equal(raw, bufs["raw"]), dtype
+        assert torch.equal(pos.view(torch.uint8), bufs["esc_pos"]) and torch.equal(sym, bufs["esc_sym"])
+        lut = torch.zeros(16, dtype=torch.uint8)
+        lut[:len(top)] = torch.from_numpy(top.copy())
+        words, stat = gancf.dict4_decode(codes, raw, lut, n, len(top), dtype, pos, sym)
+        assert stat == [meta["escapes"], 0, 0], stat
+        assert torch.equal(words.view(dtype), x), dtype
+for w in (1, 2):
+    v = torch.randint(0, 1 << w, (1003,), generator=g)
+    packed = gbit.pack_small_triton(v, w)
+    assert torch.equal(packed, bitpack.pack_bits(v, w, backend="torch"))
+    assert torch.equal(gbit.unpack_small_triton(packed, w, 1003), v)
+print("ancf_exp, fields and bitpack kernels: the torch path's bytes under the interpreter")
+"""
+
+
 SCAN = r"""
 import torch
 from storm.kernels.gpu.scan import scan_lastdim
@@ -119,6 +157,10 @@ def test_frame_kernels_write_the_reference_bytes_under_the_interpreter() -> None
 
 def test_huffman_lane_kernels_write_the_torch_paths_bytes_under_the_interpreter() -> None:
     assert "torch path's bytes" in interpret(HUFFMAN)
+
+
+def test_ancf_exp_and_bitpack_kernels_write_the_torch_paths_bytes_under_the_interpreter() -> None:
+    assert "torch path's bytes under the interpreter" in interpret(ANCF_EXP)
 
 
 def test_one_pass_scan_matches_cumsum_under_the_interpreter() -> None:
