@@ -35,8 +35,9 @@ Errors: ``CorruptEncodedError`` (a ValueError) for truncated, corrupted or
 inconsistent data; ``CodecNotApplicable`` (a ValueError) when a named codec
 cannot encode a tensor (``auto`` never raises it).
 
-Where each part is (each module of kernels.gpu is the Triton side of the module of the
-same name here or in kernels.codecs, and imports nothing from it):
+Where each part is (a module of kernels.gpu named like one here or in kernels.codecs is
+its Triton side, imported lazily by it and importing nothing from it, so no import cycle
+forms: tests/kernels/test_kernels_layout.py checks):
 
 * ``registry``       the codecs by name, ``encode``/``decode``, the ``auto`` choice
 * ``container``      ``Encoded``: the self-describing container and its byte format
