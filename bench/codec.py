@@ -231,7 +231,7 @@ def profile(kind: str, ts: list[torch.Tensor], reps: int) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
-    import storm.kernels.gpu.pack as gpack
+    import storm.kernels.gpu.ancf_exp as gancf
 
     t = ts[0]
     for codec in ("ancf_exp", "huff_exp", "zero", "pack", "auto"):
@@ -249,7 +249,7 @@ def profile(kind: str, ts: list[torch.Tensor], reps: int) -> None:
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
     nb = t.numel() * t.element_size()
     for groups, warps in ((1024, 4), (1024, 8), (512, 4), (256, 4), (2048, 8)):
-        gpack.GROUPS, gpack.BLOCK, gpack.WARPS = groups, 4 * groups, warps
+        gancf.GROUPS, gancf.BLOCK, gancf.WARPS = groups, 4 * groups, warps
         (te, _), enc = timed(lambda: encode(t, "ancf_exp"), t.device, reps)
         (td, _), _ = timed(lambda: decode(enc), t.device, reps)
         print(f"ancf_exp groups={groups} warps={warps}: enc {nb / te / 1e9:.0f} GB/s dec {nb / td / 1e9:.0f} GB/s")

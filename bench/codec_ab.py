@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import storm.kernels.entropy as entropy  # noqa: E402
+import storm.kernels.gpu.fields as fields  # noqa: E402
 import storm.kernels.gpu.huffman as huffman  # noqa: E402
-import storm.kernels.gpu.pack as pack  # noqa: E402
+import storm.kernels.gpu.huffman_code as huffman_code  # noqa: E402
+import storm.kernels.huffman as entropy  # noqa: E402  (the old revision's name for it)
 from provenance import commit  # noqa: E402
 from storm.kernels import decode, encode  # noqa: E402
 
@@ -116,7 +117,7 @@ def main() -> None:
     # host time of each step of this tree's encode (encode_lanes includes its wait for the lane pass;
     # code_work, a context manager since 8f8109f, does its work inside encode_fields' block, in no step)
     steps: dict[str, list[float]] = {}
-    for mod, fn in ((pack, "sample_histogram"), (huffman, "build_code"), (huffman, "encode_lanes")):
+    for mod, fn in ((fields, "sample_histogram"), (huffman_code, "build_code"), (huffman, "encode_lanes")):
         def wrapped(*a, _f=getattr(mod, fn), _name=fn, **k):
             t0 = time.perf_counter()
             r = _f(*a, **k)

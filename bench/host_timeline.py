@@ -28,17 +28,19 @@ import triton
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import storm.kernels.entropy as entropy  # noqa: E402
 import storm.kernels.frame as frame  # noqa: E402
+import storm.kernels.gpu.fields as fields  # noqa: E402
+import storm.kernels.gpu.frame as gframe  # noqa: E402
 import storm.kernels.gpu.huffman as huffman  # noqa: E402
-import storm.kernels.gpu.pack as pack  # noqa: E402
+import storm.kernels.gpu.huffman_code as huffman_code  # noqa: E402
+import storm.kernels.huffman as lanes  # noqa: E402
 from provenance import commit  # noqa: E402
 from storm.kernels import decode, encode  # noqa: E402
 
 # the codec's steps, each shown as a range of its own (not huffman.code_work: a context manager, whose
 # work is done inside encode_fields' block)
-WRAPPED = ((pack, "sample_histogram"), (huffman, "build_code"), (huffman, "encode_lanes"),
-           (huffman, "decode_lanes"), (entropy, "device_tables"), (pack, "frame_encode"), (pack, "frame_decode"),
+WRAPPED = ((fields, "sample_histogram"), (huffman_code, "build_code"), (huffman, "encode_lanes"),
+           (huffman, "decode_lanes"), (lanes, "device_tables"), (gframe, "frame_encode"), (gframe, "frame_decode"),
            (frame, "layout"), (frame, "_check_frame"))
 
 
@@ -95,12 +97,12 @@ def host_costs() -> dict:
     x = torch.zeros(4096, dtype=torch.int16, device="cuda")
     hist = torch.zeros(256, dtype=torch.int32, device="cuda")
     args = (x, hist, 1, 4096)
-    jit = pack._sample_hist.fn  # the kernel under its kernels.gpu.launch.Launcher
+    jit = fields._sample_hist.fn  # the kernel under its kernels.gpu.launch.Launcher
     compiled = jit[(1,)](*args, W=2, BLOCK=4096)
     stream = torch.cuda.current_stream().cuda_stream
     costs = {
         "triton_jit_launch": host_cost(lambda: jit[(1,)](*args, W=2, BLOCK=4096)),
-        "launcher_launch": host_cost(lambda: pack._sample_hist[(1,)](*args, W=2, BLOCK=4096)),
+        "launcher_launch": host_cost(lambda: fields._sample_hist[(1,)](*args, W=2, BLOCK=4096)),
         "torch_empty_256": host_cost(lambda: torch.empty(256, dtype=torch.int32, device="cuda")),
         "torch_zeros_256": host_cost(lambda: torch.zeros(256, dtype=torch.int32, device="cuda")),
         "tensor_zero_": host_cost(lambda: hist.zero_()),
@@ -108,7 +110,7 @@ def host_costs() -> dict:
         "event_record": host_cost(lambda: torch.cuda.Event().record()),
         "empty_like_256MiB": host_cost(lambda: torch.empty(128 << 20, dtype=torch.int16, device="cuda"), 20),
     }
-    launcher = pack._sample_hist
+    launcher = fields._sample_hist
     costs["launcher_state"] = {"jit": launcher.jit, "compiled": len(launcher.compiled),
                                "enter_hook": repr(triton.knobs.runtime.launch_enter_hook)}
     try:  # the compiled kernel's own launcher, past the JIT's argument binding and cache lookup

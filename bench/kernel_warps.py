@@ -21,8 +21,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import storm.kernels.gpu.fields as fields  # noqa: E402
+import storm.kernels.gpu.frame as gframe  # noqa: E402
 import storm.kernels.gpu.huffman as huffman  # noqa: E402
-import storm.kernels.gpu.pack as pack  # noqa: E402
+import storm.kernels.gpu.huffman_code as huffman_code  # noqa: E402
 from provenance import commit  # noqa: E402
 from scan import host_seconds  # noqa: E402
 from storm.kernels import decode, encode, frame  # noqa: E402
@@ -75,24 +77,24 @@ def sweep(module, names: tuple[str, ...], settings: tuple[int, ...], run) -> lis
 
 def sample_hist(tensors: dict[str, torch.Tensor]) -> list[dict]:
     """The strided sample's histogram (huff_exp's first kernel, 2**20 elements 256 or 512 B apart)
-    at other programs (pack.SAMPLE_BLOCK elements each) and warps: the same counts every time."""
-    from storm.kernels.codecs import _sample_stride
-    kept = pack.SAMPLE_BLOCK, pack.SAMPLE_WARPS
+    at other programs (fields.SAMPLE_BLOCK elements each) and warps: the same counts every time."""
+    from storm.kernels.codecs.fields import sample_stride
+    kept = fields.SAMPLE_BLOCK, fields.SAMPLE_WARPS
     rows = []
     try:
         for kind in ("bf16-gauss", "fp32-gauss"):
             t = tensors[kind]
-            stride = _sample_stride(t)
-            want = pack.sample_histogram(t, stride)
+            stride = sample_stride(t)
+            want = fields.sample_histogram(t, stride)
             for block in (16384, 8192, 4096, 2048, 1024):
                 for nw in (4, 8, 16):
-                    pack.SAMPLE_BLOCK, pack.SAMPLE_WARPS = block, nw
-                    assert torch.equal(pack.sample_histogram(t, stride), want), (kind, block, nw)
+                    fields.SAMPLE_BLOCK, fields.SAMPLE_WARPS = block, nw
+                    assert torch.equal(fields.sample_histogram(t, stride), want), (kind, block, nw)
                     rows.append({"kind": kind, "block": block, "num_warps": nw,
-                                 "kernels_us": kernel_us(lambda: pack.sample_histogram(t, stride))})
+                                 "kernels_us": kernel_us(lambda: fields.sample_histogram(t, stride))})
                     print(json.dumps(rows[-1]), flush=True)
     finally:
-        pack.SAMPLE_BLOCK, pack.SAMPLE_WARPS = kept
+        fields.SAMPLE_BLOCK, fields.SAMPLE_WARPS = kept
     return rows
 
 
@@ -139,8 +141,8 @@ def main() -> None:
            "command": " ".join(sys.argv)}
     if args.only is None:
         out["huffman_lanes"] = sweep(huffman, ("_lane_bits", "_lane_encode", "_lane_decode"), (4, 2, 1, 8), huff)
-        out["huffman_build_code"] = sweep(huffman, ("_build_code",), (1, 2, 4, 8), huff)
-        out["frames"] = sweep(pack, ("_frame_encode", "_frame_decode"), (4, 8, 2), frames)
+        out["huffman_build_code"] = sweep(huffman_code, ("_build_code",), (1, 2, 4, 8), huff)
+        out["frames"] = sweep(gframe, ("_frame_encode", "_frame_decode"), (4, 8, 2), frames)
     out["sample_hist"] = sample_hist(tensors)
     Path(args.out).write_text(json.dumps(out, indent=1))
 

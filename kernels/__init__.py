@@ -18,7 +18,7 @@ non-zeros), ``pack`` (e: 1/2-bit packing of tensors with <= 4 distinct values).
 Every codec is bit-exact for every bit pattern; ``auto`` never returns a payload
 larger than the input and stores raw when no codec saves 5 %;
 ``encode(t, "auto", min_gbps=x)`` restricts it to codecs whose encode rate
-measured on the H100 (``codec.ENCODE_GBPS``) is at least x GB/s.
+measured on the H100 (``registry.ENCODE_GBPS``) is at least x GB/s.
 ``Encoded.to_bytes`` copies CUDA buffers to (pageable) host memory; a store that
 wants pinned staging can copy ``enc.buffers`` itself.
 
@@ -34,14 +34,30 @@ streams: CUDA tensors go to the store in frames without a host wait.
 Errors: ``CorruptEncodedError`` (a ValueError) for truncated, corrupted or
 inconsistent data; ``CodecNotApplicable`` (a ValueError) when a named codec
 cannot encode a tensor (``auto`` never raises it).
+
+Where each part is (a module of kernels.gpu named like one here or in kernels.codecs is
+its Triton side, imported lazily by it and importing nothing from it, so no import cycle
+forms: tests/kernels/test_kernels_layout.py checks):
+
+* ``registry``       the codecs by name, ``encode``/``decode``, the ``auto`` choice
+* ``container``      ``Encoded``: the self-describing container and its byte format
+* ``codecs/<name>``  one module per codec (``raw``, ``ancf``, ``ancf_exp``, ``huff_exp``,
+                     ``zero``, ``pack``); ``codecs/base``, ``codecs/fields`` what they share
+* ``huffman``        the lane-parallel Huffman coder of ``huff_exp`` (gpu/huffman,
+                     gpu/huffman_code)
+* ``frame``          frames (codec b at a fixed size); ``frame_layout`` their bytes
+* ``bits``, ``bitpack``, ``scan``   bit patterns and field splits, bit packing, the scan
+* ``stats``, ``ancf_encoder``       statistics, and the source document's ``ANCFEncoder``
+* ``gpu/launch``, ``gpu/rest``, ``gpu/tiles``, ``gpu/fields``  what the kernels share
 """
-from .ancf import ANCFEncoder
+from .ancf_encoder import ANCFEncoder
 from .bitpack import pack_bits, unpack_bits
 from .bits import verify_lossless
-from .codec import CodecStats, LayerStats, choose_codec, decode, encode, encoded_nbytes, estimate_sizes
-from .codecs import CODECS, CodecNotApplicable
-from .format import CorruptEncodedError, Encoded
+from .codecs.base import CodecNotApplicable
+from .container import CorruptEncodedError, Encoded
+from .registry import CODECS, choose_codec, decode, encode, encoded_nbytes, estimate_sizes
 from .scan import associative_scan, compact
+from .stats import CodecStats, LayerStats
 
 __all__ = [
     "ANCFEncoder", "CODECS", "CodecNotApplicable", "CodecStats", "CorruptEncodedError", "Encoded",

@@ -10,14 +10,14 @@ Backends, chosen by ``backend_for`` unless named:
 * ``numpy``: 1-bit packing on the CPU through ``np.packbits`` (one C pass);
 * ``torch``: the vectorised group-of-8 form above, on any device;
 * ``triton``: a fused kernel for 1- and 2-bit packing of CUDA tensors
-  (kernels.gpu.pack), one pass over the input.
+  (kernels.gpu.bitpack), one pass over the input.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .format import require
+from .container import require
 from .gpu import use_triton
 
 
@@ -61,7 +61,7 @@ def pack_bits(v: torch.Tensor, width: int, backend: str | None = None) -> torch.
     if backend == "numpy" and width == 1:
         return torch.from_numpy(np.packbits(v.numpy().astype(np.uint8) & 1, bitorder="little"))
     if backend == "triton" and width in (1, 2):
-        from .gpu.pack import pack_small_triton
+        from .gpu.bitpack import pack_small_triton
         return pack_small_triton(v, width)
     q, r = divmod(width, 8)
     parts = []
@@ -81,7 +81,7 @@ def unpack_bits(buf: torch.Tensor, width: int, n: int, backend: str | None = Non
         bits = np.unpackbits(buf.numpy(), count=n, bitorder="little")
         return torch.from_numpy(bits.astype(np.int64))
     if backend == "triton" and width in (1, 2):
-        from .gpu.pack import unpack_small_triton
+        from .gpu.bitpack import unpack_small_triton
         return unpack_small_triton(buf, width, n)
     q, r = divmod(width, 8)
     out = torch.zeros(n, dtype=torch.int64, device=buf.device)

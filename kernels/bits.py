@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# the integer dtype of each element width: bit patterns viewed without widening
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -34,7 +35,7 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 def bit_keys(t: torch.Tensor) -> torch.Tensor:
     """Bit pattern of every element as a non-negative int64 (int64 dtypes: the raw int64)."""
     w = t.element_size()
-    v = flat_bytes(t).view(_INT_VIEW[w])
+    v = flat_bytes(t).view(INT_VIEW[w])
     if w == 8:
         return v
     return v.to(torch.int64) & ((1 << (8 * w)) - 1)
@@ -50,7 +51,7 @@ def keys_to_tensor(keys: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
     else:
         # wrap into the signed range of the view type before narrowing
         half = 1 << (8 * w - 1)
-        v = (((keys + half) & ((1 << (8 * w)) - 1)) - half).to(_INT_VIEW[w])
+        v = (((keys + half) & ((1 << (8 * w)) - 1)) - half).to(INT_VIEW[w])
     return v.view(dtype).reshape(shape)
 
 

@@ -3,17 +3,10 @@
 A CUDA tensor on its way to the host is encoded and copied without the host
 waiting for the device: the device-to-host copy is queued before the encoder
 has run, so its size cannot depend on the data. A frame of n 16-bit words in
-T = ceil(n / TILE) tiles therefore has a fixed size, ``frame_nbytes(n)``:
-
-    header  16 B          int32 escape count, int32 magic, int64 n
-    table   16 B          the 15 dictionary symbols (high bytes), then 0
-    ends    8 B a tile    int64: the escapes up to the end of the tile, << 2 | 2
-    codes   ceil(n/2) B   one 4-bit code per element, 15 = escape
-    raw     n B           the low byte of every element
-    sym     cap B         the escapes' high bytes, in element order
-
-with ``cap = n // 128 + 16`` escape slots: bf16 activations of the real sample
-(tests/fixtures) have at most 0.4 % escapes. An escape's slot is the number of
+T = ceil(n / TILE) tiles therefore has a fixed size, ``frame_nbytes(n)``: a header,
+the dictionary, each tile's end, the 4-bit codes, the low bytes and the escapes' high
+bytes, laid out as kernels.frame_layout draws it, with ``cap = n // 128 + 16`` escape
+slots: bf16 activations of the real sample (tests/fixtures) have at most 0.4 % escapes. An escape's slot is the number of
 escapes before it, so it needs no position (a slot is one byte; a position
 and a symbol took five): a tile's first slot is the end of the tile before,
 the codes give the rest. About 1.3x on bf16 activations (1.32x on the real sample).
@@ -28,7 +21,7 @@ The ends are the look-back words of kernels.gpu.scan (flag 2: an inclusive
 prefix): on the device each tile publishes its count, finds its first slot from
 the tiles before it, and publishes its end, all in one pass. On CUDA with
 Triton, ``encode_frame`` and ``decode_frame`` are launches on the current stream
-with no host wait (kernels.gpu.pack): one each for frames of up to
+with no host wait (kernels.gpu.frame): one each for frames of up to
 ``SMALL_TILES`` tiles, where a launch is most of the cost; and decode checks
 nothing: a frame read back on the device is the mover's own. The torch path
 here is the reference (the same bytes) and decodes frames on the CPU with every
@@ -36,51 +29,14 @@ check, raising CorruptEncodedError.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .bitpack import pack_bits, unpack_bits
-from .format import require
+from .container import require
+# the layout's names are part of this module's API (storm.kernels.frame.frame_nbytes, ...)
+from .frame_layout import (HEADER, MAGIC, PREFIX, SAMPLE, SMALL_TILES, TABLE, TILE, Layout, complete, escape_slots,
+                           frame_nbytes, header, layout)
 from .gpu import use_triton
-
-MAGIC = 0x32465453  # "STF2"
-TABLE = 16          # where the table starts, after the 16-byte header
-HEADER = 32         # header and table
-SAMPLE = 16384      # elements the dictionary is chosen from (strided over the tensor)
-TILE = 2048         # words a tile: one program of the encoder and of the decoder
-SMALL_TILES = 16    # frames of at most this many tiles are encoded by one program (one launch)
-PREFIX = 2          # the ends' flag: an inclusive prefix (kernels.gpu.scan.publish)
-
-
-def escape_slots(n: int) -> int:
-    return n // 128 + 16
-
-
-class Layout(NamedTuple):
-    """Where a frame of n words keeps each part (byte offsets), its tiles and escape slots."""
-    n: int
-    tiles: int
-    codes: int
-    raw: int
-    sym: int
-    end: int
-    cap: int
-
-
-def layout(n: int) -> Layout:
-    """The layout of a frame of ``n`` words (the module docstring draws it)."""
-    tiles = -(-n // TILE)
-    codes = HEADER + 8 * tiles
-    raw = codes + (n + 1) // 2
-    sym = raw + n
-    cap = escape_slots(n)
-    return Layout(n, tiles, codes, raw, sym, sym + cap, cap)
-
-
-def frame_nbytes(n: int) -> int:
-    """The size of a frame of ``n`` 16-bit words, whatever they hold."""
-    return layout(n).end
 
 
 def _check_frame(frame: torch.Tensor, lay: Layout) -> None:
@@ -106,7 +62,7 @@ def encode_frame(t: torch.Tensor, out: torch.Tensor) -> None:
         raise ValueError(f"the frame is on {out.device}, the tensor on {t.device}")
     _check_frame(out, lay)
     if use_triton(t):
-        from .gpu.pack import frame_encode
+        from .gpu.frame import frame_encode
         frame_encode(t.contiguous(), out, lay, SAMPLE, SMALL_TILES, MAGIC)
         return
     n = lay.n
@@ -131,19 +87,6 @@ def encode_frame(t: torch.Tensor, out: torch.Tensor) -> None:
     out[lay.sym:lay.sym + k].copy_(s[esc][:k].to(torch.uint8))
 
 
-def _header(frame: torch.Tensor) -> tuple[int, int, int]:
-    """(escape count, magic, n) from a frame's first 16 bytes (uint8, on the CPU)."""
-    count, magic, lo, hi = (int(v) for v in frame[:16].view(torch.int32))
-    return count, magic, (lo & 0xFFFFFFFF) | (hi << 32)
-
-
-def complete(frame_header: torch.Tensor) -> bool:
-    """Whether a frame holds all its escapes, from its first 16 bytes (uint8, on the CPU: where the
-    frame landed)."""
-    count, _, n = _header(frame_header)
-    return count <= escape_slots(n)
-
-
 def decode_frame(frame: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The ``n`` 16-bit words (int16) a frame holds, decoded where ``frame`` is; into ``out`` if given."""
     lay = layout(n)
@@ -153,10 +96,10 @@ def decode_frame(frame: torch.Tensor, n: int, out: torch.Tensor | None = None) -
     require(out.dtype == torch.int16 and out.numel() == n and out.is_contiguous(),
             f"out must be {n} contiguous int16 words")
     if use_triton(frame):
-        from .gpu.pack import frame_decode
+        from .gpu.frame import frame_decode
         frame_decode(frame, out, lay, SMALL_TILES)
         return out
-    count, magic, held = _header(frame)
+    count, magic, held = header(frame)
     require(magic == MAGIC, "not a frame (bad magic)")
     require(held == n, f"the frame holds {held} words, not {n}")
     require(0 <= count <= lay.cap, f"{count} escapes do not fit the frame's {lay.cap} slots (an incomplete frame)")

@@ -1,4 +1,4 @@
-"""Triton kernels for the lane-parallel Huffman stream of kernels.entropy (codec c).
+"""Triton kernels for the lane-parallel Huffman stream of kernels.huffman (codec c).
 
 One program handles LANES lanes. A lane takes its symbols in groups of 4
 consecutive elements: at group step q, lane c owns elements (q * lanes + c) * 4
@@ -6,11 +6,9 @@ consecutive elements: at group step q, lane c owns elements (q * lanes + c) * 4
 
 Encode reads either a uint8 symbol stream (W=1) or the elements of a bf16/int16
 (W=2) or fp32 (W=4) tensor, taking each element's symbol field in registers (no
-symbol stream is written). ``_build_code`` (one program) turns the sample's
-counts into the code on the device: the same lengths, table and pad symbol as
-kernels.entropy.code_lengths / canonical_codes on the host. ``_lane_bits`` sums
-code lengths per lane, writes the raw field of the elements (byte planes, as
-kernels.gpu.pack lays them out), adds up the total, flags a symbol that has no
+symbol stream is written), with the code kernels.gpu.huffman_code built on the
+device (or the host's). ``_lane_bits`` sums code lengths per lane, writes the raw field of the elements (byte planes, as
+kernels.gpu.fields lays them out), adds up the total, flags a symbol that has no
 code, finds each lane's end (the lengths of the lanes before it: its program's by a
 scan in registers, the programs' before it by kernels.gpu.scan's decoupled
 look-back) and clears the words two lanes share; ``_lane_encode`` adds two codes at
@@ -41,7 +39,6 @@ launches of their own.
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -49,31 +46,15 @@ import triton
 import triton.language as tl
 
 from . import cdiv
+from .fields import split_word
+from .huffman_code import CODE_WORDS, LENGTHS_AT, SCRATCH_WORDS, CodeWork, table_entry
 from .launch import Launcher
-from .pack import _fields
 from .rest import AtRest
 from .scan import LOOKBACK, look_back, publish
 
 _LOOKBACK = tl.constexpr(LOOKBACK)  # a global a kernel reads must be a constexpr
 
 LANES = 128
-# The code buffer (int64[CODE_WORDS]) the lane kernels read and _build_code writes: words 0
-# and 1 the lane pass's info (total bits, a symbol without a code), bytes LENGTHS_AT.. the
-# code lengths (uint8[256]), word PAD_AT the pad symbol. The kernels spell the offsets out.
-CODE_WORDS = 35
-LENGTHS_AT = 16
-PAD_AT = 34
-SCRATCH_WORDS = 5 * 256  # _build_code's working arrays (int32)
-
-
-class CodeWork(NamedTuple):
-    """What building a code on the device and the lane pass read and write, views of one
-    allocation, taken from a pool at rest (see ``code_work``)."""
-    hist: torch.Tensor     # int32[256]: the sample's counts, added by pack.sample_histogram
-    info: torch.Tensor     # int64[CODE_WORDS]: the code buffer (see above)
-    table: torch.Tensor    # int16[256]: the encode table
-    scratch: torch.Tensor  # int32[SCRATCH_WORDS]: _build_code's working arrays
-    flags: torch.Tensor    # int64[1 + programs, or more]: the lane pass's look-back (encode_lanes)
 
 
 def _new_code_work(device: torch.device, flags: int) -> CodeWork:
@@ -112,152 +93,13 @@ def _merge(sym_ptr, raw_ptr, out_ptr, n, W: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def merge(sym: torch.Tensor, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Symbols and raw field bytes (layout of kernels.gpu.pack) joined: a flat tensor of ``dtype`` (bf16/int16/fp32)."""
+    """Symbols and raw field bytes (layout of kernels.gpu.fields) joined: a flat tensor of ``dtype`` (bf16/int16/fp32)."""
     n = sym.numel()
     w = dtype.itemsize
     out = torch.empty(n, dtype=torch.int16 if w == 2 else torch.int32, device=sym.device)
     if n:
         _merge[(cdiv(n, 4096),)](sym, raw, out, n, W=w, BLOCK=4096)
     return out.view(dtype)
-
-
-@triton.jit
-def _entry(table_ptr, i):
-    # an int16 table entry (code or symbol << 4 | length) as a non-negative int32
-    return tl.load(table_ptr + i).to(tl.int32) & 0xFFFF
-
-
-@triton.jit
-def _at(v, i, idx):
-    # v[i] of a register vector, as a scalar
-    return tl.sum(tl.where(idx == i, v, 0), axis=0)
-
-
-@Launcher
-@triton.jit
-def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, scratch_ptr, MARGIN: tl.constexpr, MAX_LEN: tl.constexpr):
-    # The code of kernels.entropy.code_lengths and canonical_codes, on the device, from the
-    # sample's counts and the forced symbols (kernels.codecs._huff_counts): a two-queue
-    # Huffman tree (leaves sorted by (count, symbol), internal nodes in the order they are
-    # made: the order a heap of (count, id) pops them), JPEG's depth limit, canonical codes.
-    # out_ptr is int64[CODE_WORDS]: [0] and [1] the lane pass's info (total bits, a symbol
-    # without a code), bytes 16..271 the lengths (uint8[256]), [34] the pad symbol (the
-    # first of the shortest codes); table_ptr gets the encode table (int16[256] =
-    # reversed code << 4 | length). The merges, a chain of about a hundred, read single
-    # entries from scratch_ptr (int32[SCRATCH_WORDS], in L1) rather than reducing a register
-    # vector for each: a load is a fraction of a reduction's latency. JPEG's adjustment keeps
-    # its counts in registers: each of its steps writes four, and through scratch each write
-    # was a store, a barrier and a load before the next step could read.
-    LEAF: tl.constexpr = 0     # counts of the sorted leaves
-    NODE: tl.constexpr = 256   # counts of the internal nodes, in the order they are made
-    PLEAF: tl.constexpr = 512  # parent (internal node) of each sorted leaf
-    ANC: tl.constexpr = 768    # parent of each internal node; then ancestors while depths are found
-    DIST: tl.constexpr = 1024  # distance to that ancestor; in the end each internal node's depth
-    r = tl.arange(0, 256)
-    h = tl.load(hist_ptr + r)  # int32: a sample has at most 2**21 elements, so every sum fits
-    tl.store(hist_ptr + r, tl.zeros_like(h))  # left at rest for the next encode (code_work)
-    half = r >> 7
-    low = r & 127
-    seen = h > 0
-    lo0 = tl.min(tl.where(seen & (half == 0), low, 1000), axis=0)
-    hi0 = tl.max(tl.where(seen & (half == 0), low, -1000), axis=0)
-    lo1 = tl.min(tl.where(seen & (half == 1), low, 1000), axis=0)
-    hi1 = tl.max(tl.where(seen & (half == 1), low, -1000), axis=0)
-    near = tl.where(half == 0, (low >= lo0 - MARGIN) & (low <= hi0 + MARGIN),
-                    (low >= lo1 - MARGIN) & (low <= hi1 + MARGIN))
-    cnt = tl.where(seen, h, tl.where(near | (tl.load(force_ptr + r) != 0), 1, 0))
-    used = cnt > 0
-    m = tl.sum(used.to(tl.int32), axis=0)
-    leaf = tl.sort(tl.where(used, (cnt << 8) | r, 1 << 30))  # sorted leaves: (count, symbol)
-    tl.store(scratch_ptr + LEAF + r, leaf >> 8)
-    tl.store(scratch_ptr + PLEAF + r, tl.full([256], -1, tl.int32))
-    tl.store(scratch_ptr + ANC + r, tl.full([256], -1, tl.int32))
-    tl.debug_barrier()
-    # two queues: li the next leaf, ii the next internal node, k internal nodes made
-    li = tl.zeros([], tl.int32)
-    ii = tl.zeros([], tl.int32)
-    for k in range(0, m - 1):
-        f = tl.zeros([], tl.int32)
-        for _pick in tl.static_range(2):
-            lf = tl.load(scratch_ptr + LEAF + li, mask=li < m, other=0)
-            nf = tl.load(scratch_ptr + NODE + ii, mask=ii < k, other=0)
-            take_leaf = (li < m) & ((ii >= k) | (lf <= nf))
-            tl.store(scratch_ptr + PLEAF + li, k, mask=take_leaf)
-            tl.store(scratch_ptr + ANC + ii, k, mask=~take_leaf)
-            f += tl.where(take_leaf, lf, nf)
-            li += take_leaf.to(tl.int32)
-            ii += 1 - take_leaf.to(tl.int32)
-        tl.store(scratch_ptr + NODE + k, f)
-        tl.debug_barrier()  # node k is read by the next merge
-    # depths of the internal nodes by pointer jumping (each doubles how far up a node has
-    # looked: 8 rounds reach the root, m - 2, of any tree of <= 256 leaves), then of the leaves
-    node = r < m - 1
-    anc = tl.load(scratch_ptr + ANC + r)
-    dist = tl.where(node & (anc >= 0), 1, 0)
-    anc = tl.where(node & (anc >= 0), anc, r)  # the root, and what is no node, is its own ancestor
-    for _round in tl.static_range(8):
-        tl.store(scratch_ptr + ANC + r, anc)
-        tl.store(scratch_ptr + DIST + r, dist)
-        tl.debug_barrier()
-        up = tl.load(scratch_ptr + ANC + anc)
-        dist += tl.load(scratch_ptr + DIST + anc)
-        anc = up
-        tl.debug_barrier()
-    tl.store(scratch_ptr + DIST + r, dist)
-    tl.debug_barrier()
-    d_leaf = tl.load(scratch_ptr + DIST + tl.load(scratch_ptr + PLEAF + r), mask=r < m, other=0) + 1
-    d_leaf = tl.where(m == 1, 1, d_leaf)
-    sym = (leaf & 255).to(tl.int32)
-    lens_ptr = out_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + 16
-    tl.store(lens_ptr + r, tl.zeros([256], tl.uint8))
-    tl.debug_barrier()
-    deepest = tl.max(tl.where(r < m, d_leaf, 0), axis=0)
-    if deepest <= MAX_LEN:
-        tl.store(lens_ptr + sym, d_leaf.to(tl.uint8), mask=r < m)
-    else:
-        # JPEG (T.81 Annex K.3) on the count of leaves per depth, then lengths by frequency. The
-        # counts stay in registers: each step changes four of them (vector selects, no chain of
-        # stores, barriers and loads through scratch) and reads two (reductions)
-        bits = tl.histogram(d_leaf, 256, mask=r < m)
-        for ii2 in range(0, deepest - MAX_LEN):
-            i = deepest - ii2
-            left = _at(bits, i, r)
-            while left > 0:  # two leaves of depth i at a time; nothing below touches bits[i]
-                j = tl.max(tl.where((r <= i - 2) & (bits != 0), r, -1), axis=0)  # the deepest level above i - 1 with leaves
-                bits += tl.where(r == i, -2, 0) + tl.where(r == i - 1, 1, 0) + tl.where(r == j + 1, 2, 0) \
-                    + tl.where(r == j, -1, 0)
-                left -= 2
-        by_freq = tl.sort(tl.where(used, ((((1 << 22) - cnt) << 8) | r), 1 << 30))  # count down, symbol up
-        ln = tl.zeros([256], tl.int32)
-        below = tl.zeros([], tl.int32)
-        for b in range(1, MAX_LEN + 1):
-            nb = _at(bits, b, r)
-            ln = tl.where((r >= below) & (r < below + nb), b, ln)
-            below += nb
-        tl.store(lens_ptr + (by_freq & 255).to(tl.int32), ln.to(tl.uint8), mask=r < m)
-    tl.debug_barrier()
-    # canonical codes, as DEFLATE: by (length, symbol), consecutive within a length
-    ln = tl.load(lens_ptr + r).to(tl.int32)
-    order = tl.sort(tl.where(ln > 0, (ln << 8) | r, 1 << 30))
-    L = order >> 8
-    s = order & 255
-    code = tl.zeros([256], tl.int32)
-    first = tl.zeros([], tl.int32)
-    start = tl.zeros([], tl.int32)
-    prev = tl.zeros([], tl.int32)
-    for b in range(1, MAX_LEN + 1):
-        first = (first + prev) << 1
-        nb = tl.sum((L == b).to(tl.int32), axis=0)
-        code = tl.where(L == b, first + r - start, code)
-        start += nb
-        prev = nb
-    rev = tl.zeros([256], tl.int32)
-    for b in tl.static_range(MAX_LEN):
-        rev |= tl.where(b < L, ((code >> b) & 1) << tl.maximum(L - 1 - b, 0), 0)
-    tl.store(table_ptr + r, tl.zeros([256], tl.int16))
-    tl.debug_barrier()
-    tl.store(table_ptr + s, ((rev << 4) | L).to(tl.int16), mask=r < m)
-    tl.store(out_ptr + 34, _at(s, 0, r).to(tl.int64))
 
 
 @triton.jit
@@ -335,10 +177,10 @@ def _group_syms(x_ptr, raw_ptr, q, lanes, c, live, n, pad, W: tl.constexpr, WRIT
         w1 = _elem_at(x_ptr, base, 1, w1, full, live, n)
         w2 = _elem_at(x_ptr, base, 2, w2, full, live, n)
         w3 = _elem_at(x_ptr, base, 3, w3, full, live, n)
-    s0, r0 = _fields(w0, W)
-    s1, r1 = _fields(w1, W)
-    s2, r2 = _fields(w2, W)
-    s3, r3 = _fields(w3, W)
+    s0, r0 = split_word(w0, W)
+    s1, r1 = split_word(w1, W)
+    s2, r2 = split_word(w2, W)
+    s3, r3 = split_word(w3, W)
     if WRITE_RAW:
         _store_raw(raw_ptr, base, full, live, n, r0, r1, r2, r3, W, PLANES4, FULL)
     if FULL:
@@ -351,10 +193,10 @@ def _group_syms(x_ptr, raw_ptr, q, lanes, c, live, n, pad, W: tl.constexpr, WRIT
 def _count_group(x_ptr, raw_ptr, table_ptr, q, lanes, c, live, n, pad, acc, miss, W: tl.constexpr,
                  PLANES4: tl.constexpr, FULL: tl.constexpr):
     s0, s1, s2, s3 = _group_syms(x_ptr, raw_ptr, q, lanes, c, live, n, pad, W, W > 1, PLANES4, FULL)
-    l0 = _entry(table_ptr, s0) & 15
-    l1 = _entry(table_ptr, s1) & 15
-    l2 = _entry(table_ptr, s2) & 15
-    l3 = _entry(table_ptr, s3) & 15
+    l0 = table_entry(table_ptr, s0) & 15
+    l1 = table_entry(table_ptr, s1) & 15
+    l2 = table_entry(table_ptr, s2) & 15
+    l3 = table_entry(table_ptr, s3) & 15
     acc += l0 + l1 + l2 + l3
     miss |= ((l0 == 0) | (l1 == 0) | (l2 == 0) | (l3 == 0)).to(tl.int32)
     return acc, miss
@@ -432,8 +274,8 @@ def _emit2(words_ptr, buf, nb, wp, first, head, e0, e1, live):
 def _encode_group(x_ptr, table_ptr, words_ptr, q, lanes, c, live, n, pad, buf, nb, wp, first, head, W: tl.constexpr,
                   FULL: tl.constexpr):
     s0, s1, s2, s3 = _group_syms(x_ptr, x_ptr, q, lanes, c, live, n, pad, W, False, False, FULL)
-    buf, nb, wp, head = _emit2(words_ptr, buf, nb, wp, first, head, _entry(table_ptr, s0), _entry(table_ptr, s1), live)
-    return _emit2(words_ptr, buf, nb, wp, first, head, _entry(table_ptr, s2), _entry(table_ptr, s3), live)
+    buf, nb, wp, head = _emit2(words_ptr, buf, nb, wp, first, head, table_entry(table_ptr, s0), table_entry(table_ptr, s1), live)
+    return _emit2(words_ptr, buf, nb, wp, first, head, table_entry(table_ptr, s2), table_entry(table_ptr, s3), live)
 
 
 @Launcher
@@ -491,13 +333,13 @@ def _lane_decode(words_ptr, table_ptr, bits_ptr, out_ptr, info_ptr, raw_ptr, nwo
         b = (pos & 31).to(tl.uint64)
         win = ((w0 | (w1 << 32)) >> b) | tl.where(b > 0, w2 << ((64 - b) & 63), 0)
         base = (q * lanes + c.to(tl.int64)) * 4
-        e0 = _entry(table_ptr, (win & ((1 << MAX_LEN) - 1)).to(tl.int32))
+        e0 = table_entry(table_ptr, (win & ((1 << MAX_LEN) - 1)).to(tl.int32))
         win = win >> (e0 & 15).to(tl.uint64)
-        e1 = _entry(table_ptr, (win & ((1 << MAX_LEN) - 1)).to(tl.int32))
+        e1 = table_entry(table_ptr, (win & ((1 << MAX_LEN) - 1)).to(tl.int32))
         win = win >> (e1 & 15).to(tl.uint64)
-        e2 = _entry(table_ptr, (win & ((1 << MAX_LEN) - 1)).to(tl.int32))
+        e2 = table_entry(table_ptr, (win & ((1 << MAX_LEN) - 1)).to(tl.int32))
         win = win >> (e2 & 15).to(tl.uint64)
-        e3 = _entry(table_ptr, (win & ((1 << MAX_LEN) - 1)).to(tl.int32))
+        e3 = table_entry(table_ptr, (win & ((1 << MAX_LEN) - 1)).to(tl.int32))
         bad |= ((e0 & 15) == 0).to(tl.int32) | ((e1 & 15) == 0).to(tl.int32) \
             | ((e2 & 15) == 0).to(tl.int32) | ((e3 & 15) == 0).to(tl.int32)
         pos += ((e0 & 15) + (e1 & 15) + (e2 & 15) + (e3 & 15)).to(tl.int64)
@@ -545,7 +387,7 @@ def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tenso
                  steps: int, pad_words: int,
                  max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, np.ndarray] | None:
     """(stream bytes, lane bit lengths as uint16 bytes, raw field bytes or None, code lengths)
-    in kernels.entropy's layout, for ``x`` a flat uint8 symbol stream (w=1) or the int16
+    in kernels.huffman's layout, for ``x`` a flat uint8 symbol stream (w=1) or the int16
     (w=2) / int32 (w=4) view of bf16/int16/fp32 elements (whose raw field it writes).
     ``table`` and ``info`` hold the code (``build_code``, or the host's with the pad symbol
     at info[34]); ``flags``: int64[1 + programs(lanes)], zeroed, for the lane pass's look-back
@@ -585,23 +427,6 @@ def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tenso
     stream = words[:-(-int(code[0]) // 32) + pad_words].clone()  # let the worst-case buffer go
     lengths = code.view(np.uint8)[LENGTHS_AT:LENGTHS_AT + 256].copy()
     return stream.view(torch.uint8), bits.view(torch.uint8), raw, lengths
-
-
-def host_code(lengths: np.ndarray, pad: int, device: torch.device) -> torch.Tensor:
-    """The code buffer ``build_code`` writes, for a code the host built."""
-    code = np.zeros(CODE_WORDS, dtype=np.int64)
-    code.view(np.uint8)[LENGTHS_AT:LENGTHS_AT + 256] = lengths
-    code[PAD_AT] = pad
-    return torch.from_numpy(code).to(device)
-
-
-def build_code(work: CodeWork, force: torch.Tensor, margin: int, max_len: int) -> None:
-    """The code, built on the device from the sample's counts (``work.hist``) and the symbols that
-    must have one (uint8[256]), into ``work.table`` and ``work.info``."""
-    # 4 warps: 68 against one warp's 98 us on a 256 MiB bf16 tensor's sample, 33 against 56 us on an fp32
-    # one (lent H100; 2 and 8 warps were in between); the sorts and reductions are spread wider
-    _build_code[(1,)](work.hist, force, work.info, work.table, work.scratch, MARGIN=margin, MAX_LEN=max_len,
-                      num_warps=4)
 
 
 def decode_lanes(stream: torch.Tensor, bits: torch.Tensor, table: torch.Tensor, lanes: int, steps: int,

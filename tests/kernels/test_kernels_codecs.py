@@ -96,20 +96,13 @@ def test_auto_never_expands_and_prefers_raw_when_incompressible() -> None:
 
 
 def test_auto_speed_floor_excludes_slow_codecs() -> None:
-    from storm.kernels.codec import ENCODE_GBPS
+    from storm.kernels.registry import ENCODE_GBPS
 
     t = torch.randn(1 << 15, generator=torch.Generator().manual_seed(0)).bfloat16()
     assert encode(t, "auto").codec == "huff_exp"
     between = (ENCODE_GBPS["huff_exp"] + ENCODE_GBPS["ancf_exp"]) / 2  # huff_exp is the slower of the two
     assert encode(t, "auto", min_gbps=between).codec == "ancf_exp"
     assert encode(t, "auto", min_gbps=5000).codec == "raw"
-
-
-def test_ancf_reports_its_true_ratio_on_dense_data() -> None:
-    t = torch.randn(1 << 15).bfloat16()
-    enc = encode(t, "ancf")
-    assert enc.ratio < 1.0  # dense activations expand under an exact-value dictionary
-    assert 0 < enc.escapes < t.numel()
 
 
 def test_unknown_codec_and_dtype() -> None:
@@ -119,40 +112,3 @@ def test_unknown_codec_and_dtype() -> None:
         encode(torch.zeros(3, dtype=torch.complex64))
     with pytest.raises(CodecNotApplicable):
         encode(torch.arange(10), "pack")
-
-
-def test_huff_exp_symbol_the_sample_missed() -> None:
-    """The code is built from a strided sample plus a margin; a symbol outside both (here
-    at an odd index, which a stride-2 sample never reads) still decodes exactly."""
-    import numpy as np
-
-    from storm.kernels.codecs import _huff_counts, _sample_symbol_hist
-    from storm.kernels.bits import symbol_field
-
-    t = torch.ones((1 << 21) + 6, dtype=torch.bfloat16)
-    t[1::2] = 2.0  # in the margin: coded without a fallback
-    t[12345] = 3e30
-    sampled = _huff_counts(_sample_symbol_hist(t), t.dtype)
-    assert sampled[int(symbol_field(t[12345:12346]))] == 0  # outside the sampled code set
-    enc = encode(t, "huff_exp")
-    lengths = np.frombuffer(enc.meta["lengths"], dtype=np.uint8)
-    assert lengths[int(symbol_field(t[12345:12346]))] > 0
-    assert bits_equal(decode(enc), t)
-
-
-def test_huffman_lengths_are_limited_and_complete() -> None:
-    """Skewed counts whose Huffman tree is far deeper than MAX_LEN: every symbol keeps a
-    code, none longer than MAX_LEN, the Kraft sum is exactly 1, and the more frequent of
-    two symbols never gets the longer code."""
-    import numpy as np
-
-    from storm.kernels import entropy
-
-    hist = np.zeros(256, dtype=np.int64)
-    hist[:40] = 2 ** np.arange(40, dtype=np.int64)[::-1] // 2**8 + 1  # a geometric tail: depth 40 unlimited
-    lengths = entropy.code_lengths(hist)
-    used = hist > 0
-    assert ((lengths > 0) == used).all() and lengths.max() == entropy.MAX_LEN
-    assert sum(2.0 ** -int(x) for x in lengths[used]) == 1.0
-    order = np.argsort(-hist[used], kind="stable")
-    assert (np.diff(lengths[used][order].astype(int)) >= 0).all()

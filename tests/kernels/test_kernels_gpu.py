@@ -240,14 +240,15 @@ def test_gpu_decode_of_a_damaged_frame_stays_inside_it(end: int) -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_gpu_code_built_on_the_device_is_the_hosts(seed: int) -> None:
-    """kernels.gpu.huffman.build_code against kernels.entropy on the host: the same lengths,
+    """kernels.gpu.huffman_code.build_code against kernels.huffman on the host: the same lengths,
     encode table and pad symbol for counts that need JPEG's depth limit, one symbol, a few,
     all 256, and forced symbols."""
     import numpy as np
 
-    from storm.kernels import entropy
-    from storm.kernels.codecs import HUFF_MARGIN, _forced_on_device, _huff_counts
-    from storm.kernels.gpu.huffman import build_code, code_work
+    from storm.kernels import huffman
+    from storm.kernels.codecs.huff_exp import HUFF_MARGIN, _forced_on_device, _huff_counts
+    from storm.kernels.gpu.huffman import code_work
+    from storm.kernels.gpu.huffman_code import build_code
 
     rng = np.random.default_rng(seed)
     for trial in range(8):
@@ -270,16 +271,16 @@ def test_gpu_code_built_on_the_device_is_the_hosts(seed: int) -> None:
         with code_work(dev, 1) as work:
             work.hist.copy_(torch.from_numpy(hist.astype(np.int32)))
             build_code(work, torch.from_numpy(forced).to(dev) | _forced_on_device(torch.bfloat16, dev), HUFF_MARGIN,
-                       entropy.MAX_LEN)
+                       huffman.MAX_LEN)
         table, code = work.table.clone(), work.info.clone()
         assert not work.hist.any()  # the counts it read left at rest for the next encode
         counts = _huff_counts(hist, torch.bfloat16)  # the bf16 specials, as the device's mask has them
         counts[(forced == 1) & (counts == 0)] = 1
-        lengths = entropy.code_lengths(counts)
+        lengths = huffman.code_lengths(counts)
         code = code.cpu()
         assert (code[2:34].numpy().view(np.uint8) == lengths).all()
         assert int(code[34]) == int(np.flatnonzero(lengths == lengths[lengths > 0].min())[0])
-        assert (table.cpu().numpy() == entropy.device_tables(lengths.tobytes(), torch.device("cpu"))[0].numpy()).all()
+        assert (table.cpu().numpy() == huffman.device_tables(lengths.tobytes(), torch.device("cpu"))[0].numpy()).all()
 
 
 def test_gpu_launcher_finds_the_kernel_the_jit_would() -> None:

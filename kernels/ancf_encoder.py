@@ -14,8 +14,9 @@ import time
 import torch
 
 from .bits import bit_keys, verify_lossless
-from .codec import CodecStats, decode, encode
-from .format import Encoded
+from .container import Encoded
+from .registry import decode, encode
+from .stats import CodecStats
 
 POLICY_CONSERVATIVE, POLICY_ADAPTIVE, POLICY_AGGRESSIVE = 0, 1, 2
 

@@ -20,7 +20,7 @@ lanes in lock step; a GPU thread reads and writes its lane's 4 symbols as one
 The code. One Huffman tree over the counts (ties broken by symbol), depths over
 MAX_LEN brought down as JPEG does, canonical codes as DEFLATE's. The host builds
 it here (``code_lengths``, ``canonical_codes``); for CUDA tensors of bf16, int16
-and fp32, kernels.gpu.huffman.build_code builds the same code on the device, so
+and fp32, kernels.gpu.huffman_code.build_code builds the same code on the device, so
 the bytes are the same wherever a tensor is encoded.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import heapq
 import numpy as np
 import torch
 
-from .format import require
+from .container import require
 from .gpu import use_triton
 from .scan import associative_scan
 
@@ -185,7 +185,8 @@ def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.
     lanes, steps = lane_shape(n)
     pad_sym = _pad_symbol(lengths)
     if use_triton(sym):
-        from .gpu.huffman import encode_lanes, host_code, programs
+        from .gpu.huffman import encode_lanes, programs
+        from .gpu.huffman_code import host_code
         flags = torch.zeros(1 + programs(lanes), dtype=torch.int64, device=dev)
         out = encode_lanes(sym.reshape(-1), 1, device_tables(lengths.tobytes(), dev)[0], host_code(lengths, pad_sym, dev),
                            flags, lanes, steps, PAD_WORDS, MAX_LEN)
@@ -215,13 +216,14 @@ def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.
 def encode_fields(t: torch.Tensor, stride: int, force: torch.Tensor,
                   margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray] | None:
     """``encode`` of the symbol field of a CUDA bf16/int16/fp32 tensor with the code built on
-    the device (kernels.gpu.huffman.build_code: the lengths ``code_lengths`` gives for the
-    counts kernels.codecs._huff_counts makes of the histogram of every ``stride``-th
+    the device (kernels.gpu.huffman_code.build_code: the lengths ``code_lengths`` gives for the
+    counts kernels.codecs.huff_exp._huff_counts makes of the histogram of every ``stride``-th
     element, with ``force``'s symbols and ``margin``), reading the elements themselves (no
     symbol stream is written): (stream, lane bit lengths, raw field bytes in the layout of
-    kernels.gpu.pack, code lengths), or None as ``encode``."""
-    from .gpu.huffman import build_code, code_work, encode_lanes
-    from .gpu.pack import sample_histogram
+    kernels.gpu.fields, code lengths), or None as ``encode``."""
+    from .gpu.fields import sample_histogram
+    from .gpu.huffman import code_work, encode_lanes
+    from .gpu.huffman_code import build_code
     w = t.element_size()
     x = t.contiguous().reshape(-1).view(torch.int16 if w == 2 else torch.int32)
     if x.data_ptr() % 16:  # the lane kernels read 4 elements at once

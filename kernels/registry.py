@@ -1,16 +1,29 @@
-"""Public codec API: ``encode``, ``decode``, the ``auto`` choice, and statistics."""
+"""The codecs by name (``CODECS``, the names on the wire), and the public calls that pick one:
+``encode``, ``decode`` and the ``auto`` choice."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
-from . import entropy
+from . import huffman
 from .bits import bit_keys, keys_to_tensor, split_fields
-from .codecs import CODECS, EXP_ENTRIES, CodecNotApplicable
-from .format import DTYPE_NAMES, CorruptEncodedError, Encoded, require
+from .codecs import ancf, ancf_exp, huff_exp, pack, raw, zero
+from .codecs.base import Buffers, CodecNotApplicable, Meta
+from .container import DTYPE_NAMES, CorruptEncodedError, Encoded, require
+
+# Each codec's (encode, decode), by the name its data carries (stormd.protocol.CODECS lists
+# the same names: a test keeps the two equal).
+CODECS: dict[str, tuple[Callable[..., tuple[Meta, Buffers]], Callable[[Encoded], torch.Tensor]]] = {
+    "raw": (raw.encode, raw.decode),
+    "ancf": (ancf.encode, ancf.decode),
+    "ancf_exp": (ancf_exp.encode, ancf_exp.decode),
+    "huff_exp": (huff_exp.encode, huff_exp.decode),
+    "zero": (zero.encode, zero.decode),
+    "pack": (pack.encode, pack.decode),
+}
 
 AUTO_MIN_SAVING = 0.05     # auto stores raw unless a codec saves at least 5 % of the bytes
 AUTO_MIN_BYTES = 4096      # below this the fixed header outweighs any saving
@@ -55,9 +68,9 @@ def estimate_sizes(t: torch.Tensor) -> dict[str, float]:
     if t.dtype != torch.float64:
         sym, _, rbits = split_fields(keys_to_tensor(keys, t.dtype, (m,)))
         hist = torch.bincount(sym.to(torch.int64), minlength=256).cpu().numpy()
-        lengths = entropy.code_lengths(hist)
-        est["huff_exp"] = float((hist * lengths).sum()) / m / 8 + rbits / 8 + 2 / entropy.LANE_STEPS
-        esc = 1.0 - float(np.sort(hist)[::-1][:EXP_ENTRIES].sum()) / m
+        lengths = huffman.code_lengths(hist)
+        est["huff_exp"] = float((hist * lengths).sum()) / m / 8 + rbits / 8 + 2 / huffman.LANE_STEPS
+        esc = 1.0 - float(np.sort(hist)[::-1][:ancf_exp.EXP_ENTRIES].sum()) / m
         pos_bytes = 4 if t.numel() < 2**31 else 8
         est["ancf_exp"] = 0.5 + rbits / 8 + esc * (1 + pos_bytes)
     return est
@@ -132,66 +145,3 @@ def decode(enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
 def encoded_nbytes(enc: Encoded) -> int:
     """Length of ``enc.to_bytes()`` without building it."""
     return enc.nbytes
-
-
-@dataclass
-class LayerStats:
-    tensors: int = 0
-    raw_bytes: int = 0
-    encoded_bytes: int = 0
-    elements: int = 0
-    escapes: int = 0
-    encode_s: float = 0.0
-    decode_s: float = 0.0
-    codecs: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ratio(self) -> float:
-        return self.raw_bytes / self.encoded_bytes if self.encoded_bytes else 1.0
-
-    @property
-    def escape_rate(self) -> float:
-        return self.escapes / self.elements if self.elements else 0.0
-
-    def as_dict(self) -> dict:
-        return {"tensors": self.tensors, "raw_bytes": self.raw_bytes, "encoded_bytes": self.encoded_bytes,
-                "ratio": self.ratio, "escape_rate": self.escape_rate, "encode_s": self.encode_s,
-                "decode_s": self.decode_s, "codecs": dict(self.codecs)}
-
-
-class CodecStats:
-    """Byte-weighted statistics per layer (any hashable key) and in total."""
-
-    def __init__(self) -> None:
-        self.layers: dict[object, LayerStats] = {}
-
-    def record(self, layer: object, enc: Encoded, decode_s: float = 0.0) -> None:
-        s = self.layers.setdefault(layer, LayerStats())
-        s.tensors += 1
-        s.raw_bytes += enc.raw_nbytes
-        s.encoded_bytes += enc.nbytes
-        s.elements += enc.numel
-        s.escapes += enc.escapes
-        s.encode_s += enc.encode_s
-        s.decode_s += decode_s
-        s.codecs[enc.codec] = s.codecs.get(enc.codec, 0) + 1
-
-    def record_decode(self, layer: object, seconds: float) -> None:
-        self.layers.setdefault(layer, LayerStats()).decode_s += seconds
-
-    def total(self) -> LayerStats:
-        t = LayerStats()
-        for s in self.layers.values():
-            t.tensors += s.tensors
-            t.raw_bytes += s.raw_bytes
-            t.encoded_bytes += s.encoded_bytes
-            t.elements += s.elements
-            t.escapes += s.escapes
-            t.encode_s += s.encode_s
-            t.decode_s += s.decode_s
-            for k, v in s.codecs.items():
-                t.codecs[k] = t.codecs.get(k, 0) + v
-        return t
-
-    def summary(self) -> dict:
-        return {"layers": {str(k): v.as_dict() for k, v in self.layers.items()}, "total": self.total().as_dict()}

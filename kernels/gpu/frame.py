@@ -1,23 +1,7 @@
-"""Triton kernels for the fixed-length codes: 1/2-bit packing (codec e) and the fused
-exponent-dictionary encoder/decoder (codec b) for bf16/int16 and fp32.
-
-Codec b, encode: ``_sample_hist`` counts the symbols of a strided sample (the
-host picks the 15-entry table from it); ``_dict4_encode`` then reads each
-element once as groups of 4 (a (G, 4) tile: contiguous loads and stores per
-thread), writes the 4-bit codes (two per byte) and the raw field (byte planes),
-and gives each escape a slot from one global atomic counter. The host reads
-that count (the one wait of encode: it sizes the escape output; the slots were
-sized from the sample, and the pass re-runs if they were too few) and sorts the
-escapes by position.
-Decode: ``_dict4_decode`` (one pass, counting escape codes and codes beyond the
-table) and ``_dict4_patch`` (the escapes, with a range check of each position);
-the host waits once, to check those counts.
-Layouts match the torch path in kernels.codecs bit for bit.
-
-Frames (kernels.frame) have kernels of their own, neither direction with a host
-wait: the dictionary is chosen on the device, and an escape's slot is its rank
-among the escapes, each tile finding the escapes before it by the look-back of
-kernels.gpu.scan (encode) or in the frame's tile ends (decode).
+"""Triton kernels of frames (kernels.frame, whose layout is kernels.frame_layout): codec b at a
+size fixed before encoding, neither direction with a host wait. The dictionary is chosen on
+the device, and an escape's slot is its rank among the escapes, each tile finding the escapes
+before it by the look-back of kernels.gpu.scan (encode) or in the frame's tile ends (decode).
 """
 from __future__ import annotations
 
@@ -25,15 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..frame_layout import HEADER, PREFIX, TABLE, TILE as FRAME_TILE
 from . import cdiv
 from .launch import Launcher
 from .rest import AtRest
-from ..frame import HEADER, PREFIX, TABLE, TILE as FRAME_TILE
 from .scan import LOOKBACK, look_back, publish
+from .tiles import WARPS, pack_codes, tile_groups, unpack_codes
 
-GROUPS = 512           # groups of 4 elements per program: 2048 elements (measured best of 256..2048)
-BLOCK = 4 * GROUPS
-WARPS = 4
 FRAME_G = FRAME_TILE // 4  # a frame's tile in groups of 4
 _HEADER = tl.constexpr(HEADER)  # where a frame's tile ends start (bytes); a global a kernel reads must be a constexpr
 _TABLE = tl.constexpr(TABLE)    # where its table of 15 symbols starts (bytes)
@@ -48,264 +30,7 @@ _SCRATCH_HIST = tl.constexpr(128)
 _SCRATCH_DONE = tl.constexpr(256)
 _SCRATCH_GROUP = tl.constexpr(257)
 _SCRATCH_FLAGS = tl.constexpr(258)
-SAMPLE_BLOCK = 4096    # sampled elements a program of _sample_hist takes
-SAMPLE_WARPS = 8       # 36 against 4 warps' 41 us on 2**20 elements of a 256 MiB bf16 tensor (lent H100; smaller
-                       # blocks, fewer warps slower: bench/results/kernel-warps-sample-hist-h100-2026-11-25.json)
 
-
-@triton.jit
-def _fields(w, W: tl.constexpr):
-    # (symbol, raw) of each element: bf16/int16 = (high byte, low byte);
-    # fp32 = (exponent, sign<<23 | mantissa)
-    if W == 2:
-        return (w >> 8) & 0xFF, w & 0xFF
-    else:
-        return (w >> 23) & 0xFF, (w & 0x7FFFFF) | (((w >> 31) & 1) << 23)
-
-
-@Launcher
-@triton.jit
-def _sample_hist(x_ptr, hist_ptr, stride, m, W: tl.constexpr, BLOCK: tl.constexpr):
-    # histogram of the symbols of elements 0, stride, 2*stride, ... (m of them)
-    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = j < m
-    s, _ = _fields(tl.load(x_ptr + j * stride, mask=ok, other=0).to(tl.int32), W)
-    tl.atomic_add(hist_ptr + tl.arange(0, 256), tl.histogram(s, 256, mask=ok), sem="relaxed")
-
-
-@triton.jit
-def _groups(block, G: tl.constexpr):
-    # block's G groups of 4 words: the words' indices as a (G, 4) tile (each thread's 4 contiguous)
-    # and their 4-bit codes' byte indices as a (G, 2) tile
-    g = tl.cast(block, tl.int64) * G + tl.arange(0, G)
-    return g[:, None] * 4 + tl.arange(0, 4)[None, :], g[:, None] * 2 + tl.arange(0, 2)[None, :]
-
-
-@triton.jit
-def _pack_codes(c, G: tl.constexpr):
-    # (G, 4) codes of 4 bits -> (G, 2) bytes, the lower code in the low nibble
-    lo, hi = tl.split(tl.reshape(c, (G, 2, 2)))
-    return (lo | (hi << 4)).to(tl.uint8)
-
-
-@triton.jit
-def _unpack_codes(cb, G: tl.constexpr):
-    # (G, 2) bytes (int32) -> (G, 4) codes
-    return tl.reshape(tl.join(cb & 15, cb >> 4), (G, 4))
-
-
-@Launcher
-@triton.jit
-def _dict4_encode(x_ptr, lut_ptr, codes_ptr, raw_ptr, nesc_ptr, pos_ptr, sym_ptr, cap, n, first_prog,
-                  W: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr):
-    # each program: G groups of 4 consecutive elements, held as a (G, 4) tile so that
-    # loads and stores are contiguous per thread; MASKED only for the last, partial program.
-    # Escapes (rare) take a slot from one global counter; the host sorts them afterwards.
-    idx, bidx = _groups(first_prog + tl.program_id(0), G)
-    if MASKED:
-        m = idx < n
-        x = tl.load(x_ptr + idx, mask=m, other=0).to(tl.int32)
-    else:
-        x = tl.load(x_ptr + idx).to(tl.int32)
-    s, r = _fields(x, W)
-    c = tl.load(lut_ptr + s)
-    if MASKED:
-        c = tl.where(m, c, 0)
-    cb = _pack_codes(c, G)
-    miss = c == 15
-    if MASKED:
-        tl.store(codes_ptr + bidx, cb, mask=bidx * 2 < n)
-        miss = miss & m
-    else:
-        tl.store(codes_ptr + bidx, cb)
-    if W == 2:
-        if MASKED:
-            tl.store(raw_ptr + idx, r.to(tl.uint8), mask=m)
-        else:
-            tl.store(raw_ptr + idx, r.to(tl.uint8))
-    else:  # three byte planes (kernels.bitpack layout for the 24-bit raw field)
-        for k in tl.static_range(3):
-            if MASKED:
-                tl.store(raw_ptr + k * n + idx, ((r >> (8 * k)) & 0xFF).to(tl.uint8), mask=m)
-            else:
-                tl.store(raw_ptr + k * n + idx, ((r >> (8 * k)) & 0xFF).to(tl.uint8))
-    slot = tl.atomic_add(nesc_ptr + tl.zeros_like(idx), 1, mask=miss, sem="relaxed")
-    keep = miss & (slot < cap)
-    tl.store(pos_ptr + slot, idx.to(pos_ptr.dtype.element_ty), mask=keep)
-    tl.store(sym_ptr + slot, s.to(tl.uint8), mask=keep)
-
-
-@Launcher
-@triton.jit
-def _dict4_patch(out_ptr, codes_ptr, pos_ptr, sym_ptr, stat_ptr, count, n, W: tl.constexpr, BLOCK: tl.constexpr):
-    # put the escaped symbols back. A position must be in range, on an escape code and above
-    # the one before (with the escape count checked, that makes the list exactly the escapes);
-    # nothing else is ever written; violations are counted in stat_ptr[2].
-    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = j < count
-    p = tl.load(pos_ptr + j, mask=ok, other=0).to(tl.int64)
-    prev = tl.load(pos_ptr + j - 1, mask=ok & (j > 0), other=-1).to(tl.int64)
-    inside = ok & (p >= 0) & (p < n) & (p > prev)
-    code = (tl.load(codes_ptr + p // 2, mask=inside, other=0).to(tl.int32) >> ((p % 2) * 4).to(tl.int32)) & 15
-    inside = inside & (code == 15)
-    s = tl.load(sym_ptr + j, mask=ok, other=0).to(tl.int32)
-    w = tl.load(out_ptr + p, mask=inside, other=0).to(tl.int32)
-    if W == 2:
-        tl.store(out_ptr + p, ((w & 0xFF) | (s << 8)).to(tl.int16), mask=inside)
-    else:
-        tl.store(out_ptr + p, (w & ~(0xFF << 23)) | (s << 23), mask=inside)
-    tl.atomic_add(stat_ptr + 2, tl.sum((ok & ~inside).to(tl.int32), axis=0), sem="relaxed")
-
-
-@Launcher
-@triton.jit
-def _dict4_decode(codes_ptr, raw_ptr, tab_ptr, out_ptr, stat_ptr, n, tlen, first_prog,
-                  W: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr, CHECK: tl.constexpr):
-    # CHECK: count escape codes and codes beyond the table (stat_ptr[0:2]) for the host to check
-    idx, bidx = _groups(first_prog + tl.program_id(0), G)
-    if MASKED:
-        m = idx < n
-        cb = tl.load(codes_ptr + bidx, mask=bidx * 2 < n, other=0).to(tl.int32)
-    else:
-        cb = tl.load(codes_ptr + bidx).to(tl.int32)
-    c = _unpack_codes(cb, G)
-    s = tl.load(tab_ptr + c).to(tl.int32)
-    if W == 2:
-        if MASKED:
-            r = tl.load(raw_ptr + idx, mask=m, other=0).to(tl.int32)
-            tl.store(out_ptr + idx, ((s << 8) | r).to(tl.int16), mask=m)
-        else:
-            r = tl.load(raw_ptr + idx).to(tl.int32)
-            tl.store(out_ptr + idx, ((s << 8) | r).to(tl.int16))
-    else:
-        if MASKED:
-            r = (tl.load(raw_ptr + idx, mask=m, other=0).to(tl.int32)
-                 | (tl.load(raw_ptr + n + idx, mask=m, other=0).to(tl.int32) << 8)
-                 | (tl.load(raw_ptr + 2 * n + idx, mask=m, other=0).to(tl.int32) << 16))
-        else:
-            r = (tl.load(raw_ptr + idx).to(tl.int32)
-                 | (tl.load(raw_ptr + n + idx).to(tl.int32) << 8)
-                 | (tl.load(raw_ptr + 2 * n + idx).to(tl.int32) << 16))
-        w = (r & 0x7FFFFF) | (s << 23) | ((r >> 23) << 31)
-        if MASKED:
-            tl.store(out_ptr + idx, w, mask=m)
-        else:
-            tl.store(out_ptr + idx, w)
-    if CHECK:
-        esc = c == 15
-        bad = (c != 15) & (c >= tlen)
-        if MASKED:
-            esc = esc & m
-            bad = bad & m
-        tl.atomic_add(stat_ptr, tl.sum(tl.sum(esc.to(tl.int32), axis=1), axis=0), sem="relaxed")
-        tl.atomic_add(stat_ptr + 1, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0), sem="relaxed")
-
-
-def _word_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    w = t.element_size()
-    return t.contiguous().reshape(-1).view(torch.int16 if w == 2 else torch.int32), w
-
-
-def _launch(kernel, n: int, *args, **kw) -> None:
-    """Full programs unmasked, then the partial last one (if any) masked."""
-    full = n // BLOCK
-    if full:
-        kernel[(full,)](*args, 0, G=GROUPS, MASKED=False, num_warps=WARPS, **kw)
-    if n % BLOCK:
-        kernel[(1,)](*args, full, G=GROUPS, MASKED=True, num_warps=WARPS, **kw)
-
-
-def sample_histogram(t: torch.Tensor, stride: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """int32[256] histogram of the symbols of every ``stride``-th element (bf16/int16/fp32), added
-    into ``out`` (zeroed by the caller) when given."""
-    x, w = _word_view(t)
-    m = -(-x.numel() // stride)
-    hist = torch.zeros(256, dtype=torch.int32, device=x.device) if out is None else out
-    _sample_hist[(cdiv(m, SAMPLE_BLOCK),)](x, hist, stride, m, W=w, BLOCK=SAMPLE_BLOCK, num_warps=SAMPLE_WARPS)
-    return hist
-
-
-def dict4_encode(t: torch.Tensor, lut: torch.Tensor, pos_dtype: torch.dtype, expect_escapes: int):
-    """(codes, raw, esc_pos, esc_sym) of bf16/int16/fp32 tensor t; lut: int32[256] symbol -> code.
-
-    Escape slots are sized from ``expect_escapes`` (the sample's estimate); the host
-    reads the true count (its one wait) and re-runs the pass in the rare case it was
-    more. Escapes come back sorted by position, as the CPU path writes them.
-    """
-    x, w = _word_view(t)
-    n = x.numel()
-    dev = x.device
-    codes = torch.empty((n + 1) // 2, dtype=torch.uint8, device=dev)
-    raw = torch.empty(n * (w - 1), dtype=torch.uint8, device=dev)
-    cap = min(n, 2 * expect_escapes + 4096)
-    while True:
-        nesc = torch.zeros(1, dtype=torch.int32, device=dev)
-        pos = torch.empty(cap, dtype=pos_dtype, device=dev)
-        sym = torch.empty(cap, dtype=torch.uint8, device=dev)
-        _launch(_dict4_encode, n, x, lut, codes, raw, nesc, pos, sym, cap, n, W=w)
-        count = int(nesc.item())  # host waits: the number of escapes sizes the output
-        if count <= cap:
-            break
-        cap = count
-    pos, order = torch.sort(pos[:count])
-    return codes, raw, pos, sym[:count][order]
-
-
-def dict4_decode(codes: torch.Tensor, raw: torch.Tensor, tab16: torch.Tensor, n: int, tlen: int,
-                 dtype: torch.dtype, pos: torch.Tensor, esc_sym: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """Decode, then patch the escapes; returns (words, [escape codes seen, codes beyond the table,
-    bad escape positions]) read in one host wait."""
-    w = dtype.itemsize
-    out = torch.empty(n, dtype=torch.int16 if w == 2 else torch.int32, device=codes.device)
-    stat = torch.zeros(3, dtype=torch.int32, device=codes.device)
-    _launch(_dict4_decode, n, codes, raw, tab16, out, stat, n, tlen, W=w, CHECK=True)
-    if pos.numel():
-        _dict4_patch[(cdiv(pos.numel(), 1024),)](out, codes, pos, esc_sym, stat, pos.numel(), n, W=w, BLOCK=1024)
-    return out, stat.tolist()  # host waits: the counts are checked before the tensor is returned
-
-
-@Launcher
-@triton.jit
-def _pack_small(v_ptr, out_ptr, n, nbytes, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    per: tl.constexpr = 8 // WIDTH
-    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    k = tl.arange(0, per)
-    i = j[:, None] * per + k[None, :]
-    v = tl.load(v_ptr + i, mask=i < n, other=0).to(tl.int32) & ((1 << WIDTH) - 1)
-    byte = tl.sum(v << (k[None, :] * WIDTH), axis=1)
-    tl.store(out_ptr + j, byte.to(tl.uint8), mask=j < nbytes)
-
-
-@Launcher
-@triton.jit
-def _unpack_small(buf_ptr, out_ptr, n, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    per: tl.constexpr = 8 // WIDTH
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    byte = tl.load(buf_ptr + i // per, mask=i < n, other=0).to(tl.int32)
-    v = (byte >> ((i % per) * WIDTH).to(tl.int32)) & ((1 << WIDTH) - 1)
-    tl.store(out_ptr + i, v.to(tl.int64), mask=i < n)
-
-
-def pack_small_triton(v: torch.Tensor, width: int) -> torch.Tensor:
-    v = v.reshape(-1)
-    if v.dtype == torch.bool:
-        v = v.view(torch.uint8)
-    n = v.numel()
-    nbytes = (n * width + 7) // 8
-    out = torch.empty(nbytes, dtype=torch.uint8, device=v.device)
-    if n:
-        _pack_small[(cdiv(nbytes, 1024),)](v, out, n, nbytes, WIDTH=width, BLOCK=1024)
-    return out
-
-
-def unpack_small_triton(buf: torch.Tensor, width: int, n: int) -> torch.Tensor:
-    out = torch.empty(n, dtype=torch.int64, device=buf.device)
-    if n:
-        _unpack_small[(cdiv(n, 4096),)](buf, out, n, WIDTH=width, BLOCK=4096)
-    return out
-
-
-# ---------------------------------------------------------------- frames (kernels.frame)
 
 @triton.jit
 def _frame_ends(f_ptr):
@@ -348,7 +73,7 @@ def _frame_words(x_ptr, tile, n, G: tl.constexpr, MASKED: tl.constexpr, rows=Non
     # a tile's words as a (G, 4) tile of int32 in 0..65535 (unsigned: the symbol is w >> 8 with
     # no mask), each thread's 4 elements contiguous; MASKED: only words below n, and (given
     # ``rows``, (G,) bool) only the rows where it holds
-    idx, _ = _groups(tile, G)
+    idx, _ = tile_groups(tile, G)
     x_ptr = x_ptr.to(tl.pointer_type(tl.uint16))
     if MASKED:
         m = idx < n
@@ -365,7 +90,7 @@ def _frame_pairs(x_ptr, tile, G: tl.constexpr):
     # a full tile's words two at a time, as a (G, 2) tile of uint32 (word j of a row holds the
     # row's words 2j and 2j + 1, low half first; x 4-byte aligned): a symbol is then one shift
     # and mask, where a 16-bit word took three (the compiler masks each half to 16 bits twice)
-    _, pairs = _groups(tile, G)
+    _, pairs = tile_groups(tile, G)
     return tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + pairs)
 
 
@@ -373,7 +98,7 @@ def _frame_pairs(x_ptr, tile, G: tl.constexpr):
 def _frame_code_pairs(v, f_ptr, lut_ptr, tile, codes_off, raw_off, G: tl.constexpr):
     # a full tile's codes and raw bytes from its pairs (_frame_pairs) into the frame; returns each
     # row's escape bits (bit i: the row's word i is an escape)
-    idx, bidx = _groups(tile, G)
+    idx, bidx = tile_groups(tile, G)
     lo = tl.load(lut_ptr + ((v >> 8) & 0xFF)).to(tl.uint32)  # code | escape << 8
     hi = tl.load(lut_ptr + (v >> 24)).to(tl.uint32)
     tl.store(f_ptr + codes_off + bidx, (lo | (hi << 4)).to(tl.uint8))
@@ -395,7 +120,7 @@ def _frame_symbols(w, f_ptr, lut_ptr, tile, n, G: tl.constexpr, MASKED: tl.const
         for k in tl.static_range(15):
             c = tl.where(s == tl.load(f_ptr + _TABLE + k).to(tl.int32), k, c)
     if MASKED:  # past n: code 0, no escape
-        idx, _ = _groups(tile, G)
+        idx, _ = tile_groups(tile, G)
         c = tl.where(idx < n, c, 0)
     return s, c, c == 15
 
@@ -403,12 +128,12 @@ def _frame_symbols(w, f_ptr, lut_ptr, tile, n, G: tl.constexpr, MASKED: tl.const
 @triton.jit
 def _frame_store(f_ptr, tile, n, w, c, codes_off, raw_off, G: tl.constexpr, MASKED: tl.constexpr):
     # a tile's codes (two a byte) and raw bytes into the frame
-    idx, bidx = _groups(tile, G)
+    idx, bidx = tile_groups(tile, G)
     if MASKED:
-        tl.store(f_ptr + codes_off + bidx, _pack_codes(c, G), mask=bidx * 2 < n)
+        tl.store(f_ptr + codes_off + bidx, pack_codes(c, G), mask=bidx * 2 < n)
         tl.store(f_ptr + raw_off + idx, (w & 0xFF).to(tl.uint8), mask=idx < n)
     else:
-        tl.store(f_ptr + codes_off + bidx, _pack_codes(c, G))
+        tl.store(f_ptr + codes_off + bidx, pack_codes(c, G))
         tl.store(f_ptr + raw_off + idx, (w & 0xFF).to(tl.uint8))
 
 
@@ -571,7 +296,7 @@ def _frame_decode(f_ptr, out_ptr, n, codes_off, raw_off, sym_off, cap, first_til
     # one tile a program: codes through the table, escapes from their slots (the end of the
     # tile before is the first), the raw bytes below
     tile = first_tile + tl.program_id(0)
-    idx, bidx = _groups(tile, G)
+    idx, bidx = tile_groups(tile, G)
     m = idx < n
     if MASKED:
         cb = tl.load(f_ptr + codes_off + bidx, mask=bidx * 2 < n, other=0).to(tl.int32)
@@ -579,7 +304,7 @@ def _frame_decode(f_ptr, out_ptr, n, codes_off, raw_off, sym_off, cap, first_til
     else:
         cb = tl.load(f_ptr + codes_off + bidx).to(tl.int32)
         r = tl.load(f_ptr + raw_off + idx).to(tl.int32)
-    c = _unpack_codes(cb, G)
+    c = unpack_codes(cb, G)
     esc = (c == 15) & m
     ends = _frame_ends(f_ptr)
     # clamped to the slots: unchecked as the frame is, a damaged one must not send a read outside it
