@@ -13,8 +13,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from stormd.config import ipc_path, normalize_endpoint, socket_is_live
-from stormd.pool import SharedPool
+from stormd.wire.endpoint import ipc_path, normalize_endpoint, socket_is_live
+from stormd.wire.pool import SharedPool
 
 from .errors import StormRequestError, StormUnavailable, StormUntrusted
 from .options import mode_option, pool_size_option

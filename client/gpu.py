@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
-from stormd.cuda import bindings, fired, handle_bytes
+from stormd.wire.cuda import bindings, fired, handle_bytes
 
 from .errors import StormError
 

@@ -57,8 +57,8 @@ import xxhash
 
 from storm.kernels import CorruptEncodedError, Encoded, decode, encode
 from storm.kernels.frame import complete, frame_nbytes
-from stormd.cuda import register_pool
-from stormd.protocol import FRAME_CODEC
+from stormd.wire.cuda import register_pool
+from stormd.wire.protocol import FRAME_CODEC
 
 from .backend import Backend, Settled
 from .errors import StormIntegrityError, StormRequestError, StormUnavailable

@@ -1,4 +1,4 @@
-"""stormd copying CUDA tensors itself through CUDA IPC (stormd/cuda.py; run on the lent GPU).
+"""stormd copying CUDA tensors itself through CUDA IPC (stormd/copier.py; run on the lent GPU).
 
 The daemon opens the client's cudaMalloc segments and interprocess events, copies on its own
 streams into and out of the pool it page-locked, and closes what a client opened when it leaves.
@@ -22,7 +22,7 @@ import storm
 from storm.examples.models import same_bits
 from storm.gpu import export, ipc_event, uuid
 from storm.session import session_for
-from stormd.protocol import ErrorCode
+from stormd.wire.protocol import ErrorCode
 
 pytestmark = pytest.mark.gpu
 
