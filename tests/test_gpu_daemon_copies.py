@@ -20,8 +20,9 @@ from helpers import RawClient, put_fields
 
 import storm
 from storm.examples.models import same_bits
-from storm.gpu import export, ipc_event, uuid
+from storm.gpu import export, ipc_event
 from storm.session import session_for
+from stormd.wire.cuda import device_uuid
 from stormd.wire.protocol import ErrorCode
 
 pytestmark = pytest.mark.gpu
@@ -102,7 +103,7 @@ def test_a_tensor_still_being_computed_is_put_once_complete_bit_exact(daemon):
 def test_forged_handles_and_ranges_past_a_segment_are_refused(daemon):
     c = RawClient(daemon.endpoint)
     hello = c.hello()
-    dev = uuid(torch.device("cuda", 0))
+    dev = device_uuid(0)
     assert hello["cuda_devices"] == [dev] or dev in hello["cuda_devices"]
     t = torch.randn(1 << 20, device="cuda")
     handle, offset = export(t.data_ptr(), 0)
