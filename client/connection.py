@@ -39,8 +39,8 @@ from stormd.wire.curve import CurveKeyError, client_curve_options
 from stormd.wire.pool import PoolError, SharedPool
 from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
 
-from .backend import settle
 from .errors import StormRequestError, StormUnavailable, StormUntrusted
+from .replies import settle
 from .trust import check_pool
 
 CONNECT_TIMEOUT = 2.0

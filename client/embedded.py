@@ -20,7 +20,7 @@ from stormd.wire.cuda import unregister_pool
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import PROTOCOL_VERSION, Request
 
-from .backend import Settled
+from .replies import Settled
 
 
 class EmbeddedStore:

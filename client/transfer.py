@@ -60,9 +60,10 @@ from storm.kernels.frame import complete, frame_nbytes
 from stormd.wire.cuda import device_uuid, register_pool
 from stormd.wire.protocol import FRAME_CODEC
 
-from .backend import Backend, Settled
+from .backend import Backend
 from .errors import StormIntegrityError, StormRequestError, StormUnavailable
 from .gpu import DeviceStreams, IpcEvent, NotExportable, export, ipc_event
+from .replies import Settled
 
 REQUEST_TIMEOUT = 30.0
 # Smaller CUDA tensors are copied raw: a frame's kernel launches cost the training thread
