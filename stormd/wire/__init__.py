@@ -1,9 +1,9 @@
 """stormd's public surface for its clients: what a process talking to the daemon must share with it.
 
-The client library (``storm``), stormctl and the benchmarks import the daemon
-only through this package, so the daemon's internals (its store, allocator,
-spill, server) can change without them; the daemon imports the same modules,
-so both sides read one definition of each:
+The client library (``storm``) imports the daemon only through this package,
+so the daemon's internals (its store, allocator, spill, server, settings) can
+change without it; the daemon, stormctl and the benchmarks import the same
+modules, so every side reads one definition of each:
 
 - ``protocol``: every message, its fields, the error codes, pack/unpack.
 - ``pool``: the shared-memory host pool (``SharedPool``): the daemon creates it,

@@ -36,7 +36,8 @@ def bindings() -> tuple[Any, Any]:
 
 
 class CudaError(RuntimeError):
-    """A CUDA call of the daemon's own failed (not something a client sent)."""
+    """A CUDA call of this process's own failed (not something a peer sent): the daemon's calls, an
+    event query or the pool's page-lock on either side."""
 
 
 def check(err: Any, what: str, error: type[Exception] = CudaError) -> None:
