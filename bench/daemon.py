@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 import storm
-from stormd.config import socket_is_live
+from stormd.wire.endpoint import socket_is_live
 
 START_TIMEOUT_S = 120.0  # a pool of many GiB is reserved (posix_fallocate) before the socket opens
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offload import GiB, Trainer, cuda_device, link_bandwidth, plan_summary, run, write  # noqa: E402
-from stormd.config import parse_size  # noqa: E402
+from stormd.wire.sizes import parse_size  # noqa: E402
 from workloads import W1, W2, Net, Workload  # noqa: E402
 
 

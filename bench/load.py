@@ -31,7 +31,7 @@ import zmq
 
 import provenance
 from daemon import start_daemon
-from stormd.protocol import PROTOCOL_VERSION, pack, unpack
+from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
 
 MAX_BYTES = 1 << 16
 REPO = Path(__file__).resolve().parent.parent

@@ -43,8 +43,8 @@ from daemon import start_daemon  # noqa: E402
 from load import percentile  # noqa: E402
 import storm  # noqa: E402
 from storm.examples.models import GPT, same_bits  # noqa: E402
-from stormd.config import normalize_endpoint  # noqa: E402
 from stormd.ctl import request  # noqa: E402
+from stormd.wire.endpoint import normalize_endpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = {"seq_len": 128, "d_model": 256, "heads": 4, "layers": 4, "batch": 8}  # defaults, sized for the GPU

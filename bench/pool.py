@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import provenance  # noqa: E402
 from stormd.allocator import ExtentAllocator  # noqa: E402
-from stormd.config import parse_size  # noqa: E402
-from stormd.pool import SharedPool  # noqa: E402
 from stormd.store import Store  # noqa: E402
+from stormd.wire.pool import SharedPool  # noqa: E402
+from stormd.wire.sizes import parse_size  # noqa: E402
 
 
 def _put(key: int, nbytes: int, step: int) -> dict:

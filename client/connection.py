@@ -17,7 +17,7 @@ ones wait here, in order. So a process that produces requests faster than
 the daemon answers is slowed in its own queue, the socket's send never blocks
 (the credit is below ZeroMQ's high-water mark) and the daemon never holds a
 backlog of this client's replies. A tcp:// endpoint is reached with CURVE
-keys from the environment (stormd/auth.py).
+keys from the environment (stormd/wire/curve.py).
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from typing import Any
 
 import zmq
 
-from stormd.auth import CurveKeyError, client_curve_options
-from stormd.cuda import unregister_pool
-from stormd.pool import PoolError, SharedPool
-from stormd.protocol import PROTOCOL_VERSION, pack, unpack
+from stormd.wire.cuda import unregister_pool
+from stormd.wire.curve import CurveKeyError, client_curve_options
+from stormd.wire.pool import PoolError, SharedPool
+from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
 
-from .backend import settle
 from .errors import StormRequestError, StormUnavailable, StormUntrusted
+from .replies import settle
 from .trust import check_pool
 
 CONNECT_TIMEOUT = 2.0

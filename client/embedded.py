@@ -15,13 +15,12 @@ import socket
 import threading
 from typing import Any
 
-from stormd.cuda import unregister_pool
-from stormd.pool import SharedPool
-from stormd.protocol import PROTOCOL_VERSION, Request
-from stormd.service import Service
-from stormd.store import StoreOptions
+from stormd.embedded import embedded_service
+from stormd.wire.cuda import unregister_pool
+from stormd.wire.pool import SharedPool
+from stormd.wire.protocol import PROTOCOL_VERSION, Request
 
-from .backend import Settled
+from .replies import Settled
 
 
 class EmbeddedStore:
@@ -29,8 +28,7 @@ class EmbeddedStore:
 
     def __init__(self, pool_size: int):
         self.pool = SharedPool.anonymous(pool_size)
-        self.service = Service(self.pool, log_sessions=False,
-                               store_options=StoreOptions(spill_off="the embedded store does not spill to disk"))
+        self.service = embedded_service(self.pool)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # the mover thread and the training thread both call in
         hello = self.request("HELLO", version=PROTOCOL_VERSION, pid=os.getpid(), host=socket.gethostname()).result()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
-from stormd.cuda import bindings, fired, handle_bytes
+from stormd.wire.cuda import bindings, check, fired, handle_bytes
 
 from .errors import StormError
 
@@ -32,6 +32,8 @@ _drv: Any = None  # cuda.bindings.driver
 
 
 def runtime() -> Any:
+    """The shared binding (stormd.wire.cuda), kept in this module's globals: the hooks' hot path
+    reads ``_rt`` without a call."""
     global _rt, _drv
     if _rt is None:
         _rt, _drv = bindings()
@@ -39,8 +41,7 @@ def runtime() -> Any:
 
 
 def _check(err: Any, what: str) -> None:
-    if err != _rt.cudaError_t.cudaSuccess:
-        raise StormError(f"{what} failed: CUDA error {int(err)} ({err.name})")
+    check(err, what, StormError)  # the client's CUDA failures are STORM's errors
 
 
 class NvtxRange:
@@ -161,11 +162,6 @@ def export(pointer: int, device: int) -> tuple[bytes, int]:
                 f"{getattr(err, 'name', err)}): PyTorch's expandable_segments (PYTORCH_CUDA_ALLOC_CONF) and "
                 f"allocators other than cudaMalloc make memory that cudaIpcGetMemHandle refuses")
     return handle_bytes(handle), pointer - base
-
-
-def uuid(device: torch.device) -> str:
-    """The GPU's UUID as stormd's HELLO lists them (indices differ between processes)."""
-    return str(torch.cuda.get_device_properties(device.index).uuid)
 
 
 class OnDevice:

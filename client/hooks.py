@@ -39,8 +39,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from stormd.config import normalize_endpoint, parse_size
-from stormd.protocol import CODECS
+from stormd.wire.endpoint import normalize_endpoint
+from stormd.wire.protocol import CODECS
+from stormd.wire.sizes import parse_size
 
 from .options import bytes_option, mode_option, pool_size_option
 from .policy import DEFAULT_MIN_BYTES, Policy

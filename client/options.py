@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 
-from stormd.config import MIN_POOL_SIZE, format_size, parse_size
+from stormd.wire.pool import MIN_POOL_SIZE
+from stormd.wire.sizes import format_size, parse_size
 
 MODES = ("auto", "daemon", "embedded")
 POOL_SIZE_ENV = "STORM_POOL_SIZE"

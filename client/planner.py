@@ -98,7 +98,7 @@ import torch
 from torch import nn
 
 from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
-from stormd.config import parse_size
+from stormd.wire.sizes import parse_size
 
 from .hooks import Offload, parse_budget
 from .policy import Keep

@@ -57,12 +57,13 @@ import xxhash
 
 from storm.kernels import CorruptEncodedError, Encoded, decode, encode
 from storm.kernels.frame import complete, frame_nbytes
-from stormd.cuda import register_pool
-from stormd.protocol import FRAME_CODEC
+from stormd.wire.cuda import device_uuid, register_pool
+from stormd.wire.protocol import FRAME_CODEC
 
-from .backend import Backend, Settled
+from .backend import Backend
 from .errors import StormIntegrityError, StormRequestError, StormUnavailable
-from .gpu import DeviceStreams, IpcEvent, NotExportable, export, ipc_event, uuid
+from .gpu import DeviceStreams, IpcEvent, NotExportable, export, ipc_event
+from .replies import Settled
 
 REQUEST_TIMEOUT = 30.0
 # Smaller CUDA tensors are copied raw: a frame's kernel launches cost the training thread
@@ -237,7 +238,7 @@ class Mover:
         """Whether the store copies this GPU's memory itself (stormd, through CUDA IPC)."""
         u = self._uuids.get(device.index, False)
         if u is False:
-            u = uuid(device)
+            u = device_uuid(device.index)
             u = self._uuids[device.index] = u if u in self.backend.cuda_devices else None
         return u is not None
 

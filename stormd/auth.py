@@ -1,48 +1,22 @@
-"""CURVE authentication and encryption for tcp:// sockets (ZeroMQ's CurveZMQ, keys in zmq.auth's format).
+"""CURVE authentication and encryption for tcp:// sockets: the server's half.
 
-Why: an ipc:// socket is protected by the permissions of its directory, but a
-tcp:// port on loopback is open to every local user. So stormd serves tcp://
-only with CURVE: the server proves itself with its secret key, and only
-clients whose public key lies in ``curve_authorized_keys`` get through the
-ZAP handshake; everyone else's connection is closed before a message is read.
-
-Keys are made with ``zmq.auth.create_certificates(dir, name)`` (``name.key``:
-public, ``name.key_secret``: both halves). The client reads its own secret file
-from ``$STORM_CURVE_SECRET_KEY`` and the server's public file from
-``$STORM_CURVE_SERVER_KEY``.
+A tcp:// port on loopback is open to every local user, so stormd serves it only
+with CURVE; the key files, the client's half and why are in stormd/wire/curve.py.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Mapping
 
 import zmq
-import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-CLIENT_SECRET_ENV = "STORM_CURVE_SECRET_KEY"
-SERVER_PUBLIC_ENV = "STORM_CURVE_SERVER_KEY"
-
-
-class CurveKeyError(RuntimeError):
-    """A CURVE key file is missing or unreadable; the message names the setting."""
-
-
-def _load(path: str, setting: str, need_secret: bool) -> tuple[bytes, bytes | None]:
-    try:
-        public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as e:
-        raise CurveKeyError(f"{setting}: cannot read CURVE key file {path}: {e}") from None
-    if need_secret and not secret:
-        raise CurveKeyError(f"{setting}: {path} holds no secret key (use the .key_secret file)")
-    return public, secret
+from .wire.curve import CurveKeyError, load_key
 
 
 def secure_server(sock: zmq.Socket, ctx: zmq.Context, secret_key: str, authorized_dir: str) -> AsyncioAuthenticator:
     """Make ``sock`` a CURVE server admitting only the authorized keys. Call before bind, in the event loop."""
-    public, secret = _load(secret_key, "curve_secret_key", need_secret=True)
+    public, secret = load_key(secret_key, "curve_secret_key", need_secret=True)
     d = Path(authorized_dir)
     if not d.is_dir() or not any(d.glob("*.key")):
         raise CurveKeyError(f"curve_authorized_keys: {authorized_dir} is not a directory holding client public "
@@ -54,15 +28,3 @@ def secure_server(sock: zmq.Socket, ctx: zmq.Context, secret_key: str, authorize
     sock.curve_publickey = public
     sock.curve_server = True
     return auth
-
-
-def client_curve_options(endpoint: str, environ: Mapping[str, str] | None = None) -> dict[int, bytes]:
-    """Socket options giving a client its CURVE keys, read from the environment; raises CurveKeyError
-    naming the variable that is missing or unreadable."""
-    env = os.environ if environ is None else environ
-    missing = [v for v in (CLIENT_SECRET_ENV, SERVER_PUBLIC_ENV) if not env.get(v)]
-    if missing:
-        raise CurveKeyError(f"{endpoint}: a tcp:// stormd requires CURVE keys; set {' and '.join(missing)}")
-    public, secret = _load(env[CLIENT_SECRET_ENV], CLIENT_SECRET_ENV, need_secret=True)
-    server_public, _ = _load(env[SERVER_PUBLIC_ENV], SERVER_PUBLIC_ENV, need_secret=False)
-    return {zmq.CURVE_SECRETKEY: secret, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SERVERKEY: server_public}

@@ -1,4 +1,4 @@
-"""Daemon settings and where the socket lives (shared with the client, which must find it).
+"""Daemon settings: what stormd reads from its file, its environment and its flags.
 
 Every setting is one row of ``SETTINGS``: its TOML key (the ``DaemonConfig``
 field), its ``STORMD_*`` variable and its ``--flag`` all derive from that
@@ -15,110 +15,20 @@ import ipaddress
 import json
 import os
 import re
-import stat
 import sys
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Mapping
-from urllib.parse import urlsplit
 
-from .protocol import CODECS, MAX_MESSAGE_BYTES
+from .wire.endpoint import normalize_endpoint
+from .wire.pool import MIN_POOL_SIZE
+from .wire.protocol import CODECS, MAX_MESSAGE_BYTES
+from .wire.sizes import format_size, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10 has no tomllib; tomli is the same parser, published separately
     import tomli as tomllib
-
-SOCKET_ENV = "STORMD_SOCKET"
-SOCKET_NAME = "stormd.sock"
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_size(text: str | int) -> int:
-    """'8GiB', '512MiB', '1.5GB', '4096', 4096 -> bytes. A size is a whole number of bytes >= 0:
-    anything else (-1, '1.5', 1.5, True) is a ValueError rather than a size rounded into range."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ValueError(f"size {text} is negative")
-        return text
-    if not isinstance(text, str):
-        raise ValueError(f"a size is an int or a string, not {type(text).__name__}")
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read size {text!r}: use bytes or a number with a unit such as 512MiB or 8GiB")
-    n = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]  # exact: '1.1GB' is 1100000000, not a float's guess
-    if n.denominator != 1:
-        raise ValueError(f"size {text!r} is not a whole number of bytes")
-    return int(n)
-
-
-_FACTORS = sorted(((f, u) for u, f in (("TiB", 1 << 40), ("TB", 1000**4), ("GiB", 1 << 30), ("GB", 1000**3),
-                                      ("MiB", 1 << 20), ("MB", 1000**2), ("KiB", 1 << 10), ("KB", 1000))),
-                  reverse=True)
-
-
-def format_size(n: int) -> str:
-    """Bytes in the largest unit, binary or decimal, that divides them exactly, so that parse_size
-    reads it back to the same number: 1073741824 -> '1GiB', 8000000000 -> '8GB', 1000 -> '1KB'."""
-    for factor, unit in _FACTORS:
-        if n >= factor and n % factor == 0:
-            return f"{n // factor}{unit}"
-    return str(n)
-
-
-def runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """Private directory of this uid for the socket: $XDG_RUNTIME_DIR/stormd, else /tmp/stormd-UID."""
-    xdg = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
-    if xdg and Path(xdg).is_dir():
-        return Path(xdg) / "stormd"
-    return Path(f"/tmp/stormd-{os.getuid()}")
-
-
-def normalize_endpoint(value: str | None, environ: Mapping[str, str] | None = None) -> str:
-    """The ZeroMQ endpoint of a socket given as a path, ipc://PATH or tcp://LOOPBACK:PORT; for None
-    (not given) $STORMD_SOCKET, read the same way, else the runtime directory's socket. stormd, the
-    client and stormctl all find the socket here, so what one accepts the others do."""
-    if not value:
-        env = os.environ if environ is None else environ
-        if not env.get(SOCKET_ENV):
-            return f"ipc://{runtime_dir(env) / SOCKET_NAME}"
-        try:
-            return normalize_endpoint(env[SOCKET_ENV])
-        except ValueError as e:
-            raise ValueError(f"{SOCKET_ENV}: {e}") from None
-    if value.startswith("ipc://"):
-        return value
-    if value.startswith("tcp://"):
-        u = urlsplit(value)
-        try:
-            loopback = ipaddress.ip_address(u.hostname or "").is_loopback
-        except ValueError:
-            loopback = u.hostname == "localhost"
-        if not loopback or not u.port:
-            raise ValueError(f"socket {value!r}: tcp:// must name a loopback address and a port "
-                             f"(tcp://127.0.0.1:PORT); tensors are not sent over the network")
-        return value
-    if "://" in value:
-        raise ValueError(f"socket {value!r}: use a path, ipc://PATH or tcp://127.0.0.1:PORT")
-    return f"ipc://{os.path.abspath(value)}"
-
-
-def ipc_path(endpoint: str) -> Path | None:
-    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
-
-
-def ensure_private_dir(path: Path) -> None:
-    """Create the socket's directory 0700; refuse one that another user owns or others can enter."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"socket directory {path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
-    if stat.S_IMODE(st.st_mode) & 0o007:
-        raise PermissionError(f"socket directory {path} is open to other users (mode {oct(stat.S_IMODE(st.st_mode))}); "
-                              f"chmod o-rwx it")
 
 
 @dataclass
@@ -155,7 +65,6 @@ class DaemonConfig:
 
 CONFIG_ENV = "STORMD_CONFIG"
 ENV_PREFIX = "STORMD_"
-MIN_POOL_SIZE = 4096
 
 
 class ConfigError(ValueError):
@@ -512,18 +421,3 @@ def to_toml(config: DaemonConfig) -> str:
         lines.append(f"{s.name} = {s.kind.to_toml(getattr(config, s.name))}")
     return "\n".join(lines) + "\n"
 
-
-
-def socket_is_live(path: Path) -> bool:
-    """Whether a process accepts connections on the unix socket at ``path``; a killed daemon leaves
-    its socket file behind, and connecting to that fails at once instead of waiting for a reply."""
-    import socket
-
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-        return True
-    except (ConnectionRefusedError, FileNotFoundError):
-        return False
-    finally:
-        probe.close()

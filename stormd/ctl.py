@@ -21,8 +21,9 @@ import zmq
 from rich.console import Console
 from rich.table import Table
 
-from .config import format_size, normalize_endpoint
-from .protocol import ProtocolError, pack, unpack
+from .wire.endpoint import normalize_endpoint
+from .wire.protocol import ProtocolError, pack, unpack
+from .wire.sizes import format_size
 
 VERBS = {"status": "STATUS", "stats": "CLIENTS", "ping": "PING", "drain": "DRAIN"}
 

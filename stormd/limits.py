@@ -15,8 +15,9 @@ import os
 import resource
 from pathlib import Path
 
-from .config import DaemonConfig, format_size
-from .pool import remove_stale_segments
+from .config import DaemonConfig
+from .wire.pool import remove_stale_segments
+from .wire.sizes import format_size
 
 # RAM left to everything else on the host after the pool is reserved: the larger of the two.
 MIN_HEADROOM_BYTES = 512 << 20

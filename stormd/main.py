@@ -21,16 +21,17 @@ import signal
 import sys
 
 from . import logs
-from .config import ConfigError, DaemonConfig, add_arguments, format_size, load, to_toml, unknown_environment
+from .config import ConfigError, DaemonConfig, add_arguments, load, to_toml, unknown_environment
 from .metrics import Metrics
 from .notify import Notifier
 from .limits import check_host
-from .cuda import open_copier
-from .pool import PoolError, SharedPool
+from .copier import open_copier
 from .server import Server
 from .service import Service
 from .sessions import SessionLimits
 from .store import StoreOptions
+from .wire.pool import PoolError, SharedPool
+from .wire.sizes import format_size
 
 log = logging.getLogger("stormd")
 

@@ -17,8 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 
-from .protocol import ALL_ERROR_CODES, OPS
 from .service import Service
+from .wire.protocol import ALL_ERROR_CODES, OPS
 
 log = logging.getLogger("stormd")
 

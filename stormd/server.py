@@ -31,9 +31,10 @@ import zmq
 import zmq.asyncio
 
 from .auth import secure_server
-from .config import DaemonConfig, ensure_private_dir, ipc_path, socket_is_live
-from .protocol import OPS, ErrorCode, ProtocolError, pack, unpack
+from .config import DaemonConfig
 from .service import Service
+from .wire.endpoint import ensure_private_dir, ipc_path, socket_is_live
+from .wire.protocol import OPS, ErrorCode, ProtocolError, pack, unpack
 
 log = logging.getLogger("stormd")
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .allocator import ExtentAllocator
-from .cuda import CudaCopier
-from .pool import SharedPool
-from .protocol import (ADMIN_OPS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorCode, ProtocolError, Request, error, ok,
-                       pack, parse_request, request_id)
+from .copier import CudaCopier
 from .sessions import Session, SessionLimits, SessionTable
 from .store import Entry, Store, StoreOptions
+from .wire.pool import SharedPool
+from .wire.protocol import (ADMIN_OPS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorCode, ProtocolError, Request, error,
+                            ok, pack, parse_request, request_id)
 
 log = logging.getLogger("stormd")
 
@@ -48,7 +48,7 @@ class Service:
                  session_limits: SessionLimits = SessionLimits()):
         self.pool = pool
         self.codec = codec  # told to clients at HELLO: how to encode CPU tensors
-        self.cuda = cuda    # copies CUDA tensors through IPC (stormd/cuda.py); None: clients copy them
+        self.cuda = cuda    # copies CUDA tensors through IPC (stormd/copier.py); None: clients copy them
         # Keys freed while the daemon's copy into or out of them still ran, and sessions that ended
         # so: their extents are released once those copies have finished (settle_copies).
         self._deferred_frees: list[tuple[int, list[int]]] = []

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .protocol import ErrorCode, ProtocolError
+from .wire.protocol import ErrorCode, ProtocolError
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ from .allocator import ExtentAllocator
 from .config import DaemonConfig
 from .ledger import ExtentConflict, ExtentLedger
 from .planner import StepPlanner
-from .pool import SharedPool
-from .protocol import ErrorCode, ProtocolError
 from .spill import SpillFile, SpillIO, SpillOrder
+from .wire.pool import SharedPool
+from .wire.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("stormd")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import storm
-from stormd.config import socket_is_live
+from stormd.wire.endpoint import socket_is_live
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import daemon as bench_daemon  # noqa: E402  (bench/daemon.py: how a test's or a benchmark's stormd starts)

@@ -10,7 +10,7 @@ import torch
 import zmq
 from torch import nn
 
-from stormd.protocol import PROTOCOL_VERSION, pack, unpack
+from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
 
 
 class RawClient:

@@ -16,7 +16,7 @@ from conftest import fall_back_then_reconnect, start_daemon, stop_daemon
 from helpers import RawClient, put_fields, relu_mlp
 
 import storm
-from stormd.protocol import PROTOCOL_VERSION, ErrorCode, pack
+from stormd.wire.protocol import PROTOCOL_VERSION, ErrorCode, pack
 
 
 def write_extent(pool_path: str, offset: int, data: bytes) -> None:

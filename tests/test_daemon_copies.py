@@ -1,4 +1,4 @@
-"""stormd's own CUDA copies (stormd/cuda.py) as the protocol and the service see them, on CPU: the
+"""stormd's own CUDA copies (stormd/copier.py) as the protocol and the service see them, on CPU: the
 ``cuda`` field's checks, NO_CUDA where the daemon copies no GPU memory, and the rule that no
 extent is freed, sealed or handed to another PUT while a copy into or out of it may still run.
 
@@ -14,11 +14,11 @@ import tempfile
 import pytest
 from helpers import put_fields
 
-from stormd.cuda import CudaError
-from stormd.pool import SharedPool
-from stormd.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError
 from stormd.service import Service
 from stormd.store import StoreOptions
+from stormd.wire.cuda import CudaError
+from stormd.wire.pool import SharedPool
+from stormd.wire.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError
 
 FORGED = {"handle": b"\x01" * 64, "offset": 0, "device": "GPU-0", "ready": b"\x02" * 64, "done": b"\x03" * 64}
 

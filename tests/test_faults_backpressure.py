@@ -11,7 +11,7 @@ from conftest import start_daemon, stop_daemon
 from helpers import RawClient, put_fields
 from test_ops_daemon import wait_for_log
 
-from stormd.protocol import pack, unpack
+from stormd.wire.protocol import pack, unpack
 
 FLOOD = 30_000
 OTHERS_P99_BOUND = 0.25  # seconds; the flood takes about 2 s to serve, so a client queued behind it would fail

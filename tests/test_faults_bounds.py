@@ -15,10 +15,10 @@ from test_server_async import AsyncClient, serving, until
 
 from stormd import ctl
 from stormd.config import DaemonConfig
-from stormd.pool import SharedPool
-from stormd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorCode, Request, pack, unpack
 from stormd.service import Service
 from stormd.sessions import SessionLimits
+from stormd.wire.pool import SharedPool
+from stormd.wire.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorCode, Request, pack, unpack
 
 MIB = 1 << 20
 

@@ -38,7 +38,7 @@ WAIT_S = 60.0  # what the test waits for another process at most: a loaded machi
 # time and waits for a line on stdin, so the loop does not pay for interpreter start-up.
 VICTIM = textwrap.dedent("""
     import mmap, os, random, sys, zmq, xxhash
-    from stormd.protocol import PROTOCOL_VERSION, pack, unpack
+    from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
     endpoint, seed = sys.argv[1], int(sys.argv[2])
     sys.stdin.readline()
     s = zmq.Context().socket(zmq.DEALER)

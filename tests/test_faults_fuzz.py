@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_daemon import read_extent, store
 
-from stormd.protocol import (ALL_ERROR_CODES, MAX_INT, MAX_MESSAGE_BYTES, OPS, PROTOCOL_VERSION, ErrorCode,
+from stormd.wire.protocol import (ALL_ERROR_CODES, MAX_INT, MAX_MESSAGE_BYTES, OPS, PROTOCOL_VERSION, ErrorCode,
                              pack, unpack)
 
 POOL = 16 << 20

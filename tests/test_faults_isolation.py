@@ -25,9 +25,9 @@ from helpers import RawClient
 from test_ops_daemon import wait_for_log
 
 import storm
-from stormd.auth import CLIENT_SECRET_ENV, SERVER_PUBLIC_ENV
-from stormd.config import ensure_private_dir
-from stormd.protocol import PROTOCOL_VERSION, pack
+from stormd.wire.curve import CLIENT_SECRET_ENV, SERVER_PUBLIC_ENV
+from stormd.wire.endpoint import ensure_private_dir
+from stormd.wire.protocol import PROTOCOL_VERSION, pack
 
 NOBODY = 65534
 

@@ -20,12 +20,12 @@ from test_server_async import AsyncClient
 
 from stormd.allocator import ExtentAllocator
 from stormd.config import DaemonConfig
-from stormd.pool import SharedPool
-from stormd.protocol import ErrorCode, ProtocolError, pack
 from stormd.server import Server
 from stormd.service import Service
 from stormd.spill import SpillIO
 from stormd.store import Store, StoreOptions, Where
+from stormd.wire.pool import SharedPool
+from stormd.wire.protocol import ErrorCode, ProtocolError, pack
 
 KIB = 1024
 SESSION_END_DEADLINE = 60.0  # seconds; only a daemon that stopped serving comes near it

@@ -1,4 +1,4 @@
-"""stormd copying CUDA tensors itself through CUDA IPC (stormd/cuda.py; run on the lent GPU).
+"""stormd copying CUDA tensors itself through CUDA IPC (stormd/copier.py; run on the lent GPU).
 
 The daemon opens the client's cudaMalloc segments and interprocess events, copies on its own
 streams into and out of the pool it page-locked, and closes what a client opened when it leaves.
@@ -20,9 +20,10 @@ from helpers import RawClient, put_fields
 
 import storm
 from storm.examples.models import same_bits
-from storm.gpu import export, ipc_event, uuid
+from storm.gpu import export, ipc_event
 from storm.session import session_for
-from stormd.protocol import ErrorCode
+from stormd.wire.cuda import device_uuid
+from stormd.wire.protocol import ErrorCode
 
 pytestmark = pytest.mark.gpu
 
@@ -102,7 +103,7 @@ def test_a_tensor_still_being_computed_is_put_once_complete_bit_exact(daemon):
 def test_forged_handles_and_ranges_past_a_segment_are_refused(daemon):
     c = RawClient(daemon.endpoint)
     hello = c.hello()
-    dev = uuid(torch.device("cuda", 0))
+    dev = device_uuid(0)
     assert hello["cuda_devices"] == [dev] or dev in hello["cuda_devices"]
     t = torch.randn(1 << 20, device="cuda")
     handle, offset = export(t.data_ptr(), 0)

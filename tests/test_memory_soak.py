@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from stormd.pool import SharedPool
-from stormd.protocol import pack, unpack
+from stormd.wire.pool import SharedPool
+from stormd.wire.protocol import pack, unpack
 from tests.conftest import start_daemon, stop_daemon
 from tests.helpers import RawClient, put_fields
 

@@ -13,9 +13,9 @@ import torch
 import storm
 from storm.examples.models import GPT, same_bits
 from stormd.allocator import ExtentAllocator
-from stormd.pool import SharedPool
-from stormd.protocol import ErrorCode, ProtocolError
 from stormd.store import ClientLimits, Store, StoreOptions
+from stormd.wire.pool import SharedPool
+from stormd.wire.protocol import ErrorCode, ProtocolError
 from tests.conftest import start_daemon, stop_daemon
 from tests.helpers import RawClient, put_fields
 

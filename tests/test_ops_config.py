@@ -12,8 +12,8 @@ import pytest
 from conftest import start_daemon, stop_daemon
 from test_ops_daemon import wait_for_log
 
-from stormd.config import (SETTINGS, ConfigError, DaemonConfig, add_arguments, format_size, load, parse_size, to_toml,
-                           tomllib, unknown_environment)
+from stormd.config import SETTINGS, ConfigError, DaemonConfig, add_arguments, load, to_toml, tomllib, unknown_environment
+from stormd.wire.sizes import format_size, parse_size
 
 
 def parse(*argv: str, env: dict[str, str] | None = None, home=None) -> DaemonConfig:

@@ -21,7 +21,7 @@ from helpers import RawClient, put_fields
 from prometheus_client.parser import text_string_to_metric_families
 from test_daemon import read_extent, store
 
-from stormd.protocol import ALL_ERROR_CODES, PROTOCOL_VERSION, ErrorCode, pack, unpack
+from stormd.wire.protocol import ALL_ERROR_CODES, PROTOCOL_VERSION, ErrorCode, pack, unpack
 
 STORMCTL = str(Path(sys.executable).parent / "stormctl")
 

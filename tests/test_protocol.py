@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from stormd.protocol import (ALL_ERROR_CODES, PROTOCOL_VERSION, ErrorCode, ProtocolError, pack,
+from stormd.wire.protocol import (ALL_ERROR_CODES, PROTOCOL_VERSION, ErrorCode, ProtocolError, pack,
                              parse_request, unpack)
 
 AUTH = {"session": 1, "token": "t"}
@@ -35,7 +35,7 @@ def test_an_encoded_put_places_the_view_in_the_raw_storage():
 
 def test_the_wire_codec_names_are_storm_kernels_codecs():
     from storm.kernels import CODECS as KERNEL_CODECS
-    from stormd.protocol import CODECS
+    from stormd.wire.protocol import CODECS
     assert CODECS == tuple(KERNEL_CODECS)
 
 

@@ -14,10 +14,10 @@ import zmq.asyncio
 from helpers import put_fields
 
 from stormd.config import DaemonConfig
-from stormd.pool import SharedPool
-from stormd.protocol import PROTOCOL_VERSION, ErrorCode, pack, unpack
 from stormd.server import Server
 from stormd.service import Service
+from stormd.wire.pool import SharedPool
+from stormd.wire.protocol import PROTOCOL_VERSION, ErrorCode, pack, unpack
 
 
 class AsyncClient:

@@ -21,9 +21,9 @@ from storm.examples.models import GPT, same_bits
 from stormd.allocator import ExtentAllocator
 from stormd.config import add_arguments, load
 from stormd.ledger import ExtentConflict, ExtentLedger
-from stormd.pool import SharedPool
-from stormd.protocol import ErrorCode, ProtocolError
 from stormd.store import Store, StoreOptions
+from stormd.wire.pool import SharedPool
+from stormd.wire.protocol import ErrorCode, ProtocolError
 from tests.helpers import RawClient, put_fields
 
 A, B = 1, 2

@@ -16,7 +16,7 @@ from pathlib import Path
 from conftest import start_daemon, stop_daemon
 from test_ops_daemon import wait_for_log
 
-from stormd.config import socket_is_live
+from stormd.wire.endpoint import socket_is_live
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS.parent / "bench"))

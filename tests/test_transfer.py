@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from client import transfer
-from client.backend import Settled, settle
+from client.replies import Settled, settle
 from client.errors import StormIntegrityError, StormRequestError, StormUnavailable
 from client.transfer import Replied
 

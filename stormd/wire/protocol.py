@@ -59,7 +59,7 @@ STATS  -> session:{...} node:{...}
 PING   -> time:float        (session and token optional; refreshes the heartbeat)
 BYE    -> freed:int         (frees everything of the session and ends it)
 
-CUDA (the ``cuda`` field of PUT and GET; stormd/cuda.py copies):
+CUDA (the ``cuda`` field of PUT and GET; stormd/copier.py copies):
        handle:bin[64]   cudaIpcMemHandle_t of the cudaMalloc segment holding the client's bytes
        offset:int       where the bytes start in that segment
        device:str       the GPU's UUID (as torch spells it; indices differ between processes)

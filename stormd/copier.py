@@ -1,6 +1,6 @@
 """The daemon's CUDA copies: a client's GPU memory, opened through CUDA IPC, to and from the pinned pool.
 
-A PUT or GET of a CUDA tensor may carry a ``cuda`` map (protocol.py): the IPC handle of the
+A PUT or GET of a CUDA tensor may carry a ``cuda`` map (wire/protocol.py): the IPC handle of the
 cudaMalloc segment holding the bytes and their offset in it, the GPU's UUID (indices differ between
 processes under CUDA_VISIBLE_DEVICES), and two interprocess events the client made: ``ready``
 (recorded where the tensor is complete, or where the destination is free) and ``done``, which the
@@ -24,18 +24,16 @@ which holds no lock of its own (the GIL and the driver's locks must not wait on 
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .pool import SharedPool
-from .protocol import IPC_HANDLE_BYTES as HANDLE_BYTES
-from .protocol import ErrorCode, ProtocolError
+from .wire.cuda import CudaError, bindings, check, device_uuid, fired, handle_from_bytes, register_pool, unregister_pool
+from .wire.pool import SharedPool
+from .wire.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("stormd")
 
@@ -43,79 +41,15 @@ MAX_SEGMENTS = 1024    # segments one session may have open; beyond, the least r
 MAX_EVENTS = 4096      # events one session may have open; beyond, the least recently used is destroyed
 _RANGES = ("stormd copy to host", "stormd copy to device")
 
-_rt: Any = None
+_rt: Any = None   # cuda.bindings' runtime and driver, bound by the first CudaCopier: nothing here runs before one
 _drv: Any = None
-_register_lock = threading.Lock()
-
-
-def bindings() -> tuple[Any, Any]:
-    """cuda.bindings' runtime and driver modules (CUDA builds of torch bring them; CPU builds do not)."""
-    global _rt, _drv
-    if _rt is None:
-        from cuda.bindings import driver, runtime
-        _rt, _drv = runtime, driver
-    return _rt, _drv
-
-
-class CudaError(RuntimeError):
-    """A CUDA call of the daemon's own failed (not something a client sent)."""
-
-
-def check(err: Any, what: str) -> None:
-    if int(err) != 0:
-        raise CudaError(f"{what} failed: CUDA error {int(err)} ({getattr(err, 'name', err)})")
-
-
-def fired(event: Any) -> bool:
-    """Whether the work before the event's last record has run (an event never recorded has);
-    never blocks."""
-    err = _rt.cudaEventQuery(event)[0]
-    if err == _rt.cudaError_t.cudaErrorNotReady:
-        return False
-    check(err, "cudaEventQuery")
-    return True
-
-
-def handle_bytes(handle: Any) -> bytes:
-    """The 64 bytes of an IPC memory or event handle, as they travel in a message."""
-    return ctypes.string_at(handle.getPtr(), HANDLE_BYTES)
-
-
-def _handle(cls: Any, data: bytes) -> Any:
-    h = cls()
-    ctypes.memmove(h.getPtr(), data, HANDLE_BYTES)
-    return h
-
-
-def register_pool(pool: SharedPool) -> None:
-    """Page-lock the pool once per process (cudaHostRegister, portable: usable from every device's
-    context), so copies to and from it are DMA at link speed. It pins every page, about a second per
-    GiB, so it runs once: at the daemon's start, or with a client's first CUDA copy of its own."""
-    rt, _ = bindings()
-    with _register_lock:
-        if pool.cuda_registered:
-            return
-        err = rt.cudaHostRegister(pool.address(0, pool.size), pool.size, rt.cudaHostRegisterPortable)[0]
-        if int(err) != 0:
-            raise CudaError(f"cudaHostRegister of the {pool.size}-byte pool failed with CUDA error {int(err)}; "
-                            f"check RLIMIT_MEMLOCK (ulimit -l) and free memory")
-        pool.cuda_registered = True
-
-
-def unregister_pool(pool: SharedPool) -> None:
-    """Undo register_pool; must run before the pool is unmapped, or a later mapping at the same
-    address cannot be registered (CUDA error 712)."""
-    with _register_lock:
-        if pool.cuda_registered:
-            bindings()[0].cudaHostUnregister(pool.address(0, pool.size))
-            pool.cuda_registered = False
 
 
 def device_uuids() -> dict[str, int]:
     """UUID -> index of the GPUs this process sees (torch's spelling, which clients send)."""
     if not torch.cuda.is_available():
         return {}
-    return {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+    return {device_uuid(i): i for i in range(torch.cuda.device_count())}
 
 
 def open_copier(pool: SharedPool) -> "CudaCopier | None":
@@ -166,7 +100,8 @@ class _SessionCuda:
 
 class CudaCopier:
     def __init__(self, pool: SharedPool):
-        rt, _ = bindings()
+        global _rt, _drv
+        _rt, _drv = bindings()
         self.pool = pool
         self.uuids = device_uuids()
         if not self.uuids:
@@ -178,8 +113,8 @@ class CudaCopier:
         # visible GPU at start (a node's training processes use them all; CUDA_VISIBLE_DEVICES limits it)
         self._contexts = []
         for index in range(len(self.uuids)):
-            check(rt.cudaSetDevice(index)[0], "cudaSetDevice")
-            check(rt.cudaFree(0)[0], "cudaFree")  # initialises the device's primary context
+            check(_rt.cudaSetDevice(index)[0], "cudaSetDevice")
+            check(_rt.cudaFree(0)[0], "cudaFree")  # initialises the device's primary context
             err, context = _drv.cuCtxGetCurrent()
             check(err, "cuCtxGetCurrent")
             self._contexts.append(context)
@@ -188,8 +123,8 @@ class CudaCopier:
         log.info("pool page-locked for CUDA copies", extra={"seconds": round(time.monotonic() - started, 3),
                                                             "devices": len(self.uuids)})
         self._sessions: dict[int, _SessionCuda] = {}
-        self._to_host = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        self._to_device = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        self._to_host = _rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        self._to_device = _rt.cudaMemcpyKind.cudaMemcpyHostToDevice
 
     @property
     def devices(self) -> list[str]:
@@ -284,7 +219,7 @@ class CudaCopier:
             return seg
         if len(s.segments) >= MAX_SEGMENTS:
             self._close_idle_segment(s)
-        err, pointer = _rt.cudaIpcOpenMemHandle(_handle(_rt.cudaIpcMemHandle_t, handle),
+        err, pointer = _rt.cudaIpcOpenMemHandle(handle_from_bytes(_rt.cudaIpcMemHandle_t, handle),
                                                _rt.cudaIpcMemLazyEnablePeerAccess)
         if int(err) != 0:
             _rt.cudaGetLastError()
@@ -314,7 +249,7 @@ class CudaCopier:
             return event
         if len(s.events) >= MAX_EVENTS:
             _rt.cudaEventDestroy(s.events.popitem(last=False)[1])  # safe while pending
-        err, event = _rt.cudaIpcOpenEventHandle(_handle(_rt.cudaIpcEventHandle_t, handle))
+        err, event = _rt.cudaIpcOpenEventHandle(handle_from_bytes(_rt.cudaIpcEventHandle_t, handle))
         if int(err) != 0:
             _rt.cudaGetLastError()
             raise ProtocolError(ErrorCode.BAD_HANDLE, f"the CUDA IPC event handle does not open ({err.name}): not an "

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 SEGMENT_PREFIX = "stormd-"
+MIN_POOL_SIZE = 4096  # the smallest pool stormd or the embedded store accepts
 
 
 class PoolError(RuntimeError):
@@ -41,7 +42,7 @@ class SharedPool:
         self.size = size
         self.path = path
         self._owner = owner
-        self.cuda_registered = False  # page-locked with cudaHostRegister (client side, storm.gpu)
+        self.cuda_registered = False  # page-locked with cudaHostRegister (stormd.wire.cuda.register_pool)
         self._bytes: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
 
     @classmethod

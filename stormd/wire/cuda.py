@@ -1,0 +1,99 @@
+"""The CUDA runtime binding stormd and its clients share: the bindings, IPC handle bytes, events, the pool's page-lock.
+
+Both sides reach CUDA through the runtime's own Python bindings (cuda.bindings,
+which CUDA builds of torch bring; CPU builds do not, so they load on first
+use). What must match between the two sides lives here once: how an IPC handle
+travels as bytes, how a GPU is named (by UUID, since indices differ between
+processes under CUDA_VISIBLE_DEVICES), and the one page-lock of the pool per
+process, which the daemon takes at start and a client with its first CUDA copy
+of its own. The daemon's copier is stormd/copier.py, the client's streams
+storm.gpu.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import torch
+
+from .pool import SharedPool
+from .protocol import IPC_HANDLE_BYTES
+
+_rt: Any = None
+_drv: Any = None
+_register_lock = threading.Lock()
+
+
+def bindings() -> tuple[Any, Any]:
+    """cuda.bindings' runtime and driver modules (CUDA builds of torch bring them; CPU builds do not)."""
+    global _rt, _drv
+    if _rt is None:
+        from cuda.bindings import driver, runtime
+        _rt, _drv = runtime, driver
+    return _rt, _drv
+
+
+class CudaError(RuntimeError):
+    """A CUDA call of this process's own failed (not something a peer sent): the daemon's calls, an
+    event query or the pool's page-lock on either side."""
+
+
+def check(err: Any, what: str, error: type[Exception] = CudaError) -> None:
+    """Raise ``error`` naming the call ``what`` and the CUDA error, unless ``err`` is success. The
+    client passes its own StormError, so that its CUDA failures stay STORM's errors."""
+    if int(err) != 0:
+        raise error(f"{what} failed: CUDA error {int(err)} ({getattr(err, 'name', err)})")
+
+
+def fired(event: Any) -> bool:
+    """Whether the work before the event's last record has run (an event never recorded has);
+    never blocks."""
+    err = _rt.cudaEventQuery(event)[0]
+    if err == _rt.cudaError_t.cudaErrorNotReady:
+        return False
+    check(err, "cudaEventQuery")
+    return True
+
+
+def handle_bytes(handle: Any) -> bytes:
+    """The 64 bytes of an IPC memory or event handle, as they travel in a message."""
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+
+def handle_from_bytes(cls: Any, data: bytes) -> Any:
+    """An IPC handle of type ``cls`` (cudaIpcMemHandle_t, cudaIpcEventHandle_t) from its bytes in a message."""
+    h = cls()
+    ctypes.memmove(h.getPtr(), data, IPC_HANDLE_BYTES)
+    return h
+
+
+def device_uuid(index: int) -> str:
+    """The UUID of the GPU this process calls ``index``, spelt as torch spells it: the client sends
+    it with each copy and stormd's HELLO lists its own, so both must spell it the same."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def register_pool(pool: SharedPool) -> None:
+    """Page-lock the pool once per process (cudaHostRegister, portable: usable from every device's
+    context), so copies to and from it are DMA at link speed. It pins every page, about a second per
+    GiB, so it runs once: at the daemon's start, or with a client's first CUDA copy of its own."""
+    rt, _ = bindings()
+    with _register_lock:
+        if pool.cuda_registered:
+            return
+        err = rt.cudaHostRegister(pool.address(0, pool.size), pool.size, rt.cudaHostRegisterPortable)[0]
+        if int(err) != 0:
+            raise CudaError(f"cudaHostRegister of the {pool.size}-byte pool failed with CUDA error {int(err)}; "
+                            f"check RLIMIT_MEMLOCK (ulimit -l) and free memory")
+        pool.cuda_registered = True
+
+
+def unregister_pool(pool: SharedPool) -> None:
+    """Undo register_pool; must run before the pool is unmapped, or a later mapping at the same
+    address cannot be registered (CUDA error 712)."""
+    with _register_lock:
+        if pool.cuda_registered:
+            bindings()[0].cudaHostUnregister(pool.address(0, pool.size))
+            pool.cuda_registered = False

@@ -1,0 +1,85 @@
+"""Where stormd's socket lives: stormd binds it, the client and stormctl find it, all through here.
+
+An endpoint is a path, ``ipc://PATH`` or ``tcp://LOOPBACK:PORT``; not given, it is
+``$STORMD_SOCKET``, else ``stormd.sock`` in a directory private to this uid. What one side accepts
+the others do, since they read it with the same function.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import stat
+from pathlib import Path
+from typing import Mapping
+from urllib.parse import urlsplit
+
+SOCKET_ENV = "STORMD_SOCKET"
+SOCKET_NAME = "stormd.sock"
+
+
+def runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Private directory of this uid for the socket: $XDG_RUNTIME_DIR/stormd, else /tmp/stormd-UID."""
+    xdg = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
+    if xdg and Path(xdg).is_dir():
+        return Path(xdg) / "stormd"
+    return Path(f"/tmp/stormd-{os.getuid()}")
+
+
+def normalize_endpoint(value: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The ZeroMQ endpoint of a socket given as a path, ipc://PATH or tcp://LOOPBACK:PORT; for None
+    (not given) $STORMD_SOCKET, read the same way, else the runtime directory's socket. stormd, the
+    client and stormctl all find the socket here, so what one accepts the others do."""
+    if not value:
+        env = os.environ if environ is None else environ
+        if not env.get(SOCKET_ENV):
+            return f"ipc://{runtime_dir(env) / SOCKET_NAME}"
+        try:
+            return normalize_endpoint(env[SOCKET_ENV])
+        except ValueError as e:
+            raise ValueError(f"{SOCKET_ENV}: {e}") from None
+    if value.startswith("ipc://"):
+        return value
+    if value.startswith("tcp://"):
+        u = urlsplit(value)
+        try:
+            loopback = ipaddress.ip_address(u.hostname or "").is_loopback
+        except ValueError:
+            loopback = u.hostname == "localhost"
+        if not loopback or not u.port:
+            raise ValueError(f"socket {value!r}: tcp:// must name a loopback address and a port "
+                             f"(tcp://127.0.0.1:PORT); tensors are not sent over the network")
+        return value
+    if "://" in value:
+        raise ValueError(f"socket {value!r}: use a path, ipc://PATH or tcp://127.0.0.1:PORT")
+    return f"ipc://{os.path.abspath(value)}"
+
+
+def ipc_path(endpoint: str) -> Path | None:
+    """The socket file of an ipc:// endpoint; None for tcp://."""
+    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+
+
+def ensure_private_dir(path: Path) -> None:
+    """Create the socket's directory 0700; refuse one that another user owns or others can enter."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"socket directory {path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
+    if stat.S_IMODE(st.st_mode) & 0o007:
+        raise PermissionError(f"socket directory {path} is open to other users (mode {oct(stat.S_IMODE(st.st_mode))}); "
+                              f"chmod o-rwx it")
+
+
+def socket_is_live(path: Path) -> bool:
+    """Whether a process accepts connections on the unix socket at ``path``; a killed daemon leaves
+    its socket file behind, and connecting to that fails at once instead of waiting for a reply."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    finally:
+        probe.close()
