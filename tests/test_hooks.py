@@ -306,8 +306,11 @@ def test_embedded_pool_full_keeps_tensors_on_their_device_and_says_so_once(caplo
         assert_same_grads(model, lambda m: m(x).square().sum(), {"mode": "embedded", "min_bytes": 0,
                                                                   "pool_size": "300KiB"})
         with storm.offload(mode="embedded", min_bytes=0, pool_size="300KiB") as ctx:
-            model(x).square().sum().backward()
-        ctx.synchronize()  # the mover's replies decide what was kept
+            loss = model(x).square().sum()
+        # the mover's replies decide what was kept: read before backward, which would take each save
+        # from its tensor, so a copy the mover had not begun would be dropped, never refused
+        ctx.synchronize()
+        loss.backward()
     assert ctx.stats.kept.get(storm.Keep.POOL_FULL, 0) >= 1 and ctx.stats.offloaded >= 1
     said = [r.getMessage() for r in caplog.records if r.name == "storm"]
     assert len(said) == 1 and "no room" in said[0] and "pool_size" in said[0], said  # two steps, one line
@@ -346,10 +349,11 @@ def test_saves_the_store_refused_go_without_the_garbage_collector():
                 saved.append(StorageWeakRef(h.untyped_storage()))
                 y = torch.tanh(lin(h))
             del h
+            ctx.synchronize()  # every refusal read (a copy not begun before backward would be dropped)
+            assert ctx.stats.kept.get(storm.Keep.POOL_FULL, 0) >= 1
             y.sum().backward()
             del y
-        ctx.synchronize()  # every refusal read: the tensors are the session's to let go of now
-        assert ctx.stats.kept.get(storm.Keep.POOL_FULL, 0) >= 1
+        ctx.synchronize()  # the tensors are the session's to let go of now
         assert [r.expired() for r in saved] == [True, True, True]
     finally:
         gc.enable()
