@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.util
 import logging
 import resource
 import sys
@@ -27,6 +28,7 @@ import storm
 from storm.examples.models import GPT, same_bits
 from storm.report import BACKWARD, FORWARD, memory_timeline, plot_memory, progress
 from storm.session import DEFAULT_MAX_HELD_BYTES
+from stormd.wire.sizes import parse_size
 
 
 def corpus(device: torch.device) -> torch.Tensor:
@@ -115,6 +117,14 @@ def positive(text: str) -> int:
     return n
 
 
+def size(text: str) -> int:
+    """argparse type: bytes, as a number or with a unit (64KiB, 8MiB, 1GB), as the Python API takes them."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=positive, default=20)
@@ -126,9 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--mode", default="auto", choices=["auto", "daemon", "embedded"])
     p.add_argument("--socket", default=None, help="stormd socket (default: $STORMD_SOCKET or the runtime dir)")
-    p.add_argument("--min-bytes", type=int, default=64 << 10)
-    p.add_argument("--max-held-bytes", type=int, default=DEFAULT_MAX_HELD_BYTES,
-                   help="bytes whose copy may still be running before a save waits (0: every save waits)")
+    p.add_argument("--min-bytes", type=size, default=64 << 10,
+                   help="smaller saved tensors stay on the device (bytes or a size such as 64KiB; default 64KiB)")
+    p.add_argument("--max-held-bytes", type=size, default=DEFAULT_MAX_HELD_BYTES,
+                   help="bytes whose copy may still be running before a save waits (a size such as 64MiB; "
+                        "0: every save waits)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the bit-exact first-step comparison")
@@ -142,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after training
+        p.error("--plot draws with matplotlib, which is not installed: pip install 'storm-offload[plot]' "
+                "(or pip install matplotlib)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device}: this torch sees no CUDA device (use --device cpu)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")

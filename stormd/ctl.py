@@ -6,12 +6,16 @@
     stormctl drain             # refuse new tensors, exit once clients hold none
     stormctl --json status     # the daemon's reply as JSON, for scripts
 
+On a terminal wide enough, tables are drawn by rich; piped, redirected or too narrow, the same
+rows print as plain aligned columns, nothing cut (--json for scripts that parse them).
+
 Exit status: 0 on an answer, 1 when no daemon answers or it refuses.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -59,42 +63,84 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def render_status(reply: dict[str, Any], endpoint: str) -> Table:
+@dataclasses.dataclass
+class Report:
+    """What a verb prints: a titled table, drawn by rich on a terminal wide enough for it, else as
+    plain aligned columns that nothing truncates (a pipe, a file, a narrow terminal)."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    caption: str = ""
+    header: bool = True
+
+    def table(self) -> Table:
+        t = Table(title=self.title, caption=self.caption or None, show_header=self.header)
+        for i, col in enumerate(self.columns):
+            t.add_column(col, justify="right" if i and self.header and col not in TEXT_COLUMNS else "left",
+                         style=None if self.header or i else "bold")
+        for row in self.rows:
+            t.add_row(*row)
+        return t
+
+    def widths(self) -> list[int]:
+        lines = [self.columns, *self.rows] if self.header else self.rows
+        return [max((len(line[i]) for line in lines), default=0) for i in range(len(self.columns))]
+
+    def plain(self) -> str:
+        lines = [self.columns, *self.rows] if self.header else self.rows
+        widths = self.widths()
+        out = [self.title]
+        for line in lines:
+            out.append("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip())
+        if self.caption:
+            out.append(self.caption)
+        return "\n".join(out)
+
+
+TEXT_COLUMNS = {"name", "host"}  # left-aligned; numbers go right
+
+
+def show(report: Report, console: Console) -> None:
+    """rich's table where the terminal shows it whole; plain columns otherwise (rich would cut every
+    column to fit a pipe's default width of 80)."""
+    drawn = sum(report.widths()) + 3 * len(report.columns) + 1  # each cell padded by one, and the rules
+    if console.is_terminal and drawn <= console.width:
+        console.print(report.table())
+    else:
+        print(report.plain())
+
+
+def status_report(reply: dict[str, Any], endpoint: str) -> Report:
     node, traffic = reply["node"], reply["traffic"]
-    t = Table(title=f"stormd at {endpoint}", show_header=False)
-    t.add_column("what", style="bold")
-    t.add_column("value")
     state = "draining" if reply["draining"] else "serving"
     rows = [
-        ("server", reply["server"]), ("state", state), ("uptime", f"{reply['uptime_s']:.0f} s"),
-        ("clients", str(node["clients"])),
-        ("pool used", f"{_mib(node['used'])} of {format_size(node['capacity'])} "
-                      f"({100 * node['used'] / node['capacity']:.1f}%), peak {_mib(node['peak'])}"),
-        ("tensors held", str(node["keys"])),
-        ("fragmentation", f"{node['fragmentation']:.3f} ({node['free_extents']} free extents)"),
-        ("stored (PUT)", f"{traffic['puts']} tensors, {_mib(traffic['bytes_in'])}"),
-        ("fetched (GET)", f"{traffic['gets']} tensors, {_mib(traffic['bytes_out'])}"),
-        ("errors", ", ".join(f"{k} {v}" for k, v in sorted(node["errors"].items())) or "none"),
+        ["server", reply["server"]], ["state", state], ["uptime", f"{reply['uptime_s']:.0f} s"],
+        ["clients", str(node["clients"])],
+        ["pool used", (f"{_mib(node['used'])} of {format_size(node['capacity'])} "
+                       f"({100 * node['used'] / node['capacity']:.1f}%), peak {_mib(node['peak'])}")],
+        ["tensors held", str(node["keys"])],
+        ["fragmentation", f"{node['fragmentation']:.3f} ({node['free_extents']} free extents)"],
+        ["stored (PUT)", f"{traffic['puts']} tensors, {_mib(traffic['bytes_in'])}"],
+        ["fetched (GET)", f"{traffic['gets']} tensors, {_mib(traffic['bytes_out'])}"],
+        ["errors", ", ".join(f"{k} {v}" for k, v in sorted(node["errors"].items())) or "none"],
     ]
-    for k, v in rows:
-        t.add_row(k, v)
-    return t
+    return Report(f"stormd at {endpoint}", ["what", "value"], rows, header=False)
 
 
-def render_clients(reply: dict[str, Any], endpoint: str) -> Table:
+def clients_report(reply: dict[str, Any], endpoint: str) -> Report:
     shown, total = len(reply["clients"]), reply.get("total", len(reply["clients"]))
-    t = Table(title=f"clients of stormd at {endpoint}")
+    caption = ""
     if total > shown:  # the daemon bounds its reply; it lists those holding the most bytes
-        t.caption = (f"{shown} of {total} clients shown, those holding the most bytes; "
-                     f"{total - shown} more not shown (stormctl status counts them all)")
-    for col in ("session", "pid", "host", "connected s", "idle s", "tensors", "held", "peak held",
-                "PUT", "GET", "in", "out", "pool full"):
-        t.add_column(col, justify="left" if col == "host" else "right")
-    for c in reply["clients"]:
-        t.add_row(str(c["session"]), str(c["pid"]), c["host"], f"{c['connected_s']:.0f}", f"{c['idle_s']:.1f}",
-                  str(c["keys"]), _mib(c["held_bytes"]), _mib(c["peak_held_bytes"]), str(c["puts"]),
-                  str(c["gets"]), _mib(c["bytes_in"]), _mib(c["bytes_out"]), str(c["pool_full"]))
-    return t
+        caption = (f"{shown} of {total} clients shown, those holding the most bytes; "
+                   f"{total - shown} more not shown (stormctl status counts them all)")
+    columns = ["session", "name", "pid", "host", "connected s", "idle s", "tensors", "held", "peak held",
+               "PUT", "GET", "in", "out", "pool full"]
+    rows = [[str(c["session"]), c.get("name") or "-", str(c["pid"]), c["host"], f"{c['connected_s']:.0f}",
+             f"{c['idle_s']:.1f}", str(c["keys"]), _mib(c["held_bytes"]), _mib(c["peak_held_bytes"]), str(c["puts"]),
+             str(c["gets"]), _mib(c["bytes_in"]), _mib(c["bytes_out"]), str(c["pool_full"])]
+            for c in reply["clients"]]
+    return Report(f"clients of stormd at {endpoint}", columns, rows, caption)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,14 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     console = Console()
     if a.verb == "ping":
-        console.print(f"stormd at {endpoint} answered in {rtt_ms:.2f} ms")
+        print(f"stormd at {endpoint} answered in {rtt_ms:.2f} ms")
     elif a.verb == "stats":
-        console.print(render_clients(reply, endpoint))
+        show(clients_report(reply, endpoint), console)
     else:
         if a.verb == "drain":
-            console.print(f"stormd at {endpoint} is draining: it refuses new tensors and exits once clients "
-                          f"hold none (or at its drain deadline)")
-        console.print(render_status(reply, endpoint))
+            print(f"stormd at {endpoint} is draining: it refuses new tensors and exits once clients "
+                  f"hold none (or at its drain deadline)")
+        show(status_report(reply, endpoint), console)
     return 0
 
 

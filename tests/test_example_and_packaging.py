@@ -38,12 +38,29 @@ def test_train_gpt_with_a_plan_traces_plans_and_explains(capsys):
     (["--steps", "0"], "--steps: must be at least 1, got 0"),
     (["--batch", "-2"], "--batch: must be at least 1"),
     (["--heads", "3"], "--d-model 128 is not a multiple of --heads 3"),
-    (["--min-bytes", "x"], "--min-bytes: invalid int value"),
+    (["--min-bytes", "x"], "--min-bytes: cannot read size 'x': use bytes or a number with a unit"),
+    (["--max-held-bytes", "1.5"], "--max-held-bytes: size '1.5' is not a whole number of bytes"),
 ])
 def test_train_gpt_refuses_bad_arguments_clearly(args, says, capsys):
     with pytest.raises(SystemExit) as e:
         train_gpt.main(args)
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_train_gpt_takes_sizes_as_the_python_api_does(capsys):
+    """Issue 41, first hour: `--min-bytes 64KiB` was refused ('invalid int value')."""
+    assert train_gpt.main([*SMALL, "--mode", "embedded", "--min-bytes", "1KiB", "--max-held-bytes", "8MiB"]) == 0
+    assert "gradients bit-identical" in capsys.readouterr().out
+
+
+def test_train_gpt_plot_without_matplotlib_says_which_extra_before_training(monkeypatch, capsys):
+    """Issue 41, first hour: without matplotlib, --plot failed after training with a raw ModuleNotFoundError."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: find_spec gives None
+    with pytest.raises(SystemExit) as e:
+        train_gpt.main([*SMALL, "--mode", "embedded", "--plot", "memory.png"])
+    err = capsys.readouterr()
+    assert e.value.code == 2 and "pip install 'storm-offload[plot]'" in err.err
+    assert "step" not in err.out  # refused before any training
 
 
 def test_train_gpt_exits_nonzero_when_a_gradient_differs(monkeypatch, capsys):

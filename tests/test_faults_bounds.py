@@ -60,7 +60,7 @@ def test_the_clients_reply_fits_any_client_however_many_sessions_and_lists_the_b
     assert reply["total"] == n and 0 < len(reply["clients"]) < n
     top = [(c["session"], c["held_bytes"]) for c in reply["clients"][:3]]
     assert top == sorted(holders.items(), key=lambda kv: -kv[1])
-    caption = ctl.render_clients(reply, "ipc:///x").caption
+    caption = ctl.clients_report(reply, "ipc:///x").caption
     assert f"{len(reply['clients'])} of {n} clients shown" in caption and f"{n - len(reply['clients'])} more" in caption
     pool.close()
 

@@ -183,6 +183,9 @@ def test_stormctl_status_stats_ping_and_drain(tmp_path):
         assert row["pid"] == os.getpid() and row["keys"] == 1 and row["held_bytes"] == 5000 and row["puts"] == 1
         table = ctl(d, "status")
         assert table.returncode == 0 and "serving" in table.stdout and "stored (PUT)" in table.stdout
+        piped = ctl(d, "stats").stdout.splitlines()  # captured: not a terminal, so plain columns, none cut
+        assert piped[1].split()[:3] == ["session", "name", "pid"] and "peak held" in piped[1], piped
+        assert piped[2].split()[2] == str(os.getpid()) and "…" not in "".join(piped), piped
         ping = ctl(d, "ping")
         assert ping.returncode == 0 and "answered in" in ping.stdout
         assert json.loads(ctl(d, "--json", "ping").stdout)["rtt_ms"] > 0

@@ -1,0 +1,52 @@
+"""stormctl's output: whole columns whatever the terminal, with each client's name (issue 41, first hour)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+from rich.console import Console
+
+from stormd import ctl
+
+CLIENT = {"session": 7, "name": "trainer-rank-0", "pid": 4242, "host": "node-a", "connected_s": 12.0, "idle_s": 0.5,
+          "keys": 3, "held_bytes": 3 << 20, "peak_held_bytes": 5 << 20, "puts": 9, "gets": 6, "bytes_in": 9 << 20,
+          "bytes_out": 6 << 20, "pool_full": 0}
+
+
+def printed(report: ctl.Report, *, terminal: bool, width: int) -> str:
+    out = io.StringIO()
+    # show() prints plain columns with print(): route both to the same buffer
+    console = Console(file=out, force_terminal=terminal, width=width)
+    with contextlib.redirect_stdout(out):
+        ctl.show(report, console)
+    return out.getvalue()
+
+
+def test_piped_or_narrow_stats_print_every_column_whole_with_the_clients_name():
+    report = ctl.clients_report({"clients": [CLIENT], "total": 1}, "ipc:///run/stormd/stormd.sock")
+    for terminal, width in ((False, 80), (True, 40)):
+        text = printed(report, terminal=terminal, width=width)
+        assert "…" not in text, text
+        header, row = text.splitlines()[1:3]
+        assert header.split("  ")[0:2] == ["session", "name"] and "connected s" in header and "pool full" in header
+        assert row.split()[:4] == ["7", "trainer-rank-0", "4242", "node-a"]
+
+
+def test_a_wide_terminal_gets_rich_table():
+    report = ctl.clients_report({"clients": [CLIENT], "total": 1}, "ipc:///s")
+    text = printed(report, terminal=True, width=400)
+    assert "┃" in text or "│" in text  # drawn by rich
+    assert "trainer-rank-0" in text and "…" not in text
+
+
+def test_a_client_without_a_name_shows_a_dash_and_status_prints_plain_when_piped():
+    report = ctl.clients_report({"clients": [{**CLIENT, "name": ""}]}, "ipc:///s")
+    assert report.rows[0][1] == "-"
+    status = {"server": "stormd 1", "draining": False, "uptime_s": 3.0,
+              "node": {"clients": 1, "used": 1 << 20, "capacity": 1 << 30, "peak": 2 << 20, "keys": 1,
+                       "fragmentation": 0.0, "free_extents": 1, "errors": {"POOL_FULL": 2}},
+              "traffic": {"puts": 1, "bytes_in": 1 << 20, "gets": 0, "bytes_out": 0}}
+    text = printed(ctl.status_report(status, "ipc:///s"), terminal=False, width=20)
+    assert "pool used      1.0 MiB of 1GiB (0.1%), peak 2.0 MiB" in text
+    assert "errors         POOL_FULL 2" in text
