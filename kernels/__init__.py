@@ -14,9 +14,11 @@ How the store calls it::
 ``codec`` is ``"auto"`` or one of ``raw``, ``ancf`` (a: exact-value dictionary,
 the source design), ``ancf_exp`` (b: dictionary on the exponent field),
 ``huff_exp`` (c: Huffman-coded exponent field), ``zero`` (d: bitmap +
-non-zeros), ``pack`` (e: 1/2-bit packing of tensors with <= 4 distinct values).
+non-zeros), ``pack`` (e: 1/2-bit packing of tensors with <= 4 distinct values),
+``zstd`` (zstandard level 1 on byte planes; host tensors only).
 Every codec is bit-exact for every bit pattern; ``auto`` never returns a payload
-larger than the input and stores raw when no codec saves 5 %;
+larger than the input and stores raw when no codec saves 5 %; on the host it weighs
+zstd too and is never larger than zstd on a tensor of at least 4 KiB;
 ``encode(t, "auto", min_gbps=x)`` restricts it to codecs whose encode rate
 measured on the H100 (``registry.ENCODE_GBPS``) is at least x GB/s.
 ``Encoded.to_bytes`` copies CUDA buffers to (pageable) host memory; a store that
@@ -42,7 +44,7 @@ forms: tests/kernels/test_kernels_layout.py checks):
 * ``registry``       the codecs by name, ``encode``/``decode``, the ``auto`` choice
 * ``container``      ``Encoded``: the self-describing container and its byte format
 * ``codecs/<name>``  one module per codec (``raw``, ``ancf``, ``ancf_exp``, ``huff_exp``,
-                     ``zero``, ``pack``); ``codecs/base``, ``codecs/fields`` what they share
+                     ``zero``, ``pack``, ``zstd``); ``codecs/base``, ``codecs/fields`` what they share
 * ``huffman``        the lane-parallel Huffman coder of ``huff_exp`` (gpu/huffman,
                      gpu/huffman_code)
 * ``frame``          frames (codec b at a fixed size); ``frame_layout`` their bytes

@@ -121,7 +121,7 @@ DTYPE_SIZES: dict[str, int] = {
     "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
 # storm.kernels' codecs by name (a test keeps the two lists equal; stormd never decodes).
-CODECS = ("raw", "ancf", "ancf_exp", "huff_exp", "zero", "pack")
+CODECS = ("raw", "ancf", "ancf_exp", "huff_exp", "zero", "pack", "zstd")
 # What a PUT may say its bytes are: a codec's serialized form, or a frame (storm.kernels.frame:
 # ancf_exp at a size fixed before encoding, which CUDA tensors are stored in).
 FRAME_CODEC = "ancf_exp_frame"

@@ -17,6 +17,7 @@ CASES = {
     "huff_exp": torch.randn(1000).half(),
     "zero": torch.relu(torch.randn(333)),
     "pack": torch.rand(77) > 0.5,
+    "zstd": torch.randn(500).bfloat16(),
 }
 
 
