@@ -4,7 +4,7 @@ Keys are chosen by the client and live in its session's namespace, so one
 session can neither see nor free another's tensors. Clients copy into the
 extent PUT reserved and SEAL it with a checksum; GET hands the extent back
 only once sealed. Where the bytes sit is the store's business between SEAL and
-GET: extents come from the session's step plan (planner.py) or the general
+GET: extents come from the session's step placement (placement.py) or the general
 allocator (allocator.py), and when the pool is full the store moves sealed,
 not yet fetched extents to the spill file and back (spill.py). A GET reply
 therefore carries the offset the bytes have now, which may differ from PUT's.
@@ -33,7 +33,7 @@ from sortedcontainers import SortedList
 from .allocator import ExtentAllocator
 from .config import DaemonConfig
 from .ledger import ExtentConflict, ExtentLedger
-from .planner import StepPlanner
+from .placement import StepPlacement
 from .spill import SpillFile, SpillIO, SpillOrder
 from .wire.pool import SharedPool
 from .wire.protocol import ErrorCode, ProtocolError
@@ -71,7 +71,7 @@ class Entry:
     storage_offset: int
     codec: str
     raw_nbytes: int         # the storage's size before the client encoded it (= nbytes for raw)
-    slot: int = 0           # order within its step: the planner's index
+    slot: int = 0           # order within its step: the placement's index
     planned: bool = False   # placed in the session's planned region
     sealed: bool = False
     fetched: bool = False   # GET answered: the client may read the extent, so it stays until FREE
@@ -143,7 +143,7 @@ class NodeCounters:
 
 @dataclass
 class _SessionEntries:
-    planner: StepPlanner
+    placement: StepPlacement
     name: str = ""
     limits: ClientLimits = ClientLimits()
     entries: dict[int, Entry] = field(default_factory=dict)
@@ -172,7 +172,7 @@ class Store:
 
     def open_session(self, session: int, name: str = "") -> None:
         limits = self.options.clients.get(name, self.options.default_limits)
-        self._sessions[session] = _SessionEntries(StepPlanner(self.allocator), name, limits)
+        self._sessions[session] = _SessionEntries(StepPlacement(self.allocator), name, limits)
 
     def _of(self, session: int) -> _SessionEntries:
         s = self._sessions.get(session)
@@ -198,15 +198,15 @@ class Store:
                                 f"{who} holds {c.held_bytes} bytes and its quota is {quota}; {f['nbytes']} more "
                                 f"do not fit: raise its quota (client_quota, or clients.{s.name or 'NAME'}.quota "
                                 f"in stormd.toml) or offload less (storm.offload(budget=...))")
-        slot = s.planner.slot(f["step"])
-        offset = s.planner.place(f["step"], slot, self.allocator.aligned(f["nbytes"]))
+        slot = s.placement.slot(f["step"])
+        offset = s.placement.place(f["step"], slot, self.allocator.aligned(f["nbytes"]))
         planned = offset is not None
         try:
             if offset is None:
                 offset = self._alloc(f["nbytes"], s)
             self._claim(session, s, f["key"], offset, f["nbytes"], planned)
         except (ProtocolError, ExtentConflict):
-            s.planner.cancel(f["step"], slot)  # not stored: no lifetime to learn from
+            s.placement.cancel(f["step"], slot)  # not stored: no lifetime to learn from
             raise
         e = Entry(f["key"], f["step"], offset, f["nbytes"], f["dtype"], list(f["shape"]), list(f["strides"]),
                   f["storage_offset"], f["codec"], f.get("raw_nbytes", f["nbytes"]), slot=slot, planned=planned)
@@ -319,7 +319,7 @@ class Store:
             elif e.where != Where.LOST:  # a lost entry's extent and file space went when its read failed
                 self._release_extent(s, e)
             self.order.discard(s.limits.priority, e.step, e.key, session)
-            s.planner.forget(e.step, e.slot)
+            s.placement.forget(e.step, e.slot)
             del s.entries[k]
             s.counters.held_bytes -= e.nbytes
         self._prefetch(session, s)
@@ -344,7 +344,7 @@ class Store:
 
     def _give_back(self, s: _SessionEntries, offset: int, planned: bool) -> None:
         if planned:
-            s.planner.release(offset)
+            s.placement.release(offset)
         else:
             self.allocator.free(offset)
 
@@ -501,8 +501,8 @@ class Store:
         freed = self.free(session)
         s = self._sessions.pop(session, None)
         if s is not None:  # free() gave back the plan's region with its last tensor
-            self.node.plan_hits += s.planner.stats.plan_hits
-            self.node.plan_misses += s.planner.stats.plan_misses
+            self.node.plan_hits += s.placement.stats.plan_hits
+            self.node.plan_misses += s.placement.stats.plan_misses
         return freed
 
     def close(self) -> None:
@@ -518,7 +518,7 @@ class Store:
     def session_stats(self, session: int) -> dict[str, Any]:
         s = self._of(session)
         return {"keys": len(s.entries), **vars(s.counters), "name": s.name, "quota": s.limits.quota,
-                "priority": s.limits.priority, **vars(s.planner.stats), "plan": s.planner.describe()}
+                "priority": s.limits.priority, **vars(s.placement.stats), "plan": s.placement.describe()}
 
     def node_stats(self) -> dict[str, Any]:
         st = self.allocator.stats()
@@ -532,5 +532,5 @@ class Store:
                 "spill_capacity": spill.capacity if spill else 0,
                 "spilled_bytes": sum(s.counters.spilled_bytes for s in live),
                 **vars(self.node),
-                "plan_hits": self.node.plan_hits + sum(s.planner.stats.plan_hits for s in live),
-                "plan_misses": self.node.plan_misses + sum(s.planner.stats.plan_misses for s in live)}
+                "plan_hits": self.node.plan_hits + sum(s.placement.stats.plan_hits for s in live),
+                "plan_misses": self.node.plan_misses + sum(s.placement.stats.plan_misses for s in live)}

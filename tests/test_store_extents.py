@@ -134,7 +134,7 @@ def test_a_checked_store_refuses_a_placement_over_a_live_tensor_and_keeps_its_by
     write(store, B, 1, 0xBB)
     taken = store.find(B, 1).offset
     store.open_session(A)
-    planner = store._sessions[A].planner
+    planner = store._sessions[A].placement
     given_back: list[int] = []
     planner.place = lambda step, slot, size: taken  # a placement bug, for this test
     planner.release = given_back.append

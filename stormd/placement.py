@@ -1,4 +1,4 @@
-"""Step-lifetime planning: place each step's saved tensors at offsets learnt from an earlier step.
+"""Step placement: place each step's saved tensors at offsets learnt from an earlier step.
 
 Training repeats itself: every step saves the same sizes in the same order
 during forward and frees them in (roughly) reverse order during backward. A
@@ -105,8 +105,8 @@ class PlanStats:
     plan_first_fit: int = 0       # what first-fit needed for the recorded step, for comparison
 
 
-class StepPlanner:
-    """One session's plan. The store calls ``place`` on PUT and ``release`` on FREE."""
+class StepPlacement:
+    """One session's placement. The store calls ``place`` on PUT and ``release`` on FREE."""
 
     def __init__(self, allocator: ExtentAllocator):
         self.allocator = allocator
