@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from sortedcontainers import SortedDict
 
-from .allocator import ExtentAllocator
+from .allocator import Allocator
 
 # Planning is O(n^2) in the tensors of a step and runs on the daemon's loop; tensors past
 # this many in one step are not planned (they use the general allocator) so it stays well
@@ -108,7 +108,7 @@ class PlanStats:
 class StepPlacement:
     """One session's placement. The store calls ``place`` on PUT and ``release`` on FREE."""
 
-    def __init__(self, allocator: ExtentAllocator):
+    def __init__(self, allocator: Allocator):
         self.allocator = allocator
         self.stats = PlanStats()
         self._clock = 0

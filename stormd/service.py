@@ -14,7 +14,9 @@ from typing import Any, Protocol
 from .allocator import ExtentAllocator
 from .copier import CudaCopier
 from .sessions import Session, SessionLimits, SessionTable
-from .store import Entry, Store, StoreOptions
+from .entries import Entry
+from .store import Store
+from .store_options import StoreOptions
 from .wire.pool import SharedPool
 from .wire.protocol import (ADMIN_OPS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorCode, ProtocolError, Request, error,
                             ok, pack, parse_request, request_id)

@@ -13,7 +13,8 @@ import torch
 import storm
 from storm.examples.models import GPT, same_bits
 from stormd.allocator import ExtentAllocator
-from stormd.store import ClientLimits, Store, StoreOptions
+from stormd.store import Store
+from stormd.store_options import ClientLimits, StoreOptions
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import ErrorCode, ProtocolError
 from tests.conftest import start_daemon, stop_daemon
@@ -59,7 +60,7 @@ def test_full_pool_spills_the_earliest_saves_and_reads_them_back_intact(spill_di
         store.allocator.check()
     node = store.node_stats()
     assert node["read_back_total"] == node["spilled_total"] and node["prefetched"] > 0
-    assert node["used"] == 0 and node["spilled_bytes"] == 0 and store.spill.space.stats().used == 0
+    assert node["used"] == 0 and node["spilled_bytes"] == 0 and store.spiller.file.space.stats().used == 0
     store.close()
 
 
@@ -67,7 +68,7 @@ def test_fetched_tensors_are_never_moved(spill_dir):
     store = store_with(64 * KIB, spill_dir=spill_dir, spill_limit=1 << 20)
     for key in (1, 2, 3, 4):
         put_sealed(store, 1, key, 16 * KIB)
-    store._reap(block=True)  # the background spill that the full pool started has finished
+    store.spiller.reap(block=True)  # the background spill that the full pool started has finished
     offsets = {k: store.get(1, k).offset for k in (1, 2, 3, 4)}  # the client may be reading these now
     assert store.allocator.stats().used == 64 * KIB
     with pytest.raises(ProtocolError) as err:
@@ -108,13 +109,13 @@ def test_quota_and_priority_come_from_the_client_name(spill_dir):
     assert store.session_stats(2)["quota_refused"] == 1
     for key in range(1, 4):
         put_sealed(store, 1, key, 16 * KIB)  # the pool is full now: the low-priority client spills first
-    store._reap(block=True)
+    store.spiller.reap(block=True)
     assert store.session_stats(2)["spilled_bytes"] >= 16 * KIB and store.session_stats(1)["spilled_bytes"] == 0
     st = store.session_stats(1)
     assert (st["name"], st["quota"], st["priority"]) == ("big", 0, 5)
     store.drop_session(1)
     store.drop_session(2)
-    assert store.node_stats()["used"] == 0 and store.spill.space.stats().used == 0
+    assert store.node_stats()["used"] == 0 and store.spiller.file.space.stats().used == 0
     store.close()
 
 
