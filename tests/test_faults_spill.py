@@ -8,8 +8,6 @@ import asyncio
 import errno
 import logging
 import os
-import shutil
-import tempfile
 
 import pytest
 import pytest_asyncio
@@ -49,13 +47,6 @@ class FailingDisk(SpillIO):
         if where in self.bad:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         super().read(fd, dst, where)
-
-
-@pytest.fixture
-def spill_dir():
-    d = tempfile.mkdtemp(prefix="stormd-spill-test-", dir="/var/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def store_on(disk: FailingDisk, spill_dir: str, pool_bytes: int = 64 * KIB) -> Store:

@@ -4,8 +4,6 @@ per-client quotas and priorities, and training through a daemon whose pool holds
 from __future__ import annotations
 
 import copy
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -21,14 +19,6 @@ from tests.conftest import start_daemon, stop_daemon
 from tests.helpers import RawClient, put_fields
 
 KIB = 1024
-
-
-@pytest.fixture
-def spill_dir():
-    """On disk, as stormd requires (/tmp may be a tmpfs on some hosts; /var/tmp is disk by convention)."""
-    d = tempfile.mkdtemp(prefix="stormd-spill-test-", dir="/var/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def store_with(pool_bytes: int, **options) -> Store:

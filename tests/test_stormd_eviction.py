@@ -3,10 +3,6 @@ test's own (stormd.eviction.EvictionPolicy) chooses, having told it which tensor
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-
-import pytest
 from helpers import put_fields
 
 from stormd.allocator import ExtentAllocator
@@ -17,13 +13,6 @@ from stormd.store_options import StoreOptions
 from stormd.wire.pool import SharedPool
 
 KIB = 1024
-
-
-@pytest.fixture
-def spill_dir():
-    d = tempfile.mkdtemp(prefix="stormd-spill-test-", dir="/var/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def entry(key: int, step: int) -> Entry:

@@ -4,8 +4,6 @@ of the test's own (SpillIO) failed."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 
 import pytest
 from helpers import put_fields
@@ -35,13 +33,6 @@ NODE_METRICS = {
     "stormd_pool_free_extents": "free_extents",
     "stormd_pool_largest_free_bytes": "largest_free",
 }
-
-
-@pytest.fixture
-def spill_dir():
-    d = tempfile.mkdtemp(prefix="stormd-spill-test-", dir="/var/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_failed_spill_writes_and_reads_are_exported_with_every_node_counter(spill_dir):
