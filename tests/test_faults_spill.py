@@ -79,8 +79,7 @@ def test_a_failed_spill_write_keeps_the_tensor_in_the_pool_logs_once_and_refuses
             store.put(1, put_fields(key, 16 * KIB))
         assert err.value.code == ErrorCode.POOL_FULL
         assert spill_dir in err.value.message and "No space left on device" in err.value.message
-    entries = store._sessions[1].entries
-    assert all(e.where == Where.POOL and e.io is None for e in entries.values())
+    assert all(store.find(1, key).where == Where.POOL and store.find(1, key).io is None for key in range(1, 5))
     assert store.spiller.file.space.stats().used == 0  # the failed writes' file space was given back
     assert store.node_stats()["spill_write_errors"] >= 3
     failed = [r for r in caplog.records if "spill write failed" in r.getMessage()]
@@ -107,7 +106,7 @@ def test_a_failed_read_back_fails_that_keys_get_only(spill_dir):
         put_sealed(store, 1, key)
     put_sealed(store, 2, 1, 4 * KIB)  # another session, in the pool
     store.spiller.reap(block=True)
-    spilled = [e for e in store._sessions[1].entries.values() if e.where == Where.SPILLED]
+    spilled = [e for e in (store.find(1, key) for key in range(1, 7)) if e.where == Where.SPILLED]
     assert len(spilled) >= 2
     bad = spilled[0]
     disk.bad.add(bad.file_offset)
@@ -135,7 +134,7 @@ def test_a_spill_file_cut_short_loses_the_spilled_keys_only_and_the_store_goes_o
     for key in range(1, 7):
         put_sealed(store, 1, key)
     store.spiller.reap(block=True)
-    spilled = {k for k, e in store._sessions[1].entries.items() if e.where == Where.SPILLED}
+    spilled = {key for key in range(1, 7) if store.find(1, key).where == Where.SPILLED}
     assert spilled
     os.ftruncate(store.spiller.file.fd, 0)
     for key in range(6, 0, -1):

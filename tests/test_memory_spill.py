@@ -41,7 +41,7 @@ def test_full_pool_spills_the_earliest_saves_and_reads_them_back_intact(spill_di
     node = store.node_stats()
     assert node["spilled_total"] >= 4 * 16 * KIB and node["used"] <= 64 * KIB
     assert store.session_stats(1)["spilled_bytes"] == node["spilled_bytes"] > 0
-    assert store._sessions[1].entries[1].offset is None  # the first saved went first
+    assert store.find(1, 1).offset is None  # the first saved went first
     for key in range(8, 0, -1):  # backward: latest first
         e = store.get(1, key)
         assert e.offset is not None
