@@ -41,12 +41,12 @@ class Spiller:
     """The store's spill: ``file`` None is spill off (nothing ever moves)."""
 
     def __init__(self, file: SpillFile | None, pool: SharedPool | None, extents: PoolExtents,
-                 policy: EvictionPolicy, sessions: dict[int, SessionEntries], node: NodeCounters):
+                 eviction: EvictionPolicy, sessions: dict[int, SessionEntries], node: NodeCounters):
         self.file = file
         self.pool = pool
         self.extents = extents
         self.allocator = extents.allocator
-        self.policy = policy
+        self.eviction = eviction
         self._sessions = sessions  # the store's, by session id
         self.node = node
         self._in_flight: list[tuple[int, Entry]] = []  # (session, entry) with spill I/O running
@@ -76,7 +76,7 @@ class Spiller:
         if wait and any(e.where == Where.SPILLING for _, e in self._in_flight):
             self.reap(block=True)  # writes already under way free their extents first
             return True
-        victim = self.policy.pop_victim()
+        victim = self.eviction.pop_victim()
         if victim is None:
             return False
         session, key = victim
@@ -84,7 +84,7 @@ class Spiller:
         e = s.entries[key]
         started = self.file.write(self.pool.view(e.offset, e.nbytes))
         if started is None:
-            self.policy.add(session, s.limits.priority, e)
+            self.eviction.add(session, s.limits.priority, e)
             return False
         e.file_offset, e.io = started
         e.where = Where.SPILLING
@@ -195,14 +195,14 @@ class Spiller:
             self.node.read_back_total += e.nbytes
             self._reads_failing = False
             if not e.fetched:
-                self.policy.add(session, s.limits.priority, e)
+                self.eviction.add(session, s.limits.priority, e)
 
     def _write_failed(self, session: int, s: SessionEntries, e: Entry, failure: BaseException) -> None:
         """The bytes are still in the pool extent: the entry stays there, and may be spilled again
         once the disk takes writes."""
         self._release_file(e)
         e.where = Where.POOL
-        self.policy.add(session, s.limits.priority, e)
+        self.eviction.add(session, s.limits.priority, e)
         self.node.spill_write_errors += 1
         if self.failure is None:
             log.error("spill write failed: tensors stay in the pool and background spill rests until a write "

@@ -1,4 +1,4 @@
-"""No two live pool extents overlap, whatever the step planner did: the sequence that made a planned
+"""No two live pool extents overlap, whatever the step placement did: the sequence that made a planned
 slot land past its region onto another session's tensor, the ledger that refuses such a placement,
 random PUT / SEAL / GET / FREE / new-step / BYE traffic from several sessions checked after every
 operation, and the symptom with real clients (a trainer keeping an old graph, growing its batch)."""
@@ -262,9 +262,9 @@ def random_traffic(store: Store, rng: random.Random, operations: int, sessions: 
 
 
 def test_random_traffic_from_several_sessions_never_overlaps_live_extents():
-    """14,000 operations across 4 sessions over a pool small enough to fill, with the step planner
+    """14,000 operations across 4 sessions over a pool small enough to fill, with the step placement
     at work (plans made, hit, missed, dropped and remade); after every one the live extents are
-    checked against each other, the ledger and the allocator. On main the planner placed a slot past
+    checked against each other, the ledger and the allocator. On main the step placement put a slot past
     its region within a few thousand operations (over another session's tensor, or past the pool)."""
     store = checked_store(256 << 10)
     ran = random_traffic(store, random.Random(1), operations=14_000, sessions=4)
