@@ -5,7 +5,7 @@ eviction policy's next victim to the spill file (eviction.py, spill.py) and,
 once written, gives its pool extent back. A spilled tensor is read back into
 the pool on its GET, or earlier by prefetch. Writes and reads run on the spill
 file's worker thread; the spiller applies finished ones on the store's thread
-(``reap``, ``settle``).
+(``reap``, ``wait_for``).
 
 Spill I/O fails as disks do (full, a file cut short): a failed write leaves
 its tensor in the pool, and background spill rests until a write succeeds
@@ -90,7 +90,7 @@ class Spiller:
         e.where = Where.SPILLING
         self._in_flight.append((session, e))
         if wait:
-            self.settle(session, e)
+            self.wait_for(session, e)
             return e.where == Where.SPILLED
         return True
 
@@ -139,7 +139,7 @@ class Spiller:
         s.spilled.discard((e.step, e.key))
         s.counters.spilled_bytes -= e.nbytes
 
-    def settle(self, session: int, e: Entry) -> None:
+    def wait_for(self, session: int, e: Entry) -> None:
         """Wait for ``e``'s spill I/O, if any, and apply it."""
         if e.io is not None:
             self._in_flight.remove((session, e))

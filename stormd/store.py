@@ -143,11 +143,11 @@ class Store:
         e = self._entry(session, key)
         if not e.sealed:
             raise ProtocolError(ErrorCode.NOT_SEALED, f"key {key} was reserved by PUT but never sealed")
-        self.spiller.settle(session, e)
+        self.spiller.wait_for(session, e)
         if e.where == Where.SPILLED:
             self.node.read_back_on_get += 1
             self.spiller.read_back(session, s, e, self._alloc(e.nbytes, s))
-            self.spiller.settle(session, e)
+            self.spiller.wait_for(session, e)
         if e.where == Where.LOST:
             raise ProtocolError(ErrorCode.SPILL_FAILED,
                                 f"key {key}: {e.lost}; its bytes are lost (this key's only: the session's other "
@@ -184,7 +184,7 @@ class Store:
         doomed = self.keys(session, keys, step)
         for k in doomed:
             e = s.entries[k]
-            self.spiller.settle(session, e)
+            self.spiller.wait_for(session, e)
             if e.where == Where.SPILLED:
                 self.spiller.drop_spilled(s, e)
             elif e.where != Where.LOST:  # a lost entry's extent and file space went when its read failed
