@@ -20,7 +20,7 @@ Every codec is bit-exact for every bit pattern; ``auto`` never returns a payload
 larger than the input and stores raw when no codec saves 5 %; on the host it weighs
 zstd too and is never larger than zstd on a tensor of at least 4 KiB;
 ``encode(t, "auto", min_gbps=x)`` restricts it to codecs whose encode rate
-measured on the H100 (``registry.ENCODE_GBPS``) is at least x GB/s.
+measured on a GPU (``registry.ENCODE_GBPS``) is at least x GB/s.
 ``Encoded.to_bytes`` copies CUDA buffers to (pageable) host memory; a store that
 wants pinned staging can copy ``enc.buffers`` itself.
 

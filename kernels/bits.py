@@ -17,7 +17,7 @@ integers  most significant byte          the other bytes
 
 The bf16 split keeps both streams byte-aligned (the GPU kernels then move whole
 bytes); on the real MiniLM bf16 sample it gives up little against coding the
-full (sign, 8-bit exponent): see bench/results for the measured ratios.
+full (sign, 8-bit exponent): see docs/results.md for the measured ratios.
 """
 from __future__ import annotations
 

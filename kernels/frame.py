@@ -6,10 +6,10 @@ has run, so its size cannot depend on the data. A frame of n 16-bit words in
 T = ceil(n / TILE) tiles therefore has a fixed size, ``frame_nbytes(n)``: a header,
 the dictionary, each tile's end, the 4-bit codes, the low bytes and the escapes' high
 bytes, laid out as kernels.frame_layout draws it, with ``cap = n // 128 + 16`` escape
-slots: bf16 activations of the real sample (tests/fixtures) have at most 0.4 % escapes. An escape's slot is the number of
+slots: more than the bf16 activations of the real sample (tests/fixtures) need. An escape's slot is the number of
 escapes before it, so it needs no position (a slot is one byte; a position
 and a symbol took five): a tile's first slot is the end of the tile before,
-the codes give the rest. About 1.3x on bf16 activations (1.32x on the real sample).
+the codes give the rest. Its ratio on bf16 activations is in docs/results.md ("Codecs and kernels").
 Frames are for bf16, whose high byte is sign and exponent; any 16-bit words
 round-trip, but fp16's high byte holds mantissa bits too and overflows.
 The count in the header is every escape, also those past ``cap``: a frame with

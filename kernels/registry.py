@@ -30,10 +30,11 @@ AUTO_MIN_SAVING = 0.05     # auto stores raw unless a codec saves at least 5 % o
 AUTO_MIN_BYTES = 4096      # below this the fixed header outweighs any saving
 SAMPLE = 1 << 16           # elements sampled by auto to estimate each codec's size
 
-# Encode throughput of each codec measured on the H100 (GB/s of input, 256 MiB
-# tensors, rounded down; bench/results/codec_h100_256mib_2026-11-22.json, and for
-# huff_exp the lowest of bench/results/codec-h100-2026-11-23.json and
-# codec-nvcomp-h100-2026-11-23.json).
+# Encode throughput of each codec on a GPU, in GB/s of input, rounded down: data
+# that drives ``auto``'s choice, from bench/codec.py's runs on large tensors (for
+# huff_exp the lowest of its runs and of the nvCOMP comparison); docs/results.md
+# ("Codecs and kernels") has the latest run, its device and how to repeat it.
+# Only the order matters to a choice, so the table is updated when that changes.
 # ``encode(..., min_gbps=x)`` lets ``auto`` pick only codecs at or above x.
 # These are GPU figures: on the CPU every codec is far slower and only the
 # order is indicative.

@@ -3,11 +3,14 @@
 The pool is one contiguous segment; the allocator only does arithmetic on
 offsets and never touches the memory. Free extents are indexed twice: by
 (size, offset) to find the best fit, and by offset to merge neighbours.
+``Allocator`` is what the store and the step placement need of one, so a test
+can hand the store an allocator of its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from sortedcontainers import SortedDict, SortedList
 
@@ -28,6 +31,24 @@ class AllocatorStats:
         """1 - largest free extent / free bytes: 0 when all free space is one extent."""
         free = self.capacity - self.used
         return 0.0 if free == 0 else 1.0 - self.largest_free / free
+
+
+class Allocator(Protocol):
+    capacity: int
+
+    def aligned(self, nbytes: int) -> int:
+        """The bytes an extent of ``nbytes`` takes."""
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a new extent of at least ``nbytes``, or None when none is free."""
+
+    def free(self, offset: int) -> int:
+        """Return the extent at ``offset``; returns its size."""
+
+    def size_of(self, offset: int) -> int:
+        """The size of the live extent at ``offset``."""
+
+    def stats(self) -> AllocatorStats: ...
 
 
 class ExtentAllocator:

@@ -108,8 +108,8 @@ class CudaCopier:
             raise CudaError("no CUDA device is visible to stormd")
         started = time.monotonic()
         # each device's primary context, bound by cuCtxSetCurrent before its calls: with clients on
-        # two GPUs, cudaSetDevice switching between them took the daemon ~0.3 ms a request
-        # (cProfile, two DDP ranks on two H200s), 20 ms of every W1 step's requests. Made for every
+        # two GPUs, cudaSetDevice switching between them cost the daemon host time on every request,
+        # where binding a context costs next to none (bench/set_device_cost.py measures both). Made for every
         # visible GPU at start (a node's training processes use them all; CUDA_VISIBLE_DEVICES limits it)
         self._contexts = []
         for index in range(len(self.uuids)):

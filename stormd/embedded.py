@@ -11,7 +11,7 @@ daemon's internals stay free to change behind this function
 from __future__ import annotations
 
 from .service import Service
-from .store import StoreOptions
+from .store_options import StoreOptions
 from .wire.pool import SharedPool
 
 

@@ -1,9 +1,9 @@
 """A ledger of the pool extents the store has given to tensors, to catch a placement bug at once.
 
 Two layers hand out pool bytes: the general allocator, and each session's step
-planner, which places tensors inside a region it took from that allocator. The
-allocator's own ``check`` sees only the regions, not where a planner put
-things inside them, so a planner that placed a tensor past its region would
+placement (placement.py), which places tensors inside a region it took from that allocator. The
+allocator's own ``check`` sees only the regions, not where a placement put
+things inside them, so a placement that placed a tensor past its region would
 hand out bytes that belong to someone else, and nothing would notice until a
 checksum failed (CPU) or never (CUDA copies carry none). The ledger records
 every tensor's extent, whoever placed it, and refuses one that leaves the pool
@@ -21,7 +21,7 @@ from sortedcontainers import SortedDict
 
 class ExtentConflict(AssertionError):
     """An extent was placed over a live one or outside the pool, or released without being placed:
-    a bug in the store or the planner, never the client's doing."""
+    a bug in the store or the step placement, never the client's doing."""
 
 
 class ExtentLedger:

@@ -29,7 +29,7 @@ from .copier import open_copier
 from .server import Server
 from .service import Service
 from .sessions import SessionLimits
-from .store import StoreOptions
+from .store_options import StoreOptions
 from .wire.pool import PoolError, SharedPool
 from .wire.sizes import format_size
 

@@ -3,7 +3,9 @@
 Counters are read from the Service when Prometheus scrapes, on the loop that
 also mutates them, so a scrape never sees a half-updated store (prometheus_client's
 own ``start_http_server`` would read them from another thread while the loop
-changes them). Spill is not exported: ``stormctl status`` (STATS, ``node``) reports it.
+changes them). The store's node counters (spill, read-back, spill errors, step
+placement) are exported beside the traffic, as ``stormctl status`` (STATS,
+``node``) reports them.
 """
 
 from __future__ import annotations
@@ -90,6 +92,23 @@ class _ServiceCollector:
         yield _gauge("stormd_pool_used_bytes", "Bytes of the pool in extents now", node["used"])
         yield _gauge("stormd_pool_peak_used_bytes", "Most bytes of the pool in extents at once", node["peak"])
         yield _gauge("stormd_pool_fragmentation", "1 - largest free extent / free bytes", node["fragmentation"])
+        yield _gauge("stormd_pool_free_extents", "Free extents of the pool", node["free_extents"])
+        yield _gauge("stormd_pool_largest_free_bytes", "The largest free extent of the pool", node["largest_free"])
+        yield _gauge("stormd_spill_capacity_bytes", "Size of the spill file (0: spill off)", node["spill_capacity"])
+        yield _gauge("stormd_spilled_bytes", "Bytes of the tensors held now that are in the spill file",
+                     node["spilled_bytes"])
+        yield _counter("stormd_spill_written_bytes", "Bytes written to the spill file", node["spilled_total"])
+        yield _counter("stormd_spill_read_back_bytes", "Bytes read back from the spill file", node["read_back_total"])
+        yield _counter("stormd_spill_read_backs_on_get", "Read-backs a GET had to wait for (prefetch came too late)",
+                       node["read_back_on_get"])
+        yield _counter("stormd_spill_prefetches", "Read-backs started before their GET", node["prefetched"])
+        yield _counter("stormd_spill_write_errors", "Writes to the spill file that failed (their tensors stayed "
+                       "in the pool)", node["spill_write_errors"])
+        yield _counter("stormd_spill_read_errors", "Read-backs from the spill file that failed (those tensors' "
+                       "bytes are lost)", node["spill_read_errors"])
+        yield _counter("stormd_plan_hits", "Tensors placed at their step's planned offset", node["plan_hits"])
+        yield _counter("stormd_plan_misses", "Tensors of planned steps that went to the general allocator",
+                       node["plan_misses"])
         yield _gauge("stormd_keys", "Tensors held now, all clients", node["keys"])
         yield _gauge("stormd_clients", "Connected client sessions", len(s.sessions))
         yield _gauge("stormd_draining", "1 while draining for shutdown", int(s.draining))

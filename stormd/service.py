@@ -14,7 +14,9 @@ from typing import Any, Protocol
 from .allocator import ExtentAllocator
 from .copier import CudaCopier
 from .sessions import Session, SessionLimits, SessionTable
-from .store import Entry, Store, StoreOptions
+from .entries import Entry
+from .store import Store
+from .store_options import StoreOptions
 from .wire.pool import SharedPool
 from .wire.protocol import (ADMIN_OPS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorCode, ProtocolError, Request, error,
                             ok, pack, parse_request, request_id)
@@ -54,9 +56,9 @@ class Service:
         self._deferred_frees: list[tuple[int, list[int]]] = []
         self._closing: list[int] = []
         # Per session, the entries the daemon's own copies are filling, in the order queued: each is
-        # sealed here once its copy has finished, so the client sends no SEAL for them (W1 at a
-        # 500 MB budget: 15 requests a step fewer, each a send on the training thread and a reply
-        # on the client's reader thread).
+        # sealed here once its copy has finished, so the client sends no SEAL for them: one request
+        # fewer per CUDA tensor, each a send on the training thread and a reply on the client's
+        # reader thread.
         self._unsealed: dict[int, collections.OrderedDict[int, Entry]] = {}
         # The daemon logs each connect and disconnect; the embedded store's only session is
         # its own process, so a line about it would only be noise in the training log.

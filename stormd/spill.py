@@ -1,16 +1,11 @@
-"""Spill: which extents leave the pool when it is full, and the file they go to.
-
-``SpillOrder`` ranks the extents that may move: sealed (the client's copy is
-done) and not yet fetched (after GET the client may be reading the extent, so
-it stays put until FREE). The first to go is the one backward needs last: the
-lowest client priority, then the oldest step, then the earliest saved key.
+"""The spill file: where tensors go when the pool is full (which go: eviction.py; when: spiller.py).
 
 ``SpillFile`` is one unnamed file in the spill directory (O_TMPFILE, or
 created and unlinked at once, so a killed daemon leaves nothing behind), as
 large as the spill limit and sparse, sub-allocated by the same extent
 allocator as the pool. Writes and reads run on one worker thread so the
-daemon's loop keeps answering while bytes move; the store applies a finished
-write (frees the pool extent) on its own thread. The bytes move through a
+daemon's loop keeps answering while bytes move; the spiller applies a finished
+write (frees the pool extent) on the store's thread. The bytes move through a
 ``SpillIO``: the one seam between the store and the disk, so a test can stand
 a failing disk (full, broken) in for the real one.
 """
@@ -22,7 +17,6 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from sortedcontainers import SortedList
 
 from .allocator import ExtentAllocator
 
@@ -31,29 +25,6 @@ SPILL_ALIGNMENT = 4096  # page-aligned file offsets keep reads and writes whole 
 
 class SpillError(RuntimeError):
     """The spill file cannot be created; the message names the directory and the fix."""
-
-
-class SpillOrder:
-    """Extents that may be spilled, first victim first."""
-
-    def __init__(self) -> None:
-        self._ranked: SortedList = SortedList()
-
-    def add(self, priority: int, step: int, key: int, session: int) -> None:
-        self._ranked.add((priority, step, key, session))
-
-    def discard(self, priority: int, step: int, key: int, session: int) -> None:
-        self._ranked.discard((priority, step, key, session))
-
-    def pop_first(self) -> tuple[int, int] | None:
-        """(session, key) of the extent backward needs last, or None when nothing may move."""
-        if not self._ranked:
-            return None
-        _, _, key, session = self._ranked.pop(0)
-        return session, key
-
-    def __len__(self) -> int:
-        return len(self._ranked)
 
 
 class SpillIO:

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -119,6 +121,15 @@ def daemon(tmp_path):
 def small_daemon(tmp_path):
     """A daemon whose pool holds only a few small tensors."""
     yield from serve(tmp_path, "64KiB")
+
+
+@pytest.fixture
+def spill_dir():
+    """A directory for a spill file, on disk as stormd requires (/tmp may be a tmpfs on some hosts;
+    /var/tmp is disk by convention)."""
+    d = tempfile.mkdtemp(prefix="stormd-spill-test-", dir="/var/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

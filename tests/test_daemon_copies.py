@@ -15,7 +15,7 @@ import pytest
 from helpers import put_fields
 
 from stormd.service import Service
-from stormd.store import StoreOptions
+from stormd.store_options import StoreOptions
 from stormd.wire.cuda import CudaError
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError

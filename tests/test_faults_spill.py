@@ -8,8 +8,6 @@ import asyncio
 import errno
 import logging
 import os
-import shutil
-import tempfile
 
 import pytest
 import pytest_asyncio
@@ -23,7 +21,9 @@ from stormd.config import DaemonConfig
 from stormd.server import Server
 from stormd.service import Service
 from stormd.spill import SpillIO
-from stormd.store import Store, StoreOptions, Where
+from stormd.entries import Where
+from stormd.store import Store
+from stormd.store_options import StoreOptions
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import ErrorCode, ProtocolError, pack
 
@@ -47,13 +47,6 @@ class FailingDisk(SpillIO):
         if where in self.bad:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         super().read(fd, dst, where)
-
-
-@pytest.fixture
-def spill_dir():
-    d = tempfile.mkdtemp(prefix="stormd-spill-test-", dir="/var/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def store_on(disk: FailingDisk, spill_dir: str, pool_bytes: int = 64 * KIB) -> Store:
@@ -86,9 +79,8 @@ def test_a_failed_spill_write_keeps_the_tensor_in_the_pool_logs_once_and_refuses
             store.put(1, put_fields(key, 16 * KIB))
         assert err.value.code == ErrorCode.POOL_FULL
         assert spill_dir in err.value.message and "No space left on device" in err.value.message
-    entries = store._sessions[1].entries
-    assert all(e.where == Where.POOL and e.io is None for e in entries.values())
-    assert store.spill.space.stats().used == 0  # the failed writes' file space was given back
+    assert all(store.find(1, key).where == Where.POOL and store.find(1, key).io is None for key in range(1, 5))
+    assert store.spiller.file.space.stats().used == 0  # the failed writes' file space was given back
     assert store.node_stats()["spill_write_errors"] >= 3
     failed = [r for r in caplog.records if "spill write failed" in r.getMessage()]
     assert len(failed) == 1 and failed[0].spill_dir == spill_dir  # once, not per write
@@ -98,12 +90,12 @@ def test_a_failed_spill_write_keeps_the_tensor_in_the_pool_logs_once_and_refuses
         put_sealed(store, 1, key)
     disk.full = False  # room on the disk again: the next PUT that needs room spills, and spill resumes
     put_sealed(store, 1, 5)
-    assert store.node_stats()["spilled_total"] > 0 and store.spill_failure is None
+    assert store.node_stats()["spilled_total"] > 0 and store.spiller.failure is None
     assert any("spill writes succeed again" in r.getMessage() for r in caplog.records)
     for key in range(5, 0, -1):  # backward: fetched tensors stay put until freed
         assert intact(store, 1, key)
         store.free(1, keys=[key])
-    assert store.node_stats()["used"] == 0 and store.spill.space.stats().used == 0
+    assert store.node_stats()["used"] == 0 and store.spiller.file.space.stats().used == 0
     store.close()
 
 
@@ -113,8 +105,8 @@ def test_a_failed_read_back_fails_that_keys_get_only(spill_dir):
     for key in range(1, 7):  # 96 KiB into 64: the earliest saved go to the file
         put_sealed(store, 1, key)
     put_sealed(store, 2, 1, 4 * KIB)  # another session, in the pool
-    store._reap(block=True)
-    spilled = [e for e in store._sessions[1].entries.values() if e.where == Where.SPILLED]
+    store.spiller.reap(block=True)
+    spilled = [e for e in (store.find(1, key) for key in range(1, 7)) if e.where == Where.SPILLED]
     assert len(spilled) >= 2
     bad = spilled[0]
     disk.bad.add(bad.file_offset)
@@ -133,7 +125,7 @@ def test_a_failed_read_back_fails_that_keys_get_only(spill_dir):
     assert intact(store, 2, 1, 4 * KIB)
     assert store.node_stats()["spill_read_errors"] == 1
     assert store.free(1) == 1 and store.free(2) == 1  # the lost key is freed like any other
-    assert store.node_stats()["used"] == 0 and store.spill.space.stats().used == 0
+    assert store.node_stats()["used"] == 0 and store.spiller.file.space.stats().used == 0
     store.close()
 
 
@@ -141,10 +133,10 @@ def test_a_spill_file_cut_short_loses_the_spilled_keys_only_and_the_store_goes_o
     store = store_on(FailingDisk(), spill_dir)  # a disk that works: the file itself is cut short
     for key in range(1, 7):
         put_sealed(store, 1, key)
-    store._reap(block=True)
-    spilled = {k for k, e in store._sessions[1].entries.items() if e.where == Where.SPILLED}
+    store.spiller.reap(block=True)
+    spilled = {key for key in range(1, 7) if store.find(1, key).where == Where.SPILLED}
     assert spilled
-    os.ftruncate(store.spill.fd, 0)
+    os.ftruncate(store.spiller.file.fd, 0)
     for key in range(6, 0, -1):
         if key in spilled:
             with pytest.raises(ProtocolError) as err:

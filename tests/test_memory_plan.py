@@ -9,7 +9,7 @@ import torch
 
 from storm.examples.models import GPT
 from stormd.allocator import ExtentAllocator
-from stormd.planner import Lifetime, first_fit_footprint, pack_lifetimes, peak_live_bytes
+from stormd.placement import Lifetime, first_fit_footprint, pack_lifetimes, peak_live_bytes
 from stormd.store import Store
 from stormd.wire.pool import SharedPool
 from tests.helpers import put_fields

@@ -4,8 +4,6 @@ per-client quotas and priorities, and training through a daemon whose pool holds
 from __future__ import annotations
 
 import copy
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -13,21 +11,14 @@ import torch
 import storm
 from storm.examples.models import GPT, same_bits
 from stormd.allocator import ExtentAllocator
-from stormd.store import ClientLimits, Store, StoreOptions
+from stormd.store import Store
+from stormd.store_options import ClientLimits, StoreOptions
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import ErrorCode, ProtocolError
 from tests.conftest import start_daemon, stop_daemon
 from tests.helpers import RawClient, put_fields
 
 KIB = 1024
-
-
-@pytest.fixture
-def spill_dir():
-    """On disk, as stormd requires (/tmp may be a tmpfs on some hosts; /var/tmp is disk by convention)."""
-    d = tempfile.mkdtemp(prefix="stormd-spill-test-", dir="/var/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def store_with(pool_bytes: int, **options) -> Store:
@@ -50,7 +41,7 @@ def test_full_pool_spills_the_earliest_saves_and_reads_them_back_intact(spill_di
     node = store.node_stats()
     assert node["spilled_total"] >= 4 * 16 * KIB and node["used"] <= 64 * KIB
     assert store.session_stats(1)["spilled_bytes"] == node["spilled_bytes"] > 0
-    assert store._sessions[1].entries[1].offset is None  # the first saved went first
+    assert store.find(1, 1).offset is None  # the first saved went first
     for key in range(8, 0, -1):  # backward: latest first
         e = store.get(1, key)
         assert e.offset is not None
@@ -59,7 +50,7 @@ def test_full_pool_spills_the_earliest_saves_and_reads_them_back_intact(spill_di
         store.allocator.check()
     node = store.node_stats()
     assert node["read_back_total"] == node["spilled_total"] and node["prefetched"] > 0
-    assert node["used"] == 0 and node["spilled_bytes"] == 0 and store.spill.space.stats().used == 0
+    assert node["used"] == 0 and node["spilled_bytes"] == 0 and store.spiller.file.space.stats().used == 0
     store.close()
 
 
@@ -67,7 +58,7 @@ def test_fetched_tensors_are_never_moved(spill_dir):
     store = store_with(64 * KIB, spill_dir=spill_dir, spill_limit=1 << 20)
     for key in (1, 2, 3, 4):
         put_sealed(store, 1, key, 16 * KIB)
-    store._reap(block=True)  # the background spill that the full pool started has finished
+    store.spiller.reap(block=True)  # the background spill that the full pool started has finished
     offsets = {k: store.get(1, k).offset for k in (1, 2, 3, 4)}  # the client may be reading these now
     assert store.allocator.stats().used == 64 * KIB
     with pytest.raises(ProtocolError) as err:
@@ -108,13 +99,13 @@ def test_quota_and_priority_come_from_the_client_name(spill_dir):
     assert store.session_stats(2)["quota_refused"] == 1
     for key in range(1, 4):
         put_sealed(store, 1, key, 16 * KIB)  # the pool is full now: the low-priority client spills first
-    store._reap(block=True)
+    store.spiller.reap(block=True)
     assert store.session_stats(2)["spilled_bytes"] >= 16 * KIB and store.session_stats(1)["spilled_bytes"] == 0
     st = store.session_stats(1)
     assert (st["name"], st["quota"], st["priority"]) == ("big", 0, 5)
     store.drop_session(1)
     store.drop_session(2)
-    assert store.node_stats()["used"] == 0 and store.spill.space.stats().used == 0
+    assert store.node_stats()["used"] == 0 and store.spiller.file.space.stats().used == 0
     store.close()
 
 

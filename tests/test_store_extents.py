@@ -1,4 +1,4 @@
-"""No two live pool extents overlap, whatever the step planner did: the sequence that made a planned
+"""No two live pool extents overlap, whatever the step placement did: the sequence that made a planned
 slot land past its region onto another session's tensor, the ledger that refuses such a placement,
 random PUT / SEAL / GET / FREE / new-step / BYE traffic from several sessions checked after every
 operation, and the symptom with real clients (a trainer keeping an old graph, growing its batch)."""
@@ -21,7 +21,9 @@ from storm.examples.models import GPT, same_bits
 from stormd.allocator import ExtentAllocator
 from stormd.config import add_arguments, load
 from stormd.ledger import ExtentConflict, ExtentLedger
-from stormd.store import Store, StoreOptions
+from stormd.placement import StepPlacement
+from stormd.store import Store
+from stormd.store_options import StoreOptions
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import ErrorCode, ProtocolError
 from tests.helpers import RawClient, put_fields
@@ -49,7 +51,7 @@ def assert_no_overlap(store: Store) -> None:
     for (lo, hi, who), (nlo, nhi, nwho) in zip(live, live[1:]):
         assert hi <= nlo, f"{who} at [{lo}, {hi}) overlaps {nwho} at [{nlo}, {nhi})"
     assert all(0 <= lo and hi <= store.allocator.capacity for lo, hi, _ in live)
-    assert store.ledger.extents() == [(lo, hi) for lo, hi, _ in live]
+    assert store.extents.ledger.extents() == [(lo, hi) for lo, hi, _ in live]
     store.allocator.check()
 
 
@@ -122,28 +124,52 @@ def test_stormd_keeps_a_ledger_only_when_check_extents_is_set(env, checked):
     add_arguments(p)
     config = load(p.parse_args(["--socket", "/tmp/unused.sock"]), {"XDG_CONFIG_HOME": "/nonexistent", **env})
     store = Store(ExtentAllocator(1 << 16), None, StoreOptions.from_config(config))
-    assert (store.ledger is not None) is checked
+    assert (store.extents.ledger is not None) is checked
+
+
+class MisplacingPlacement(StepPlacement):
+    """A step placement with a placement bug: while ``wrong`` is set it answers that offset for every
+    tensor (and records what is given back to it instead of releasing it)."""
+
+    def __init__(self, allocator: ExtentAllocator):
+        super().__init__(allocator)
+        self.wrong: int | None = None
+        self.given_back: list[int] = []
+
+    def place(self, step: int, slot: int, size: int) -> int | None:
+        return self.wrong if self.wrong is not None else super().place(step, slot, size)
+
+    def release(self, offset: int) -> None:
+        if self.wrong is not None:
+            self.given_back.append(offset)
+        else:
+            super().release(offset)
 
 
 def test_a_checked_store_refuses_a_placement_over_a_live_tensor_and_keeps_its_bytes():
-    """Whatever places a tensor wrongly (here a planner made to answer an occupied offset), the
+    """Whatever places a tensor wrongly (here a placement made to answer an occupied offset), the
     store with check_extents refuses that PUT, gives the extent back and the tensor there keeps
     its bytes; the session's later PUTs still work."""
-    store = checked_store(1 << 16)
+    placements: list[MisplacingPlacement] = []
+
+    def placement(allocator: ExtentAllocator) -> MisplacingPlacement:
+        placements.append(MisplacingPlacement(allocator))
+        return placements[-1]
+
+    pool = SharedPool.anonymous(1 << 16)
+    store = Store(ExtentAllocator(pool.size), pool, StoreOptions(check_extents=True), placement=placement)
     store.put(B, put_fields(1, 4096))
     write(store, B, 1, 0xBB)
     taken = store.find(B, 1).offset
     store.open_session(A)
-    planner = store._sessions[A].planner
-    given_back: list[int] = []
-    planner.place = lambda step, slot, size: taken  # a placement bug, for this test
-    planner.release = given_back.append
+    bad = placements[-1]
+    bad.wrong = taken
     with pytest.raises(ExtentConflict, match=rf"key 7 of session {A} placed at \[{taken}, {taken + 4096}\) "
                                              rf"overlaps key 1 of session {B}"):
         store.put(A, put_fields(7, 4096))
-    assert store.find(A, 7) is None and given_back == [taken]
+    assert store.find(A, 7) is None and bad.given_back == [taken]
     assert bool((store.pool.view(taken, 4096) == 0xBB).all())
-    del planner.place, planner.release
+    bad.wrong = None
     store.put(A, put_fields(7, 4096))
     assert_no_overlap(store)
 
@@ -236,9 +262,9 @@ def random_traffic(store: Store, rng: random.Random, operations: int, sessions: 
 
 
 def test_random_traffic_from_several_sessions_never_overlaps_live_extents():
-    """14,000 operations across 4 sessions over a pool small enough to fill, with the step planner
+    """14,000 operations across 4 sessions over a pool small enough to fill, with the step placement
     at work (plans made, hit, missed, dropped and remade); after every one the live extents are
-    checked against each other, the ledger and the allocator. On main the planner placed a slot past
+    checked against each other, the ledger and the allocator. On main the step placement put a slot past
     its region within a few thousand operations (over another session's tensor, or past the pool)."""
     store = checked_store(256 << 10)
     ran = random_traffic(store, random.Random(1), operations=14_000, sessions=4)
@@ -248,7 +274,7 @@ def test_random_traffic_from_several_sessions_never_overlaps_live_extents():
     assert ran.get("put refused", 0) > 0 and ran["bye"] > 10 and ran["kept alive"] > 10, ran
     for sid in range(1, 5):
         store.drop_session(sid)
-    assert store.ledger.extents() == [] and store.allocator.stats().used == 0
+    assert store.extents.ledger.extents() == [] and store.allocator.stats().used == 0
     store.allocator.check()
 
 
@@ -264,7 +290,7 @@ def test_random_traffic_with_spill_never_overlaps_live_extents(tmp_path):
     for sid in range(1, 5):
         store.drop_session(sid)
     store.close()
-    assert store.ledger.extents() == [] and store.allocator.stats().used == 0
+    assert store.extents.ledger.extents() == [] and store.allocator.stats().used == 0
 
 
 SECOND_TRAINER = textwrap.dedent("""

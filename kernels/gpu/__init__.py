@@ -36,11 +36,11 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for the host's grid sizes: ``triton.cdiv`` is a jit function, and calling one
-    from Python took about 9 us on this host, a launch's worth of a small tensor's encode."""
+    from Python costs about as much host time as a launch, on a small tensor's encode's path."""
     return -(-a // b)
 
 
 def current_stream(index: int) -> int:
     """The handle of device ``index``'s current CUDA stream, read as Triton's launcher reads it:
-    torch.cuda.current_stream builds a Stream object, 8 us of host time on the lent H100."""
+    torch.cuda.current_stream builds a Stream object, host time on every call that the raw handle saves."""
     return torch._C._cuda_getCurrentRawStream(index)

@@ -181,8 +181,8 @@ def _frame_table(x_ptr, f_ptr, scratch_ptr, groups, stride, m, magic, n_lo, n_hi
     # of the group counter and look-back words; the first cdiv(m, SAMPLES) each add the
     # histogram of SAMPLES of the sample's symbols to the scratch's, and the last of them to
     # finish finds the dictionary from it and puts the histogram and the count of those done
-    # back at rest (zero). One program took the whole sample: 23 us of the encode's critical
-    # path on the lent H100
+    # back at rest (zero). One program taking the whole sample was a long serial stretch of the
+    # encode's critical path
     pid = tl.program_id(0)
     j = pid.to(tl.int64) * ZERO + tl.arange(0, ZERO)
     tl.store(scratch_ptr + _SCRATCH_GROUP + j, tl.zeros((ZERO,), tl.int64), mask=j < groups + 1)

@@ -31,8 +31,8 @@ the 4 finished elements in one store; it checks where every lane ends against it
 stored length and flags a mismatch, which the host reads with the total length (one
 wait).
 
-On a lent H100's host each launch or allocation took 25 to 100 us, while the device
-decoded 256 MiB in under 300 us: the host's calls, not the kernels, set the speed
+A launch or an allocation costs the host a sizeable part of the time the device takes to
+decode even a large tensor: the host's calls, not the kernels, set the speed
 of a call, so the lane lengths are summed inside the lane kernels rather than by
 launches of their own.
 """
@@ -397,8 +397,8 @@ def encode_lanes(x: torch.Tensor, w: int, table: torch.Tensor, info: torch.Tenso
     stream's length (and the code its lengths) long before the encoder is done: the host reads
     them then, in one wait, and queues the copy of the stream out of the worst-case buffer right
     behind the encoder, so that the device does not wait for the host between the two. Each
-    host call here is one the device may wait for (on a lent H100's host a launch or an
-    allocation took 25 to 100 us): hence two launches, and two allocations carved into views."""
+    host call here is one the device may wait for (a launch or an allocation costs host time
+    the device may spend idle): hence two launches, and two allocations carved into views."""
     n = x.numel()
     dev = x.device
     groups = steps // 4

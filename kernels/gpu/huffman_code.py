@@ -183,7 +183,7 @@ def host_code(lengths: np.ndarray, pad: int, device: torch.device) -> torch.Tens
 def build_code(work: CodeWork, force: torch.Tensor, margin: int, max_len: int) -> None:
     """The code, built on the device from the sample's counts (``work.hist``) and the symbols that
     must have one (uint8[256]), into ``work.table`` and ``work.info``."""
-    # 4 warps: 68 against one warp's 98 us on a 256 MiB bf16 tensor's sample, 33 against 56 us on an fp32
-    # one (lent H100; 2 and 8 warps were in between); the sorts and reductions are spread wider
+    # 4 warps: the sorts and reductions are spread wider, and the code is built sooner than with one
+    # warp for bf16 and fp32 samples alike (2 and 8 warps were in between; bench/kernel_warps.py)
     _build_code[(1,)](work.hist, force, work.info, work.table, work.scratch, MARGIN=margin, MAX_LEN=max_len,
                       num_warps=4)

@@ -1,11 +1,10 @@
 """Triton launches without the JIT's work on every call.
 
 A launch through ``kernel[grid](...)`` binds and specializes every argument, builds the
-cache key and checks the kernel's globals before it launches: on the lent H100's hosts
-13.5 to 23.6 us of host time for a four-argument kernel, against 7 to 8 us for the same
-launch through the compiled kernel's launcher (bench/results/host-timeline-h100-2026-11-25-*.json).
-A codec's call is a few launches, and at its start the device waits for each, so the
-codecs' kernels are wrapped in ``Launcher`` (11.1 us where the JIT took 13.5): its first
+cache key and checks the kernel's globals before it launches: far more host time than the
+same launch through the compiled kernel's launcher (bench/host_timeline.py records both;
+docs/results.md). A codec's call is a few launches, and at its start the device waits for
+each, so the codecs' kernels are wrapped in ``Launcher``, which saves part of it: its first
 launch of each specialization goes through the JIT, which compiles or finds the kernel and
 returns it; later ones go to that compiled kernel, found again by what the JIT specializes
 on (``_spec``: each tensor's dtype and 16-byte alignment, each integer's width and whether

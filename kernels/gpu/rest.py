@@ -1,9 +1,9 @@
 """Work buffers the kernels leave as they found them, kept for the next call on the same stream.
 
 Some kernels need memory in a known state before they start: counters that hand out
-tickets, look-back words, counts added by atomics. A zeroed allocation for each call cost
-the host 10 to 90 us ahead of the first kernel on the lent H100 (a fill launch, and views
-carved out of it), time the device waits. So the kernels that use such a buffer put it back
+tickets, look-back words, counts added by atomics. A zeroed allocation for each call costs
+the host time ahead of the first kernel (a fill launch, and views carved out of it), time
+the device waits. So the kernels that use such a buffer put it back
 in that state as they finish with it, and the buffer is kept for the next call on the same
 stream, whose kernels run after them: the state is there when they start (the frame encoder's
 scratch: its dictionary's histogram and count; its first launch sets up the rest). A buffer goes

@@ -1,4 +1,4 @@
-"""Step-lifetime planning: place each step's saved tensors at offsets learnt from an earlier step.
+"""Step placement: place each step's saved tensors at offsets learnt from an earlier step.
 
 Training repeats itself: every step saves the same sizes in the same order
 during forward and frees them in (roughly) reverse order during backward. A
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from sortedcontainers import SortedDict
 
-from .allocator import ExtentAllocator
+from .allocator import Allocator
 
 # Planning is O(n^2) in the tensors of a step and runs on the daemon's loop; tensors past
 # this many in one step are not planned (they use the general allocator) so it stays well
@@ -105,10 +105,10 @@ class PlanStats:
     plan_first_fit: int = 0       # what first-fit needed for the recorded step, for comparison
 
 
-class StepPlanner:
-    """One session's plan. The store calls ``place`` on PUT and ``release`` on FREE."""
+class StepPlacement:
+    """One session's placement. The store calls ``place`` on PUT and ``release`` on FREE."""
 
-    def __init__(self, allocator: ExtentAllocator):
+    def __init__(self, allocator: Allocator):
         self.allocator = allocator
         self.stats = PlanStats()
         self._clock = 0

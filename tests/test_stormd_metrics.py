@@ -1,0 +1,69 @@
+"""The Prometheus metrics export the store's node counters: spill (bytes both ways, errors both ways),
+read-backs, and the step placement's hits and misses, read from the registry after spill I/O on a disk
+of the test's own (SpillIO) failed."""
+
+from __future__ import annotations
+
+
+import pytest
+from helpers import put_fields
+from test_faults_spill import FailingDisk
+
+from stormd.entries import Where
+from stormd.metrics import Metrics
+from stormd.service import Service
+from stormd.store_options import StoreOptions
+from stormd.wire.pool import SharedPool
+from stormd.wire.protocol import ErrorCode, ProtocolError
+
+KIB = 1024
+
+# metric (as exposed, with the counters' _total) -> the STATS ``node`` field it exports
+NODE_METRICS = {
+    "stormd_spill_written_bytes_total": "spilled_total",
+    "stormd_spill_read_back_bytes_total": "read_back_total",
+    "stormd_spill_read_backs_on_get_total": "read_back_on_get",
+    "stormd_spill_prefetches_total": "prefetched",
+    "stormd_spill_write_errors_total": "spill_write_errors",
+    "stormd_spill_read_errors_total": "spill_read_errors",
+    "stormd_plan_hits_total": "plan_hits",
+    "stormd_plan_misses_total": "plan_misses",
+    "stormd_spilled_bytes": "spilled_bytes",
+    "stormd_spill_capacity_bytes": "spill_capacity",
+    "stormd_pool_free_extents": "free_extents",
+    "stormd_pool_largest_free_bytes": "largest_free",
+}
+
+
+def test_failed_spill_writes_and_reads_are_exported_with_every_node_counter(spill_dir):
+    disk = FailingDisk()
+    pool = SharedPool.anonymous(64 * KIB)
+    service = Service(pool, store_options=StoreOptions(spill_dir=spill_dir, spill_limit=1 << 20, spill_io=disk))
+    store = service.store
+    metrics = Metrics(service)
+    try:
+        disk.full = True
+        for key in range(1, 5):  # the pool fills up; background spill's write fails
+            store.put(1, put_fields(key, 16 * KIB))
+            store.seal(1, key, None)
+        store.spiller.reap(block=True)
+        assert metrics.registry.get_sample_value("stormd_spill_write_errors_total") == 1
+        disk.full = False
+        for key in range(5, 8):  # each PUT spills one to make room, now successfully
+            store.put(1, put_fields(key, 16 * KIB))
+            store.seal(1, key, None)
+        store.spiller.reap(block=True)
+        spilled = [e for e in (store.find(1, k) for k in range(1, 8)) if e.where == Where.SPILLED]
+        disk.bad.update(e.file_offset for e in spilled)  # reading any of them back fails now
+        store.free(1, keys=[7, 6])  # room in the pool: prefetch reads back (and loses) the latest spilled
+        with pytest.raises(ProtocolError) as lost:
+            store.get(1, spilled[0].key)
+        assert lost.value.code == ErrorCode.SPILL_FAILED
+        store.spiller.reap(block=True)
+        node = store.node_stats()
+        assert node["spill_write_errors"] == 1 and node["spill_read_errors"] >= 1 and node["spilled_total"] > 0
+        for metric, field in NODE_METRICS.items():
+            assert metrics.registry.get_sample_value(metric) == node[field], metric
+    finally:
+        store.close()
+        pool.close()

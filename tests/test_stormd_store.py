@@ -1,0 +1,82 @@
+"""The store's lifecycle driven through its seams: an allocator of the test's own (stormd.allocator.Allocator)
+stands in for the extent allocator, so what the store takes and gives back is seen call by call."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import put_fields
+
+from stormd.allocator import AllocatorStats
+from stormd.store import Store
+from stormd.store_options import StoreOptions
+from stormd.wire.protocol import ErrorCode, ProtocolError
+
+ALIGN = 256
+
+
+class RecordingAllocator:
+    """A fake allocator: extents one after the other, never reused, at most ``capacity`` bytes live;
+    it records every extent handed out and every one given back."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.taken: list[tuple[int, int]] = []  # (offset, size), in order
+        self.given_back: list[int] = []
+        self._live: dict[int, int] = {}
+        self._next = 0
+
+    def aligned(self, nbytes: int) -> int:
+        return -(-max(nbytes, 1) // ALIGN) * ALIGN
+
+    def alloc(self, nbytes: int) -> int | None:
+        size = self.aligned(nbytes)
+        if sum(self._live.values()) + size > self.capacity:
+            return None
+        offset, self._next = self._next, self._next + size
+        self._live[offset] = size
+        self.taken.append((offset, size))
+        return offset
+
+    def free(self, offset: int) -> int:
+        self.given_back.append(offset)
+        return self._live.pop(offset)
+
+    def size_of(self, offset: int) -> int:
+        return self._live[offset]
+
+    def stats(self) -> AllocatorStats:
+        used = sum(self._live.values())
+        return AllocatorStats(self.capacity, used, used, 1, self.capacity - used, len(self._live))
+
+
+def test_every_extent_the_store_takes_goes_back_once_the_tensors_and_sessions_are_gone():
+    """General extents on the recorded step, one planned region per later step (the placement takes it
+    from the same allocator, of the recorded step's footprint), everything given back by FREE and BYE."""
+    allocator = RecordingAllocator(1 << 20)
+    store = Store(allocator)
+    sizes = [4096, 1000, 8192]
+    for step in (1, 2, 3):
+        for i, n in enumerate(sizes):
+            store.put(1, put_fields(10 * step + i, n, step=step))
+        store.free(1, step=step)
+    footprint = store.session_stats(1)["planned_footprint"]
+    assert footprint == sum(map(allocator.aligned, sizes))  # all three alive at once: no overlap possible
+    assert [size for _, size in allocator.taken] == [*map(allocator.aligned, sizes), footprint, footprint]
+    store.put(1, put_fields(40, 4096, step=4))
+    store.put(2, put_fields(1, 512))
+    assert store.drop_session(1) == 1 and store.drop_session(2) == 1
+    assert sorted(allocator.given_back) == sorted(offset for offset, _ in allocator.taken)
+    assert allocator.stats().used == 0
+
+
+def test_a_full_allocator_is_pool_full_saying_what_it_has_left_and_why_nothing_moved():
+    allocator = RecordingAllocator(8192)
+    store = Store(allocator, options=StoreOptions(spill_off="spill is off here"))
+    store.put(1, put_fields(1, 6000))
+    with pytest.raises(ProtocolError) as refused:
+        store.put(1, put_fields(2, 4096))
+    assert refused.value.code == ErrorCode.POOL_FULL
+    assert refused.value.message == ("no free extent of 4096 bytes (2048 bytes free, largest extent 2048); "
+                                     "spill is off here")
+    assert store.find(1, 2) is None and store.session_stats(1)["pool_full"] == 1
+    assert store.held_bytes(1) == 6000 and len(allocator.taken) == 1  # the refused PUT took nothing
