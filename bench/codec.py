@@ -23,23 +23,19 @@ size and the results byte-weighted over them, as the store would see them.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
 
-import provenance
+from common import REPO, write
 from storm.kernels import CODECS, CodecNotApplicable, associative_scan, decode, encode, verify_lossless
 from storm.kernels import frame
 from storm.kernels.frame import complete, decode_frame, encode_frame, frame_nbytes
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "activations" / "minilm_saved.pt"
+FIXTURE = REPO / "tests" / "fixtures" / "activations" / "minilm_saved.pt"
 
 
 def sync(dev: torch.device) -> None:
@@ -272,12 +268,7 @@ def main() -> None:
     dev = torch.device(args.device)
     size = args.size_mib << 20
     skip = set(filter(None, args.skip.split(",")))
-    res = {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": provenance.commit(), "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
-        "torch": torch.__version__, "size_bytes": size, "reps": args.reps, "rows": [], "scan": [],
-    }
+    res = {"size_bytes": size, "reps": args.reps, "rows": [], "scan": []}
     kinds = tensor_kinds(size, dev)
     if args.profile:
         profile(args.profile, kinds[args.profile], args.reps)
@@ -316,8 +307,7 @@ def main() -> None:
         for r in res["scan"]:
             print(json.dumps(r), flush=True)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        write(args.out, res, dev, cpu_threads=torch.get_num_threads())
     print(f"\n{'kind':32s} {'impl':24s} {'ratio':>7s} {'enc GB/s':>9s} {'dec GB/s':>9s}   back to back: enc, dec")
     for r in res["rows"]:
         if "ratio" in r:

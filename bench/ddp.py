@@ -5,7 +5,7 @@
     python bench/ddp.py --nproc 2 --tiny --device cpu --out /tmp/ddp.json   # gloo on CPU, a smoke run
 
 Starts one stormd, then runs torchrun twice: with one rank and with --nproc ranks. Each rank
-trains W1 (bench/workloads.py, --batch per rank) for --steps steps without offload, then the
+trains W1 (bench/common.py, --batch per rank) for --steps steps without offload, then the
 same steps from the same initial state under storm.offload(mode="daemon") through that one
 daemon. Every step's loss and a hash of every gradient (after DDP's all-reduce) must be
 bit-identical between the two (FSDP2: this rank's shards of the gradients); the JSON has both step times per rank (median after --warmup),
@@ -37,11 +37,8 @@ import torch.distributed as dist  # noqa: E402
 import xxhash  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import storm  # noqa: E402
-from daemon import start_daemon  # noqa: E402
-from offload import write  # noqa: E402
-from workloads import TINY, W1, Workload  # noqa: E402
+from common import TINY, W1, Workload, start_daemon, write  # noqa: E402
 
 
 
@@ -197,7 +194,6 @@ def main() -> int:
         # offload adds on top of that, against what it adds to one rank
         r["offload_cost_vs_single_rank"] = round(r["offload_cost"] / cost, 3)
     results = {"wrapper": a.wrapper, "mode": a.mode, "single_rank": single, f"{a.nproc}_ranks": multi,
-               "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
                # without peer access NCCL's all-reduce goes through host memory, over the links offload uses
                "peer_access": a.device == "cuda" and torch.cuda.device_count() > 1
                and torch.cuda.can_device_access_peer(0, 1)}
@@ -205,7 +201,7 @@ def main() -> int:
              for run in (single, multi) for r in run["ranks"])
     print(json.dumps(results, indent=1))
     if a.out:
-        write(argparse.Namespace(out=a.out), results)
+        write(a.out, results, a.device)
     print("OK" if ok else "FAILED: a step differed with offload")
     return 0 if ok else 1
 

@@ -4,7 +4,7 @@
     python bench/frontier.py --quick --workloads W1 W2 --out /tmp/frontier.json                         # smoke run
     python bench/frontier.py --plot-only bench/results/frontier-w1.json --plot frontier.png             # any machine
 
-Per workload, with bench/offload.py's run() (median step time of --steps steps
+Per workload, with bench/common.py's run() (median step time of --steps steps
 after --warmup; peak GPU memory above what was allocated before the steps):
 no offload, per-block checkpointing, save_on_cpu(pin_memory=True), STORM full
 offload, STORM with budget=b (the earliest b bytes offloaded) for each byte
@@ -45,10 +45,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offload import GiB, Trainer, cuda_device, link_bandwidth, plan_summary, run, write  # noqa: E402
-from stormd.wire.sizes import parse_size  # noqa: E402
-from workloads import W1, W2, Net, Workload  # noqa: E402
+from common import W1, W2, GiB, Net, Trainer, Workload, cuda_device, link_bandwidth, plan_summary, run, write
+from stormd.wire.sizes import parse_size
 
 
 class FirstKCheckpointed(nn.Module):
@@ -66,7 +64,7 @@ class FirstKCheckpointed(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class FirstK(Workload):
-    """The workload built as FirstKCheckpointed, so offload.run() measures it like any method."""
+    """The workload built as FirstKCheckpointed, so common.run() measures it like any method."""
 
     k: int = 0
 
@@ -76,7 +74,7 @@ class FirstK(Workload):
 
 
 def contender(w: Workload, row: dict, storm_opts: dict, total_bytes: int | None = None) -> tuple[Workload, str, dict]:
-    """What offload.run() (or a Trainer) needs to measure a row: workload, method as run() names
+    """What common.run() (or a Trainer) needs to measure a row: workload, method as run() names
     it, options. A plan row is asked for a peak of at most total_bytes less its budget."""
     if row["method"] == "ckpt-first":
         return FirstK(**dataclasses.asdict(w), k=row["ckpt_blocks"]), "none", {}
@@ -131,9 +129,9 @@ class Bound:
     (F, B: the no-offload step's forward and the rest), for the best split o; what hooks
     and recomputing cost the host beyond that is not counted. Bandwidth alone
     (max(no-offload step, b / D2H, b / H2D), ``link_only``) bounds offloading only:
-    recomputing beats it (W1, checkpointing the first 12 blocks: 35.8 ms against its
-    49.2 at b = 2.53 GiB, frontier-w1-h100-2026-11-26-3b96131.json), and it lets forward
-    carry more bytes than its own duration can."""
+    recomputing beats it where a block's forward costs less than moving its bytes both
+    ways, as on W1 (docs/results.md), and it lets forward carry more bytes than its own
+    duration can."""
 
     forward_ms: float       # the no-offload forward
     layers: int
@@ -232,7 +230,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
             row.update(r)
             sec["rows"].append(row)
             print(f"{w.name} {label}: {r}", flush=True)
-            write(args, results)  # what is done survives a time limit
+            write(args.out, results)  # what is done survives a time limit
             return row
 
         none, ckpt = add("none", "none"), add("checkpoint", "checkpoint")
@@ -251,14 +249,14 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         for b in sec["budgets"]:
             add(f"plan {(sec['total_bytes'] - b) / GiB:.2f}GiB", "plan", budget=b)
         sec.update(summarize(sec, link))
-        write(args, results)
+        write(args.out, results)
         if args.duel:
             sec["duel"] = []
             resumed = prior.get(w.name, {}).get("duel", [])
             dueled = {d["budget_bytes"]: d for d in resumed if d.get("rounds") == args.duel}
             for entry in duel(w, sec, args, device, storm_opts, link, dueled):
                 sec["duel"].append(entry)
-                write(args, results)  # each budget's, as it comes: a time limit keeps those done
+                write(args.out, results)  # each budget's, as it comes: a time limit keeps those done
     return results
 
 

@@ -29,12 +29,10 @@ from typing import Any
 import xxhash
 import zmq
 
-import provenance
-from daemon import start_daemon
+from common import REPO, percentile, start_daemon, write
 from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
 
 MAX_BYTES = 1 << 16
-REPO = Path(__file__).resolve().parent.parent
 
 
 def client(endpoint: str, seed: int, steps: int, start: Any) -> dict[str, Any]:
@@ -83,11 +81,6 @@ def client(endpoint: str, seed: int, steps: int, start: Any) -> dict[str, Any]:
             nbytes += 2 * len(data)
     call("BYE")
     return {"mismatches": mismatches, "errors": errors, "tensors": steps, "bytes": nbytes, "latencies": latencies}
-
-
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def run(procs: int, steps: int, endpoint: str) -> dict[str, Any]:
@@ -143,11 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             if proc is not None:
                 proc.terminate()
                 proc.wait(10)
-    record = {"date": today, "git_commit": provenance.commit(), "command": " ".join(["python", "bench/load.py", *sys.argv[1:]]),
-              "machine": machine(), **result}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({k: record[k] for k in ("tensors", "wall_s", "tensors_per_s", "GB_per_s", "latency_ms",
+    write(out, {"machine": machine(), **result}, "cpu")
+    print(json.dumps({k: result[k] for k in ("tensors", "wall_s", "tensors_per_s", "GB_per_s", "latency_ms",
                                              "mismatches")}, indent=1))
     return 0 if result["mismatches"] == 0 and not result["errors"] else 1
 

@@ -25,7 +25,6 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before torch init
 import argparse  # noqa: E402
 import copy  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 import multiprocessing  # noqa: E402
 import queue  # noqa: E402
 import signal  # noqa: E402
@@ -38,15 +37,12 @@ from typing import Any, Callable  # noqa: E402
 
 import torch  # noqa: E402
 
-import provenance  # noqa: E402
-from daemon import start_daemon  # noqa: E402
-from load import percentile  # noqa: E402
 import storm  # noqa: E402
+from common import REPO, percentile, start_daemon, write  # noqa: E402
 from storm.examples.models import GPT, same_bits  # noqa: E402
 from stormd.ctl import request  # noqa: E402
 from stormd.wire.endpoint import normalize_endpoint  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = {"seq_len": 128, "d_model": 256, "heads": 4, "layers": 4, "batch": 8}  # defaults, sized for the GPU
 RECLAIM_WAIT_S = 15.0  # the default --client-timeout (10 s) plus one reaper period, plus slack
 
@@ -238,14 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             if daemon is not None:
                 daemon.terminate()
                 daemon.wait(30)
-    result["meta"] = {
-        "device": torch.cuda.get_device_name(torch.device(a.device)) if a.device.startswith("cuda") else "cpu",
-        "torch": torch.__version__, "date": now.isoformat(timespec="seconds"),
-        "commit": provenance.commit(),
-        "command": " ".join(["python", "bench/load_gpu.py", *(sys.argv[1:] if argv is None else argv)]),
-        "model": {k: getattr(a, k) for k in MODEL}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write(out, result, a.device, model={k: getattr(a, k) for k in MODEL})
 
     cols = ("worker", "steps", "mismatches", "tensors_per_s", "GB_per_s", "step_ms_p50", "step_ms_p99")
     totals = result["totals"]

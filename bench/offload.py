@@ -2,6 +2,7 @@
 
     python bench/offload.py --out bench/results/offload.json            # timings (CUDA)
     python bench/offload.py --check --out bench/results/bitexact.json   # gradients, bit for bit
+    python bench/offload.py --check --device cpu --workloads tiny --pool-size 256MiB --min-bytes 0 --out x.json
 
 Per method: median step time over --steps steps after --warmup, peak GPU memory
 above the model's (activations and what offload holds), bytes moved each way,
@@ -20,147 +21,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
-import json
-import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import storm  # noqa: E402
-from storm.examples.models import same_bits  # noqa: E402
-from storm.report import progress  # noqa: E402
-import provenance  # noqa: E402
-from daemon import start_daemon, stop_daemon  # noqa: E402
-from workloads import W1, W2, Workload  # noqa: E402
-
-GiB = 1 << 30
-
-
-def cuda_device(script: str, hint: str = "") -> torch.device | None:
-    """The CUDA device a benchmark that measures only there runs on; None, having said so on
-    stderr (naming ``script``, then ``hint``), where torch sees none."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    print(f"bench/{script} measures on CUDA and torch sees no CUDA device here{hint}", file=sys.stderr)
-    return None
-
-
-def link_bandwidth(device: torch.device, nbytes: int = GiB, tries: int = 3) -> dict[str, float]:
-    """Pinned D2H and H2D GB/s, measured here, now (machines drift): the best of ``tries``, each
-    direction, as the link's speed is what the lower bounds need and a lent host's first
-    measurement can come in low (37.8 GB/s to the host against 55.1 a minute later, ac1523d)."""
-    d2h, h2d = (max(v) for v in zip(*(storm.planner.link_bandwidth(device, nbytes) for _ in range(tries))))
-    return {"d2h_GBps": round(d2h, 1), "h2d_GBps": round(h2d, 1)}
-
-
-def train_step(model, x, opt, method: str, opts: dict, planner: storm.Planner | None = None) -> storm.Offload | None:
-    ctx = None
-    if method == "save_on_cpu":
-        with torch.autograd.graph.save_on_cpu(pin_memory=True):
-            y = model(x)
-    elif method == "storm":
-        with storm.offload(**opts) as ctx:
-            y = model(x)
-    elif method == "plan":
-        with planner.step() as ctx:
-            y = model(x)
-    else:
-        y = model(x)
-    y.float().pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return ctx
-
-
-class Trainer:
-    """One method's model, optimizer and (for "plan") planner on the device, stepped by train_step."""
-
-    def __init__(self, w: Workload, method: str, opts: dict, device: torch.device):
-        self.method, self.opts, self.device = method, opts, device
-        self.model, self.x = w.build(device, ckpt=(method == "checkpoint"))
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
-        self.planner = storm.plan(self.model.blocks, **opts) if method == "plan" else None
-        self.last: storm.Offload | None = None
-
-    def warm(self, steps: int) -> None:
-        """``steps`` steps, and as many more (up to 50) as storm.plan needs to settle: it traces
-        two steps (three with peak=), plans at the next, on CUDA measures planned steps until one
-        is within its target (up to 4), resetting the peak statistics, reads a second offloading
-        step's host time, and tries its plan against the best of the other kind, then in the
-        other recompute form, in alternation (10 to 18 steps each trial)."""
-        for _ in range(steps):
-            self.step()
-        for _ in range(50):
-            if self.planner is None or self.planner.settled:
-                break
-            self.step()
-
-    def step(self) -> float:
-        """One training step, GPU work included: seconds."""
-        t0 = time.perf_counter()
-        self.last = train_step(self.model, self.x, self.opt, self.method, self.opts, self.planner)
-        torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        if self.planner is not None:
-            self.planner.close()
-        del self.model, self.x, self.opt, self.last
-        torch.cuda.empty_cache()
-
-
-def plan_summary(pl: storm.Planner) -> dict:
-    """What a storm.plan chose and predicted, for a results row."""
-    p = pl.plan
-    return {"offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed), "compressed": p.compressed,
-            "predicted_peak_GiB": round(p.predicted_peak / GiB, 3), "predicted_cost_ms": p.predicted_cost_ms,
-            "fits": p.fits, "reentrant": p.reentrant, "settled": pl.settled,
-            "target_GiB": pl.target and round(pl.target / GiB, 3),
-            "besides_GiB": pl.besides and round(pl.besides / GiB, 3), "kept_extra_GiB": round(pl.kept_extra / GiB, 3),
-            "trial": "; ".join(t.describe() for t in pl.trials) or None}
-
-
-def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: torch.device) -> dict:
-    t = Trainer(w, method, opts, device)
-    try:
-        t.warm(warmup)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        times = [t.step() for _ in range(steps)]
-        r = {"step_ms": round(statistics.median(times) * 1e3, 2),
-             "step_ms_min": round(min(times) * 1e3, 2),
-             "samples_per_s": round(w.batch / statistics.median(times), 2),
-             "peak_extra_GiB": round((torch.cuda.max_memory_allocated(device) - base) / GiB, 3)}
-        if method == "none":  # forward alone: how many bytes its duration could carry to the host
-            fwd = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                y = t.model(t.x)
-                torch.cuda.synchronize(device)
-                fwd.append(time.perf_counter() - t0)
-                del y
-            r["forward_ms"] = round(statistics.median(fwd) * 1e3, 2)
-        if t.last is not None:
-            t.last.synchronize()
-            st = t.last.stats
-            ratio = st.offloaded_bytes / st.stored_bytes if st.stored_bytes else 1.0
-            # fetched_bytes counts tensors' sizes; each comes back as it was stored
-            r.update(to_host_GiB=round(st.stored_bytes / GiB, 3), to_device_GiB=round(st.fetched_bytes / ratio / GiB, 3),
-                     offloaded_GiB=round(st.offloaded_bytes / GiB, 3), ratio=round(ratio, 3),
-                     frame_overflows=st.frame_overflows, offloaded_tensors=st.offloaded, kept=dict(st.kept),
-                     fetch_wait_ms=round(st.fetch_wait_s * 1e3, 2), backend=t.last.backend_name)
-        if t.planner is not None:
-            r.update(plan=plan_summary(t.planner), explain=t.planner.explain())
-    except torch.OutOfMemoryError:
-        r = {"error": "OOM"}
-    t.close()
-    return r
+import storm
+from common import GiB, TINY, W1, W2, Workload, cuda_device, link_bandwidth, run, start_daemon, stop_daemon, write
+from storm.examples.models import same_bits
+from storm.report import progress
 
 
 def spill_run(w: Workload, rows: dict, opts: dict, args: argparse.Namespace, device: torch.device) -> dict:
@@ -197,7 +67,7 @@ def spill_run(w: Workload, rows: dict, opts: dict, args: argparse.Namespace, dev
 
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
-    chosen = [w for w in (W1, W2) if w.name in args.workloads]
+    chosen = [w for w in (W1, W2, TINY) if w.name in args.workloads]
     if args.batch:  # e.g. W1 at a batch whose activations do not fit on the GPU
         chosen = [dataclasses.replace(w, name=f"{w.name}_B{args.batch}", batch=args.batch) for w in chosen]
     return chosen
@@ -207,7 +77,7 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
     bw = link_bandwidth(device)
     print(f"link: {bw}", flush=True)
     results: dict = {"link": bw}
-    write(args, results)
+    write(args.out, results)
     daemons = []  # (process, endpoint): stormd copying CUDA tensors itself, and one leaving that to clients
     endpoint = client_endpoint = None
     if {"daemon", "daemon-frames"} & set(args.methods):
@@ -265,7 +135,7 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
                     r = run(w, method, args.steps, args.warmup, opts, device)
                     rows[name] = r
                     advance(f"{w.name} {name}: {r}")
-                    write(args, {**results, w.name: rows})  # what is done survives a time limit
+                    write(args.out, {**results, w.name: rows})  # what is done survives a time limit
             c = rows.get("none", {}).get("step_ms")
             for r in rows.values():
                 if "to_host_GiB" in r:
@@ -371,7 +241,8 @@ def plan_budget(budget: str | None) -> float | str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", nargs="+", default=["W1", "W2"])
+    p.add_argument("--workloads", nargs="+", default=["W1", "W2"], help="W1, W2, tiny (a smoke run's)")
+    p.add_argument("--device", default="cuda", help="--check compares gradients on cpu too; the timings need CUDA")
     p.add_argument("--methods", nargs="+", default=None,
                    help="timings: none checkpoint save_on_cpu embedded embedded-lowmem daemon budgets (the "
                         "default), daemon-client-copies, embedded-frames, daemon-frames, budget-fit, spill, "
@@ -399,22 +270,18 @@ def main() -> int:
                         ["none", "checkpoint", "save_on_cpu", "embedded", "embedded-lowmem", "daemon", "budgets"])
     if args.check and any(m.endswith("-budget") for m in args.methods) and args.budget is None:
         p.error("--check with a budget row needs --budget (bytes, e.g. 2GiB)")
-    device = torch.device("cuda")
-    write(args, bitexact(args, device) if args.check else timings(args, device))
+    if args.device == "cuda":
+        device = cuda_device("offload.py", "; --check --device cpu compares gradients on the CPU")
+        if device is None:
+            return 2
+    elif args.check:
+        device = torch.device(args.device)
+    else:
+        p.error("the timings measure on CUDA; only --check runs on another --device")
+    write(args.out, bitexact(args, device) if args.check else timings(args, device), device)
     if args.plot:
         plot(args, device)
     return 0
-
-
-def write(args: argparse.Namespace, results: dict) -> None:
-    results = {**results}
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    results["meta"] = {"device": device, "torch": torch.__version__,
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "commit": provenance.commit(), "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-                       "command": " ".join(sys.argv)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Per workload: the no-offload step's peak GPU memory above its start, then storm.
 peak= each --fractions of it (with bench/frontier.py's options), stepped until it has traced (offload trace, compute trace,
 and with peak= the kept-extra trace) and settled; the JSON holds, per cap, the Trace
 (dataclasses.asdict), what the planner measured beside it (besides, kept_extra, target) and
-the plan it kept. tests/client/planner/data/ holds such traces for the golden test of the
+the plan it kept. tests/planner/data/ holds such traces for the golden test of the
 cost model. Without CUDA it exits 2.
 """
 
@@ -15,11 +15,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offload import Trainer, cuda_device, plan_summary, run, write
-from workloads import W1, W2
+from common import W1, W2, Trainer, cuda_device, plan_summary, run, write
 
 
 def main() -> int:
@@ -51,7 +48,7 @@ def main() -> int:
             finally:
                 t.close()
         results[w.name] = {"none": none, "plans": rows}
-        write(args, results)
+        write(args.out, results)
     return 0
 
 

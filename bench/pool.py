@@ -11,7 +11,6 @@ loop on a pool already holding a realistic number of live extents.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -20,13 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import provenance  # noqa: E402
-from stormd.allocator import ExtentAllocator  # noqa: E402
-from stormd.store import Store  # noqa: E402
-from stormd.wire.pool import SharedPool  # noqa: E402
-from stormd.wire.sizes import parse_size  # noqa: E402
+from common import write
+from stormd.allocator import ExtentAllocator
+from stormd.store import Store
+from stormd.wire.pool import SharedPool
+from stormd.wire.sizes import parse_size
 
 
 def _put(key: int, nbytes: int, step: int) -> dict:
@@ -108,17 +105,13 @@ def main() -> int:
     result = {
         "machine": {"host": platform.node(), "cpu": _cpu_model(),
                     "cores": os.cpu_count(), "python": platform.python_version()},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": provenance.commit(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "pool_startup_s": {"pool_bytes": size, "min": min(boot), "all": boot},
         "allocator": {f"live_{n}": alloc_free_us(n, 20_000) for n in (10, 100, 1000)},
         "store_put_seal_get_free": store_step_us(300, 20),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
     if a.out:
-        Path(a.out).write_text(text + "\n")
+        write(a.out, result, "cpu")
     return 0
 
 

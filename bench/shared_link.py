@@ -3,7 +3,7 @@
     python bench/shared_link.py --procs 2 --out bench/results/shared-link-DATE.json
     python bench/shared_link.py --device cpu --tiny --procs 2 --steps 4 --out /tmp/s.json   # a smoke run
 
-Starts one stormd; trains W1 (bench/workloads.py) with full offload through it in one process,
+Starts one stormd; trains W1 (bench/common.py) with full offload through it in one process,
 then in --procs processes at once, all on --device (independent runs, no DDP: NCCL takes one
 rank per GPU). Full offload of W1 is bound by the link, so the processes compete for it.
 stormd gives every session its own copy streams and queues each request's copy when it comes,
@@ -31,11 +31,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import storm  # noqa: E402
-from daemon import start_daemon  # noqa: E402
-from offload import write  # noqa: E402
-from workloads import TINY, W1  # noqa: E402
+import storm
+from common import TINY, W1, start_daemon, write
 
 
 def train(index: int, a: argparse.Namespace, endpoint: str, start: Any, done: Any, procs: int,
@@ -129,7 +126,7 @@ def main() -> int:
                "samples_per_s_alone": round(w.batch / alone["step_ms"] * 1e3, 1),
                "samples_per_s_shared": round(sum(w.batch / s for s in steps) * 1e3, 1)}
     print(summary)
-    write(a, {"workload": w.name, "alone": alone, "shared": shared, "summary": summary})
+    write(a.out, {"workload": w.name, "alone": alone, "shared": shared, "summary": summary}, a.device)
     return 0
 
 

@@ -3,19 +3,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import storm
-from stormd.wire.endpoint import socket_is_live
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import daemon as bench_daemon  # noqa: E402  (bench/daemon.py: how a test's or a benchmark's stormd starts)
+from stormd import launch
 
 
 def pytest_collection_modifyitems(config, items):
@@ -53,8 +48,8 @@ _started: list[subprocess.Popen] = []  # every stormd a test started, stopped at
 
 def popen_stormd(args: list[str], **popen: object) -> subprocess.Popen:
     """A test's ``python -m stormd *args``: it dies with this process and serves no metrics unless
-    asked (bench/daemon.py's popen_stormd), and is stopped at the test's end if still running."""
-    proc = bench_daemon.popen_stormd(args, **popen)
+    asked (stormd.launch.popen_stormd), and is stopped at the test's end if still running."""
+    proc = launch.popen_stormd(args, **popen)
     _started.append(proc)
     return proc
 
@@ -86,14 +81,7 @@ def start_daemon(tmp_path: Path, *args: str, timeout: float = 60.0) -> Daemon:
     # every test daemon refuses a tensor placed over another's bytes, so a placement bug fails loudly
     env = {**os.environ, "STORMD_CHECK_EXTENTS": "1"}
     proc = popen_stormd(["--socket", str(sock), *args], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + timeout
-    while not (sock.exists() and socket_is_live(sock)):  # a killed daemon's file may linger
-        if proc.poll() is not None:
-            raise RuntimeError(f"stormd exited with {proc.returncode}: {log.read_text()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"stormd did not answer on {sock} within {timeout} s: {log.read_text()}")
-        time.sleep(0.02)
+    launch.wait_until_serving(proc, sock, timeout, log)
     return Daemon(sock, proc, log)
 
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import json
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import zmq
@@ -51,3 +57,36 @@ def relu_mlp() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)), \
         torch.randn(512, 256)
+
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+PROVENANCE = {"device", "torch", "date", "commit", "command"}  # what every benchmark's JSON "meta" holds
+
+
+def bench_module(name: str) -> ModuleType:
+    """bench/<name>.py imported as the module ``name``, for tests of a script's functions. A script
+    run as ``python bench/<name>.py`` has bench/ on its path and imports its sibling ``common`` by
+    name; here ``common`` is loaded the same way first, so no test edits sys.path."""
+    if name != "common":
+        bench_module("common")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def run_bench(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python bench/<script> *args``, as a user runs it; its output captured as text."""
+    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def bench_result(path: Path) -> dict:
+    """A benchmark's JSON, checked to say which code produced it, where and how."""
+    result = json.loads(path.read_text())
+    meta = result["meta"]
+    assert PROVENANCE <= set(meta), meta
+    assert meta["commit"] and meta["command"].split()[1].endswith(".py"), meta
+    return result

@@ -1,4 +1,4 @@
-"""The stormd that tests and benchmarks start (conftest.start_daemon, bench/daemon.py) serves no
+"""The stormd that tests and benchmarks start (conftest.start_daemon, stormd/launch.py) serves no
 metrics unless asked, so it never takes the default port (9466) from the node's real stormd,
 and it dies with the process that started it however that ends: an interrupted pytest once
 left an orphaned stormd (parent 1) holding 127.0.0.1:9466, and the next real stormd ran
@@ -13,24 +13,22 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import start_daemon, stop_daemon
+import pytest
+from conftest import start_daemon, stop_daemon, stop_process
 from test_ops_daemon import wait_for_log
 
+from stormd.launch import start_stormd
 from stormd.wire.endpoint import socket_is_live
 
 TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS.parent / "bench"))
-from daemon import start_daemon as start_bench_daemon  # noqa: E402
-from daemon import stop_daemon as stop_bench_daemon  # noqa: E402
 
 DEADLINE_S = 60.0  # a drain takes at most its 5 s deadline; the rest is a loaded machine's slack
 
 PARENT = """
 import sys, time
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-from conftest import start_daemon
-d = start_daemon(Path(sys.argv[2]), "--pool-size", "1MiB")
+from conftest import start_daemon  # tests/ is on PYTHONPATH
+d = start_daemon(Path(sys.argv[1]), "--pool-size", "1MiB")
 print(d.proc.pid, flush=True)
 time.sleep(600)
 """
@@ -46,8 +44,8 @@ def running(pid: int) -> bool:
 
 
 def test_a_test_daemon_dies_with_the_process_that_started_it(tmp_path):
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(TESTS), str(tmp_path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(TESTS)})
     pid = None
     try:
         line = parent.stdout.readline()  # once its daemon answers, or empty where the parent failed
@@ -78,7 +76,7 @@ def test_test_daemons_serve_no_metrics_unless_asked(tmp_path):
     finally:
         stop_daemon(d)
     log = tmp_path / "bench.log"
-    proc, _ = start_bench_daemon(tmp_path / "bench", "1MiB", log=log)
+    proc, _ = start_stormd(tmp_path / "bench", "1MiB", log=log)
     try:
         deadline = time.monotonic() + DEADLINE_S
         while "stormd ready" not in log.read_text():
@@ -86,4 +84,10 @@ def test_test_daemons_serve_no_metrics_unless_asked(tmp_path):
             time.sleep(0.05)
         assert "metrics=off" in log.read_text(), log.read_text()
     finally:
-        stop_bench_daemon(proc)
+        stop_process(proc)
+
+
+def test_a_daemon_that_exits_before_answering_is_reported_with_its_output(tmp_path):
+    log = tmp_path / "stormd.log"
+    with pytest.raises(RuntimeError, match=r"stormd exited with \d+: (?s:.*)pool-size"):
+        start_stormd(tmp_path, "not-a-size", log=log)

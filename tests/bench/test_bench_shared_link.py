@@ -3,21 +3,18 @@ step, and the script times only the steps they ran together."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
+import pytest
+from helpers import bench_result, run_bench
 
 
+@pytest.mark.slow  # processes, a daemon and real encodes: tens of seconds on 2 cores
 def test_processes_sharing_a_daemon_all_offload_and_are_timed_together(tmp_path):
     out = tmp_path / "shared.json"
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "shared_link.py"), "--device", "cpu", "--tiny",
-                        "--procs", "2", "--steps", "3", "--warmup", "1", "--pool-size", "256MiB", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    r = run_bench("shared_link.py", "--device", "cpu", "--tiny", "--procs", "2", "--steps", "3", "--warmup", "1",
+                  "--pool-size", "256MiB", "--out", str(out), timeout=300)
     assert r.returncode == 0, r.stderr
-    result = json.loads(out.read_text())
+    result = bench_result(out)
+    assert result["meta"]["device"] == "cpu" and result["workload"] == "tiny"
     rows = [result["alone"], *result["shared"]]
     assert [row["process"] for row in result["shared"]] == [0, 1]
     for row in rows:

@@ -3,17 +3,14 @@ run end to end (every codec's decode checked bit for bit, both throughputs repor
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
+import pytest
+from helpers import bench_module, bench_result, run_bench
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
-from codec import Timing, aggregate, timed  # noqa: E402
+codec = bench_module("codec")
+Timing, aggregate, timed = codec.Timing, codec.aggregate, codec.timed
 
 
 def test_timed_reports_a_call_alone_and_calls_back_to_back():
@@ -42,12 +39,15 @@ def test_aggregate_weighs_by_bytes_both_ways_and_skips_what_was_not_timed():
     assert not aggregate([{**parts[0], "ok": False}])["lossless"]
 
 
+@pytest.mark.slow  # processes, a daemon and real encodes: tens of seconds on 2 cores
 def test_a_small_cpu_run_checks_every_codec_and_reports_both_throughputs(tmp_path):
     out = tmp_path / "codec.json"
-    subprocess.run([sys.executable, str(BENCH / "codec.py"), "--device", "cpu", "--size-mib", "1", "--reps", "1",
-                    "--kinds", "bf16-gauss", "--skip", "zstd,scan,ancf", "--out", str(out)],
-                   check=True, capture_output=True, timeout=300)
-    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+    r = run_bench("codec.py", "--device", "cpu", "--size-mib", "1", "--reps", "1", "--kinds", "bf16-gauss",
+                  "--skip", "zstd,scan,ancf", "--out", str(out), timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = bench_result(out)
+    assert result["meta"]["device"] == "cpu" and result["size_bytes"] == 1 << 20
+    rows = {r["impl"]: r for r in result["rows"]}
     assert {"storm:raw", "storm:huff_exp", "storm:ancf_exp_frame"} <= set(rows)
     for r in rows.values():
         if "ratio" in r:

@@ -1,14 +1,17 @@
-"""bench/frontier.py's lower bound and summary, on numbers given here (the measured runs are CUDA's)."""
+"""bench/frontier.py's lower bound and summary, on numbers given here, and its --plot-only on a
+committed run (the measured runs are CUDA's: without CUDA it exits 2)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import json
 
 import pytest
+import torch
+from helpers import BENCH, bench_module, run_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from frontier import Bound, ratio_interval, summarize  # noqa: E402
+frontier = bench_module("frontier")
+Bound, ratio_interval, summarize = frontier.Bound, frontier.ratio_interval, frontier.summarize
+RECORDED = BENCH / "results" / "frontier-w1-h100-2026-11-26-4e6e189.json"  # docs/results.md's W1 frontier
 
 GiB = 1 << 30
 GB = 1e9
@@ -86,3 +89,20 @@ def test_the_duels_interval_excludes_a_tie_only_where_the_rounds_agree():
     lo, hi = ratio_interval(mixed_a, mixed_b)
     assert lo < 1.0 < hi
     assert ratio_interval(mixed_a, mixed_b) == (lo, hi)  # seeded: a rerun of the summary gives the same
+
+
+def test_plot_only_redraws_a_recorded_run_on_any_machine(tmp_path):
+    png = tmp_path / "frontier.png"
+    r = run_bench("frontier.py", "--plot-only", str(RECORDED), "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    assert png.stat().st_size > 0
+    recorded = json.loads(RECORDED.read_text())
+    assert {"device", "date", "commit", "command"} <= set(recorded["meta"])
+    assert "W1" in r.stdout and len(r.stdout.splitlines()) >= len(recorded["W1"]["duel"])  # a row per budget
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measures where CUDA is")
+def test_without_cuda_it_measures_nothing_and_says_so(tmp_path):
+    r = run_bench("frontier.py", "--quick", "--out", str(tmp_path / "f.json"))
+    assert r.returncode == 2 and "measures on CUDA" in r.stderr and "--plot-only" in r.stderr, r.stderr
+    assert not (tmp_path / "f.json").exists()

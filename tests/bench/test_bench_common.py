@@ -1,0 +1,59 @@
+"""bench/common.py: the results' provenance, the workloads' smoke size, and the benchmarks' stop of
+their stormd, which says BYE for the benchmark's own sessions first."""
+
+from __future__ import annotations
+
+import torch
+from helpers import bench_module, bench_result
+
+import storm
+
+common = bench_module("common")
+
+
+def test_results_carry_their_provenance_and_stormd_commit_names_the_code(tmp_path, monkeypatch):
+    monkeypatch.setenv("STORM_COMMIT", "abc1234")  # the lent machine's copy of the tree has no .git of its own
+    out = tmp_path / "sub" / "r.json"
+    common.write(out, {"rows": [1]}, "cpu", cpu_threads=2)
+    result = bench_result(out)
+    assert result["rows"] == [1]
+    assert result["meta"]["commit"] == "abc1234" and result["meta"]["device"] == "cpu"
+    assert result["meta"]["cpu_threads"] == 2 and result["meta"]["torch"] == torch.__version__
+
+
+def test_without_stormd_commit_the_checkouts_head_is_recorded(monkeypatch):
+    monkeypatch.delenv("STORM_COMMIT", raising=False)
+    head = common.commit()
+    assert head == "unknown" or len(head) == 40
+
+
+def test_percentile_is_the_nearest_rank():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert common.percentile(values, 0.0) == 1.0
+    assert common.percentile(values, 0.5) == 3.0
+    assert common.percentile(values, 0.99) == 5.0
+
+
+def test_the_tiny_workload_builds_a_bf16_model_of_its_size():
+    model, x = common.TINY.build(torch.device("cpu"))
+    assert len(model.blocks) == common.TINY.layers and x.shape == (2, 32, 64) and x.dtype == torch.bfloat16
+    assert model(x).shape == x.shape
+
+
+def test_stop_says_bye_so_a_session_holding_keys_does_not_wait_out_the_drain_deadline(tmp_path):
+    log = tmp_path / "stormd.log"
+    proc, endpoint = common.start_daemon(tmp_path, "64MiB", "--drain-timeout", "20", log=log)
+    try:
+        x = torch.randn(1 << 19, requires_grad=True)  # 2 MiB: offloaded
+        with storm.offload(mode="daemon", socket=endpoint) as ctx:
+            y = x.exp()  # saves its output; no backward, so the store keeps it
+        ctx.synchronize()
+        assert storm.stats(mode="daemon", socket=endpoint)["node"]["keys"] >= 1
+        common.stop_daemon(proc)  # without its BYE, stormd would hold on for its 20 s deadline and say so
+        assert proc.returncode == 0
+        text = log.read_text()
+        assert "drained: no client holds a tensor" in text and "drain deadline passed" not in text, text
+        del y
+    finally:
+        if proc.poll() is None:
+            proc.kill()
