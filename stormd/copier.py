@@ -109,7 +109,7 @@ class CudaCopier:
         started = time.monotonic()
         # each device's primary context, bound by cuCtxSetCurrent before its calls: with clients on
         # two GPUs, cudaSetDevice switching between them cost the daemon host time on every request,
-        # where binding a context costs next to none (bench/set_device_cost.py measures both). Made for every
+        # where binding a context costs next to none. Made for every
         # visible GPU at start (a node's training processes use them all; CUDA_VISIBLE_DEVICES limits it)
         self._contexts = []
         for index in range(len(self.uuids)):

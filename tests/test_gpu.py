@@ -116,7 +116,7 @@ def test_fetched_bytes_are_freed_once_backward_has_used_them():
 def test_saves_the_store_refused_leave_the_device_with_their_step(store, request):
     """A refused put fails on the training thread (the embedded store answers at once; stormd's
     copies are read off the reply there): kept with its traceback, the error held the frames
-    that saved the tensor, and every refused save outlived its step (bench/refused_saves.py)."""
+    that saved the tensor, and every refused save outlived its step."""
     layers, x, base = trained_mlp(4)
     # a step saves 128 MiB: most of it is refused
     opts = ({"mode": "embedded", "pool_size": "16MiB"} if store == "embedded"

@@ -11,7 +11,7 @@ from . import cdiv
 from .launch import Launcher
 
 SAMPLE_BLOCK = 4096    # sampled elements a program of _sample_hist takes
-SAMPLE_WARPS = 8       # more warps than the other kernels: fewer were slower (bench/kernel_warps.py)
+SAMPLE_WARPS = 8       # more warps than the other kernels: fewer were slower when measured
 
 
 @triton.jit

@@ -184,6 +184,6 @@ def build_code(work: CodeWork, force: torch.Tensor, margin: int, max_len: int) -
     """The code, built on the device from the sample's counts (``work.hist``) and the symbols that
     must have one (uint8[256]), into ``work.table`` and ``work.info``."""
     # 4 warps: the sorts and reductions are spread wider, and the code is built sooner than with one
-    # warp for bf16 and fp32 samples alike (2 and 8 warps were in between; bench/kernel_warps.py)
+    # warp for bf16 and fp32 samples alike (2 and 8 warps were in between when measured on the lent GPU)
     _build_code[(1,)](work.hist, force, work.info, work.table, work.scratch, MARGIN=margin, MAX_LEN=max_len,
                       num_warps=4)
