@@ -210,3 +210,19 @@ def test_a_planned_steps_dearer_packs_replace_the_traced_host_time(monkeypatch, 
         assert offloading == [True] * 4 and planner.traced_host_ms_per_tensor is None
         assert planner.trace.host_ms_per_tensor == traced_ms and set(seen) == {traced_ms}  # never planned again
     planner.close()
+
+
+def test_the_phases_follow_the_steps_to_settled():
+    """With peak= (the reentrant form): the offload trace, the compute trace, the compute trace
+    without the hand-over, the plan's measured step, the host check of its second offloading
+    step, then settled. Each is what the next step does, once the last step has been read."""
+    model, idx, planner, _ = scripted_planner(ScriptedMemory(extra=0), peak="60MiB")
+    phases = [planner.phase]
+    for _ in range(5):
+        grads_of(model, idx, planner.step())
+        planner.settled  # reads the step
+        phases.append(planner.phase)
+    assert phases == [Phase.TRACE_OFFLOAD, Phase.TRACE_COMPUTE, Phase.TRACE_COMPUTE_KEPT, Phase.MEASURE,
+                      Phase.CHECK_HOST, Phase.SETTLED]
+    assert "trace offload step next; no plan yet" in storm.Planner(model.blocks, budget=0.5).explain()
+    planner.close()

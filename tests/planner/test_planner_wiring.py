@@ -63,3 +63,21 @@ def test_drain_lets_go_of_copied_tensors_after_the_hooks_are_off():
         ctx.drain(0)  # waits for the copies, then lets go of them
         assert st.stored_bytes == st.offloaded_bytes
     h.sum().backward()
+
+
+def test_offload_shows_its_checked_options_and_its_saves_in_order():
+    """What storm.plan reads of a storm.offload step: its options as checked (sizes in bytes), a
+    copy, and the storages it offloaded, in saving order."""
+    ctx = storm.offload(mode="embedded", min_bytes="1KiB", max_held_bytes="1MiB")
+    assert ctx.options["min_bytes"] == 1024 and ctx.options["max_held_bytes"] == 1 << 20
+    ctx.options["min_bytes"] = 0
+    assert ctx.options["min_bytes"] == 1024
+    with pytest.raises(RuntimeError, match="not been entered"):
+        ctx.saves
+    x = torch.randn(64, 256, requires_grad=True)
+    with ctx:
+        a = torch.tanh(x * 1.5)  # saves a: 64 KiB
+        b = torch.tanh(a[:32] * 2.0)  # saves b: 32 KiB
+    assert [s.nbytes for s in ctx.saves] == [64 * 256 * 4, 32 * 256 * 4]
+    assert all(s.device.type == "cpu" and s.dtype == torch.float32 for s in ctx.saves)
+    b.sum().backward()
