@@ -45,7 +45,8 @@ from stormd.wire.sizes import parse_size
 
 from .options import bytes_option, mode_option, pool_size_option
 from .policy import DEFAULT_MIN_BYTES, Policy
-from .session import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSession, OffloadStats, Step, session_for
+from .session import (DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSession, OffloadStats, Step, Stored,
+                      session_for)
 
 class Offload(contextlib.ContextDecorator):
     """One offload scope (a step). Use through ``storm.offload(...)``."""
@@ -133,6 +134,19 @@ class Offload(contextlib.ContextDecorator):
         if self._step is None:
             raise RuntimeError("storm.offload has not been entered yet")
         return self._step.stats
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The options as checked, by name, sizes read as bytes ("512MiB" -> 536870912): a copy."""
+        return dict(self._options)
+
+    @property
+    def saves(self) -> tuple[Stored, ...]:
+        """This step's offloaded storages so far, in saving order (each with its ``device``,
+        ``dtype`` and ``nbytes``): storm.plan reads which block saved what from them."""
+        if self._step is None:
+            raise RuntimeError("storm.offload has not been entered yet")
+        return tuple(self._step.order)
 
     @property
     def backend_name(self) -> str:

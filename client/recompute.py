@@ -6,24 +6,21 @@ storm.plan sets it as a recomputed block's ``forward``. Two forms:
   and runs a nested backward through it, as torch.utils.checkpoint's use_reentrant=True form
   does; written out here (``_Reentrant``) because a recomputed block's Python is step time on
   a host-bound step, and torch's generic form enters autocast and RNG contexts and scans its
-  arguments at every call: W1 on a lent H100, 11 blocks recomputed, 34.55 against 35.36 ms a
-  step, forward's host time 5.76 against 7.16 ms (12 blocks: 35.39 against 36.48; no offload
-  27.19; bench/recompute.py --forms reentrant torch-reentrant, recompute-w1-h100-2026-11-26-
-  dcc82ba.json). It costs the host less than the non-reentrant form, whose Python hooks pack
-  and unpack every tensor the block saves, in forward as well: in the same run 39.97 ms (11
-  blocks) and 43.66 (12), and on a slower host, all 12 blocks recomputed by torch's reentrant
-  form, 40.5 against 56.4 (no offload 29.0); a host-bound step pays all of it.
+  arguments at every call, which shows in forward's host time and so in a host-bound step's
+  (bench/recompute.py compares the forms; docs/results.md has its figures). It costs the host
+  less than the non-reentrant form, whose Python hooks pack and unpack every tensor the block
+  saves, in forward as well; a host-bound step pays all of it.
 - Non-reentrant (torch.utils.checkpoint, use_reentrant=False): for keyword arguments, which the
   reentrant form does not take, and ``reentrant=False``; it also works with
   torch.autograd.grad and backward(inputs=...).
 
 What the reentrant form's nested backward holds is kept to what the non-reentrant one holds
-(their difference decided which form fits W1's tightest caps):
+(their difference decides which form fits a tight cap):
 
 - Each tensor the recompute saves is handed to the node that saved it when that node runs
   (``_Saved``), and dropped then, as the non-reentrant form's hooks do; autograd would keep it
   until the node finishes, beside the node's own temporaries (a bias gradient's reduction
-  buffer, in W1).
+  buffer, say).
 - The rebuilt output goes before the nested backward runs (``_release``).
 
 Under no_grad the block just runs. The recompute draws the same random numbers as forward
@@ -228,8 +225,8 @@ class _Saved:
 def _release(out: Any) -> None:
     """Let the reentrant recompute's rebuilt output go before the nested backward runs: that
     backward needs only its graph (``grad_fn``) and shape, and would otherwise keep the block's
-    output alive beside everything the block's backward holds (W1 on a lent H100, 11 blocks
-    recomputed: the step's peak 688.9 MiB before, 672.9 after; bench/recompute.py). The tensor
+    output alive beside everything the block's backward holds, one block's output more at the
+    step's peak (bench/recompute.py measures it). The tensor
     keeps its shape over a one-element stride-0 buffer; a node that saved the output (``exp``'s
     backward) holds its own reference to the storage, so its gradient is unchanged and only the
     unshared bytes go. Views, leaves (a block that returns its input) and what is not a tensor

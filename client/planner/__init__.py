@@ -1,0 +1,29 @@
+"""``storm.plan``: keep saved activations under a GPU-memory budget at the least step time,
+choosing per block of the model: keep on the device, offload, or recompute in backward, and
+whether offloaded tensors go raw or compressed (frames).
+
+    plan = storm.plan(model.blocks, budget="1GiB")  # or a fraction of a step's activation bytes
+    plan = storm.plan(model.blocks, peak="6GiB")    # or: the step's peak above its start (CUDA)
+    for x in data:
+        with plan.step():
+            loss = model(x).sum()
+        loss.backward()
+    print(plan.explain())
+
+The planner traces a step that offloads everything and one that recomputes everything
+(trace.py), chooses from them by a cost model (model.py), measures what the plan's steps take
+(measure.py), tries the best plan against an alternative (trial.py), and says why
+(explain.py); driver.py runs those phases a step at a time, wiring.py holds the blocks' hooks.
+docs/planner.md explains the model.
+"""
+
+from .driver import Phase, Planner, plan
+from .measure import CudaPeakMemory, PeakMemory, frame_costs, frames_of, link_bandwidth
+from .model import BlockTrace, Offloading, Plan, Trace, choose, kept_bytes, moments, predicted_peak
+from .trial import Clock, Trial
+
+_Offloading = Offloading  # its name before the package split, which bench/plan_costs.py imports
+
+__all__ = ["Planner", "plan", "Phase", "Clock", "Trial", "PeakMemory", "CudaPeakMemory", "link_bandwidth",
+           "frame_costs", "frames_of", "BlockTrace", "Trace", "Plan", "Offloading", "choose", "kept_bytes",
+           "moments", "predicted_peak"]

@@ -1,0 +1,136 @@
+"""What the planner measures on the device: a step's peak memory, the link's bandwidth, what
+frames cost and which storages a frame codec would frame; and what it makes of a planned step's
+measurements (margins, the host time of its packs). docs/planner.md ("Margins") explains why.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Iterable, Protocol
+
+import torch
+
+from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
+
+from ..session import OffloadStats
+from ..transfer import FRAME_MIN_BYTES, frameable
+
+MiB = 1 << 20
+GiB = 1 << 30
+FRAME_DEVICE_BYTES = 64 * MiB  # large enough that the codec's kernels, not their launches, set its device time
+MAX_CHECKS = 4  # planned steps measured after a trace: the first plan and up to three corrections
+HOST_CHECK_STEP = 2  # the planned step that offloads whose host time per tensor is checked (the first warms up)
+HOST_CHECK_TOLERANCE = 1.5  # measured over traced by more than this: plan with the measured (not noise)
+
+
+class PeakMemory(Protocol):
+    """A step's peak GPU memory above its start: what a Planner's ``memory=`` gives."""
+
+    available: bool  # whether peak() reads anything
+
+    def start(self) -> None:
+        """The step starts now: its peak is counted from here."""
+
+    def peak(self) -> int | None:
+        """The peak since start(), above what was allocated then; None where not available."""
+
+
+class CudaPeakMemory:
+    """PeakMemory from the CUDA caching allocator (resetting its peak statistics at each start);
+    elsewhere not available."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.available, self._base = device, device.type == "cuda", 0
+
+    def start(self) -> None:
+        if self.available:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) - self._base if self.available else None
+
+
+def widened_margin(margin: int, beyond: int, target: int) -> int:
+    """The margin plans of one kind leave after a step of that kind took ``beyond`` bytes more
+    than its prediction and went over ``target``: at least that and a little more, as copy
+    timing varies between steps, and more than before, so corrections always move the plan."""
+    return max(margin + MiB, beyond + max(MiB, target // 200))
+
+
+def packs_ms_per_tensor(stats: OffloadStats) -> float | None:
+    """A step's host time per offloaded tensor, pack and unpack as a trace counts it (unpacks
+    cost about what packs do); None where it offloaded nothing."""
+    return 2e3 * stats.pack_s / stats.offloaded if stats.offloaded else None
+
+
+def dearer_packs(measured: float, traced: float, tolerance: float = HOST_CHECK_TOLERANCE) -> bool:
+    """Whether a planned step's packs cost enough more than the trace's (over ``tolerance``
+    times: not noise) to plan with them: the offload trace's median block leaves out what an
+    offloading step pays at its first block, and all its saves go. Not where they cost less: a
+    plan of fewer offloads must not bring back a dearer one."""
+    return measured > tolerance * traced
+
+
+def link_bandwidth(device: torch.device, nbytes: int = 256 * MiB) -> tuple[float, float]:
+    """GB/s to the host and back, pinned, measured now (machines drift). On CPU: a copy's speed."""
+    if device.type != "cuda":
+        a = torch.empty(nbytes // 4, dtype=torch.uint8)
+        b = torch.empty_like(a)
+        b.copy_(a)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        gbps = nbytes // 4 / (time.perf_counter() - t0) / 1e9
+        return gbps, gbps
+    g = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = []
+    for fn in (lambda: h.copy_(g, non_blocking=True), lambda: g.copy_(h, non_blocking=True)):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(3 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    return out[0], out[1]
+
+
+def frames_of(saves: Iterable[Any]) -> tuple[int, int, int]:
+    """Of these offloaded storages (session.Stored: device, dtype, nbytes), how many a frame codec
+    puts in frames (transfer.frameable, as the mover decides), their bytes, and their frames' bytes."""
+    framed = [s.nbytes for s in saves if frameable(s.device.type, str(s.dtype).removeprefix("torch."), s.nbytes)]
+    return len(framed), sum(framed), sum(frame_nbytes(b // 2) for b in framed)
+
+
+def frame_costs(device: torch.device, repeats: int = 5) -> tuple[float, float]:
+    """What frames cost, measured now, the median of ``repeats``: the training thread's ms per
+    framed tensor, the host side of encoding and decoding one FRAME_MIN_BYTES bf16 tensor
+    (buffers and kernel launches; the device's work runs on the mover's codec streams); and the
+    device's ms per GiB framed, encoding and decoding a FRAME_DEVICE_BYTES one. (0, 0) off CUDA,
+    where nothing is framed."""
+    if device.type != "cuda":
+        return 0.0, 0.0
+    small, large = (torch.randn(n // 2, dtype=torch.bfloat16, device=device)
+                    for n in (FRAME_MIN_BYTES, FRAME_DEVICE_BYTES))
+
+    def code(t: torch.Tensor) -> None:
+        frame = torch.empty(frame_nbytes(t.numel()), dtype=torch.uint8, device=device)
+        encode_frame(t, frame)
+        decode_frame(frame, t.numel())
+
+    host, dev = [], []
+    for _ in range(repeats + 1):  # the first also compiles the kernels
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        code(small)
+        host.append(time.perf_counter() - t0)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        code(large)
+        end.record()
+        end.synchronize()
+        dev.append(start.elapsed_time(end))
+    return statistics.median(host[1:]) * 1e3, statistics.median(dev[1:]) * GiB / FRAME_DEVICE_BYTES

@@ -1,0 +1,252 @@
+"""The planner's cost model: arithmetic on a recorded ``Trace``, no device in sight.
+
+A plan offloads the first k blocks (the earliest saves, which backward needs last), recomputes
+some of the others in backward and keeps the rest. ``predicted_peak`` says what the device holds
+at backward's worst moment under a plan, ``Offloading.of`` what offloading costs, and ``choose``
+the plan of least predicted cost whose peak fits a budget. docs/planner.md ("How a plan is
+chosen") explains the model in full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..transfer import FRAME_CODECS
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass
+class BlockTrace:
+    """One block in the traced steps."""
+
+    saved_bytes: int = 0     # offloadable bytes its forward saved: what offloading or recomputing it removes
+    tensors: int = 0         # how many storages that was
+    input_bytes: int = 0     # tensors it was called with: what recomputing it keeps
+    forward_ms: float = 0.0  # what recomputing it costs
+    grad_bytes: int = 0      # parameter gradients its backward allocates (none where they outlive the step)
+    framed: int = 0          # of its storages, how many a frame codec puts in frames
+    framed_bytes: int = 0    # their bytes
+    frame_bytes: int = 0     # and their frames': what the link carries for them when compressed
+
+
+@dataclasses.dataclass
+class Trace:
+    """What the plan is made from."""
+
+    blocks: list[BlockTrace]
+    before_bytes: int = 0           # offloadable bytes saved before the first block (e.g. embeddings)
+    after_bytes: int = 0            # and after the last (e.g. the loss)
+    offloaded_before: list[int] = dataclasses.field(default_factory=list)  # bytes offloaded when block i started
+    host_ms_per_tensor: float = 0.0  # pack + unpack on the training thread, per offloaded tensor
+    frame_host_ms_per_tensor: float = 0.0  # and what encoding and decoding its frame adds, per framed tensor
+    frame_device_ms_per_GiB: float = 0.0   # the device's time encoding and decoding frames, per GiB framed
+    forward_host_ms: float = 0.0     # forward of the blocks, on the host, nothing offloaded
+    forward_device_ms: float = 0.0   # and on the compute stream
+    lead_ms: list[float] = dataclasses.field(default_factory=list)  # host ahead of the stream at block i, at the end
+    d2h_GBps: float = 0.0
+    h2d_GBps: float = 0.0
+    store_bytes: int | None = None   # what the store took of the offload trace's saves when it refused some
+
+    @property
+    def total_bytes(self) -> int:
+        return self.before_bytes + sum(b.saved_bytes for b in self.blocks) + self.after_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    offloaded: int                 # blocks[:offloaded] (and the saves before them) are offloaded
+    recomputed: frozenset[int]     # these blocks are recomputed in backward
+    offload_budget: int | None     # storm.offload(budget=...) that offloads exactly those saves; None: all
+    max_held_bytes: int            # storm.offload's copy queue and prefetch window for the plan
+    prefetch_bytes: int
+    predicted_peak: int            # saved bytes (with gradients, when choose() counted them) at the peak
+    predicted_cost_ms: float       # step time over no offload
+    fits: bool
+    in_flight_bytes: int = 0       # offloaded bytes (and frames) the peak counts as still on the device
+    compressed: bool = False       # offloaded tensors go in frames where they can (codec "ancf_exp")
+    reentrant: bool = True         # recomputed blocks in Recompute's reentrant form, else torch's non-reentrant
+
+
+def kept_bytes(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int]) -> list[int]:
+    """Per block, what it keeps on the device from forward to its backward: nothing offloaded,
+    a recomputed block's inputs, a kept block's saves."""
+    return [0 if i < offloaded else b.input_bytes if i in recomputed else b.saved_bytes
+            for i, b in enumerate(trace.blocks)]
+
+
+def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
+                   grads: bool = True, kept_extra: int = 0) -> int:
+    """Saved bytes (and with ``grads`` parameter gradients) on the device at the worst moment of
+    backward when blocks[:offloaded] are offloaded and ``recomputed`` are recomputed; a kept
+    block's backward also holds ``kept_extra``."""
+    return max(moments(trace, offloaded, recomputed, in_flight_bytes, grads, kept_extra))
+
+
+def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
+            grads: bool, kept_extra: int = 0) -> list[int]:
+    """What the device holds as backward reaches each block i (what the blocks before i keep,
+    block i's own saves, kept, rebuilt or fetched, and the gradients of blocks i.. by then,
+    plus ``kept_extra`` where block i is kept: autograd holds a kept block's saves until each
+    node that saved them ends, beside the node's temporaries, where a recomputed or offloaded
+    block's are handed over and dropped as the node takes them), and last at backward's start
+    (every kept save, offloaded bytes still in flight)."""
+    blocks, n = trace.blocks, len(trace.blocks)
+    kept = kept_bytes(trace, offloaded, recomputed)
+    grad = [b.grad_bytes * grads for b in blocks]
+    before = trace.before_bytes * (offloaded == 0) + in_flight_bytes
+    start = before + sum(kept) + trace.after_bytes * (offloaded < n) + grad[-1]
+    allocated = sum(grad)
+    held = []
+    for i, b in enumerate(blocks):
+        held.append(before + b.saved_bytes + allocated + kept_extra * (i >= offloaded and i not in recomputed))
+        before += kept[i]
+        allocated -= grad[i]
+    return held + [start]
+
+
+@dataclasses.dataclass(frozen=True)
+class Offloading:
+    """What offloading blocks[:k] (raw or compressed) with a copy queue of ``held`` bytes costs and
+    leaves on the device."""
+
+    sent: int
+    held: int
+    host_ms: float
+    link_ms: float
+    leftover: int      # offloaded bytes still on the device when forward ends
+    frames: int = 0    # frame buffers the peak counts beside them
+    compressed: bool = False
+    codec_ms: float = 0.0  # the codec's kernels on the device
+
+    @property
+    def cost_ms(self) -> float:
+        return self.host_ms + self.link_ms + self.codec_ms
+
+    @staticmethod
+    def of(trace: Trace, k: int, held: int | None, compressed: bool = False) -> list["Offloading"]:
+        """Per copy queue size to consider (``held``, or: one block, and everything sent)."""
+        blocks, n = trace.blocks, len(trace.blocks)
+        sent = trace.before_bytes * (k > 0) + sum(b.saved_bytes for b in blocks[:k]) + trace.after_bytes * (k == n)
+        if not sent:
+            return [Offloading(0, 0, 0.0, 0.0, 0)]
+        offloaded = blocks[:k] if compressed else []
+        # the link carries frames instead of the framed tensors: the same model, in raw bytes
+        # (what the copy queue and the device hold) per ms of link. The saves before and after
+        # the blocks (embeddings, the loss: few tensors) are counted raw.
+        carried = sent - sum(b.framed_bytes - b.frame_bytes for b in offloaded)
+        d2h, h2d = (g * 1e6 * sent / carried for g in (trace.d2h_GBps, trace.h2d_GBps))  # raw bytes per ms
+        fwd_ms = sum(b.forward_ms for b in blocks)
+        # half of a tensor's host time is its pack, as the first k blocks are launched: the GPU hides
+        # it only as far as the host has got ahead of it by then (nothing at the step's start). The
+        # other half, its unpack, comes at backward's end, behind as much as forward's slack
+        slack_ms = max(0.0, trace.forward_device_ms - trace.forward_host_ms)
+        lead_ms = max(0.0, trace.lead_ms[k]) if k < len(trace.lead_ms) else 0.0
+        half = (sum(b.tensors for b in blocks[:k]) * trace.host_ms_per_tensor
+                + sum(b.framed for b in offloaded) * trace.frame_host_ms_per_tensor) / 2
+        host_ms = max(0.0, half - lead_ms) + max(0.0, half - slack_ms)
+        # a frame being encoded or decoded sits beside its tensor. Kept simple: the largest block's
+        # frames, an upper bound (the caching allocator counts a frame only until the host has
+        # queued its copy or decoding and let go of it)
+        frames = max((b.frame_bytes for b in offloaded), default=0)
+        # in full: the codec's kernels share the GPU with the step's, so a GPU-bound step pays them
+        codec_ms = sum(b.framed_bytes for b in offloaded) / GiB * trace.frame_device_ms_per_GiB
+        out = []
+        for h in ([held] if held is not None else sorted({min(sent, max(b.saved_bytes for b in blocks[:k])), sent})):
+            # forward waits while more than `h` bytes wait for the link, until the first k blocks are done
+            stall = max(0.0, (sent - h) / d2h - sum(b.forward_ms for b in blocks[:k]))
+            leftover = int(max(0.0, min(h, sent - d2h * (fwd_ms + stall))))
+            # what forward did not carry, and all of it back, during backward (about twice forward)
+            link = stall + max(0.0, leftover / d2h + sent / h2d - 2 * fwd_ms)
+            out.append(Offloading(sent, h, host_ms, link, leftover, frames, compressed, codec_ms))
+        return out
+
+
+def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_bytes: int | None = None,
+           offload_margin: int = 0, grads: bool = False, codec: str | None = None,
+           offload: bool | None = None, kept_extra: int = 0) -> Plan | None:
+    """The plan of least predicted cost whose predicted peak (of saves, and with ``grads`` of
+    parameter gradients too) is at most ``budget`` bytes, less
+    ``offload_margin`` for plans that offload (what such plans were measured to take beyond
+    their prediction); the least-peak plan, fits=False, when none is. ``held_bytes`` and ``prefetch_bytes``: the
+    user's storm.offload options when given, else the plan picks them: a copy queue of one
+    block or of everything offloaded; a prefetch window of one block when no kept block
+    follows the offloaded ones, else none (prefetch then runs as far ahead as the room the
+    planner's hooks report as backward reaches each block). Offloaded tensors go raw or
+    compressed, whichever costs less (raw on ties); ``codec``, the user's storm.offload option
+    when given, allows only the one it means (compressed for a frame codec). ``offload``: only
+    plans that offload (True) or that do not (False); None where there is none (every offload
+    more than the store took). ``kept_extra``: what a kept block's backward holds beyond a
+    recomputed one's (moments)."""
+    blocks, n = trace.blocks, len(trace.blocks)
+    best: Plan | None = None
+    lowest: Plan | None = None
+    lowest_over = 0  # its predicted peak, margin included, over the budget
+    allowed = (False, True) if codec is None else (codec in FRAME_CODECS,)
+    for k in range(n + 1) if offload is None else range(1, n + 1) if offload else range(1):
+        block = max((b.saved_bytes for b in blocks[:k]), default=0)
+        # compressed where allowed and the link would carry fewer bytes (else it is raw by another name)
+        frameable = any(b.frame_bytes < b.framed_bytes for b in blocks[:k])
+        offloading = [off for compressed in sorted({c and frameable for c in allowed})
+                      for off in Offloading.of(trace, k, held_bytes, compressed)]
+        for off in offloading:
+            if trace.store_bytes is not None and off.sent > trace.store_bytes:
+                continue  # more than the store took: the rest would stay on the device
+            room = budget - (offload_margin if off.sent else 0)
+            if prefetch_bytes is not None or not off.sent:
+                window = prefetch_bytes if off.sent else 0  # nothing offloaded: nothing to fetch
+                recomputed, peak, cost = _recompute_until(trace, k, room, off, window, grads, kept_extra)
+            else:  # no window while kept blocks follow: backward frees them before it needs the offloaded ones
+                window = 0
+                recomputed, peak, cost = _recompute_until(trace, k, room, off, 0, grads, kept_extra)
+                if all(i in recomputed for i in range(k, n)):
+                    window = block
+                    recomputed, peak, cost = _recompute_until(trace, k, room, off, block, grads, kept_extra)
+            plan = Plan(k, frozenset(recomputed), None if k == n else (trace.offloaded_before[k] if k else 0),
+                        off.held, window, peak, round(cost, 3), peak <= room, off.leftover + off.frames + window,
+                        off.compressed)
+            if plan.fits and (best is None or plan.predicted_cost_ms < best.predicted_cost_ms):
+                best = plan
+            if lowest is None or peak - room < lowest_over:
+                lowest, lowest_over = plan, peak - room
+    return best or lowest
+
+
+def _recompute_until(trace: Trace, k: int, budget: int, off: Offloading, window: int,
+                     grads: bool, kept_extra: int = 0) -> tuple[set[int], int, float]:
+    """Blocks past the first k to recompute until the predicted peak fits; with the peak and
+    cost reached. Recomputing block j lowers what every later moment holds (the start of
+    backward, and each block i > j as backward reaches it) by its saves less its input, and
+    no earlier one: so the moments are met in the order backward's blocks come (block 0's,
+    then 1's, ..., then backward's start), each by the cheapest blocks in forward ms per byte
+    removed (earlier blocks on ties) among those before it. Picking the cheapest anywhere
+    first can spend them where no moment over the budget gains: of many like blocks, the later
+    ones a little cheaper each, it would recompute nearly all where a few at the front fit.
+    A kept block's own moment also holds ``kept_extra``, which recomputing it removes: for that
+    moment it is a candidate too. Meeting each moment in turn can leave blocks that later
+    choices made unneeded (like blocks traced a little apart, as noise makes them:
+    tests/planner/test_planner_model.py); those go after, the dearest first, while the peak
+    still fits."""
+    blocks, n = trace.blocks, len(trace.blocks)
+    in_flight = off.leftover + off.frames + window
+    gain = [b.saved_bytes - b.input_bytes for b in blocks]
+    order = sorted((j for j in range(k, n) if gain[j] > 0), key=lambda j: (blocks[j].forward_ms / gain[j], j))
+    # block i's, for i < n (every block past k kept, so each with kept_extra), then backward's start
+    held_at = moments(trace, k, set(), in_flight, grads, kept_extra)
+    recomputed: set[int] = set()
+    for i, held in enumerate(held_at):
+        lowered = held - sum(gain[j] for j in recomputed if j < i) - kept_extra * (i in recomputed)
+        for j in order:
+            if lowered <= budget:
+                break
+            if j <= i and j not in recomputed and (j < i or kept_extra):
+                recomputed.add(j)
+                lowered -= gain[j] if j < i else kept_extra
+    peak = predicted_peak(trace, k, recomputed, in_flight, grads, kept_extra)
+    if peak <= budget:
+        for j in sorted(recomputed, key=lambda j: (-blocks[j].forward_ms, -j)):
+            without = predicted_peak(trace, k, recomputed - {j}, in_flight, grads, kept_extra)
+            if without <= budget:
+                recomputed.discard(j)
+                peak = without
+    return recomputed, peak, off.cost_ms + sum(blocks[j].forward_ms for j in recomputed)

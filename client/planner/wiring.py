@@ -1,0 +1,161 @@
+"""The planner's hold on the model's blocks: forward hooks, a callback as backward ends,
+recomputed blocks' forwards (Recompute), and a planned step's hooks that pace copies and
+prefetch as forward and backward pass each block. Everything here comes off with ``close()``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..hooks import Offload
+from ..recompute import Recompute
+from .model import Plan, Trace, kept_bytes
+
+
+class BlockHooks:
+    """What the planner sets on ``blocks``, and takes off again."""
+
+    def __init__(self, blocks: list[nn.Module], reentrant: bool):
+        self.blocks = blocks
+        self.reentrant = reentrant  # the form recompute() sets unless told
+        self._hooks: list[Any] = []
+        self._end_hooks: list[Any] = []  # on the last block (at_backward_end), until their step's forward ends
+        self._recomputing: set[int] = set()
+
+    def hook(self, pre: Callable, post: Callable) -> None:
+        """``pre(i, module, args, kwargs)`` before and ``post(i, module, args, out)`` after each
+        block's forward, in place of the hooks set before."""
+        self.unhook()
+        for i, b in enumerate(self.blocks):
+            self._hooks.append(b.register_forward_pre_hook(functools.partial(pre, i), with_kwargs=True))
+            self._hooks.append(b.register_forward_hook(functools.partial(post, i)))
+
+    def unhook(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def at_backward_end(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` as this step's backward ends: queued on the autograd engine from the
+        gradient of the last block's output, which is ready as backward starts."""
+        def at_output(m: nn.Module, args: Any, out: Any) -> None:
+            handle.remove()  # once: not again when a checkpointed last block is rebuilt
+            t = first_tensor(out)
+            if t is not None and t.requires_grad:
+                t.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(fn))
+
+        handle = self.blocks[-1].register_forward_hook(at_output)
+        self._end_hooks.append(handle)
+
+    def remove_end_hooks(self) -> None:
+        """Those of at_backward_end still waiting: a step begun but never run leaves its hook."""
+        for h in self._end_hooks:
+            h.remove()
+        self._end_hooks = []
+
+    def recompute(self, which: set[int], hand_over: bool = True, reentrant: bool | None = None) -> None:
+        """Make exactly the blocks in ``which`` recompute in backward (Recompute, set as their
+        forward, in the planner's form unless ``reentrant`` says; ``hand_over``: see Recompute)."""
+        reentrant = self.reentrant if reentrant is None else reentrant
+        for i in which - self._recomputing:
+            if "forward" in vars(self.blocks[i]):
+                raise RuntimeError(f"storm.plan: block {i} ({type(self.blocks[i]).__name__}) already has its own "
+                                   "forward attribute; storm.plan recomputes a block by setting it")
+        for i in self._recomputing - which:
+            del self.blocks[i].forward  # back to the class's forward
+        for i in which:
+            b = self.blocks[i]
+            if i not in self._recomputing or (b.forward.hand_over, b.forward.reentrant) != (hand_over, reentrant):
+                b.forward = Recompute(type(b).forward.__get__(b), device_of([b]), reentrant, hand_over)
+        self._recomputing = set(which)
+
+    def apply(self, plan: Plan, trace: Trace, grads: bool, on_new_shapes: Callable[[], None],
+              signature: tuple | None, ctx: Callable[[], Offload | None]) -> None:
+        """Put ``plan`` in force from the next step: its recomputed blocks, a hook that calls
+        ``on_new_shapes`` where block 0 is called with inputs unlike ``signature`` (the trace no
+        longer holds), and where it offloads, the hooks that pace the step ``ctx()`` returns
+        (pace). ``grads``: whether the plan's peak counts parameter gradients."""
+        self.unhook()
+        self.recompute(set(plan.recomputed), reentrant=plan.reentrant)
+
+        def check(m: nn.Module, args: Any) -> None:
+            if input_signature(args) != signature:
+                on_new_shapes()
+
+        self._hooks.append(self.blocks[0].register_forward_pre_hook(check))
+        if plan.offloaded:
+            self._pace(plan, trace, grads, ctx)
+
+    def _pace(self, plan: Plan, trace: Trace, grads: bool, ctx: Callable[[], Offload | None]) -> None:
+        """Past the offloaded blocks STORM's saves only mark about every 64 MiB: too coarse to
+        let go of the tensors whose copy has finished in time, or to see backward make room
+        at the plan's peak. So after
+        each later block's forward the host waits until the copies still running fit in what
+        the blocks after it will keep (the host runs ahead of the GPU, and the caching
+        allocator counts memory on the host's clock), and a hook on each block's output (whose
+        gradient is ready when the block's backward starts) allows prefetch what the plan's
+        peak leaves free there: the peak, less what the blocks before keep, the block's own
+        saves or the largest rebuild still to come, and (where the plan's peak counts them,
+        with peak=) the parameter gradients allocated from there on, so fetches start as
+        early as memory allows and hold back as gradients grow."""
+        p, blocks = plan, trace.blocks
+        grad = [b.grad_bytes * grads for b in blocks]  # in the plan's peak with peak= only
+        room = [0] * len(blocks)
+        kept = kept_bytes(trace, p.offloaded, p.recomputed)
+        rebuild = 0  # the largest saves of a recomputed block before i: rebuilt later in backward
+        for i, b in enumerate(blocks):
+            # block i's own saves (kept, rebuilt or fetched) are alive through its backward
+            in_use = max(b.saved_bytes, rebuild)
+            room[i] = max(0, p.predicted_peak - sum(kept[:i]) - in_use - sum(grad[i:]))
+            if i in p.recomputed:
+                rebuild = max(rebuild, b.saved_bytes)
+        # after block i, the copies still running may use what the blocks after the next will
+        # keep (they stay until the next block's end, while it allocates its own saves), plus
+        # what the plan counts as still in flight when forward ends. Not the plan's slack at
+        # that moment: backward's start also holds the loss's and the last block's temporaries,
+        # which the model leaves out and which can take a tight plan over its cap
+        limit = [p.in_flight_bytes + sum(kept[i + 2:]) for i in range(len(blocks))]
+
+        def reached(i: int, m: nn.Module, args: Any, out: Any) -> None:
+            step = ctx()
+            if step is None:
+                return
+            if i >= p.offloaded:
+                step.drain(limit[i])
+            elif i == p.offloaded - 1:  # the later blocks' saves stay: no hooks for them to pass through
+                step.stop_offloading()
+            t = first_tensor(out)
+            if t is not None and t.requires_grad:
+                t.register_hook(lambda grad: step.allow_prefetch(room[i]))
+
+        for i, b in enumerate(self.blocks):
+            self._hooks.append(b.register_forward_hook(functools.partial(reached, i)))
+
+    def close(self) -> None:
+        """Restore the blocks' own forwards and remove every hook set on them."""
+        self.unhook()
+        self.remove_end_hooks()
+        self.recompute(set())
+
+
+def device_of(blocks: list[nn.Module]) -> torch.device:
+    for b in blocks:
+        for p in b.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def first_tensor(out: Any) -> torch.Tensor | None:
+    """A block's output tensor, or the first tensor of its output tuple."""
+    if isinstance(out, torch.Tensor):
+        return out
+    return next((o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)), None)
+
+
+def input_signature(args: Any) -> tuple:
+    """The shapes and dtypes of a block's tensor arguments: a trace holds while block 0's stay."""
+    return tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))

@@ -1,0 +1,253 @@
+"""The cost model as pure functions of a Trace: choose(), predicted_peak(), moments() and
+Offloading.of() on small made-up traces, no model run."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner_fakes import MiB, framed, trace
+from storm.planner import BlockTrace, Offloading, Trace, choose, moments, predicted_peak
+
+
+def test_a_budget_above_the_step_changes_nothing():
+    t = trace()
+    p = choose(t, t.total_bytes)
+    assert (p.offloaded, p.recomputed, p.offload_budget, p.predicted_cost_ms, p.fits) == (0, frozenset(), 0, 0.0, True)
+    assert p.predicted_peak == t.total_bytes
+
+
+def test_a_slow_link_recomputes_instead_of_offloading():
+    t = trace(gbps=0.5)  # 100 MiB takes ~210 ms each way; recomputing a block costs 1 ms
+    budget = t.total_bytes - 350 * MiB
+    p = choose(t, budget)
+    assert p.fits and p.predicted_peak <= budget
+    assert p.offloaded == 0 and len(p.recomputed) == 4  # each recompute removes 90 MiB, plus the largest's 100
+    assert p.predicted_cost_ms == pytest.approx(4.0)
+
+
+def test_no_block_is_recomputed_that_the_fit_does_not_need():
+    """Like blocks, each traced 1% cheaper than the one before (noise makes such differences):
+    meeting backward's moments in turn picked block 11 for its own moment's kept_extra and
+    block 10 for backward's start, where one block fits (and 6 where 5 did, ...). Every block
+    the plan recomputes is needed: without any one of them the peak is over the budget, and
+    no more are recomputed than checkpointing the first blocks would need."""
+    n, extra = 12, 50 * MiB
+    t = trace(n=n, saved=200 * MiB, inputs=16 * MiB, gbps=0.5)  # a slow link: plans recompute
+    for i, b in enumerate(t.blocks):
+        b.forward_ms, b.grad_bytes = 1.0 - 0.01 * i, 24 * MiB
+    for budget in range(1000 * MiB, 2600 * MiB, 200 * MiB):
+        p = choose(t, budget, grads=True, kept_extra=extra)
+        assert p.fits and p.offloaded == 0
+        for j in p.recomputed:
+            assert predicted_peak(t, 0, p.recomputed - {j}, 0, True, extra) > budget, (budget, sorted(p.recomputed), j)
+        first = next(k for k in range(n + 1) if predicted_peak(t, 0, set(range(k)), 0, True, extra) <= budget)
+        assert len(p.recomputed) <= first, (budget, sorted(p.recomputed), first)
+
+
+def test_only_a_kept_blocks_backward_holds_the_kept_extra():
+    t = trace(n=4, gbps=0.5)  # a slow link: plans recompute
+    every, extra = set(range(4)), 5 * MiB
+
+    def added(offloaded: int, recomputed: set[int]) -> list[int]:  # per block's backward, then backward's start
+        return [a - b for a, b in zip(moments(t, offloaded, recomputed, 0, True, extra),
+                                      moments(t, offloaded, recomputed, 0, True))]
+
+    assert added(0, set()) == [extra] * 4 + [0]
+    assert added(0, {1, 2}) == [extra, 0, 0, extra, 0]
+    assert added(0, every) == [0] * 5  # handed over
+    assert added(2, {3}) == [0, 0, extra, 0, 0]  # fetched ones are handed over too
+    # a budget that recomputing blocks 0-2 meets exactly, but not with block 3's kept extra:
+    # recomputing block 3 too removes it there
+    budget = predicted_peak(t, 0, {0, 1, 2}, 0)
+    assert choose(t, budget).recomputed == {0, 1, 2}
+    assert predicted_peak(t, 0, {0, 1, 2}, 0, kept_extra=extra) > budget
+    assert choose(t, budget, kept_extra=extra).recomputed == every
+
+
+def test_the_cheapest_blocks_per_byte_are_recomputed_first():
+    t = trace(gbps=0.5)
+    t.blocks[5].forward_ms = 0.1
+    t.blocks[2].forward_ms = 0.2
+    assert choose(t, t.total_bytes - 20 * MiB).recomputed == frozenset({5})
+    assert choose(t, t.total_bytes - 150 * MiB).recomputed == frozenset({5, 2})
+
+
+def test_w2_like_blocks_recompute_the_fewest_that_fit():
+    """24 like blocks whose parameter gradients count at the peak (peak=), the later ones a
+    little cheaper to recompute (measurement noise): every moment of backward over the budget
+    is met by blocks before it, so 7 recomputed blocks fit where picking the cheapest first
+    recomputed 23."""
+    n = 24
+    blocks = [BlockTrace(512 * MiB, 9, 32 * MiB, 2.8 * (1 - 0.002 * i), grad_bytes=384 * MiB) for i in range(n)]
+    t = Trace(blocks, offloaded_before=[i * 512 * MiB for i in range(n)], forward_host_ms=70.0,
+              forward_device_ms=70.0, d2h_GBps=0.5, h2d_GBps=0.5)
+    budget = predicted_peak(t, 0, set(range(n)), 0) + 20 * MiB
+    p = choose(t, budget, grads=True)
+    assert p.fits and p.offloaded == 0 and len(p.recomputed) == 7
+    assert predicted_peak(t, 0, p.recomputed, 0) <= budget
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_like_blocks_are_recomputed_at_the_least_cost(seed):
+    """Blocks that free the same bytes: the plan's recompute cost is the least of every set of
+    blocks that fits (all 2^8 tried), at each budget."""
+    import itertools
+    import random
+    rng = random.Random(seed)
+    n = 8
+    blocks = [BlockTrace(100 * MiB, 5, 10 * MiB, rng.uniform(0.5, 2.0), grad_bytes=60 * MiB) for _ in range(n)]
+    t = Trace(blocks, before_bytes=MiB, after_bytes=2 * MiB, offloaded_before=[MiB + i * 100 * MiB for i in range(n)],
+              forward_host_ms=8.0, forward_device_ms=8.0, d2h_GBps=0.01, h2d_GBps=0.01)  # offloading never pays
+    floor = predicted_peak(t, 0, set(range(n)), 0)
+    for budget in range(floor, predicted_peak(t, 0, set(), 0) + 1, 45 * MiB):
+        best = min(sum(blocks[i].forward_ms for i in r) for size in range(n + 1)
+                   for r in itertools.combinations(range(n), size) if predicted_peak(t, 0, set(r), 0) <= budget)
+        p = choose(t, budget, grads=True)
+        assert p.fits and p.offloaded == 0
+        assert p.predicted_cost_ms == pytest.approx(best, abs=1e-3)
+
+
+def test_recomputing_only_the_last_block_saves_next_to_nothing():
+    t = trace(n=2)
+    # backward needs the last block's saves first: rebuilt or kept, they are all there at once,
+    # and only the saves after the blocks (the loss's) are gone by then
+    assert predicted_peak(t, 0, {1}, 0) == t.total_bytes - t.after_bytes
+    assert predicted_peak(t, 0, {0}, 0) == t.total_bytes - 90 * MiB
+
+
+def test_parameter_gradients_count_from_the_block_whose_backward_allocates_them():
+    t = trace(n=4)
+    for b in t.blocks:
+        b.grad_bytes = 50 * MiB
+    # nothing offloaded: the start of backward holds every save and the last block's gradients
+    assert predicted_peak(t, 0, set(), 0) == t.total_bytes + 50 * MiB
+    # everything offloaded: the end, block 0's fetched saves beside every block's gradients
+    assert predicted_peak(t, 4, set(), 0) == 100 * MiB + 4 * 50 * MiB
+
+
+def test_a_link_that_forward_hides_offloads_the_earliest_blocks():
+    t = trace(fwd_ms=20.0, gbps=50.0)  # 100 MiB in ~2 ms against 160 ms of forward: free
+    budget = t.total_bytes - 250 * MiB
+    p = choose(t, budget)
+    assert p.fits and p.recomputed == frozenset() and p.offloaded == 3
+    assert p.offload_budget == t.offloaded_before[3]  # storm.offload(budget=) stops at block 3's first save
+    assert p.predicted_cost_ms == 0.0
+    # the link drains everything during forward, so nothing offloaded is left at the peak, and
+    # backward frees kept blocks before it needs the offloaded ones: no prefetch window either
+    assert p.predicted_peak == t.total_bytes - t.before_bytes - 300 * MiB and p.prefetch_bytes == 0
+    assert p.max_held_bytes == 100 * MiB  # a block's copy takes 2 ms of the next block's 20: no stall
+
+
+def test_a_busy_link_costs_a_stall_or_memory():
+    t = trace(fwd_ms=1.0, gbps=50.0)  # 100 MiB per 1 ms block against 2 ms to copy it
+    slow = Offloading.of(t, 8, 100 * MiB)[0]
+    fast = Offloading.of(t, 8, None)[-1]
+    assert fast.held == slow.sent == fast.sent == t.total_bytes
+    assert slow.cost_ms > 5 and slow.leftover <= 100 * MiB  # forward waits for the link
+    assert fast.leftover > 300 * MiB  # forward does not wait; the bytes stay on the device meanwhile
+    nothing = choose(t, 10**12, held_bytes=64 * MiB, prefetch_bytes=32 * MiB)
+    assert nothing.offloaded == 0 and nothing.predicted_peak == t.total_bytes  # no window counted: nothing to fetch
+    p = choose(t, 300 * MiB, held_bytes=64 * MiB, prefetch_bytes=32 * MiB)
+    assert (p.max_held_bytes, p.prefetch_bytes) == (64 * MiB, 32 * MiB)  # the user's options are kept
+
+
+def test_host_time_per_tensor_counts_when_the_compute_stream_does_not_hide_it():
+    t = trace(fwd_ms=20.0, gbps=50.0, host_ms=50.0, tensors=5)  # 250 ms per offloaded block: recompute wins
+    p = choose(t, t.total_bytes - 250 * MiB)
+    assert p.offloaded == 0 and p.recomputed
+    # the GPU ends forward far behind the host, but the host is not ahead while it launches the
+    # first blocks (as at a step's start): their packs (half of each tensor's time) still cost
+    t.forward_device_ms = t.forward_host_ms + 10_000
+    t.lead_ms = [0.0] * (len(t.blocks) + 1)
+    p = choose(t, t.total_bytes - 250 * MiB)
+    assert p.offloaded == 0 and p.recomputed
+    assert Offloading.of(t, 3, None)[0].host_ms == pytest.approx(3 * 5 * 50.0 / 2)  # the packs; unpacks hidden
+    t.lead_ms = [0.0] + [10_000.0] * len(t.blocks)  # far ahead from block 1 on: host time is free
+    p = choose(t, t.total_bytes - 250 * MiB)
+    assert p.offloaded == 3 and not p.recomputed
+
+
+def test_an_unreachable_budget_gets_the_least_peak_plan_and_says_so():
+    t = trace()
+    p = choose(t, 0)
+    assert not p.fits
+    every = set(range(len(t.blocks)))
+    assert p.predicted_peak <= predicted_peak(t, 0, every, 0)  # no worse than recomputing all
+    assert p.predicted_peak <= min(o.leftover for o in Offloading.of(t, len(t.blocks), None)) + 100 * MiB
+
+
+def test_a_link_bound_step_offloads_compressed():
+    # 100 MiB per 1 ms block over 50 GB/s, host time hidden by the GPU: the link decides
+    t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
+    t.forward_device_ms = t.forward_host_ms + 50
+    t.lead_ms = [0.0] + [50.0] * len(t.blocks)
+    budget = 300 * MiB
+    p, raw = choose(t, budget), choose(t, budget, codec="raw")
+    assert p.compressed and p.fits and p.offloaded > 0
+    assert raw.fits and raw.offloaded > 0 and not raw.compressed
+    assert p.predicted_cost_ms < raw.predicted_cost_ms
+    assert choose(t, budget, codec="ancf_exp") == p  # the user's frame codec: the same choice, made alone
+    off_raw, off_compressed = (Offloading.of(t, p.offloaded, p.max_held_bytes, c)[0] for c in (False, True))
+    assert off_compressed.link_ms < off_raw.link_ms
+    # the peak counts one block's frames beside what is in flight
+    assert off_compressed.frames == t.blocks[0].frame_bytes and off_raw.frames == 0
+    assert p.in_flight_bytes >= off_compressed.frames
+
+
+def test_the_codecs_device_time_can_make_raw_the_cheaper():
+    # the link-bound step above, with a codec whose kernels take 30 ms per GiB framed (encode and
+    # decode): they share the GPU with the step's, so they count in full
+    t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
+    t.forward_device_ms = t.forward_host_ms + 50
+    t.lead_ms = [0.0] + [50.0] * len(t.blocks)
+    budget = 300 * MiB
+    assert choose(t, budget).compressed
+    t.frame_device_ms_per_GiB = 30.0
+    p, forced = choose(t, budget), choose(t, budget, codec="ancf_exp")
+    assert p.fits and p.offloaded > 0 and not p.compressed
+    assert forced.compressed and forced.predicted_cost_ms > p.predicted_cost_ms
+    off = Offloading.of(t, forced.offloaded, forced.max_held_bytes, True)[0]
+    assert off.codec_ms == pytest.approx(forced.offloaded * 100 / 1024 * 30.0)
+    assert off.cost_ms == pytest.approx(off.host_ms + off.link_ms + off.codec_ms)
+    assert Offloading.of(t, forced.offloaded, forced.max_held_bytes, False)[0].codec_ms == 0.0
+
+
+def test_a_host_bound_step_offloads_raw():
+    # 200 tensors a block, frames that save 1 MiB of its 100 and cost 150 us each, nothing hidden
+    t = framed(trace(inputs=60 * MiB, host_ms=0.02, tensors=200), per_block=200, frame_ms=0.15,
+               saved_by_frames=MiB)
+    budget = 300 * MiB
+    p = choose(t, budget)
+    assert p.fits and p.offloaded > 0 and not p.compressed
+    forced = choose(t, budget, codec="ancf_exp")  # the user's frame codec is respected, at its cost
+    assert forced.compressed and forced.predicted_cost_ms > p.predicted_cost_ms
+    off_raw, off_compressed = (Offloading.of(t, forced.offloaded, forced.max_held_bytes, c)[0] for c in (False, True))
+    assert off_compressed.host_ms - off_raw.host_ms == pytest.approx(forced.offloaded * 200 * 0.15)
+
+
+@pytest.mark.parametrize("codec", [None, "ancf_exp", "auto"])
+def test_nothing_frameable_is_never_compressed(codec):
+    t = trace(inputs=60 * MiB, gbps=1.0)  # a slow link: frames would pay, if anything could be framed
+    t.frame_host_ms_per_tensor = 0.0
+    for budget in (0, 150 * MiB, 300 * MiB, 600 * MiB, t.total_bytes):
+        p = choose(t, budget, codec=codec)
+        assert not p.compressed and p == choose(t, budget, codec="raw")
+
+
+def test_a_margin_holds_plans_that_offload_to_less():
+    t = trace(fwd_ms=20.0, gbps=50.0)  # the link is free: offloading 3 blocks is the plan
+    budget = t.total_bytes - 250 * MiB
+    assert choose(t, budget).offloaded == 3
+    p = choose(t, budget, offload_margin=150 * MiB)  # offloading plans were measured 150 MiB over
+    assert p.fits and (p.offloaded == 0 or p.predicted_peak + 150 * MiB <= budget)
+    assert p.offloaded == 0 or p.offloaded > 3  # the 3-block plan no longer fits
+    assert choose(t, budget, offload_margin=10**12).offloaded == 0  # recomputing is not held to it
+
+
+def test_no_trial_where_the_other_kind_does_not_fit():
+    t = trace(fwd_ms=1.0, gbps=50.0)
+    assert choose(t, 0, offload=False).fits is False  # nothing fits a budget of 0 without offloading
+    assert choose(t, t.total_bytes, offload=True).offloaded > 0
+    assert choose(t, t.total_bytes, offload=False).offloaded == 0
+    t.store_bytes = 0  # the store took nothing: no plan offloads
+    assert choose(t, t.total_bytes, offload=True) is None

@@ -1,0 +1,197 @@
+"""The traced steps on the CPU GPT and small block stacks: what the offload trace and the
+compute trace record per block, what they leave out (a slow first offload, a first call that
+loads kernels), tracing again when the inputs' shapes change, and no extra call of any block."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import storm
+from planner_fakes import FakeClock, gpt, grads_of, pack_clock
+from storm.examples.models import same_bits
+
+
+def test_new_input_shapes_trace_again():
+    model, idx = gpt()
+    planner = storm.plan(model.blocks, budget=0.3, mode="embedded", min_bytes=0)
+    for _ in range(3):
+        grads_of(model, idx, planner.step())
+    assert planner.plan is not None and planner.replans == 0
+    grads_of(model, idx[:, :33], planner.step())  # a shorter sequence: the trace no longer holds
+    ctx = planner.step()
+    assert planner.plan is None and planner.replans == 1
+    assert "forward" not in vars(model.blocks[0])  # the offload trace recomputes nothing
+    grads_of(model, idx[:, :33], ctx)
+    grads_of(model, idx[:, :33], planner.step())  # the compute trace
+    grads_of(model, idx[:, :33], planner.step())  # planned from the two
+    assert planner.plan is not None
+    assert planner.trace.blocks[0].input_bytes == 8 * 32 * 64 * 4
+    planner.close()
+
+
+def test_cpu_blocks_are_planned_raw_and_explained():
+    model, idx = gpt()
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
+    codecs = []
+    for _ in range(4):
+        ctx = planner.step()
+        codecs.append(ctx.options["codec"])
+        grads_of(model, idx, ctx)
+    t, p = planner.trace, planner.plan
+    assert codecs == ["raw", None, None, None]  # the offload trace raw, then no frame codec passed
+    assert all(b.framed == b.framed_bytes == b.frame_bytes == 0 for b in t.blocks)  # CPU: nothing framed
+    assert t.frame_host_ms_per_tensor == t.frame_device_ms_per_GiB == 0.0 and not p.compressed
+    # whether offloading or recomputing wins depends on this machine's speed; either way, no frames
+    assert ("offloaded tensors go raw: none would be framed" if p.offloaded else "nothing offloaded") \
+        in planner.explain()
+    planner.close()
+
+
+def test_the_offload_trace_reads_each_blocks_own_storages():
+    """What a frame codec would frame is read from the storages each block offloaded: here, as
+    if it framed every one."""
+    def every(saves):
+        saves = list(saves)
+        return len(saves), sum(s.nbytes for s in saves), 0
+
+    model, idx = gpt()
+    planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0, frames_of=every)
+    grads_of(model, idx, planner.step())
+    planner.step()  # reads the offload trace
+    assert all(b.framed == b.tensors > 0 and b.framed_bytes == b.saved_bytes for b in planner.trace.blocks)
+    planner.close()
+
+
+def test_a_pool_smaller_than_the_step_is_traced_whole_and_planned_within(caplog):
+    """The offload trace counts each block's saves as the step made them: the store's refusals
+    once its pool is full come back later, in other blocks, and must not move bytes between
+    blocks. Plans then offload no more than the store took, and say so."""
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    traces = []
+    for pool in (None, "small"):
+        options = {} if pool is None else {"pool_size": int(traces[0].total_bytes * 0.4)}
+        planner = storm.plan(model.blocks, budget=0.05, mode="embedded", min_bytes=0, **options)
+        with caplog.at_level(logging.WARNING, logger="storm"):
+            for step in range(3):
+                ctx = planner.step()
+                got = grads_of(model, idx, ctx)
+                assert all(same_bits(a, b) for a, b in zip(ref, got)), f"gradients differ in step {step}"
+        traces.append(planner.trace)
+        if pool is not None:
+            assert storm.Keep.POOL_FULL not in ctx.stats.kept  # the planned step fits in the pool
+            assert ctx.stats.offloaded_bytes <= planner.trace.store_bytes
+            assert "the store took" in planner.explain()
+        planner.close()
+    roomy, small = traces
+    assert roomy.store_bytes is None and 0 < small.store_bytes < small.total_bytes
+    assert [(b.saved_bytes, b.tensors) for b in small.blocks] == [(b.saved_bytes, b.tensors) for b in roomy.blocks]
+    assert (small.before_bytes, small.after_bytes, small.offloaded_before) == \
+        (roomy.before_bytes, roomy.after_bytes, roomy.offloaded_before)
+    assert "plans offload at most that" in caplog.text
+
+
+def test_one_slow_first_offload_does_not_make_offloading_look_slow(monkeypatch):
+    """A process's first offload also sets up the pinned pool (seconds for a large one on a
+    GPU host): the host time per tensor is the median block's, not the step's mean. Here each
+    put takes 10 us on the packs' clock, the first 0.5 s more."""
+    from storm import transfer
+
+    put, calls, clock = transfer.Mover.put, [], pack_clock(monkeypatch)
+
+    def first_put_slow(self, req):
+        calls.append(req)
+        clock.now += 1e-5 + 0.5 * (len(calls) == 1)
+        return put(self, req)
+
+    monkeypatch.setattr(transfer.Mover, "put", first_put_slow)
+    model, idx = gpt()
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
+    grads_of(model, idx, planner.step())
+    planner.step()  # reads the offload trace
+    t = planner.trace
+    assert t.host_ms_per_tensor == pytest.approx(2e3 * 1e-5)  # pack and unpack, as the trace counts them
+    assert 2e3 * 0.5 / len(calls) > 10 * t.host_ms_per_tensor  # what the step's mean would have said
+    planner.close()
+
+
+class FirstCallSlow(torch.nn.Module):
+    """A block that takes 1 ms a call on ``clock``, and the first call without autograd of any
+    block sharing ``loaded`` (a process, as loaded kernels are) 300 ms more, as a GPU's does
+    where it loads kernels that grad-mode steps never used."""
+
+    def __init__(self, clock: FakeClock, loaded: dict[str, bool]) -> None:
+        super().__init__()
+        self.lin, self.clock, self.loaded = torch.nn.Linear(64, 64), clock, loaded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.clock.now += 0.001
+        if not torch.is_grad_enabled() and not self.loaded["kernels"]:
+            self.loaded["kernels"] = True
+            self.clock.now += 0.3
+        return torch.nn.functional.gelu(self.lin(x))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_the_compute_trace_charges_each_block_its_recompute(reentrant):
+    """What recomputing a block costs is timed on its recompute in backward, with autograd as in
+    training: block 0 is not charged for a process's first call without autograd (on a GPU it
+    once looked many times dearer than its like blocks), and no extra call of it pays that beforehand.
+    A compute trace whose forward paid that call is repeated once, so the forward's totals (the
+    host's lead, forward's slack) are those of later steps too."""
+    clock, loaded = FakeClock(first_calls_load=True), {"kernels": False}
+    blocks = torch.nn.ModuleList(FirstCallSlow(clock, loaded) for _ in range(6))
+    x = torch.randn(32, 64)
+    planner = storm.plan(blocks, budget=0.5, mode="embedded", min_bytes=0, reentrant=reentrant, clock=clock)
+    for _ in range(4):  # the offload trace, the compute trace, and (reentrant) the compute trace again
+        with planner.step():
+            h = x
+            for b in blocks:
+                h = b(h)
+        h.sum().backward()
+    planner.step()  # takes the last traced step in
+    t = planner.trace
+    assert loaded["kernels"] == reentrant  # the reentrant form's forward runs without autograd
+    assert [b.forward_ms for b in t.blocks] == pytest.approx([1.0] * 6)
+    assert t.forward_device_ms == pytest.approx(6.0) and t.forward_host_ms == pytest.approx(6.0)
+    assert t.lead_ms == pytest.approx([0.0] * 7)
+    planner.close()
+
+
+class Counted(torch.nn.Module):
+    """A block with a side effect: it counts its calls outside backward (a recompute's are in
+    backward), as a layer that updates a cache or statistics as it runs would change them."""
+
+    def __init__(self, phase: dict) -> None:
+        super().__init__()
+        self.lin, self.phase, self.calls = torch.nn.Linear(64, 64), phase, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += not self.phase["backward"]
+        return torch.nn.functional.gelu(self.lin(x))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_the_planner_calls_no_block_more_often_than_training_does(reentrant):
+    """Through the traces, the plan and its trials, each block runs once a step in forward, as
+    without storm.plan; only a recompute, in backward, runs it again (its untimed warm-up call
+    of block 0 once appended to a Hugging Face model's KV cache and changed its gradients)."""
+    phase = {"backward": False}
+    blocks = torch.nn.ModuleList(Counted(phase) for _ in range(4))
+    x = torch.randn(32, 64)
+    planner = storm.plan(blocks, budget=0.3, mode="embedded", min_bytes=0, reentrant=reentrant)
+    for step in range(6):
+        with planner.step():
+            h = x
+            for b in blocks:
+                h = b(h)
+        phase["backward"] = True
+        h.sum().backward()
+        phase["backward"] = False
+        assert [b.calls for b in blocks] == [step + 1] * 4, (step, planner.explain())
+    assert planner.trace is not None and planner.plan is not None
+    planner.close()

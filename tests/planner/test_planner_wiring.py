@@ -1,0 +1,83 @@
+"""What the planner's hooks on a step rely on in storm.offload: allow_prefetch() lets backward
+fetch ahead as far as the room reported, and drain() lets go of copied tensors once the
+saved-tensor hooks are off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import storm
+
+
+@pytest.mark.parametrize("told", [False, True])
+def test_allow_prefetch_lets_offloaded_bytes_come_back_ahead(told):
+    """storm.offload's allow_prefetch(): with no prefetch window, backward fetches ahead only
+    when told that room was made."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 256) for _ in range(6)]
+    with storm.offload(mode="embedded", min_bytes=0, prefetch_bytes=0) as ctx:
+        h = torch.randn(64, 256)
+        for layer in layers:
+            h = torch.relu(layer(h))
+        if told:
+            h.register_hook(lambda g: ctx.allow_prefetch(1 << 30))  # runs as backward starts
+    ctx.synchronize()  # every copy done: backward has to fetch them all
+    h.sum().backward()
+    ctx.synchronize()
+    assert ctx.stats.offloaded == ctx.stats.fetched > 0
+    assert ctx.stats.prefetch_hits == (ctx.stats.offloaded if told else 0)
+
+
+def test_prefetch_takes_no_more_than_the_room_backward_made():
+    """A fetch starts only where the whole tensor fits in the room allow_prefetch() reports
+    (storm.plan's is its peak's slack): 2.5 tensors' room fetches two, not three."""
+    x = torch.randn(64, 256, requires_grad=True)
+    one = x.numel() * x.element_size()
+    seen = []
+    with storm.offload(mode="embedded", min_bytes=0, prefetch_bytes=0) as ctx:
+        h = x
+        for _ in range(6):
+            h = torch.tanh(h * 1.5)  # six fresh tensors of `one` bytes
+
+        def room(grad: torch.Tensor) -> None:
+            ctx.allow_prefetch(5 * one // 2)
+            seen.append(ctx._session._prefetched_bytes)
+
+        h.register_hook(room)
+    ctx.synchronize()
+    h.sum().backward()
+    assert seen == [2 * one]
+    assert ctx.stats.fetched == ctx.stats.offloaded == 6
+
+
+def test_drain_lets_go_of_copied_tensors_after_the_hooks_are_off():
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0, budget=3 * 64 * 256 * 4) as ctx:
+        h = x
+        for _ in range(6):
+            h = torch.tanh(h * 1.5)  # saves one fresh 64 KiB tensor each: 3 go, then the hooks come off
+        st = ctx.stats
+        assert st.offloaded == 3 and st.stored_bytes < st.offloaded_bytes  # the last copy is not released yet
+        ctx.drain(0)  # waits for the copies, then lets go of them
+        assert st.stored_bytes == st.offloaded_bytes
+    h.sum().backward()
+
+
+def test_offload_shows_its_checked_options_and_its_saves_in_order():
+    """What storm.plan reads of a storm.offload step: its options as checked (sizes in bytes), a
+    copy, and the storages it offloaded, in saving order."""
+    ctx = storm.offload(mode="embedded", min_bytes="1KiB", max_held_bytes="1MiB")
+    assert ctx.options["min_bytes"] == 1024 and ctx.options["max_held_bytes"] == 1 << 20
+    ctx.options["min_bytes"] = 0
+    assert ctx.options["min_bytes"] == 1024
+    with pytest.raises(RuntimeError, match="not been entered"):
+        ctx.saves
+    x = torch.randn(64, 256, requires_grad=True)
+    with ctx:
+        a = torch.tanh(x * 1.5)  # saves a: 64 KiB
+        b = torch.tanh(a[:32] * 2.0)  # saves b: 32 KiB
+    assert [s.nbytes for s in ctx.saves] == [64 * 256 * 4, 32 * 256 * 4]
+    assert all(s.device.type == "cpu" and s.dtype == torch.float32 for s in ctx.saves)
+    b.sum().backward()
