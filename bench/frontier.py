@@ -10,7 +10,7 @@ no offload, per-block checkpointing, save_on_cpu(pin_memory=True), STORM full
 offload, STORM with budget=b (the earliest b bytes offloaded) for each byte
 budget b (default: 10 fractions, 0.1 to 1.0, of the no-offload peak),
 per-block checkpointing of only the first k blocks, k = round(b / bytes one
-block's recompute removes), and storm.plan (client/planner.py: per block keep,
+block's recompute removes), and storm.plan (client/planner/: per block keep,
 offload or recompute, planned from two traced steps). A budget b asks for a
 peak of at most cap = (no-offload peak - b); storm.plan is given that cap
 (peak=cap: it measures its own steps' peaks above their start, the same

@@ -420,7 +420,7 @@ def test_bad_options_are_refused():
             with pytest.raises(ValueError, match=f"{name} must be bytes.*got {bad!r}"):
                 storm.offload(**{name: bad})
     sized = storm.offload(min_bytes="1KiB", prefetch_bytes="64MiB", max_held_bytes=1 << 20)
-    assert [sized._options[k] for k in ("min_bytes", "prefetch_bytes", "max_held_bytes")] == [1024, 64 << 20, 1 << 20]
+    assert [sized.options[k] for k in ("min_bytes", "prefetch_bytes", "max_held_bytes")] == [1024, 64 << 20, 1 << 20]
     with pytest.raises(ValueError, match="size"):
         with storm.offload(mode="embedded", pool_size="lots"):
             pass
@@ -808,7 +808,7 @@ def test_a_bad_environment_variable_is_named(variable, value, message, monkeypat
 def test_sizes_given_are_read_as_whole_bytes(monkeypatch):
     monkeypatch.setenv("STORM_POOL_SIZE", "8MB")
     o = storm.offload(min_bytes="1.5KiB", prefetch_bytes=0, max_held_bytes="1GB", mode="embedded")
-    assert [o._options[k] for k in ("min_bytes", "prefetch_bytes", "max_held_bytes", "pool_size")] == \
+    assert [o.options[k] for k in ("min_bytes", "prefetch_bytes", "max_held_bytes", "pool_size")] == \
         [1536, 0, 10**9, 8 * 10**6]
     with o:
         pass

@@ -22,8 +22,6 @@ from .measure import CudaPeakMemory, PeakMemory, frame_costs, frames_of, link_ba
 from .model import BlockTrace, Offloading, Plan, Trace, choose, kept_bytes, moments, predicted_peak
 from .trial import Clock, Trial
 
-_Offloading = Offloading  # its name before the package split, which bench/plan_costs.py imports
-
 __all__ = ["Planner", "plan", "Phase", "Clock", "Trial", "PeakMemory", "CudaPeakMemory", "link_bandwidth",
            "frame_costs", "frames_of", "BlockTrace", "Trace", "Plan", "Offloading", "choose", "kept_bytes",
            "moments", "predicted_peak"]
