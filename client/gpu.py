@@ -92,7 +92,7 @@ class CopyEvent:
     def synchronize(self) -> None:
         _check(_rt.cudaEventSynchronize(self.handle)[0], "cudaEventSynchronize")
 
-    done, wait = query, synchronize  # so an event can stand where a Transfer is waited on
+    done, wait = query, synchronize  # so an event can stand where a Copy is waited on
 
     def __del__(self) -> None:
         # Safe while the event is still pending: CUDA releases it once it completes.

@@ -30,7 +30,8 @@ from .backend import Backend, close_backends, open_backend
 from .errors import StormError, StormInPlaceError, StormRequestError
 from .gpu import allocated, consume, pack_range, record_ready, unpack_range
 from .policy import Keep, Policy
-from .transfer import Mover, PutRequest, Transfer, detached
+from .copies.base import Copy, PutRequest, detached
+from .transfer import Mover
 
 log = logging.getLogger("storm")
 
@@ -139,7 +140,7 @@ class Stored:
         self.shape, self.dtype = tuple(t.shape), t.dtype
         self.producer = _producer(t)
         self.state = State.HELD
-        self.put: Transfer | None = None
+        self.put: Copy | None = None
         self.request: PutRequest | None = None  # while held: to store it again, raw, if its frame overflows
         self.refs = 0      # live handles
         self.handles = 0   # handles ever made (one per save of this storage)
@@ -253,11 +254,11 @@ class ClientSession:
         self._steps = itertools.count(1)
         self._held: collections.deque[Stored] = collections.deque()
         self._held_bytes = 0
-        self._prefetched: dict[int, Transfer] = {}
+        self._prefetched: dict[int, Copy] = {}
         self._prefetched_bytes = 0
         self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
         self._awaited: dict[int, torch.Tensor] = {}   # fetched bytes that more handles will unpack
-        # (copies out of the store: Transfers or CUDA events, key to free once they are done)
+        # (copies out of the store: Copy objects or CUDA events, key to free once they are done)
         self._reading: collections.deque[tuple[list[Any], int]] = collections.deque()
         self.last_candidate_bytes: int | None = None
         self.last_past_budget_bytes = 0  # saved past the budget in the last step that had one
@@ -429,8 +430,8 @@ class ClientSession:
         stored.in_store = True
         if stored.put.event is not None:
             self.mover.seal(stored.key, stored.put)  # the copy's event has fired: the bytes are in the pool now
-            stored.put.settle()  # and the event can go (stormd's interprocess events are a scarce resource)
-        stored.step.stats.record(stored.layer, stored_bytes=stored.put.result.result().nbytes)
+            stored.put.drop_event()  # and the event can go (stormd's interprocess events are a scarce resource)
+        stored.step.stats.record(stored.layer, stored_bytes=stored.put.nbytes)
         # The version is read here, on the training thread between two ops, so an
         # in-place op that raced the copy has finished and bumped it by now.
         stored.state = State.OFFLOADED if stored.tensor._version == stored.version else State.MODIFIED
@@ -516,12 +517,12 @@ class ClientSession:
             self._prefetch_ahead(stored.step, stored.index)
         if base is None:
             t0 = time.perf_counter()
-            base, arrived = fetch.result.result()  # raises what the fetch raised
-            stored.read = fetch.event  # not the transfer: that would keep the fetched bytes alive
+            base = fetch.result().tensor  # raises what the fetch raised
+            stored.read = fetch.event  # not the Copy: that would keep the fetched bytes alive
             stats.record(stored.layer, fetch_wait_s=time.perf_counter() - t0, fetched=1,
                          fetched_bytes=stored.nbytes)
-            if arrived is not None:  # CUDA: the compute stream waits for the copy, the host does not
-                consume(base, arrived)
+            if base.is_cuda:  # the compute stream waits for the copy's event, the host does not
+                consume(base, stored.read)
             with self._lock:
                 self._restored[stored.key] = weakref.ref(base)
                 if stored.unpacks < stored.handles and stored.state != State.FREED:
@@ -614,10 +615,10 @@ class ClientSession:
             self._prefetched[s.key] = self._fetch(s)
             self._prefetched_bytes += s.nbytes
 
-    def _fetch(self, stored: Stored) -> Transfer:
+    def _fetch(self, stored: Stored) -> Copy:
         return self.mover.get(stored.key, stored.nbytes, stored.device, put=stored.put)
 
-    def _take_prefetched(self, stored: Stored) -> Transfer | None:
+    def _take_prefetched(self, stored: Stored) -> Copy | None:
         fut = self._prefetched.pop(stored.key, None)
         if fut is not None:
             self._prefetched_bytes -= stored.nbytes
