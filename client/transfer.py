@@ -7,7 +7,7 @@ store's reply and moves the bytes. Those requests are pipelined, so the
 store's latency is paid once per burst, not once per tensor. One thread, so
 the copies, and the requests queued behind them (``request``), keep their order.
 
-The paths, chosen in ``_route`` and nowhere else:
+The paths, chosen in ``Mover.route`` and nowhere else:
 
 - a CPU tensor: copies/cpu_to_pool.py (the worker copies, checksums, encodes);
 - a CUDA tensor whose memory stormd copies itself (HELLO's ``cuda_devices``),
@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from stormd.wire.cuda import register_pool
+from stormd.wire.cuda import device_uuid, register_pool
 from stormd.wire.protocol import FRAME_CODEC
 
 from .backend import Backend
@@ -54,7 +54,10 @@ def _log_failure(fut: Future) -> None:
 
 
 class Mover:
-    def __init__(self, backend: Backend):
+    """``uuid_of``: a GPU index's UUID (the CUDA runtime's, by default), matched against the GPUs
+    whose memory the store copies itself."""
+
+    def __init__(self, backend: Backend, uuid_of: Callable[[int], str | None] = device_uuid):
         self.backend = backend
         intra_op = torch.get_num_threads()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="storm-mover")
@@ -64,7 +67,8 @@ class Mover:
         self._streams: dict[int, DeviceStreams] = {}
         self._host = HostCopies(backend, self._worker)
         self._pool = PoolCopies(backend, self._worker, self._streams_for)
-        self._daemon = DaemonCopies(backend, self._worker, lambda device: self._streams_for(device, into_pool=False))
+        self._daemon = DaemonCopies(backend, self._worker, lambda device: self._streams_for(device, into_pool=False),
+                                    uuid_of=uuid_of)
 
     @property
     def verify(self) -> bool:
@@ -88,7 +92,7 @@ class Mover:
         """Whether the store copies this GPU's memory itself (stormd, through CUDA IPC)."""
         return self._daemon.serves(device)
 
-    def _route(self, device: torch.device, daemon_may_copy: bool) -> CopyHandler:
+    def route(self, device: torch.device, daemon_may_copy: bool) -> CopyHandler:
         """The handler of copies between ``device``'s memory and the pool."""
         if device.type != "cuda":
             return self._host
@@ -114,7 +118,7 @@ class Mover:
         # Frames are copied here even where stormd could copy them: a step with frames copied by stormd
         # took longer than with this process's copies (bench/results, README). A ready event stormd can
         # wait on was recorded only where it copies this device.
-        handler = self._route(device, not framed and isinstance(req.ready, IpcEvent))
+        handler = self.route(device, not framed and isinstance(req.ready, IpcEvent))
         return self._started(handler, device, lambda h: h.put(req, codec))
 
     def get(self, key: int, nbytes: int, device: torch.device, put: Copy | None = None) -> Copy:
@@ -122,7 +126,7 @@ class Mover:
         is decoded here, and a copy out of the pool waits for the copy in)."""
         if device.type != "cuda":
             return self._host.get(key, nbytes, device)
-        handler = self._route(device, put is not None and put.frame is None)
+        handler = self.route(device, put is not None and put.frame is None)
         after = put.event if put is not None else None
         return self._started(handler, device, lambda h: h.get(key, nbytes, device, after))
 

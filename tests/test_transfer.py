@@ -3,9 +3,7 @@ The completion type's tests are in tests/copies/test_copies_base.py."""
 
 from __future__ import annotations
 
-import gc
 import threading
-import weakref
 from concurrent.futures import Future
 
 import pytest
@@ -13,6 +11,9 @@ import torch
 
 from client import transfer
 from client.copies.base import Copy
+from client.copies.cpu_to_pool import HostCopies
+from client.copies.cuda_by_daemon import DaemonCopies
+from client.copies.cuda_to_pool import PoolCopies
 from client.replies import resolve
 
 
@@ -61,3 +62,22 @@ def test_the_mover_copies_on_one_cpu_thread_and_leaves_the_callers_threads_as_th
         assert later == [2]
     finally:
         torch.set_num_threads(before)
+
+
+class CudaBackend(Backend):
+    cuda_devices = frozenset({"GPU-served"})
+
+
+@pytest.mark.parametrize("uuid, daemon_may_copy, handler", [
+    ("GPU-served", True, DaemonCopies),  # stormd copies this GPU's memory, and may copy this tensor
+    ("GPU-served", False, PoolCopies),   # a frame, or a tensor whose ready event stormd cannot wait on
+    ("GPU-other", True, PoolCopies),     # stormd does not copy this GPU's memory (or no CUDA at all)
+])
+def test_copies_are_routed_by_medium_and_what_the_daemon_copies(uuid, daemon_may_copy, handler):
+    mover = transfer.Mover(CudaBackend(), uuid_of=lambda index: uuid)
+    try:
+        assert isinstance(mover.route(torch.device("cpu"), daemon_may_copy), HostCopies)
+        assert isinstance(mover.route(torch.device("cuda", 0), daemon_may_copy), handler)
+        assert mover.daemon_copies(torch.device("cuda", 0)) == (uuid == "GPU-served")
+    finally:
+        mover.close()
