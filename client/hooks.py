@@ -45,7 +45,9 @@ from stormd.wire.sizes import parse_size
 
 from .options import bytes_option, mode_option, pool_size_option
 from .policy import DEFAULT_MIN_BYTES, Policy
-from .session import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSession, OffloadStats, Step, session_for
+from .saved import Step
+from .session import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSession, session_for
+from .stats import OffloadStats
 
 class Offload(contextlib.ContextDecorator):
     """One offload scope (a step). Use through ``storm.offload(...)``."""
@@ -85,7 +87,7 @@ class Offload(contextlib.ContextDecorator):
             raise RuntimeError("this storm.offload context is already active; create a new one per step")
         o = self._options
         self._session = session_for(o["mode"], o["socket"], o["pool_size"])
-        self._session.prefetch_bytes = o["prefetch_bytes"]
+        self._session.prefetch.window = o["prefetch_bytes"]
         self._session.max_held_bytes = o["max_held_bytes"]
         self._session.mover.verify = o["verify"]
         self._session.mover.codec = o["codec"] or self._session.backend.codec

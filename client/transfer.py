@@ -121,13 +121,13 @@ class Mover:
         handler = self.route(device, not framed and isinstance(req.ready, IpcEvent))
         return self._started(handler, device, lambda h: h.put(req, codec))
 
-    def get(self, key: int, nbytes: int, device: torch.device, put: Copy | None = None) -> Copy:
-        """Fetch a key's bytes into a fresh uint8 tensor on ``device``; ``put``: the key's put (a frame
-        is decoded here, and a copy out of the pool waits for the copy in)."""
+    def get(self, key: int, nbytes: int, device: torch.device, copy_in: Copy | None = None) -> Copy:
+        """Fetch a key's bytes into a fresh uint8 tensor on ``device``; ``copy_in``: the key's put (a
+        frame is decoded here, and a copy out of the pool waits for the copy in)."""
         if device.type != "cuda":
             return self._host.get(key, nbytes, device)
-        handler = self.route(device, put is not None and put.frame is None)
-        after = put.event if put is not None else None
+        handler = self.route(device, copy_in is not None and copy_in.frame is None)
+        after = copy_in.event if copy_in is not None else None
         return self._started(handler, device, lambda h: h.get(key, nbytes, device, after))
 
     def request(self, op: str, **fields: Any) -> Future:

@@ -543,8 +543,10 @@ def test_markers_past_the_budget_pace_prefetch(monkeypatch):
     one = 128 * 128 * 4
     monkeypatch.setattr(session_mod, "MARK_BYTES", 2 * one)
     paced = []  # markers that measured the room backward made
-    room_made = session_mod.ClientSession._room_made
-    monkeypatch.setattr(session_mod.ClientSession, "_room_made",
+    from storm.prefetch import Prefetcher
+
+    room_made = Prefetcher.room_made
+    monkeypatch.setattr(Prefetcher, "room_made",
                         lambda self, step, marker: (paced.append(marker), room_made(self, step, marker))[1])
     x = torch.randn(128, 128, requires_grad=True)
     seen: dict[int, int] = {}
@@ -553,7 +555,7 @@ def test_markers_past_the_budget_pace_prefetch(monkeypatch):
         for _ in range(12):  # save k is layer k's output; saves 1-4 are offloaded
             h.append(h[-1].tanh())
         for k in (11, 10, 8):  # its gradient is ready once layer k + 1's backward has unpacked save k + 1
-            h[k].register_hook(lambda g, k=k: seen.__setitem__(k, ctx._session._prefetched_bytes))
+            h[k].register_hook(lambda g, k=k: seen.__setitem__(k, ctx._session.prefetch.nbytes))
         loss = h[-1].sum()
     # save 5 is the first over the budget (a marker); then markers at saves 7, 9 and 11
     ctx.synchronize()  # prefetch waits at a save whose copy is still running
