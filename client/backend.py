@@ -2,7 +2,7 @@
 
 Two implementations: ``DaemonConnection`` (stormd over ZeroMQ) and
 ``EmbeddedStore`` (the same Service, in this process). ``open_backend``
-chooses between them for ``mode='auto' | 'daemon' | 'embedded'`` and keeps
+chooses between them for ``mode='auto' | 'daemon' | 'embedded'`` and holds
 one per process and endpoint, so every step reuses its session and pool.
 """
 

@@ -159,8 +159,8 @@ class Offload(contextlib.ContextDecorator):
     def stop_offloading(self) -> bool:
         """The rest of this forward saves as it would without STORM: the saved-tensor hooks come
         off now, so later saves cost nothing on the training thread (a save past the budget still
-        costs a hook call in and out: STORM's hooks with nothing offloaded took W1's step from 26.9
-        to 28.6 ms on the lent H100) and autograd
+        costs a hook call in and out, which on a model of many small ops adds up to a visible share
+        of the step) and autograd
         checks them for in-place changes itself. What was offloaded comes back as before. Only
         where this context's hooks are the innermost (between blocks, not inside a checkpointed
         one or another saved_tensors_hooks): elsewhere it changes nothing and returns False.

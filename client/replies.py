@@ -1,7 +1,7 @@
 """A store's reply as the result the client waits on: a Future completed from it, or a Resolved one.
 
 Both backends (connection.py, embedded.py) answer with these, and backend.py,
-which opens the backends, names them in its interface: kept in backend.py,
+which opens the backends, names them in its interface: defined in backend.py,
 they made each backend import the module that imports it.
 """
 
@@ -28,7 +28,7 @@ def _error(reply: dict[str, Any]) -> StormRequestError | None:
 
 class Resolved:
     """A result that is in already: the part of Future's interface the client uses, without
-    the condition variable a Future builds, locks and notifies (on the lent host that cost
+    the condition variable a Future builds, locks and notifies (which costs
     more than the embedded store's whole request)."""
 
     __slots__ = ("_value", "_error")

@@ -1,4 +1,4 @@
-"""What the session keeps for each saved tensor: ``Stored`` (an offloaded storage, in the store or on
+"""What the session holds for each saved tensor: ``Stored`` (an offloaded storage, in the store or on
 its way), ``Handle`` (what autograd holds in place of an offloaded saved view), ``Kept`` (a saved
 tensor that stays where it is) and its ``Marker`` kind, and ``Step`` (one storm.offload context's saves).
 """
@@ -92,7 +92,7 @@ class Stored:
 
 
 class Handle:
-    """What autograd keeps in place of a saved tensor."""
+    """What autograd holds in place of a saved tensor."""
 
     __slots__ = ("stored", "dtype", "shape", "strides", "storage_offset", "_dropped", "__weakref__")
 
@@ -125,7 +125,7 @@ class Kept:
     It holds the tensor detached (the same storage and version counter, no grad_fn): a
     tensor saved by the op that made it (tanh, exp, softmax) holds that op's node, which
     holds what pack returned, a cycle through C++ that no garbage collector sees. A graph
-    dropped without a backward (a skipped step, an evaluation under grad) then kept such
+    dropped without a backward (a skipped step, an evaluation under grad) then held such
     saves for the life of the process. Autograd restores the grad_fn at unpack itself."""
 
     __slots__ = ("tensor", "version")

@@ -1,6 +1,6 @@
 """A process's side of one store session: which saved tensors are where.
 
-Each offloaded storage is a ``Stored``: held (its tensor kept alive) until the
+Each offloaded storage is a ``Stored``: held (its tensor alive) until the
 mover has copied it, then released, so the memory is freed; fetched back on
 unpack, with the next ones in reverse saving order prefetched. Each saved view
 is a ``Handle`` onto a Stored (a storage saved twice is stored once); when the
@@ -215,7 +215,7 @@ class ClientSession:
         if err is not None:
             reason = self._refusals.reason(err)
             stored.state = State.KEPT
-            detached(err)  # a worker's Future keeps it with the put's frames
+            detached(err)  # a worker's Future holds it with the put's frames
             stored.copy_in = None
             stored.step.stats.record(stored.layer, keep=reason, kept_bytes=stored.nbytes,
                                      offloaded=-1, offloaded_bytes=-stored.nbytes)
@@ -238,7 +238,7 @@ class ClientSession:
         stored.state = State.FREED
         stored.tensor = None
         stored.step.by_storage.pop(stored.weak.cdata, None)
-        # The step keeps its saves in order (its stats, storm.plan's trace): with each referring back
+        # The step holds its saves in order (its stats, storm.plan's trace): with each referring back
         # to it, every finished step was a reference cycle, freed only by the garbage collector, and
         # the host's heap grew with what waited for it
         stored.step = None
@@ -311,7 +311,7 @@ class ClientSession:
         if base is None:
             t0 = time.perf_counter()
             base = fetch.result().tensor  # raises what the fetch raised
-            stored.read = fetch.event  # not the Copy: that would keep the fetched bytes alive
+            stored.read = fetch.event  # not the Copy: that would hold the fetched bytes alive
             stats.record(stored.layer, fetch_wait_s=time.perf_counter() - t0, fetched=1,
                          fetched_bytes=stored.nbytes)
             if base.is_cuda:  # the compute stream waits for the copy's event, the host does not

@@ -5,7 +5,7 @@ Saving never waits for a round trip: the training thread sends GET (and PUT
 for a CUDA tensor) and hands the rest to one worker thread, which takes the
 store's reply and moves the bytes. Those requests are pipelined, so the
 store's latency is paid once per burst, not once per tensor. One thread, so
-the copies, and the requests queued behind them (``request``), keep their order.
+the copies, and the requests queued behind them (``request``), stay in order.
 
 The paths, chosen in ``Mover.route`` and nowhere else:
 

@@ -58,7 +58,7 @@ class Copy:
       must, once the event has fired.
 
     ``cancellable``: a put of the worker's that sends nothing to the store until it starts.
-    Errors are kept, not raised, until a field is read; ``error()`` reads them."""
+    Errors are held, not raised, until a field is read; ``error()`` reads them."""
 
     __slots__ = ("_pending", "_finish", "_error", "cancellable", "_landed", "_nbytes", "_tensor", "_event", "_frame",
                  "_sealed")
@@ -88,14 +88,14 @@ class Copy:
         """Take the result once it is in (blocks until then): the fields are this Copy's from now on."""
         if not self._landed:
             out = None
-            if self._finish is None:  # the worker's: a Future keeps its error as it was raised
+            if self._finish is None:  # the worker's: a Future holds its error as it was raised
                 self._error = self._pending.exception()
                 if self._error is None:
                     out = self._pending.result()
             else:
                 try:
                     out = self._finish()
-                except Exception as e:  # kept, as a Future keeps it; raising would give it this caller's frames
+                except Exception as e:  # held, as a Future holds it; raising would give it this caller's frames
                     self._error = detached(e)
             if out is not None:
                 out._resolve()
@@ -140,8 +140,8 @@ class Copy:
         return self.error() is None and self._frame is not None and not complete(self._frame)
 
     def drop_event(self) -> None:
-        """Forget the event of a landed put: the session keeps the Copy with its step (the storm.offload
-        context keeps the step for its stats), and interprocess events are limited (about 20,000 per
+        """Forget the event of a landed put: the session holds the Copy with its step (the storm.offload
+        context holds the step for its stats), and interprocess events are limited (about 20,000 per
         process)."""
         self._event = None
 

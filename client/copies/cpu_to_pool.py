@@ -41,7 +41,7 @@ def checksum(buf: torch.Tensor) -> int:
 
 
 class HostCopies(CopyHandler):
-    """CPU tensors to and from the pool, on ``worker`` (one thread: the copies keep their order)."""
+    """CPU tensors to and from the pool, on ``worker`` (one thread: the copies stay in order)."""
 
     def __init__(self, backend: Backend, worker: Executor, verify: bool = True):
         self.backend = backend

@@ -90,7 +90,7 @@ class DaemonCopies(CopyHandler):
         done = self._ipc_event(device.index)
         reply = self.backend.request("GET", key=key, cuda={"handle": handle, "offset": offset, "ready": ready.wire,
                                                            "device": self._uuids[device.index], "done": done.wire})
-        # ``ready`` is held until the reply (the future keeps its callbacks): recorded again for another
+        # ``ready`` is held until the reply (the future holds its callbacks): recorded again for another
         # request before stormd waited on it, it could make stormd's copy wait for work that waits for this copy
         reply.add_done_callback(lambda _, held=ready: None)
 
