@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import storm  # noqa: E402
+import storm.prefetch as prefetch  # noqa: E402
 import storm.session as session  # noqa: E402
 import storm.transfer as transfer  # noqa: E402
 import storm.gpu as gpu  # noqa: E402
@@ -169,9 +170,10 @@ def main() -> int:
     for name, row in rows.items():
         print(name, row, flush=True)
     for name, f in [("save (pack)", "save"), ("_offload", "_offload"), ("poll", "poll"), ("load (unpack)", "load"),
-                    ("_restore", "_restore"), ("_prefetch_ahead", "_prefetch_ahead"), ("_passed", "_passed"),
+                    ("_restore", "_restore"), ("_passed", "_passed"),
                     ("end_step", "end_step"), ("drain", "drain")]:
         setattr(session.ClientSession, f, timed(name, getattr(session.ClientSession, f)))
+    prefetch.Prefetcher.ahead = timed("prefetch.ahead", prefetch.Prefetcher.ahead)
     transfer.Mover.put = timed("mover.put", transfer.Mover.put)
     transfer.Mover.get = timed("mover.get", transfer.Mover.get)
     gpu.DeviceStreams.to_host = timed("streams.to_host", gpu.DeviceStreams.to_host)
