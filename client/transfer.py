@@ -108,24 +108,27 @@ class Mover:
             self._daemon.stop_serving(device)
             return start(self._pool)
 
+    def _codec_for(self, req: PutRequest) -> str:
+        """CPU tensors: the codec setting. CUDA tensors: a frame where a frame codec takes them, else raw."""
+        if not req.encode:
+            return "raw"
+        if not req.source.is_cuda:
+            return self.codec
+        framed = self.codec in FRAME_CODECS and frameable("cuda", req.meta["dtype"], req.source.nbytes())
+        return FRAME_CODEC if framed else "raw"
+
     def put(self, req: PutRequest) -> Copy:
         device = req.source.device
-        if not req.source.is_cuda:
-            return self._host.put(req, self.codec if req.encode else "raw")
-        framed = req.encode and self.codec in FRAME_CODECS and frameable(device.type, req.meta["dtype"],
-                                                                         req.source.nbytes())
-        codec = FRAME_CODEC if framed else "raw"
+        codec = self._codec_for(req)
         # Frames are copied here even where stormd could copy them: a step with frames copied by stormd
         # took longer than with this process's copies (bench/results, README). A ready event stormd can
         # wait on was recorded only where it copies this device.
-        handler = self.route(device, not framed and isinstance(req.ready, IpcEvent))
+        handler = self.route(device, codec == "raw" and isinstance(req.ready, IpcEvent))
         return self._started(handler, device, lambda h: h.put(req, codec))
 
     def get(self, key: int, nbytes: int, device: torch.device, copy_in: Copy | None = None) -> Copy:
         """Fetch a key's bytes into a fresh uint8 tensor on ``device``; ``copy_in``: the key's put (a
         frame is decoded here, and a copy out of the pool waits for the copy in)."""
-        if device.type != "cuda":
-            return self._host.get(key, nbytes, device)
         handler = self.route(device, copy_in is not None and copy_in.frame is None)
         after = copy_in.event if copy_in is not None else None
         return self._started(handler, device, lambda h: h.get(key, nbytes, device, after))
