@@ -15,7 +15,8 @@ from .errors import (StormError, StormInPlaceError, StormIntegrityError, StormRe
 from .hooks import Offload, offload
 from .planner import Planner, plan
 from .policy import Keep
-from .session import OffloadStats, close_all, session_for
+from .session import close_all, session_for
+from .stats import OffloadStats
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 
 Two implementations: ``DaemonConnection`` (stormd over ZeroMQ) and
 ``EmbeddedStore`` (the same Service, in this process). ``open_backend``
-chooses between them for ``mode='auto' | 'daemon' | 'embedded'`` and keeps
+chooses between them for ``mode='auto' | 'daemon' | 'embedded'`` and holds
 one per process and endpoint, so every step reuses its session and pool.
 """
 
@@ -18,7 +18,7 @@ from stormd.wire.pool import SharedPool
 
 from .errors import StormUnavailable, StormUntrusted
 from .options import mode_option, pool_size_option
-from .replies import Settled
+from .replies import Resolved
 from .trust import check_socket
 
 log = logging.getLogger("storm")
@@ -31,7 +31,7 @@ class Backend(Protocol):
     codec: str   # how the store asks for tensors to be encoded (HELLO; CUDA: frames or raw)
     cuda_devices: frozenset[str]  # UUIDs of the GPUs whose memory the store copies itself (CUDA IPC)
 
-    def request(self, op: str, **fields: Any) -> Future | Settled:
+    def request(self, op: str, **fields: Any) -> Future | Resolved:
         """Send a request; the future gives the reply's fields or raises StormRequestError."""
 
     def close(self) -> None: ...

@@ -40,7 +40,7 @@ from stormd.wire.pool import PoolError, SharedPool
 from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
 
 from .errors import StormRequestError, StormUnavailable, StormUntrusted
-from .replies import settle
+from .replies import resolve
 from .trust import check_pool
 
 CONNECT_TIMEOUT = 2.0
@@ -176,7 +176,7 @@ class DaemonConnection:
                 last_heard = time.monotonic()
                 fut = self._pending.pop(reply.get("id"), None)
                 if fut is not None:
-                    settle(fut, reply)
+                    resolve(fut, reply)
                 if reply.get("error") == "UNAUTHORIZED" and self._auth:
                     self.lost = f"stormd at {self.endpoint} no longer knows session {self.session} (restarted?)"
             if self._auth and not unsent and time.monotonic() - last_sent >= self.heartbeat:

@@ -20,7 +20,7 @@ from stormd.wire.cuda import unregister_pool
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import PROTOCOL_VERSION, Request
 
-from .replies import Settled
+from .replies import Resolved
 
 
 class EmbeddedStore:
@@ -38,12 +38,12 @@ class EmbeddedStore:
         self.cuda_devices = frozenset()  # CUDA IPC cannot open memory in the process that made it
         self.name = "embedded store"
 
-    def request(self, op: str, **fields: Any) -> Settled:
+    def request(self, op: str, **fields: Any) -> Resolved:
         if op != "HELLO":
             fields.update(self._auth)
         with self._lock:
             reply = self.service.handle_message(Request(op, next(self._ids), fields))
-        return Settled.reply(reply)
+        return Resolved.reply(reply)
 
     def close(self) -> None:
         self.request("BYE")

@@ -6,11 +6,11 @@ the training's compute stream. Copies are ordered by events, never by
 synchronizing the device.
 
 Copies and events go through the CUDA runtime's own Python bindings
-(cuda.bindings, which CUDA builds of torch require) on raw pointers: on the
-lent machine's CPU one ``torch.cuda.Event()`` with its record took 16 us, a
-``torch.cuda.stream()`` context 16 us and a ``copy_`` 9 us, against 1.6 us for
-a raw event record and 4 us for a raw cudaMemcpyAsync. The hooks run on the
-training thread, so that host time is time the GPU waits for its next kernel.
+(cuda.bindings, which CUDA builds of torch require) on raw pointers: torch's
+``torch.cuda.Event()`` with its record, a ``torch.cuda.stream()`` context and
+a ``copy_`` each cost several times the host time of the raw event record or
+cudaMemcpyAsync they wrap. The hooks run on the training thread, so that host
+time is time the GPU waits for its next kernel.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _drv: Any = None  # cuda.bindings.driver
 
 
 def runtime() -> Any:
-    """The shared binding (stormd.wire.cuda), kept in this module's globals: the hooks' hot path
+    """The shared binding (stormd.wire.cuda), held in this module's globals: the hooks' hot path
     reads ``_rt`` without a call."""
     global _rt, _drv
     if _rt is None:
@@ -92,7 +92,7 @@ class CopyEvent:
     def synchronize(self) -> None:
         _check(_rt.cudaEventSynchronize(self.handle)[0], "cudaEventSynchronize")
 
-    done, wait = query, synchronize  # so an event can stand where a Transfer is waited on
+    done, wait = query, synchronize  # so an event can stand where a Copy is waited on
 
     def __del__(self) -> None:
         # Safe while the event is still pending: CUDA releases it once it completes.
@@ -185,8 +185,8 @@ class OnDevice:
 
 def allocated(device: torch.device) -> int:
     """Bytes the caching allocator has handed out on ``device`` now: ``torch.cuda.memory_allocated``
-    without its flattening of every statistic into one dict, which took about 230 us a call on the
-    lent host (10 ms of a W1 step, read at each of backward's markers) against about 15 us."""
+    without its flattening of every statistic into one dict, which costs an order of magnitude more
+    host time a call (it is read at each of backward's markers, many a step)."""
     return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
 
 
@@ -216,8 +216,8 @@ def consume(t: torch.Tensor, arrived: CopyEvent) -> None:
 
 class OnStream:
     """Make ``stream`` torch's current stream for a moment, so that torch.empty allocates from its
-    pool and Triton launches on it. ``torch.cuda.stream()`` does this at 16 us a context on the lent
-    host; setting it directly costs a fraction."""
+    pool and Triton launches on it. ``torch.cuda.stream()`` does this too, at several times the host
+    time of setting it directly."""
 
     __slots__ = ("stream", "previous", "fallback")
 

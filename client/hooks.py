@@ -45,8 +45,9 @@ from stormd.wire.sizes import parse_size
 
 from .options import bytes_option, mode_option, pool_size_option
 from .policy import DEFAULT_MIN_BYTES, Policy
-from .session import (DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSession, OffloadStats, Step, Stored,
-                      session_for)
+from .saved import Step, Stored
+from .session import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSession, session_for
+from .stats import OffloadStats
 
 class Offload(contextlib.ContextDecorator):
     """One offload scope (a step). Use through ``storm.offload(...)``."""
@@ -86,7 +87,7 @@ class Offload(contextlib.ContextDecorator):
             raise RuntimeError("this storm.offload context is already active; create a new one per step")
         o = self._options
         self._session = session_for(o["mode"], o["socket"], o["pool_size"])
-        self._session.prefetch_bytes = o["prefetch_bytes"]
+        self._session.prefetch.window = o["prefetch_bytes"]
         self._session.max_held_bytes = o["max_held_bytes"]
         self._session.mover.verify = o["verify"]
         self._session.mover.codec = o["codec"] or self._session.backend.codec
@@ -171,8 +172,8 @@ class Offload(contextlib.ContextDecorator):
     def stop_offloading(self) -> bool:
         """The rest of this forward saves as it would without STORM: the saved-tensor hooks come
         off now, so later saves cost nothing on the training thread (a save past the budget still
-        costs a hook call in and out: STORM's hooks with nothing offloaded took W1's step from 26.9
-        to 28.6 ms on the lent H100) and autograd
+        costs a hook call in and out, which on a model of many small ops adds up to a visible share
+        of the step) and autograd
         checks them for in-place changes itself. What was offloaded comes back as before. Only
         where this context's hooks are the innermost (between blocks, not inside a checkpointed
         one or another saved_tensors_hooks): elsewhere it changes nothing and returns False.

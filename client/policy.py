@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 from torch import nn
+
+from .errors import StormRequestError
+
+log = logging.getLogger("storm")
 
 DEFAULT_MIN_BYTES = 64 << 10  # below this the bookkeeping costs more than the bytes saved
 
@@ -67,3 +72,33 @@ class Policy:
         if self.protected and t.untyped_storage().data_ptr() in self.protected:
             return Keep.MODULE_STATE
         return None
+
+
+# what a refusal means for the user, logged once per session and kind (%s: the store's reason)
+_REFUSED = {
+    Keep.POOL_FULL: "storm: the store's pool has no room for some saved tensors (%s): they stay on their device. "
+                    "A larger pool takes them: storm.offload(pool_size=...) for the embedded store, stormd's "
+                    "pool_size for a daemon; .stats.kept counts what stayed",
+    Keep.QUOTA: "storm: this client's quota in stormd is used up: saved tensors stay on their device (%s). "
+                "stormd's client_quota or clients table sets it",
+    Keep.STORE_ERROR: "storm: saved tensors stay where they are while the store refuses them: %s",
+}
+_REFUSAL_CODES = {"POOL_FULL": Keep.POOL_FULL, "TOO_LARGE": Keep.POOL_FULL, "QUOTA": Keep.QUOTA}
+
+
+class Refusals:
+    """Why a put the store refused stays where it is; each kind of refusal is logged once per
+    session, not once per tensor."""
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()  # kinds of refusal already logged
+
+    def reason(self, err: BaseException) -> str:
+        """The Keep reason for a put that failed with ``err``."""
+        code = err.code if isinstance(err, StormRequestError) else None
+        reason = _REFUSAL_CODES.get(code, Keep.STORE_ERROR)
+        kind = f"{type(err).__name__}:{code}"
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(_REFUSED[reason], err)
+        return reason

@@ -1,7 +1,7 @@
-"""A store's reply as the result the client waits on: a Future completed from it, or a Settled one.
+"""A store's reply as the result the client waits on: a Future completed from it, or a Resolved one.
 
 Both backends (connection.py, embedded.py) answer with these, and backend.py,
-which opens the backends, names them in its interface: kept in backend.py,
+which opens the backends, names them in its interface: defined in backend.py,
 they made each backend import the module that imports it.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 from .errors import StormRequestError
 
 
-def settle(fut: Future, reply: dict[str, Any]) -> None:
+def resolve(fut: Future, reply: dict[str, Any]) -> None:
     """Complete ``fut`` from a reply map: its fields, or StormRequestError for an error reply."""
     error = _error(reply)
     if error is None:
@@ -26,9 +26,9 @@ def _error(reply: dict[str, Any]) -> StormRequestError | None:
     return None if reply.get("ok") else StormRequestError(str(reply.get("error")), str(reply.get("message")))
 
 
-class Settled:
+class Resolved:
     """A result that is in already: the part of Future's interface the client uses, without
-    the condition variable a Future builds, locks and notifies (on the lent host that cost
+    the condition variable a Future builds, locks and notifies (which costs
     more than the embedded store's whole request)."""
 
     __slots__ = ("_value", "_error")
@@ -37,8 +37,8 @@ class Settled:
         self._value, self._error = value, error
 
     @classmethod
-    def reply(cls, reply: dict[str, Any]) -> "Settled":
-        """From a reply map, like ``settle``."""
+    def reply(cls, reply: dict[str, Any]) -> "Resolved":
+        """From a reply map, like ``resolve``."""
         error = _error(reply)
         return cls(None if error is not None else reply, error)
 

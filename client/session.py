@@ -1,6 +1,6 @@
 """A process's side of one store session: which saved tensors are where.
 
-Each offloaded storage is a ``Stored``: held (its tensor kept alive) until the
+Each offloaded storage is a ``Stored``: held (its tensor alive) until the
 mover has copied it, then released, so the memory is freed; fetched back on
 unpack, with the next ones in reverse saving order prefetched. Each saved view
 is a ``Handle`` onto a Stored (a storage saved twice is stored once); when the
@@ -16,236 +16,37 @@ import atexit
 import collections
 import dataclasses
 import itertools
-import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .backend import Backend, close_backends, open_backend
-from .errors import StormError, StormInPlaceError, StormRequestError
+from .copies.base import Copy, PutRequest, detached
+from .errors import StormError, StormInPlaceError
 from .gpu import allocated, consume, pack_range, record_ready, unpack_range
-from .policy import Keep, Policy
-from .transfer import Mover, PutRequest, Transfer, detached
-
-log = logging.getLogger("storm")
+from .policy import Keep, Policy, Refusals
+from .prefetch import Prefetcher
+from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, Stored
+from .transfer import Mover
 
 DEFAULT_PREFETCH_BYTES = 256 << 20
 DEFAULT_MAX_HELD_BYTES = 512 << 20  # saving blocks on the mover beyond this much not yet copied
 MARK_BYTES = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
 
 
-class State:
-    HELD = "held"            # copy in flight; the tensor is still referenced
-    OFFLOADED = "offloaded"  # in the store; the tensor was let go
-    KEPT = "kept"            # the store had no room or failed: the tensor stays referenced
-    MODIFIED = "modified"    # changed in place before the copy was checked: the saved value is lost
-    FREED = "freed"
-
-
-@dataclass
-class Counters:
-    saved: int = 0                 # pack calls
-    offloaded: int = 0             # storages sent to the store
-    offloaded_bytes: int = 0
-    stored_bytes: int = 0          # what the store holds for them (after compression)
-    deduplicated: int = 0          # saves of a storage already stored in this step
-    kept: dict[str, int] = field(default_factory=dict)  # reason -> count (see policy.Keep)
-    kept_bytes: int = 0
-    fetched: int = 0
-    fetched_bytes: int = 0
-    prefetch_hits: int = 0
-    fetch_wait_s: float = 0.0      # time unpack waited for bytes that were not there yet
-    frame_overflows: int = 0       # CUDA tensors whose frame had too many escapes: stored again, raw
-    copies_dropped: int = 0        # offloaded saves backward took from their tensor before the mover began their copy
-
-
-@dataclass
-class OffloadStats(Counters):
-    """What one ``storm.offload`` step did, in total and, when its layers are named
-    (``modules=``), per layer: the innermost module running when the tensor was
-    saved. Fetch counters grow during its backward."""
-
-    layers: dict[str, Counters] = field(default_factory=dict)
-    pack_s: float = 0.0  # training-thread time spent offloading saves, waits on the mover excluded
-
-    def _counters(self, layer: str | None) -> tuple[Counters, ...]:
-        if layer is None:
-            return (self,)
-        c = self.layers.get(layer)
-        if c is None:
-            c = self.layers[layer] = Counters()
-        return self, c
-
-    def record(self, layer: str | None, keep: str | None = None, **deltas: float) -> None:
-        for c in self._counters(layer):
-            for name, d in deltas.items():
-                setattr(c, name, getattr(c, name) + d)
-            if keep is not None:
-                c.kept[keep] = c.kept.get(keep, 0) + 1
-
-    def record_kept(self, layer: str | None, reason: str, nbytes: int) -> None:
-        """A save that stays where it is: the most common call, so spelled out."""
-        for c in self._counters(layer):
-            c.saved += 1
-            c.kept_bytes += nbytes
-            c.kept[reason] = c.kept.get(reason, 0) + 1
-
-
-class Step:
-    """The saves of one ``storm.offload`` context, in saving order (for prefetch)."""
-
-    def __init__(self, number: int, budget_bytes: float):
-        self.number = number
-        self.budget_bytes = budget_bytes  # offload the earliest saves up to this many bytes
-        self.candidate_bytes = 0          # what the policy would have offloaded with no budget
-        self.prefetch_room = 0            # room backward has made: prefetch may run this far past its window
-        self.fetching = False             # backward has unpacked an offloaded save: the window is open
-        self.paced = False                # the caller sets prefetch_room (allow_prefetch), not the markers
-        self.budget_reached = False       # a save did not fit: the rest of forward stays on the device
-        self.past_budget_bytes = 0        # saves past the budget (views counted by their own size)
-        self.marked_bytes = 0             # past_budget_bytes at the last marker
-        self.level: int | None = None     # CUDA bytes allocated when forward ended (with saves past the budget)
-        self.flush_queued = False         # a poll is queued for the end of the running backward
-        self.order: list[Stored] = []
-        self.by_storage: dict[int, Stored] = {}
-        self.cursor = 1 << 62  # order[cursor:] has been considered for prefetch
-        self.stats = OffloadStats()
-        self.modules: list[str] | None = None  # with named layers: the modules running now, innermost last
-
-    @property
-    def layer(self) -> str | None:
-        """The layer saves are counted under now; None when layers are not named."""
-        if self.modules is None:
-            return None
-        return self.modules[-1] if self.modules else "(outside modules)"
-
-
-class Stored:
-    def __init__(self, key: int, step: Step, t: torch.Tensor, weak: StorageWeakRef, nbytes: int):
-        self.key = key
-        self.step: Step | None = step  # None once freed (_forget)
-        self.index = len(step.order)
-        self.layer = step.layer
-        self.nbytes = nbytes
-        self.device = t.device
-        self.tensor: torch.Tensor | None = t.detach()  # not t: see Kept
-        self.version = t._version
-        self.weak = weak  # also the dedup key (weak.cdata) while this step lasts
-        self.shape, self.dtype = tuple(t.shape), t.dtype
-        self.producer = _producer(t)
-        self.state = State.HELD
-        self.put: Transfer | None = None
-        self.request: PutRequest | None = None  # while held: to store it again, raw, if its frame overflows
-        self.refs = 0      # live handles
-        self.handles = 0   # handles ever made (one per save of this storage)
-        self.unpacks = 0
-        self.in_store = False
-        self.read: Any = None  # CUDA event of the last copy out of the store (CPU copies are done on return)
-
-    def describe(self) -> str:
-        """For error messages (built only then: the tensor may be gone by now)."""
-        return _description(self.shape, self.dtype, self.producer)
-
-    @property
-    def kind(self) -> tuple[Any, ...]:
-        """What tensors saved by the same op at the same place in the model share."""
-        return self.producer, self.shape, self.dtype
-
-
-class Handle:
-    """What autograd keeps in place of a saved tensor."""
-
-    __slots__ = ("stored", "dtype", "shape", "strides", "storage_offset", "_session", "__weakref__")
-
-    def __init__(self, session: "ClientSession", stored: Stored, t: torch.Tensor):
-        self._session = session
-        self.stored = stored
-        self.dtype = t.dtype
-        self.shape = tuple(t.shape)
-        self.strides = t.stride()
-        self.storage_offset = t.storage_offset()
-        stored.refs += 1
-        stored.handles += 1
-
-    @property
-    def device(self) -> torch.device:
-        return self.stored.device
-
-    def view_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
-        return torch.empty(0, dtype=self.dtype, device=storage.device).set_(
-            storage, self.storage_offset, self.shape, self.strides)
-
-    def __del__(self) -> None:
-        self._session.dropped.append(self.stored)  # deque.append is atomic: safe from any thread
-
-
-class Kept:
-    """A saved tensor that stays where it is, with its version, so unpack can still
-    detect in-place changes (autograd's own check is off under saved_tensors_hooks).
-    A marker (``step`` set: the first save over the budget, then about one in MARK_BYTES
-    past it) also tells prefetch how far backward has come.
-
-    It holds the tensor detached (the same storage and version counter, no grad_fn): a
-    tensor saved by the op that made it (tanh, exp, softmax) holds that op's node, which
-    holds what pack returned, a cycle through C++ that no garbage collector sees. A graph
-    dropped without a backward (a skipped step, an evaluation under grad) then kept such
-    saves for the life of the process. Autograd restores the grad_fn at unpack itself."""
-
-    __slots__ = ("tensor", "version", "step", "index", "nbytes")
-
-    def __init__(self, t: torch.Tensor, step: Step | None = None, nbytes: int = 0):
-        self.tensor = t.detach()
-        self.version = t._version
-        self.step = step                                      # set for markers
-        self.index = len(step.order) if step is not None else 0  # offloaded saves before this one
-        self.nbytes = nbytes
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensor.device
-
-    def unpack(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
-            t, node = self.tensor, torch._C._current_autograd_node()
-            user = f"saved for {type(node).__name__}" if node is not None else "read outside backward"
-            raise StormInPlaceError(f"a saved {_description(tuple(t.shape), t.dtype, user)} was "
-                                    f"modified in place after autograd saved it; {_FIX}")
-        return self.tensor
-
-
-def _producer(t: torch.Tensor) -> str:
-    return type(t.grad_fn).__name__ if t.grad_fn is not None else "no grad_fn"
-
-
-def _description(shape: tuple[int, ...], dtype: torch.dtype, producer: str) -> str:
-    return f"{shape} {str(dtype).removeprefix('torch.')} tensor ({producer})"
-
-
-# what a refusal means for the user, logged once per session and kind (%s: the store's reason)
-_REFUSED = {
-    Keep.POOL_FULL: "storm: the store's pool has no room for some saved tensors (%s): they stay on their device. "
-                    "A larger pool takes them: storm.offload(pool_size=...) for the embedded store, stormd's "
-                    "pool_size for a daemon; .stats.kept counts what stayed",
-    Keep.QUOTA: "storm: this client's quota in stormd is used up: saved tensors stay on their device (%s). "
-                "stormd's client_quota or clients table sets it",
-    Keep.STORE_ERROR: "storm: saved tensors stay where they are while the store refuses them: %s",
-}
-
-_FIX = ("make the op out of place (e.g. relu instead of relu_, x = x + y instead of x += y) "
-        "or clone the tensor before modifying it")
-
-
 class ClientSession:
+    """The per-step state machine: new_step, save (pack), end_step, load (unpack), synchronize,
+    close. Which saves stay is policy.py's to say, what comes back ahead prefetch.py's, and the
+    counters are stats.py's."""
+
     def __init__(self, backend: Backend, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
                  max_held_bytes: int = DEFAULT_MAX_HELD_BYTES):
         self.backend = backend
         self.mover = Mover(backend)
-        self.prefetch_bytes = prefetch_bytes
         self.max_held_bytes = max_held_bytes
         self.dropped: collections.deque[Stored] = collections.deque()  # handles autograd let go of
         self._lock = threading.RLock()
@@ -253,15 +54,14 @@ class ClientSession:
         self._steps = itertools.count(1)
         self._held: collections.deque[Stored] = collections.deque()
         self._held_bytes = 0
-        self._prefetched: dict[int, Transfer] = {}
-        self._prefetched_bytes = 0
         self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
+        self.prefetch = Prefetcher(self._fetch, self._restored, prefetch_bytes)
         self._awaited: dict[int, torch.Tensor] = {}   # fetched bytes that more handles will unpack
-        # (copies out of the store: Transfers or CUDA events, key to free once they are done)
+        # (copies out of the store: Copy objects or CUDA events, key to free once they are done)
         self._reading: collections.deque[tuple[list[Any], int]] = collections.deque()
         self.last_candidate_bytes: int | None = None
         self.last_past_budget_bytes = 0  # saved past the budget in the last step that had one
-        self._warned: set[str] = set()  # kinds of store refusal already logged
+        self._refusals = Refusals()
         self._raw_kinds: set[tuple[Any, ...]] = set()  # Stored.kind whose frame overflowed: stored raw
 
     def new_step(self, budget: int | float | None = None) -> Step:
@@ -306,12 +106,12 @@ class ClientSession:
                 and stored.version == t._version and stored.nbytes == nbytes:
             with self._lock:
                 step.stats.record(step.layer, saved=1, deduplicated=1)
-                return Handle(self, stored, t)
+                return Handle(self.dropped, stored, t)
         step.candidate_bytes += nbytes
         if step.stats.offloaded_bytes + nbytes > step.budget_bytes:
             step.budget_reached = True
             step.stats.record_kept(step.layer, Keep.BUDGET, nbytes)
-            return Kept(t, step, nbytes)
+            return Marker(t, step, nbytes)
         with pack_range(t.device):
             return self._offload(t, storage, nbytes, step)
 
@@ -325,7 +125,7 @@ class ClientSession:
             if base is None or type(base) is torch.Tensor:
                 step.past_budget_bytes += t.numel() * t.element_size()
                 if step.past_budget_bytes - step.marked_bytes >= MARK_BYTES:
-                    marker = Kept(t, step, step.past_budget_bytes - step.marked_bytes)
+                    marker = Marker(t, step, step.past_budget_bytes - step.marked_bytes)
                     step.marked_bytes = step.past_budget_bytes
                     self.drain(self._held_limit(step))  # it polls: nothing else does past the budget
                     return marker
@@ -350,14 +150,14 @@ class ClientSession:
             stored = Stored(next(self._keys), step, t, StorageWeakRef(storage), nbytes)
             step.order.append(stored)
             step.by_storage[storage._cdata] = stored
-            handle = Handle(self, stored, t)
+            handle = Handle(self.dropped, stored, t)
             stored.request = PutRequest(stored.key, step.number, storage, meta, ready,
                                         encode=stored.kind not in self._raw_kinds)
-            stored.put = self.mover.put(stored.request)
+            stored.copy_in = self.mover.put(stored.request)
             self._held.append(stored)
             self._held_bytes += nbytes
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
-            oldest = self._held[0].put if self._held_bytes > self._held_limit(step) else None
+            oldest = self._held[0].copy_in if self._held_bytes > self._held_limit(step) else None
         step.stats.pack_s += time.perf_counter() - t0
         if oldest is not None:  # bound what waits on the mover; wait outside the lock
             oldest.wait()
@@ -368,7 +168,7 @@ class ClientSession:
         """Let go of tensors whose copy finished, and free keys nobody holds any more."""
         held, dropped = self._held, self.dropped
         try:
-            copied = held[0].put.done()
+            copied = held[0].copy_in.done()
         except IndexError:  # nothing held (tested without the lock: another thread may empty it)
             copied = False
         if not (copied or dropped or self._reading):
@@ -378,9 +178,9 @@ class ClientSession:
             reading = self._reading
             while reading and all(r.done() for r in reading[0][0]):  # copies finish about in order
                 frees.append(reading.popleft()[1])
-            while held and held[0].put.done():
-                if held[0].put.incomplete():
-                    frees.append(self._store_raw(held[0]))
+            while held and held[0].copy_in.done():
+                if held[0].copy_in.incomplete():
+                    frees.append(self._put_again_raw(held[0]))
                     break  # it is held until that copy is done too
                 frees.extend(self._release(held.popleft()))
             while dropped:
@@ -389,19 +189,19 @@ class ClientSession:
                 if stored.refs != 0:
                     continue
                 if stored.state == State.HELD:  # backward took it from its tensor, or its graph went
-                    if not stored.put.cancel():
+                    if not stored.copy_in.cancel():
                         continue  # its copy has begun: freed once it is done (_release)
                     stored.step.stats.record(stored.layer, copies_dropped=1)
                 frees.extend(self._forget(stored))
         self.mover.free(frees)
 
-    def _store_raw(self, stored: Stored) -> int:
+    def _put_again_raw(self, stored: Stored) -> int:
         """``stored``'s frame had more escapes than slots: store it again, raw, under a new key, and
         store its kind raw from now on. Returns the old key, to free."""
         self._raw_kinds.add(stored.kind)
         old, stored.key = stored.key, next(self._keys)
         stored.request = dataclasses.replace(stored.request, key=stored.key, encode=False)
-        stored.put = self.mover.put(stored.request)
+        stored.copy_in = self.mover.put(stored.request)
         stored.step.stats.record(stored.layer, frame_overflows=1)
         return old
 
@@ -411,26 +211,20 @@ class ClientSession:
         stored.request = None
         if stored.state == State.FREED:  # its put was cancelled (poll): nothing of it reached the store
             return []
-        err = stored.put.error()
+        err = stored.copy_in.error()
         if err is not None:
-            code = err.code if isinstance(err, StormRequestError) else None
-            reason = {"POOL_FULL": Keep.POOL_FULL, "TOO_LARGE": Keep.POOL_FULL,
-                      "QUOTA": Keep.QUOTA}.get(code, Keep.STORE_ERROR)
-            kind = f"{type(err).__name__}:{code}"
-            if kind not in self._warned:
-                self._warned.add(kind)  # once per kind of refusal, not once per tensor
-                log.warning(_REFUSED[reason], err)
+            reason = self._refusals.reason(err)
             stored.state = State.KEPT
-            detached(err)  # a worker's Future keeps it with the put's frames
-            stored.put = None
+            detached(err)  # a worker's Future holds it with the put's frames
+            stored.copy_in = None
             stored.step.stats.record(stored.layer, keep=reason, kept_bytes=stored.nbytes,
                                      offloaded=-1, offloaded_bytes=-stored.nbytes)
             return self._forget(stored) if stored.refs == 0 else []
         stored.in_store = True
-        if stored.put.event is not None:
-            self.mover.seal(stored.key, stored.put)  # the copy's event has fired: the bytes are in the pool now
-            stored.put.settle()  # and the event can go (stormd's interprocess events are a scarce resource)
-        stored.step.stats.record(stored.layer, stored_bytes=stored.put.result.result().nbytes)
+        if stored.copy_in.event is not None:
+            self.mover.seal(stored.key, stored.copy_in)  # the copy's event has fired: the bytes are in the pool now
+            stored.copy_in.drop_event()  # and the event can go (stormd's interprocess events are a scarce resource)
+        stored.step.stats.record(stored.layer, stored_bytes=stored.copy_in.nbytes)
         # The version is read here, on the training thread between two ops, so an
         # in-place op that raced the copy has finished and bumped it by now.
         stored.state = State.OFFLOADED if stored.tensor._version == stored.version else State.MODIFIED
@@ -444,11 +238,11 @@ class ClientSession:
         stored.state = State.FREED
         stored.tensor = None
         stored.step.by_storage.pop(stored.weak.cdata, None)
-        # The step keeps its saves in order (its stats, storm.plan's trace): with each referring back
+        # The step holds its saves in order (its stats, storm.plan's trace): with each referring back
         # to it, every finished step was a reference cycle, freed only by the garbage collector, and
         # the host's heap grew with what waited for it
         stored.step = None
-        unread = self._take_prefetched(stored)
+        unread = self.prefetch.take(stored)
         self._restored.pop(stored.key, None)
         self._awaited.pop(stored.key, None)
         if not stored.in_store:
@@ -466,11 +260,11 @@ class ClientSession:
         while True:
             self.poll()  # after a wait, it may start copies again: tensors whose frame overflowed
             with self._lock:
-                pending = [s.put for s in self._held] + [r for reads, _ in self._reading for r in reads]
+                pending = [s.copy_in for s in self._held] + [r for reads, _ in self._reading for r in reads]
             if not pending:
                 return
-            for transfer in pending:
-                transfer.wait()
+            for copy in pending:
+                copy.wait()
 
     # --- loading ------------------------------------------------------------
 
@@ -478,7 +272,7 @@ class ClientSession:
         """unpack: the saved view, rebuilt from the store or from the still-held tensor."""
         if isinstance(handle, Kept):
             t = handle.unpack()
-            if handle.step is not None and handle.step.order:
+            if isinstance(handle, Marker) and handle.step.order:
                 self._passed(handle)
             return t
         with unpack_range(handle.device):
@@ -498,7 +292,7 @@ class ClientSession:
                     return handle.view_of(stored.tensor.untyped_storage())
             if stored.state == State.MODIFIED:
                 raise StormInPlaceError(f"a saved {stored.describe()} was modified in place after autograd saved "
-                                        f"it and before STORM finished copying it, so its saved value is gone; {_FIX}")
+                                        f"it and before STORM finished copying it, so its saved value is gone; {IN_PLACE_FIX}")
             if stored.state == State.FREED:
                 raise StormError(f"saved {stored.describe()} was already freed (its graph was released)")
             stored.unpacks += 1
@@ -508,46 +302,38 @@ class ClientSession:
                 self._awaited.pop(stored.key, None)  # every save of it has been unpacked once
             fetch = None
             if base is None:
-                fetch = self._take_prefetched(stored)
+                fetch = self.prefetch.take(stored)
                 if fetch is not None:
                     stats.record(stored.layer, prefetch_hits=1)
                 else:
                     fetch = self._fetch(stored)
-            self._prefetch_ahead(stored.step, stored.index)
+            self.prefetch.ahead(stored.step, stored.index)
         if base is None:
             t0 = time.perf_counter()
-            base, arrived = fetch.result.result()  # raises what the fetch raised
-            stored.read = fetch.event  # not the transfer: that would keep the fetched bytes alive
+            base = fetch.result().tensor  # raises what the fetch raised
+            stored.read = fetch.event  # not the Copy: that would hold the fetched bytes alive
             stats.record(stored.layer, fetch_wait_s=time.perf_counter() - t0, fetched=1,
                          fetched_bytes=stored.nbytes)
-            if arrived is not None:  # CUDA: the compute stream waits for the copy, the host does not
-                consume(base, arrived)
+            if base.is_cuda:  # the compute stream waits for the copy's event, the host does not
+                consume(base, stored.read)
             with self._lock:
                 self._restored[stored.key] = weakref.ref(base)
                 if stored.unpacks < stored.handles and stored.state != State.FREED:
                     self._awaited[stored.key] = base  # another view of it is still to come
         return handle.view_of(base.untyped_storage())
 
-    def _passed(self, kept: Kept) -> None:
+    def _passed(self, marker: Marker) -> None:
         """Backward reached a marker past the budget: the offloaded tensors may come back as far
-        as the room it has made. On CUDA that is the memory allocated now below what was when
-        forward ended (backward frees saves but allocates gradients: on W2 they take most of
-        it); elsewhere, the bytes saved since the marker before, about to be freed."""
+        as the room it has made (Prefetcher.room_made)."""
         self.poll()  # copies that finished since forward are released, so prefetch can pass them
-        step = kept.step
+        step = marker.step
         self._free_at_backward_end(step)
         if step.cursor == 0:  # every offloaded save is fetched or was passed over: nothing to pace
             return
         with self._lock:
             if not step.paced:
-                step.prefetch_room = self._room_made(step, kept)
-            self._prefetch_ahead(step, kept.index)
-
-    def _room_made(self, step: Step, marker: Kept) -> int:
-        if step.level is None:
-            return step.prefetch_room + marker.nbytes
-        freed = step.level - allocated(marker.device)
-        return max(0, freed) + self._prefetched_bytes  # the bytes prefetched are allocated already
+                step.prefetch_room = self.prefetch.room_made(step, marker)
+            self.prefetch.ahead(step, marker.index)
 
     def drain(self, limit: int) -> None:
         """Let go of saved tensors whose copy has finished, then wait, oldest first, until at most
@@ -557,7 +343,7 @@ class ClientSession:
             with self._lock:
                 if self._held_bytes <= limit or not self._held:
                     break
-                oldest = self._held[0].put
+                oldest = self._held[0].copy_in
             oldest.wait()
             self.poll()
 
@@ -569,7 +355,7 @@ class ClientSession:
         with self._lock:
             step.paced = step.fetching = True
             step.prefetch_room = nbytes  # may shrink: the room backward makes can be taken by gradients
-            self._prefetch_ahead(step, len(step.order))
+            self.prefetch.ahead(step, len(step.order))
 
     def _free_at_backward_end(self, step: Step) -> None:
         """Free what this backward released once it ends: without it the last handles to die
@@ -586,42 +372,8 @@ class ClientSession:
         step.flush_queued = False
         self.poll()
 
-    def _prefetch_ahead(self, step: Step, index: int) -> None:
-        """Start fetching the storages saved before ``index``, within the room backward has made
-        plus, once it unpacks offloaded saves, the byte window.
-
-        ``step.cursor`` only moves down, so each storage is looked at about once per
-        backward: O(1) per unpack. It waits at a storage whose copy to the store is
-        still running (it may yet be needed from the device) and goes on once that
-        copy is done. A second pass (retain_graph) fetches on demand."""
-        step.cursor = min(step.cursor, index)
-        window = self.prefetch_bytes if step.fetching else 0
-        limit = step.prefetch_room + window
-        while step.cursor > 0 and self._prefetched_bytes < limit:
-            s = step.order[step.cursor - 1]
-            if s.state == State.HELD:
-                return
-            ref = self._restored.get(s.key)
-            if (s.state != State.OFFLOADED or s.unpacks >= s.handles or s.key in self._prefetched
-                    or (ref is not None and ref() is not None)):
-                step.cursor -= 1
-                continue  # not in the store, already unpacked, on its way, or here
-            # the room is memory backward has made (storm.plan's is its peak's slack): a fetch
-            # must fit in it; only a window smaller than one tensor may take that tensor
-            if self._prefetched_bytes + s.nbytes > limit and (self._prefetched_bytes or not window):
-                return
-            step.cursor -= 1
-            self._prefetched[s.key] = self._fetch(s)
-            self._prefetched_bytes += s.nbytes
-
-    def _fetch(self, stored: Stored) -> Transfer:
-        return self.mover.get(stored.key, stored.nbytes, stored.device, put=stored.put)
-
-    def _take_prefetched(self, stored: Stored) -> Transfer | None:
-        fut = self._prefetched.pop(stored.key, None)
-        if fut is not None:
-            self._prefetched_bytes -= stored.nbytes
-        return fut
+    def _fetch(self, stored: Stored) -> Copy:
+        return self.mover.get(stored.key, stored.nbytes, stored.device, copy_in=stored.copy_in)
 
     def close(self) -> None:
         self.mover.close()

@@ -543,8 +543,10 @@ def test_markers_past_the_budget_pace_prefetch(monkeypatch):
     one = 128 * 128 * 4
     monkeypatch.setattr(session_mod, "MARK_BYTES", 2 * one)
     paced = []  # markers that measured the room backward made
-    room_made = session_mod.ClientSession._room_made
-    monkeypatch.setattr(session_mod.ClientSession, "_room_made",
+    from storm.prefetch import Prefetcher
+
+    room_made = Prefetcher.room_made
+    monkeypatch.setattr(Prefetcher, "room_made",
                         lambda self, step, marker: (paced.append(marker), room_made(self, step, marker))[1])
     x = torch.randn(128, 128, requires_grad=True)
     seen: dict[int, int] = {}
@@ -553,7 +555,7 @@ def test_markers_past_the_budget_pace_prefetch(monkeypatch):
         for _ in range(12):  # save k is layer k's output; saves 1-4 are offloaded
             h.append(h[-1].tanh())
         for k in (11, 10, 8):  # its gradient is ready once layer k + 1's backward has unpacked save k + 1
-            h[k].register_hook(lambda g, k=k: seen.__setitem__(k, ctx._session._prefetched_bytes))
+            h[k].register_hook(lambda g, k=k: seen.__setitem__(k, ctx._session.prefetch.nbytes))
         loss = h[-1].sum()
     # save 5 is the first over the budget (a marker); then markers at saves 7, 9 and 11
     ctx.synchronize()  # prefetch waits at a save whose copy is still running
@@ -625,24 +627,28 @@ def test_a_key_is_freed_only_once_the_copy_out_of_it_is_done(monkeypatch):
     """Unpack returns as soon as a CUDA copy out of the pool is queued; until the GPU has run it,
     the extent must stay allocated, or the next PUT (of any process) could overwrite it first.
     Reads that report themselves unfinished stand in for such copies here."""
-    from storm.transfer import Mover, Transfer
+    from storm.copies.base import Copy
+    from storm.replies import Resolved
+    from storm.transfer import Mover
 
     copies_done = threading.Event()
 
-    class Copy:
+    class Running:
         def done(self) -> bool:
             return copies_done.is_set()
 
         def wait(self) -> None:
             copies_done.wait()
 
-    class UnfinishedRead(Transfer):
+    class UnfinishedRead(Copy):
+        __slots__ = ()
+
         @property
-        def event(self) -> Copy:
-            return Copy()
+        def event(self) -> Running:
+            return Running()
 
     real_get = Mover.get
-    monkeypatch.setattr(Mover, "get", lambda self, *a, **k: UnfinishedRead(real_get(self, *a, **k).result))
+    monkeypatch.setattr(Mover, "get", lambda self, *a, **k: UnfinishedRead(Resolved(real_get(self, *a, **k))))
     with storm.offload(mode="embedded", min_bytes=0, max_held_bytes=0) as ctx:
         x, loss = chain_of_saves()
     loss.backward()
@@ -704,17 +710,23 @@ def test_a_put_whose_frame_overflowed_is_stored_again_raw(monkeypatch):
     """The session's side of frames (CUDA tensors only; simulated here): a put that lands incomplete
     is put again, raw, under a new key while its tensor is still held; the old key is freed, and
     tensors of its kind are stored raw from then on."""
+    from storm.copies.base import Copy
+    from storm.replies import Resolved
     from storm.transfer import Mover
+
+    class Overflowed(Copy):
+        __slots__ = ()
+
+        def incomplete(self) -> bool:
+            return True
 
     requests = []
     real_put = Mover.put
 
     def put(self, req):
         requests.append(req)
-        transfer = real_put(self, req)
-        if req.encode:
-            transfer.incomplete = lambda: True
-        return transfer
+        copy = real_put(self, req)
+        return Overflowed(Resolved(copy)) if req.encode else copy
 
     monkeypatch.setattr(Mover, "put", put)
     x = torch.randn(256, 256, requires_grad=True)

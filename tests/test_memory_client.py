@@ -134,7 +134,7 @@ def no_garbage_collector():
 
 def test_a_finished_step_is_freed_without_the_garbage_collector(opts):
     """Each Stored and its Step referred to each other: every step left its saves' bookkeeping
-    (Stored, Step, Transfer, Future and its lock, StorageWeakRef) to the cycle collector, and the
+    (Stored, Step, Copy, Future and its lock, StorageWeakRef) to the cycle collector, and the
     host's heap grew between its runs (next test)."""
     model, x = small_mlp()
     with no_garbage_collector():
@@ -182,16 +182,3 @@ def test_host_memory_stays_flat_over_steps():
             model.zero_grad(set_to_none=True)
         grown = rss_anon() - warm
     assert grown < 32 << 20, f"private RSS grew by {grown >> 20} MiB over 40 steps of 5 MiB of saves each"
-
-
-def test_only_a_put_the_worker_has_not_begun_can_be_cancelled():
-    from concurrent.futures import CancelledError
-
-    from storm.transfer import Transfer
-
-    t = Transfer(Future(), cancellable=True)
-    assert t.cancel() and t.done() and isinstance(t.error(), CancelledError) and not t.incomplete()
-    running: Future = Future()
-    running.set_running_or_notify_cancel()
-    assert not Transfer(running, cancellable=True).cancel() and not running.cancelled()
-    assert not Transfer(Future()).cancel()  # a CUDA put: its PUT went out at save time

@@ -13,7 +13,7 @@ import torch
 
 from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
 
-from ..session import OffloadStats
+from ..stats import OffloadStats
 from ..transfer import FRAME_MIN_BYTES, frameable
 
 MiB = 1 << 20

@@ -1,0 +1,103 @@
+"""A GPU <-> the pool, copied by stormd through CUDA IPC (a daemon whose HELLO lists the GPU in
+``cuda_devices``).
+
+PUT and GET name the tensor's (or destination's) cudaMalloc segment by its
+IPC handle, with an interprocess ready event; stormd queues the copy on its
+own streams and records the request's interprocess done event, which the Copy
+holds, read off the reply without the worker. stormd seals the key itself once
+its copy has finished, so no SEAL is sent. A PUT whose tensor the GPU has not
+finished yet is sent by the worker once it has: stormd's copy stream never
+waits on another process's event, since such waits held back the copies of
+every client behind it. Memory that cannot be exported (expandable_segments)
+raises NotExportable, and the mover sends the copy to cuda_to_pool instead.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from typing import Any, Callable
+
+import torch
+
+from stormd.wire.cuda import device_uuid
+
+from ..backend import Backend
+from ..errors import StormIntegrityError
+from ..gpu import DeviceStreams, IpcEvent, export, ipc_event
+from .base import Copy, CopyHandler, PutRequest, wait_reply
+
+
+class DaemonCopies(CopyHandler):
+    """CUDA tensors that stormd copies out of (and into) this process's memory. ``streams``: a device's
+    streams (the destination of a get is allocated on its host-to-device stream); ``export`` and
+    ``ipc_event`` (client/gpu.py's, by default) name memory and make events for stormd;
+    ``uuid_of``: a device index's UUID."""
+
+    def __init__(self, backend: Backend, worker: Executor, streams: Callable[[torch.device], DeviceStreams],
+                 export: Callable[[int, int], tuple[bytes, int]] = export,
+                 ipc_event: Callable[[int], IpcEvent] = ipc_event,
+                 uuid_of: Callable[[int], str | None] = device_uuid):
+        self.backend = backend
+        self.worker = worker
+        self.streams = streams
+        self._export, self._ipc_event, self._uuid_of = export, ipc_event, uuid_of
+        self._uuids: dict[int, str | None] = {}  # device index -> its UUID where the store copies its memory
+
+    def serves(self, device: torch.device) -> bool:
+        """Whether the store copies this GPU's memory itself."""
+        u = self._uuids.get(device.index, False)
+        if u is False:
+            u = self._uuid_of(device.index)
+            u = self._uuids[device.index] = u if u in self.backend.cuda_devices else None
+        return u is not None
+
+    def stop_serving(self, device: torch.device) -> None:
+        """This process's memory of ``device`` cannot go through CUDA IPC: it copies it itself from now on."""
+        self._uuids[device.index] = None
+
+    def put(self, req: PutRequest, codec: str) -> Copy:
+        """stormd copies the storage out of this process's memory (the session holds it until then).
+        Frames are not for this path (``codec`` is raw): the mover copies them itself."""
+        device = req.source.device
+        handle, offset = self._export(req.source.data_ptr(), device.index)
+        done = self._ipc_event(device.index)
+        fields = {"nbytes": req.source.nbytes(), "codec": "raw"}
+        cuda = {"handle": handle, "offset": offset, "device": self._uuids[device.index], "ready": req.ready.wire,
+                "done": done.wire}
+        landed = Copy.landed(nbytes=fields["nbytes"], event=done, sealed=True)
+        if not req.ready.query():
+            # stormd's copy stream would wait on this process's event, and such waits held its copies back
+            # (module docstring): the worker sends the PUT once the tensor is complete
+            return Copy(self.worker.submit(self._put_when_ready, req, fields, cuda, landed))
+        reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta, cuda=cuda)
+
+        def queued() -> Copy:
+            wait_reply(self.backend, "PUT", reply)  # raises what the store refused
+            return landed
+        return Copy(reply, finish=queued)
+
+    def _put_when_ready(self, req: PutRequest, fields: dict[str, Any], cuda: dict[str, Any], landed: Copy) -> Copy:
+        req.ready.synchronize()  # the runtime lets go of the GIL while it waits
+        wait_reply(self.backend, "PUT", self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta,
+                                                             cuda=cuda))
+        return landed  # stormd has queued the copy; its ``done`` event fires when it is over
+
+    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None) -> Copy:
+        """stormd copies the stored bytes into a buffer this process allocated (after the put, which
+        stormd's own streams ordered)."""
+        buf, ready = self.streams(device).destination(nbytes)
+        handle, offset = self._export(buf.data_ptr(), device.index)
+        done = self._ipc_event(device.index)
+        reply = self.backend.request("GET", key=key, cuda={"handle": handle, "offset": offset, "ready": ready.wire,
+                                                           "device": self._uuids[device.index], "done": done.wire})
+        # ``ready`` is held until the reply (the future holds its callbacks): recorded again for another
+        # request before stormd waited on it, it could make stormd's copy wait for work that waits for this copy
+        reply.add_done_callback(lambda _, held=ready: None)
+
+        def queued() -> Copy:
+            r = wait_reply(self.backend, "GET", reply)
+            if r["nbytes"] != buf.numel() or r["codec"] != "raw":
+                raise StormIntegrityError(f"key {key}: store returned {r['nbytes']} bytes ({r['codec']}), "
+                                          f"{buf.numel()} raw bytes were stored")
+            return Copy.landed(tensor=buf, event=done)
+        return Copy(reply, finish=queued)

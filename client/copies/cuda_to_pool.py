@@ -1,0 +1,87 @@
+"""A GPU <-> the pool, copied by this process on its own streams (client/gpu.py), raw or as a frame.
+
+The path of the embedded store and of a daemon that does not copy this GPU's
+memory (or whose CUDA IPC this process's memory cannot go through), and of
+every frame. The PUT goes out at save time; the copy is queued on a
+per-device side stream (device to host, or host to device) behind an event,
+and the Copy holds the event that marks its end: nothing waits on the host.
+The pool is page-locked (registered with CUDA) in this process so those
+copies run at link speed. CUDA copies are not checksummed: a host-side hash
+of every byte would cost more than the copy.
+
+Frames: with codec ``auto`` or ``ancf_exp`` the mover sends bf16 tensors of
+at least FRAME_MIN_BYTES here as frames (storm.kernels.frame, whose size is
+known before encoding), encoded on the GPU on a codec stream beside the copy
+stream: fewer bytes over the link and in the pool. A frame whose escapes did
+not fit is reported by ``Copy.incomplete()`` once it has landed; the session
+then stores the tensor raw (it still holds it).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor, Future
+from typing import Any, Callable
+
+import torch
+
+from storm.kernels.frame import frame_nbytes
+from stormd.wire.protocol import FRAME_CODEC
+
+from ..backend import Backend
+from ..gpu import DeviceStreams
+from ..replies import Resolved
+from .base import Copy, CopyHandler, PutRequest, fetched_fields, wait_reply
+
+
+class PoolCopies(CopyHandler):
+    """CUDA tensors copied into and out of the mapped pool by this process. ``streams``: the copy
+    streams of a device (made on first use; the pool is page-locked then)."""
+
+    def __init__(self, backend: Backend, worker: Executor, streams: Callable[[torch.device], DeviceStreams]):
+        self.backend = backend
+        self.worker = worker
+        self.streams = streams
+
+    def put(self, req: PutRequest, codec: str) -> Copy:
+        nbytes = req.source.nbytes()
+        framed = codec == FRAME_CODEC
+        fields = ({"nbytes": frame_nbytes(nbytes // 2), "raw_nbytes": nbytes, "codec": FRAME_CODEC} if framed
+                  else {"nbytes": nbytes, "codec": "raw"})
+        reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta)
+        streams = self.streams(req.source.device)
+        return self._start(reply, self._put, req, reply, streams, fields["nbytes"] if framed else None)
+
+    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None) -> Copy:
+        reply = self.backend.request("GET", key=key)
+        return self._start(reply, self._get, key, nbytes, reply, self.streams(device), after)
+
+    def _start(self, reply: Future | Resolved, fn: Callable[..., Copy], *args: Any) -> Copy:
+        """Run ``fn`` on the worker; or here, when the reply is in (the embedded store answers at
+        once): the copy only queues work on a stream, a hop to the worker would cost more than
+        that, and its Python competes with the training thread for the GIL."""
+        if not reply.done():
+            return Copy(self.worker.submit(fn, *args))
+        try:
+            return fn(*args)
+        except Exception as e:  # the worker's Future would carry it too
+            return Copy.failed(e)
+
+    def _put(self, req: PutRequest, reply: Future | Resolved, streams: DeviceStreams, frame: int | None) -> Copy:
+        """The copy into the extent the PUT reserved. ``frame``: the frame's size, for a put into a
+        frame. Sealed by the mover once the event has fired."""
+        offset = wait_reply(self.backend, "PUT", reply)["offset"]
+        pool = self.backend.pool
+        if frame is not None:
+            return Copy.landed(nbytes=frame, event=streams.to_host_frame(pool.address(offset, frame), req.source,
+                                                                        req.ready), frame=pool.view(offset, 16))
+        nbytes = req.source.nbytes()
+        return Copy.landed(nbytes=nbytes, event=streams.to_host(pool.address(offset, nbytes), req.source, req.ready))
+
+    def _get(self, key: int, nbytes: int, reply: Future | Resolved, streams: DeviceStreams, after: Any) -> Copy:
+        r = fetched_fields(self.backend, key, nbytes, reply)
+        src = self.backend.pool.address(r["offset"], r["nbytes"])
+        if r["codec"] == FRAME_CODEC:
+            out, event = streams.to_device_frame(src, r["nbytes"], nbytes, after)
+        else:
+            out, event = streams.to_device(src, nbytes, after)
+        return Copy.landed(tensor=out, event=event)

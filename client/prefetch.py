@@ -1,0 +1,74 @@
+"""Prefetch pacing: which offloaded saves come back ahead of backward, and how far ahead.
+
+Backward needs the offloaded saves in reverse saving order. The prefetcher
+fetches the ones before the save backward unpacks now, within the room
+backward has made (markers past a budget measure it, or a caller that knows
+the model's blocks says it: storm.plan through ``allow_prefetch``) plus, once
+backward unpacks offloaded saves, the byte window (storm.offload's
+``prefetch_bytes``). The session calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+from .copies.base import Copy
+from .gpu import allocated
+from .saved import Marker, State, Step, Stored
+
+
+class Prefetcher:
+    """``fetch``: start fetching a Stored (the mover's get); ``restored``: the session's fetched
+    bytes by key, still alive or not (what is here needs no fetch)."""
+
+    def __init__(self, fetch: Callable[[Stored], Copy], restored: dict[int, weakref.ref], window: int):
+        self.fetch = fetch
+        self.restored = restored
+        self.window = window  # bytes backward may fetch ahead once it unpacks offloaded saves
+        self.copies: dict[int, Copy] = {}  # key -> its fetch, started ahead and not yet unpacked
+        self.nbytes = 0  # the bytes of those fetches
+
+    def take(self, stored: Stored) -> Copy | None:
+        """The fetch started ahead for ``stored``, if any: it is the unpack's now."""
+        fut = self.copies.pop(stored.key, None)
+        if fut is not None:
+            self.nbytes -= stored.nbytes
+        return fut
+
+    def room_made(self, step: Step, marker: Marker) -> int:
+        """The room backward has made when it reaches ``marker``. On CUDA that is the memory allocated
+        now below what was when forward ended (backward frees saves but allocates gradients, which
+        can take most of it); elsewhere, the bytes saved since the marker before, about to be freed."""
+        if step.level is None:
+            return step.prefetch_room + marker.nbytes
+        freed = step.level - allocated(marker.device)
+        return max(0, freed) + self.nbytes  # the bytes prefetched are allocated already
+
+    def ahead(self, step: Step, index: int) -> None:
+        """Start fetching the storages saved before ``index``, within the room backward has made
+        plus, once it unpacks offloaded saves, the byte window.
+
+        ``step.cursor`` only moves down, so each storage is looked at about once per
+        backward: O(1) per unpack. It waits at a storage whose copy to the store is
+        still running (it may yet be needed from the device) and goes on once that
+        copy is done. A second pass (retain_graph) fetches on demand."""
+        step.cursor = min(step.cursor, index)
+        window = self.window if step.fetching else 0
+        limit = step.prefetch_room + window
+        while step.cursor > 0 and self.nbytes < limit:
+            s = step.order[step.cursor - 1]
+            if s.state == State.HELD:
+                return
+            ref = self.restored.get(s.key)
+            if (s.state != State.OFFLOADED or s.unpacks >= s.handles or s.key in self.copies
+                    or (ref is not None and ref() is not None)):
+                step.cursor -= 1
+                continue  # not in the store, already unpacked, on its way, or here
+            # the room is memory backward has made (storm.plan's is its peak's slack): a fetch
+            # must fit in it; only a window smaller than one tensor may take that tensor
+            if self.nbytes + s.nbytes > limit and (self.nbytes or not window):
+                return
+            step.cursor -= 1
+            self.copies[s.key] = self.fetch(s)
+            self.nbytes += s.nbytes

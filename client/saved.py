@@ -1,0 +1,170 @@
+"""What the session holds for each saved tensor: ``Stored`` (an offloaded storage, in the store or on
+its way), ``Handle`` (what autograd holds in place of an offloaded saved view), ``Kept`` (a saved
+tensor that stays where it is) and its ``Marker`` kind, and ``Step`` (one storm.offload context's saves).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .copies.base import Copy, PutRequest
+from .errors import StormInPlaceError
+from .stats import OffloadStats
+
+IN_PLACE_FIX = ("make the op out of place (e.g. relu instead of relu_, x = x + y instead of x += y) "
+        "or clone the tensor before modifying it")
+
+
+class State:
+    HELD = "held"            # copy in flight; the tensor is still referenced
+    OFFLOADED = "offloaded"  # in the store; the tensor was let go
+    KEPT = "kept"            # the store had no room or failed: the tensor stays referenced
+    MODIFIED = "modified"    # changed in place before the copy was checked: the saved value is lost
+    FREED = "freed"
+
+
+
+class Step:
+    """The saves of one ``storm.offload`` context, in saving order (for prefetch)."""
+
+    def __init__(self, number: int, budget_bytes: float):
+        self.number = number
+        self.budget_bytes = budget_bytes  # offload the earliest saves up to this many bytes
+        self.candidate_bytes = 0          # what the policy would have offloaded with no budget
+        self.prefetch_room = 0            # room backward has made: prefetch may run this far past its window
+        self.fetching = False             # backward has unpacked an offloaded save: the window is open
+        self.paced = False                # the caller sets prefetch_room (allow_prefetch), not the markers
+        self.budget_reached = False       # a save did not fit: the rest of forward stays on the device
+        self.past_budget_bytes = 0        # saves past the budget (views counted by their own size)
+        self.marked_bytes = 0             # past_budget_bytes at the last marker
+        self.level: int | None = None     # CUDA bytes allocated when forward ended (with saves past the budget)
+        self.flush_queued = False         # a poll is queued for the end of the running backward
+        self.order: list[Stored] = []
+        self.by_storage: dict[int, Stored] = {}
+        self.cursor = 1 << 62  # order[cursor:] has been considered for prefetch
+        self.stats = OffloadStats()
+        self.modules: list[str] | None = None  # with named layers: the modules running now, innermost last
+
+    @property
+    def layer(self) -> str | None:
+        """The layer saves are counted under now; None when layers are not named."""
+        if self.modules is None:
+            return None
+        return self.modules[-1] if self.modules else "(outside modules)"
+
+
+
+class Stored:
+    def __init__(self, key: int, step: Step, t: torch.Tensor, weak: StorageWeakRef, nbytes: int):
+        self.key = key
+        self.step: Step | None = step  # None once freed (_forget)
+        self.index = len(step.order)
+        self.layer = step.layer
+        self.nbytes = nbytes
+        self.device = t.device
+        self.tensor: torch.Tensor | None = t.detach()  # not t: see Kept
+        self.version = t._version
+        self.weak = weak  # also the dedup key (weak.cdata) while this step lasts
+        self.shape, self.dtype = tuple(t.shape), t.dtype
+        self.producer = _producer(t)
+        self.state = State.HELD
+        self.copy_in: Copy | None = None  # the copy into the store (Mover.put)
+        self.request: PutRequest | None = None  # while held: to store it again, raw, if its frame overflows
+        self.refs = 0      # live handles
+        self.handles = 0   # handles ever made (one per save of this storage)
+        self.unpacks = 0
+        self.in_store = False
+        self.read: Any = None  # CUDA event of the last copy out of the store (CPU copies are done on return)
+
+    def describe(self) -> str:
+        """For error messages (built only then: the tensor may be gone by now)."""
+        return _description(self.shape, self.dtype, self.producer)
+
+    @property
+    def kind(self) -> tuple[Any, ...]:
+        """What tensors saved by the same op at the same place in the model share."""
+        return self.producer, self.shape, self.dtype
+
+
+
+class Handle:
+    """What autograd holds in place of a saved tensor."""
+
+    __slots__ = ("stored", "dtype", "shape", "strides", "storage_offset", "_dropped", "__weakref__")
+
+    def __init__(self, dropped: collections.deque[Stored], stored: Stored, t: torch.Tensor):
+        self._dropped = dropped  # the session's: where a dropped handle's Stored goes, to be freed at its next poll
+        self.stored = stored
+        self.dtype = t.dtype
+        self.shape = tuple(t.shape)
+        self.strides = t.stride()
+        self.storage_offset = t.storage_offset()
+        stored.refs += 1
+        stored.handles += 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.stored.device
+
+    def view_of(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=storage.device).set_(
+            storage, self.storage_offset, self.shape, self.strides)
+
+    def __del__(self) -> None:
+        self._dropped.append(self.stored)  # deque.append is atomic: safe from any thread
+
+
+class Kept:
+    """A saved tensor that stays where it is, with its version, so unpack can still
+    detect in-place changes (autograd's own check is off under saved_tensors_hooks).
+
+    It holds the tensor detached (the same storage and version counter, no grad_fn): a
+    tensor saved by the op that made it (tanh, exp, softmax) holds that op's node, which
+    holds what pack returned, a cycle through C++ that no garbage collector sees. A graph
+    dropped without a backward (a skipped step, an evaluation under grad) then held such
+    saves for the life of the process. Autograd restores the grad_fn at unpack itself."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t.detach()
+        self.version = t._version
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            t, node = self.tensor, torch._C._current_autograd_node()
+            user = f"saved for {type(node).__name__}" if node is not None else "read outside backward"
+            raise StormInPlaceError(f"a saved {_description(tuple(t.shape), t.dtype, user)} was "
+                                    f"modified in place after autograd saved it; {IN_PLACE_FIX}")
+        return self.tensor
+
+
+class Marker(Kept):
+    """A Kept that also tells prefetch how far backward has come (the first save over the budget,
+    then about one in session.MARK_BYTES past it): at its unpack, the saves offloaded before it
+    (``index`` of them) may come back as far as the room backward has made."""
+
+    __slots__ = ("step", "index", "nbytes")
+
+    def __init__(self, t: torch.Tensor, step: Step, nbytes: int):
+        super().__init__(t)
+        self.step = step
+        self.index = len(step.order)  # offloaded saves before this one
+        self.nbytes = nbytes          # saved since the marker before
+
+
+def _producer(t: torch.Tensor) -> str:
+    return type(t.grad_fn).__name__ if t.grad_fn is not None else "no grad_fn"
+
+
+def _description(shape: tuple[int, ...], dtype: torch.dtype, producer: str) -> str:
+    return f"{shape} {str(dtype).removeprefix('torch.')} tensor ({producer})"
+

@@ -1,0 +1,152 @@
+"""The one completion type, copies.base.Copy: a copy stormd makes resolves from its reply on the
+calling thread, with the errors a worker's Future would carry (CPU; tests/test_gpu_daemon_copies.py
+runs it on stormd's copies); a worker's copy resolves from its Future; a put the worker has not
+begun can be cancelled; errors held by copies hold none of the frames that started them."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from client.copies import base
+from client.copies.base import Copy, PutRequest, wait_reply
+from client.copies.cuda_to_pool import PoolCopies
+from client.errors import StormIntegrityError, StormRequestError, StormUnavailable
+from client.replies import Resolved, resolve
+
+
+class Backend:
+    name = "stormd under test"
+
+
+def from_reply(reply, then):
+    """A Copy read off ``reply`` (as stormd's copies are): ``then`` maps the reply's fields to the landed Copy."""
+    return Copy(reply, finish=lambda: then(wait_reply(Backend(), "GET", reply)))
+
+
+def test_it_resolves_from_the_reply_once_and_only_once_it_is_in():
+    reply: Future = Future()
+    calls = []
+    c = from_reply(reply, lambda fields: calls.append(fields) or Copy.landed(nbytes=fields["nbytes"] * 2))
+    assert not c.done()
+    resolve(reply, {"ok": True, "nbytes": 21})
+    assert c.done()
+    assert c.error() is None
+    assert c.result().nbytes == 42 and c.nbytes == 42 and c.event is None and c.tensor is None
+    assert calls == [{"ok": True, "nbytes": 21}]  # mapped once
+
+
+def test_an_error_reply_is_its_error_and_every_result_raises_it():
+    reply: Future = Future()
+    c = from_reply(reply, lambda fields: pytest.fail("an error reply is not mapped"))
+    resolve(reply, {"ok": False, "error": "POOL_FULL", "message": "no room"})
+    err = c.error()
+    assert isinstance(err, StormRequestError) and "POOL_FULL" in str(err)
+    for _ in range(2):
+        with pytest.raises(StormRequestError):
+            c.result()
+
+
+def test_a_reply_the_mapping_refuses_is_the_copys_error():
+    reply: Future = Future()
+
+    def refuse(fields):
+        raise StormIntegrityError(f"store returned {fields['nbytes']} bytes")
+    c = from_reply(reply, refuse)
+    resolve(reply, {"ok": True, "nbytes": 3})
+    assert isinstance(c.error(), StormIntegrityError)
+    with pytest.raises(StormIntegrityError, match="3 bytes"):
+        c.result()
+
+
+def test_a_reply_that_never_comes_is_unavailable_after_the_request_timeout(monkeypatch):
+    monkeypatch.setattr(base, "REQUEST_TIMEOUT", 0.05)
+    c = from_reply(Future(), lambda fields: Copy.landed())
+    with pytest.raises(StormUnavailable, match="did not answer GET"):
+        c.result()
+    assert isinstance(c.error(), StormUnavailable)
+
+
+def test_a_workers_copy_lands_with_its_futures_result_and_its_event_decides_done():
+    class Event:
+        fired = False
+
+        def query(self):
+            return self.fired
+
+    fut: Future = Future()
+    event = Event()
+    c = Copy(fut)
+    assert not c.done()
+    fut.set_result(Copy.landed(nbytes=7, event=event, sealed=True))
+    assert not c.done() and c.nbytes == 7 and c.sealed  # the result is in, the bytes are not
+    event.fired = True
+    assert c.done()
+    c.drop_event()
+    assert c.event is None and c.done()
+
+
+def test_only_a_put_the_worker_has_not_begun_can_be_cancelled():
+    c = Copy(Future(), cancellable=True)
+    assert c.cancel() and c.done() and isinstance(c.error(), CancelledError) and not c.incomplete()
+    running: Future = Future()
+    running.set_running_or_notify_cancel()
+    assert not Copy(running, cancellable=True).cancel() and not running.cancelled()
+    assert not Copy(Future()).cancel()  # a CUDA put: its PUT went out at save time
+
+
+class Canary:
+    """A local of the frame that started a copy: alive only as long as that frame is."""
+
+
+class RefusingBackend(Backend):
+    def request(self, op, **fields):
+        return Resolved.reply({"ok": False, "error": "POOL_FULL", "message": "no room"})
+
+
+def failed_start(worker) -> tuple[Copy, weakref.ref]:
+    """A CUDA put whose reply is in and refused: the copy would be queued on this thread, and fails here."""
+    canary = Canary()
+    copies = PoolCopies(RefusingBackend(), worker, streams=lambda device: object())
+    req = PutRequest(1, 1, torch.empty(4096, dtype=torch.uint8).untyped_storage(), {"dtype": "uint8"})
+    return copies.put(req, "raw"), weakref.ref(canary)
+
+
+def failed_reply() -> tuple[Copy, weakref.ref]:
+    """A copy stormd refused, its error read on this thread."""
+    canary = Canary()
+    reply: Future = Future()
+    resolve(reply, {"ok": False, "error": "POOL_FULL", "message": "no room"})
+    c = from_reply(reply, lambda fields: Copy.landed())
+    assert c.done()
+    return c, weakref.ref(canary)
+
+
+@pytest.mark.parametrize("how", ["started here", "replied"])
+def test_a_held_error_holds_none_of_the_frames_that_started_the_copy(how):
+    """The error's traceback linked, through each frame's caller, to the frames that saved the tensor
+    (the model's forward, with its tensors and the save's Handle): on CUDA every save the store refused
+    outlived its step, with or without the garbage collector (bench/results/refused-saves-*)."""
+    worker = ThreadPoolExecutor(1)
+    gc.disable()
+    try:
+        c, canary = failed_start(worker) if how == "started here" else failed_reply()
+        assert isinstance(c.error(), StormRequestError) and c.error().code == "POOL_FULL"
+        assert canary() is None
+    finally:
+        gc.enable()
+        worker.shutdown()
+
+
+def test_an_error_the_store_did_not_send_holds_where_it_was_raised_as_a_note():
+    def broken(fields):
+        raise KeyError("offset")
+    c = from_reply(Resolved({"ok": True}), broken)
+    err = c.error()
+    assert isinstance(err, KeyError) and err.__traceback__ is None
+    assert "in broken" in err.__notes__[0]

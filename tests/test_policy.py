@@ -1,0 +1,21 @@
+"""client/policy.py's Refusals: the reason a put the store refused stays where it is, logged once
+per kind of refusal (the Keep reasons of saves are tested through storm.offload in test_hooks.py)."""
+
+from __future__ import annotations
+
+import logging
+
+from client.errors import StormRequestError, StormUnavailable
+from client.policy import Keep, Refusals
+
+
+def test_each_refusal_has_its_reason_and_each_kind_is_logged_once(caplog):
+    refusals = Refusals()
+    with caplog.at_level(logging.WARNING, logger="storm"):
+        reasons = [refusals.reason(StormRequestError(code, "refused"))
+                   for code in ("POOL_FULL", "TOO_LARGE", "QUOTA", "POOL_FULL", "BAD_KEY")]
+        reasons.append(refusals.reason(StormUnavailable("gone")))
+    assert reasons == [Keep.POOL_FULL, Keep.POOL_FULL, Keep.QUOTA, Keep.POOL_FULL, Keep.STORE_ERROR,
+                       Keep.STORE_ERROR]
+    assert len(caplog.records) == 5  # the second POOL_FULL is not logged again
+    assert "pool_size" in caplog.records[0].getMessage()
