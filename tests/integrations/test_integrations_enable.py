@@ -206,3 +206,24 @@ def test_a_ddp_wrapped_model_is_unwrapped_and_trains_bit_identical(tmp_path):
         handle.disable()
     finally:
         dist.destroy_process_group()
+
+
+class Recursive(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        return self(h, depth - 1) if depth else h
+
+
+def test_a_forward_called_inside_the_models_own_forward_belongs_to_the_open_step():
+    x = torch.randn(4, 16)
+    with storm.offload(mode="embedded", min_bytes=0) as whole:
+        Recursive()(x, depth=2).sum()
+    model = Recursive()
+    handle = storm.enable(model, mode="embedded", min_bytes=0)
+    model(x, depth=2).sum().backward()
+    assert handle.last.stats.offloaded == whole.stats.offloaded > 0  # one scope: the outermost call's
+    handle.disable()
