@@ -4,7 +4,7 @@
     trainer = lightning.pytorch.Trainer(..., callbacks=[StormCallback(budget=0.5)])
 
 ``setup`` (stage "fit") enables STORM on the LightningModule, its repeated blocks found inside
-it; ``teardown`` disables it. A training step is marked by Lightning's batch hooks rather than
+it; ``teardown``, or ``on_exception`` for a fit that fails (it gets no teardown), disables it. A training step is marked by Lightning's batch hooks rather than
 by the module's forward: ``training_step`` often calls submodules (``self.model(x)``) and never
 the LightningModule's own forward, and under a DDP strategy Lightning's wrapper calls
 ``training_step`` itself. So the step's context is entered at ``on_train_batch_start`` and
@@ -46,10 +46,16 @@ class StormCallback(pl.Callback):
         self.handle.end()  # a step that returned no loss had no backward
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # a failed fit gets no teardown from Lightning: end the step it was in and disable here
         if self.handle is not None:
             self.handle.end()
+            self._disable()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.handle is not None:
+        if stage == "fit":
+            self._disable()
+
+    def _disable(self) -> None:
+        if self.handle is not None:
             self.handle.disable()
             self.handle = None

@@ -55,9 +55,22 @@ class NoBlocks(nn.Module):
         super().__init__()
         self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
         self.mixed = nn.ModuleList([nn.Linear(8, 8), nn.ReLU()])  # a list, but of two classes
+        self.single = nn.ModuleList([nn.Linear(8, 8)])  # one module repeats nothing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.mixed[1](self.mixed[0](self.a(x))))
+        return self.b(self.mixed[1](self.mixed[0](self.single[0](self.a(x)))))
+
+
+class Holder(nn.Module):
+    """A model with a submodule called ``module`` beside parameters of its own: no wrapper."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = gpt()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.module(idx) * self.scale
 
 
 def gpt() -> GPT:
@@ -193,6 +206,13 @@ def test_a_forward_that_raises_ends_its_step():
     with pytest.raises(IndexError):
         model(torch.full((2, 32), 1000))  # out of the embedding's range
     handle.disable()  # refused if the failed forward had left its step open
+
+
+def test_a_model_with_a_submodule_called_module_is_no_wrapper():
+    model = Holder()
+    handle = storm.enable(model, budget=0.5, mode="embedded", min_bytes=0)
+    assert handle.model is model and handle.blocks == list(model.module.blocks)
+    handle.disable()
 
 
 def test_a_ddp_wrapped_model_is_unwrapped_and_trains_bit_identical(tmp_path):
