@@ -83,7 +83,7 @@ class Enabled:
                  options: dict[str, Any], on_forward: bool):
         self.model = model
         self.blocks = blocks
-        self.where = where
+        self.where = where  # the blocks' qualified name in the model ("": the model itself; "blocks=": given)
         self.planner = planner
         self.last: Offload | None = None
         self._options = options
@@ -151,12 +151,16 @@ def enable(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None, budge
     A model (or a module of it, or a model it is part of) already enabled is refused."""
     model = unwrap(model)
     for other in [h.model for h in _enabled.values()]:
-        relation = ("" if other is model else ", which holds this " + type(model).__name__
-                    if any(m is model for m in other.modules()) else
-                    ", a module of this " + type(model).__name__ if any(m is other for m in model.modules()) else None)
-        if relation is not None:
-            raise RuntimeError(f"storm.enable is already on for {type(other).__name__}{relation}: call disable() on "
-                               f"its handle first (nested STORM hooks would take each other's saves)")
+        if other is model:
+            relation = ""
+        elif any(m is model for m in other.modules()):
+            relation = f", which holds this {type(model).__name__}"
+        elif any(m is other for m in model.modules()):
+            relation = f", a module of this {type(model).__name__}"
+        else:
+            continue
+        raise RuntimeError(f"storm.enable is already on for {type(other).__name__}{relation}: call disable() on its "
+                           f"handle first (nested STORM hooks would take each other's saves)")
     planner = None
     if budget is None and peak is None:
         if blocks is not None:
@@ -164,7 +168,7 @@ def enable(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None, budge
         Offload(**options)  # refuse bad options now, not at the first forward
         where, found = "", None
     else:
-        where, found = ("", list(blocks)) if blocks is not None else find_blocks(model)
+        where, found = ("blocks=", list(blocks)) if blocks is not None else find_blocks(model)
         planner = plan(found, budget, peak=peak, **options)
     handle = Enabled(model, found, where, planner, options, on_forward)
     _enabled[id(model)] = handle
