@@ -3,7 +3,8 @@ for the others, bit-identical training, and disable() leaving the model as it wa
 
 from __future__ import annotations
 
-import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -247,3 +248,11 @@ def test_a_forward_called_inside_the_models_own_forward_belongs_to_the_open_step
     model(x, depth=2).sum().backward()
     assert handle.last.stats.offloaded == whole.stats.offloaded > 0  # one scope: the outermost call's
     handle.disable()
+
+
+def test_import_storm_needs_no_framework():
+    """storm and storm.integrations import no training framework: each integration's module does."""
+    code = ("import sys, storm, storm.integrations; "
+            "print(sorted({'transformers', 'lightning', 'accelerate'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
