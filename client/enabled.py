@@ -17,8 +17,8 @@ the store and come back in backward, which ``storm.offload`` serves after its
 Forwards under ``torch.no_grad()`` or ``torch.inference_mode()`` (evaluation,
 generation) save nothing for backward: they get no context, and a planner does
 not count them as steps. Wrappers whose ``.module`` holds all their parameters
-(DDP, FSDP's first version, DataParallel, DeepSpeed) are unwrapped first, so
-the hooks sit on the model that runs whichever wrapper calls it.
+(DistributedDataParallel, which accelerate's prepare also puts around a model)
+are unwrapped first, so the hooks sit on the model that the wrapper calls.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ _enabled: "weakref.WeakValueDictionary[int, Enabled]" = weakref.WeakValueDiction
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside DDP / FSDP / DataParallel-style wrappers: while ``.module`` is a module
-    that holds every parameter of its wrapper, that module."""
+    """The model inside DDP-style wrappers: while ``.module`` is a module that holds every
+    parameter of its wrapper, that module."""
     while isinstance(inner := getattr(model, "module", None), nn.Module) and inner is not model:
         if {id(p) for p in model.parameters()} != {id(p) for p in inner.parameters()}:
             break  # a model with a submodule called "module", not a wrapper
