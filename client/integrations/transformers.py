@@ -33,6 +33,8 @@ class StormCallback(TrainerCallback):
                        model: Any = None, **kwargs: Any) -> None:
         if model is None:
             raise RuntimeError("StormCallback: the Trainer passed no model to on_train_begin")
+        if self.handle is not None:  # a train() that raised had no train end (transformers has no exception event)
+            self.handle.disable()
         self.handle = enable(model, **self.options)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

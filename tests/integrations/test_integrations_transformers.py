@@ -25,11 +25,16 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def train(tmp_path, steps: int, storm_callback: StormCallback | None) -> tuple[transformers.LlamaForCausalLM, list]:
+def tiny_llama() -> transformers.LlamaForCausalLM:
     transformers.set_seed(0)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=4)
-    model = transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config)
+
+
+def train(tmp_path, steps: int, storm_callback: StormCallback | None,
+          model: transformers.LlamaForCausalLM | None = None) -> tuple[transformers.LlamaForCausalLM, list]:
+    model = model if model is not None else tiny_llama()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / ("storm" if storm_callback else "plain")), max_steps=steps,
         per_device_train_batch_size=2, learning_rate=1e-3, logging_strategy="no", save_strategy="no", report_to=[],
@@ -37,8 +42,10 @@ def train(tmp_path, steps: int, storm_callback: StormCallback | None) -> tuple[t
     losses = []  # each step's loss as the model computed it (the Trainer logs rounded ones)
     hook = model.register_forward_hook(lambda m, args, out: losses.append(out.loss.detach().clone()))
     callbacks = [storm_callback] if storm_callback else []
-    transformers.Trainer(model=model, args=args, train_dataset=Tokens(2 * steps), callbacks=callbacks).train()
-    hook.remove()
+    try:
+        transformers.Trainer(model=model, args=args, train_dataset=Tokens(2 * steps), callbacks=callbacks).train()
+    finally:
+        hook.remove()
     return model, losses
 
 
@@ -69,3 +76,22 @@ def test_trainer_with_a_plan_settles_bit_identical(tmp_path, still_clock):
     got = train(tmp_path, SETTLE_STEPS, callback)
     assert settled[-1], settled
     assert_same(train(tmp_path, SETTLE_STEPS, None), got)
+
+
+def test_a_train_that_raised_does_not_keep_the_next_from_enabling(tmp_path):
+    """transformers calls no callback when train() raises: the next train begin disables what it left."""
+    callback = StormCallback(mode="embedded", min_bytes=0)
+    model = tiny_llama()
+    calls = []
+
+    def fail_second(m, args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ZeroDivisionError("a failing step")
+
+    hook = model.register_forward_pre_hook(fail_second)
+    with pytest.raises(ZeroDivisionError):
+        train(tmp_path, 3, callback, model)
+    hook.remove()
+    train(tmp_path, 2, callback, model)
+    assert callback.handle is None and not model._forward_hooks and not model._forward_pre_hooks
