@@ -11,7 +11,7 @@ from torch import nn
 accelerate = pytest.importorskip("accelerate", reason="the accelerate test needs accelerate installed")
 
 import storm  # noqa: E402
-from conftest import SETTLE_STEPS  # noqa: E402
+from integrations_clock import SETTLE_STEPS, StillClock  # noqa: E402
 from storm.examples.models import GPT, same_bits  # noqa: E402
 
 
@@ -52,8 +52,8 @@ def test_accelerate_with_storm_enable_is_bit_identical():
     assert_same(train(3), got)
 
 
-def test_accelerate_with_a_plan_settles_bit_identical(still_clock):
-    got = train(SETTLE_STEPS, budget=0.5, mode="embedded", min_bytes=0, clock=still_clock)
+def test_accelerate_with_a_plan_settles_bit_identical():
+    got = train(SETTLE_STEPS, budget=0.5, mode="embedded", min_bytes=0, clock=StillClock())
     assert got[2].planner.settled, got[2].explain()
     got[2].disable()
     assert_same(train(SETTLE_STEPS), got)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import storm
-from conftest import SETTLE_STEPS
+from integrations_clock import SETTLE_STEPS, StillClock
 from storm.enabled import find_blocks
 from storm.examples.models import GPT, GPTBlock, same_bits
 
@@ -154,10 +154,10 @@ def test_offload_on_every_forward_trains_bit_identical_and_disable_restores_the_
     assert handle.last is last  # no hook is left to begin a step
 
 
-def test_a_plan_settles_and_every_step_stays_bit_identical(still_clock):
+def test_a_plan_settles_and_every_step_stays_bit_identical():
     model, ref = gpt(), gpt()
     before = hooks_of(model)
-    handle = storm.enable(model, budget=0.5, mode="embedded", min_bytes=0, clock=still_clock)
+    handle = storm.enable(model, budget=0.5, mode="embedded", min_bytes=0, clock=StillClock())
     assert_same(train_gpt(ref, SETTLE_STEPS), train_gpt(model, SETTLE_STEPS, handle))
     assert handle.planner.settled, handle.explain()
     assert "storm.plan on 3 blocks at blocks (GPTBlock)" in handle.explain()

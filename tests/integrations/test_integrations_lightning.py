@@ -12,7 +12,7 @@ import storm
 
 pl = pytest.importorskip("lightning.pytorch", reason="the Lightning test needs lightning installed")
 
-from conftest import SETTLE_STEPS  # noqa: E402
+from integrations_clock import SETTLE_STEPS, StillClock  # noqa: E402
 from storm.examples.models import GPT, same_bits  # noqa: E402
 from storm.integrations.lightning import StormCallback  # noqa: E402
 
@@ -100,8 +100,8 @@ def test_lightning_fit_with_the_callback_is_bit_identical_and_validation_untouch
     assert_same(fit(3), got)
 
 
-def test_lightning_fit_with_a_plan_settles_bit_identical(still_clock):
-    callback = StormCallback(budget=0.5, mode="embedded", min_bytes=0, clock=still_clock)
+def test_lightning_fit_with_a_plan_settles_bit_identical():
+    callback = StormCallback(budget=0.5, mode="embedded", min_bytes=0, clock=StillClock())
     watch = Watch(callback)
     got = fit(SETTLE_STEPS, callback, watch)
     assert watch.settled[-1], watch.settled

@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the Trainer test needs transformers installed")
 
-from conftest import SETTLE_STEPS  # noqa: E402
+from integrations_clock import SETTLE_STEPS, StillClock  # noqa: E402
 from storm.examples.models import same_bits  # noqa: E402
 from storm.integrations.transformers import StormCallback  # noqa: E402
 
@@ -69,8 +69,8 @@ def test_trainer_with_the_callback_trains_bit_identical_through_the_embedded_sto
     assert_same(train(tmp_path, 3, None), got)
 
 
-def test_trainer_with_a_plan_settles_bit_identical(tmp_path, still_clock):
-    callback = StormCallback(budget=0.5, mode="embedded", min_bytes=0, clock=still_clock)
+def test_trainer_with_a_plan_settles_bit_identical(tmp_path):
+    callback = StormCallback(budget=0.5, mode="embedded", min_bytes=0, clock=StillClock())
     settled = []
     callback.on_step_end = lambda *a, **k: settled.append(callback.handle.planner.settled)
     got = train(tmp_path, SETTLE_STEPS, callback)

@@ -1,6 +1,7 @@
-from __future__ import annotations
+"""What the integration tests' plans are timed by (not a conftest.py: tests/conftest.py is the
+suite's, and test modules import it by that name)."""
 
-import pytest
+from __future__ import annotations
 
 
 class StillClock:
@@ -23,8 +24,3 @@ class StillClock:
 # Steps a budget=0.5 plan of a tiny CPU model takes to settle on the still clock: two traces, then
 # a trial of the two forms of recompute, tied on this clock, for its most steps.
 SETTLE_STEPS = 20
-
-
-@pytest.fixture
-def still_clock() -> StillClock:
-    return StillClock()
