@@ -12,6 +12,7 @@ from typing import Any
 
 from .errors import (StormError, StormInPlaceError, StormIntegrityError, StormRequestError, StormUnavailable,
                      StormUntrusted)
+from .enabled import Enabled, enable
 from .hooks import Offload, offload
 from .planner import Planner, plan
 from .policy import Keep
@@ -29,5 +30,5 @@ def stats(mode: str = "auto", socket: str | None = None) -> dict[str, Any]:
     return {"session": reply["session"], "node": reply["node"]}
 
 
-__all__ = ["offload", "Offload", "plan", "Planner", "OffloadStats", "Keep", "stats", "close_all", "StormError", "StormUnavailable",
+__all__ = ["offload", "Offload", "plan", "Planner", "enable", "Enabled", "OffloadStats", "Keep", "stats", "close_all", "StormError", "StormUnavailable",
            "StormUntrusted", "StormInPlaceError", "StormIntegrityError", "StormRequestError", "__version__"]

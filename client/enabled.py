@@ -1,0 +1,175 @@
+"""``storm.enable``: STORM on for every training forward of a model, in one line.
+
+    handle = storm.enable(model)                  # storm.offload around each forward
+    handle = storm.enable(model, budget=0.5)      # or storm.plan on the model's repeated blocks
+    ...                                           # train as before: loss = model(x); loss.backward()
+    handle.disable()                              # hooks off, blocks' own forwards back
+
+How frameworks switch their memory savers on without a change to the training
+loop: transformers' ``gradient_checkpointing_enable`` rewires the model's
+layers, torchtune's ``OffloadActivations`` is a context the recipe enters around
+forward. ``enable`` does the second from the model itself: a forward pre-hook
+enters a ``storm.offload`` context (or the planner's next step) and a forward
+hook, always called, exits it, so saves made inside the model's forward go to
+the store and come back in backward, which ``storm.offload`` serves after its
+``with`` has ended.
+
+Forwards under ``torch.no_grad()`` or ``torch.inference_mode()`` (evaluation,
+generation) save nothing for backward: they get no context, and a planner does
+not count them as steps. Wrappers whose ``.module`` holds all their parameters
+(DistributedDataParallel, which accelerate's prepare also puts around a model)
+are unwrapped first, so the hooks sit on the model that the wrapper calls.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .hooks import Offload
+from .planner import Planner, plan
+
+# Containers of a model's layers: HF and GPT-style models keep them in a ModuleList,
+# torchtitan in a ModuleDict (keys for pipeline stages), small GPTs in an nn.Sequential.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+# id(model) -> its handle, while enabled. Weak: a handle lives as long as its model's hooks or its
+# caller hold it, and it holds its model, so an id here is never a dead model's.
+_enabled: "weakref.WeakValueDictionary[int, Enabled]" = weakref.WeakValueDictionary()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP-style wrappers: while ``.module`` is a module that holds every
+    parameter of its wrapper, that module."""
+    while isinstance(inner := getattr(model, "module", None), nn.Module) and inner is not model:
+        if {id(p) for p in model.parameters()} != {id(p) for p in inner.parameters()}:
+            break  # a model with a submodule called "module", not a wrapper
+        model = inner
+    return model
+
+
+def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    """The model's repeated blocks and where they are: of the ModuleLists, ModuleDicts and
+    Sequentials that hold two or more modules of one class, the one with the most parameters
+    (then the most modules; then the outermost). Raises ValueError naming what it looked for."""
+    best: tuple[tuple[int, int], str, list[nn.Module]] | None = None
+    for name, m in unwrap(model).named_modules():
+        if not isinstance(m, _CONTAINERS):
+            continue
+        children = list(m.children())
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        size = (sum(p.numel() for p in m.parameters()), len(children))
+        if best is None or size > best[0]:
+            best = (size, name, children)
+    if best is None:
+        raise ValueError(
+            f"storm.enable found no repeated blocks in {type(model).__name__}: it looks for an nn.ModuleList, "
+            f"nn.ModuleDict or nn.Sequential of two or more modules of one class (model.model.layers in a Hugging "
+            f"Face model, model.layers or model.transformer.h in GPT-style ones) and found none; pass blocks= "
+            f"(the model's repeated layers, in the order its forward runs them)")
+    return best[1], best[2]
+
+
+class Enabled:
+    """STORM on one model, from ``storm.enable``. ``model`` is the unwrapped model that carries
+    the hooks, ``blocks`` what a plan decides for (None without one), ``planner`` the
+    storm.plan (None: every step offloads as ``storm.offload(**options)`` does), ``last`` the
+    context of the last step that ran (``.stats``, ``.report()``)."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module] | None, where: str, planner: Planner | None,
+                 options: dict[str, Any], on_forward: bool):
+        self.model = model
+        self.blocks = blocks
+        self.where = where  # the blocks' qualified name in the model ("": the model itself; "blocks=": given)
+        self.planner = planner
+        self.last: Offload | None = None
+        self._options = options
+        self._scopes: list[Offload | None] = []  # one per begin() not yet ended; None where none was entered
+        self._hooks = [model.register_forward_pre_hook(lambda m, args: self.begin()),
+                       model.register_forward_hook(lambda m, args, out: self.end(), always_call=True)
+                       ] if on_forward else []
+
+    def begin(self) -> None:
+        """A step begins: the next storm.offload context (the plan's, with a planner) is entered,
+        unless grad is off or a step of this model is already open (its forward called inside
+        itself), which the open one covers. Called by the forward pre-hook, or by a framework's
+        callback that marks steps itself (``on_forward=False``)."""
+        if not torch.is_grad_enabled() or any(self._scopes):
+            self._scopes.append(None)
+            return
+        ctx = self.planner.step() if self.planner is not None else Offload(**self._options)
+        ctx.__enter__()
+        self._scopes.append(ctx)
+        self.last = ctx
+
+    def end(self) -> None:
+        """The step's forward has ended: its context is exited (saved tensors stay in the store
+        until backward). Without an open step, nothing."""
+        if self._scopes and (ctx := self._scopes.pop()) is not None:
+            ctx.__exit__(None, None, None)
+
+    def explain(self) -> str:
+        """What was enabled, and the plan's explanation or the last step's report."""
+        what = (f"storm.plan on {len(self.blocks)} blocks at {self.where or '(the model)'} "
+                f"({type(self.blocks[0]).__name__})" if self.planner is not None else "storm.offload")
+        head = f"storm.enable: {what} on every forward of {type(self.model).__name__} with grad enabled"
+        if self.planner is not None:
+            return f"{head}\n{self.planner.explain()}"
+        return f"{head}\n{self.last.report()}" if self.last is not None else f"{head}; no step yet"
+
+    def disable(self) -> None:
+        """Remove every hook STORM put on the model, close the planner (the blocks' own forwards
+        come back); a second call does nothing. Not inside the model's forward."""
+        if self._scopes:
+            raise RuntimeError("storm.enable's disable() was called inside a step of the model (between its "
+                               "forward's start and end); call it between steps")
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.planner is not None:
+            self.planner.close()
+        if _enabled.get(id(self.model)) is self:
+            del _enabled[id(self.model)]
+
+
+def enable(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None, budget: int | float | str | None = None,
+           peak: int | str | None = None, on_forward: bool = True, **options: Any) -> Enabled:
+    """Turn STORM on for every forward of ``model`` that runs with grad enabled; returns the
+    handle whose ``disable()`` turns it off.
+
+    Without ``budget`` and ``peak`` each forward runs in ``storm.offload(**options)``. With
+    one of them (``storm.plan``'s: the GPU memory a step's saves may take, bytes or a fraction
+    of a step's; or the step's peak above its start, CUDA), each forward is a step of
+    ``storm.plan(blocks, budget= or peak=, **options)``, where ``blocks`` are the model's
+    repeated layers, found by ``find_blocks`` unless given. ``options``: storm.offload's
+    (``budget`` excepted, which is the plan's here), and with a plan ``reentrant`` and
+    ``clock``. ``on_forward=False`` puts no hooks on the model: the caller marks each step with
+    ``begin()`` (before forward) and ``end()`` (before backward), as the Lightning callback does.
+    A model (or a module of it, or a model it is part of) already enabled is refused."""
+    model = unwrap(model)
+    for other in [h.model for h in _enabled.values()]:
+        if other is model:
+            relation = ""
+        elif any(m is model for m in other.modules()):
+            relation = f", which holds this {type(model).__name__}"
+        elif any(m is other for m in model.modules()):
+            relation = f", a module of this {type(model).__name__}"
+        else:
+            continue
+        raise RuntimeError(f"storm.enable is already on for {type(other).__name__}{relation}: call disable() on its "
+                           f"handle first (nested STORM hooks would take each other's saves)")
+    planner = None
+    if budget is None and peak is None:
+        if blocks is not None:
+            raise TypeError("storm.enable's blocks= is for a plan: give budget= or peak= with it")
+        Offload(**options)  # refuse bad options now, not at the first forward
+        where, found = "", None
+    else:
+        where, found = ("blocks=", list(blocks)) if blocks is not None else find_blocks(model)
+        planner = plan(found, budget, peak=peak, **options)
+    handle = Enabled(model, found, where, planner, options, on_forward)
+    _enabled[id(model)] = handle
+    return handle

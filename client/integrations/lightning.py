@@ -1,0 +1,61 @@
+"""PyTorch Lightning: STORM on the LightningModule while it fits.
+
+    from storm.integrations.lightning import StormCallback
+    trainer = lightning.pytorch.Trainer(..., callbacks=[StormCallback(budget=0.5)])
+
+``setup`` (stage "fit") enables STORM on the LightningModule, its repeated blocks found inside
+it; ``teardown``, or ``on_exception`` for a fit that fails (it gets no teardown), disables it. A training step is marked by Lightning's batch hooks rather than
+by the module's forward: ``training_step`` often calls submodules (``self.model(x)``) and never
+the LightningModule's own forward, and under a DDP strategy Lightning's wrapper calls
+``training_step`` itself. So the step's context is entered at ``on_train_batch_start`` and
+exited at ``on_before_backward``, when the loss is computed (or at ``on_train_batch_end`` for a
+step that returned no loss). Validation and prediction batches (under no_grad) are untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from ..enabled import Enabled, enable
+
+
+class StormCallback(pl.Callback):
+    """``storm.enable(pl_module, **options)`` while the Trainer fits; ``options`` are
+    storm.enable's (``budget=`` / ``peak=`` for a plan, else storm.offload's). ``handle`` is
+    the Enabled of the fit in progress (None outside it): ``handle.explain()``."""
+
+    def __init__(self, **options: Any):
+        self.options = options
+        self.handle: Enabled | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.handle = enable(pl_module, on_forward=False, **self.options)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.handle.begin()
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self.handle.end()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.handle.end()  # a step that returned no loss had no backward
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # a failed fit gets no teardown from Lightning: end the step it was in and disable here
+        if self.handle is not None:
+            self.handle.end()
+            self._disable()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._disable()
+
+    def _disable(self) -> None:
+        if self.handle is not None:
+            self.handle.disable()
+            self.handle = None

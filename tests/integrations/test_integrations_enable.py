@@ -1,0 +1,258 @@
+"""storm.enable: the model's repeated blocks found, STORM on for every forward with grad and off
+for the others, bit-identical training, and disable() leaving the model as it was."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import storm
+from integrations_clock import SETTLE_STEPS, StillClock
+from storm.enabled import find_blocks
+from storm.examples.models import GPT, GPTBlock, same_bits
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers installed")
+
+
+def tiny_llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=4)
+    return transformers.LlamaForCausalLM(config)
+
+
+class Experts(nn.Module):
+    """A layer with more like modules than the model has layers (an MoE's experts): the layers must win."""
+
+    def __init__(self, d: int = 16, n: int = 8):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(e(x) for e in self.experts)
+
+
+class Titan(nn.Module):
+    """torchtitan keeps its layers in a ModuleDict; each layer here holds an experts list."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): Experts() for i in range(3)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+class NoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.mixed = nn.ModuleList([nn.Linear(8, 8), nn.ReLU()])  # a list, but of two classes
+        self.single = nn.ModuleList([nn.Linear(8, 8)])  # one module repeats nothing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.mixed[1](self.mixed[0](self.single[0](self.a(x)))))
+
+
+class Holder(nn.Module):
+    """A model with a submodule called ``module`` beside parameters of its own: no wrapper."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = gpt()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.module(idx) * self.scale
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab=64, seq_len=32, d_model=32, n_heads=2, n_layers=3)
+
+
+def train_gpt(model: nn.Module, steps: int, handle: storm.Enabled | None = None) -> tuple[list, list]:
+    """``steps`` SGD steps from seed 1; the losses and each step's gradients. With a handle, each
+    step must have run in a context of its own, and without a plan offloaded."""
+    torch.manual_seed(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for _ in range(steps):
+        idx = torch.randint(0, 64, (2, 32))
+        opt.zero_grad(set_to_none=True)
+        last = handle.last if handle is not None else None
+        loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        loss.backward()
+        if handle is not None:
+            assert handle.last is not last and (handle.planner is not None or handle.last.stats.offloaded > 0)
+        opt.step()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return losses, grads
+
+
+def assert_same(want: tuple[list, list], got: tuple[list, list]) -> None:
+    for step, (a, b) in enumerate(zip(want[0], got[0])):
+        assert same_bits(a, b), f"loss of step {step} differs"
+    for step, (ga, gb) in enumerate(zip(want[1], got[1])):
+        assert all(same_bits(a, b) for a, b in zip(ga, gb)), f"gradients of step {step} differ"
+
+
+def hooks_of(model: nn.Module) -> list:
+    """Every hook and instance-level forward of the model and its modules."""
+    return [(name, dict(m._forward_pre_hooks), dict(m._forward_hooks), set(m._forward_hooks_always_called),
+             m.__dict__.get("forward")) for name, m in model.named_modules()]
+
+
+@pytest.mark.parametrize("make, where, cls, n", [
+    (tiny_llama, "model.layers", "LlamaDecoderLayer", 3),
+    (gpt, "blocks", "GPTBlock", 3),
+    (lambda: nn.Sequential(*(GPTBlock(16, 2, 0.0) for _ in range(4))), "", "GPTBlock", 4),
+    (Titan, "layers", "Experts", 3),
+])
+def test_enable_finds_the_models_repeated_blocks(make, where, cls, n):
+    model = make()
+    found_where, blocks = find_blocks(model)
+    assert (found_where, type(blocks[0]).__name__, len(blocks)) == (where, cls, n)
+    assert all(b is m for b, m in zip(blocks, model.get_submodule(where).children()))
+    handle = storm.enable(model, budget=0.5, mode="embedded", min_bytes=0)
+    assert handle.blocks == blocks and handle.planner.blocks == blocks
+    handle.disable()
+
+
+def test_a_model_without_repeated_blocks_is_refused_with_what_was_looked_for():
+    with pytest.raises(ValueError, match=r"found no repeated blocks in NoBlocks: it looks for an nn.ModuleList.*"
+                                         r"pass blocks="):
+        storm.enable(NoBlocks(), budget=0.5)
+    handle = storm.enable(NoBlocks(), blocks=[NoBlocks().a], budget=0.5)  # blocks= overrides the search
+    assert len(handle.blocks) == 1
+    handle.disable()
+    with pytest.raises(TypeError, match="blocks= is for a plan"):
+        storm.enable(gpt(), blocks=gpt().blocks)
+
+
+def test_offload_on_every_forward_trains_bit_identical_and_disable_restores_the_model():
+    model, ref = gpt(), gpt()
+    before = hooks_of(model)
+    want = train_gpt(ref, 3)
+    handle = storm.enable(model, mode="embedded", min_bytes=0)
+    assert hooks_of(model) != before
+    assert_same(want, train_gpt(model, 3, handle))
+    handle.disable()
+    handle.disable()  # a second disable does nothing
+    assert hooks_of(model) == before
+    last = handle.last
+    train_gpt(model, 1)
+    assert handle.last is last  # no hook is left to begin a step
+
+
+def test_a_plan_settles_and_every_step_stays_bit_identical():
+    model, ref = gpt(), gpt()
+    before = hooks_of(model)
+    handle = storm.enable(model, budget=0.5, mode="embedded", min_bytes=0, clock=StillClock())
+    assert_same(train_gpt(ref, SETTLE_STEPS), train_gpt(model, SETTLE_STEPS, handle))
+    assert handle.planner.settled, handle.explain()
+    assert "storm.plan on 3 blocks at blocks (GPTBlock)" in handle.explain()
+    handle.disable()
+    assert hooks_of(model) == before  # the planner's hooks and recomputed blocks' forwards too
+
+
+@pytest.mark.parametrize("plan", [False, True])
+def test_forwards_without_grad_get_no_context_and_are_no_plan_step(plan):
+    model = gpt()
+    handle = storm.enable(model, mode="embedded", min_bytes=0, **({"budget": 0.5} if plan else {}))
+    idx = torch.randint(0, 64, (2, 32))
+    with torch.no_grad():
+        model(idx)
+    with torch.inference_mode():
+        model(idx)
+    model.eval()
+    with torch.no_grad():
+        model(idx)
+    assert handle.last is None
+    if plan:
+        assert handle.planner.explain() == "storm.plan: trace offload step next; no plan yet"
+    model.train()
+    model(idx).sum().backward()
+    assert handle.last is not None and handle.last.stats.offloaded > 0
+    handle.disable()
+
+
+def test_enabling_a_model_twice_or_a_part_of_it_is_refused_until_disabled():
+    model = gpt()
+    handle = storm.enable(model, mode="embedded")
+    with pytest.raises(RuntimeError, match="already on for GPT: call disable"):
+        storm.enable(model)
+    with pytest.raises(RuntimeError, match="already on for GPT, which holds this GPTBlock"):
+        storm.enable(model.blocks[0])
+    handle.disable()
+    inner = storm.enable(model.blocks[1], mode="embedded")
+    with pytest.raises(RuntimeError, match="already on for GPTBlock, a module of this GPT"):
+        storm.enable(model)
+    inner.disable()
+    storm.enable(model, mode="embedded").disable()
+
+
+def test_a_forward_that_raises_ends_its_step():
+    model = gpt()
+    handle = storm.enable(model, mode="embedded", min_bytes=0)
+    with pytest.raises(IndexError):
+        model(torch.full((2, 32), 1000))  # out of the embedding's range
+    handle.disable()  # refused if the failed forward had left its step open
+
+
+def test_a_model_with_a_submodule_called_module_is_no_wrapper():
+    model = Holder()
+    handle = storm.enable(model, budget=0.5, mode="embedded", min_bytes=0)
+    assert handle.model is model and handle.blocks == list(model.module.blocks)
+    handle.disable()
+
+
+def test_a_ddp_wrapped_model_is_unwrapped_and_trains_bit_identical(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        want = train_gpt(DistributedDataParallel(gpt()), 2)
+        ddp = DistributedDataParallel(gpt())
+        handle = storm.enable(ddp, budget=0.5, mode="embedded", min_bytes=0)
+        assert handle.model is ddp.module and handle.blocks == list(ddp.module.blocks)
+        assert_same(want, train_gpt(ddp, 2, handle))
+        handle.disable()
+    finally:
+        dist.destroy_process_group()
+
+
+class Recursive(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        return self(h, depth - 1) if depth else h
+
+
+def test_a_forward_called_inside_the_models_own_forward_belongs_to_the_open_step():
+    x = torch.randn(4, 16)
+    with storm.offload(mode="embedded", min_bytes=0) as whole:
+        Recursive()(x, depth=2).sum()
+    model = Recursive()
+    handle = storm.enable(model, mode="embedded", min_bytes=0)
+    model(x, depth=2).sum().backward()
+    assert handle.last.stats.offloaded == whole.stats.offloaded > 0  # one scope: the outermost call's
+    handle.disable()
+
+
+def test_import_storm_needs_no_framework():
+    """storm and storm.integrations import no training framework: each integration's module does."""
+    code = ("import sys, storm, storm.integrations; "
+            "print(sorted({'transformers', 'lightning', 'accelerate'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,97 @@
+"""Hugging Face Trainer with StormCallback: a tiny Llama trained through the embedded store,
+losses and parameters bit-identical to the same run without STORM, with offload and with a plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the Trainer test needs transformers installed")
+
+from integrations_clock import SETTLE_STEPS, StillClock  # noqa: E402
+from storm.examples.models import same_bits  # noqa: E402
+from storm.integrations.transformers import StormCallback  # noqa: E402
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(2)
+        self.ids = torch.randint(0, 128, (n, 16), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    transformers.set_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=4)
+    return transformers.LlamaForCausalLM(config)
+
+
+def train(tmp_path, steps: int, storm_callback: StormCallback | None,
+          model: transformers.LlamaForCausalLM | None = None) -> tuple[transformers.LlamaForCausalLM, list]:
+    model = model if model is not None else tiny_llama()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / ("storm" if storm_callback else "plain")), max_steps=steps,
+        per_device_train_batch_size=2, learning_rate=1e-3, logging_strategy="no", save_strategy="no", report_to=[],
+        use_cpu=True, disable_tqdm=True, seed=0, data_seed=0, dataloader_num_workers=0)
+    losses = []  # each step's loss as the model computed it (the Trainer logs rounded ones)
+    hook = model.register_forward_hook(lambda m, args, out: losses.append(out.loss.detach().clone()))
+    callbacks = [storm_callback] if storm_callback else []
+    try:
+        transformers.Trainer(model=model, args=args, train_dataset=Tokens(2 * steps), callbacks=callbacks).train()
+    finally:
+        hook.remove()
+    return model, losses
+
+
+def assert_same(want, got) -> None:
+    (ref, ref_losses), (model, losses) = want, got
+    assert len(losses) == len(ref_losses) > 0
+    assert all(same_bits(a, b) for a, b in zip(ref_losses, losses)), (ref_losses, losses)
+    differ = [n for (n, a), b in zip(model.named_parameters(), ref.parameters()) if not same_bits(a, b)]
+    assert not differ, f"parameters differ after training: {differ}"
+
+
+def test_trainer_with_the_callback_trains_bit_identical_through_the_embedded_store(tmp_path):
+    callback = StormCallback(mode="embedded", min_bytes=0)
+    seen = []
+    callback.on_step_end = lambda *a, **k: seen.append(callback.handle.last.stats.offloaded)
+    got = train(tmp_path, 3, callback)
+    assert seen and all(n > 0 for n in seen)  # every step offloaded
+    assert callback.handle is None  # disabled at train end
+    model = got[0]
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert_same(train(tmp_path, 3, None), got)
+
+
+def test_trainer_with_a_plan_settles_bit_identical(tmp_path):
+    callback = StormCallback(budget=0.5, mode="embedded", min_bytes=0, clock=StillClock())
+    settled = []
+    callback.on_step_end = lambda *a, **k: settled.append(callback.handle.planner.settled)
+    got = train(tmp_path, SETTLE_STEPS, callback)
+    assert settled[-1], settled
+    assert_same(train(tmp_path, SETTLE_STEPS, None), got)
+
+
+def test_a_train_that_raised_does_not_keep_the_next_from_enabling(tmp_path):
+    """transformers calls no callback when train() raises: the next train begin disables what it left."""
+    callback = StormCallback(mode="embedded", min_bytes=0)
+    model = tiny_llama()
+    calls = []
+
+    def fail_second(m, args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ZeroDivisionError("a failing step")
+
+    hook = model.register_forward_pre_hook(fail_second)
+    with pytest.raises(ZeroDivisionError):
+        train(tmp_path, 3, callback, model)
+    hook.remove()
+    train(tmp_path, 2, callback, model)
+    assert callback.handle is None and not model._forward_hooks and not model._forward_pre_hooks
