@@ -15,7 +15,7 @@ How the store calls it::
 the source design), ``ancf_exp`` (b: dictionary on the exponent field),
 ``huff_exp`` (c: Huffman-coded exponent field), ``zero`` (d: bitmap +
 non-zeros), ``pack`` (e: 1/2-bit packing of tensors with <= 4 distinct values),
-``zstd`` (zstandard level 1 on byte planes; host tensors only).
+``zstd`` (zstandard level 1 on byte planes, run on the host: a codec for host tensors).
 Every codec is bit-exact for every bit pattern; ``auto`` never returns a payload
 larger than the input and stores raw when no codec saves 5 %; on the host it weighs
 zstd too and is never larger than zstd on a tensor of at least 4 KiB;
