@@ -4,8 +4,9 @@
     python bench/trainer.py --device cpu --tiny --out /tmp/trainer.json     # smoke run
 
 A LlamaForCausalLM built from a config (random weights, no hub access) trains --steps steps
-on random tokens three times from the same seed: without STORM twice (the second says whether
-this device's training is deterministic at all, without which no comparison means anything),
+on random tokens three times from the same seed, with the Trainer's ``full_determinism`` (its
+deterministic kernels): without STORM twice (the second says whether this device's training is
+deterministic at all, without which no comparison means anything),
 and with ``callbacks=[StormCallback(...)]`` (storm.integrations.transformers) through a stormd
 started for the run (``--mode daemon``) or the embedded store. Per run: the loss of every step,
 the step time (median), the peak memory above the start (CUDA: torch.cuda.max_memory_allocated),
@@ -39,7 +40,7 @@ def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     else:  # issue 40's Llama, fewer layers: 2048 wide, MLP 5632, 16 heads / 4 KV heads
         cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=args.layers,
                           num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=args.seq)
-    cfg._attn_implementation = "sdpa" if device.type == "cuda" else "eager"
+    cfg._attn_implementation = args.attn if device.type == "cuda" else "eager"
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return LlamaForCausalLM(cfg).to(device, dtype)
@@ -101,7 +102,7 @@ def train(args: argparse.Namespace, device: torch.device, storm_options: dict | 
         targs = TrainingArguments(output_dir=out, per_device_train_batch_size=args.batch, max_steps=args.steps,
                                   logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-4,
                                   use_cpu=device.type == "cpu", seed=0, data_seed=0, dataloader_num_workers=0,
-                                  disable_tqdm=True)
+                                  disable_tqdm=True, full_determinism=args.deterministic)
         trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=callbacks)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -131,6 +132,10 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--mode", default="daemon", choices=["daemon", "embedded"])
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention on CUDA (CPU: eager)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="TrainingArguments(full_determinism=...): deterministic kernels, without which two runs "
+                        "of the same training differ and no comparison is bit for bit (default on)")
     p.add_argument("--budget", default=None, help="StormCallback(budget=...) (a plan); default: offload everything")
     p.add_argument("--pool-size", default="32GiB", help="the stormd's (or embedded store's) pool")
     p.add_argument("--out", required=True)
