@@ -29,7 +29,8 @@ class EmbeddedStore:
 
     def __init__(self, pool_size: int | None, **host: Any):
         """``pool_size``: the pool's fixed size; None: it grows on demand up to a cap from free host
-        memory. ``host``: embedded_service's stand-ins for the host (room=, extend=; tests)."""
+        memory. ``host``: embedded_service's stand-ins for the host and the growth (room=, extend=,
+        initial=, min_step=; tests)."""
         self.service = embedded_service(pool_size, **host)
         self.pool: SharedPool = self.service.pool
         self.pool_text = pool_text(self.service)  # its size, or how it grows and up to what cap
