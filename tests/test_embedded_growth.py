@@ -175,3 +175,29 @@ def test_storm_offload_without_a_pool_size_grows_past_the_first_pool(caplog):
     assert any("grows on demand up to" in line for line in said), said
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         assert same_bits(a.grad, b.grad), name
+
+
+@pytest.mark.gpu
+def test_on_cuda_each_growth_of_the_page_locked_pool_is_page_locked_and_unlocked_at_close():
+    """The first CUDA copy page-locks the pool; each growth after it page-locks what it adds
+    (stormd.wire.cuda.grow_pool), so every extent is DMA-able; close unlocks every range, so a new
+    pool mapped at the same address can be locked again."""
+    model, x = elementwise_chain(MiB // 4)
+    model, x = model.cuda(), x.cuda()
+    ref = copy.deepcopy(model)
+    ref(x).square().sum().backward()
+    for _ in range(2):  # the second store's page-lock fails if the first left a range locked
+        session = ClientSession(store(cap=64 * MiB))
+        pool = session.backend.pool
+        try:
+            model.zero_grad(set_to_none=True)
+            stats = run_step(session, model, x)
+            assert set(stats.kept) == {Keep.PARAMETER} and stats.offloaded > 0, stats
+            assert pool.cuda_registered and len(pool.cuda_ranges) > 1, pool.cuda_ranges
+            assert sum(n for _, n in pool.cuda_ranges) == pool.size
+        finally:
+            session.close()
+            session.backend.close()
+        assert pool.cuda_ranges == []
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert same_bits(a.grad, b.grad), name
