@@ -1,11 +1,11 @@
 """Extent allocator for the host pool: best fit, O(log n) alloc and free, coalescing.
 
 The pool is one contiguous segment; the allocator only does arithmetic on
-offsets and never touches the memory. It can grow at its end (the embedded
-store's pool grows on demand, stormd/growth.py), never move. Free extents are indexed twice: by
-(size, offset) to find the best fit, and by offset to merge neighbours.
-``Allocator`` is what the store and the step placement need of one, so a test
-can hand the store an allocator of its own.
+offsets and never touches the memory. It may grow at its end (the embedded
+store's pool grows on demand, growth.py); extents never move. Free extents
+are indexed twice: by (size, offset) to find the best fit, and by offset to
+merge neighbours. ``Allocator`` is what the store and the step placement need
+of one, so a test can hand the store an allocator of its own.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ Budgets: a node-wide pool, and per client (by the name it gives in HELLO) a
 quota on the bytes it holds and a priority that orders what is spilled first
 (store_options.py).
 
-The allocator, the eviction policy, each session's placement, the pool's growth and the spill
-disk (``StoreOptions.spill_io``) are parameters, so a test can stand in its
-own for any of them.
+The allocator, the eviction policy, each session's placement, the pool's
+growth and the spill disk (``StoreOptions.spill_io``) are parameters, so a
+test can stand in its own for any of them.
 """
 
 from __future__ import annotations
