@@ -69,8 +69,8 @@ def open_backend(mode: str, socket: str | None = None, pool_size: str | int | No
         b = _backends.get(("embedded", size))
         if b is None:
             from .embedded import EmbeddedStore
-            b = _backends[("embedded", size)] = EmbeddedStore(size)
-        _announce(f"storm: using the embedded store ({b.pool.size} byte pool): {why}", level)
+            b = _backends[("embedded", size)] = EmbeddedStore(size)  # a pool that grows when size is None
+        _announce(f"storm: using the embedded store ({b.pool_text}): {why}", level)
         return b
 
 

@@ -4,7 +4,8 @@ It is what ``mode='auto'`` falls back to when no daemon answers, so a new user
 gets offload with nothing to start. Requests run through the daemon's store
 code, minus ZeroMQ and minus the schema check that guards the daemon from
 other processes (these come from this library, in this process); they
-complete at once.
+complete at once. Without a pool_size its pool grows on demand
+(stormd/growth.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import socket
 import threading
 from typing import Any
 
-from stormd.embedded import embedded_service
+from stormd.embedded import embedded_service, pool_text
 from stormd.wire.cuda import unregister_pool
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import PROTOCOL_VERSION, Request
@@ -26,9 +27,13 @@ from .replies import Resolved
 class EmbeddedStore:
     alive = True  # nothing to lose: it lives and dies with this process
 
-    def __init__(self, pool_size: int):
-        self.pool = SharedPool.anonymous(pool_size)
-        self.service = embedded_service(self.pool)
+    def __init__(self, pool_size: int | None, **host: Any):
+        """``pool_size``: the pool's fixed size; None: it grows on demand up to a cap from free host
+        memory. ``host``: embedded_service's stand-ins for the host and the growth (room=, extend=,
+        initial=, min_step=; tests)."""
+        self.service = embedded_service(pool_size, **host)
+        self.pool: SharedPool = self.service.pool
+        self.pool_text = pool_text(self.service)  # its size, or how it grows and up to what cap
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # the mover thread and the training thread both call in
         hello = self.request("HELLO", version=PROTOCOL_VERSION, pid=os.getpid(), host=socket.gethostname()).result()

@@ -14,7 +14,6 @@ from stormd.wire.sizes import format_size, parse_size
 
 MODES = ("auto", "daemon", "embedded")
 POOL_SIZE_ENV = "STORM_POOL_SIZE"
-DEFAULT_EMBEDDED_POOL = 2 << 30
 
 
 def mode_option(mode: object) -> str:
@@ -36,10 +35,11 @@ def bytes_option(name: str, value: object, minimum: int = 0) -> int:
     return n
 
 
-def pool_size_option(pool_size: object) -> int:
-    """The embedded store's pool: ``pool_size``, else $STORM_POOL_SIZE, else 2 GiB."""
+def pool_size_option(pool_size: object) -> int | None:
+    """The embedded store's fixed pool: ``pool_size``, else $STORM_POOL_SIZE, else None (a pool
+    that grows on demand)."""
     if pool_size is not None:
         return bytes_option("pool_size", pool_size, MIN_POOL_SIZE)
     if os.environ.get(POOL_SIZE_ENV):
         return bytes_option(POOL_SIZE_ENV, os.environ[POOL_SIZE_ENV], MIN_POOL_SIZE)
-    return DEFAULT_EMBEDDED_POOL
+    return None

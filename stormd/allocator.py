@@ -1,10 +1,11 @@
 """Extent allocator for the host pool: best fit, O(log n) alloc and free, coalescing.
 
 The pool is one contiguous segment; the allocator only does arithmetic on
-offsets and never touches the memory. Free extents are indexed twice: by
-(size, offset) to find the best fit, and by offset to merge neighbours.
-``Allocator`` is what the store and the step placement need of one, so a test
-can hand the store an allocator of its own.
+offsets and never touches the memory. It may grow at its end (the embedded
+store's pool grows on demand, growth.py); extents never move. Free extents
+are indexed twice: by (size, offset) to find the best fit, and by offset to
+merge neighbours. ``Allocator`` is what the store and the step placement need
+of one, so a test can hand the store an allocator of its own.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class Allocator(Protocol):
 
     def size_of(self, offset: int) -> int:
         """The size of the live extent at ``offset``."""
+
+    def grow(self, capacity: int) -> None:
+        """Add [old capacity, ``capacity``) as free space; extents already handed out stay where they are."""
 
     def stats(self) -> AllocatorStats: ...
 
@@ -106,6 +110,23 @@ class ExtentAllocator:
 
     def size_of(self, offset: int) -> int:
         return self._used[offset]
+
+    def grow(self, capacity: int) -> None:
+        """Add [old capacity, ``capacity``) as free space, merged with a free extent that ends at the old
+        capacity; extents already handed out keep their offsets."""
+        capacity -= capacity % self.alignment
+        if capacity < self.capacity:
+            raise ValueError(f"an allocator only grows: {capacity} is below its capacity {self.capacity}")
+        if capacity == self.capacity:
+            return
+        start = self.capacity
+        if self._by_offset:
+            last_off, last_size = self._by_offset.peekitem(-1)
+            if last_off + last_size == start:
+                self._remove_free(last_off, last_size)
+                start = last_off
+        self._insert_free(start, capacity - start)
+        self.capacity = capacity
 
     def _insert_free(self, offset: int, size: int) -> None:
         self._by_offset[offset] = size

@@ -10,13 +10,45 @@ daemon's internals stay free to change behind this function
 
 from __future__ import annotations
 
+from typing import Callable
+
+from .growth import GROWTH_ALIGNMENT, MIN_GROWTH, PoolGrowth
+from .limits import host_room
 from .service import Service
 from .store_options import StoreOptions
+from .wire.cuda import grow_pool
 from .wire.pool import SharedPool
+from .wire.sizes import format_size
+
+INITIAL_POOL = 256 << 20  # a growing pool's start: enough for small models without a growth
 
 
-def embedded_service(pool: SharedPool) -> Service:
-    """A Service over ``pool`` for one process's own requests: no session logging (the process is
-    its only client), and no spill to disk (the embedded store's pool is its whole budget)."""
-    return Service(pool, log_sessions=False,
-                   store_options=StoreOptions(spill_off="the embedded store does not spill to disk"))
+def embedded_service(pool_size: int | None, room: Callable[[], tuple[int, str]] = host_room,
+                     extend: Callable[[SharedPool, int], None] = grow_pool, initial: int = INITIAL_POOL,
+                     min_step: int = MIN_GROWTH) -> Service:
+    """A Service over a new pool for one process's own requests: no session logging (the process is
+    its only client), and no spill to disk (the embedded store's pool is its whole budget).
+
+    ``pool_size``: the pool's fixed size. None: the pool grows on demand up to a cap, ``room()``'s
+    bytes and where they come from (free host memory and the memory cgroup, read once; pool_text
+    says it for the log), from ``initial`` bytes by at least ``min_step``; ``extend`` grows it (the
+    last four parameters let a test stand in a host and a pool of its own)."""
+    options = StoreOptions(spill_off="the embedded store does not spill to disk")
+    if pool_size is not None:
+        return Service(SharedPool.anonymous(pool_size), log_sessions=False, store_options=options)
+    cap, source = room()
+    cap = max(cap - cap % GROWTH_ALIGNMENT, GROWTH_ALIGNMENT)
+    start = min(max(initial - initial % GROWTH_ALIGNMENT, GROWTH_ALIGNMENT), cap)  # whole pages, as growths add
+    pool = SharedPool.anonymous(start, reserve=cap)
+    return Service(pool, log_sessions=False, store_options=options,
+                   growth=PoolGrowth(pool, cap, source, extend, min_step))
+
+
+def pool_text(service: Service) -> str:
+    """The pool of an embedded_service in words, for the log line that announces the embedded store:
+    its size, or, when it grows, its start, its cap and where the cap comes from."""
+    growth = service.store.growth
+    if growth is None:
+        return f"{format_size(service.pool.size)} pool"
+    return (f"pool of {format_size(service.pool.size)} that grows on demand up to {format_size(growth.cap)}: "
+            f"{growth.source}; pool_size= fixes its size")

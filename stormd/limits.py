@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import resource
 from pathlib import Path
+from typing import Callable
 
 from .config import DaemonConfig
 from .wire.pool import remove_stale_segments
@@ -67,6 +68,33 @@ def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgr
     return None
 
 
+def host_room(read_meminfo: Callable[[], dict[str, int]] = meminfo,
+              read_cgroup: Callable[[], int | None] = cgroup_room) -> tuple[int, str]:
+    """The most a pool may take of this host now, and where that bound comes from: free RAM
+    (MemAvailable) less the headroom everything else needs, or, when lower, what this process's
+    memory cgroup may still charge less the same minimum headroom _check_ram keeps. The readers are
+    parameters so that a test can stand in a host of its own."""
+    info = read_meminfo()
+    total, available = info.get("MemTotal", 0), info.get("MemAvailable", info.get("MemFree", 0))
+    cap = max(available - _headroom(total), 0)
+    source = f"MemAvailable {_mib(available)} less {_mib(_headroom(total))} headroom"
+    room = read_cgroup()
+    if room is not None and room - MIN_HEADROOM_BYTES < cap:
+        cap = max(room - MIN_HEADROOM_BYTES, 0)
+        source = f"the memory cgroup's {_mib(max(room, 0))} left under its limit, less " \
+                 f"{_mib(MIN_HEADROOM_BYTES)} headroom"
+    return cap, source
+
+
+def _mib(n: int) -> str:
+    return f"{n >> 20}MiB"
+
+
+def _headroom(total: int) -> int:
+    """RAM a pool leaves to everything else on a host of ``total`` bytes."""
+    return max(MIN_HEADROOM_BYTES, int(MIN_HEADROOM_FRACTION * total))
+
+
 def filesystem_type(path: str, mounts: str = "/proc/mounts") -> str:
     """The type of the file system holding ``path`` (the longest mount point that contains it)."""
     real = os.path.realpath(path)
@@ -106,7 +134,7 @@ def _check_shm(directory: str, size: int) -> None:
 def _check_ram(size: int) -> None:
     info = meminfo()
     total, available = info.get("MemTotal", 0), info.get("MemAvailable", info.get("MemFree", 0))
-    headroom = max(MIN_HEADROOM_BYTES, int(MIN_HEADROOM_FRACTION * total))
+    headroom = _headroom(total)
     if size + headroom > available:
         raise LimitError(
             f"pool of {format_size(size)} does not fit in free RAM: MemAvailable is {format_size(available)} and "

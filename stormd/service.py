@@ -15,6 +15,7 @@ from .allocator import ExtentAllocator
 from .copier import CudaCopier
 from .sessions import Session, SessionLimits, SessionTable
 from .entries import Entry
+from .growth import PoolGrowth
 from .store import Store
 from .store_options import StoreOptions
 from .wire.pool import SharedPool
@@ -47,7 +48,7 @@ class ErrorSink(Protocol):
 class Service:
     def __init__(self, pool: SharedPool, error_log: ErrorSink | None = None, store_options: StoreOptions | None = None,
                  log_sessions: bool = True, codec: str = "raw", cuda: CudaCopier | None = None,
-                 session_limits: SessionLimits = SessionLimits()):
+                 session_limits: SessionLimits = SessionLimits(), growth: PoolGrowth | None = None):
         self.pool = pool
         self.codec = codec  # told to clients at HELLO: how to encode CPU tensors
         self.cuda = cuda    # copies CUDA tensors through IPC (stormd/copier.py); None: clients copy them
@@ -63,7 +64,7 @@ class Service:
         # The daemon logs each connect and disconnect; the embedded store's only session is
         # its own process, so a line about it would only be noise in the training log.
         self.log_sessions = log_sessions
-        self.store = Store(ExtentAllocator(pool.size), pool, store_options)
+        self.store = Store(ExtentAllocator(pool.size), pool, store_options, growth=growth)
         self.sessions = SessionTable(session_limits)
         self.draining = False
         self.errors: dict[str, int] = {}

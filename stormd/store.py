@@ -5,7 +5,8 @@ session can neither see nor free another's tensors. Clients copy into the
 extent PUT reserved and SEAL it with a checksum; GET hands the extent back
 only once sealed. Where the bytes sit is the store's business between SEAL and
 GET: extents come from the session's step placement (placement.py) or the
-general allocator (allocator.py, extents.py), and when the pool is full the
+general allocator (allocator.py, extents.py), which may grow first where the
+pool grows (growth.py: the embedded store's), and when the pool is full the
 spiller (spiller.py) moves sealed, not yet fetched extents, in the order the
 eviction policy (eviction.py) gives, to the spill file and back. A GET reply
 therefore carries the offset the bytes have now, which may differ from PUT's.
@@ -13,9 +14,9 @@ Budgets: a node-wide pool, and per client (by the name it gives in HELLO) a
 quota on the bytes it holds and a priority that orders what is spilled first
 (store_options.py).
 
-The allocator, the eviction policy, each session's placement and the spill
-disk (``StoreOptions.spill_io``) are parameters, so a test can stand in its
-own for any of them.
+The allocator, the eviction policy, each session's placement, the pool's
+growth and the spill disk (``StoreOptions.spill_io``) are parameters, so a
+test can stand in its own for any of them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .counters import NodeCounters
 from .entries import Entry, SessionEntries, Where
 from .eviction import EvictionPolicy, SpillOrder
 from .extents import PoolExtents
+from .growth import GrowthRefused, PoolGrowth
 from .ledger import ExtentConflict, ExtentLedger
 from .placement import StepPlacement
 from .spill import SpillFile
@@ -39,15 +41,16 @@ from .wire.protocol import ErrorCode, ProtocolError
 class Store:
     def __init__(self, allocator: Allocator, pool: SharedPool | None = None,
                  options: StoreOptions | None = None, *, eviction: EvictionPolicy | None = None,
-                 placement: Callable[[Allocator], StepPlacement] = StepPlacement):
+                 placement: Callable[[Allocator], StepPlacement] = StepPlacement, growth: PoolGrowth | None = None):
         self.allocator = allocator
         self.pool = pool
+        self.growth = growth  # the embedded store's: the pool grows when a PUT does not fit; None: fixed
         self.options = options or StoreOptions()
         self.eviction = eviction or SpillOrder()
         self.node = NodeCounters()
         self._placement = placement
         self._sessions: dict[int, SessionEntries] = {}
-        self.extents = PoolExtents(allocator, ExtentLedger(allocator.capacity) if self.options.check_extents else None)
+        self.extents = PoolExtents(allocator, ExtentLedger(self._ceiling()) if self.options.check_extents else None)
         spill = SpillFile(self.options.spill_dir, self.options.spill_limit, self.options.spill_io) \
             if self.options.spill_dir and pool is not None else None
         self.spiller = Spiller(spill, pool, self.extents, self.eviction, self._sessions, self.node)
@@ -68,9 +71,9 @@ class Store:
         s = self._of(session)
         if f["key"] in s.entries:
             raise ProtocolError(ErrorCode.DUPLICATE_KEY, f"key {f['key']} is already stored in this session")
-        if f["nbytes"] > self.allocator.capacity:
+        if f["nbytes"] > self._ceiling():
             raise ProtocolError(ErrorCode.TOO_LARGE,
-                                f"{f['nbytes']} bytes is more than the whole pool ({self.allocator.capacity} bytes)")
+                                f"{f['nbytes']} bytes is more than the whole pool ({self._ceiling()} bytes)")
         c = s.counters
         quota = s.limits.quota
         if quota and c.held_bytes + f["nbytes"] > quota:
@@ -105,14 +108,25 @@ class Store:
         offset = self.allocator.alloc(nbytes)
         while offset is None and self.spiller.spill_one(wait=True):
             offset = self.allocator.alloc(nbytes)
+        refused = None
+        while offset is None and self.growth is not None and refused is None:
+            try:
+                self.allocator.grow(self.growth.grow(self.allocator.aligned(nbytes)))
+                offset = self.allocator.alloc(nbytes)
+            except GrowthRefused as e:
+                refused = str(e)
         if offset is None:
             s.counters.pool_full += 1
             st = self.allocator.stats()
-            why = self.spiller.why_full(nbytes) or self.options.spill_off
+            why = refused or self.spiller.why_full(nbytes) or self.options.spill_off
             raise ProtocolError(ErrorCode.POOL_FULL,
                                 f"no free extent of {nbytes} bytes ({st.capacity - st.used} bytes free, "
                                 f"largest extent {st.largest_free}); {why}")
         return offset
+
+    def _ceiling(self) -> int:
+        """The most bytes the pool may hold: its cap when it grows."""
+        return self.growth.cap if self.growth is not None else self.allocator.capacity
 
     def find(self, session: int, key: int) -> Entry | None:
         """The session's entry of ``key``, or None."""

@@ -72,3 +72,17 @@ def test_errors():
         ExtentAllocator(4096, alignment=100)
     with pytest.raises(ValueError):
         ExtentAllocator(10, alignment=256)
+
+
+def test_grow_adds_free_space_at_the_end_merged_with_a_free_tail_and_moves_nothing():
+    a = ExtentAllocator(4096, alignment=256)
+    kept = a.alloc(1024)
+    tail = a.alloc(3072)
+    a.free(tail)  # a free extent ends at the old capacity
+    a.grow(8192)
+    a.check()
+    assert a.capacity == 8192 and a.size_of(kept) == 1024
+    assert a.alloc(7168) == 1024  # the free tail and the new bytes are one extent
+    a.check()
+    with pytest.raises(ValueError, match="only grows"):
+        a.grow(4096)

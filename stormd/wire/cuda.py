@@ -79,21 +79,40 @@ def register_pool(pool: SharedPool) -> None:
     """Page-lock the pool once per process (cudaHostRegister, portable: usable from every device's
     context), so copies to and from it are DMA at link speed. It pins every page, about a second per
     GiB, so it runs once: at the daemon's start, or with a client's first CUDA copy of its own."""
-    rt, _ = bindings()
     with _register_lock:
         if pool.cuda_registered:
             return
-        err = rt.cudaHostRegister(pool.address(0, pool.size), pool.size, rt.cudaHostRegisterPortable)[0]
-        if int(err) != 0:
-            raise CudaError(f"cudaHostRegister of the {pool.size}-byte pool failed with CUDA error {int(err)}; "
-                            f"check RLIMIT_MEMLOCK (ulimit -l) and free memory")
+        _register(pool, 0, pool.size)
         pool.cuda_registered = True
 
 
-def unregister_pool(pool: SharedPool) -> None:
-    """Undo register_pool; must run before the pool is unmapped, or a later mapping at the same
-    address cannot be registered (CUDA error 712)."""
+def grow_pool(pool: SharedPool, size: int) -> None:
+    """Grow the pool in place to ``size`` bytes (SharedPool.grow), page-locking what it adds first
+    when the pool is page-locked, so that every byte an extent may use is locked alike. Raises
+    CudaError, leaving the pool as it was, when the lock fails."""
     with _register_lock:
-        if pool.cuda_registered:
-            bindings()[0].cudaHostUnregister(pool.address(0, pool.size))
-            pool.cuda_registered = False
+        if pool.cuda_registered and size > pool.size:
+            _register(pool, pool.size, size - pool.size)
+        pool.grow(size)
+
+
+def _register(pool: SharedPool, offset: int, nbytes: int) -> None:
+    rt, _ = bindings()
+    base = pool.address(0, 0)  # the start of the mapping, which reaches past pool.size when it may grow
+    err = rt.cudaHostRegister(base + offset, nbytes, rt.cudaHostRegisterPortable)[0]
+    if int(err) != 0:
+        raise CudaError(f"cudaHostRegister of {nbytes} bytes of the pool failed with CUDA error {int(err)}; "
+                        f"check RLIMIT_MEMLOCK (ulimit -l) and free memory")
+    pool.cuda_ranges.append((offset, nbytes))
+
+
+def unregister_pool(pool: SharedPool) -> None:
+    """Undo register_pool (and what grow_pool locked); must run before the pool is unmapped, or a
+    later mapping at the same address cannot be registered (CUDA error 712)."""
+    with _register_lock:
+        if pool.cuda_ranges:
+            base = pool.address(0, 0)
+            for offset, _ in pool.cuda_ranges:
+                bindings()[0].cudaHostUnregister(base + offset)
+        pool.cuda_ranges.clear()
+        pool.cuda_registered = False

@@ -4,7 +4,9 @@ The daemon creates a file in a tmpfs (``/dev/shm`` by default), reserves its
 pages up front with ``posix_fallocate`` (so a full tmpfs is a clear start-up
 error, not a SIGBUS in the middle of a step) and maps it. Clients map the same
 file from the path in the HELLO reply and copy tensors in and out of it.
-The embedded store uses an anonymous mapping of the same class.
+The embedded store uses an anonymous mapping of the same class, which may
+reserve more address space than it exposes and grow into it (``grow``): the
+mapping never moves, so offsets and addresses handed out stay valid.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import mmap
 import os
 import re
 import secrets
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,6 +24,9 @@ import torch
 
 SEGMENT_PREFIX = "stormd-"
 MIN_POOL_SIZE = 4096  # the smallest pool stormd or the embedded store accepts
+# A growable pool maps its whole cap at once as address space only: no swap or commit charge is
+# set aside for pages not yet written. Python's mmap module names the flag from 3.12 on; Linux's value.
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
 class PoolError(RuntimeError):
@@ -39,11 +45,13 @@ class PoolDescriptor:
 class SharedPool:
     def __init__(self, mapping: mmap.mmap, size: int, path: str | None, owner: bool):
         self._mmap = mapping
-        self.size = size
+        self.size = size  # the bytes in use: extents lie below it; ``grow`` raises it up to ``reserved``
+        self.reserved = len(mapping)
         self.path = path
         self._owner = owner
         self.cuda_registered = False  # page-locked with cudaHostRegister (stormd.wire.cuda.register_pool)
-        self._bytes: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
+        self.cuda_ranges: list[tuple[int, int]] = []  # the (offset, bytes) of each cudaHostRegister call
+        self._bytes: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=self.reserved)
 
     @classmethod
     def create(cls, size: int, directory: str = "/dev/shm") -> "SharedPool":
@@ -69,11 +77,27 @@ class SharedPool:
         return cls(mapping, size, str(path), owner=True)
 
     @classmethod
-    def anonymous(cls, size: int) -> "SharedPool":
-        """A private pool for the embedded store; pages are only committed when written."""
+    def anonymous(cls, size: int, reserve: int | None = None) -> "SharedPool":
+        """A private pool for the embedded store; pages are only committed when written. ``reserve``:
+        the address space to map (no memory is set aside for it), so that ``grow`` can extend the pool
+        in place up to it."""
         if size <= 0:
             raise PoolError(f"pool size must be positive, got {size}")
-        return cls(mmap.mmap(-1, size), size, None, owner=False)
+        reserve = size if reserve is None else reserve
+        if reserve < size:
+            raise PoolError(f"cannot reserve {reserve} bytes for a pool of {size}")
+        flags = mmap.MAP_SHARED | _MAP_NORESERVE
+        try:
+            mapping = mmap.mmap(-1, reserve, flags=flags)
+        except OSError as e:
+            raise PoolError(f"cannot map {reserve} bytes of address space for the pool: {e.strerror}") from None
+        return cls(mapping, size, None, owner=False)
+
+    def grow(self, size: int) -> None:
+        """Extend the pool in place to ``size`` bytes, within the address space it reserved."""
+        if not self.size <= size <= self.reserved:
+            raise PoolError(f"cannot grow the pool of {self.size} bytes to {size}: it reserved {self.reserved}")
+        self.size = size
 
     @classmethod
     def attach(cls, path: str, size: int, check: Callable[[os.stat_result], None] | None = None) -> "SharedPool":

@@ -1,0 +1,203 @@
+"""The embedded store's pool without a pool_size: it grows on demand, in place, up to a cap from the
+host's free memory and memory cgroup; past the cap, or when a growth fails, POOL_FULL with the reason.
+
+The host (room=), the growth itself (extend=) and the pool's start (initial=, min_step=) are
+parameters of EmbeddedStore, so these tests run on a host and a pool of their own.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import storm
+from storm.embedded import EmbeddedStore
+from storm.examples.models import same_bits
+from storm.policy import Keep, Policy
+from storm.session import ClientSession
+from stormd.limits import host_room
+
+MiB = 1 << 20
+PUT = dict(step=1, dtype="uint8", shape=[1], strides=[1], storage_offset=0, codec="raw")
+
+
+def small_host(cap: int = 16 * MiB, source: str = "a test's cgroup"):
+    return lambda: (cap, source)
+
+
+def store(cap: int = 16 * MiB, **host) -> EmbeddedStore:
+    return EmbeddedStore(None, room=small_host(cap), initial=2 * MiB, min_step=2 * MiB, **host)
+
+
+def put(e: EmbeddedStore, key: int, nbytes: int) -> int:
+    return e.request("PUT", key=key, nbytes=nbytes, **PUT).result()["offset"]
+
+
+def test_tensors_stored_before_a_growth_keep_their_offsets_and_bytes():
+    e = store()
+    try:
+        assert e.pool.size == 2 * MiB
+        first = [put(e, k, MiB // 2) for k in (1, 2, 3)]
+        for k, off in zip((1, 2, 3), first):
+            e.pool.view(off, MiB // 2).fill_(k)
+            e.request("SEAL", key=k, checksum=None).result()
+        e.pool.view(put(e, 4, 3 * MiB), 3 * MiB).fill_(255)  # does not fit in 2 MiB: the pool grows
+        assert e.pool.size > 2 * MiB
+        assert e.request("STATS").result()["node"]["capacity"] == e.pool.size  # stats report the capacity now
+        for k, off in zip((1, 2, 3), first):
+            got = e.request("GET", key=k).result()
+            assert got["offset"] == off
+            assert torch.equal(e.pool.view(off, MiB // 2), torch.full((MiB // 2,), k, dtype=torch.uint8))
+    finally:
+        e.close()
+
+
+def test_the_cap_bounds_the_pool_and_is_named_in_the_log_line_and_in_pool_full():
+    e = store(cap=8 * MiB)
+    try:
+        assert "8MiB" in e.pool_text and "a test's cgroup" in e.pool_text
+        for k in range(1, 8):
+            put(e, k, MiB)
+        with pytest.raises(storm.StormRequestError, match="POOL_FULL.*cap of 8MiB.*a test's cgroup"):
+            put(e, 9, 2 * MiB)
+        assert e.pool.size == 8 * MiB
+    finally:
+        e.close()
+
+
+def test_a_growth_that_fails_is_pool_full_naming_why_and_leaves_the_pool_as_it_was():
+    def no_memory(pool, size):
+        raise OSError(12, "Cannot allocate memory")
+
+    e = store(extend=no_memory)
+    try:
+        put(e, 1, MiB)
+        with pytest.raises(storm.StormRequestError, match="POOL_FULL.*Cannot allocate memory"):
+            put(e, 2, 2 * MiB)
+        assert e.pool.size == 2 * MiB
+        put(e, 3, MiB // 2)  # what still fits is stored
+    finally:
+        e.close()
+
+
+def test_a_given_pool_size_stays_fixed():
+    e = EmbeddedStore(2 * MiB, room=small_host())
+    try:
+        put(e, 1, MiB)
+        with pytest.raises(storm.StormRequestError, match="POOL_FULL"):
+            put(e, 2, 2 * MiB)
+        assert e.pool.size == 2 * MiB
+    finally:
+        e.close()
+
+
+def test_the_cap_is_free_ram_less_headroom_or_the_cgroup_room_when_lower():
+    info = {"MemTotal": 64 << 30, "MemAvailable": 40 << 30}
+    cap, source = host_room(lambda: info, lambda: None)
+    assert cap < 40 << 30 and "MemAvailable" in source
+    cap, source = host_room(lambda: info, lambda: 4 << 30)
+    assert cap < 4 << 30 and "cgroup" in source
+
+
+def elementwise_chain(width: int) -> tuple[nn.Module, torch.Tensor]:
+    """Saves one float tensor of ``width`` elements per layer (cheap on CPU)."""
+    torch.manual_seed(0)
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(width) * 0.1 + 1)
+
+        def forward(self, x):
+            return torch.tanh(x * self.w)
+
+    return nn.Sequential(*[Scale() for _ in range(8)]), torch.randn(width)
+
+
+def run_step(session: ClientSession, model: nn.Module, x: torch.Tensor):
+    step, policy = session.new_step(), Policy(min_bytes=0)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: session.save(t, step, policy), session.load):
+        loss = model(x).square().sum()
+    session.end_step(step)
+    loss.backward()
+    session.synchronize()
+    return step.stats
+
+
+def test_a_step_larger_than_the_first_pool_stores_every_tensor_with_the_same_gradients():
+    model, x = elementwise_chain(MiB // 4)  # 1 MiB per saved tensor, 16 saved: far above the first 2 MiB
+    ref = copy.deepcopy(model)
+    ref(x).square().sum().backward()
+    session = ClientSession(store(cap=64 * MiB))
+    try:
+        stats = run_step(session, model, x)
+        assert set(stats.kept) == {Keep.PARAMETER} and stats.offloaded > 0, stats  # parameters stay by policy
+        assert session.backend.pool.size > 2 * MiB
+    finally:
+        session.close()
+        session.backend.close()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert same_bits(a.grad, b.grad), name
+
+
+def test_past_the_cap_tensors_stay_on_their_device_with_the_same_gradients():
+    model, x = elementwise_chain(MiB // 4)
+    ref = copy.deepcopy(model)
+    ref(x).square().sum().backward()
+    session = ClientSession(store(cap=4 * MiB))
+    try:
+        stats = run_step(session, model, x)
+        assert stats.kept.get(Keep.POOL_FULL, 0) > 0, stats
+        assert session.backend.pool.size == 4 * MiB
+    finally:
+        session.close()
+        session.backend.close()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert same_bits(a.grad, b.grad), name
+
+
+def test_storm_offload_without_a_pool_size_grows_past_the_first_pool(caplog):
+    """The default: no pool_size, no $STORM_POOL_SIZE. A step saving more than the pool's start
+    is stored whole, and the log line that announces the embedded store names the cap."""
+    from stormd.embedded import INITIAL_POOL
+    model, x = elementwise_chain(INITIAL_POOL // 4 // 4)  # 8 saves of a quarter of the start each
+    ref = copy.deepcopy(model)
+    ref(x).square().sum().backward()
+    with caplog.at_level(logging.INFO, logger="storm"):
+        with storm.offload(mode="embedded", min_bytes=0) as ctx:
+            model(x).square().sum().backward()
+    assert set(ctx.stats.kept) == {Keep.PARAMETER}, ctx.stats
+    said = [r.getMessage() for r in caplog.records if "embedded store" in r.getMessage()]
+    assert any("grows on demand up to" in line for line in said), said
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert same_bits(a.grad, b.grad), name
+
+
+@pytest.mark.gpu
+def test_on_cuda_each_growth_of_the_page_locked_pool_is_page_locked_and_unlocked_at_close():
+    """The first CUDA copy page-locks the pool; each growth after it page-locks what it adds
+    (stormd.wire.cuda.grow_pool), so every extent is DMA-able; close unlocks every range, so a new
+    pool mapped at the same address can be locked again."""
+    model, x = elementwise_chain(MiB // 4)
+    model, x = model.cuda(), x.cuda()
+    ref = copy.deepcopy(model)
+    ref(x).square().sum().backward()
+    for _ in range(2):  # the second store's page-lock fails if the first left a range locked
+        session = ClientSession(store(cap=64 * MiB))
+        pool = session.backend.pool
+        try:
+            model.zero_grad(set_to_none=True)
+            stats = run_step(session, model, x)
+            assert set(stats.kept) == {Keep.PARAMETER} and stats.offloaded > 0, stats
+            assert pool.cuda_registered and len(pool.cuda_ranges) > 1, pool.cuda_ranges
+            assert sum(n for _, n in pool.cuda_ranges) == pool.size
+        finally:
+            session.close()
+            session.backend.close()
+        assert pool.cuda_ranges == []
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert same_bits(a.grad, b.grad), name
