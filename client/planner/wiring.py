@@ -1,15 +1,24 @@
 """The planner's hold on the model's blocks: forward hooks, a callback as backward ends,
 recomputed blocks' forwards (Recompute), and a planned step's hooks that pace copies and
 prefetch as forward and backward pass each block. Everything here comes off with ``close()``.
+
+Blocks may be compiled one by one (``block.compile()``, or ``torch.compile(block)`` in their
+ModuleList). The planner's hooks record clock marks and Python state, which dynamo would trace
+away or run at trace time only inside a compiled region, so each runs eagerly
+(``torch.compiler.disable``: a ``.compile()``d block's region breaks around it; an
+``OptimizedModule`` calls its hooks outside its region anyway). A recomputed block runs its
+compiled forward (``own_forward``), built once per block so that no step compiles it again.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 from ..hooks import Offload
 from ..recompute import Recompute
@@ -25,14 +34,21 @@ class BlockHooks:
         self._hooks: list[Any] = []
         self._end_hooks: list[Any] = []  # on the last block (at_backward_end), until their step's forward ends
         self._recomputing: set[int] = set()
+        self._own: dict[int, Callable[..., Any]] = {}  # own_forward per block, once recomputed
+
+    def _pre_hook(self, i: int, fn: Callable, **kwargs: Any) -> Any:
+        return self.blocks[i].register_forward_pre_hook(torch.compiler.disable(fn), **kwargs)
+
+    def _post_hook(self, i: int, fn: Callable) -> Any:
+        return self.blocks[i].register_forward_hook(torch.compiler.disable(fn))
 
     def hook(self, pre: Callable, post: Callable) -> None:
         """``pre(i, module, args, kwargs)`` before and ``post(i, module, args, out)`` after each
         block's forward, in place of the hooks set before."""
         self.unhook()
-        for i, b in enumerate(self.blocks):
-            self._hooks.append(b.register_forward_pre_hook(functools.partial(pre, i), with_kwargs=True))
-            self._hooks.append(b.register_forward_hook(functools.partial(post, i)))
+        for i in range(len(self.blocks)):
+            self._hooks.append(self._pre_hook(i, functools.partial(pre, i), with_kwargs=True))
+            self._hooks.append(self._post_hook(i, functools.partial(post, i)))
 
     def unhook(self) -> None:
         for h in self._hooks:
@@ -48,7 +64,7 @@ class BlockHooks:
             if t is not None and t.requires_grad:
                 t.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(fn))
 
-        handle = self.blocks[-1].register_forward_hook(at_output)
+        handle = self._post_hook(len(self.blocks) - 1, at_output)
         self._end_hooks.append(handle)
 
     def remove_end_hooks(self) -> None:
@@ -62,15 +78,17 @@ class BlockHooks:
         forward, in the planner's form unless ``reentrant`` says; ``hand_over``: see Recompute)."""
         reentrant = self.reentrant if reentrant is None else reentrant
         for i in which - self._recomputing:
-            if "forward" in vars(self.blocks[i]):
-                raise RuntimeError(f"storm.plan: block {i} ({type(self.blocks[i]).__name__}) already has its own "
-                                   "forward attribute; storm.plan recomputes a block by setting it")
+            self._own.setdefault(i, own_forward(self.blocks[i], i))
         for i in self._recomputing - which:
-            del self.blocks[i].forward  # back to the class's forward
+            b = self.blocks[i]
+            if isinstance(b, OptimizedModule):
+                b.forward = self._own[i]  # its compiled call, as torch.compile set it
+            else:
+                del b.forward  # back to the class's forward
         for i in which:
             b = self.blocks[i]
             if i not in self._recomputing or (b.forward.hand_over, b.forward.reentrant) != (hand_over, reentrant):
-                b.forward = Recompute(type(b).forward.__get__(b), device_of([b]), reentrant, hand_over)
+                b.forward = Recompute(self._own[i], device_of([b]), reentrant, hand_over)
         self._recomputing = set(which)
 
     def apply(self, plan: Plan, trace: Trace, grads: bool, on_new_shapes: Callable[[], None],
@@ -86,7 +104,7 @@ class BlockHooks:
             if input_signature(args) != signature:
                 on_new_shapes()
 
-        self._hooks.append(self.blocks[0].register_forward_pre_hook(check))
+        self._hooks.append(self._pre_hook(0, check))
         if plan.offloaded:
             self._pace(plan, trace, grads, ctx)
 
@@ -132,14 +150,35 @@ class BlockHooks:
             if t is not None and t.requires_grad:
                 t.register_hook(lambda grad: step.allow_prefetch(room[i]))
 
-        for i, b in enumerate(self.blocks):
-            self._hooks.append(b.register_forward_hook(functools.partial(reached, i)))
+        for i in range(len(self.blocks)):
+            self._hooks.append(self._post_hook(i, functools.partial(reached, i)))
 
     def close(self) -> None:
         """Restore the blocks' own forwards and remove every hook set on them."""
         self.unhook()
         self.remove_end_hooks()
         self.recompute(set())
+
+
+def own_forward(block: nn.Module, i: int) -> Callable[..., Any]:
+    """What ``block`` runs as its forward, compiled where the block is: an ``OptimizedModule``'s
+    compiled call of its module; for a ``.compile()``d block (whose compiled region is its whole
+    call, hooks and ``forward`` attribute included) its class's forward compiled by the same
+    compiler and options, since Recompute, set as that attribute, runs eagerly; else the class's
+    forward."""
+    if isinstance(block, OptimizedModule):
+        return vars(block)["forward"]
+    if "forward" in vars(block):
+        raise RuntimeError(f"storm.plan: block {i} ({type(block).__name__}) already has its own forward attribute; "
+                           "storm.plan recomputes a block by setting it")
+    forward = type(block).forward.__get__(block)
+    if block._compiled_call_impl is None:
+        return forward
+    compiler = inspect.getclosurevars(block._compiled_call_impl).nonlocals.get("self")
+    if not callable(compiler):  # torch.compile's wrapper no longer keeps its context where this torch did
+        raise RuntimeError(f"storm.plan: cannot recompute block {i}, compiled with .compile(), through its own "
+                           "compiler in this torch version; compile it as torch.compile(block) in its ModuleList")
+    return compiler(forward)
 
 
 def device_of(blocks: list[nn.Module]) -> torch.device:
