@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from typing import Any, Callable
 
 import torch
@@ -23,6 +24,8 @@ from torch._dynamo.eval_frame import OptimizedModule
 from ..hooks import Offload
 from ..recompute import Recompute
 from .model import Plan, Trace, kept_bytes
+
+log = logging.getLogger("storm")
 
 
 class BlockHooks:
@@ -46,6 +49,8 @@ class BlockHooks:
         """``pre(i, module, args, kwargs)`` before and ``post(i, module, args, out)`` after each
         block's forward, in place of the hooks set before."""
         self.unhook()
+        if not compiled(self.blocks[0]):  # traced only where a larger compiled region holds the block
+            self._hooks.append(self.blocks[0].register_forward_pre_hook(_probe_compiling))
         for i in range(len(self.blocks)):
             self._hooks.append(self._pre_hook(i, functools.partial(pre, i), with_kwargs=True))
             self._hooks.append(self._post_hook(i, functools.partial(post, i)))
@@ -160,6 +165,28 @@ class BlockHooks:
         self.recompute(set())
 
 
+def compiled(block: nn.Module) -> bool:
+    """Whether ``block`` is compiled itself: ``torch.compile(block)`` or ``block.compile()``."""
+    return isinstance(block, OptimizedModule) or block._compiled_call_impl is not None
+
+
+def _probe_compiling(block: nn.Module, args: Any) -> None:
+    """A hook dynamo traces (not disabled): true only where the block runs inside a compiled region."""
+    if torch.compiler.is_compiling():
+        warn_whole_graph()
+
+
+@torch.compiler.disable
+@functools.cache
+def warn_whole_graph() -> None:
+    """Once: the blocks run inside a region compiled as one graph. Their hooks break it at every
+    block, or, where the graph was compiled before the planner hooked the blocks, never run."""
+    log.warning("storm.plan: the blocks run inside a region that torch.compile compiled as one graph (the whole model "
+                "compiled?), which hands its saved tensors over only once the whole graph has run and runs the "
+                "planner's hooks apart from it, or not at all. Compile the blocks one by one instead "
+                "(for b in model.blocks: b.compile()), as storm.plan supports")
+
+
 def own_forward(block: nn.Module, i: int) -> Callable[..., Any]:
     """What ``block`` runs as its forward, compiled where the block is: an ``OptimizedModule``'s
     compiled call of its module; for a ``.compile()``d block (whose compiled region is its whole
@@ -172,7 +199,7 @@ def own_forward(block: nn.Module, i: int) -> Callable[..., Any]:
         raise RuntimeError(f"storm.plan: block {i} ({type(block).__name__}) already has its own forward attribute; "
                            "storm.plan recomputes a block by setting it")
     forward = type(block).forward.__get__(block)
-    if block._compiled_call_impl is None:
+    if not compiled(block):
         return forward
     compiler = inspect.getclosurevars(block._compiled_call_impl).nonlocals.get("self")
     if not callable(compiler):  # torch.compile's wrapper no longer keeps its context where this torch did

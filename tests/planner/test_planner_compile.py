@@ -8,6 +8,7 @@ step after the traces compiles again."""
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import pytest
@@ -142,4 +143,28 @@ def test_the_planners_marks_run_outside_the_compiled_regions():
     for _ in range(6):  # the traces, the plan, its trial's first steps
         grads_of(model, idx, planner.step())
     assert clock.traced and not any(clock.traced)
+    planner.close()
+
+
+@pytest.mark.parametrize("compiled_first", [False, True])
+def test_a_model_compiled_as_one_graph_warns_once_naming_per_block_compile(compiled_first, caplog):
+    """The whole model compiled (issue 40 item 3): where its graph is traced with the planner's
+    hooks on, a probe hook sees the tracing; where it was compiled before them, the blocks run
+    without their hooks, which the offload trace sees. Either way one warning names per-block
+    compile (functools.cache keeps it to one a process: cleared for each case here)."""
+    from storm.planner.wiring import warn_whole_graph
+    warn_whole_graph.__wrapped__.cache_clear()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(seq_len=16, d_model=32, n_heads=2, n_layers=3, dropout=0.0)
+    model.compile(backend="eager")
+    idx = torch.randint(0, 256, (2, 17))
+    if compiled_first:
+        grads_of(model, idx)
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock())
+    with caplog.at_level(logging.WARNING, logger="storm"):
+        for _ in range(3):
+            grads_of(model, idx, planner.step())
+    warned = [r for r in caplog.records if "compiled as one graph" in r.getMessage()]
+    assert len(warned) == 1 and "b.compile()" in warned[0].getMessage()
     planner.close()
