@@ -15,11 +15,11 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 
 from ..hooks import Offload
 from ..recompute import Recompute
@@ -50,7 +50,8 @@ class BlockHooks:
         block's forward, in place of the hooks set before."""
         self.unhook()
         if not compiled(self.blocks[0]):  # traced only where a larger compiled region holds the block
-            self._hooks.append(self.blocks[0].register_forward_pre_hook(_probe_compiling))
+            probe = functools.partial(_probe_compiling, torch.compiler.disable(warn_whole_graph))
+            self._hooks.append(self.blocks[0].register_forward_pre_hook(probe))
         for i in range(len(self.blocks)):
             self._hooks.append(self._pre_hook(i, functools.partial(pre, i), with_kwargs=True))
             self._hooks.append(self._post_hook(i, functools.partial(post, i)))
@@ -86,7 +87,7 @@ class BlockHooks:
             self._own.setdefault(i, own_forward(self.blocks[i], i))
         for i in self._recomputing - which:
             b = self.blocks[i]
-            if isinstance(b, OptimizedModule):
+            if _optimized(b):
                 b.forward = self._own[i]  # its compiled call, as torch.compile set it
             else:
                 del b.forward  # back to the class's forward
@@ -167,16 +168,23 @@ class BlockHooks:
 
 def compiled(block: nn.Module) -> bool:
     """Whether ``block`` is compiled itself: ``torch.compile(block)`` or ``block.compile()``."""
-    return isinstance(block, OptimizedModule) or block._compiled_call_impl is not None
+    return _optimized(block) or block._compiled_call_impl is not None
 
 
-def _probe_compiling(block: nn.Module, args: Any) -> None:
-    """A hook dynamo traces (not disabled): true only where the block runs inside a compiled region."""
+def _optimized(block: nn.Module) -> bool:
+    """Whether ``block`` is torch.compile's ``OptimizedModule``: none exists before torch._dynamo
+    is imported, which `import storm` leaves to whoever compiles."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo is not None and isinstance(block, dynamo.eval_frame.OptimizedModule)
+
+
+def _probe_compiling(warn: Callable[[], None], block: nn.Module, args: Any) -> None:
+    """A hook dynamo traces (not disabled): ``warn`` (eager) only where the block runs inside a
+    compiled region."""
     if torch.compiler.is_compiling():
-        warn_whole_graph()
+        warn()
 
 
-@torch.compiler.disable
 @functools.cache
 def warn_whole_graph() -> None:
     """Once: the blocks run inside a region compiled as one graph. Their hooks break it at every
@@ -193,7 +201,7 @@ def own_forward(block: nn.Module, i: int) -> Callable[..., Any]:
     call, hooks and ``forward`` attribute included) its class's forward compiled by the same
     compiler and options, since Recompute, set as that attribute, runs eagerly; else the class's
     forward."""
-    if isinstance(block, OptimizedModule):
+    if _optimized(block):
         return vars(block)["forward"]
     if "forward" in vars(block):
         raise RuntimeError(f"storm.plan: block {i} ({type(block).__name__}) already has its own forward attribute; "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -152,7 +154,7 @@ def test_a_model_compiled_as_one_graph_warns_once_naming_per_block_compile(compi
     without their hooks, which the offload trace sees. Either way one warning names per-block
     compile (functools.cache keeps it to one a process: cleared for each case here)."""
     from storm.planner.wiring import warn_whole_graph
-    warn_whole_graph.__wrapped__.cache_clear()
+    warn_whole_graph.cache_clear()
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = GPT(seq_len=16, d_model=32, n_heads=2, n_layers=3, dropout=0.0)
@@ -167,3 +169,12 @@ def test_a_model_compiled_as_one_graph_warns_once_naming_per_block_compile(compi
     warned = [r for r in caplog.records if "compiled as one graph" in r.getMessage()]
     assert len(warned) == 1 and "b.compile()" in warned[0].getMessage()
     planner.close()
+
+
+def test_import_storm_leaves_torch_dynamo_unimported():
+    """Compile support costs `import storm` nothing: torch.compiler.disable imports torch._dynamo,
+    so the planner wraps its hooks and Recompute when it sets them, not where they are defined
+    (failed with Recompute.__call__ decorated in its class)."""
+    code = "import sys, storm, storm.planner; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
