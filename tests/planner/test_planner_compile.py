@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from torch._dynamo.utils import counters
 
 import storm
