@@ -66,13 +66,23 @@ class Recompute:
     def __init__(self, forward: Callable[..., Any], device: torch.device, reentrant: bool = True,
                  hand_over: bool = True):
         self.forward, self.device, self.reentrant, self.hand_over = forward, device, reentrant, hand_over
-        self.block = getattr(forward, "__self__", None)  # a bound method's module: its class may keep a KV cache
+        # a bound method's module (within torch.compile's wrapper where compiled): its class may keep a KV cache
+        inner = getattr(forward, "_torchdynamo_orig_callable", forward)
+        self.block = getattr(inner, "__self__", getattr(inner, "__wrapped__", None))
         # its layers whose state a replay would update a second time
         self._stateful = [m for m in self.block.modules() if isinstance(m, _BatchNorm) and m.track_running_stats] \
             if isinstance(self.block, torch.nn.Module) else []
         self._grad = torch.empty(0, device=device, requires_grad=True)
+        # eager even inside a compiled block's region: dynamo would trace the autograd Function and its
+        # RNG and autocast state away; a compiled block's own forward is compiled apart (planner/wiring.py).
+        # Wrapped here, not where the class is defined: torch.compiler.disable imports torch._dynamo,
+        # which `import storm` would then pay
+        self._eager = torch.compiler.disable(self._call)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eager(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
         if kwargs or not self.reentrant:

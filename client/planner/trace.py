@@ -20,7 +20,7 @@ from ..recompute import Recompute
 from .measure import frame_costs, link_bandwidth
 from .model import BlockTrace, Trace
 from .trial import Clock
-from .wiring import BlockHooks, device_of, input_signature
+from .wiring import BlockHooks, device_of, input_signature, warn_whole_graph
 
 log = logging.getLogger("storm")
 
@@ -69,6 +69,8 @@ class OffloadTrace:
         self.hooks.unhook()
         ctx, marks, n = self.ctx, self.marks, len(self.hooks.blocks)
         st = ctx.stats
+        if not marks and ctx.saves:  # the blocks ran without their hooks, inside a graph compiled before them
+            warn_whole_graph()
         if len(marks) != 2 * n:
             log.warning("storm.plan: the traced step did not run every block once; tracing again")
             return None

@@ -1,11 +1,21 @@
 """The planner's hold on the model's blocks: forward hooks, a callback as backward ends,
 recomputed blocks' forwards (Recompute), and a planned step's hooks that pace copies and
 prefetch as forward and backward pass each block. Everything here comes off with ``close()``.
+
+Blocks may be compiled one by one (``block.compile()``, or ``torch.compile(block)`` in their
+ModuleList). The planner's hooks record clock marks and Python state, which dynamo would trace
+away or run at trace time only inside a compiled region, so each runs eagerly
+(``torch.compiler.disable``: a ``.compile()``d block's region breaks around it; an
+``OptimizedModule`` calls its hooks outside its region anyway). A recomputed block runs its
+compiled forward (``own_forward``), built once per block so that no step compiles it again.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
+import sys
 from typing import Any, Callable
 
 import torch
@@ -14,6 +24,8 @@ from torch import nn
 from ..hooks import Offload
 from ..recompute import Recompute
 from .model import Plan, Trace, kept_bytes
+
+log = logging.getLogger("storm")
 
 
 class BlockHooks:
@@ -25,14 +37,24 @@ class BlockHooks:
         self._hooks: list[Any] = []
         self._end_hooks: list[Any] = []  # on the last block (at_backward_end), until their step's forward ends
         self._recomputing: set[int] = set()
+        self._own: dict[int, Callable[..., Any]] = {}  # own_forward per block, once recomputed
+
+    def _pre_hook(self, i: int, fn: Callable, **kwargs: Any) -> Any:
+        return self.blocks[i].register_forward_pre_hook(torch.compiler.disable(fn), **kwargs)
+
+    def _post_hook(self, i: int, fn: Callable) -> Any:
+        return self.blocks[i].register_forward_hook(torch.compiler.disable(fn))
 
     def hook(self, pre: Callable, post: Callable) -> None:
         """``pre(i, module, args, kwargs)`` before and ``post(i, module, args, out)`` after each
         block's forward, in place of the hooks set before."""
         self.unhook()
-        for i, b in enumerate(self.blocks):
-            self._hooks.append(b.register_forward_pre_hook(functools.partial(pre, i), with_kwargs=True))
-            self._hooks.append(b.register_forward_hook(functools.partial(post, i)))
+        if not compiled(self.blocks[0]):  # traced only where a larger compiled region holds the block
+            probe = functools.partial(_probe_compiling, torch.compiler.disable(warn_whole_graph))
+            self._hooks.append(self.blocks[0].register_forward_pre_hook(probe))
+        for i in range(len(self.blocks)):
+            self._hooks.append(self._pre_hook(i, functools.partial(pre, i), with_kwargs=True))
+            self._hooks.append(self._post_hook(i, functools.partial(post, i)))
 
     def unhook(self) -> None:
         for h in self._hooks:
@@ -48,7 +70,7 @@ class BlockHooks:
             if t is not None and t.requires_grad:
                 t.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(fn))
 
-        handle = self.blocks[-1].register_forward_hook(at_output)
+        handle = self._post_hook(len(self.blocks) - 1, at_output)
         self._end_hooks.append(handle)
 
     def remove_end_hooks(self) -> None:
@@ -62,15 +84,17 @@ class BlockHooks:
         forward, in the planner's form unless ``reentrant`` says; ``hand_over``: see Recompute)."""
         reentrant = self.reentrant if reentrant is None else reentrant
         for i in which - self._recomputing:
-            if "forward" in vars(self.blocks[i]):
-                raise RuntimeError(f"storm.plan: block {i} ({type(self.blocks[i]).__name__}) already has its own "
-                                   "forward attribute; storm.plan recomputes a block by setting it")
+            self._own.setdefault(i, own_forward(self.blocks[i], i))
         for i in self._recomputing - which:
-            del self.blocks[i].forward  # back to the class's forward
+            b = self.blocks[i]
+            if _optimized(b):
+                b.forward = self._own[i]  # its compiled call, as torch.compile set it
+            else:
+                del b.forward  # back to the class's forward
         for i in which:
             b = self.blocks[i]
             if i not in self._recomputing or (b.forward.hand_over, b.forward.reentrant) != (hand_over, reentrant):
-                b.forward = Recompute(type(b).forward.__get__(b), device_of([b]), reentrant, hand_over)
+                b.forward = Recompute(self._own[i], device_of([b]), reentrant, hand_over)
         self._recomputing = set(which)
 
     def apply(self, plan: Plan, trace: Trace, grads: bool, on_new_shapes: Callable[[], None],
@@ -86,7 +110,7 @@ class BlockHooks:
             if input_signature(args) != signature:
                 on_new_shapes()
 
-        self._hooks.append(self.blocks[0].register_forward_pre_hook(check))
+        self._hooks.append(self._pre_hook(0, check))
         if plan.offloaded:
             self._pace(plan, trace, grads, ctx)
 
@@ -132,14 +156,64 @@ class BlockHooks:
             if t is not None and t.requires_grad:
                 t.register_hook(lambda grad: step.allow_prefetch(room[i]))
 
-        for i, b in enumerate(self.blocks):
-            self._hooks.append(b.register_forward_hook(functools.partial(reached, i)))
+        for i in range(len(self.blocks)):
+            self._hooks.append(self._post_hook(i, functools.partial(reached, i)))
 
     def close(self) -> None:
         """Restore the blocks' own forwards and remove every hook set on them."""
         self.unhook()
         self.remove_end_hooks()
         self.recompute(set())
+
+
+def compiled(block: nn.Module) -> bool:
+    """Whether ``block`` is compiled itself: ``torch.compile(block)`` or ``block.compile()``."""
+    return _optimized(block) or block._compiled_call_impl is not None
+
+
+def _optimized(block: nn.Module) -> bool:
+    """Whether ``block`` is torch.compile's ``OptimizedModule``: none exists before torch._dynamo
+    is imported, which `import storm` leaves to whoever compiles."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo is not None and isinstance(block, dynamo.eval_frame.OptimizedModule)
+
+
+def _probe_compiling(warn: Callable[[], None], block: nn.Module, args: Any) -> None:
+    """A hook dynamo traces (not disabled): ``warn`` (eager) only where the block runs inside a
+    compiled region."""
+    if torch.compiler.is_compiling():
+        warn()
+
+
+@functools.cache
+def warn_whole_graph() -> None:
+    """Once: the blocks run inside a region compiled as one graph. Their hooks break it at every
+    block, or, where the graph was compiled before the planner hooked the blocks, never run."""
+    log.warning("storm.plan: the blocks run inside a region that torch.compile compiled as one graph (the whole model "
+                "compiled?), which hands its saved tensors over only once the whole graph has run and runs the "
+                "planner's hooks apart from it, or not at all. Compile the blocks one by one instead "
+                "(for b in model.blocks: b.compile()), as storm.plan supports")
+
+
+def own_forward(block: nn.Module, i: int) -> Callable[..., Any]:
+    """What ``block`` runs as its forward, compiled where the block is: an ``OptimizedModule``'s
+    compiled call of its module; for a ``.compile()``d block (whose compiled region is its whole
+    call, hooks and ``forward`` attribute included) its class's forward compiled by the same
+    compiler and options, since Recompute, set as that attribute, runs eagerly; else the class's
+    forward."""
+    if _optimized(block):
+        return vars(block)["forward"]
+    if "forward" in vars(block):
+        raise RuntimeError(f"storm.plan: block {i} ({type(block).__name__}) already has its own forward attribute; "
+                           "storm.plan recomputes a block by setting it")
+    forward = type(block).forward.__get__(block)
+    if not compiled(block):
+        return forward
+    compiler = inspect.getclosurevars(block._compiled_call_impl).nonlocals.get("self")
+    if not callable(compiler):  # torch.compile's wrapper no longer keeps its context where this torch did
+        raise RuntimeError(f"storm.plan: cannot recompute block {i}, compiled with .compile(), through its own "
+                           "compiler in this torch version; compile it as torch.compile(block) in its ModuleList")
+    return compiler(forward)
 
 
 def device_of(blocks: list[nn.Module]) -> torch.device:
