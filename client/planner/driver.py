@@ -23,7 +23,7 @@ from .measure import (HOST_CHECK_STEP, HOST_CHECK_TOLERANCE, MAX_CHECKS, CudaPea
 from .model import Plan, Trace, choose, predicted_peak
 from .trace import ComputeTrace, Frames, OffloadTrace
 from .trial import Clock, Trial
-from .wiring import BlockHooks, device_of
+from .wiring import BlockHooks, compiled, device_of
 
 log = logging.getLogger("storm")
 
@@ -64,9 +64,14 @@ class Planner:
                  host_check_tolerance: float = HOST_CHECK_TOLERANCE, form_trial: bool = True,
                  **offload_options: Any):
         self.blocks = list(blocks)
-        self.reentrant = reentrant
         if not self.blocks or not all(isinstance(b, nn.Module) for b in self.blocks):
             raise TypeError("storm.plan needs the model's blocks: a non-empty list (or ModuleList) of modules")
+        # The reentrant form runs a block's forward without autograd: a compiled block then runs its
+        # inference graph, whose kernels need not match the training graph's bit for bit (on CUDA they
+        # did not), while the recompute in backward runs the training graph. torch's non-reentrant
+        # checkpoint runs the training graph both times, so compiled blocks are recomputed that way.
+        self.compiled = any(compiled(b) for b in self.blocks)
+        self.reentrant = reentrant and not self.compiled
         if "budget" in offload_options or (budget is None) == (peak is None):
             raise TypeError("storm.plan takes one of budget= (the GPU memory saved activations may take: bytes or "
                             "a fraction of a step's) and peak= (the step's peak GPU memory above its start, bytes); "
@@ -82,7 +87,7 @@ class Planner:
         self.options = {k: checked[k] for k in offload_options}  # the given ones, sizes read ("512MiB")
         self._chooser, self._frames_of, self._form_trial = chooser, frames_of, form_trial
         self._host_check_tolerance = host_check_tolerance
-        self._hooks = BlockHooks(self.blocks, reentrant)
+        self._hooks = BlockHooks(self.blocks, self.reentrant)
         self.trace: Trace | None = None
         self.plan: Plan | None = None
         # what a step holds besides its saves (activations' gradients, temporaries) at a recomputed

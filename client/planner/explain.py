@@ -22,6 +22,7 @@ class Explained(Protocol):
     budget: int | float | None
     peak: int | None
     reentrant: bool
+    compiled: bool
     options: dict[str, Any]
     traced_host_ms_per_tensor: float | None
     replans: int
@@ -66,7 +67,7 @@ def explain(planner: Explained) -> str:
     lines.append(f"copy queue {p.max_held_bytes / MiB:.1f} MiB, prefetch window {p.prefetch_bytes / MiB:.1f} MiB"
                  + (" (given)" if {"max_held_bytes", "prefetch_bytes"} & planner.options.keys() else ""))
     if p.recomputed:
-        lines.append(_recompute_form(p, planner.reentrant))
+        lines.append(_recompute_form(p, planner.reentrant, planner.compiled))
     if t.store_bytes is not None:
         lines.append(f"the store took {t.store_bytes / MiB:.1f} of the {t.total_bytes / MiB:.1f} MiB traced: "
                      "plans offload at most that")
@@ -86,12 +87,14 @@ def explain(planner: Explained) -> str:
     return "\n".join(lines)
 
 
-def _recompute_form(p: Plan, reentrant: bool) -> str:
+def _recompute_form(p: Plan, reentrant: bool, compiled: bool) -> str:
     """How the plan's blocks are recomputed, and why (``reentrant``: the planner's own form)."""
     if p.reentrant:
         return "recomputed in the reentrant form (storm.recompute)"
     if reentrant:
         return "recomputed with torch's non-reentrant checkpoint, faster here in its trial"
+    if compiled:
+        return "recomputed with torch's non-reentrant checkpoint (compiled blocks: it runs their training graph)"
     return "recomputed with torch's non-reentrant checkpoint (reentrant=False)"
 
 
