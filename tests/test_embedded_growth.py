@@ -123,6 +123,10 @@ def run_step(session: ClientSession, model: nn.Module, x: torch.Tensor):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: session.save(t, step, policy), session.load):
         loss = model(x).square().sum()
     session.end_step(step)
+    # every copy done before backward: a CPU copy the mover has not begun when backward takes its
+    # tensor is dropped (copies_dropped), and on a loaded machine the puts that grow the pool or
+    # meet its cap would not be made at all
+    session.synchronize()
     loss.backward()
     session.synchronize()
     return step.stats
