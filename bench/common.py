@@ -6,6 +6,8 @@ A script run as ``python bench/<name>.py`` has bench/ on its path and imports th
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -15,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,6 +61,9 @@ class Net(nn.Module):
 
 @dataclass(frozen=True)
 class Workload:
+    """A Net of ``layers`` Blocks on a random bf16 input; its loss is the mean square of the output,
+    taken after the method's context (what the method offloads is the Net's alone)."""
+
     name: str
     layers: int
     d: int
@@ -71,10 +77,133 @@ class Workload:
         x = torch.randn(self.batch, self.seq, self.d, device=device, dtype=torch.bfloat16)
         return model, x
 
+    @staticmethod
+    def blocks(model: nn.Module) -> nn.ModuleList:
+        """What storm.plan plans over and a per-block compile compiles."""
+        return model.blocks
+
+    @staticmethod
+    def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """What runs inside the method's context."""
+        return model(x)
+
+    @staticmethod
+    def objective(y: torch.Tensor) -> torch.Tensor:
+        """The scalar that backward starts from, computed from forward's output outside the context."""
+        return y.float().pow(2).mean()
+
 
 W1 = Workload("W1", 12, 1024, 16, 8, 1024)
 W2 = Workload("W2", 24, 4096, 32, 2, 2048)
 TINY = Workload("tiny", layers=2, d=64, heads=2, batch=2, seq=32)
+
+
+@dataclass(frozen=True)
+class Llama:
+    """Issue 40's workload: a Hugging Face LlamaForCausalLM built from a config (random weights, no
+    hub access), trained on random tokens given as both input_ids and labels, so its loss (logits
+    and cross-entropy included) runs inside the method's context. Its blocks are the decoder layers;
+    ``ckpt`` is Hugging Face's own non-reentrant gradient checkpointing, of the first ``ckpt_blocks``
+    layers only where that is set."""
+
+    name: str
+    layers: int
+    hidden: int
+    mlp: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    batch: int
+    seq: int
+    attn: str = "sdpa"
+    ckpt_blocks: int | None = None
+
+    def model(self, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
+        from transformers import LlamaConfig, LlamaForCausalLM  # the bench extra: W1/W2 runs need none of it
+
+        cfg = LlamaConfig(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.mlp,
+                          num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                          num_key_value_heads=self.kv_heads, max_position_embeddings=self.seq,
+                          use_cache=False)  # training: no KV cache kept beside what autograd saves
+        cfg._attn_implementation = self.attn
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(cfg).to(device, dtype)
+
+    def build(self, device: torch.device, ckpt: bool = False, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+        model = self.model(device, seed=seed)
+        first = self.layers if ckpt else self.ckpt_blocks
+        if first:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            for layer in model.model.layers[first:]:
+                layer.gradient_checkpointing = False
+        ids = torch.randint(0, self.vocab, (self.batch, self.seq), generator=torch.Generator().manual_seed(seed + 1))
+        return model, ids.to(device)
+
+    @staticmethod
+    def blocks(model: nn.Module) -> nn.ModuleList:
+        return model.model.layers
+
+    @staticmethod
+    def forward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, labels=ids).loss
+
+    @staticmethod
+    def objective(loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+
+# 16 layers, hidden 2048, MLP 5632, 16 heads / 4 KV heads, batch 4 x 2048. W3L: no offload's peak grows
+# by about 3.4 GiB a sample, so 24 samples (about 83 GiB of activations) do not fit an 80 GB GPU
+# without help and leave a 128 GiB host room for all of them.
+W3 = Llama("W3", layers=16, hidden=2048, mlp=5632, heads=16, kv_heads=4, vocab=32000, batch=4, seq=2048)
+W3L = dataclasses.replace(W3, name="W3L", batch=24)
+W3_TINY = Llama("W3-tiny", layers=2, hidden=64, mlp=128, heads=4, kv_heads=2, vocab=256, batch=2, seq=32)
+WORKLOADS = {w.name: w for w in (W1, W2, TINY, W3, W3L, W3_TINY)}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A workload built another way: compiled as one graph (``compile="graph"``:
+    torch.compile(model)) or block by block (``"blocks"``: each block's .compile()), with torch's
+    activation_memory_budget in force while its forward runs (and so when the first forward
+    compiles it), and/or checkpointed (``ckpt``). Each build resets torch._dynamo, so that a
+    model of the same class compiled for an earlier row under another budget is not reused."""
+
+    base: Workload | Llama
+    ckpt: bool = False
+    compile: str | None = None
+    memory_budget: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.base.name
+
+    @property
+    def batch(self) -> int:
+        return self.base.batch
+
+    def build(self, device: torch.device, ckpt: bool = False, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+        model, x = self.base.build(device, ckpt=ckpt or self.ckpt, seed=seed)
+        if self.compile:
+            torch._dynamo.reset()
+        if self.compile == "graph":
+            model = torch.compile(model)
+        elif self.compile == "blocks":
+            for block in self.base.blocks(model):
+                block.compile()
+        return model, x
+
+    def blocks(self, model: nn.Module) -> nn.ModuleList:
+        return self.base.blocks(getattr(model, "_orig_mod", model))  # torch.compile's wrapper holds the model
+
+    def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.memory_budget is None:
+            return self.base.forward(model, x)
+        with torch._functorch.config.patch(activation_memory_budget=self.memory_budget):
+            return self.base.forward(model, x)
+
+    def objective(self, y: torch.Tensor) -> torch.Tensor:
+        return self.base.objective(y)
 
 
 # The device and the link
@@ -119,36 +248,65 @@ def stop_daemon(proc: subprocess.Popen) -> None:
 
 # One method's training steps
 
-def train_step(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, method: str, opts: dict,
-               planner: storm.Planner | None = None) -> storm.Offload | None:
-    """One step of ``method``: "none" or "checkpoint" (the model was built so), "save_on_cpu",
-    "storm" (storm.offload(**opts)) or "plan" (``planner``'s step)."""
-    ctx = None
+def torchtune_offload() -> type:
+    """torchtune's OffloadActivations (torchtune.training), imported without running the ``__init__``
+    of torchtune and of torchtune.training: those import torchtune's datasets, models and
+    checkpointing (Hugging Face datasets, torchdata, ...), which OffloadActivations does not use.
+    ImportError, saying what is missing, where torchtune or its torchao is not installed."""
+    import importlib.util
+
+    try:
+        return importlib.import_module("torchtune.training").OffloadActivations
+    except ImportError:
+        pass
+    for name in ("torchtune", "torchtune.training"):
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            raise ImportError(f"{name} is not installed (bench/on_device.sh installs the wheels in .whl/)")
+        sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
+    return importlib.import_module("torchtune.training._activation_offloading").OffloadActivations
+
+
+def method_context(method: str, opts: dict, planner: storm.Planner | None = None) -> Any:
+    """The context ``method``'s forward runs in: torch's save_on_cpu(pin_memory=True), torchtune's
+    OffloadActivations(**opts), storm.offload(**opts), ``planner``'s step; none for "none" and
+    "checkpoint" (the model was built so)."""
     if method == "save_on_cpu":
-        with torch.autograd.graph.save_on_cpu(pin_memory=True):
-            y = model(x)
-    elif method == "storm":
-        with storm.offload(**opts) as ctx:
-            y = model(x)
-    elif method == "plan":
-        with planner.step() as ctx:
-            y = model(x)
-    else:
-        y = model(x)
-    y.float().pow(2).mean().backward()
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    if method == "torchtune":
+        return torchtune_offload()(**opts)
+    if method == "storm":
+        return storm.offload(**opts)
+    if method == "plan":
+        return planner.step()
+    return contextlib.nullcontext()
+
+
+def train_step(w: Workload | Llama | Variant, model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer,
+               method: str, opts: dict, planner: storm.Planner | None = None) -> storm.Offload | None:
+    """One step of ``method`` on ``w``'s model: its forward in method_context, backward from
+    w.objective, an SGD step. The storm.Offload of a "storm" or "plan" step, else None."""
+    with method_context(method, opts, planner) as ctx:
+        y = w.forward(model, x)
+    w.objective(y).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return ctx
+    return ctx if method in ("storm", "plan") else None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class Trainer:
     """One method's model, optimizer and (for "plan") planner on the device, stepped by train_step."""
 
-    def __init__(self, w: Workload, method: str, opts: dict, device: torch.device):
-        self.method, self.opts, self.device = method, opts, device
+    def __init__(self, w: Workload | Llama | Variant, method: str, opts: dict, device: torch.device):
+        self.w, self.method, self.opts, self.device = w, method, opts, device
         self.model, self.x = w.build(device, ckpt=(method == "checkpoint"))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
-        self.planner = storm.plan(self.model.blocks, **opts) if method == "plan" else None
+        self.planner = storm.plan(w.blocks(self.model), **opts) if method == "plan" else None
         self.last: storm.Offload | None = None
 
     def warm(self, steps: int) -> None:
@@ -165,17 +323,18 @@ class Trainer:
             self.step()
 
     def step(self) -> float:
-        """One training step, GPU work included: seconds."""
+        """One training step, device work included: seconds."""
         t0 = time.perf_counter()
-        self.last = train_step(self.model, self.x, self.opt, self.method, self.opts, self.planner)
-        torch.cuda.synchronize(self.device)
+        self.last = train_step(self.w, self.model, self.x, self.opt, self.method, self.opts, self.planner)
+        synchronize(self.device)
         return time.perf_counter() - t0
 
     def close(self) -> None:
         if self.planner is not None:
             self.planner.close()
         del self.model, self.x, self.opt, self.last
-        torch.cuda.empty_cache()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def plan_summary(pl: storm.Planner) -> dict:
@@ -189,7 +348,7 @@ def plan_summary(pl: storm.Planner) -> dict:
             "trial": "; ".join(t.describe() for t in pl.trials) or None}
 
 
-def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: torch.device) -> dict:
+def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opts: dict, device: torch.device) -> dict:
     """``method`` on ``w`` (a Trainer) on CUDA: the median step and its peak above the start, and
     for an offloading method what moved; {"error": "OOM"} where it ran out of memory."""
     t = Trainer(w, method, opts, device)
@@ -206,7 +365,7 @@ def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: t
             fwd = []
             for _ in range(3):
                 t0 = time.perf_counter()
-                y = t.model(t.x)
+                y = w.forward(t.model, t.x)
                 torch.cuda.synchronize(device)
                 fwd.append(time.perf_counter() - t0)
                 del y
@@ -224,7 +383,8 @@ def run(w: Workload, method: str, steps: int, warmup: int, opts: dict, device: t
             r.update(plan=plan_summary(t.planner), explain=t.planner.explain())
     except torch.OutOfMemoryError:
         r = {"error": "OOM"}
-    t.close()
+    finally:
+        t.close()
     return r
 
 

@@ -3,15 +3,20 @@
     python bench/frontier.py --out bench/results/frontier-w1.json --plot bench/results/frontier-w1.png   # CUDA
     python bench/frontier.py --quick --workloads W1 W2 --out /tmp/frontier.json                         # smoke run
     python bench/frontier.py --plot-only bench/results/frontier-w1.json --plot frontier.png             # any machine
+    python bench/frontier.py --workloads W3 --compiled --out bench/results/frontier-w3.json             # issue 40
 
-Per workload, with bench/common.py's run() (median step time of --steps steps
-after --warmup; peak GPU memory above what was allocated before the steps):
-no offload, per-block checkpointing, save_on_cpu(pin_memory=True), STORM full
-offload, STORM with budget=b (the earliest b bytes offloaded) for each byte
-budget b (default: 10 fractions, 0.1 to 1.0, of the no-offload peak),
-per-block checkpointing of only the first k blocks, k = round(b / bytes one
-block's recompute removes), and storm.plan (client/planner/: per block keep,
-offload or recompute, planned from two traced steps). A budget b asks for a
+Per workload (bench/common.py's: W1, W2, W3 the Hugging Face Llama), with common.run() (median
+step time of --steps steps after --warmup; peak GPU memory above what was allocated before the
+steps): no offload, per-block checkpointing (W3: Hugging Face's, non-reentrant),
+save_on_cpu(pin_memory=True), torchtune's OffloadActivations alone and over checkpointed
+blocks, STORM full offload, STORM with budget=b (the earliest b bytes offloaded) for each byte
+budget b (default: 10 fractions, 0.1 to 1.0, of the no-offload peak, and the two that cap the
+peak at checkpointing's and at half of it), per-block checkpointing of only the first k blocks,
+k = round(b / bytes one block's recompute removes), and storm.plan (client/planner/: per block
+keep, offload or recompute, planned from two traced steps). With --compiled, also: the model
+compiled as one graph at torch's activation_memory_budget 1.0 (no recompute added), 0.5 and
+0.1, and under STORM's full offload; its blocks compiled one by one, alone and under storm.plan
+capped at the 0.1 row's peak. A budget b asks for a
 peak of at most cap = (no-offload peak - b); storm.plan is given that cap
 (peak=cap: it measures its own steps' peaks above their start, the same
 quantity, and corrects its plan until one fits). Per budget the
@@ -19,8 +24,11 @@ summary compares the planner's measured step and peak with the fastest other
 method whose measured peak fits the same cap, and with the lower bound (Bound:
 from the no-offload step, the pinned bandwidths measured in the same run and
 what recomputing a block removes; budgets no method fits are marked
-unreachable). With --duel R, per budget the planner, that best other method and no
-offload are then built side by side and timed in alternation, R rounds of
+unreachable; compiled rows are not compared with the eager planner's), and the must-show
+verdicts of issue 40 (summary.must_show). A method that cannot run here (torchtune not installed,
+a compile failing) leaves a row saying why and the run goes on. With --duel R, per budget the
+planner, that best other method and no offload are then built side by side and timed in
+alternation, R rounds of
 --steps steps each (each round in a shuffled order), and the planner is compared
 with both (with a 95% interval of the ratio to the other, resampling rounds) and
 with the bound from that no-offload time: the lent machines drift by 10 to 40% within a run,
@@ -39,13 +47,16 @@ import random
 import statistics
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
+from summary import (Bound, Measurements, blocks_for, budgets, must_show, must_show_lines, ratio_interval, rebound,
+                     summarize, table)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from common import W1, W2, GiB, Net, Trainer, Workload, cuda_device, link_bandwidth, plan_summary, run, write
+from common import (WORKLOADS, GiB, Llama, Net, Trainer, Variant, Workload, cuda_device, link_bandwidth, plan_summary,
+                    run, write)
 from stormd.wire.sizes import parse_size
 
 
@@ -73,11 +84,20 @@ class FirstK(Workload):
         return FirstKCheckpointed(model, self.k), x
 
 
-def contender(w: Workload, row: dict, storm_opts: dict, total_bytes: int | None = None) -> tuple[Workload, str, dict]:
+def contender(w: Workload | Llama, row: dict, storm_opts: dict,
+              total_bytes: int | None = None) -> tuple[Workload | Llama | Variant, str, dict]:
     """What common.run() (or a Trainer) needs to measure a row: workload, method as run() names
-    it, options. A plan row is asked for a peak of at most total_bytes less its budget."""
+    it, options. A plan row is asked for a peak of at most total_bytes less its budget; a row
+    with "compiled" set runs on the model compiled so (common.Variant), under its
+    "memory_budget" where set."""
+    if row.get("compiled"):
+        w = Variant(w, compile=row["compiled"], memory_budget=row.get("memory_budget"))
     if row["method"] == "ckpt-first":
-        return FirstK(**dataclasses.asdict(w), k=row["ckpt_blocks"]), "none", {}
+        k = row["ckpt_blocks"]
+        return (FirstK(**dataclasses.asdict(w), k=k) if isinstance(w, Workload)
+                else dataclasses.replace(w, ckpt_blocks=k)), "none", {}
+    if row["method"] == "torchtune-checkpoint":
+        return Variant(w, ckpt=True), "torchtune", {}
     if row["method"] == "storm-budget":
         return w, "storm", {**storm_opts, "budget": row["budget_bytes"]}
     if row["method"] == "plan":
@@ -87,144 +107,37 @@ def contender(w: Workload, row: dict, storm_opts: dict, total_bytes: int | None 
     return w, row["method"], {}
 
 
-@dataclasses.dataclass
-class Measurements:
-    """One workload's measured rows, and what its budgets are taken from."""
-
-    total_bytes: int        # no-offload peak: budget b asks for a peak of at most total_bytes - b
-    bytes_per_block: float  # what recomputing one block removes: (no-offload - checkpoint-all peak) / layers
-    layers: int
-    rows: list[dict]
-
-    @classmethod
-    def of(cls, section: dict) -> "Measurements":
-        return cls(section["total_bytes"], section["bytes_per_block"], section["layers"], section["rows"])
+# Issue 40's compiled rows (--compiled): torch.compile of the whole graph at these
+# activation_memory_budget values (1.0 is torch.compile's default: no recompute added).
+MEMORY_BUDGETS = (1.0, 0.5, 0.1)
 
 
-def budgets(total_bytes: int, points: int) -> list[int]:
-    """`points` budgets evenly spaced up to total_bytes: 10 points gives 0.1, 0.2, ... 1.0 of it."""
-    return [int(total_bytes * (i + 1) / points) for i in range(points)]
-
-
-def blocks_for(budget: int, m: Measurements) -> int:
-    """k such that checkpointing the first k blocks removes about `budget` bytes."""
-    if m.bytes_per_block <= 0:  # checkpointing removed nothing measurable: only all blocks can come close
-        return m.layers
-    return min(m.layers, round(budget / m.bytes_per_block))
-
-
-@dataclasses.dataclass(frozen=True)
-class Bound:
-    """The least step time any method here could reach at a budget b, from the no-offload
-    step, the measured pinned bandwidths and what recomputing a block removes and costs.
-
-    A peak cap of (no-offload peak - b) holds when forward ends, before backward frees
-    anything, so by then b bytes of saves are either off the device or never kept: o bytes
-    offloaded, whose copies to the host end before forward does (forward lasts at least
-    o / D2H) and whose copies back run in backward (at least o / H2D), and the rest
-    recomputed, r = (b - o) / bytes_per_block blocks, each a block's forward more in
-    backward (the no-offload forward over the layers, as the step runs it). So a step takes
-    at least
-        max(F, o / D2H) + max(B + r * F / layers, o / H2D)
-    (F, B: the no-offload step's forward and the rest), for the best split o; what hooks
-    and recomputing cost the host beyond that is not counted. Bandwidth alone
-    (max(no-offload step, b / D2H, b / H2D), ``link_only``) bounds offloading only:
-    recomputing beats it where a block's forward costs less than moving its bytes both
-    ways, as on W1 (docs/results.md), and it lets forward carry more bytes than its own
-    duration can."""
-
-    forward_ms: float       # the no-offload forward
-    layers: int
-    bytes_per_block: float  # what recomputing a block removes
-    d2h_GBps: float
-    h2d_GBps: float
-
-    @classmethod
-    def of(cls, section: dict, link: dict[str, float]) -> "Bound":
-        none = next(r for r in section["rows"] if r["method"] == "none")
-        return cls(none["forward_ms"], section["layers"], section["bytes_per_block"], link["d2h_GBps"],
-                   link["h2d_GBps"])
-
-    def ms(self, budget: int, none_ms: float, splits: int = 1000) -> float:
-        fwd = min(self.forward_ms, none_ms)
-        rest, block_ms = none_ms - fwd, fwd / self.layers
-        d2h, h2d = self.d2h_GBps * 1e6, self.h2d_GBps * 1e6  # bytes per ms
-        recomputable = self.layers * self.bytes_per_block if self.bytes_per_block > 0 else 0.0
-        lowest = max(0.0, budget - recomputable)  # recomputing every block removes no more
-        best = float("inf")
-        for i in range(splits + 1):  # convex in o: a fine grid finds its least to well under 0.01 ms
-            o = lowest + (budget - lowest) * i / splits
-            blocks = (budget - o) / self.bytes_per_block if budget > o else 0.0
-            best = min(best, max(fwd, o / d2h) + max(rest + blocks * block_ms, o / h2d))
-        return best
-
-    def link_only(self, budget: int, none_ms: float) -> float:
-        """max(no-offload step, b / D2H, b / H2D): the earlier runs' bound, offload alone."""
-        return max(none_ms, budget / (self.d2h_GBps * 1e6), budget / (self.h2d_GBps * 1e6))
-
-
-def best_other(budget: int, m: Measurements) -> dict | None:
-    """The fastest measured method other than the planner whose peak fits total_bytes - budget."""
-    cap = m.total_bytes - budget
-    fits = [r for r in m.rows if "step_ms" in r and r["method"] != "plan" and r["peak_GiB"] * GiB <= cap]
-    return min(fits, key=lambda r: r["step_ms"], default=None)
-
-
-def summarize(section: dict, link: dict[str, float]) -> dict:
-    """Per budget: the bound, the planner's measured row and the best other method that fits
-    (a budget no measured method fits is unreachable, and left out of the verdict); and the
-    duel's planner against its bound, from the no-offload time measured beside it."""
-    m = Measurements.of(section)
-    lower = Bound.of(section, link)
-    none_ms = next(r["step_ms"] for r in m.rows if r["method"] == "none")
-    bound, planner = [], []
-    for b in section["budgets"]:
-        lb = round(lower.ms(b, none_ms), 2)
-        bound.append({"budget_bytes": b, "lower_bound_ms": lb, "link_only_ms": round(lower.link_only(b, none_ms), 2)})
-        mine = next((r for r in m.rows if r["method"] == "plan" and r["budget_bytes"] == b and "step_ms" in r), None)
-        other = best_other(b, m)
-        cap = m.total_bytes - b
-        fits = bool(mine) and mine["peak_GiB"] * GiB <= cap
-        entry = {"budget_bytes": b, "peak_cap_GiB": round(cap / GiB, 3), "lower_bound_ms": lb,
-                 "step_ms": mine and mine["step_ms"], "peak_GiB": mine and mine["peak_GiB"], "fits_cap": fits,
-                 "best_other": other and other["label"], "best_other_ms": other and other["step_ms"],
-                 "reachable": fits or other is not None}
-        if fits:
-            entry.update(x_bound=round(mine["step_ms"] / lb, 3),
-                         x_other=other and round(mine["step_ms"] / other["step_ms"], 3))
-        planner.append(entry)
-    out = {"bound": bound, "planner": planner}
-    if section.get("duel"):
-        out["duel"] = [rebound(d, lower) if "none_ms" in d else d for d in section["duel"]]
-    return out
-
-
-def rebound(duel: dict, lower: Bound) -> dict:
-    """A duel's entry with its bound from the no-offload time measured beside the planner."""
-    lb = lower.ms(duel["budget_bytes"], duel["none_ms"])
-    return {**duel, "lower_bound_ms": round(lb, 2), "x_bound": round(duel["plan_ms"] / lb, 3)}
-
-
-def measure(args: argparse.Namespace, device: torch.device) -> dict:
-    link = link_bandwidth(device)
+def measure(args: argparse.Namespace, device: torch.device, measure_row: Callable[..., dict] = run,
+            link: dict[str, float] | None = None) -> dict:
+    """Every workload's rows and their summary: ``measure_row`` (common.run) measures a row, and
+    ``link`` is the pinned bandwidths (measured here when not given)."""
+    link = link or link_bandwidth(device)
     print(f"link: {link}", flush=True)
     results: dict = {"link": link}
     prior = json.loads(Path(args.resume).read_text()) if args.resume else {}
     if prior:
         results["resumed_from"] = prior.get("meta")  # rows measured by that run are kept as they were
     storm_opts = {"mode": "embedded", "min_bytes": 1 << 20, "pool_size": args.pool_size}
-    for w in (w for w in (W1, W2) if w.name in args.workloads):
+    for w in (WORKLOADS[name] for name in args.workloads):
         sec: dict = {"layers": w.layers, "rows": []}
         results[w.name] = sec
         done = {r["label"]: r for r in prior.get(w.name, {}).get("rows", [])}
 
-        def add(label: str, method: str, budget: int | None = None, k: int | None = None) -> dict:
+        def add(label: str, method: str, budget: int | None = None, k: int | None = None, **compiled: object) -> dict:
             if label in done:
                 sec["rows"].append(done[label])
                 return done[label]
-            row = {"label": label, "method": method, "budget_bytes": budget, "ckpt_blocks": k}
-            workload, how, opts = contender(w, row, storm_opts, sec.get("total_bytes"))
-            r = run(workload, how, args.steps, args.warmup, opts, device)
+            row = {"label": label, "method": method, "budget_bytes": budget, "ckpt_blocks": k, **compiled}
+            try:
+                workload, how, opts = contender(w, row, storm_opts, sec.get("total_bytes"))
+                r = measure_row(workload, how, args.steps, args.warmup, opts, device)
+            except Exception as e:  # a method that cannot run here (torchtune missing, a compile failing): its row says why
+                r = {"error": f"{type(e).__name__}: {e}"}
             if "peak_extra_GiB" in r:
                 r["peak_GiB"] = r.pop("peak_extra_GiB")
             row.update(r)
@@ -239,8 +152,14 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
                                f"and a run failed: none {none}, checkpoint {ckpt}")
         sec["total_bytes"] = int(none["peak_GiB"] * GiB)
         sec["bytes_per_block"] = (none["peak_GiB"] - ckpt["peak_GiB"]) * GiB / w.layers
-        sec["budgets"] = args.budgets or budgets(sec["total_bytes"], args.points)
+        ckpt_bytes = int(ckpt["peak_GiB"] * GiB)  # issue 40's caps: checkpointing's peak and half of it
+        sec["ckpt_budgets"] = {"checkpoint": sec["total_bytes"] - ckpt_bytes,
+                               "half_checkpoint": sec["total_bytes"] - ckpt_bytes // 2}
+        sec["budgets"] = sorted(set(args.budgets or budgets(sec["total_bytes"], args.points))
+                                | set(sec["ckpt_budgets"].values()))
         add("save_on_cpu", "save_on_cpu")
+        add("torchtune", "torchtune")
+        add("torchtune-checkpoint", "torchtune-checkpoint")
         add("storm-full", "storm")
         for b in sec["budgets"]:
             add(f"storm-budget {b / GiB:.2f}GiB", "storm-budget", budget=b)
@@ -248,7 +167,18 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
             add(f"ckpt-first-{k}", "ckpt-first", k=k)
         for b in sec["budgets"]:
             add(f"plan {(sec['total_bytes'] - b) / GiB:.2f}GiB", "plan", budget=b)
+        if args.compiled:
+            for mb in MEMORY_BUDGETS:
+                add("compiled" if mb == 1.0 else f"compiled budget {mb}", "none", compiled="graph", memory_budget=mb)
+            add("compiled storm-full", "storm", compiled="graph")  # STORM warns here: it records the peak anyway
+            add("blocks-compiled", "none", compiled="blocks")
+            low = next(r for r in sec["rows"] if r["label"] == f"compiled budget {MEMORY_BUDGETS[-1]}")
+            if "peak_GiB" in low:  # storm.plan on the blocks compiled, at the cap torch's lowest budget reached
+                cap = int(low["peak_GiB"] * GiB)
+                add(f"blocks-compiled plan {cap / GiB:.2f}GiB", "plan", budget=sec["total_bytes"] - cap,
+                    compiled="blocks")
         sec.update(summarize(sec, link))
+        sec["must_show"] = must_show(sec)
         write(args.out, results)
         if args.duel:
             sec["duel"] = []
@@ -308,54 +238,6 @@ def duel(w: Workload, sec: dict, args: argparse.Namespace, device: torch.device,
         none.close()
 
 
-def ratio_interval(mine: list[list[float]], theirs: list[list[float]], resamples: int = 2000,
-                   seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of median(mine) / median(theirs), all steps pooled, resampling
-    rounds (round i of each, together: they ran minutes apart at most, so drift moves both)."""
-    rng = random.Random(seed)
-    n = len(mine)
-    ratios = []
-    for _ in range(resamples):
-        picks = [rng.randrange(n) for _ in range(n)]
-        ratios.append(statistics.median(s for i in picks for s in mine[i])
-                      / statistics.median(s for i in picks for s in theirs[i]))
-    ratios.sort()
-    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
-
-
-def table(name: str, section: dict) -> str:
-    none_ms = next(r["step_ms"] for r in section["rows"] if r["method"] == "none")
-    lines = [f"{name}: no-offload peak {section['total_bytes'] / GiB:.3f} GiB, "
-             f"{section['bytes_per_block'] / GiB:.3f} GiB removed per recomputed block",
-             f"{'method':<24} {'step ms':>9} {'peak GiB':>9} {'x none':>7}"]
-    for r in section["rows"]:
-        if "step_ms" in r:
-            lines.append(f"{r['label']:<24} {r['step_ms']:>9.2f} {r['peak_GiB']:>9.3f} {r['step_ms'] / none_ms:>7.2f}")
-        else:
-            lines.append(f"{r['label']:<24} {r.get('error', 'failed'):>9}")
-    lines += ["", f"{'budget GiB':>10} {'peak cap GiB':>12} {'bound ms':>9} {'link-only':>9} {'plan ms':>8} "
-              f"{'plan GiB':>8} {'fits':>4} {'x bound':>7}  {'best other that fits':<24} {'ms':>8}"]
-    for p, b in zip(section["planner"], section["bound"]):
-        line = (f"{p['budget_bytes'] / GiB:>10.3f} {p['peak_cap_GiB']:>12.3f} {p['lower_bound_ms']:>9.2f} "
-                f"{b.get('link_only_ms', float('nan')):>9.2f} ")
-        line += (f"{p['step_ms']:>8.2f} {p['peak_GiB']:>8.3f} {'yes' if p['fits_cap'] else 'no':>4} "
-                 f"{p['step_ms'] / p['lower_bound_ms']:>7.2f}  " if p["step_ms"] is not None
-                 else f"{'failed':>8} {'':>8} {'':>4} {'':>7}  ")
-        line += (f"{p['best_other']:<24} {p['best_other_ms']:>8.2f}" if p["best_other"]
-                 else "none fits" + ("" if p.get("reachable", True) else ": unreachable"))
-        lines.append(line)
-    if section.get("duel"):
-        timed_none = all("none_ms" in d for d in section["duel"])  # not in results from before it was
-        lines += ["", "in alternation:", f"{'budget GiB':>10} {'plan ms':>8} {'other':<24} {'ms':>8} {'ratio':>6} "
-                  f"{'95% of rounds':>13}" + (f" {'none ms':>8} {'bound ms':>9} {'x bound':>7}" if timed_none else "")]
-        lines += [f"{d['budget_bytes'] / GiB:>10.3f} {d['plan_ms']:>8.2f} {d['other']:<24} {d['other_ms']:>8.2f} "
-                  f"{d['ratio']:>6.3f} "
-                  + (f"{d['ratio_95'][0]:>6.3f}-{d['ratio_95'][1]:<6.3f}" if "ratio_95" in d else f"{'':>13}")
-                  + (f" {d['none_ms']:>8.2f} {d['lower_bound_ms']:>9.2f} {d['x_bound']:>7.3f}" if timed_none else "")
-                  for d in section["duel"]]
-    return "\n".join(lines)
-
-
 def plot(results: dict, path: str) -> None:
     """Step time against peak memory, a marker series per method and the lower bound, a panel per workload."""
     import matplotlib
@@ -366,14 +248,18 @@ def plot(results: dict, path: str) -> None:
     names = [n for n, s in results.items() if isinstance(s, dict) and "rows" in s]
     fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 5.5), squeeze=False)
     markers = {"none": "o", "checkpoint": "s", "save_on_cpu": "v", "storm": "D", "storm-budget": "^",
-               "ckpt-first": "x", "plan": "*"}
+               "ckpt-first": "x", "plan": "*", "torchtune": "<", "torchtune-checkpoint": ">"}
+    names_of = {"storm": "storm-full", "plan": "storm.plan"}
     for ax, name in zip(axes[0], names):
         sec = results[name]
-        for method, marker in markers.items():
-            pts = [r for r in sec["rows"] if r["method"] == method and "step_ms" in r]
-            if pts:
-                ax.scatter([r["peak_GiB"] for r in pts], [r["step_ms"] for r in pts], marker=marker,
-                           label={"storm": "storm-full", "plan": "storm.plan"}.get(method, method))
+        for compiled in (None, "graph", "blocks"):
+            for method, marker in markers.items():
+                pts = [r for r in sec["rows"] if r["method"] == method and r.get("compiled") == compiled
+                       and "step_ms" in r]
+                if pts:
+                    label = names_of.get(method, method) + (f" ({compiled} compiled)" if compiled else "")
+                    ax.scatter([r["peak_GiB"] for r in pts], [r["step_ms"] for r in pts], label=label,
+                               marker=marker, facecolors="none" if compiled else None)
         bound = sorted(((sec["total_bytes"] - b["budget_bytes"]) / GiB, b["lower_bound_ms"]) for b in sec["bound"])
         ax.plot([x for x, _ in bound], [y for _, y in bound], "k--", label="lower bound at peak cap (total - b)")
         ax.set_xlabel("peak GPU memory above the step's start (GiB)")
@@ -388,7 +274,12 @@ def plot(results: dict, path: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", nargs="+", default=["W1"], choices=["W1", "W2"])
+    p.add_argument("--workloads", nargs="+", default=["W1"], choices=list(WORKLOADS),
+                   help="W1, W2, W3 (issue 40's Hugging Face Llama), W3L, tiny, W3-tiny")
+    p.add_argument("--compiled", action="store_true",
+                   help="also the compiled rows: torch.compile of the whole graph at activation_memory_budget "
+                        f"{', '.join(map(str, MEMORY_BUDGETS))} and with STORM's full offload; the blocks compiled "
+                        "one by one, alone and under storm.plan at the lowest budget's peak")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--points", type=int, default=10, help="budgets: this many fractions of the no-offload peak")
@@ -414,6 +305,8 @@ def main() -> int:
         for name, sec in results.items():
             if isinstance(sec, dict) and "rows" in sec:
                 sec.update(summarize(sec, results["link"]))
+                if "ckpt_budgets" in sec:
+                    sec["must_show"] = must_show(sec)
                 print(table(name, sec) + "\n")
         if args.plot:
             plot(results, args.plot)

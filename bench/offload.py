@@ -1,8 +1,13 @@
-"""W1/W2 step time and memory: no offload, checkpointing, save_on_cpu, STORM (embedded, daemon, frames, budgets, spill).
+"""Step time and memory per method: no offload, checkpointing, save_on_cpu, torchtune, STORM (embedded, daemon, frames, budgets, spill, plan).
 
-    python bench/offload.py --out bench/results/offload.json            # timings (CUDA)
+    python bench/offload.py --out bench/results/offload.json            # W1, W2 timings (CUDA)
     python bench/offload.py --check --out bench/results/bitexact.json   # gradients, bit for bit
     python bench/offload.py --check --device cpu --workloads tiny --pool-size 256MiB --min-bytes 0 --out x.json
+    python bench/offload.py --workloads W3L --methods checkpoint embedded plan --peak 40GiB --pool-size grow \
+        --steps 5 --warmup 2 --out bench/results/w3l.json                # W3L: samples/s, STORM beside checkpointing
+
+The workloads are bench/common.py's: W1, W2, W3 (issue 40's Hugging Face Llama), W3L (W3 at a batch
+that does not fit an 80 GB GPU without help) and their smoke sizes tiny and W3-tiny.
 
 Per method: median step time over --steps steps after --warmup, peak GPU memory
 above the model's (activations and what offload holds), bytes moved each way,
@@ -28,7 +33,8 @@ from pathlib import Path
 import torch
 
 import storm
-from common import GiB, TINY, W1, W2, Workload, cuda_device, link_bandwidth, run, start_daemon, stop_daemon, write
+from common import (WORKLOADS, GiB, Llama, Variant, Workload, cuda_device, link_bandwidth, run, start_daemon, stop_daemon,
+                    write)
 from storm.examples.models import same_bits
 from storm.report import progress
 
@@ -66,8 +72,8 @@ def spill_run(w: Workload, rows: dict, opts: dict, args: argparse.Namespace, dev
     return r
 
 
-def workloads(args: argparse.Namespace) -> list[Workload]:
-    chosen = [w for w in (W1, W2, TINY) if w.name in args.workloads]
+def workloads(args: argparse.Namespace) -> list[Workload | Llama]:
+    chosen = [WORKLOADS[name] for name in args.workloads]
     if args.batch:  # e.g. W1 at a batch whose activations do not fit on the GPU
         chosen = [dataclasses.replace(w, name=f"{w.name}_B{args.batch}", batch=args.batch) for w in chosen]
     return chosen
@@ -89,40 +95,42 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
     try:
         for w in workloads(args):
             rows: dict = {}
-            base_opts = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size,
+            base_opts = {"mode": "embedded", "min_bytes": args.min_bytes, **pool(args),
                          "max_held_bytes": args.max_held, "prefetch_bytes": args.prefetch, "budget": args.budget}
             plan = []
             for m in args.methods:
-                if m in ("none", "checkpoint", "save_on_cpu"):
-                    plan.append((m, m, {}))
+                if m in ("none", "checkpoint", "save_on_cpu", "torchtune"):
+                    plan.append((m, w, m, {}))
+                elif m == "torchtune-checkpoint":  # OffloadActivations over the checkpointed blocks' inputs
+                    plan.append((m, Variant(w, ckpt=True), "torchtune", {}))
                 elif m == "embedded":
-                    plan.append(("storm-embedded", "storm", base_opts))
+                    plan.append(("storm-embedded", w, "storm", base_opts))
                 elif m == "embedded-lowmem":  # a smaller copy queue and prefetch window: less memory held
-                    plan.append(("storm-embedded-lowmem", "storm",
+                    plan.append(("storm-embedded-lowmem", w, "storm",
                                  {**base_opts, "max_held_bytes": 256 << 20, "prefetch_bytes": 256 << 20}))
                 elif m == "daemon":
-                    plan.append(("storm-daemon", "storm", {**base_opts, "mode": "daemon", "socket": endpoint}))
+                    plan.append(("storm-daemon", w, "storm", {**base_opts, "mode": "daemon", "socket": endpoint}))
                 elif m == "daemon-client-copies":  # stormd with cuda_ipc off: the client copies into its pool
-                    plan.append(("storm-daemon-client-copies", "storm",
+                    plan.append(("storm-daemon-client-copies", w, "storm",
                                  {**base_opts, "mode": "daemon", "socket": client_endpoint}))
                 elif m == "embedded-frames":
-                    plan.append(("storm-embedded-frames", "storm", {**base_opts, "codec": "ancf_exp"}))
+                    plan.append(("storm-embedded-frames", w, "storm", {**base_opts, "codec": "ancf_exp"}))
                 elif m == "daemon-frames":
-                    plan.append(("storm-daemon-frames", "storm",
+                    plan.append(("storm-daemon-frames", w, "storm",
                                  {**base_opts, "mode": "daemon", "socket": endpoint, "codec": "ancf_exp"}))
                 elif m == "budgets":
-                    plan += [(f"storm-budget-{int(f * 100)}%", "storm", {**base_opts, "budget": f})
+                    plan += [(f"storm-budget-{int(f * 100)}%", w, "storm", {**base_opts, "budget": f})
                              for f in (0.25, 0.5, 0.75, 1.0)]
                 if m in ("budgets", "budget-fit"):
-                    plan.append(("storm-budget-fit", "storm", base_opts))
+                    plan.append(("storm-budget-fit", w, "storm", base_opts))
                 if m in ("plan", "plan-raw"):  # storm.plan at --budget; plan-raw: frames not allowed
-                    opts = {k: base_opts[k] for k in ("mode", "min_bytes", "pool_size")}
-                    plan.append((f"storm-{m}", "plan", {**opts, "budget": plan_budget(args.budget)}
+                    opts = {k: base_opts[k] for k in ("mode", "min_bytes", "pool_size") if k in base_opts}
+                    plan.append((f"storm-{m}", w, "plan", {**opts, **plan_target(args)}
                                  | ({"codec": "raw"} if m == "plan-raw" else {})))
             if "spill" in args.methods:
-                plan.append(("storm-daemon-spill", "storm", {**base_opts, "mode": "daemon"}))
+                plan.append(("storm-daemon-spill", w, "storm", {**base_opts, "mode": "daemon"}))
             with progress(len(plan), w.name) as advance:
-                for name, method, opts in plan:
+                for name, workload, method, opts in plan:
                     if name == "storm-daemon-spill":
                         rows[name] = spill_run(w, rows, opts, args, device)
                         advance(f"{w.name} {name}: {rows[name]}")
@@ -132,7 +140,7 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
                         if fwd_ms is None:
                             continue
                         opts = {**opts, "budget": int(bw["d2h_GBps"] * 1e9 * fwd_ms / 1e3)}
-                    r = run(w, method, args.steps, args.warmup, opts, device)
+                    r = run(workload, method, args.steps, args.warmup, opts, device)
                     rows[name] = r
                     advance(f"{w.name} {name}: {r}")
                     write(args.out, {**results, w.name: rows})  # what is done survives a time limit
@@ -162,7 +170,7 @@ def plot(args: argparse.Namespace, device: torch.device) -> None:
     from storm.report import BACKWARD, FORWARD, memory_timeline, plot_memory
 
     w = workloads(args)[0]
-    opts = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size,
+    opts = {"mode": "embedded", "min_bytes": args.min_bytes, **pool(args),
             "max_held_bytes": args.max_held, "prefetch_bytes": args.prefetch, "budget": args.budget}
     lines = []
     for label, offload in (("without STORM", None), ("with STORM (embedded)", opts)):
@@ -170,9 +178,9 @@ def plot(args: argparse.Namespace, device: torch.device) -> None:
 
         def step() -> None:
             with record_function(FORWARD), (storm.offload(**offload) if offload else contextlib.nullcontext()):
-                y = model(x)
+                y = w.forward(model, x)
             with record_function(BACKWARD):
-                y.float().pow(2).mean().backward()
+                w.objective(y).backward()
 
         step()  # warm-up: the pool is pinned and the allocator's caches are filled outside the picture
         lines.append(memory_timeline(label, step, device))
@@ -191,7 +199,7 @@ def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
         for w in workloads(args):
             ref = None
             row = {}
-            embedded = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size}
+            embedded = {"mode": "embedded", "min_bytes": args.min_bytes, **pool(args)}
             daemon_opts = {"mode": "daemon", "socket": endpoint, "min_bytes": args.min_bytes}
             storm_rows = {"embedded": embedded, "daemon": daemon_opts,
                           "embedded-frames": {**embedded, "codec": "ancf_exp"},
@@ -203,11 +211,11 @@ def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
                                *((f"storm-{m}", storm_rows[m]) for m in args.methods if m in storm_rows)):
                 model, x = w.build(device)
                 if opts is None:
-                    y = model(x)
+                    y = w.forward(model, x)
                 else:
                     with storm.offload(**opts) as ctx:
-                        y = model(x)
-                y.float().pow(2).mean().backward()
+                        y = w.forward(model, x)
+                w.objective(y).backward()
                 grads = [p.grad for p in model.parameters()]
                 if ref is None:
                     ref = [g.clone() for g in grads]
@@ -232,26 +240,39 @@ def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
 def plan_budget(budget: str | None) -> float | str:
     """--budget for storm.plan: a fraction of a step's offloadable bytes ("0.3") or bytes ("6GiB")."""
     if budget is None:
-        raise SystemExit("the plan methods need --budget (a fraction such as 0.3, or bytes such as 6GiB)")
+        raise SystemExit("the plan methods need --budget (a fraction such as 0.3, or bytes such as 6GiB) or --peak")
     try:
         return float(budget)
     except ValueError:
         return budget
 
 
+def plan_target(args: argparse.Namespace) -> dict:
+    """storm.plan's target: peak=--peak where given, else budget=--budget."""
+    return {"peak": args.peak} if args.peak is not None else {"budget": plan_budget(args.budget)}
+
+
+def pool(args: argparse.Namespace) -> dict:
+    """The embedded store's pool_size option: none for --pool-size grow (the pool grows on demand)."""
+    return {} if args.pool_size == "grow" else {"pool_size": args.pool_size}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", nargs="+", default=["W1", "W2"], help="W1, W2, tiny (a smoke run's)")
+    p.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=list(WORKLOADS),
+                   help="W1, W2, tiny (a smoke run's), W3 (issue 40's Llama; W3L at batch 24, W3-tiny)")
     p.add_argument("--device", default="cuda", help="--check compares gradients on cpu too; the timings need CUDA")
     p.add_argument("--methods", nargs="+", default=None,
                    help="timings: none checkpoint save_on_cpu embedded embedded-lowmem daemon budgets (the "
                         "default), daemon-client-copies, embedded-frames, daemon-frames, budget-fit, spill, "
-                        "plan and plan-raw (storm.plan at --budget; plan-raw without frames); "
+                        "torchtune and torchtune-checkpoint (torchtune's OffloadActivations), "
+                        "plan and plan-raw (storm.plan at --peak or --budget; plan-raw without frames); "
                         "--check: embedded daemon embedded-frames daemon-frames (the default), embedded-budget, "
                         "daemon-budget (with --budget in bytes)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--pool-size", default="24GiB")
+    p.add_argument("--pool-size", default="24GiB",
+                   help="the stores' pool; grow: the embedded store's default, a pool that grows on demand")
     p.add_argument("--min-bytes", type=int, default=1 << 20)
     p.add_argument("--max-held", type=int, default=512 << 20)
     p.add_argument("--prefetch", type=int, default=512 << 20)
@@ -260,6 +281,7 @@ def main() -> int:
                    help="spill method: the daemon's pool as a fraction of a step's offloaded bytes")
     p.add_argument("--spill-dir", default="/var/tmp", help="spill method: where the spill file goes (local disk)")
     p.add_argument("--budget", default=None, help="storm.offload(budget=...) for the embedded/daemon methods")
+    p.add_argument("--peak", default=None, help="plan methods: storm.plan(peak=...) instead of --budget (e.g. 60GiB)")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="also draw GPU memory over one step of the first workload, without and with STORM")
     p.add_argument("--check", action="store_true", help="compare gradients bit for bit instead of timing")
@@ -268,6 +290,8 @@ def main() -> int:
     if args.methods is None:
         args.methods = (["embedded", "daemon", "embedded-frames", "daemon-frames"] if args.check else
                         ["none", "checkpoint", "save_on_cpu", "embedded", "embedded-lowmem", "daemon", "budgets"])
+    if args.pool_size == "grow" and any(m.startswith("daemon") or m == "spill" for m in args.methods):
+        p.error("--pool-size grow sizes the embedded store's pool only; a stormd's pool needs a size")
     if args.check and any(m.endswith("-budget") for m in args.methods) and args.budget is None:
         p.error("--check with a budget row needs --budget (bytes, e.g. 2GiB)")
     if args.device == "cuda":

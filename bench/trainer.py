@@ -16,6 +16,7 @@ and whether every parameter after training is bit-identical to the first run's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import cuda_device, start_daemon, stop_daemon, write
+from common import W3, W3_TINY, cuda_device, start_daemon, stop_daemon, write
 
 import storm
 from storm.integrations.transformers import StormCallback
@@ -32,18 +33,11 @@ GiB = 1 << 30
 
 
 def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if args.tiny:
-        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq)
-    else:  # issue 40's Llama, fewer layers: 2048 wide, MLP 5632, 16 heads / 4 KV heads
-        cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=args.layers,
-                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=args.seq)
-    cfg._attn_implementation = args.attn if device.type == "cuda" else "eager"
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return LlamaForCausalLM(cfg).to(device, dtype)
+    """common.py's W3 (issue 40's Llama) with --layers, or its tiny variant; bf16 on CUDA with
+    --attn, float32 and eager attention on the CPU."""
+    w = W3_TINY if args.tiny else dataclasses.replace(W3, layers=args.layers)
+    w = dataclasses.replace(w, seq=args.seq, attn=args.attn if device.type == "cuda" else "eager")
+    return w.model(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
 class Tokens(torch.utils.data.Dataset):
