@@ -161,6 +161,16 @@ W3_TINY = Llama("W3-tiny", layers=2, hidden=64, mlp=128, heads=4, kv_heads=2, vo
 WORKLOADS = {w.name: w for w in (W1, W2, TINY, W3, W3L, W3_TINY)}
 
 
+def workloads(names: list[str], batch: int | None = None, layers: int | None = None) -> list[Workload | Llama]:
+    """The WORKLOADS named, at another batch or depth where given, the name saying so (W1_B256, W3_L4)."""
+    chosen = [WORKLOADS[name] for name in names]
+    if batch:  # e.g. W1 at a batch whose activations do not fit on the GPU
+        chosen = [dataclasses.replace(w, name=f"{w.name}_B{batch}", batch=batch) for w in chosen]
+    if layers:  # e.g. a smoke run of W3 on fewer layers
+        chosen = [dataclasses.replace(w, name=f"{w.name}_L{layers}", layers=layers) for w in chosen]
+    return chosen
+
+
 @dataclass(frozen=True)
 class Variant:
     """A workload built another way: compiled as one graph (``compile="graph"``:

@@ -56,7 +56,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from common import (WORKLOADS, GiB, Llama, Net, Trainer, Variant, Workload, cuda_device, link_bandwidth, plan_summary,
-                    run, write)
+                    run, workloads, write)
 from stormd.wire.sizes import parse_size
 
 
@@ -123,7 +123,7 @@ def measure(args: argparse.Namespace, device: torch.device, measure_row: Callabl
     if prior:
         results["resumed_from"] = prior.get("meta")  # rows measured by that run are kept as they were
     storm_opts = {"mode": "embedded", "min_bytes": 1 << 20, "pool_size": args.pool_size}
-    for w in (WORKLOADS[name] for name in args.workloads):
+    for w in workloads(args.workloads, args.batch, args.layers):
         sec: dict = {"layers": w.layers, "rows": []}
         results[w.name] = sec
         done = {r["label"]: r for r in prior.get(w.name, {}).get("rows", [])}
@@ -280,6 +280,8 @@ def main() -> int:
                    help="also the compiled rows: torch.compile of the whole graph at activation_memory_budget "
                         f"{', '.join(map(str, MEMORY_BUDGETS))} and with STORM's full offload; the blocks compiled "
                         "one by one, alone and under storm.plan at the lowest budget's peak")
+    p.add_argument("--batch", type=int, default=None, help="override the workloads' batch size")
+    p.add_argument("--layers", type=int, default=None, help="override the workloads' depth (smoke runs)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--points", type=int, default=10, help="budgets: this many fractions of the no-offload peak")
@@ -318,8 +320,8 @@ def main() -> int:
     if device is None:
         return 2
     results = measure(args, device)
-    for name in args.workloads:
-        print(table(name, results[name]) + "\n")
+    for w in workloads(args.workloads, args.batch, args.layers):
+        print(table(w.name, results[w.name]) + "\n")
     if args.plot:
         plot(results, args.plot)
     return 0

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 import storm
-from common import (WORKLOADS, GiB, Llama, Variant, Workload, cuda_device, link_bandwidth, run, start_daemon, stop_daemon,
-                    write)
+from common import (WORKLOADS, GiB, Variant, Workload, cuda_device, link_bandwidth, run, start_daemon, stop_daemon,
+                    workloads, write)
 from storm.examples.models import same_bits
 from storm.report import progress
 
@@ -72,13 +72,6 @@ def spill_run(w: Workload, rows: dict, opts: dict, args: argparse.Namespace, dev
     return r
 
 
-def workloads(args: argparse.Namespace) -> list[Workload | Llama]:
-    chosen = [WORKLOADS[name] for name in args.workloads]
-    if args.batch:  # e.g. W1 at a batch whose activations do not fit on the GPU
-        chosen = [dataclasses.replace(w, name=f"{w.name}_B{args.batch}", batch=args.batch) for w in chosen]
-    return chosen
-
-
 def timings(args: argparse.Namespace, device: torch.device) -> dict:
     bw = link_bandwidth(device)
     print(f"link: {bw}", flush=True)
@@ -93,7 +86,7 @@ def timings(args: argparse.Namespace, device: torch.device) -> dict:
         daemons.append(start_daemon(Path(tempfile.mkdtemp()), args.pool_size, "--no-cuda-ipc"))
         client_endpoint = daemons[-1][1]
     try:
-        for w in workloads(args):
+        for w in workloads(args.workloads, args.batch, args.layers):
             rows: dict = {}
             base_opts = {"mode": "embedded", "min_bytes": args.min_bytes, **pool(args),
                          "max_held_bytes": args.max_held, "prefetch_bytes": args.prefetch, "budget": args.budget}
@@ -169,7 +162,7 @@ def plot(args: argparse.Namespace, device: torch.device) -> None:
 
     from storm.report import BACKWARD, FORWARD, memory_timeline, plot_memory
 
-    w = workloads(args)[0]
+    w = workloads(args.workloads, args.batch, args.layers)[0]
     opts = {"mode": "embedded", "min_bytes": args.min_bytes, **pool(args),
             "max_held_bytes": args.max_held, "prefetch_bytes": args.prefetch, "budget": args.budget}
     lines = []
@@ -196,7 +189,7 @@ def bitexact(args: argparse.Namespace, device: torch.device) -> dict:
     results: dict = {"deterministic_algorithms": True}
     daemon, endpoint = start_daemon(Path(tempfile.mkdtemp()), args.pool_size)
     try:
-        for w in workloads(args):
+        for w in workloads(args.workloads, args.batch, args.layers):
             ref = None
             row = {}
             embedded = {"mode": "embedded", "min_bytes": args.min_bytes, **pool(args)}
@@ -277,6 +270,7 @@ def main() -> int:
     p.add_argument("--max-held", type=int, default=512 << 20)
     p.add_argument("--prefetch", type=int, default=512 << 20)
     p.add_argument("--batch", type=int, default=None, help="override the workloads' batch size")
+    p.add_argument("--layers", type=int, default=None, help="override the workloads' depth (smoke runs)")
     p.add_argument("--spill-fraction", type=float, default=0.25,
                    help="spill method: the daemon's pool as a fraction of a step's offloaded bytes")
     p.add_argument("--spill-dir", default="/var/tmp", help="spill method: where the spill file goes (local disk)")

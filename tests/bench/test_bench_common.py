@@ -34,6 +34,14 @@ def test_percentile_is_the_nearest_rank():
     assert common.percentile(values, 0.99) == 5.0
 
 
+def test_workloads_by_name_at_another_batch_or_depth():
+    assert [w.name for w in common.workloads(["W2", "tiny"])] == ["W2", "tiny"]
+    (w,) = common.workloads(["W1"], batch=256)  # moved here from test_bench_offload.py with offload.workloads
+    assert (w.name, w.batch, w.layers) == ("W1_B256", 256, 12)
+    (w,) = common.workloads(["W3"], layers=4)
+    assert (w.name, w.layers, w.batch, w.hidden) == ("W3_L4", 4, 4, 2048)
+
+
 def test_the_tiny_workload_builds_a_bf16_model_of_its_size():
     model, x = common.TINY.build(torch.device("cpu"))
     assert len(model.blocks) == common.TINY.layers and x.shape == (2, 32, 64) and x.dtype == torch.bfloat16

@@ -4,8 +4,6 @@ only (without it the script exits 2)."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 from helpers import bench_module, bench_result, run_bench
@@ -42,14 +40,6 @@ def test_the_timings_without_cuda_measure_nothing_and_say_so(tmp_path):
 def test_the_timings_refuse_another_device():
     r = run_bench("offload.py", "--device", "cpu", "--out", "unused.json")
     assert r.returncode == 2 and "the timings measure on CUDA" in r.stderr, r.stderr
-
-
-def test_workloads_by_name_and_at_another_batch():
-    args = argparse.Namespace(workloads=["W2", "tiny"], batch=None)
-    assert [w.name for w in offload.workloads(args)] == ["W2", "tiny"]
-    args = argparse.Namespace(workloads=["W1"], batch=256)
-    (w,) = offload.workloads(args)
-    assert (w.name, w.batch, w.layers) == ("W1_B256", 256, 12)
 
 
 def test_a_plans_budget_is_a_fraction_or_bytes():

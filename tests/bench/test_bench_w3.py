@@ -159,7 +159,7 @@ class FakeRun:
 
 def test_frontier_measures_w3s_rows_at_checkpointings_caps_and_gives_the_must_show_verdicts(tmp_path):
     fake = FakeRun()
-    args = argparse.Namespace(workloads=["W3-tiny"], steps=1, warmup=0, points=2, budgets=None, pool_size="64MiB",
+    args = argparse.Namespace(workloads=["W3-tiny"], batch=None, layers=None, steps=1, warmup=0, points=2, budgets=None, pool_size="64MiB",
                               duel=0, resume=None, out=str(tmp_path / "f.json"), compiled=True)
     results = frontier.measure(args, CPU, measure_row=fake, link={"d2h_GBps": 50.0, "h2d_GBps": 50.0})
     sec = results["W3-tiny"]
