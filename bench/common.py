@@ -265,15 +265,12 @@ def torchtune_offload() -> type:
     ImportError, saying what is missing, where torchtune or its torchao is not installed."""
     import importlib.util
 
-    try:
-        return importlib.import_module("torchtune.training").OffloadActivations
-    except ImportError:
-        pass
     for name in ("torchtune", "torchtune.training"):
-        spec = importlib.util.find_spec(name)
-        if spec is None:
-            raise ImportError(f"{name} is not installed (bench/on_device.sh installs the wheels in .whl/)")
-        sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
+        if name not in sys.modules:
+            spec = importlib.util.find_spec(name)
+            if spec is None:
+                raise ImportError(f"{name} is not installed (bench/on_device.sh installs the wheels in .whl/)")
+            sys.modules[name] = importlib.util.module_from_spec(spec)  # its package path, its __init__ not run
     return importlib.import_module("torchtune.training._activation_offloading").OffloadActivations
 
 
@@ -360,9 +357,11 @@ def plan_summary(pl: storm.Planner) -> dict:
 
 def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opts: dict, device: torch.device) -> dict:
     """``method`` on ``w`` (a Trainer) on CUDA: the median step and its peak above the start, and
-    for an offloading method what moved; {"error": "OOM"} where it ran out of memory."""
-    t = Trainer(w, method, opts, device)
+    for an offloading method what moved; {"error": "OOM"} where it ran out of memory, and the
+    exception's type and message where it raised another."""
+    t = None
     try:
+        t = Trainer(w, method, opts, device)
         t.warm(warmup)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -393,8 +392,11 @@ def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opt
             r.update(plan=plan_summary(t.planner), explain=t.planner.explain())
     except torch.OutOfMemoryError:
         r = {"error": "OOM"}
+    except Exception as e:  # a method that cannot run here (torchtune not installed, a compile failing): its row says why
+        r = {"error": f"{type(e).__name__}: {e}"}
     finally:
-        t.close()
+        if t is not None:
+            t.close()
     return r
 
 

@@ -26,7 +26,7 @@ from the no-offload step, the pinned bandwidths measured in the same run and
 what recomputing a block removes; budgets no method fits are marked
 unreachable; compiled rows are not compared with the eager planner's), and the must-show
 verdicts of issue 40 (summary.must_show). A method that cannot run here (torchtune not installed,
-a compile failing) leaves a row saying why and the run goes on. With --duel R, per budget the
+a compile failing) leaves a row saying why (common.run) and the run goes on. With --duel R, per budget the
 planner, that best other method and no offload are then built side by side and timed in
 alternation, R rounds of
 --steps steps each (each round in a shuffled order), and the planner is compared
@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import random
 import statistics
 import sys
@@ -133,11 +134,8 @@ def measure(args: argparse.Namespace, device: torch.device, measure_row: Callabl
                 sec["rows"].append(done[label])
                 return done[label]
             row = {"label": label, "method": method, "budget_bytes": budget, "ckpt_blocks": k, **compiled}
-            try:
-                workload, how, opts = contender(w, row, storm_opts, sec.get("total_bytes"))
-                r = measure_row(workload, how, args.steps, args.warmup, opts, device)
-            except Exception as e:  # a method that cannot run here (torchtune missing, a compile failing): its row says why
-                r = {"error": f"{type(e).__name__}: {e}"}
+            workload, how, opts = contender(w, row, storm_opts, sec.get("total_bytes"))
+            r = measure_row(workload, how, args.steps, args.warmup, opts, device)
             if "peak_extra_GiB" in r:
                 r["peak_GiB"] = r.pop("peak_extra_GiB")
             row.update(r)
@@ -152,7 +150,7 @@ def measure(args: argparse.Namespace, device: torch.device, measure_row: Callabl
                                f"and a run failed: none {none}, checkpoint {ckpt}")
         sec["total_bytes"] = int(none["peak_GiB"] * GiB)
         sec["bytes_per_block"] = (none["peak_GiB"] - ckpt["peak_GiB"]) * GiB / w.layers
-        ckpt_bytes = int(ckpt["peak_GiB"] * GiB)  # issue 40's caps: checkpointing's peak and half of it
+        ckpt_bytes = math.ceil(ckpt["peak_GiB"] * GiB)  # issue 40's caps: checkpointing's peak and half of it
         sec["ckpt_budgets"] = {"checkpoint": sec["total_bytes"] - ckpt_bytes,
                                "half_checkpoint": sec["total_bytes"] - ckpt_bytes // 2}
         sec["budgets"] = sorted(set(args.budgets or budgets(sec["total_bytes"], args.points))
@@ -174,7 +172,7 @@ def measure(args: argparse.Namespace, device: torch.device, measure_row: Callabl
             add("blocks-compiled", "none", compiled="blocks")
             low = next(r for r in sec["rows"] if r["label"] == f"compiled budget {MEMORY_BUDGETS[-1]}")
             if "peak_GiB" in low:  # storm.plan on the blocks compiled, at the cap torch's lowest budget reached
-                cap = int(low["peak_GiB"] * GiB)
+                cap = math.ceil(low["peak_GiB"] * GiB)  # a cap a peak as measured fits
                 add(f"blocks-compiled plan {cap / GiB:.2f}GiB", "plan", budget=sec["total_bytes"] - cap,
                     compiled="blocks")
         sec.update(summarize(sec, link))

@@ -125,6 +125,15 @@ def test_torchtunes_offload_activations_imports_without_its_dataset_stack():
         t.close()
 
 
+def test_a_row_that_cannot_run_leaves_its_reason_and_the_run_goes_on():
+    class Unbuildable(common.Llama):
+        def build(self, device, ckpt=False, seed=0):
+            raise ImportError("transformers is not installed")
+
+    w = Unbuildable(**dataclasses.asdict(common.W3_TINY))
+    assert common.run(w, "none", 1, 1, {}, CPU) == {"error": "ImportError: transformers is not installed"}
+
+
 class FakeRun:
     """common.run's results for W3's rows, made up: what each row was asked for is kept."""
 
@@ -136,7 +145,7 @@ class FakeRun:
     def __call__(self, w, method, steps, warmup, opts, device):
         self.calls.append((w, method, opts))
         if method == "torchtune" and isinstance(w, common.Variant):
-            raise ImportError("torchtune is not installed")  # a row that cannot run here
+            return {"error": "ImportError: torchtune is not installed"}  # a row that cannot run here
         compiled = getattr(w, "compile", None)
         if method == "plan":  # fits its cap; 100 ms at checkpointing's peak, 104 below it, 90 above
             peak = opts["peak"] / GiB
