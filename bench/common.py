@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._functorch.config
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -392,7 +393,7 @@ def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opt
             r.update(plan=plan_summary(t.planner), explain=t.planner.explain())
     except torch.OutOfMemoryError:
         r = {"error": "OOM"}
-    except Exception as e:  # a method that cannot run here (torchtune not installed, a compile failing): its row says why
+    except Exception as e:  # a method that cannot run here (torchtune missing, a compile failing): the row says why
         r = {"error": f"{type(e).__name__}: {e}"}
     finally:
         if t is not None:

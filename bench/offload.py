@@ -1,4 +1,4 @@
-"""Step time and memory per method: no offload, checkpointing, save_on_cpu, torchtune, STORM (embedded, daemon, frames, budgets, spill, plan).
+"""Step time and memory per method: no offload, checkpointing, save_on_cpu, torchtune, STORM (embedded, daemon, plan...).
 
     python bench/offload.py --out bench/results/offload.json            # W1, W2 timings (CUDA)
     python bench/offload.py --check --out bench/results/bitexact.json   # gradients, bit for bit

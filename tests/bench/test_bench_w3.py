@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torch._functorch.config
 from helpers import bench_module
 
 common = bench_module("common")
@@ -137,7 +138,7 @@ def test_a_row_that_cannot_run_leaves_its_reason_and_the_run_goes_on():
 class FakeRun:
     """common.run's results for W3's rows, made up: what each row was asked for is kept."""
 
-    PEAKS = {"none": 10.0, "checkpoint": 2.0, "save_on_cpu": 1.0, "torchtune": 1.5, "storm": 1.2}
+    PEAKS = {"none": 10.0, "checkpoint": 2.001, "save_on_cpu": 1.0, "torchtune": 1.5, "storm": 1.2}
 
     def __init__(self):
         self.calls = []
@@ -150,7 +151,7 @@ class FakeRun:
         if method == "plan":  # fits its cap; 100 ms at checkpointing's peak, 104 below it, 90 above
             peak = opts["peak"] / GiB
             return {"step_ms": 100.0 if abs(peak - 2.0) < 0.01 else 104.0 if peak < 2 else 90.0,
-                    "peak_extra_GiB": round(peak, 3)}
+                    "peak_extra_GiB": peak}
         if compiled == "graph" and method == "storm":
             return {"step_ms": 200.0, "peak_extra_GiB": 4.0}
         if compiled == "graph":  # torch's activation_memory_budget: less memory, more time
@@ -168,16 +169,20 @@ class FakeRun:
 
 def test_frontier_measures_w3s_rows_at_checkpointings_caps_and_gives_the_must_show_verdicts(tmp_path):
     fake = FakeRun()
-    args = argparse.Namespace(workloads=["W3-tiny"], batch=None, layers=None, steps=1, warmup=0, points=2, budgets=None, pool_size="64MiB",
-                              duel=0, resume=None, out=str(tmp_path / "f.json"), compiled=True)
+    args = argparse.Namespace(workloads=["W3-tiny"], batch=None, layers=None, steps=1, warmup=0, points=2,
+                              budgets=None, pool_size="64MiB", duel=0, resume=None, out=str(tmp_path / "f.json"),
+                              compiled=True)
     results = frontier.measure(args, CPU, measure_row=fake, link={"d2h_GBps": 50.0, "h2d_GBps": 50.0})
     sec = results["W3-tiny"]
     labels = [r["label"] for r in sec["rows"]]
     assert {"none", "checkpoint", "save_on_cpu", "torchtune", "torchtune-checkpoint", "storm-full", "compiled",
             "compiled budget 0.5", "compiled budget 0.1", "compiled storm-full", "blocks-compiled"} <= set(labels)
-    # the caps at checkpointing's peak (2 GiB) and half of it are among the budgets, each with a plan row
-    assert sec["ckpt_budgets"] == {"checkpoint": 8 * GiB, "half_checkpoint": 9 * GiB}
-    assert {8 * GiB, 9 * GiB} <= set(sec["budgets"]) and {"plan 2.00GiB", "plan 1.00GiB"} <= set(labels)
+    # the caps at checkpointing's peak (2.001 GiB, rounded up to a byte) and half of it are among the budgets,
+    # each with a plan row
+    cap = math.ceil(2.001 * GiB)
+    assert sec["ckpt_budgets"] == {"checkpoint": 10 * GiB - cap, "half_checkpoint": 10 * GiB - cap // 2}
+    assert set(sec["ckpt_budgets"].values()) <= set(sec["budgets"])
+    assert {"plan 2.00GiB", "plan 1.00GiB"} <= set(labels)
     # a row that cannot run says why, and the run went on past it
     failed = next(r for r in sec["rows"] if r["label"] == "torchtune-checkpoint")
     assert failed["error"] == "ImportError: torchtune is not installed"
@@ -187,9 +192,10 @@ def test_frontier_measures_w3s_rows_at_checkpointings_caps_and_gives_the_must_sh
     assert [(c[0].compile, c[0].memory_budget) for c in fake.calls if getattr(c[0], "compile", None) == "graph"
             and c[1] == "none"] == [("graph", 1.0), ("graph", 0.5), ("graph", 0.1)]
     verdicts = sec["must_show"]
+    # the plan's peak, measured equal to checkpointing's, fits the cap taken from it
     assert verdicts["plan_at_checkpoint_peak"]["x_checkpoint"] == 1.0 and verdicts["plan_at_checkpoint_peak"]["holds"]
     half = verdicts["plan_at_half_checkpoint_peak"]
-    assert half["x_checkpoint"] == 1.04 and half["holds"] and half["cap_GiB"] == 1.0
+    assert half["x_checkpoint"] == 1.04 and half["holds"] and half["cap_GiB"] == round(cap // 2 / GiB, 3)
     compiled = verdicts["blocks_compiled_plan_vs_budget_0.1"]
     assert compiled["fits_cap"] and compiled["x"] == 1.5 and not compiled["holds"]  # 90 ms against 60
     assert verdicts["graph_compiled_full_offload"]["fraction_removed"] == round(1 - 4.0 / 5.0, 3)
@@ -207,7 +213,8 @@ def test_a_plan_slower_than_checkpointing_at_its_peak_fails_that_verdict():
                         "x_other": 1.01}],
            "ckpt_budgets": {"checkpoint": 8 * GiB, "half_checkpoint": 9 * GiB}}
     verdicts = summary.must_show(sec)
-    assert not verdicts["plan_at_checkpoint_peak"]["holds"] and verdicts["plan_at_checkpoint_peak"]["x_checkpoint"] == 1.01
+    at_ckpt = verdicts["plan_at_checkpoint_peak"]
+    assert not at_ckpt["holds"] and at_ckpt["x_checkpoint"] == 1.01
     assert not verdicts["plan_vs_best_other"]["holds"]
     assert verdicts["plan_at_half_checkpoint_peak"]["x_checkpoint"] is None  # no plan row at that cap
     assert not verdicts["blocks_compiled_plan_vs_budget_0.1"]["holds"]
