@@ -115,6 +115,7 @@ def test_torchtunes_offload_activations_imports_without_its_dataset_stack():
     except ImportError as e:
         pytest.skip(f"torchtune is not importable here: {e}")
     assert offload_activations.__name__ == "OffloadActivations"
+    assert common.torchtune_offload() is offload_activations  # a second row finds it loaded
     if not torch.cuda.is_available():
         pytest.skip("OffloadActivations copies on CUDA streams: its rows run where CUDA is")
     w, method, opts = frontier.contender(common.W3_TINY, {"method": "torchtune-checkpoint"}, STORM)
