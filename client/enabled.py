@@ -14,6 +14,12 @@ hook, always called, exits it, so saves made inside the model's forward go to
 the store and come back in backward, which ``storm.offload`` serves after its
 ``with`` has ended.
 
+A model compiled as one graph (``torch.compile(model)``, ``model.compile()``) hands its saved
+tensors over only once its whole forward has run, after the peak: a warning says so
+once, at enable or where the first forward is compiled, naming per-block compile. The hooks run
+eagerly (``torch.compiler.disable``): inside a compiled region dynamo would run them at trace
+time only.
+
 Forwards under ``torch.no_grad()`` or ``torch.inference_mode()`` (evaluation,
 generation) save nothing for backward: they get no context, and a planner does
 not count them as steps. Wrappers whose ``.module`` holds all their parameters
@@ -29,6 +35,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from .compiled import compiled, probe_compiling, warn_whole_graph
 from .hooks import Offload
 from .planner import Planner, plan
 
@@ -88,9 +95,14 @@ class Enabled:
         self.last: Offload | None = None
         self._options = options
         self._scopes: list[Offload | None] = []  # one per begin() not yet ended; None where none was entered
-        self._hooks = [model.register_forward_pre_hook(lambda m, args: self.begin()),
-                       model.register_forward_hook(lambda m, args, out: self.end(), always_call=True)
+        self._hooks = [model.register_forward_pre_hook(torch.compiler.disable(lambda m, args: self.begin())),
+                       model.register_forward_hook(torch.compiler.disable(lambda m, args, out: self.end()),
+                                                   always_call=True)
                        ] if on_forward else []
+        if planner is None:  # a plan probes its blocks itself (planner/wiring.py)
+            if compiled(model):
+                _warn_offload_whole_graph()
+            self._hooks.append(model.register_forward_pre_hook(probe_compiling(_warn_offload_whole_graph)))
 
     def begin(self) -> None:
         """A step begins: the next storm.offload context (the plan's, with a planner) is entered,
@@ -135,6 +147,10 @@ class Enabled:
             del _enabled[id(self.model)]
 
 
+def _warn_offload_whole_graph() -> None:
+    warn_whole_graph("storm.enable", "the model's forward, offloaded as a whole,")
+
+
 def enable(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None, budget: int | float | str | None = None,
            peak: int | str | None = None, on_forward: bool = True, **options: Any) -> Enabled:
     """Turn STORM on for every forward of ``model`` that runs with grad enabled; returns the
@@ -146,7 +162,7 @@ def enable(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None, budge
     ``storm.plan(blocks, budget= or peak=, **options)``, where ``blocks`` are the model's
     repeated layers, found by ``find_blocks`` unless given. ``options``: storm.offload's
     (``budget`` excepted, which is the plan's here), and with a plan ``reentrant`` and
-    ``clock``. ``on_forward=False`` puts no hooks on the model: the caller marks each step with
+    ``clock``. ``on_forward=False`` puts no step hooks on the model: the caller marks each step with
     ``begin()`` (before forward) and ``end()`` (before backward), as the Lightning callback does.
     A model (or a module of it, or a model it is part of) already enabled is refused."""
     model = unwrap(model)

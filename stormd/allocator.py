@@ -2,7 +2,10 @@
 
 The pool is one contiguous segment; the allocator only does arithmetic on
 offsets and never touches the memory. It may grow at its end (the embedded
-store's pool grows on demand, growth.py); extents never move. Free extents
+store's pool grows on demand, growth.py); extents never move, and none spans
+the offset where the pool grew: each growth is page-locked on its own
+(cudaHostRegister), and CUDA refuses a copy whose host range runs from one
+locked range into the next. Free extents
 are indexed twice: by (size, offset) to find the best fit, and by offset to
 merge neighbours. ``Allocator`` is what the store and the step placement need
 of one, so a test can hand the store an allocator of its own.
@@ -68,6 +71,7 @@ class ExtentAllocator:
         self._used: dict[int, int] = {}  # offset -> aligned size
         self._used_bytes = 0
         self._peak = 0
+        self._bounds: set[int] = set()  # the capacities it grew from: no extent spans one
 
     def aligned(self, nbytes: int) -> int:
         """The bytes an extent of ``nbytes`` takes: rounded up to the alignment."""
@@ -96,12 +100,12 @@ class ExtentAllocator:
         self._used_bytes -= size
         start, end = offset, offset + size
         i = self._by_offset.bisect_left(offset)
-        if i > 0:
+        if i > 0 and start not in self._bounds:
             prev_off, prev_size = self._by_offset.peekitem(i - 1)
             if prev_off + prev_size == start:
                 self._remove_free(prev_off, prev_size)
                 start = prev_off
-        nxt = self._by_offset.get(end)
+        nxt = None if end in self._bounds else self._by_offset.get(end)
         if nxt is not None:
             self._remove_free(end, nxt)
             end += nxt
@@ -112,20 +116,16 @@ class ExtentAllocator:
         return self._used[offset]
 
     def grow(self, capacity: int) -> None:
-        """Add [old capacity, ``capacity``) as free space, merged with a free extent that ends at the old
-        capacity; extents already handed out keep their offsets."""
+        """Add [old capacity, ``capacity``) as free space, a free extent of its own that no later
+        free merges across (see the module's docstring); extents already handed out keep their
+        offsets."""
         capacity -= capacity % self.alignment
         if capacity < self.capacity:
             raise ValueError(f"an allocator only grows: {capacity} is below its capacity {self.capacity}")
         if capacity == self.capacity:
             return
-        start = self.capacity
-        if self._by_offset:
-            last_off, last_size = self._by_offset.peekitem(-1)
-            if last_off + last_size == start:
-                self._remove_free(last_off, last_size)
-                start = last_off
-        self._insert_free(start, capacity - start)
+        self._bounds.add(self.capacity)
+        self._insert_free(self.capacity, capacity - self.capacity)
         self.capacity = capacity
 
     def _insert_free(self, offset: int, size: int) -> None:
@@ -159,8 +159,9 @@ class ExtentAllocator:
             off, size = nf if is_free else nu
             assert off == pos, f"gap or overlap at offset {pos} (next extent starts at {off})"
             assert size > 0 and size % align == 0 and off % align == 0, f"misaligned extent ({off}, {size})"
+            assert not any(off < b < off + size for b in self._bounds), f"extent ({off}, {size}) spans a growth"
             if is_free:
-                assert not prev_free, f"free extents not coalesced at {off}"
+                assert not prev_free or off in self._bounds, f"free extents not coalesced at {off}"
                 assert (size, off) in by_size, f"free extent ({off}, {size}) missing from the size index"
                 nf = next(free_iter, None)
             else:

@@ -182,11 +182,14 @@ def test_storm_offload_without_a_pool_size_grows_past_the_first_pool(caplog):
 
 
 @pytest.mark.gpu
-def test_on_cuda_each_growth_of_the_page_locked_pool_is_page_locked_and_unlocked_at_close():
+@pytest.mark.parametrize("floats", [MiB // 4, 3 * MiB // 16], ids=["saves-fill-the-pool", "saves-leave-a-free-tail"])
+def test_on_cuda_each_growth_of_the_page_locked_pool_is_page_locked_and_unlocked_at_close(floats):
     """The first CUDA copy page-locks the pool; each growth after it page-locks what it adds
     (stormd.wire.cuda.grow_pool), so every extent is DMA-able; close unlocks every range, so a new
-    pool mapped at the same address can be locked again."""
-    model, x = elementwise_chain(MiB // 4)
+    pool mapped at the same address can be locked again. Saves of 3/4 MiB leave a free tail at each
+    growth, which no extent may join to the new range (CUDA refuses a copy spanning two locked
+    ranges: the save stayed on the device)."""
+    model, x = elementwise_chain(floats)
     model, x = model.cuda(), x.cuda()
     ref = copy.deepcopy(model)
     ref(x).square().sum().backward()

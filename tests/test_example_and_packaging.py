@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import shlex
+import shutil
 import subprocess
 import sys
+import venv
 import zipfile
 from pathlib import Path
 
@@ -94,3 +97,40 @@ def test_wheel_maps_folders_to_storm_and_stormd(tmp_path):
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "stormd = stormd.main:main" in text and "storm-train-gpt = storm.examples.train_gpt:main" in text
+
+
+def _readme_install(line_start: str) -> list[str]:
+    """The `pip install` arguments of the README's command line that starts with ``line_start``."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.startswith(line_start))
+    words = shlex.split(line.split("&&")[0])
+    assert words[:2] == ["pip", "install"], line
+    return words[2:]
+
+
+@pytest.mark.parametrize("line_start", ["pip install . ", "pip install -e "], ids=["install", "test-install"])
+def test_checkout_named_storm_imports_the_package_from_its_parent(tmp_path, line_start):
+    """A checkout in a folder named `storm`, installed with the README's command, then `import storm`
+    run from the folder above it (the current directory comes first on sys.path, and its `storm`
+    folder, with no __init__.py, is a namespace package candidate): the installed package wins.
+    setuptools' default editable finder loses there (pypa/setuptools#3557)."""
+    root = Path(__file__).resolve().parent.parent
+    checkout = tmp_path / "storm"
+    shutil.copytree(root, checkout, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                                  ".pytest_cache", ".hypothesis", "bench", "tests"))
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    site_dir = next(env_dir.glob("lib/python*/site-packages"))
+    # this interpreter's packages (torch, setuptools, pip) under the new environment's own; not its
+    # other sys.path entries, where an editable install of this checkout may have put the package
+    sites = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
+    (site_dir / "base.pth").write_text("\n".join(sites) + "\n")
+    args = [str(checkout) + a[1:] if a.startswith(".") else a for a in _readme_install(line_start)]  # '.[test]'
+    r = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                        *args], capture_output=True, text=True, timeout=600, cwd=checkout)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([str(python), "-c", "import storm, stormd.wire; print(storm.offload.__module__, storm.__file__)"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("storm.hooks "), r.stdout
