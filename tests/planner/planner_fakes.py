@@ -39,6 +39,14 @@ def framed(t: Trace, per_block: int, frame_ms: float, saved_by_frames: int | Non
     return t
 
 
+def shared_inputs(t: Trace) -> Trace:
+    """Every block of ``t`` is called with the same tensors (as a model passes each layer its
+    position embeddings): alive anyway, offloading them frees nothing."""
+    for b in t.blocks:
+        b.shared_input_bytes = b.input_bytes
+    return t
+
+
 def gpt() -> tuple[GPT, torch.Tensor]:
     torch.manual_seed(0)
     return GPT(seq_len=64, d_model=64, n_heads=4, n_layers=6, dropout=0.1), torch.randint(0, 256, (8, 65))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner_fakes import MiB, framed, trace
+from planner_fakes import MiB, framed, shared_inputs, trace
 from storm.planner import BlockTrace, Offloading, Trace, choose, moments, predicted_peak
 
 
@@ -177,8 +177,10 @@ def test_an_unreachable_budget_gets_the_least_peak_plan_and_says_so():
 
 
 def test_a_link_bound_step_offloads_compressed():
-    # 100 MiB per 1 ms block over 50 GB/s, host time hidden by the GPU: the link decides
-    t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
+    # 100 MiB per 1 ms block over 50 GB/s, host time hidden by the GPU: the link decides. Every
+    # block is called with the same 60 MiB (shared): a recomputed block keeps them, its inputs
+    # offloaded or not, so plans must offload saves
+    t = shared_inputs(framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1))
     t.forward_device_ms = t.forward_host_ms + 50
     t.lead_ms = [0.0] + [50.0] * len(t.blocks)
     budget = 300 * MiB
@@ -197,7 +199,7 @@ def test_a_link_bound_step_offloads_compressed():
 def test_the_codecs_device_time_can_make_raw_the_cheaper():
     # the link-bound step above, with a codec whose kernels take 30 ms per GiB framed (encode and
     # decode): they share the GPU with the step's, so they count in full
-    t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
+    t = shared_inputs(framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1))
     t.forward_device_ms = t.forward_host_ms + 50
     t.lead_ms = [0.0] + [50.0] * len(t.blocks)
     budget = 300 * MiB
@@ -214,8 +216,9 @@ def test_the_codecs_device_time_can_make_raw_the_cheaper():
 
 def test_a_host_bound_step_offloads_raw():
     # 200 tensors a block, frames that save 1 MiB of its 100 and cost 150 us each, nothing hidden
-    t = framed(trace(inputs=60 * MiB, host_ms=0.02, tensors=200), per_block=200, frame_ms=0.15,
-               saved_by_frames=MiB)
+    # (the blocks' inputs shared, as above: plans must offload saves)
+    t = shared_inputs(framed(trace(inputs=60 * MiB, host_ms=0.02, tensors=200), per_block=200, frame_ms=0.15,
+                             saved_by_frames=MiB))
     budget = 300 * MiB
     p = choose(t, budget)
     assert p.fits and p.offloaded > 0 and not p.compressed
