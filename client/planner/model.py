@@ -193,7 +193,7 @@ class Offloading:
 
 def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_bytes: int | None = None,
            offload_margin: int = 0, grads: bool = False, codec: str | None = None,
-           offload: bool | None = None, kept_extra: int = 0) -> Plan | None:
+           offload: bool | None = None, kept_extra: int = 0, inputs_offloaded: bool = True) -> Plan | None:
     """The plan of least predicted cost whose predicted peak (of saves, and with ``grads`` of
     parameter gradients too) is at most ``budget`` bytes, less
     ``offload_margin`` for plans that offload (what such plans were measured to take beyond
@@ -206,8 +206,9 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     when given, allows only the one it means (compressed for a frame codec). ``offload``: only
     plans that offload (True) or that do not (False); None where there is none (every offload
     more than the store took). ``kept_extra``: what a kept block's backward holds beyond a
-    recomputed one's (moments). Plans that recompute blocks with their inputs offloaded come
-    after those that do not, and are chosen only where they cost less or peak lower."""
+    recomputed one's (moments). Plans that recompute blocks with their inputs offloaded (unless
+    ``inputs_offloaded`` is False) come after those that do not, and are chosen only where they
+    cost less or peak lower."""
     n = len(trace.blocks)
     best: Plan | None = None
     lowest: Plan | None = None
@@ -215,7 +216,9 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     forward_ms = [0.0]  # of blocks[:i], at i
     for b in trace.blocks:
         forward_ms.append(forward_ms[-1] + b.forward_ms)
-    for k, m in [(k, 0) for k in range(n + 1)] + [(k, m) for k in range(n) for m in range(1, n - k + 1)]:
+    shapes = [(k, 0) for k in range(n + 1)]
+    shapes += [(k, m) for k in range(n) for m in range(1, n - k + 1)] if inputs_offloaded else []
+    for k, m in shapes:
         if offload is not None and offload != (k + m > 0):
             continue
         # none made with inputs offloaded that can neither fit at a cost below the best's (as rounded;

@@ -117,7 +117,8 @@ class ScriptedMemory:
                     + self.kept_extra * (pl.phase is Phase.TRACE_COMPUTE_KEPT))
         p = pl.plan
         return (self.besides + predicted_peak(pl.trace, p.offloaded, p.recomputed, p.in_flight_bytes,
-                                              kept_extra=self.kept_extra) + (self.extra if p.offloaded else 0))
+                                              kept_extra=self.kept_extra, inputs_offloaded=p.inputs_offloaded)
+                + (self.extra if p.offloads else 0))
 
 
 def pack_clock(monkeypatch) -> FakeClock:
