@@ -63,6 +63,23 @@ def grads_of(model: GPT, idx: torch.Tensor, ctx=None) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
+def below_checkpointing(model: torch.nn.Module, idx: torch.Tensor) -> int:
+    """A budget just below what recomputing every block of ``model`` keeps (checkpointing's floor),
+    which recomputing them with their inputs offloaded meets even with two blocks' inputs in
+    flight (a copy queue and a prefetch window of one block each, all the model counts on a
+    FakeClock, whose forward hides no copy), from a traced step of its own."""
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock())
+    grads_of(model, idx, planner.step())
+    planner.settled  # reads the step: the trace
+    t = planner.trace
+    planner.close()
+    every, n = set(range(len(t.blocks))), len(t.blocks)
+    floor = predicted_peak(t, 0, every, 0, grads=False)
+    in_flight = 2 * max(b.input_bytes - b.shared_input_bytes for b in t.blocks)
+    assert predicted_peak(t, 0, every, in_flight, grads=False, inputs_offloaded=n) < floor
+    return floor - 1
+
+
 class FakeClock:
     """A planner's clock (storm.planner.Clock) that moves only where a test moves it: the host's
     time and the compute stream's marks are both ``now`` (seconds). Tests of decisions made by

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import storm
-from planner_fakes import FakeClock, gpt, grads_of
+from planner_fakes import FakeClock, below_checkpointing, gpt, grads_of
 from storm.examples.models import same_bits
-from storm.planner import Plan, predicted_peak
+from storm.planner import Plan
 from storm.recompute import Recompute
 
 
@@ -118,28 +118,14 @@ def test_the_trace_counts_inputs_other_blocks_are_called_with_as_shared():
     planner.close()
 
 
-def below_checkpointing(model: nn.Module, idx: torch.Tensor) -> int:
-    """A budget below what recomputing every block keeps (checkpointing's floor), from a trace."""
-    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock())
-    grads_of(model, idx, planner.step())
-    planner.settled  # reads the step: the trace
-    t = planner.trace
-    planner.close()
-    every = set(range(len(t.blocks)))
-    floor = predicted_peak(t, 0, every, 0, grads=False)
-    # what the option can reach: every block's inputs off the device but the shared ones
-    least = predicted_peak(t, 0, every, 0, grads=False, inputs_offloaded=len(t.blocks))
-    assert least < floor
-    return (floor + least) // 2
-
-
 @pytest.mark.parametrize("model_of", [gpt, pos_model], ids=["gpt", "shared-pos"])
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_a_budget_below_checkpointings_trains_bit_exact(model_of, reentrant):
     model, idx = model_of()
     ref = grads_of(copy.deepcopy(model), idx)
-    budget = below_checkpointing(copy.deepcopy(model), idx)
-    planner = storm.plan(model.blocks, budget=budget, mode="embedded", min_bytes=0, reentrant=reentrant)
+    budget = below_checkpointing(model, idx)
+    planner = storm.plan(model.blocks, budget=budget, mode="embedded", min_bytes=0, reentrant=reentrant,
+                         clock=FakeClock())
     for step in range(8):
         got = grads_of(model, idx, planner.step())
         assert all(same_bits(a, b) for a, b in zip(ref, got)), f"gradients differ in step {step}"
