@@ -398,11 +398,14 @@ class Planner:
         # a plan that cannot fit is not measured: no margin would make it
         self._checking = self.plan.fits and self.target is not None and self.checks < MAX_CHECKS
         # the model's costs are approximate (offloading's host time most): where a plan of the other
-        # kind fits too, both are tried in alternation once this one's peak is settled
+        # kind fits too, both are tried in alternation once this one's peak is settled. Against a
+        # plan that offloads nothing, one that offloads only recomputed blocks' inputs is no such
+        # plan: it recomputes as a plan that fits without offloading can, and adds the copies
         self._alternative = None
         if self.plan.fits and self.trial is None and self._trial is None:
             other = self._choose(offload=not self.plan.offloads)
-            if other is not None and other.fits and other.offloads != self.plan.offloads:
+            if other is not None and other.fits and other.offloads != self.plan.offloads \
+                    and (other.offloaded or self.plan.offloads):
                 self._alternative = other
         if self._alternative is None and self._trial is None:
             self._alternative = self._other_form(self.plan)
