@@ -111,23 +111,17 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
     inputs offloaded also holds its fetched inputs), and last at backward's start (every kept
     save, offloaded bytes still in flight)."""
     blocks, n, end = trace.blocks, len(trace.blocks), offloaded + inputs_offloaded
-    # kept_bytes, unrolled: choose() asks this many times per plan
+    kept = kept_bytes(trace, offloaded, recomputed, inputs_offloaded)
     before = trace.before_bytes * (end == 0) + in_flight_bytes
+    start = before + sum(kept) + trace.after_bytes * (offloaded < n) + blocks[-1].grad_bytes * grads
     allocated = sum(b.grad_bytes for b in blocks) * grads
     held = []
     for i, b in enumerate(blocks):
-        if i < offloaded:
-            kept, extra = 0, 0
-        elif i < end:
-            kept, extra = b.shared_input_bytes, fetched_inputs(b)
-        elif i in recomputed:
-            kept, extra = b.input_bytes, 0
-        else:
-            kept, extra = b.saved_bytes, kept_extra
+        # a kept block's kept_extra; a block recomputed with its inputs offloaded, its fetched inputs
+        extra = (fetched_inputs(b) if i < end else kept_extra * (i not in recomputed)) if i >= offloaded else 0
         held.append(before + b.saved_bytes + allocated + extra)
-        before += kept
+        before += kept[i]
         allocated -= b.grad_bytes * grads
-    start = before + trace.after_bytes * (offloaded < n) + blocks[-1].grad_bytes * grads
     return held + [start]
 
 
