@@ -2,10 +2,10 @@
 
 A plan offloads the first k blocks (the earliest saves, which backward needs last), recomputes
 the next m with their inputs offloaded (nothing of them stays on the device from forward to
-their backward), recomputes some of the others in backward and keeps the rest. ``predicted_peak`` says what the device holds
-at backward's worst moment under a plan, ``Offloading.of`` what offloading costs, and ``choose``
-the plan of least predicted cost whose peak fits a budget. docs/planner.md ("How a plan is
-chosen") explains the model in full.
+their backward), recomputes some of the others in backward and keeps the rest.
+``predicted_peak`` says what the device holds at backward's worst moment under a plan,
+``Offloading.of`` what offloading costs, and ``choose`` the plan of least predicted cost whose
+peak fits a budget. docs/planner.md ("How a plan is chosen") explains the model in full.
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ class Offloading:
         slack_ms = max(0.0, trace.forward_device_ms - trace.forward_host_ms)
         lead_ms = max(0.0, trace.lead_ms[k + m]) if k + m < len(trace.lead_ms) else 0.0
         tensors = sum(b.tensors for b in blocks[:k]) + sum(b.input_tensors for b in blocks[k:k + m])
-        half = (tensors * trace.host_ms_per_tensor + sum(b.framed for b in offloaded) * trace.frame_host_ms_per_tensor) / 2
+        framed = sum(b.framed for b in offloaded)
+        half = (tensors * trace.host_ms_per_tensor + framed * trace.frame_host_ms_per_tensor) / 2
         host_ms = max(0.0, half - lead_ms) + max(0.0, half - slack_ms)
         # a frame being encoded or decoded sits beside its tensor. Kept simple: the largest block's
         # frames, an upper bound (the caching allocator counts a frame only until the host has
