@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -63,13 +63,13 @@ def grads_of(model: GPT, idx: torch.Tensor, ctx=None) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-def below_checkpointing(model: torch.nn.Module, idx: torch.Tensor) -> int:
-    """A budget just below what recomputing every block of ``model`` keeps (checkpointing's floor),
+def below_checkpointing(blocks: Any, run: Callable[[storm.Offload], Any]) -> int:
+    """A budget just below what recomputing every one of ``blocks`` keeps (checkpointing's floor),
     which recomputing them with their inputs offloaded meets even with two blocks' inputs in
     flight (a copy queue and a prefetch window of one block each, all the model counts on a
-    FakeClock, whose forward hides no copy), from a traced step of its own."""
-    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock())
-    grads_of(model, idx, planner.step())
+    FakeClock, whose forward hides no copy), from a step of its own (``run(ctx)``) traced."""
+    planner = storm.plan(blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock())
+    run(planner.step())
     planner.settled  # reads the step: the trace
     t = planner.trace
     planner.close()

@@ -100,7 +100,7 @@ def test_plan_below_checkpointings_peak_of_compiled_blocks_is_bit_exact(form):
     bit-identical to compiled no-offload."""
     model, ref_model, idx = compiled_gpt(form, n_layers=6)
     ref = grads_of(ref_model, idx)
-    budget = below_checkpointing(model, idx)
+    budget = below_checkpointing(model.blocks, lambda ctx: grads_of(model, idx, ctx))
     planner = storm.plan(model.blocks, budget=budget, mode="embedded", min_bytes=0, clock=FakeClock())
     for step in range(8):
         got = grads_of(model, idx, planner.step())

@@ -123,7 +123,7 @@ def test_the_trace_counts_inputs_other_blocks_are_called_with_as_shared():
 def test_a_budget_below_checkpointings_trains_bit_exact(model_of, reentrant):
     model, idx = model_of()
     ref = grads_of(copy.deepcopy(model), idx)
-    budget = below_checkpointing(model, idx)
+    budget = below_checkpointing(model.blocks, lambda ctx: grads_of(model, idx, ctx))
     planner = storm.plan(model.blocks, budget=budget, mode="embedded", min_bytes=0, reentrant=reentrant,
                          clock=FakeClock())
     for step in range(8):
@@ -134,3 +134,36 @@ def test_a_budget_below_checkpointings_trains_bit_exact(model_of, reentrant):
     assert "recomputed with their inputs offloaded" in planner.explain()
     planner.close()
     assert all(same_bits(a, b) for a, b in zip(ref, grads_of(model, idx)))
+
+
+def test_a_hugging_face_llama_below_checkpointings_peak_trains_bit_exact():
+    """LlamaForCausalLM passes each layer its hidden states positionally (saved by the checkpoint,
+    so offloaded) and its position embeddings and mask as keyword arguments (held by the
+    checkpoint, not saved): recomputed in torch's non-reentrant form (keyword arguments), with
+    their hidden states offloaded, every parameter's gradient is that of no offload."""
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face test needs transformers installed")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                      num_attention_heads=4, num_key_value_heads=4, use_cache=False)
+    model = transformers.LlamaForCausalLM(config)
+    ref = copy.deepcopy(model)
+    idx = torch.randint(0, 128, (4, 64))
+
+    def grads(m: nn.Module, ctx: storm.Offload | None = None) -> list[torch.Tensor]:
+        m.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else torch.enable_grad():
+            loss = m(idx, labels=idx).loss
+        if ctx is not None:
+            ctx.synchronize()
+        loss.backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    want = grads(ref)
+    budget = below_checkpointing(model.model.layers, lambda ctx: grads(model, ctx))
+    planner = storm.plan(model.model.layers, budget=budget, mode="embedded", min_bytes=0, clock=FakeClock())
+    for step in range(8):
+        got = grads(model, planner.step())
+        assert all(same_bits(a, b) for a, b in zip(want, got)), f"gradients differ in step {step}"
+    p = planner.plan
+    assert p.fits and p.inputs_offloaded > 0, planner.explain()
+    planner.close()
