@@ -124,9 +124,9 @@ class BlockHooks:
         gradient is ready when the block's backward starts) allows prefetch what the plan's
         peak leaves free there: the peak, less what the blocks before keep, the block's own
         saves (with its fetched inputs, where they were offloaded) or the largest rebuild still
-        to come, and (where the plan's peak counts them,
-        with peak=) the parameter gradients allocated from there on, so fetches start as
-        early as memory allows and hold back as gradients grow. The blocks recomputed with their
+        to come, and (where the plan's peak counts them, with peak=) the parameter gradients
+        allocated from there on, so fetches start as early as memory allows and hold back as
+        gradients grow. The blocks recomputed with their
         inputs offloaded pass them through STORM's hooks as the offloaded blocks' saves do: the
         hooks come off after the last of them."""
         p, blocks = plan, trace.blocks
