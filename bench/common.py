@@ -348,7 +348,8 @@ class Trainer:
 def plan_summary(pl: storm.Planner) -> dict:
     """What a storm.plan chose and predicted, for a results row."""
     p = pl.plan
-    return {"offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed), "compressed": p.compressed,
+    return {"offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed),
+            "inputs_offloaded_blocks": p.inputs_offloaded, "compressed": p.compressed,
             "predicted_peak_GiB": round(p.predicted_peak / GiB, 3), "predicted_cost_ms": p.predicted_cost_ms,
             "fits": p.fits, "reentrant": p.reentrant, "settled": pl.settled,
             "target_GiB": pl.target and round(pl.target / GiB, 3),

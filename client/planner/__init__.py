@@ -1,6 +1,6 @@
 """``storm.plan``: keep saved activations under a GPU-memory budget at the least step time,
-choosing per block of the model: keep on the device, offload, or recompute in backward, and
-whether offloaded tensors go raw or compressed (frames).
+choosing per block of the model: keep on the device, offload, recompute in backward, or
+recompute with its inputs offloaded, and whether offloaded tensors go raw or compressed (frames).
 
     plan = storm.plan(model.blocks, budget="1GiB")  # or a fraction of a step's activation bytes
     plan = storm.plan(model.blocks, peak="6GiB")    # or: the step's peak above its start (CUDA)

@@ -158,7 +158,7 @@ class Planner:
     def _host_check_due(self) -> bool:
         """A planned step that offloads is yet to be read (_check_host); not after a trial, whose
         step times decided."""
-        return (self.plan is not None and self.plan.offloaded > 0 and self.traced_host_ms_per_tensor is None
+        return (self.plan is not None and self.plan.offloads and self.traced_host_ms_per_tensor is None
                 and self._offloading_steps < HOST_CHECK_STEP and self.trial is None)
 
     # --- each step ----------------------------------------------------------
@@ -281,7 +281,7 @@ class Planner:
                         self.checks)
             return
         beyond = self.measured_peak - self.besides - self._step_peak(self.plan)
-        kind = self.plan.offloaded > 0
+        kind = self.plan.offloads
         self._margins[kind] = widened_margin(self._margins[kind], beyond, target)
         self._make_plan()
 
@@ -363,7 +363,7 @@ class Planner:
     def _step_peak(self, plan: Plan) -> int:
         """The plan's saves and parameter gradients on the device at its predicted peak."""
         return predicted_peak(self.trace, plan.offloaded, plan.recomputed, plan.in_flight_bytes,
-                              kept_extra=self.kept_extra)
+                              kept_extra=self.kept_extra, inputs_offloaded=plan.inputs_offloaded)
 
     @property
     def target(self) -> int | None:
@@ -398,11 +398,14 @@ class Planner:
         # a plan that cannot fit is not measured: no margin would make it
         self._checking = self.plan.fits and self.target is not None and self.checks < MAX_CHECKS
         # the model's costs are approximate (offloading's host time most): where a plan of the other
-        # kind fits too, both are tried in alternation once this one's peak is settled
+        # kind fits too, both are tried in alternation once this one's peak is settled. Against a
+        # plan that offloads nothing, one that offloads only recomputed blocks' inputs is no such
+        # plan: it recomputes as a plan that fits without offloading can, and adds the copies
         self._alternative = None
         if self.plan.fits and self.trial is None and self._trial is None:
-            other = self._choose(offload=not self.plan.offloaded)
-            if other is not None and other.fits and bool(other.offloaded) != bool(self.plan.offloaded):
+            other = self._choose(offload=not self.plan.offloads)
+            if other is not None and other.fits and other.offloads != self.plan.offloads \
+                    and (other.offloaded or self.plan.offloads):
                 self._alternative = other
         if self._alternative is None and self._trial is None:
             self._alternative = self._other_form(self.plan)

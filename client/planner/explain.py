@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ..transfer import FRAME_MIN_BYTES
-from .model import Offloading, Plan, Trace
+from .model import Offloading, Plan, Trace, fetched_inputs
 from .trial import Trial
 
 MiB = 1 << 20
@@ -58,12 +58,15 @@ def explain(planner: Explained) -> str:
              f"forward {t.forward_host_ms:.2f} ms host, {t.forward_device_ms:.2f} ms compute stream",
              f"{'block':>5} {'saved MiB':>10} {'tensors':>7} {'input MiB':>10} {'forward ms':>10}  decision"]
     for i, b in enumerate(t.blocks):
-        what = "offload" if i < p.offloaded else "recompute" if i in p.recomputed else "keep"
+        what = ("offload" if i < p.offloaded else "recompute, inputs offloaded" if i < p.offloaded + p.inputs_offloaded
+                else "recompute" if i in p.recomputed else "keep")
         lines.append(f"{i:>5} {b.saved_bytes / MiB:>10.1f} {b.tensors:>7} {b.input_bytes / MiB:>10.1f} "
                      f"{b.forward_ms:>10.3f}  {what}")
-    lines.append(f"before the blocks {t.before_bytes / MiB:.1f} MiB ({'offload' if p.offloaded else 'keep'}), "
-                 f"after {t.after_bytes / MiB:.1f} MiB "
-                 f"({'offload' if p.offloaded == len(t.blocks) else 'keep'})")
+    lines.append(f"outside the blocks: {t.before_bytes / MiB:.1f} MiB saved before them (embeddings; "
+                 f"{'offload' if p.offloads else 'keep'}), {t.after_bytes / MiB:.1f} MiB after them (final norm, "
+                 f"logits, loss; {'offload' if p.offloaded == len(t.blocks) else 'keep'})")
+    if p.inputs_offloaded:
+        lines.append(_inputs_offloaded(t, p))
     lines.append(f"copy queue {p.max_held_bytes / MiB:.1f} MiB, prefetch window {p.prefetch_bytes / MiB:.1f} MiB"
                  + (" (given)" if {"max_held_bytes", "prefetch_bytes"} & planner.options.keys() else ""))
     if p.recomputed:
@@ -98,16 +101,27 @@ def _recompute_form(p: Plan, reentrant: bool, compiled: bool) -> str:
     return "recomputed with torch's non-reentrant checkpoint (reentrant=False)"
 
 
+def _inputs_offloaded(t: Trace, p: Plan) -> str:
+    """Which blocks are recomputed with their inputs offloaded, and what that moves."""
+    first, last = p.offloaded, p.offloaded + p.inputs_offloaded - 1
+    blocks = t.blocks[first:last + 1]
+    which = f"block {first}" if first == last else f"blocks {first}-{last}"
+    shared = sum(b.shared_input_bytes for b in blocks)
+    return (f"{which} recomputed with their inputs offloaded: {sum(map(fetched_inputs, blocks)) / MiB:.1f} MiB in "
+            f"{sum(b.input_tensors for b in blocks)} tensors fetched back when backward recomputes them"
+            + (f"; {shared / MiB:.1f} MiB of inputs other blocks are called with too stay" if shared else ""))
+
+
 def _codec(t: Trace, p: Plan, given: bool) -> str:
     """Whether offloaded tensors go raw or compressed, and the predicted times that chose it."""
-    if not p.offloaded:
+    if not p.offloads:
         return "nothing offloaded: no codec"
     offloaded, given_text = t.blocks[:p.offloaded], " (codec given)" if given else ""
     framed_bytes, frame_bytes = sum(b.framed_bytes for b in offloaded), sum(b.frame_bytes for b in offloaded)
     if frame_bytes >= framed_bytes:
         return (f"offloaded tensors go raw{given_text}: none would be framed (frames are for CUDA bf16 tensors of "
                 f"at least {FRAME_MIN_BYTES / MiB:g} MiB)")
-    raw, compressed = (Offloading.of(t, p.offloaded, p.max_held_bytes, c)[0] for c in (False, True))
+    raw, compressed = (Offloading.of(t, p.offloaded, p.max_held_bytes, c, p.inputs_offloaded)[0] for c in (False, True))
     framed = sum(b.framed for b in offloaded)
     return (f"offloaded tensors go {'compressed' if p.compressed else 'raw'}{given_text}: predicted link "
             f"{compressed.link_ms:.2f} ms compressed against {raw.link_ms:.2f} ms raw ({framed_bytes / MiB:.1f} "

@@ -1,10 +1,11 @@
 """The planner's cost model: arithmetic on a recorded ``Trace``, no device in sight.
 
 A plan offloads the first k blocks (the earliest saves, which backward needs last), recomputes
-some of the others in backward and keeps the rest. ``predicted_peak`` says what the device holds
-at backward's worst moment under a plan, ``Offloading.of`` what offloading costs, and ``choose``
-the plan of least predicted cost whose peak fits a budget. docs/planner.md ("How a plan is
-chosen") explains the model in full.
+the next m with their inputs offloaded (nothing of them stays on the device from forward to
+their backward), recomputes some of the others in backward and keeps the rest.
+``predicted_peak`` says what the device holds at backward's worst moment under a plan,
+``Offloading.of`` what offloading costs, and ``choose`` the plan of least predicted cost whose
+peak fits a budget. docs/planner.md ("How a plan is chosen") explains the model in full.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class BlockTrace:
     framed: int = 0          # of its storages, how many a frame codec puts in frames
     framed_bytes: int = 0    # their bytes
     frame_bytes: int = 0     # and their frames': what the link carries for them when compressed
+    input_tensors: int = 0   # storages it was called with that no other block was
+    shared_input_bytes: int = 0  # of input_bytes, tensors other blocks were called with too: alive anyway
 
 
 @dataclasses.dataclass
@@ -66,49 +69,66 @@ class Plan:
     in_flight_bytes: int = 0       # offloaded bytes (and frames) the peak counts as still on the device
     compressed: bool = False       # offloaded tensors go in frames where they can (codec "ancf_exp")
     reentrant: bool = True         # recomputed blocks in Recompute's reentrant form, else torch's non-reentrant
+    inputs_offloaded: int = 0      # blocks[offloaded:offloaded + this] (in recomputed) have their inputs offloaded
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the plan's step offloads anything: blocks' saves or recomputed blocks' inputs."""
+        return self.offloaded + self.inputs_offloaded > 0
 
 
-def kept_bytes(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int]) -> list[int]:
+def kept_bytes(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
+               inputs_offloaded: int = 0) -> list[int]:
     """Per block, what it keeps on the device from forward to its backward: nothing offloaded,
+    of a block recomputed with its inputs offloaded the inputs other blocks were called with too,
     a recomputed block's inputs, a kept block's saves."""
-    return [0 if i < offloaded else b.input_bytes if i in recomputed else b.saved_bytes
-            for i, b in enumerate(trace.blocks)]
+    return [0 if i < offloaded else b.shared_input_bytes if i < offloaded + inputs_offloaded
+            else b.input_bytes if i in recomputed else b.saved_bytes for i, b in enumerate(trace.blocks)]
+
+
+def fetched_inputs(b: BlockTrace) -> int:
+    """What offloading a recomputed block's inputs sends and fetches back: those no other block
+    was called with."""
+    return b.input_bytes - b.shared_input_bytes
 
 
 def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
-                   grads: bool = True, kept_extra: int = 0) -> int:
+                   grads: bool = True, kept_extra: int = 0, inputs_offloaded: int = 0) -> int:
     """Saved bytes (and with ``grads`` parameter gradients) on the device at the worst moment of
-    backward when blocks[:offloaded] are offloaded and ``recomputed`` are recomputed; a kept
-    block's backward also holds ``kept_extra``."""
-    return max(moments(trace, offloaded, recomputed, in_flight_bytes, grads, kept_extra))
+    backward when blocks[:offloaded] are offloaded, the next ``inputs_offloaded`` recomputed with
+    their inputs offloaded and ``recomputed`` recomputed; a kept block's backward also holds
+    ``kept_extra``."""
+    return max(moments(trace, offloaded, recomputed, in_flight_bytes, grads, kept_extra, inputs_offloaded))
 
 
 def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
-            grads: bool, kept_extra: int = 0) -> list[int]:
+            grads: bool, kept_extra: int = 0, inputs_offloaded: int = 0) -> list[int]:
     """What the device holds as backward reaches each block i (what the blocks before i keep,
     block i's own saves, kept, rebuilt or fetched, and the gradients of blocks i.. by then,
     plus ``kept_extra`` where block i is kept: autograd holds a kept block's saves until each
     node that saved them ends, beside the node's temporaries, where a recomputed or offloaded
-    block's are handed over and dropped as the node takes them), and last at backward's start
-    (every kept save, offloaded bytes still in flight)."""
-    blocks, n = trace.blocks, len(trace.blocks)
-    kept = kept_bytes(trace, offloaded, recomputed)
-    grad = [b.grad_bytes * grads for b in blocks]
-    before = trace.before_bytes * (offloaded == 0) + in_flight_bytes
-    start = before + sum(kept) + trace.after_bytes * (offloaded < n) + grad[-1]
-    allocated = sum(grad)
+    block's are handed over and dropped as the node takes them; a block recomputed with its
+    inputs offloaded also holds its fetched inputs), and last at backward's start (every kept
+    save, offloaded bytes still in flight)."""
+    blocks, n, end = trace.blocks, len(trace.blocks), offloaded + inputs_offloaded
+    kept = kept_bytes(trace, offloaded, recomputed, inputs_offloaded)
+    before = trace.before_bytes * (end == 0) + in_flight_bytes
+    start = before + sum(kept) + trace.after_bytes * (offloaded < n) + blocks[-1].grad_bytes * grads
+    allocated = sum(b.grad_bytes for b in blocks) * grads
     held = []
     for i, b in enumerate(blocks):
-        held.append(before + b.saved_bytes + allocated + kept_extra * (i >= offloaded and i not in recomputed))
+        # a kept block's kept_extra; a block recomputed with its inputs offloaded, its fetched inputs
+        extra = (fetched_inputs(b) if i < end else kept_extra * (i not in recomputed)) if i >= offloaded else 0
+        held.append(before + b.saved_bytes + allocated + extra)
         before += kept[i]
-        allocated -= grad[i]
+        allocated -= b.grad_bytes * grads
     return held + [start]
 
 
 @dataclasses.dataclass(frozen=True)
 class Offloading:
-    """What offloading blocks[:k] (raw or compressed) with a copy queue of ``held`` bytes costs and
-    leaves on the device."""
+    """What offloading blocks[:k] (raw or compressed), and the inputs of the next m blocks
+    (recomputed), with a copy queue of ``held`` bytes costs and leaves on the device."""
 
     sent: int
     held: int
@@ -124,26 +144,30 @@ class Offloading:
         return self.host_ms + self.link_ms + self.codec_ms
 
     @staticmethod
-    def of(trace: Trace, k: int, held: int | None, compressed: bool = False) -> list["Offloading"]:
-        """Per copy queue size to consider (``held``, or: one block, and everything sent)."""
+    def of(trace: Trace, k: int, held: int | None, compressed: bool = False, m: int = 0) -> list["Offloading"]:
+        """Per copy queue size to consider (``held``, or: one block's offloaded bytes, and
+        everything sent)."""
         blocks, n = trace.blocks, len(trace.blocks)
-        sent = trace.before_bytes * (k > 0) + sum(b.saved_bytes for b in blocks[:k]) + trace.after_bytes * (k == n)
+        # per offloading block, what it sends: its saves, or a recomputed block's inputs
+        per_block = [b.saved_bytes for b in blocks[:k]] + [fetched_inputs(b) for b in blocks[k:k + m]]
+        sent = trace.before_bytes * (k + m > 0) + sum(per_block) + trace.after_bytes * (k == n)
         if not sent:
             return [Offloading(0, 0, 0.0, 0.0, 0)]
         offloaded = blocks[:k] if compressed else []
         # the link carries frames instead of the framed tensors: the same model, in raw bytes
         # (what the copy queue and the device hold) per ms of link. The saves before and after
-        # the blocks (embeddings, the loss: few tensors) are counted raw.
+        # the blocks (embeddings, the loss: few tensors) and the inputs are counted raw.
         carried = sent - sum(b.framed_bytes - b.frame_bytes for b in offloaded)
         d2h, h2d = (g * 1e6 * sent / carried for g in (trace.d2h_GBps, trace.h2d_GBps))  # raw bytes per ms
         fwd_ms = sum(b.forward_ms for b in blocks)
-        # half of a tensor's host time is its pack, as the first k blocks are launched: the GPU hides
-        # it only as far as the host has got ahead of it by then (nothing at the step's start). The
-        # other half, its unpack, comes at backward's end, behind as much as forward's slack
+        # half of a tensor's host time is its pack, as the first k + m blocks are launched: the GPU
+        # hides it only as far as the host has got ahead of it by then (nothing at the step's start).
+        # The other half, its unpack, comes at backward's end, behind as much as forward's slack
         slack_ms = max(0.0, trace.forward_device_ms - trace.forward_host_ms)
-        lead_ms = max(0.0, trace.lead_ms[k]) if k < len(trace.lead_ms) else 0.0
-        half = (sum(b.tensors for b in blocks[:k]) * trace.host_ms_per_tensor
-                + sum(b.framed for b in offloaded) * trace.frame_host_ms_per_tensor) / 2
+        lead_ms = max(0.0, trace.lead_ms[k + m]) if k + m < len(trace.lead_ms) else 0.0
+        tensors = sum(b.tensors for b in blocks[:k]) + sum(b.input_tensors for b in blocks[k:k + m])
+        framed = sum(b.framed for b in offloaded)
+        half = (tensors * trace.host_ms_per_tensor + framed * trace.frame_host_ms_per_tensor) / 2
         host_ms = max(0.0, half - lead_ms) + max(0.0, half - slack_ms)
         # a frame being encoded or decoded sits beside its tensor. Kept simple: the largest block's
         # frames, an upper bound (the caching allocator counts a frame only until the host has
@@ -152,9 +176,9 @@ class Offloading:
         # in full: the codec's kernels share the GPU with the step's, so a GPU-bound step pays them
         codec_ms = sum(b.framed_bytes for b in offloaded) / GiB * trace.frame_device_ms_per_GiB
         out = []
-        for h in ([held] if held is not None else sorted({min(sent, max(b.saved_bytes for b in blocks[:k])), sent})):
-            # forward waits while more than `h` bytes wait for the link, until the first k blocks are done
-            stall = max(0.0, (sent - h) / d2h - sum(b.forward_ms for b in blocks[:k]))
+        for h in ([held] if held is not None else sorted({min(sent, max(per_block)), sent})):
+            # forward waits while more than `h` bytes wait for the link, until the first k + m blocks are done
+            stall = max(0.0, (sent - h) / d2h - sum(b.forward_ms for b in blocks[:k + m]))
             leftover = int(max(0.0, min(h, sent - d2h * (fwd_ms + stall))))
             # what forward did not carry, and all of it back, during backward (about twice forward)
             link = stall + max(0.0, leftover / d2h + sent / h2d - 2 * fwd_ms)
@@ -164,7 +188,7 @@ class Offloading:
 
 def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_bytes: int | None = None,
            offload_margin: int = 0, grads: bool = False, codec: str | None = None,
-           offload: bool | None = None, kept_extra: int = 0) -> Plan | None:
+           offload: bool | None = None, kept_extra: int = 0, inputs_offloaded: bool = True) -> Plan | None:
     """The plan of least predicted cost whose predicted peak (of saves, and with ``grads`` of
     parameter gradients too) is at most ``budget`` bytes, less
     ``offload_margin`` for plans that offload (what such plans were measured to take beyond
@@ -177,45 +201,86 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     when given, allows only the one it means (compressed for a frame codec). ``offload``: only
     plans that offload (True) or that do not (False); None where there is none (every offload
     more than the store took). ``kept_extra``: what a kept block's backward holds beyond a
-    recomputed one's (moments)."""
-    blocks, n = trace.blocks, len(trace.blocks)
+    recomputed one's (moments). Plans that recompute blocks with their inputs offloaded (unless
+    ``inputs_offloaded`` is False) come after those that do not, and are chosen only where they
+    cost less or peak lower."""
+    n = len(trace.blocks)
     best: Plan | None = None
     lowest: Plan | None = None
     lowest_over = 0  # its predicted peak, margin included, over the budget
-    allowed = (False, True) if codec is None else (codec in FRAME_CODECS,)
-    for k in range(n + 1) if offload is None else range(1, n + 1) if offload else range(1):
-        block = max((b.saved_bytes for b in blocks[:k]), default=0)
-        # compressed where allowed and the link would carry fewer bytes (else it is raw by another name)
-        frameable = any(b.frame_bytes < b.framed_bytes for b in blocks[:k])
-        offloading = [off for compressed in sorted({c and frameable for c in allowed})
-                      for off in Offloading.of(trace, k, held_bytes, compressed)]
-        for off in offloading:
-            if trace.store_bytes is not None and off.sent > trace.store_bytes:
-                continue  # more than the store took: the rest would stay on the device
-            room = budget - (offload_margin if off.sent else 0)
-            if prefetch_bytes is not None or not off.sent:
-                window = prefetch_bytes if off.sent else 0  # nothing offloaded: nothing to fetch
-                recomputed, peak, cost = _recompute_until(trace, k, room, off, window, grads, kept_extra)
-            else:  # no window while kept blocks follow: backward frees them before it needs the offloaded ones
-                window = 0
-                recomputed, peak, cost = _recompute_until(trace, k, room, off, 0, grads, kept_extra)
-                if all(i in recomputed for i in range(k, n)):
-                    window = block
-                    recomputed, peak, cost = _recompute_until(trace, k, room, off, block, grads, kept_extra)
-            plan = Plan(k, frozenset(recomputed), None if k == n else (trace.offloaded_before[k] if k else 0),
-                        off.held, window, peak, round(cost, 3), peak <= room, off.leftover + off.frames + window,
-                        off.compressed)
+    forward_ms = [0.0]  # of blocks[:i], at i
+    for b in trace.blocks:
+        forward_ms.append(forward_ms[-1] + b.forward_ms)
+    shapes = [(k, 0) for k in range(n + 1)]
+    shapes += [(k, m) for k in range(n) for m in range(1, n - k + 1)] if inputs_offloaded else []
+    for k, m in shapes:
+        if offload is not None and offload != (k + m > 0):
+            continue
+        # none made with inputs offloaded that can neither fit at a cost below the best's (as rounded;
+        # recomputing the m blocks costs at least their forward) nor, while none fits, peak below the lowest's
+        if m and best is not None and forward_ms[k + m] - forward_ms[k] - 1e-3 >= best.predicted_cost_ms:
+            continue
+        if m and lowest is not None:
+            over = _least_peak(trace, k, m, grads) - (budget - offload_margin)
+            if over > 0 and (best is not None or over >= lowest_over):
+                continue
+        for plan, room in _plans(trace, k, m, budget, held_bytes, prefetch_bytes, offload_margin, grads, codec,
+                                 kept_extra):
             if plan.fits and (best is None or plan.predicted_cost_ms < best.predicted_cost_ms):
                 best = plan
-            if lowest is None or peak - room < lowest_over:
-                lowest, lowest_over = plan, peak - room
+            if lowest is None or plan.predicted_peak - room < lowest_over:
+                lowest, lowest_over = plan, plan.predicted_peak - room
     return best or lowest
 
 
-def _recompute_until(trace: Trace, k: int, budget: int, off: Offloading, window: int,
+def _least_peak(trace: Trace, k: int, m: int, grads: bool) -> int:
+    """No plan that offloads blocks[:k] and the inputs of the next m peaks lower: each later
+    block keeps the less of its saves and its inputs, nothing is in flight, nothing beside."""
+    rest = {j for j in range(k + m, len(trace.blocks)) if trace.blocks[j].saved_bytes >= trace.blocks[j].input_bytes}
+    return predicted_peak(trace, k, set(range(k, k + m)) | rest, 0, grads, 0, m)
+
+
+def _plans(trace: Trace, k: int, m: int, budget: int, held_bytes: int | None, prefetch_bytes: int | None,
+           offload_margin: int, grads: bool, codec: str | None, kept_extra: int) -> list[tuple[Plan, int]]:
+    """choose()'s plans that offload blocks[:k] and the inputs of the next m blocks, recomputed,
+    per codec and copy queue to consider; each with the budget it is held to."""
+    blocks, n = trace.blocks, len(trace.blocks)
+    # the largest block's offloaded bytes: its saves, or a recomputed block's inputs
+    block = max([b.saved_bytes for b in blocks[:k]] + [fetched_inputs(b) for b in blocks[k:k + m]], default=0)
+    allowed = (False, True) if codec is None else (codec in FRAME_CODECS,)
+    # compressed where allowed and the link would carry fewer bytes (else it is raw by another name)
+    frameable = any(b.frame_bytes < b.framed_bytes for b in blocks[:k])
+    offloading = [off for compressed in sorted({c and frameable for c in allowed})
+                  for off in Offloading.of(trace, k, held_bytes, compressed, m)]
+    # the step offloads every save before block k + m (budget None: all); the inputs' bytes may
+    # count a tensor twice, but the hooks come off after block k + m - 1 anyway
+    offload_budget = (None if k == n else (trace.offloaded_before[k] if k + m else 0)
+                      + sum(b.input_bytes for b in blocks[k:k + m]))
+    out = []
+    for off in offloading:
+        if trace.store_bytes is not None and off.sent > trace.store_bytes:
+            continue  # more than the store took: the rest would stay on the device
+        room = budget - (offload_margin if off.sent else 0)
+        if prefetch_bytes is not None or not off.sent:
+            window = prefetch_bytes if off.sent else 0  # nothing offloaded: nothing to fetch
+            recomputed, peak, cost = _recompute_until(trace, k, m, room, off, window, grads, kept_extra)
+        else:  # no window while kept blocks follow: backward frees them before it needs the offloaded ones
+            window = 0
+            recomputed, peak, cost = _recompute_until(trace, k, m, room, off, 0, grads, kept_extra)
+            if all(i in recomputed for i in range(k, n)):
+                window = block
+                recomputed, peak, cost = _recompute_until(trace, k, m, room, off, block, grads, kept_extra)
+        plan = Plan(k, frozenset(recomputed), offload_budget, off.held, window, peak, round(cost, 3), peak <= room,
+                    off.leftover + off.frames + window, off.compressed, inputs_offloaded=m)
+        out.append((plan, room))
+    return out
+
+
+def _recompute_until(trace: Trace, k: int, m: int, budget: int, off: Offloading, window: int,
                      grads: bool, kept_extra: int = 0) -> tuple[set[int], int, float]:
-    """Blocks past the first k to recompute until the predicted peak fits; with the peak and
-    cost reached. Recomputing block j lowers what every later moment holds (the start of
+    """Blocks past the first k + m (the next m of which are recomputed with their inputs
+    offloaded) to recompute until the predicted peak fits; with the peak and cost reached (the
+    m blocks are in the set). Recomputing block j lowers what every later moment holds (the start of
     backward, and each block i > j as backward reaches it) by its saves less its input, and
     no earlier one: so the moments are met in the order backward's blocks come (block 0's,
     then 1's, ..., then backward's start), each by the cheapest blocks in forward ms per byte
@@ -229,10 +294,11 @@ def _recompute_until(trace: Trace, k: int, budget: int, off: Offloading, window:
     still fits."""
     blocks, n = trace.blocks, len(trace.blocks)
     in_flight = off.leftover + off.frames + window
+    inputs = set(range(k, k + m))  # recomputed with their inputs offloaded
     gain = [b.saved_bytes - b.input_bytes for b in blocks]
-    order = sorted((j for j in range(k, n) if gain[j] > 0), key=lambda j: (blocks[j].forward_ms / gain[j], j))
-    # block i's, for i < n (every block past k kept, so each with kept_extra), then backward's start
-    held_at = moments(trace, k, set(), in_flight, grads, kept_extra)
+    order = sorted((j for j in range(k + m, n) if gain[j] > 0), key=lambda j: (blocks[j].forward_ms / gain[j], j))
+    # block i's, for i < n (every block past k + m kept, so each with kept_extra), then backward's start
+    held_at = moments(trace, k, inputs, in_flight, grads, kept_extra, m)
     recomputed: set[int] = set()
     for i, held in enumerate(held_at):
         lowered = held - sum(gain[j] for j in recomputed if j < i) - kept_extra * (i in recomputed)
@@ -242,11 +308,12 @@ def _recompute_until(trace: Trace, k: int, budget: int, off: Offloading, window:
             if j <= i and j not in recomputed and (j < i or kept_extra):
                 recomputed.add(j)
                 lowered -= gain[j] if j < i else kept_extra
-    peak = predicted_peak(trace, k, recomputed, in_flight, grads, kept_extra)
+    peak = predicted_peak(trace, k, inputs | recomputed, in_flight, grads, kept_extra, m)
     if peak <= budget:
         for j in sorted(recomputed, key=lambda j: (-blocks[j].forward_ms, -j)):
-            without = predicted_peak(trace, k, recomputed - {j}, in_flight, grads, kept_extra)
+            without = predicted_peak(trace, k, inputs | (recomputed - {j}), in_flight, grads, kept_extra, m)
             if without <= budget:
                 recomputed.discard(j)
                 peak = without
+    recomputed |= inputs
     return recomputed, peak, off.cost_ms + sum(blocks[j].forward_ms for j in recomputed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -49,6 +50,9 @@ class OffloadTrace:
         # offloaded-bytes counter, which a store's refusal (a full pool) takes back later
         self.marks: list[tuple[float, int]] = []
         self.inputs, self.grads = [0] * n, [0] * n
+        self.arg_storages: list[dict[int, int]] = [{} for _ in range(n)]  # per block: its tensors' storages' bytes
+        self.shared = Shared()
+
 
         def mark() -> None:
             self.marks.append((ctx.stats.pack_s, len(ctx.saves)))
@@ -56,6 +60,7 @@ class OffloadTrace:
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
             mark()
             self.inputs[i] = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
+            self.arg_storages[i] = self.shared.called_with(args)
             # gradients already there (not set to None between steps) are not allocated by the step
             self.grads[i] = sum(q.numel() * q.element_size() for q in m.parameters()
                                 if q.requires_grad and q.grad is None)
@@ -83,8 +88,12 @@ class OffloadTrace:
         for i in range(n):
             s0, s1 = marks[2 * i][1], marks[2 * i + 1][1]
             framed, framed_bytes, frame_bytes = self.frames_of(order[s0:s1])
+            storages = self.arg_storages[i]
+            shared = [ptr for ptr in storages if ptr in self.shared]
             blocks.append(BlockTrace(offset[s1] - offset[s0], s1 - s0, self.inputs[i], grad_bytes=self.grads[i],
-                                     framed=framed, framed_bytes=framed_bytes, frame_bytes=frame_bytes))
+                                     framed=framed, framed_bytes=framed_bytes, frame_bytes=frame_bytes,
+                                     input_tensors=len(storages) - len(shared),
+                                     shared_input_bytes=sum(storages[ptr] for ptr in shared)))
         device = device_of(self.hooks.blocks)
         d2h, h2d = link_bandwidth(device)
         # frames are timed only where some tensor would be framed: their kernels compile at first use
@@ -103,6 +112,38 @@ class OffloadTrace:
         return Trace(blocks, offset[marks[0][1]], offset[-1] - offset[marks[-1][1]],
                      [offset[marks[2 * i][1]] for i in range(n)], 2e3 * host_s, frame_ms, frame_device_ms,
                      d2h_GBps=d2h, h2d_GBps=h2d, store_bytes=store_bytes)
+
+
+class Shared:
+    """The storages of the blocks' tensor arguments that more than one block was called with (a
+    model passing every layer its position embeddings or mask): offloading a recomputed block's
+    inputs frees none of them. A storage counts as the same where a tensor over it (the base of
+    the view passed) is still alive: a freed one's address may be reused by another."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, weakref.ref] = {}  # storage address: the first tensor called with it
+        self._shared: set[int] = set()
+
+    def called_with(self, args: Any) -> dict[int, int]:
+        """A block's call: its arguments' storages (address: bytes), noted."""
+        storages: dict[int, int] = {}
+        bases: dict[int, torch.Tensor] = {}
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.untyped_storage().nbytes():
+                ptr = a.untyped_storage().data_ptr()
+                storages[ptr] = a.untyped_storage().nbytes()
+                bases[ptr] = a if a._base is None else a._base
+        for ptr, base in bases.items():
+            seen = self._seen.get(ptr)
+            earlier = seen() if seen is not None else None
+            if earlier is not None and earlier.untyped_storage().data_ptr() == ptr:
+                self._shared.add(ptr)
+            else:
+                self._seen[ptr] = weakref.ref(base)
+        return storages
+
+    def __contains__(self, ptr: int) -> bool:
+        return ptr in self._shared
 
 
 class ComputeTrace:

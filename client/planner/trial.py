@@ -109,8 +109,10 @@ class Trial:
 
 
 def plan_name(p: Plan) -> str:
-    """A plan in a few words: "offload 2 and recompute 3 blocks", "keep every block"."""
+    """A plan in a few words: "offload 2 and recompute 3 blocks", "recompute 4 blocks (2 with
+    their inputs offloaded)", "keep every block"."""
     parts = ([f"offload {p.offloaded}"] if p.offloaded else []) + ([f"recompute {len(p.recomputed)}"]
                                                                     if p.recomputed else [])
     form = "" if p.reentrant or not p.recomputed else " non-reentrant"
+    form += f" ({p.inputs_offloaded} with their inputs offloaded)" if p.inputs_offloaded else ""
     return " and ".join(parts) + " blocks" + form if parts else "keep every block"

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..hooks import Offload
 from ..recompute import Recompute
-from .model import Plan, Trace, kept_bytes
+from .model import Plan, Trace, fetched_inputs, kept_bytes
 
 log = logging.getLogger("storm")
 
@@ -111,7 +111,7 @@ class BlockHooks:
                 on_new_shapes()
 
         self._hooks.append(self._pre_hook(0, check))
-        if plan.offloaded:
+        if plan.offloads:
             self._pace(plan, trace, grads, ctx)
 
     def _pace(self, plan: Plan, trace: Trace, grads: bool, ctx: Callable[[], Offload | None]) -> None:
@@ -123,20 +123,26 @@ class BlockHooks:
         allocator counts memory on the host's clock), and a hook on each block's output (whose
         gradient is ready when the block's backward starts) allows prefetch what the plan's
         peak leaves free there: the peak, less what the blocks before keep, the block's own
-        saves or the largest rebuild still to come, and (where the plan's peak counts them,
-        with peak=) the parameter gradients allocated from there on, so fetches start as
-        early as memory allows and hold back as gradients grow."""
+        saves (with its fetched inputs, where they were offloaded) or the largest rebuild still
+        to come, and (where the plan's peak counts them, with peak=) the parameter gradients
+        allocated from there on, so fetches start as early as memory allows and hold back as
+        gradients grow. The blocks recomputed with their
+        inputs offloaded pass them through STORM's hooks as the offloaded blocks' saves do: the
+        hooks come off after the last of them."""
         p, blocks = plan, trace.blocks
+        end = p.offloaded + p.inputs_offloaded  # the blocks whose saves (or inputs) are offloaded
         grad = [b.grad_bytes * grads for b in blocks]  # in the plan's peak with peak= only
         room = [0] * len(blocks)
-        kept = kept_bytes(trace, p.offloaded, p.recomputed)
-        rebuild = 0  # the largest saves of a recomputed block before i: rebuilt later in backward
+        kept = kept_bytes(trace, p.offloaded, p.recomputed, p.inputs_offloaded)
+        rebuild = 0  # the largest saves (and fetched inputs) of a recomputed block before i: rebuilt later in backward
         for i, b in enumerate(blocks):
-            # block i's own saves (kept, rebuilt or fetched) are alive through its backward
-            in_use = max(b.saved_bytes, rebuild)
+            # block i's own saves (kept, rebuilt or fetched) are alive through its backward, and
+            # its inputs, where they were fetched
+            own = b.saved_bytes + (fetched_inputs(b) if p.offloaded <= i < end else 0)
+            in_use = max(own, rebuild)
             room[i] = max(0, p.predicted_peak - sum(kept[:i]) - in_use - sum(grad[i:]))
             if i in p.recomputed:
-                rebuild = max(rebuild, b.saved_bytes)
+                rebuild = max(rebuild, own)
         # after block i, the copies still running may use what the blocks after the next will
         # keep (they stay until the next block's end, while it allocates its own saves), plus
         # what the plan counts as still in flight when forward ends. Not the plan's slack at
@@ -148,9 +154,9 @@ class BlockHooks:
             step = ctx()
             if step is None:
                 return
-            if i >= p.offloaded:
+            if i >= end:
                 step.drain(limit[i])
-            elif i == p.offloaded - 1:  # the later blocks' saves stay: no hooks for them to pass through
+            elif i == end - 1:  # the later blocks' saves stay: no hooks for them to pass through
                 step.stop_offloading()
             t = first_tensor(out)
             if t is not None and t.requires_grad:

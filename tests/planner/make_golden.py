@@ -20,11 +20,14 @@ MiB = 1 << 20
 FRACTIONS = [i / 10 for i in range(11)]  # budgets, as fractions of the trace's offloadable bytes
 CASE = ("budget", "grads", "codec", "offload", "kept_extra", "held_bytes", "offload_margin", "store_bytes")
 PLAN = ("offloaded", "recomputed", "offload_budget", "max_held_bytes", "prefetch_bytes", "predicted_peak",
-        "predicted_cost_ms", "fits", "in_flight_bytes", "compressed")
+        "predicted_cost_ms", "fits", "in_flight_bytes", "compressed", "inputs_offloaded")
 
 
 def trace_of(recorded: dict) -> Trace:
-    return Trace(**{**recorded, "blocks": [BlockTrace(**b) for b in recorded["blocks"]]})
+    """The recorded Trace. Traces recorded before the input's tensors were counted lack them:
+    W1's and W2's blocks are called with one tensor, which no other block is called with."""
+    return Trace(**{**recorded, "blocks": [BlockTrace(**{"input_tensors": int(b["input_bytes"] > 0), **b})
+                                           for b in recorded["blocks"]]})
 
 
 def cases(trace: Trace, kept_extra: int) -> list[dict]:
@@ -45,7 +48,7 @@ def decision(trace: Trace, case: dict) -> list | None:
     if p is None:
         return None
     return [p.offloaded, sorted(p.recomputed), p.offload_budget, p.max_held_bytes, p.prefetch_bytes,
-            p.predicted_peak, p.predicted_cost_ms, p.fits, p.in_flight_bytes, p.compressed]
+            p.predicted_peak, p.predicted_cost_ms, p.fits, p.in_flight_bytes, p.compressed, p.inputs_offloaded]
 
 
 def main(path: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -39,6 +39,14 @@ def framed(t: Trace, per_block: int, frame_ms: float, saved_by_frames: int | Non
     return t
 
 
+def shared_inputs(t: Trace) -> Trace:
+    """Every block of ``t`` is called with the same tensors (as a model passes each layer its
+    position embeddings): alive anyway, offloading them frees nothing."""
+    for b in t.blocks:
+        b.shared_input_bytes = b.input_bytes
+    return t
+
+
 def gpt() -> tuple[GPT, torch.Tensor]:
     torch.manual_seed(0)
     return GPT(seq_len=64, d_model=64, n_heads=4, n_layers=6, dropout=0.1), torch.randint(0, 256, (8, 65))
@@ -53,6 +61,23 @@ def grads_of(model: GPT, idx: torch.Tensor, ctx=None) -> list[torch.Tensor]:
         ctx.synchronize()  # every copy done: what backward fetches does not depend on the machine's speed
     loss.backward()
     return [p.grad.clone() for p in model.parameters()]
+
+
+def below_checkpointing(blocks: Any, run: Callable[[storm.Offload], Any]) -> int:
+    """A budget just below what recomputing every one of ``blocks`` keeps (checkpointing's floor),
+    which recomputing them with their inputs offloaded meets even with two blocks' inputs in
+    flight (a copy queue and a prefetch window of one block each, all the model counts on a
+    FakeClock, whose forward hides no copy), from a step of its own (``run(ctx)``) traced."""
+    planner = storm.plan(blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock())
+    run(planner.step())
+    planner.settled  # reads the step: the trace
+    t = planner.trace
+    planner.close()
+    every, n = set(range(len(t.blocks))), len(t.blocks)
+    floor = predicted_peak(t, 0, every, 0, grads=False)
+    in_flight = 2 * max(b.input_bytes - b.shared_input_bytes for b in t.blocks)
+    assert predicted_peak(t, 0, every, in_flight, grads=False, inputs_offloaded=n) < floor
+    return floor - 1
 
 
 class FakeClock:
@@ -109,7 +134,8 @@ class ScriptedMemory:
                     + self.kept_extra * (pl.phase is Phase.TRACE_COMPUTE_KEPT))
         p = pl.plan
         return (self.besides + predicted_peak(pl.trace, p.offloaded, p.recomputed, p.in_flight_bytes,
-                                              kept_extra=self.kept_extra) + (self.extra if p.offloaded else 0))
+                                              kept_extra=self.kept_extra, inputs_offloaded=p.inputs_offloaded)
+                + (self.extra if p.offloads else 0))
 
 
 def pack_clock(monkeypatch) -> FakeClock:

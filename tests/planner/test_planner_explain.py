@@ -7,7 +7,7 @@ import pytest
 
 import storm
 from planner_fakes import MiB, framed, gpt, trace
-from storm.planner import Offloading, choose
+from storm.planner import Offloading, choose, predicted_peak
 
 
 @pytest.mark.parametrize("hidden_ms, choice", [(50.0, "compressed"), (0.0, "raw")])
@@ -24,4 +24,25 @@ def test_explain_says_raw_or_compressed_and_why(hidden_ms, choice):
            f"{raw.link_ms:.2f} ms raw" in text
     assert f"host {compressed.host_ms - raw.host_ms:+.2f} ms (100 us per frame" in text
     assert f"codec kernels +{compressed.codec_ms:.2f} ms on the device (0.00 ms per GiB framed)" in text
+    planner.close()
+
+
+def test_explain_names_the_blocks_recomputed_with_their_inputs_offloaded_and_what_lies_outside_the_blocks():
+    model, _ = gpt()
+    planner = storm.plan(model.blocks, budget=300 * MiB, mode="embedded")
+    t = trace(n=8, saved=100 * MiB, inputs=30 * MiB, gbps=1.0)
+    for b in t.blocks:
+        b.input_tensors = 1
+    planner.trace = t
+    planner.plan = p = choose(t, predicted_peak(t, 0, set(range(8)), 0, False) - 60 * MiB)
+    first, last = p.offloaded, p.offloaded + p.inputs_offloaded - 1
+    assert p.inputs_offloaded > 1
+    lines = planner.explain().splitlines()
+    decisions = [line.split()[5:] for line in lines[2:10]]
+    assert decisions == [["offload"]] * first + [["recompute,", "inputs", "offloaded"]] * p.inputs_offloaded + \
+        [["recompute"] if i in p.recomputed else ["keep"] for i in range(last + 1, 8)]
+    assert f"blocks {first}-{last} recomputed with their inputs offloaded: {30.0 * p.inputs_offloaded:.1f} MiB in " \
+           f"{p.inputs_offloaded} tensors fetched back when backward recomputes them" in lines
+    assert "outside the blocks: 1.0 MiB saved before them (embeddings; offload), 2.0 MiB after them (final norm, " \
+           "logits, loss; keep)" in lines
     planner.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner_fakes import MiB, framed, trace
+from planner_fakes import MiB, framed, shared_inputs, trace
 from storm.planner import BlockTrace, Offloading, Trace, choose, moments, predicted_peak
 
 
@@ -177,8 +177,10 @@ def test_an_unreachable_budget_gets_the_least_peak_plan_and_says_so():
 
 
 def test_a_link_bound_step_offloads_compressed():
-    # 100 MiB per 1 ms block over 50 GB/s, host time hidden by the GPU: the link decides
-    t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
+    # 100 MiB per 1 ms block over 50 GB/s, host time hidden by the GPU: the link decides. Every
+    # block is called with the same 60 MiB (shared): a recomputed block keeps them, its inputs
+    # offloaded or not, so plans must offload saves
+    t = shared_inputs(framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1))
     t.forward_device_ms = t.forward_host_ms + 50
     t.lead_ms = [0.0] + [50.0] * len(t.blocks)
     budget = 300 * MiB
@@ -197,7 +199,7 @@ def test_a_link_bound_step_offloads_compressed():
 def test_the_codecs_device_time_can_make_raw_the_cheaper():
     # the link-bound step above, with a codec whose kernels take 30 ms per GiB framed (encode and
     # decode): they share the GPU with the step's, so they count in full
-    t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
+    t = shared_inputs(framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1))
     t.forward_device_ms = t.forward_host_ms + 50
     t.lead_ms = [0.0] + [50.0] * len(t.blocks)
     budget = 300 * MiB
@@ -214,8 +216,9 @@ def test_the_codecs_device_time_can_make_raw_the_cheaper():
 
 def test_a_host_bound_step_offloads_raw():
     # 200 tensors a block, frames that save 1 MiB of its 100 and cost 150 us each, nothing hidden
-    t = framed(trace(inputs=60 * MiB, host_ms=0.02, tensors=200), per_block=200, frame_ms=0.15,
-               saved_by_frames=MiB)
+    # (the blocks' inputs shared, as above: plans must offload saves)
+    t = shared_inputs(framed(trace(inputs=60 * MiB, host_ms=0.02, tensors=200), per_block=200, frame_ms=0.15,
+                             saved_by_frames=MiB))
     budget = 300 * MiB
     p = choose(t, budget)
     assert p.fits and p.offloaded > 0 and not p.compressed
@@ -251,3 +254,58 @@ def test_no_trial_where_the_other_kind_does_not_fit():
     assert choose(t, t.total_bytes, offload=False).offloaded == 0
     t.store_bytes = 0  # the store took nothing: no plan offloads
     assert choose(t, t.total_bytes, offload=True) is None
+
+
+def test_a_block_recomputed_with_its_inputs_offloaded_keeps_nothing_until_its_backward():
+    """Blocks 0-1 recomputed with their inputs offloaded: each keeps nothing from forward to its
+    backward, where it holds its rebuilt saves and its fetched inputs; the saves before the blocks
+    go too. Recomputed (checkpointing), they keep their inputs and the saves before them stay."""
+    t = trace(n=4, saved=100 * MiB, inputs=10 * MiB)
+    checkpointing = moments(t, 0, {0, 1}, 0, False)
+    offloaded = moments(t, 0, {0, 1}, 0, False, inputs_offloaded=2)
+    assert checkpointing == [MiB + 100 * MiB, MiB + 10 * MiB + 100 * MiB, MiB + 20 * MiB + 100 * MiB,
+                             MiB + 20 * MiB + 200 * MiB, MiB + 20 * MiB + 200 * MiB + 2 * MiB]
+    assert offloaded == [110 * MiB, 110 * MiB, 100 * MiB, 200 * MiB, 200 * MiB + 2 * MiB]
+    # inputs other blocks are called with too stay, and are not fetched
+    shared_inputs(t)
+    assert moments(t, 0, {0, 1}, 0, False, inputs_offloaded=2) == [100 * MiB, 110 * MiB, 120 * MiB,
+                                                                    220 * MiB, 222 * MiB]
+
+
+def test_offloading_inputs_costs_their_link_bytes_and_host_time():
+    t = trace(n=4, saved=100 * MiB, inputs=10 * MiB, gbps=0.01, host_ms=2.0)  # a link too slow to hide anything
+    for b in t.blocks:
+        b.input_tensors = 3
+    off = Offloading.of(t, 1, None, m=2)[-1]
+    assert off.sent == MiB + 100 * MiB + 2 * 10 * MiB
+    assert off.host_ms == pytest.approx((5 + 2 * 3) * 2.0)  # nothing hides it: no lead, no slack
+    assert off.link_ms == pytest.approx(Offloading.of(t, 1, None)[-1].link_ms * off.sent / (101 * MiB), rel=0.01)
+
+
+def test_below_checkpointings_peak_the_plan_recomputes_blocks_with_their_inputs_offloaded():
+    """Below what recomputing every block keeps, the three other options fit only by offloading
+    most saves over a slow link; recomputing with the inputs offloaded moves a third of the bytes
+    per block and fits for less."""
+    t = trace(n=8, saved=100 * MiB, inputs=30 * MiB, gbps=1.0)
+    budget = predicted_peak(t, 0, set(range(8)), 0, False) - 60 * MiB
+    old, p = choose(t, budget, inputs_offloaded=False), choose(t, budget)
+    assert old.fits and not old.inputs_offloaded and old.offloaded > 0
+    assert p.fits and p.inputs_offloaded > 0 and p.predicted_peak <= budget
+    assert p.predicted_cost_ms < old.predicted_cost_ms
+    assert set(range(p.offloaded, p.offloaded + p.inputs_offloaded)) <= p.recomputed
+    assert p.predicted_peak == predicted_peak(t, p.offloaded, p.recomputed, p.in_flight_bytes, False,
+                                              inputs_offloaded=p.inputs_offloaded)
+    # the step offloads the saves before block k + m: the inputs' bytes on top of block k's start
+    assert p.offload_budget == t.offloaded_before[p.offloaded] + p.inputs_offloaded * 30 * MiB
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.5, 0.8, 1.0])
+def test_inputs_are_never_offloaded_where_a_plan_of_the_other_options_is_as_cheap(fraction):
+    """At budgets that checkpointing meets, the plan is the three options' whenever one of theirs
+    costs no more; a plan with inputs offloaded only where it costs strictly less."""
+    for gbps in (0.5, 5.0, 50.0):
+        t = trace(n=8, saved=100 * MiB, inputs=30 * MiB, gbps=gbps, host_ms=0.05)
+        budget = int(fraction * t.total_bytes)
+        old, p = choose(t, budget, inputs_offloaded=False), choose(t, budget)
+        assert old.fits and p.fits
+        assert p == old or (p.inputs_offloaded and p.predicted_cost_ms < old.predicted_cost_ms)
