@@ -111,7 +111,9 @@ def summarize(section: dict, link: dict[str, float]) -> dict:
         mine = next((r for r in m.rows if r["method"] == "plan" and r["budget_bytes"] == b and "step_ms" in r), None)
         other = best_other(b, m)
         cap = m.total_bytes - b
-        fits = bool(mine) and mine["peak_GiB"] * GiB <= cap
+        # and by the planner's own account: a plan that says it does not fit fell back to its least
+        # peak, so a row that measured less than the cap for it measured something else, not a fit
+        fits = bool(mine) and mine["peak_GiB"] * GiB <= cap and mine.get("plan", {}).get("fits", True)
         entry = {"budget_bytes": b, "peak_cap_GiB": round(cap / GiB, 3), "lower_bound_ms": lb,
                  "step_ms": mine and mine["step_ms"], "peak_GiB": mine and mine["peak_GiB"], "fits_cap": fits,
                  "best_other": other and other["label"], "best_other_ms": other and other["step_ms"],

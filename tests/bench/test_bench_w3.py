@@ -219,3 +219,21 @@ def test_a_plan_slower_than_checkpointing_at_its_peak_fails_that_verdict():
     assert not verdicts["plan_vs_best_other"]["holds"]
     assert verdicts["plan_at_half_checkpoint_peak"]["x_checkpoint"] is None  # no plan row at that cap
     assert not verdicts["blocks_compiled_plan_vs_budget_0.1"]["holds"]
+
+
+def test_a_plan_that_says_it_does_not_fit_never_fits_its_cap_whatever_peak_was_measured():
+    """On a lent H100 a W3 plan at half of checkpointing's peak fell back to checkpointing (fits
+    False) and its row measured 0.79 GiB, below checkpointing's own 3.56: the verdict took it."""
+    rows = [{"label": "none", "method": "none", "step_ms": 100.0, "peak_GiB": 4.0, "forward_ms": 30.0},
+            {"label": "checkpoint", "method": "checkpoint", "step_ms": 120.0, "peak_GiB": 2.0},
+            {"label": "plan", "method": "plan", "budget_bytes": 3 * GiB, "step_ms": 121.0, "peak_GiB": 0.79,
+             "plan": {"fits": False}}]
+    sec = {"rows": rows, "budgets": [3 * GiB], "total_bytes": 4 * GiB, "bytes_per_block": GiB // 4, "layers": 16,
+           "ckpt_budgets": {"checkpoint": 2 * GiB, "half_checkpoint": 3 * GiB}}
+    sec.update(summary.summarize(sec, {"d2h_GBps": 50.0, "h2d_GBps": 50.0}))
+    (entry,) = sec["planner"]
+    assert not entry["fits_cap"]
+    assert not summary.must_show(sec)["plan_at_half_checkpoint_peak"]["holds"]
+    rows[-1]["plan"]["fits"] = True
+    sec.update(summary.summarize(sec, {"d2h_GBps": 50.0, "h2d_GBps": 50.0}))
+    assert sec["planner"][0]["fits_cap"] and summary.must_show(sec)["plan_at_half_checkpoint_peak"]["holds"]
