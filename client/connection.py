@@ -10,7 +10,9 @@ wait, or the daemon no longer knows the session (it restarted), the connection
 closes for good and every request fails at once with StormUnavailable: those
 sent, those still queued here and any made later. So no caller (the mover's
 worker, with hundreds of requests behind it) waits out a timeout per request,
-and a process that catches the error can exit.
+and a process that catches the error can exit. These pings stay beside
+ZeroMQ's own heartbeats, which the daemon's socket sets (stormd/server.py
+says why they cannot replace them).
 
 Credit: at most ``max_in_flight`` requests are on the wire unanswered; later
 ones wait here, in order. So a process that produces requests faster than

@@ -41,6 +41,13 @@ log = logging.getLogger("stormd")
 BACKLOG_RETRY = 0.001  # seconds between retries of replies a client has not made room for
 
 
+def heartbeat_timeout(client_timeout: float) -> float:
+    """Seconds a connection may go without answering ZeroMQ's heartbeats before the socket closes
+    it: twice ``client_timeout``, and at least two seconds, so a loaded host that is slow to run a
+    live peer's I/O thread does not cut it off (its session would end at ``client_timeout`` anyway)."""
+    return max(2 * client_timeout, 2.0)
+
+
 def reap_interval(client_timeout: float) -> float:
     """How often silent clients are looked for: a client gone silent is dropped within
     ``client_timeout + reap_interval(client_timeout)`` of its last message."""
@@ -96,6 +103,15 @@ class Server:
         sock.setsockopt(zmq.SNDHWM, self.config.hwm)
         sock.setsockopt(zmq.RCVHWM, self.config.hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_size)
+        # ZeroMQ's own heartbeats (ZMTP PING, which the peer's libzmq answers on its I/O thread) close
+        # the connection of a peer that no longer answers at all, a stopped or vanished process, and
+        # with it what libzmq queues for it: its session ends by the clients' PING messages
+        # (client_timeout), which ZMTP heartbeats cannot replace here: a ROUTER learns of no
+        # disconnect without ZMQ_ROUTER_NOTIFY, a draft option that libzmq 4.3 builds refuse, and a
+        # PONG says the peer's I/O thread runs, not that the process still serves its training
+        timeout = heartbeat_timeout(self.config.client_timeout)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(timeout * 1000 / 4))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout * 1000))
         if self.config.socket.startswith("tcp://"):
             self._auth = secure_server(sock, self._ctx, self.config.curve_secret_key,
                                        self.config.curve_authorized_keys)

@@ -278,3 +278,45 @@ def test_the_daemon_codec_setting_reaches_clients(tmp_path):
     finally:
         storm.close_all()
         stop_daemon(d)
+
+
+STOPPED_PEER = textwrap.dedent("""
+    import sys, zmq
+    from zmq.utils.monitor import recv_monitor_message
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    events = sock.get_monitor_socket()
+    sock.connect(sys.argv[1])
+    def wait_for(event, seconds):
+        poller = zmq.Poller()
+        poller.register(events, zmq.POLLIN)
+        while poller.poll(seconds * 1000):
+            if recv_monitor_message(events)["event"] == event:
+                return True
+        return False
+    assert wait_for(zmq.EVENT_HANDSHAKE_SUCCEEDED, 60), "no handshake with the daemon"
+    print("ready", flush=True)
+    sys.stdin.readline()  # the parent stops this process, resumes it, then writes a line
+    print("disconnected" if wait_for(zmq.EVENT_DISCONNECTED, 60) else "still connected", flush=True)
+""")
+
+
+def test_a_peer_that_answers_nothing_is_disconnected_by_zeromqs_heartbeats(tmp_path):
+    """A stopped process answers no ZMTP heartbeat: the daemon's socket closes its connection after
+    stormd.server.heartbeat_timeout (2 s at this client_timeout), freeing what libzmq holds for it.
+    Without the heartbeat options the connection stays open however long the peer is stopped."""
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--client-timeout", "0.5")
+    peer = subprocess.Popen([sys.executable, "-c", STOPPED_PEER, d.endpoint], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout.readline().strip() == "ready"
+        peer.send_signal(signal.SIGSTOP)
+        time.sleep(8)  # four heartbeat timeouts: a loaded host makes the disconnect late, never early
+        peer.send_signal(signal.SIGCONT)
+        peer.stdin.write("go\n")
+        peer.stdin.flush()
+        assert peer.stdout.readline().strip() == "disconnected"
+        assert peer.wait(timeout=120) == 0
+    finally:
+        peer.kill()
+        stop_daemon(d)
