@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from summary import (Bound, Measurements, blocks_for, budgets, must_show, must_show_lines, ratio_interval, rebound,
+from summary import (Bound, Measurements, blocks_for, budgets, must_show, ratio_interval, rebound,
                      summarize, table)
 from torch import nn
 from torch.utils.checkpoint import checkpoint

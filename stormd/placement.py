@@ -12,8 +12,11 @@ then take one region of that size from the general allocator and place the
 tensor saved n-th at the n-th planned offset, as long as its size fits; any
 other tensor (a bigger one, one past the planned count, one whose slot is
 still occupied by the previous step, or one whose slot lies past the end of a
-smaller region that a tensor of an earlier plan still holds) falls back to the
-general allocator.
+smaller region that a tensor of an earlier plan still holds) takes the first
+free gap of the region that fits it, else falls back to the general
+allocator: a step that saves less than the recorded one, or other sizes (a
+plan's recomputed blocks' inputs), would otherwise leave most of the region
+unused while a tight pool refuses its misses.
 
 A planned step never fragments the general pool, and the report says how
 close the plan is to the ideal: "using X of Y", X the planned footprint, Y
@@ -147,9 +150,6 @@ class StepPlacement:
             self._open += 1
         if self._plan is None:
             return None
-        if slot not in self._plan or size > self._plan[slot][0]:
-            self._miss()
-            return None
         if self._region is None:
             # Taken when a planned step places its first tensor and given back when its last one
             # goes (so the region exists exactly while it holds a tensor and an idle session holds
@@ -158,22 +158,45 @@ class StepPlacement:
             if self._region is None:
                 self._miss()
                 return None
+        start = self._planned_start(slot, size)
+        if start is None:
+            self._miss()
+            start = self._first_gap(size)
+            if start is None:
+                if not self._live:  # taken for this tensor, which does not fit it: no tensor holds it
+                    self.allocator.free(self._region)
+                    self._region = None
+                return None
+        else:
+            self.stats.plan_hits += 1
+            self._step_hits += 1
+        self._live[start] = start + size
+        return start
+
+    def _planned_start(self, slot: int, size: int) -> int | None:
+        """The slot's planned offset in the region, where the tensor fits there and it is free."""
+        if slot not in self._plan or size > self._plan[slot][0]:
+            return None
         if self._plan[slot][1] + size > self.allocator.size_of(self._region):
             # The region was taken for an earlier plan and a tensor of that time still holds it
             # (a plan is remade or dropped while one lives on), so it may be smaller than this
             # plan's footprint: bytes past its end belong to someone else.
-            self._miss()
             return None
         start = self._region + self._plan[slot][1]
         end = start + size
         i = self._live.bisect_left(start)
         if (i > 0 and self._live.peekitem(i - 1)[1] > start) or (i < len(self._live) and self._live.peekitem(i)[0] < end):
-            self._miss()  # the previous step still holds bytes there
-            return None
-        self._live[start] = end
-        self.stats.plan_hits += 1
-        self._step_hits += 1
+            return None  # the previous step still holds bytes there
         return start
+
+    def _first_gap(self, size: int) -> int | None:
+        """The lowest offset in the region where ``size`` bytes are free, or None."""
+        pos, end = self._region, self._region + self.allocator.size_of(self._region)
+        for lo, hi in self._live.items():
+            if lo - pos >= size:
+                return pos
+            pos = max(pos, hi)
+        return pos if end - pos >= size else None
 
     def _miss(self) -> None:
         self.stats.plan_misses += 1

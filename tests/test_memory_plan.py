@@ -122,3 +122,25 @@ def test_slot_still_held_by_the_previous_step_falls_back():
     store.drop_session(7)
     store.allocator.check()
     assert store.allocator.stats().used == 0
+
+
+def test_a_tensor_that_misses_its_slot_takes_a_free_gap_of_the_region_in_a_tight_pool():
+    """The region is the recorded step's footprint. A later step that saves other sizes (a plan
+    that recomputes blocks and offloads only their inputs saves fewer, smaller tensors) used to
+    send every miss to the general allocator, which a pool as tight as the footprint has no room
+    in: POOL_FULL with the region mostly unused. Misses now take the region's free gaps."""
+    sizes = [64 << 10] * 4
+    pool = SharedPool.anonymous(sum(sizes) + (16 << 10))
+    store = Store(ExtentAllocator(pool.size), pool)
+    store.open_session(1)
+    for n, step_sizes in enumerate([sizes, sizes, [64 << 10, 100 << 10, 30 << 10, 30 << 10]], start=1):
+        keys = [n * 100 + i for i in range(len(step_sizes))]
+        for k, size in zip(keys, step_sizes):
+            store.put(1, put_fields(k, size, step=n))  # raises ProtocolError (POOL_FULL) where it has no room
+            store.seal(1, k, None)
+        for k in reversed(keys):
+            store.free(1, keys=[k])
+        store.allocator.check()
+        assert store.allocator.stats().used == 0
+    st = store.session_stats(1)
+    assert st["plan_hits"] == 4 + 1 and st["plan_misses"] == 3  # step 3: slot 0 hits, the rest take gaps

@@ -5,7 +5,6 @@ loads kernels), tracing again when the inputs' shapes change, and no extra call 
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 
 import pytest
@@ -14,7 +13,6 @@ import torch
 import storm
 from planner_fakes import FakeClock, gpt, grads_of, pack_clock
 from storm.examples.models import same_bits
-from storm.planner import choose
 
 
 def test_new_input_shapes_trace_again():
@@ -71,17 +69,16 @@ def test_the_offload_trace_reads_each_blocks_own_storages():
 def test_a_pool_smaller_than_the_step_is_traced_whole_and_planned_within(caplog):
     """The offload trace counts each block's saves as the step made them: the store's refusals
     once its pool is full come back later, in other blocks, and must not move bytes between
-    blocks. Plans then offload no more than the store took, and say so. Plans that offload
-    recomputed blocks' inputs are left out: the store places a step's tensors where the traced
-    step's went (stormd/placement.py), in a region as large as that step's, which a full pool
-    cannot spare for tensors of another pattern (POOL_FULL)."""
+    blocks. Plans then offload no more than the store took, and say so, those that offload
+    recomputed blocks' inputs too: the store places a step's tensors where the traced step's
+    went (stormd/placement.py), in a region as large as that step's, and a tensor of another
+    pattern takes a free gap of it (it was POOL_FULL in a pool with no room beside the region)."""
     model, idx = gpt()
     ref = grads_of(copy.deepcopy(model), idx)
     traces = []
     for pool in (None, "small"):
         options = {} if pool is None else {"pool_size": int(traces[0].total_bytes * 0.4)}
-        planner = storm.Planner(model.blocks, budget=0.05, mode="embedded", min_bytes=0,
-                                chooser=functools.partial(choose, inputs_offloaded=False), **options)
+        planner = storm.Planner(model.blocks, budget=0.05, mode="embedded", min_bytes=0, **options)
         with caplog.at_level(logging.WARNING, logger="storm"):
             for step in range(3):
                 ctx = planner.step()
