@@ -23,7 +23,8 @@ from .measure import (HOST_CHECK_STEP, HOST_CHECK_TOLERANCE, MAX_CHECKS, CudaPea
 from .model import Plan, Trace, choose, predicted_peak
 from .trace import ComputeTrace, Frames, OffloadTrace
 from .trial import Clock, Trial
-from .wiring import BlockHooks, compiled, device_of
+from ..compiled import compiled
+from .wiring import BlockHooks, device_of
 
 log = logging.getLogger("storm")
 

@@ -21,7 +21,7 @@ from ..recompute import Recompute
 from .measure import frame_costs, link_bandwidth
 from .model import BlockTrace, Trace
 from .trial import Clock
-from .wiring import BlockHooks, device_of, input_signature, warn_whole_graph
+from .wiring import BlockHooks, device_of, input_signature, warn_blocks_whole_graph
 
 log = logging.getLogger("storm")
 
@@ -75,7 +75,7 @@ class OffloadTrace:
         ctx, marks, n = self.ctx, self.marks, len(self.hooks.blocks)
         st = ctx.stats
         if not marks and ctx.saves:  # the blocks ran without their hooks, inside a graph compiled before them
-            warn_whole_graph()
+            warn_blocks_whole_graph()
         if len(marks) != 2 * n:
             log.warning("storm.plan: the traced step did not run every block once; tracing again")
             return None

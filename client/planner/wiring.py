@@ -14,19 +14,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
-import sys
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from ..compiled import compiled, optimized, probe_compiling, warn_whole_graph
 from ..hooks import Offload
 from ..recompute import Recompute
 from .model import Plan, Trace, fetched_inputs, kept_bytes
-
-log = logging.getLogger("storm")
-
 
 class BlockHooks:
     """What the planner sets on ``blocks``, and takes off again."""
@@ -50,8 +46,7 @@ class BlockHooks:
         block's forward, in place of the hooks set before."""
         self.unhook()
         if not compiled(self.blocks[0]):  # traced only where a larger compiled region holds the block
-            probe = functools.partial(_probe_compiling, torch.compiler.disable(warn_whole_graph))
-            self._hooks.append(self.blocks[0].register_forward_pre_hook(probe))
+            self._hooks.append(self.blocks[0].register_forward_pre_hook(probe_compiling(warn_blocks_whole_graph)))
         for i in range(len(self.blocks)):
             self._hooks.append(self._pre_hook(i, functools.partial(pre, i), with_kwargs=True))
             self._hooks.append(self._post_hook(i, functools.partial(post, i)))
@@ -87,7 +82,7 @@ class BlockHooks:
             self._own.setdefault(i, own_forward(self.blocks[i], i))
         for i in self._recomputing - which:
             b = self.blocks[i]
-            if _optimized(b):
+            if optimized(b):
                 b.forward = self._own[i]  # its compiled call, as torch.compile set it
             else:
                 del b.forward  # back to the class's forward
@@ -172,33 +167,10 @@ class BlockHooks:
         self.recompute(set())
 
 
-def compiled(block: nn.Module) -> bool:
-    """Whether ``block`` is compiled itself: ``torch.compile(block)`` or ``block.compile()``."""
-    return _optimized(block) or block._compiled_call_impl is not None
-
-
-def _optimized(block: nn.Module) -> bool:
-    """Whether ``block`` is torch.compile's ``OptimizedModule``: none exists before torch._dynamo
-    is imported, which `import storm` leaves to whoever compiles."""
-    dynamo = sys.modules.get("torch._dynamo")
-    return dynamo is not None and isinstance(block, dynamo.eval_frame.OptimizedModule)
-
-
-def _probe_compiling(warn: Callable[[], None], block: nn.Module, args: Any) -> None:
-    """A hook dynamo traces (not disabled): ``warn`` (eager) only where the block runs inside a
-    compiled region."""
-    if torch.compiler.is_compiling():
-        warn()
-
-
-@functools.cache
-def warn_whole_graph() -> None:
-    """Once: the blocks run inside a region compiled as one graph. Their hooks break it at every
-    block, or, where the graph was compiled before the planner hooked the blocks, never run."""
-    log.warning("storm.plan: the blocks run inside a region that torch.compile compiled as one graph (the whole model "
-                "compiled?), which hands its saved tensors over only once the whole graph has run and runs the "
-                "planner's hooks apart from it, or not at all. Compile the blocks one by one instead "
-                "(for b in model.blocks: b.compile()), as storm.plan supports")
+def warn_blocks_whole_graph() -> None:
+    """Once: the blocks run inside a region compiled as one graph, where their hooks break it at
+    every block or, where it was compiled before the planner hooked them, never run."""
+    warn_whole_graph("storm.plan", "the blocks' forward")
 
 
 def own_forward(block: nn.Module, i: int) -> Callable[..., Any]:
@@ -207,7 +179,7 @@ def own_forward(block: nn.Module, i: int) -> Callable[..., Any]:
     call, hooks and ``forward`` attribute included) its class's forward compiled by the same
     compiler and options, since Recompute, set as that attribute, runs eagerly; else the class's
     forward."""
-    if _optimized(block):
+    if optimized(block):
         return vars(block)["forward"]
     if "forward" in vars(block):
         raise RuntimeError(f"storm.plan: block {i} ({type(block).__name__}) already has its own forward attribute; "

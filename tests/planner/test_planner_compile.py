@@ -173,7 +173,7 @@ def test_a_model_compiled_as_one_graph_warns_once_naming_per_block_compile(compi
     hooks on, a probe hook sees the tracing; where it was compiled before them, the blocks run
     without their hooks, which the offload trace sees. Either way one warning names per-block
     compile (functools.cache keeps it to one a process: cleared for each case here)."""
-    from storm.planner.wiring import warn_whole_graph
+    from storm.compiled import warn_whole_graph
     warn_whole_graph.cache_clear()
     torch._dynamo.reset()
     torch.manual_seed(0)
