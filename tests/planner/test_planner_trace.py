@@ -45,8 +45,9 @@ def test_cpu_blocks_are_planned_raw_and_explained():
     assert codecs == ["raw", None, None, None]  # the offload trace raw, then no frame codec passed
     assert all(b.framed == b.framed_bytes == b.frame_bytes == 0 for b in t.blocks)  # CPU: nothing framed
     assert t.frame_host_ms_per_tensor == t.frame_device_ms_per_GiB == 0.0 and not p.compressed
-    # whether offloading or recomputing wins depends on this machine's speed; either way, no frames
-    assert ("offloaded tensors go raw: none would be framed" if p.offloaded else "nothing offloaded") \
+    # whether offloading (saves or recomputed blocks' inputs) or recomputing wins depends on this
+    # machine's speed; either way, no frames
+    assert ("offloaded tensors go raw: none would be framed" if p.offloads else "nothing offloaded") \
         in planner.explain()
     planner.close()
 
