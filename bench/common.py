@@ -354,6 +354,7 @@ def plan_summary(pl: storm.Planner) -> dict:
             "fits": p.fits, "reentrant": p.reentrant, "settled": pl.settled,
             "target_GiB": pl.target and round(pl.target / GiB, 3),
             "besides_GiB": pl.besides and round(pl.besides / GiB, 3), "kept_extra_GiB": round(pl.kept_extra / GiB, 3),
+            "start_extra_GiB": round(pl.start_extra / GiB, 3),
             "trial": "; ".join(t.describe() for t in pl.trials) or None}
 
 

@@ -10,8 +10,9 @@ step time of --steps steps after --warmup; peak GPU memory above what was alloca
 steps): no offload, per-block checkpointing (W3: Hugging Face's, non-reentrant),
 save_on_cpu(pin_memory=True), torchtune's OffloadActivations alone and over checkpointed
 blocks, STORM full offload, STORM with budget=b (the earliest b bytes offloaded) for each byte
-budget b (default: 10 fractions, 0.1 to 1.0, of the no-offload peak, and the two that cap the
-peak at checkpointing's and at half of it), per-block checkpointing of only the first k blocks,
+budget b (default: 10 fractions, 0.1 to 1.0, of the no-offload peak, the two that cap the
+peak at checkpointing's and at half of it, and where another method went below checkpointing,
+the least peak it reached and halfway from there to checkpointing's), per-block checkpointing of only the first k blocks,
 k = round(b / bytes one block's recompute removes), and storm.plan (client/planner/: per block
 keep, offload or recompute, planned from two traced steps). With --compiled, also: the model
 compiled as one graph at torch's activation_memory_budget 1.0 (no recompute added), 0.5 and
@@ -155,10 +156,16 @@ def measure(args: argparse.Namespace, device: torch.device, measure_row: Callabl
                                "half_checkpoint": sec["total_bytes"] - ckpt_bytes // 2}
         sec["budgets"] = sorted(set(args.budgets or budgets(sec["total_bytes"], args.points))
                                 | set(sec["ckpt_budgets"].values()))
-        add("save_on_cpu", "save_on_cpu")
-        add("torchtune", "torchtune")
-        add("torchtune-checkpoint", "torchtune-checkpoint")
-        add("storm-full", "storm")
+        others = [add("save_on_cpu", "save_on_cpu"), add("torchtune", "torchtune"),
+                  add("torchtune-checkpoint", "torchtune-checkpoint"), add("storm-full", "storm")]
+        least = min((r["peak_GiB"] for r in others if "peak_GiB" in r), default=None)
+        if least is not None and least < ckpt["peak_GiB"]:
+            # below checkpointing, where offloading recomputed blocks' inputs is the planner's way:
+            # the least peak another method reached, and halfway from there to checkpointing's
+            low = math.ceil(least * GiB)
+            sec["ckpt_budgets"].update(below_checkpoint=sec["total_bytes"] - (ckpt_bytes + low) // 2,
+                                       least_other=sec["total_bytes"] - low)
+            sec["budgets"] = sorted(set(sec["budgets"]) | set(sec["ckpt_budgets"].values()))
         for b in sec["budgets"]:
             add(f"storm-budget {b / GiB:.2f}GiB", "storm-budget", budget=b)
         for k in sorted({blocks_for(b, Measurements.of(sec)) for b in sec["budgets"]}):

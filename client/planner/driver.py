@@ -20,7 +20,7 @@ from ..hooks import Offload, parse_budget
 from . import explain as explaining
 from .measure import (HOST_CHECK_STEP, HOST_CHECK_TOLERANCE, MAX_CHECKS, CudaPeakMemory, PeakMemory, dearer_packs,
                       frames_of, packs_ms_per_tensor, widened_margin)
-from .model import Plan, Trace, choose, predicted_peak
+from .model import Plan, Trace, choose, moments, predicted_peak
 from .trace import ComputeTrace, Frames, OffloadTrace
 from .trial import Clock, Trial
 from ..compiled import compiled
@@ -94,6 +94,7 @@ class Planner:
         # what a step holds besides its saves (activations' gradients, temporaries) at a recomputed
         # or offloaded block's backward, measured on CUDA in the compute trace; None before it
         self.besides: int | None = None
+        self.start_extra = 0  # and what backward's start holds beyond that (start_extra in model.moments)
         self._kept_besides: int | None = None  # the same where each block's saves stay to their nodes' ends
         self.measured_peak: int | None = None  # the last measured planned step's peak above its start
         self._margins = {False: 0, True: 0}    # measured peak beyond predicted, for plans that (do not) offload
@@ -105,6 +106,9 @@ class Planner:
         self._stale = False                    # block 0 was called with others: the next step traces again
         self._ctx: Offload | None = None  # the planned step running now
         self._measured: int | None = None  # the measured step's peak, read as its backward ended
+        # and apart: until backward reached the blocks (forward, the loss's and the head's backward),
+        # and from there; None where backward never reached them
+        self._measured_parts: tuple[int, int] | None = None
         self._offloading_steps = 0         # planned steps that offloaded, since the last trace
         self.traced_host_ms_per_tensor: float | None = None  # the trace's, where a planned step measured more
         self._alternative: Plan | None = None  # the best fitting plan of the other kind (offloading or not)
@@ -171,7 +175,7 @@ class Planner:
         if self._stale:
             self._stale, self._tracing, self.plan = False, Phase.TRACE_OFFLOAD, None
             self._margins, self.checks, self._checking = {False: 0, True: 0}, 0, False
-            self.besides, self._kept_besides = None, None
+            self.besides, self._kept_besides, self.start_extra = None, None, 0
             self._offloading_steps, self.traced_host_ms_per_tensor = 0, None
             self._alternative, self._trial, self.trials = None, None, []
             self.replans += 1
@@ -237,9 +241,9 @@ class Planner:
                 self._traced_again |= tracer.first_calls
                 return
             if self._measured is not None:  # what the model leaves out: activations' gradients, temporaries
-                besides = max(0, self._measured - predicted_peak(self.trace, 0, set(range(len(self.blocks))), 0))
+                besides, start_extra = self._besides()
                 if hand_over:
-                    self.besides = besides
+                    self.besides, self.start_extra = besides, start_extra
                 else:
                     self._kept_besides = besides
             if hand_over and self.reentrant and self.peak is not None and self._measured is not None:
@@ -250,20 +254,45 @@ class Planner:
         self._pending = collect
         return tracer.ctx
 
+    def _besides(self) -> tuple[int, int]:
+        """From the compute trace just measured (every block recomputed): what a block's backward
+        holds besides the model's moments, and what backward's start holds beyond that. A language
+        model's loss and head hold the logits' gradients there, which can outweigh any block's
+        temporaries: one figure for the whole step would put them at every block's backward,
+        where offloading recomputed blocks' inputs (which lowers only backward's start) would
+        seem to gain nothing."""
+        held = moments(self.trace, 0, set(range(len(self.blocks))), 0, grads=True)
+        if self._measured_parts is None:  # backward never reached the blocks' hook: one figure
+            return max(0, self._measured - max(held)), 0
+        start, blocks = self._measured_parts
+        besides = max(0, blocks - max(held[:-1]))
+        return besides, start - held[-1] - besides
+
     # --- measuring a planned step -------------------------------------------
 
     def _measure_this_step(self) -> None:
-        """Reset the peak statistics now and read them when this step's backward ends (before
-        the optimizer and whatever else the caller does between steps)."""
-        self._measured = None
+        """Reset the peak statistics now and read them as backward reaches the blocks and when
+        this step's backward ends (before the optimizer and whatever else the caller does between
+        steps)."""
+        self._measured, self._measured_parts = None, None
         if not self._memory.available:
             return
         self._memory.start()
+        start: list[int | None] = []
+
+        def reached() -> None:
+            start.append(self._memory.peak())
+            self._memory.restart()
 
         def read() -> None:
-            self._measured = self._memory.peak()
+            blocks = self._memory.peak()
+            if start and start[0] is not None and blocks is not None:
+                self._measured_parts = (start[0], blocks)
+                self._measured = max(start[0], blocks)
+            else:
+                self._measured = blocks
 
-        self._hooks.at_backward_end(read)
+        self._hooks.at_backward_end(read, reached)
 
     def _check(self) -> None:
         """After a measured planned step: over the target, what the step took beyond the plan's
@@ -362,9 +391,11 @@ class Planner:
         return self.budget if isinstance(self.budget, int) else int(self.budget * self.trace.total_bytes)
 
     def _step_peak(self, plan: Plan) -> int:
-        """The plan's saves and parameter gradients on the device at its predicted peak."""
+        """The plan's saves and parameter gradients on the device at its predicted peak, with what
+        a kept block's backward and backward's start hold beyond the besides."""
         return predicted_peak(self.trace, plan.offloaded, plan.recomputed, plan.in_flight_bytes,
-                              kept_extra=self.kept_extra, inputs_offloaded=plan.inputs_offloaded)
+                              kept_extra=self.kept_extra, inputs_offloaded=plan.inputs_offloaded,
+                              start_extra=self.start_extra)
 
     @property
     def target(self) -> int | None:
@@ -386,7 +417,7 @@ class Planner:
         plan = self._chooser(self.trace, self._plans_budget(), self.options.get("max_held_bytes"),
                              self.options.get("prefetch_bytes"), self._margins[True] - self._margins[False],
                              grads=self.peak is not None, codec=self.options.get("codec"), offload=offload,
-                             kept_extra=self.kept_extra)
+                             kept_extra=self.kept_extra, start_extra=self.start_extra if self.peak is not None else 0)
         return plan and dataclasses.replace(plan, reentrant=self.reentrant)
 
     def _make_plan(self) -> None:

@@ -28,6 +28,7 @@ class Explained(Protocol):
     replans: int
     trials: list[Trial]
     besides: int | None
+    start_extra: int
     measured_peak: int | None
     checks: int
 
@@ -83,8 +84,9 @@ def explain(planner: Explained) -> str:
         measured = "not yet" if planner.measured_peak is None else f"{planner.measured_peak / MiB:.1f} MiB"
         margins = planner.margins
         lines.append(f"measured: step peak {measured} against a target of {planner.target / MiB:.1f} MiB "
-                     f"(besides the saves {planner.besides / MiB:.1f} MiB, and {planner.kept_extra / MiB:.1f} more "
-                     f"while a kept block's backward runs); margins {margins[False] / MiB:.1f} "
+                     f"(besides the saves {planner.besides / MiB:.1f} MiB at a block's backward, "
+                     f"{planner.start_extra / MiB:+.1f} at backward's start, and {planner.kept_extra / MiB:.1f} "
+                     f"more while a kept block's backward runs); margins {margins[False] / MiB:.1f} "
                      f"MiB, plus {margins[True] / MiB:.1f} MiB for plans that offload, after "
                      f"{planner.checks} measured steps")
     return "\n".join(lines)

@@ -32,8 +32,13 @@ class PeakMemory(Protocol):
     def start(self) -> None:
         """The step starts now: its peak is counted from here."""
 
+    def restart(self) -> None:
+        """From now on peak() reads the peak since now (still above the step's start): backward
+        has reached the blocks."""
+
     def peak(self) -> int | None:
-        """The peak since start(), above what was allocated then; None where not available."""
+        """The peak since start() (or the last restart()), above what was allocated at start();
+        None where not available."""
 
 
 class CudaPeakMemory:
@@ -47,6 +52,10 @@ class CudaPeakMemory:
         if self.available:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
+
+    def restart(self) -> None:
+        if self.available:
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) - self._base if self.available else None

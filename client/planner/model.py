@@ -93,27 +93,32 @@ def fetched_inputs(b: BlockTrace) -> int:
 
 
 def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
-                   grads: bool = True, kept_extra: int = 0, inputs_offloaded: int = 0) -> int:
+                   grads: bool = True, kept_extra: int = 0, inputs_offloaded: int = 0, start_extra: int = 0) -> int:
     """Saved bytes (and with ``grads`` parameter gradients) on the device at the worst moment of
     backward when blocks[:offloaded] are offloaded, the next ``inputs_offloaded`` recomputed with
     their inputs offloaded and ``recomputed`` recomputed; a kept block's backward also holds
-    ``kept_extra``."""
-    return max(moments(trace, offloaded, recomputed, in_flight_bytes, grads, kept_extra, inputs_offloaded))
+    ``kept_extra``, and backward's start ``start_extra`` (moments)."""
+    return max(moments(trace, offloaded, recomputed, in_flight_bytes, grads, kept_extra, inputs_offloaded,
+                       start_extra))
 
 
 def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
-            grads: bool, kept_extra: int = 0, inputs_offloaded: int = 0) -> list[int]:
+            grads: bool, kept_extra: int = 0, inputs_offloaded: int = 0, start_extra: int = 0) -> list[int]:
     """What the device holds as backward reaches each block i (what the blocks before i keep,
     block i's own saves, kept, rebuilt or fetched, and the gradients of blocks i.. by then,
     plus ``kept_extra`` where block i is kept: autograd holds a kept block's saves until each
     node that saved them ends, beside the node's temporaries, where a recomputed or offloaded
     block's are handed over and dropped as the node takes them; a block recomputed with its
-    inputs offloaded also holds its fetched inputs), and last at backward's start (every kept
-    save, offloaded bytes still in flight)."""
+    inputs offloaded also holds its fetched inputs), and last at backward's start, forward's end
+    included (every kept save, offloaded bytes still in flight, and ``start_extra``: what the
+    loss's and the head's backward hold beyond what a block's backward holds besides its saves,
+    which may be less: the logits' gradients of a language model are larger than any block's
+    temporaries)."""
     blocks, n, end = trace.blocks, len(trace.blocks), offloaded + inputs_offloaded
     kept = kept_bytes(trace, offloaded, recomputed, inputs_offloaded)
     before = trace.before_bytes * (end == 0) + in_flight_bytes
-    start = before + sum(kept) + trace.after_bytes * (offloaded < n) + blocks[-1].grad_bytes * grads
+    start = (before + sum(kept) + trace.after_bytes * (offloaded < n) + blocks[-1].grad_bytes * grads
+             + start_extra)
     allocated = sum(b.grad_bytes for b in blocks) * grads
     held = []
     for i, b in enumerate(blocks):
@@ -188,7 +193,8 @@ class Offloading:
 
 def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_bytes: int | None = None,
            offload_margin: int = 0, grads: bool = False, codec: str | None = None,
-           offload: bool | None = None, kept_extra: int = 0, inputs_offloaded: bool = True) -> Plan | None:
+           offload: bool | None = None, kept_extra: int = 0, inputs_offloaded: bool = True,
+           start_extra: int = 0) -> Plan | None:
     """The plan of least predicted cost whose predicted peak (of saves, and with ``grads`` of
     parameter gradients too) is at most ``budget`` bytes, less
     ``offload_margin`` for plans that offload (what such plans were measured to take beyond
@@ -201,7 +207,7 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     when given, allows only the one it means (compressed for a frame codec). ``offload``: only
     plans that offload (True) or that do not (False); None where there is none (every offload
     more than the store took). ``kept_extra``: what a kept block's backward holds beyond a
-    recomputed one's (moments). Plans that recompute blocks with their inputs offloaded (unless
+    recomputed one's; ``start_extra``: what backward's start holds beyond a block's (moments). Plans that recompute blocks with their inputs offloaded (unless
     ``inputs_offloaded`` is False) come after those that do not, and are chosen only where they
     cost less or peak lower."""
     n = len(trace.blocks)
@@ -221,11 +227,11 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
         if m and best is not None and forward_ms[k + m] - forward_ms[k] - 1e-3 >= best.predicted_cost_ms:
             continue
         if m and lowest is not None:
-            over = _least_peak(trace, k, m, grads) - (budget - offload_margin)
+            over = _least_peak(trace, k, m, grads, start_extra) - (budget - offload_margin)
             if over > 0 and (best is not None or over >= lowest_over):
                 continue
         for plan, room in _plans(trace, k, m, budget, held_bytes, prefetch_bytes, offload_margin, grads, codec,
-                                 kept_extra):
+                                 kept_extra, start_extra):
             if plan.fits and (best is None or plan.predicted_cost_ms < best.predicted_cost_ms):
                 best = plan
             if lowest is None or plan.predicted_peak - room < lowest_over:
@@ -233,15 +239,16 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     return best or lowest
 
 
-def _least_peak(trace: Trace, k: int, m: int, grads: bool) -> int:
+def _least_peak(trace: Trace, k: int, m: int, grads: bool, start_extra: int) -> int:
     """No plan that offloads blocks[:k] and the inputs of the next m peaks lower: each later
     block keeps the less of its saves and its inputs, nothing is in flight, nothing beside."""
     rest = {j for j in range(k + m, len(trace.blocks)) if trace.blocks[j].saved_bytes >= trace.blocks[j].input_bytes}
-    return predicted_peak(trace, k, set(range(k, k + m)) | rest, 0, grads, 0, m)
+    return predicted_peak(trace, k, set(range(k, k + m)) | rest, 0, grads, 0, m, start_extra)
 
 
 def _plans(trace: Trace, k: int, m: int, budget: int, held_bytes: int | None, prefetch_bytes: int | None,
-           offload_margin: int, grads: bool, codec: str | None, kept_extra: int) -> list[tuple[Plan, int]]:
+           offload_margin: int, grads: bool, codec: str | None, kept_extra: int,
+           start_extra: int) -> list[tuple[Plan, int]]:
     """choose()'s plans that offload blocks[:k] and the inputs of the next m blocks, recomputed,
     per codec and copy queue to consider; each with the budget it is held to."""
     blocks, n = trace.blocks, len(trace.blocks)
@@ -263,13 +270,15 @@ def _plans(trace: Trace, k: int, m: int, budget: int, held_bytes: int | None, pr
         room = budget - (offload_margin if off.sent else 0)
         if prefetch_bytes is not None or not off.sent:
             window = prefetch_bytes if off.sent else 0  # nothing offloaded: nothing to fetch
-            recomputed, peak, cost = _recompute_until(trace, k, m, room, off, window, grads, kept_extra)
+            recomputed, peak, cost = _recompute_until(trace, k, m, room, off, window, grads, kept_extra,
+                                                      start_extra)
         else:  # no window while kept blocks follow: backward frees them before it needs the offloaded ones
             window = 0
-            recomputed, peak, cost = _recompute_until(trace, k, m, room, off, 0, grads, kept_extra)
+            recomputed, peak, cost = _recompute_until(trace, k, m, room, off, 0, grads, kept_extra, start_extra)
             if all(i in recomputed for i in range(k, n)):
                 window = block
-                recomputed, peak, cost = _recompute_until(trace, k, m, room, off, block, grads, kept_extra)
+                recomputed, peak, cost = _recompute_until(trace, k, m, room, off, block, grads, kept_extra,
+                                                          start_extra)
         plan = Plan(k, frozenset(recomputed), offload_budget, off.held, window, peak, round(cost, 3), peak <= room,
                     off.leftover + off.frames + window, off.compressed, inputs_offloaded=m)
         out.append((plan, room))
@@ -277,7 +286,7 @@ def _plans(trace: Trace, k: int, m: int, budget: int, held_bytes: int | None, pr
 
 
 def _recompute_until(trace: Trace, k: int, m: int, budget: int, off: Offloading, window: int,
-                     grads: bool, kept_extra: int = 0) -> tuple[set[int], int, float]:
+                     grads: bool, kept_extra: int = 0, start_extra: int = 0) -> tuple[set[int], int, float]:
     """Blocks past the first k + m (the next m of which are recomputed with their inputs
     offloaded) to recompute until the predicted peak fits; with the peak and cost reached (the
     m blocks are in the set). Recomputing block j lowers what every later moment holds (the start of
@@ -298,7 +307,7 @@ def _recompute_until(trace: Trace, k: int, m: int, budget: int, off: Offloading,
     gain = [b.saved_bytes - b.input_bytes for b in blocks]
     order = sorted((j for j in range(k + m, n) if gain[j] > 0), key=lambda j: (blocks[j].forward_ms / gain[j], j))
     # block i's, for i < n (every block past k + m kept, so each with kept_extra), then backward's start
-    held_at = moments(trace, k, inputs, in_flight, grads, kept_extra, m)
+    held_at = moments(trace, k, inputs, in_flight, grads, kept_extra, m, start_extra)
     recomputed: set[int] = set()
     for i, held in enumerate(held_at):
         lowered = held - sum(gain[j] for j in recomputed if j < i) - kept_extra * (i in recomputed)
@@ -308,10 +317,11 @@ def _recompute_until(trace: Trace, k: int, m: int, budget: int, off: Offloading,
             if j <= i and j not in recomputed and (j < i or kept_extra):
                 recomputed.add(j)
                 lowered -= gain[j] if j < i else kept_extra
-    peak = predicted_peak(trace, k, inputs | recomputed, in_flight, grads, kept_extra, m)
+    peak = predicted_peak(trace, k, inputs | recomputed, in_flight, grads, kept_extra, m, start_extra)
     if peak <= budget:
         for j in sorted(recomputed, key=lambda j: (-blocks[j].forward_ms, -j)):
-            without = predicted_peak(trace, k, inputs | (recomputed - {j}), in_flight, grads, kept_extra, m)
+            without = predicted_peak(trace, k, inputs | (recomputed - {j}), in_flight, grads, kept_extra, m,
+                                     start_extra)
             if without <= budget:
                 recomputed.discard(j)
                 peak = without

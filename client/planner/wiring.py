@@ -56,14 +56,20 @@ class BlockHooks:
             h.remove()
         self._hooks = []
 
-    def at_backward_end(self, fn: Callable[[], None]) -> None:
+    def at_backward_end(self, fn: Callable[[], None], reached: Callable[[], None] | None = None) -> None:
         """Call ``fn`` as this step's backward ends: queued on the autograd engine from the
-        gradient of the last block's output, which is ready as backward starts."""
+        gradient of the last block's output, which is ready as backward reaches the blocks (the
+        loss's and the head's backward done); ``reached``, where given, is called then."""
+        def at_grad(grad: torch.Tensor) -> None:
+            if reached is not None:
+                reached()
+            torch.autograd.Variable._execution_engine.queue_callback(fn)
+
         def at_output(m: nn.Module, args: Any, out: Any) -> None:
             handle.remove()  # once: not again when a checkpointed last block is rebuilt
             t = first_tensor(out)
             if t is not None and t.requires_grad:
-                t.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(fn))
+                t.register_hook(at_grad)
 
         handle = self._post_hook(len(self.blocks) - 1, at_output)
         self._end_hooks.append(handle)

@@ -181,7 +181,9 @@ def test_frontier_measures_w3s_rows_at_checkpointings_caps_and_gives_the_must_sh
     # the caps at checkpointing's peak (2.001 GiB, rounded up to a byte) and half of it are among the budgets,
     # each with a plan row
     cap = math.ceil(2.001 * GiB)
-    assert sec["ckpt_budgets"] == {"checkpoint": 10 * GiB - cap, "half_checkpoint": 10 * GiB - cap // 2}
+    # and, save_on_cpu having gone below checkpointing (to 1 GiB), that peak and halfway to checkpointing's
+    assert sec["ckpt_budgets"] == {"checkpoint": 10 * GiB - cap, "half_checkpoint": 10 * GiB - cap // 2,
+                                   "below_checkpoint": 10 * GiB - (cap + GiB) // 2, "least_other": 9 * GiB}
     assert set(sec["ckpt_budgets"].values()) <= set(sec["budgets"])
     assert {"plan 2.00GiB", "plan 1.00GiB"} <= set(labels)
     # a row that cannot run says why, and the run went on past it
@@ -219,6 +221,24 @@ def test_a_plan_slower_than_checkpointing_at_its_peak_fails_that_verdict():
     assert not verdicts["plan_vs_best_other"]["holds"]
     assert verdicts["plan_at_half_checkpoint_peak"]["x_checkpoint"] is None  # no plan row at that cap
     assert not verdicts["blocks_compiled_plan_vs_budget_0.1"]["holds"]
+
+
+def test_a_cap_another_method_fits_and_the_plan_does_not_fails_the_best_other_verdict():
+    """A plan that misses a cap torchtune reaches is no better there than one slower than it;
+    and a cap below every method's peak is marked as reached by none."""
+    rows = [{"label": "checkpoint", "method": "checkpoint", "step_ms": 100.0, "peak_GiB": 2.0},
+            {"label": "torchtune-checkpoint", "method": "torchtune-checkpoint", "step_ms": 130.0, "peak_GiB": 1.6}]
+    planner = [{"budget_bytes": 8 * GiB, "fits_cap": True, "step_ms": 99.0, "peak_cap_GiB": 2.0, "x_other": 0.99,
+                "best_other": "checkpoint"},
+               {"budget_bytes": 8.4 * GiB, "fits_cap": False, "step_ms": 99.0, "peak_cap_GiB": 1.6,
+                "best_other": "torchtune-checkpoint"},
+               {"budget_bytes": 9 * GiB, "fits_cap": False, "step_ms": 99.0, "peak_cap_GiB": 1.0, "best_other": None}]
+    sec = {"rows": rows, "planner": planner, "ckpt_budgets": {"checkpoint": 8 * GiB, "half_checkpoint": 9 * GiB}}
+    verdicts = summary.must_show(sec)
+    assert verdicts["plan_vs_best_other"] == {"worst_x_other": 0.99, "caps_missed_GiB": [1.6], "holds": False}
+    half = verdicts["plan_at_half_checkpoint_peak"]
+    assert half["least_other_peak_GiB"] == 1.6 and not half["reached_by_any"] and not half["holds"]
+    assert verdicts["plan_at_checkpoint_peak"]["reached_by_any"]
 
 
 def test_a_plan_that_says_it_does_not_fit_never_fits_its_cap_whatever_peak_was_measured():

@@ -14,7 +14,7 @@ import storm
 import storm.session as session_mod
 from storm.examples.models import GPT
 from storm.kernels.frame import frame_nbytes
-from storm.planner import BlockTrace, Phase, Plan, Trace, predicted_peak
+from storm.planner import BlockTrace, Phase, Plan, Trace, moments, predicted_peak
 
 MiB = 1 << 20
 
@@ -113,28 +113,38 @@ def traced_gpt_planner(clock: FakeClock | None = None, **seams: Any) -> tuple[GP
 
 class ScriptedMemory:
     """Stands in for the CUDA caching allocator's step peak (a Planner's ``memory=``): the trace's
-    predicted saves plus ``besides``, and for plans that offload ``extra`` more than they predict;
-    a kept block's backward holds ``kept_extra`` more than a recomputed one's. ``planner`` is the
-    planner it reports to, set once made."""
+    predicted moments plus ``besides``, and for plans that offload ``extra`` more than they
+    predict; a kept block's backward holds ``kept_extra`` more than a recomputed one's, and
+    backward's start ``start_extra`` more than a block's. Until restart() (backward has reached
+    the blocks) it reads backward's start, then the blocks' backward. ``planner`` is the planner
+    it reports to, set once made."""
 
-    def __init__(self, besides: int = 40 * MiB, extra: int = 70 * MiB, kept_extra: int = 0) -> None:
-        self.besides, self.extra, self.kept_extra = besides, extra, kept_extra
+    def __init__(self, besides: int = 40 * MiB, extra: int = 70 * MiB, kept_extra: int = 0,
+                 start_extra: int = 0) -> None:
+        self.besides, self.extra, self.kept_extra, self.start_extra = besides, extra, kept_extra, start_extra
         self.available, self.starts, self.reads = True, 0, 0
+        self.in_blocks = False
         self.planner: storm.Planner | None = None
 
     def start(self) -> None:
         self.starts += 1
+        self.in_blocks = False
+
+    def restart(self) -> None:
+        self.in_blocks = True
 
     def peak(self) -> int:
         self.reads += 1
         pl = self.planner
         if pl.plan is None:  # the compute traces: every block recomputed, without the hand-over in the second
             every = set(range(len(pl.trace.blocks)))
-            return (self.besides + predicted_peak(pl.trace, 0, every, 0)
-                    + self.kept_extra * (pl.phase is Phase.TRACE_COMPUTE_KEPT))
+            held = moments(pl.trace, 0, every, 0, True, start_extra=self.start_extra)
+            kept = self.kept_extra * (pl.phase is Phase.TRACE_COMPUTE_KEPT)
+            return self.besides + (max(held[:-1]) + kept if self.in_blocks else held[-1])
         p = pl.plan
-        return (self.besides + predicted_peak(pl.trace, p.offloaded, p.recomputed, p.in_flight_bytes,
-                                              kept_extra=self.kept_extra, inputs_offloaded=p.inputs_offloaded)
+        held = moments(pl.trace, p.offloaded, p.recomputed, p.in_flight_bytes, True, self.kept_extra,
+                       p.inputs_offloaded, self.start_extra)
+        return (self.besides + (max(held[:-1]) if self.in_blocks else held[-1])
                 + (self.extra if p.offloads else 0))
 
 
@@ -147,7 +157,7 @@ def pack_clock(monkeypatch) -> FakeClock:
 
 
 def recompute_two(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-                  offload=None, kept_extra=0):
+                  offload=None, kept_extra=0, start_extra=0):
     """choose() for the form trials' tests: recompute blocks 0 and 1, and no plan that offloads
     (none of the other kind: the form's trial comes at once)."""
     return None if offload else Plan(0, frozenset({0, 1}), 0, 0, 0, 1 << 40, 1.0, True)

@@ -141,7 +141,7 @@ def fixed_plan(offloaded: int, recomputed: set[int], compressed: bool = False) -
     """A choice of this plan, whatever the planner measured. Its predicted peak is far above the
     step, so backward has room to fetch everything ahead as soon as it starts."""
     def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-              offload=None, kept_extra=0):
+              offload=None, kept_extra=0, start_extra=0):
         return Plan(offloaded, frozenset(recomputed), trace.offloaded_before[offloaded], 1 << 30, 0, 1 << 40, 0.0,
                     True, compressed=compressed)
 

@@ -16,7 +16,7 @@ import storm
 from planner_fakes import MiB, ScriptedMemory, gpt, grads_of, pack_clock, traced_gpt_planner
 from storm.examples.models import same_bits
 from storm.kernels.frame import frame_nbytes
-from storm.planner import Phase, Plan, choose, frames_of, predicted_peak
+from storm.planner import Phase, Plan, choose, frames_of, moments, predicted_peak
 
 
 def test_the_mover_frames_cuda_bf16_storages_of_at_least_4_mib():
@@ -35,7 +35,7 @@ def scripted_planner(memory: ScriptedMemory | None = None, **kw: Any) -> tuple[A
     choice is fixed: offload the first 2 blocks unless offloading plans carry a margin, then
     recompute 4. No form trial, which would add its steps after these tests' last."""
     def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-              offload=None, kept_extra=0):
+              offload=None, kept_extra=0, start_extra=0):
         if offload_margin <= 0:
             return Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0, predicted_peak(trace, 2, set(), 0),
                         0.0, True)
@@ -57,7 +57,7 @@ def test_a_step_measured_over_its_target_plans_again_with_a_margin():
     for _ in range(3):
         got = grads_of(model, idx, planner.step())
     assert planner.besides == memory.besides  # from the compute trace
-    assert memory.reads == 2  # the planned step's, read as backward ended, before anything between steps
+    assert memory.reads == 4  # the planned step's, read as backward reached the blocks and as it ended: not between steps
     first = planner.plan
     assert first.offloaded == 2
     assert not planner.settled  # reading the first plan's measured step finds it over its target ...
@@ -132,6 +132,40 @@ def test_kept_blocks_backward_is_planned_with_what_it_holds_more():
     planner.close()
 
 
+def test_backward_start_is_measured_apart_so_offloading_inputs_goes_below_checkpointing():
+    """A language model's loss and head hold the logits' gradients as backward starts: there the
+    step peaks, above any block's backward (W3 on a lent H100). The planner measures that moment
+    apart from the blocks' backward; with one figure for the whole step it counted the logits at
+    every block's backward, where offloading recomputed blocks' inputs lowers nothing, and found
+    no plan below checkpointing's peak. Here a peak between checkpointing's and what offloading
+    every block's input reaches is met by a plan that does, and its steps stay within it."""
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    options = {"mode": "embedded", "min_bytes": 0}
+    probe = storm.Planner(model.blocks, budget=0.5, **options)
+    for _ in range(2):
+        grads_of(model, idx, probe.step())
+    t = probe.trace
+    probe.close()
+    n, every = len(t.blocks), set(range(len(t.blocks)))
+    held = moments(t, 0, every, 0, True)
+    inputs = sum(b.input_bytes for b in t.blocks)
+    start_extra = max(held[:-1]) - held[-1] + 2 * inputs  # backward's start is the step's peak by far
+    memory = ScriptedMemory(extra=0, start_extra=start_extra)
+    checkpointing = memory.besides + held[-1] + start_extra
+    cap = checkpointing - inputs // 2
+    planner = memory.planner = storm.Planner(model.blocks, peak=cap, memory=memory, form_trial=False, **options)
+    for _ in range(6):
+        got = grads_of(model, idx, planner.step())
+        assert all(same_bits(a, b) for a, b in zip(ref, got))
+    assert planner.besides == memory.besides and planner.start_extra == start_extra
+    p = planner.plan
+    assert p.fits and p.inputs_offloaded > 0 and p.recomputed == frozenset(range(n)) - set(range(p.offloaded))
+    assert planner.measured_peak <= cap < checkpointing
+    assert f"{start_extra / MiB:+.1f} at backward's start" in planner.explain()
+    planner.close()
+
+
 class AlwaysOver(ScriptedMemory):
     """Every measured planned step far over, whatever it does."""
 
@@ -160,7 +194,7 @@ def by_host_cost(dearer_than_ms: float, seen: list[float]) -> Callable[..., Plan
     ``dearer_than_ms``, else recomputes them; the host times it was asked with go to ``seen``."""
 
     def choose(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-               offload=None, kept_extra=0):
+               offload=None, kept_extra=0, start_extra=0):
         seen.append(trace.host_ms_per_tensor)
         if trace.host_ms_per_tensor <= dearer_than_ms:
             return Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0, 1 << 40, 0.0, True)

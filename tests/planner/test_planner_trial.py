@@ -27,7 +27,7 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
     from storm import transfer
 
     def by_kind(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-                offload=None, kept_extra=0):
+                offload=None, kept_extra=0, start_extra=0):
         if offload is False:
             return Plan(0, frozenset({0, 1}), 0, 0, 0, 1 << 40, 5.0, True)
         return Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0, 1 << 40, 1.0, True)
