@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -363,6 +364,8 @@ def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opt
     for an offloading method what moved; {"error": "OOM"} where it ran out of memory, and the
     exception's type and message where it raised another."""
     t = None
+    warned = WarningLog()
+    logging.getLogger("storm").addHandler(warned)
     try:
         t = Trainer(w, method, opts, device)
         t.warm(warmup)
@@ -398,9 +401,26 @@ def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opt
     except Exception as e:  # a method that cannot run here (torchtune missing, a compile failing): the row says why
         r = {"error": f"{type(e).__name__}: {e}"}
     finally:
+        logging.getLogger("storm").removeHandler(warned)
         if t is not None:
             t.close()
+    if warned.messages:
+        r["warnings"] = warned.messages
     return r
+
+
+class WarningLog(logging.Handler):
+    """STORM's warnings while a row ran, each once, for its results: a row may be judged by
+    whether it warned (a model compiled as one graph)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message not in self.messages:
+            self.messages.append(message)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 
 import pytest
@@ -134,6 +135,46 @@ def test_a_row_that_cannot_run_leaves_its_reason_and_the_run_goes_on():
 
     w = Unbuildable(**dataclasses.asdict(common.W3_TINY))
     assert common.run(w, "none", 1, 1, {}, CPU) == {"error": "ImportError: transformers is not installed"}
+
+
+def test_a_row_keeps_the_warnings_storm_gave_while_it_ran():
+    class Warns(common.Llama):
+        def build(self, device, ckpt=False, seed=0):
+            logging.getLogger("storm").warning("storm.offload: the model runs inside a region compiled as one graph")
+            logging.getLogger("storm").warning("storm.offload: the model runs inside a region compiled as one graph")
+            raise RuntimeError("no device here")
+
+    w = Warns(**dataclasses.asdict(common.W3_TINY))
+    r = common.run(w, "storm", 1, 1, {}, CPU)
+    assert r == {"error": "RuntimeError: no device here",
+                 "warnings": ["storm.offload: the model runs inside a region compiled as one graph"]}
+    assert not any(isinstance(h, common.WarningLog) for h in logging.getLogger("storm").handlers)
+
+
+def test_the_duel_decides_the_verdicts_where_the_planner_was_timed_in_alternation():
+    """Rows measured minutes apart compare the machine's drift too (a lent H200 at cd70d31: the
+    plan's row 1.031x checkpointing's, 0.990x in alternation); and whole-graph full offload holds
+    by its warning."""
+    rows = [{"label": "checkpoint", "method": "checkpoint", "step_ms": 100.0, "peak_GiB": 2.0},
+            {"label": "compiled", "method": "none", "compiled": "graph", "step_ms": 50.0, "peak_GiB": 5.0},
+            {"label": "compiled storm-full", "method": "storm", "compiled": "graph", "step_ms": 200.0,
+             "peak_GiB": 5.1, "warnings": ["storm.offload: ... runs inside a region that torch.compile compiled as "
+                                           "one graph (the whole model compiled?) ..."]}]
+    planner = [{"budget_bytes": 8 * GiB, "fits_cap": True, "step_ms": 103.0, "peak_cap_GiB": 2.0, "x_other": 1.03,
+                "best_other": "ckpt-first-16"}]
+    duel = [{"budget_bytes": 8 * GiB, "other": "ckpt-first-16", "ratio": 0.99, "ratio_95": [0.98, 1.0]}]
+    sec = {"rows": rows, "planner": planner, "layers": 16, "duel": duel,
+           "ckpt_budgets": {"checkpoint": 8 * GiB, "half_checkpoint": 9 * GiB}}
+    verdicts = summary.must_show(sec)
+    assert verdicts["plan_vs_best_other"]["worst_x_other"] == 0.99 and verdicts["plan_vs_best_other"]["holds"]
+    at_ckpt = verdicts["plan_at_checkpoint_peak"]
+    assert at_ckpt["x_checkpoint"] == 1.03 and at_ckpt["duel"]["ratio"] == 0.99 and at_ckpt["holds"]
+    whole = verdicts["graph_compiled_full_offload"]
+    assert whole["fraction_removed"] == -0.02 and whole["warned"] and whole["holds"]
+    del sec["duel"], rows[-1]["warnings"]
+    verdicts = summary.must_show(sec)
+    assert not verdicts["plan_at_checkpoint_peak"]["holds"] and not verdicts["plan_vs_best_other"]["holds"]
+    assert not verdicts["graph_compiled_full_offload"]["holds"]
 
 
 class FakeRun:
