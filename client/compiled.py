@@ -52,3 +52,60 @@ def warn_whole_graph(who: str, what: str) -> None:
                 "offloading them lowers no peak and costs the copies. Compile the model's blocks one by one instead "
                 "(for b in model.model.layers: b.compile(), or torch.compile(b) in their ModuleList), which %s "
                 "supports", who, what, who)
+
+
+LATE_SAVES_MIN_BYTES = 64 << 20  # a step saving less is not judged: too little to tell from noise
+LATE_SAVES_FRACTION = 0.75       # of a step's saved bytes, allocated already when the first reached the hooks
+
+
+def _cuda_allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+class LateSaves:
+    """storm.offload's check, judged on one step a process, that the forward it wraps hands its
+    saved tensors over as they are made. storm.offload sees no model, so it cannot probe the
+    model as storm.enable does; it sees what the caching allocator holds instead: where most of a
+    step's saved bytes were already allocated when the first of them reached the hooks, a graph
+    compiled as one piece made them, and it warns as storm.enable does (unless a warning of that
+    kind was given already). Blocks compiled one by one hand theirs over at each block's end, one
+    block's worth at the first. ``allocated`` reads a device's allocated bytes (None: it cannot):
+    the CUDA allocator's, unless a test gives another."""
+
+    judged = False  # a step was judged in this process: no more checks
+
+    def __init__(self, allocated: Callable[[torch.device], int | None] = _cuda_allocated):
+        self._allocated = allocated
+        self._device: torch.device | None = None
+        self._at_enter: int | None = None
+        self._before_first: int | None = None  # allocated since enter when the first save came
+        self._saved = 0
+
+    @property
+    def active(self) -> bool:
+        return not LateSaves.judged
+
+    def enter(self, device: torch.device) -> None:
+        """The step's forward starts on ``device`` (where its saves will be, as far as known)."""
+        self._device, self._at_enter = device, self._allocated(device)
+        self._before_first, self._saved = None, 0
+
+    def saved(self, t: torch.Tensor) -> None:
+        """A tensor reached the pack hook (parameters and other leaves that require grad are not
+        made by the step and do not count)."""
+        if self._at_enter is None or (t.is_leaf and t.requires_grad):
+            return
+        if self._before_first is None:
+            if t.device != self._device:
+                self._at_enter = None  # saves on another device than the one read: nothing to tell
+                return
+            self._before_first = self._allocated(self._device) - self._at_enter
+        self._saved += t.untyped_storage().nbytes()
+
+    def exit(self) -> None:
+        """The step's forward ended: judged where it saved enough, warning where late."""
+        if self._at_enter is None or self._before_first is None or self._saved < LATE_SAVES_MIN_BYTES:
+            return
+        LateSaves.judged = True
+        if self._before_first >= LATE_SAVES_FRACTION * self._saved and not warn_whole_graph.cache_info().currsize:
+            warn_whole_graph("storm.offload", "the forward it wraps")

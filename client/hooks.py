@@ -43,6 +43,7 @@ from stormd.wire.endpoint import normalize_endpoint
 from stormd.wire.protocol import CODECS
 from stormd.wire.sizes import parse_size
 
+from .compiled import LateSaves
 from .options import bytes_option, mode_option, pool_size_option
 from .policy import DEFAULT_MIN_BYTES, Policy
 from .saved import Step, Stored
@@ -77,6 +78,7 @@ class Offload(contextlib.ContextDecorator):
         self._step: Step | None = None
         self._hooks: Any = None
         self._pack: Callable | None = None  # ours, to tell our hooks from others' on autograd's stack
+        self._late: LateSaves | None = None  # the once-a-process check for a model compiled as one graph
         self._module_hooks: list[Any] = []
 
     def _recreate_cm(self) -> "Offload":
@@ -96,8 +98,13 @@ class Offload(contextlib.ContextDecorator):
             self._hooks = contextlib.nullcontext()
             return self
         session, step, policy = self._session, self._step, self._policy
+        late = self._late = LateSaves() if not LateSaves.judged and torch.cuda.is_initialized() else None
+        if late is not None:
+            late.enter(torch.device("cuda", torch.cuda.current_device()))
 
         def pack(t: torch.Tensor) -> Any:
+            if late is not None:
+                late.saved(t)
             if step.budget_reached:  # the rest of forward stays on the device
                 return session.save_past_budget(t, step)
             return session.save(t, step, policy)
@@ -126,6 +133,9 @@ class Offload(contextlib.ContextDecorator):
         self._module_hooks = []
         hooks, self._hooks, self._pack = self._hooks, None, None
         hooks.__exit__(*exc)
+        if self._late is not None:
+            self._late.exit()
+            self._late = None
         if self._budget != 0:  # a step without hooks leaves the session as it found it
             self._session.end_step(self._step)
 
