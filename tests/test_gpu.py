@@ -357,25 +357,29 @@ def test_offload_warns_once_for_a_model_compiled_as_one_graph_on_cuda(how, caplo
     eager, hand them over as made. Gradients stay those of the same model without STORM."""
     import logging
 
+    import storm.compiled
     from storm.compiled import LateSaves, warn_whole_graph
     monkeypatch.setattr(LateSaves, "judged", False)
+    # the model of the bit-exact tests above, whose gradients CUDA computes deterministically (at a
+    # larger batch the embedding's backward sums in atomics' order), saves less than a judged step
+    monkeypatch.setattr(storm.compiled, "LATE_SAVES_MIN_BYTES", 0)
     warn_whole_graph.cache_clear()
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = GPT(seq_len=512, d_model=512, n_heads=8, n_layers=4, dropout=0.0).cuda()
+    model = GPT(seq_len=64, d_model=128, n_heads=4, n_layers=2, dropout=0.0).cuda()
     if how == "per-block":
         for b in model.blocks:
             b.compile(backend="aot_eager")
     elif how == "whole-graph":
         model.compile(backend="aot_eager")
-    idx = torch.randint(0, 256, (16, 513), device="cuda")
+    idx = torch.randint(0, 256, (4, 65), device="cuda")
     loss_fn = lambda m: m.loss(idx[:, :-1], idx[:, 1:])  # noqa: E731
     model.zero_grad(set_to_none=True)
     ref = step_grads(model, loss_fn, None)
     with caplog.at_level(logging.WARNING, logger="storm"):
         for _ in range(2):
             model.zero_grad(set_to_none=True)
-            got = step_grads(model, loss_fn, {"mode": "embedded", "pool_size": "2GiB"})
+            got = step_grads(model, loss_fn, {"mode": "embedded", "pool_size": "256MiB", "min_bytes": 0})
     warned = [r.getMessage() for r in caplog.records if "compiled as one graph" in r.getMessage()]
     assert LateSaves.judged
     assert (len(warned) == 1 and warned[0].startswith("storm.offload:")) if how == "whole-graph" else warned == []
