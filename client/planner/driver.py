@@ -279,10 +279,11 @@ class Planner:
             return
         self._memory.start()
         start: list[int | None] = []
+        restart = getattr(self._memory, "restart", None)  # a memory= of a user's without it: one figure
 
         def reached() -> None:
             start.append(self._memory.peak())
-            self._memory.restart()
+            restart()
 
         def read() -> None:
             blocks = self._memory.peak()
@@ -292,7 +293,7 @@ class Planner:
             else:
                 self._measured = blocks
 
-        self._hooks.at_backward_end(read, reached)
+        self._hooks.at_backward_end(read, reached if restart is not None else None)
 
     def _check(self) -> None:
         """After a measured planned step: over the target, what the step took beyond the plan's

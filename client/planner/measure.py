@@ -34,7 +34,8 @@ class PeakMemory(Protocol):
 
     def restart(self) -> None:
         """From now on peak() reads the peak since now (still above the step's start): backward
-        has reached the blocks."""
+        has reached the blocks. Optional: without it the planner reads one peak for the whole
+        step, and plans count backward's start as a block's backward."""
 
     def peak(self) -> int | None:
         """The peak since start() (or the last restart()), above what was allocated at start();

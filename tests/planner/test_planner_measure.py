@@ -166,6 +166,33 @@ def test_backward_start_is_measured_apart_so_offloading_inputs_goes_below_checkp
     planner.close()
 
 
+class OneFigure(ScriptedMemory):
+    """A memory= without restart(): the peak of the whole step, as before the planner split it."""
+
+    restart = None
+
+    def peak(self) -> int:
+        self.in_blocks = False
+        start = super().peak()
+        self.in_blocks = True
+        return max(start, super().peak())
+
+
+def test_a_memory_without_restart_gives_one_figure_for_the_step():
+    memory = OneFigure(extra=0, start_extra=8 * MiB)
+    model, idx = gpt()
+    planner = memory.planner = storm.Planner(model.blocks, peak="1GiB", memory=memory, form_trial=False,
+                                             mode="embedded", min_bytes=0)
+    for _ in range(4):
+        grads_of(model, idx, planner.step())
+    every = set(range(len(model.blocks)))
+    with_extra, model_held = (moments(planner.trace, 0, every, 0, True, start_extra=e) for e in (8 * MiB, 0))
+    assert planner.start_extra == 0  # the whole step's extra is counted at every moment
+    assert planner.besides == memory.besides + max(with_extra) - max(model_held)
+    assert planner.plan is not None
+    planner.close()
+
+
 class AlwaysOver(ScriptedMemory):
     """Every measured planned step far over, whatever it does."""
 
