@@ -375,7 +375,8 @@ def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opt
         r = {"step_ms": round(statistics.median(times) * 1e3, 2),
              "step_ms_min": round(min(times) * 1e3, 2),
              "samples_per_s": round(w.batch / statistics.median(times), 2),
-             "peak_extra_GiB": round((torch.cuda.max_memory_allocated(device) - base) / GiB, 3)}
+             "peak_extra_GiB": round((torch.cuda.max_memory_allocated(device) - base) / GiB, 3),
+             "peak_bytes": torch.cuda.max_memory_allocated(device) - base}
         if method == "none":  # forward alone: how many bytes its duration could carry to the host
             fwd = []
             for _ in range(3):

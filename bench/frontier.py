@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from summary import (Bound, Measurements, blocks_for, budgets, must_show, ratio_interval, rebound,
+from summary import (Bound, Measurements, blocks_for, budgets, must_show, peak_bytes, ratio_interval, rebound,
                      summarize, table)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -151,18 +151,18 @@ def measure(args: argparse.Namespace, device: torch.device, measure_row: Callabl
                                f"and a run failed: none {none}, checkpoint {ckpt}")
         sec["total_bytes"] = int(none["peak_GiB"] * GiB)
         sec["bytes_per_block"] = (none["peak_GiB"] - ckpt["peak_GiB"]) * GiB / w.layers
-        ckpt_bytes = math.ceil(ckpt["peak_GiB"] * GiB)  # issue 40's caps: checkpointing's peak and half of it
+        ckpt_bytes = peak_bytes(ckpt)  # issue 40's caps: checkpointing's peak and half of it
         sec["ckpt_budgets"] = {"checkpoint": sec["total_bytes"] - ckpt_bytes,
                                "half_checkpoint": sec["total_bytes"] - ckpt_bytes // 2}
         sec["budgets"] = sorted(set(args.budgets or budgets(sec["total_bytes"], args.points))
                                 | set(sec["ckpt_budgets"].values()))
         others = [add("save_on_cpu", "save_on_cpu"), add("torchtune", "torchtune"),
                   add("torchtune-checkpoint", "torchtune-checkpoint"), add("storm-full", "storm")]
-        least = min((r["peak_GiB"] for r in others if "peak_GiB" in r), default=None)
-        if least is not None and least < ckpt["peak_GiB"]:
+        least = min((peak_bytes(r) for r in others if "peak_GiB" in r), default=None)
+        if least is not None and least < ckpt_bytes:
             # below checkpointing, where offloading recomputed blocks' inputs is the planner's way:
             # the least peak another method reached, and halfway from there to checkpointing's
-            low = math.ceil(least * GiB)
+            low = least
             sec["ckpt_budgets"].update(below_checkpoint=sec["total_bytes"] - (ckpt_bytes + low) // 2,
                                        least_other=sec["total_bytes"] - low)
             sec["budgets"] = sorted(set(sec["budgets"]) | set(sec["ckpt_budgets"].values()))
@@ -179,7 +179,7 @@ def measure(args: argparse.Namespace, device: torch.device, measure_row: Callabl
             add("blocks-compiled", "none", compiled="blocks")
             low = next(r for r in sec["rows"] if r["label"] == f"compiled budget {MEMORY_BUDGETS[-1]}")
             if "peak_GiB" in low:  # storm.plan on the blocks compiled, at the cap torch's lowest budget reached
-                cap = math.ceil(low["peak_GiB"] * GiB)  # a cap a peak as measured fits
+                cap = peak_bytes(low)  # a cap a peak as measured fits
                 add(f"blocks-compiled plan {cap / GiB:.2f}GiB", "plan", budget=sec["total_bytes"] - cap,
                     compiled="blocks")
         sec.update(summarize(sec, link))

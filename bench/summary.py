@@ -6,6 +6,7 @@ both, the duel's interval, issue 40's must-show ratios, and the table that print
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import statistics
 
@@ -93,8 +94,14 @@ def best_other(budget: int, m: Measurements) -> dict | None:
     compiled rows are left out (the planner's rows it is compared with run eagerly)."""
     cap = m.total_bytes - budget
     fits = [r for r in m.rows if "step_ms" in r and r["method"] != "plan" and not r.get("compiled")
-            and r["peak_GiB"] * GiB <= cap]
+            and peak_bytes(r) <= cap]
     return min(fits, key=lambda r: r["step_ms"], default=None)
+
+
+def peak_bytes(row: dict) -> int:
+    """A row's measured peak in bytes: exact where the row has it, else from its GiB (rounded to
+    3 decimals, a MiB either way: too coarse for a cap taken from another row's peak)."""
+    return row["peak_bytes"] if "peak_bytes" in row else math.ceil(row["peak_GiB"] * GiB)
 
 
 def summarize(section: dict, link: dict[str, float]) -> dict:
@@ -113,7 +120,7 @@ def summarize(section: dict, link: dict[str, float]) -> dict:
         cap = m.total_bytes - b
         # and by the planner's own account: a plan that says it does not fit fell back to its least
         # peak, so a row that measured less than the cap for it measured something else, not a fit
-        fits = bool(mine) and mine["peak_GiB"] * GiB <= cap and mine.get("plan", {}).get("fits", True)
+        fits = bool(mine) and peak_bytes(mine) <= cap and mine.get("plan", {}).get("fits", True)
         entry = {"budget_bytes": b, "peak_cap_GiB": round(cap / GiB, 3), "lower_bound_ms": lb,
                  "step_ms": mine and mine["step_ms"], "peak_GiB": mine and mine["peak_GiB"], "fits_cap": fits,
                  "best_other": other and other["label"], "best_other_ms": other and other["step_ms"],

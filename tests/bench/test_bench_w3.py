@@ -251,6 +251,25 @@ def test_frontier_measures_w3s_rows_at_checkpointings_caps_and_gives_the_must_sh
     assert "issue 40's must-show" in summary.table("W3-tiny", sec)
 
 
+def test_caps_come_from_exact_peaks_where_rows_have_them(tmp_path):
+    """A peak in GiB rounded to 3 decimals is up to half a MiB off: on a lent H200 W1's cap at
+    checkpointing's peak (0.606 GiB) fell 0.4 MiB below checkpointing's own peak, and the
+    planner rightly said checkpointing every block did not fit it."""
+    class Exact(FakeRun):
+        def __call__(self, w, method, steps, warmup, opts, device):
+            r = super().__call__(w, method, steps, warmup, opts, device)
+            if method == "checkpoint":
+                r["peak_bytes"] = int(2.0014 * GiB)  # reads 2.001 GiB
+            return r
+
+    args = argparse.Namespace(workloads=["W3-tiny"], batch=None, layers=None, steps=1, warmup=0, points=2,
+                              budgets=None, pool_size="64MiB", duel=0, resume=None, out=str(tmp_path / "f.json"),
+                              compiled=False)
+    sec = frontier.measure(args, CPU, measure_row=Exact(), link={"d2h_GBps": 50.0, "h2d_GBps": 50.0})["W3-tiny"]
+    assert sec["ckpt_budgets"]["checkpoint"] == 10 * GiB - int(2.0014 * GiB)
+    assert summary.peak_bytes({"peak_GiB": 2.001}) == math.ceil(2.001 * GiB)
+
+
 def test_a_plan_slower_than_checkpointing_at_its_peak_fails_that_verdict():
     sec = {"rows": [{"label": "checkpoint", "method": "checkpoint", "step_ms": 100.0, "peak_GiB": 2.0}],
            "planner": [{"budget_bytes": 8 * GiB, "fits_cap": True, "step_ms": 101.0, "peak_cap_GiB": 2.0,
