@@ -372,11 +372,11 @@ def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opt
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         times = [t.step() for _ in range(steps)]
+        peak = torch.cuda.max_memory_allocated(device) - base
         r = {"step_ms": round(statistics.median(times) * 1e3, 2),
              "step_ms_min": round(min(times) * 1e3, 2),
              "samples_per_s": round(w.batch / statistics.median(times), 2),
-             "peak_extra_GiB": round((torch.cuda.max_memory_allocated(device) - base) / GiB, 3),
-             "peak_bytes": torch.cuda.max_memory_allocated(device) - base}
+             "peak_extra_GiB": round(peak / GiB, 3), "peak_bytes": peak}
         if method == "none":  # forward alone: how many bytes its duration could carry to the host
             fwd = []
             for _ in range(3):

@@ -12,9 +12,9 @@ save_on_cpu(pin_memory=True), torchtune's OffloadActivations alone and over chec
 blocks, STORM full offload, STORM with budget=b (the earliest b bytes offloaded) for each byte
 budget b (default: 10 fractions, 0.1 to 1.0, of the no-offload peak, the two that cap the
 peak at checkpointing's and at half of it, and where another method went below checkpointing,
-the least peak it reached and halfway from there to checkpointing's), per-block checkpointing of only the first k blocks,
-k = round(b / bytes one block's recompute removes), and storm.plan (client/planner/: per block
-keep, offload or recompute, planned from two traced steps). With --compiled, also: the model
+the least peak it reached and halfway from there to checkpointing's), per-block checkpointing
+of only the first k blocks, k = round(b / bytes one block's recompute removes), and storm.plan
+(client/planner/: per block keep, offload or recompute, planned from two traced steps). With --compiled, also: the model
 compiled as one graph at torch's activation_memory_budget 1.0 (no recompute added), 0.5 and
 0.1, and under STORM's full offload; its blocks compiled one by one, alone and under storm.plan
 capped at the 0.1 row's peak. A budget b asks for a
@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import random
 import statistics
 import sys
@@ -162,9 +161,8 @@ def measure(args: argparse.Namespace, device: torch.device, measure_row: Callabl
         if least is not None and least < ckpt_bytes:
             # below checkpointing, where offloading recomputed blocks' inputs is the planner's way:
             # the least peak another method reached, and halfway from there to checkpointing's
-            low = least
-            sec["ckpt_budgets"].update(below_checkpoint=sec["total_bytes"] - (ckpt_bytes + low) // 2,
-                                       least_other=sec["total_bytes"] - low)
+            sec["ckpt_budgets"].update(below_checkpoint=sec["total_bytes"] - (ckpt_bytes + least) // 2,
+                                       least_other=sec["total_bytes"] - least)
             sec["budgets"] = sorted(set(sec["budgets"]) | set(sec["ckpt_budgets"].values()))
         for b in sec["budgets"]:
             add(f"storm-budget {b / GiB:.2f}GiB", "storm-budget", budget=b)

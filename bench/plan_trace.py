@@ -42,7 +42,8 @@ def main() -> int:
                 t.warm(4)
                 pl = t.planner
                 rows.append({"fraction": f, "peak": int(peak * f), "trace": dataclasses.asdict(pl.trace),
-                             "besides": pl.besides, "kept_extra": pl.kept_extra, "start_extra": pl.start_extra, "target": pl.target,
+                             "besides": pl.besides, "kept_extra": pl.kept_extra, "start_extra": pl.start_extra,
+                             "target": pl.target,
                              "plan": plan_summary(pl), "explain": pl.explain()})
                 print(pl.explain(), flush=True)
             finally:

@@ -81,10 +81,6 @@ class LateSaves:
         self._before_first: int | None = None  # allocated since enter when the first save came
         self._saved = 0
 
-    @property
-    def active(self) -> bool:
-        return not LateSaves.judged
-
     def enter(self, device: torch.device) -> None:
         """The step's forward starts on ``device`` (where its saves will be, as far as known)."""
         self._device, self._at_enter = device, self._allocated(device)

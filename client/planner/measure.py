@@ -51,7 +51,7 @@ class CudaPeakMemory:
 
     def start(self) -> None:
         if self.available:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self.restart()
             self._base = torch.cuda.memory_allocated(self.device)
 
     def restart(self) -> None:

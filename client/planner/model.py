@@ -207,9 +207,9 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     when given, allows only the one it means (compressed for a frame codec). ``offload``: only
     plans that offload (True) or that do not (False); None where there is none (every offload
     more than the store took). ``kept_extra``: what a kept block's backward holds beyond a
-    recomputed one's; ``start_extra``: what backward's start holds beyond a block's (moments). Plans that recompute blocks with their inputs offloaded (unless
-    ``inputs_offloaded`` is False) come after those that do not, and are chosen only where they
-    cost less or peak lower."""
+    recomputed one's; ``start_extra``: what backward's start holds beyond a block's (moments).
+    Plans that recompute blocks with their inputs offloaded (unless ``inputs_offloaded`` is False)
+    come after those that do not, and are chosen only where they cost less or peak lower."""
     n = len(trace.blocks)
     best: Plan | None = None
     lowest: Plan | None = None

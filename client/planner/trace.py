@@ -53,7 +53,6 @@ class OffloadTrace:
         self.arg_storages: list[dict[int, int]] = [{} for _ in range(n)]  # per block: its tensors' storages' bytes
         self.shared = Shared()
 
-
         def mark() -> None:
             self.marks.append((ctx.stats.pack_s, len(ctx.saves)))
 

@@ -24,6 +24,7 @@ from ..hooks import Offload
 from ..recompute import Recompute
 from .model import Plan, Trace, fetched_inputs, kept_bytes
 
+
 class BlockHooks:
     """What the planner sets on ``blocks``, and takes off again."""
 

@@ -57,7 +57,8 @@ def test_a_step_measured_over_its_target_plans_again_with_a_margin():
     for _ in range(3):
         got = grads_of(model, idx, planner.step())
     assert planner.besides == memory.besides  # from the compute trace
-    assert memory.reads == 4  # the planned step's, read as backward reached the blocks and as it ended: not between steps
+    # the planned step's, read as backward reached the blocks and as it ended: not between steps
+    assert memory.reads == 4
     first = planner.plan
     assert first.offloaded == 2
     assert not planner.settled  # reading the first plan's measured step finds it over its target ...
