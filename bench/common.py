@@ -176,15 +176,17 @@ def workloads(names: list[str], batch: int | None = None, layers: int | None = N
 @dataclass(frozen=True)
 class Variant:
     """A workload built another way: compiled as one graph (``compile="graph"``:
-    torch.compile(model)) or block by block (``"blocks"``: each block's .compile()), with torch's
-    activation_memory_budget in force while its forward runs (and so when the first forward
-    compiles it), and/or checkpointed (``ckpt``). Each build resets torch._dynamo, so that a
-    model of the same class compiled for an earlier row under another budget is not reused."""
+    torch.compile(model), with storm.partitioner(**``partitioner``) where given) or block by block
+    (``"blocks"``: each block's .compile()), with torch's activation_memory_budget in force while
+    its forward runs (and so when the first forward compiles it), and/or checkpointed (``ckpt``).
+    Each build resets torch._dynamo, so that a model of the same class compiled for an earlier row
+    under another budget is not reused."""
 
     base: Workload | Llama
     ckpt: bool = False
     compile: str | None = None
     memory_budget: float | None = None
+    partitioner: dict | None = None  # compiled as one graph with storm.partitioner(**partitioner)
 
     @property
     def name(self) -> str:
@@ -198,7 +200,9 @@ class Variant:
         model, x = self.base.build(device, ckpt=ckpt or self.ckpt, seed=seed)
         if self.compile:
             torch._dynamo.reset()
-        if self.compile == "graph":
+        if self.compile == "graph" and self.partitioner is not None:
+            model = torch.compile(model, options={"custom_partitioner_fn": storm.partitioner(**self.partitioner)})
+        elif self.compile == "graph":
             model = torch.compile(model)
         elif self.compile == "blocks":
             for block in self.base.blocks(model):

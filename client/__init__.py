@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .errors import (StormError, StormInPlaceError, StormIntegrityError, StormRequestError, StormUnavailable,
                      StormUntrusted)
 from .enabled import Enabled, enable
@@ -22,6 +24,21 @@ from .stats import OffloadStats
 __version__ = "0.1.0"
 
 
+def partitioner(**options: Any) -> Any:
+    """torch.compile's partitioner with storm's offloading, for a model compiled as one graph
+    (storm.graph.partitioner has the options)::
+
+        model = torch.compile(model, options={"custom_partitioner_fn": storm.partitioner()})
+    """
+    try:  # torch.compile's modules load here, not at `import storm`
+        from .graph import partitioner as storm_partitioner
+    except ImportError as e:
+        raise RuntimeError(f"storm.partitioner needs torch.compile's custom_partitioner_fn, which torch "
+                           f"{torch.__version__} lacks ({e}); compile the model's blocks one by one instead "
+                           f"(for b in model.model.layers: b.compile()) and use storm.offload or storm.plan") from None
+    return storm_partitioner(**options)
+
+
 def stats(mode: str = "auto", socket: str | None = None) -> dict[str, Any]:
     """The store's counters for this process's session and for the whole node (pool, clients, errors)."""
     session = session_for(mode, socket, None)
@@ -30,5 +47,5 @@ def stats(mode: str = "auto", socket: str | None = None) -> dict[str, Any]:
     return {"session": reply["session"], "node": reply["node"]}
 
 
-__all__ = ["offload", "Offload", "plan", "Planner", "enable", "Enabled", "OffloadStats", "Keep", "stats", "close_all", "StormError", "StormUnavailable",
+__all__ = ["offload", "Offload", "plan", "Planner", "enable", "Enabled", "partitioner", "OffloadStats", "Keep", "stats", "close_all", "StormError", "StormUnavailable",
            "StormUntrusted", "StormInPlaceError", "StormIntegrityError", "StormRequestError", "__version__"]

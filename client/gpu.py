@@ -209,9 +209,14 @@ def consume(t: torch.Tensor, arrived: CopyEvent) -> None:
     tell the allocator the compute stream uses ``t``, which was allocated on the copy stream. A copy
     already done (prefetched) needs no wait: the compute stream then never waits on another
     process's event, a wait that costs more than a local one."""
-    if not arrived.query():
-        _check(_rt.cudaStreamWaitEvent(current_stream(t.device), arrived.handle, 0)[0], "cudaStreamWaitEvent")
+    wait_on_compute(t.device, arrived)
     t.record_stream(torch.cuda.current_stream(t.device.index))
+
+
+def wait_on_compute(device: torch.device, event: CopyEvent) -> None:
+    """Make the compute stream of ``device`` wait for ``event``, unless it has fired already."""
+    if not event.query():
+        _check(_rt.cudaStreamWaitEvent(current_stream(device), event.handle, 0)[0], "cudaStreamWaitEvent")
 
 
 class OnStream:

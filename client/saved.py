@@ -67,7 +67,7 @@ class Stored:
         self.nbytes = nbytes
         self.device = t.device
         self.tensor: torch.Tensor | None = t.detach()  # not t: see Kept
-        self.version = t._version
+        self.version: int | None = t._version  # None: not checked (a compiled graph's save)
         self.weak = weak  # also the dedup key (weak.cdata) while this step lasts
         self.shape, self.dtype = tuple(t.shape), t.dtype
         self.producer = _producer(t)
@@ -130,16 +130,16 @@ class Kept:
 
     __slots__ = ("tensor", "version")
 
-    def __init__(self, t: torch.Tensor):
+    def __init__(self, t: torch.Tensor, checked: bool = True):
         self.tensor = t.detach()
-        self.version = t._version
+        self.version = t._version if checked else None  # None: nothing else writes it (a compiled graph's copy)
 
     @property
     def device(self) -> torch.device:
         return self.tensor.device
 
     def unpack(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
+        if self.version is not None and self.tensor._version != self.version:
             t, node = self.tensor, torch._C._current_autograd_node()
             user = f"saved for {type(node).__name__}" if node is not None else "read outside backward"
             raise StormInPlaceError(f"a saved {_description(tuple(t.shape), t.dtype, user)} was "
@@ -159,6 +159,12 @@ class Marker(Kept):
         self.step = step
         self.index = len(step.order)  # offloaded saves before this one
         self.nbytes = nbytes          # saved since the marker before
+
+
+def copy_of(t: torch.Tensor) -> torch.Tensor:
+    """The same view of a copy of ``t``'s storage (strides and offset kept)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
 
 
 def _producer(t: torch.Tensor) -> str:

@@ -27,10 +27,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .backend import Backend, close_backends, open_backend
 from .copies.base import Copy, PutRequest, detached
 from .errors import StormError, StormInPlaceError
-from .gpu import allocated, consume, pack_range, record_ready, unpack_range
+from .gpu import allocated, consume, pack_range, record_ready, unpack_range, wait_on_compute
 from .policy import Keep, Policy, Refusals
 from .prefetch import Prefetcher
-from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, Stored
+from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, Stored, copy_of
 from .transfer import Mover
 
 DEFAULT_PREFETCH_BYTES = 256 << 20
@@ -89,8 +89,10 @@ class ClientSession:
 
     # --- saving -------------------------------------------------------------
 
-    def save(self, t: torch.Tensor, step: Step, policy: Policy) -> Handle | Kept:
-        """pack: a Handle for an offloaded tensor, or a Kept when it stays where it is.
+    def save(self, t: torch.Tensor, step: Step, policy: Policy, compiled: bool = False) -> Handle | Kept:
+        """pack: a Handle for an offloaded tensor, or a Kept when it stays where it is. ``compiled``:
+        a compiled graph's save (client/graph), stored raw and not checked for in-place changes (the
+        graph makes none; it reuses the memory once it has called ``let_go``).
 
         Runs once per saved tensor on the training thread, where every microsecond is a
         microsecond the GPU may wait for its next kernel: the paths that keep a tensor
@@ -113,7 +115,7 @@ class ClientSession:
             step.stats.record_kept(step.layer, Keep.BUDGET, nbytes)
             return Marker(t, step, nbytes)
         with pack_range(t.device):
-            return self._offload(t, storage, nbytes, step)
+            return self._offload(t, storage, nbytes, step, compiled)
 
     def save_past_budget(self, t: torch.Tensor, step: Step) -> Kept:
         """pack once the budget is reached: the tensor stays, for about a microsecond. About every
@@ -140,7 +142,8 @@ class ClientSession:
             return self.max_held_bytes
         return self.max_held_bytes + max(0, self.last_past_budget_bytes - step.past_budget_bytes)
 
-    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int, step: Step) -> Handle:
+    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int, step: Step,
+                 compiled: bool) -> Handle:
         t0 = time.perf_counter()
         self.poll()
         ready = record_ready(t.device, self.mover.daemon_copies(t.device)) if t.is_cuda else None
@@ -148,11 +151,13 @@ class ClientSession:
                 "strides": list(t.stride()), "storage_offset": t.storage_offset()}
         with self._lock:
             stored = Stored(next(self._keys), step, t, StorageWeakRef(storage), nbytes)
+            if compiled:
+                stored.version = None
             step.order.append(stored)
             step.by_storage[storage._cdata] = stored
             handle = Handle(self.dropped, stored, t)
             stored.request = PutRequest(stored.key, step.number, storage, meta, ready,
-                                        encode=stored.kind not in self._raw_kinds)
+                                        encode=not compiled and stored.kind not in self._raw_kinds)
             stored.copy_in = self.mover.put(stored.request)
             self._held.append(stored)
             self._held_bytes += nbytes
@@ -162,6 +167,29 @@ class ClientSession:
         if oldest is not None:  # bound what waits on the mover; wait outside the lock
             oldest.wait()
             self.poll()
+        return handle
+
+    def let_go(self, handle: Handle | Kept) -> Handle | Kept:
+        """A compiled graph frees or reuses the saved tensor's memory after this call (client/graph):
+        what comes after on the compute stream waits for its copy into the store, and the session
+        no longer holds it. A put the store refused keeps a copy of it instead (a Kept, returned
+        in place of the handle), as does a tensor the policy kept."""
+        if isinstance(handle, Kept):
+            return Kept(copy_of(handle.tensor), checked=False)
+        stored = handle.stored
+        with self._lock:
+            if stored.state == State.KEPT:  # the store refused it, and a poll has seen that already
+                return Kept(copy_of(stored.tensor), checked=False)
+            if stored.state != State.HELD or stored.tensor is None:  # in the store already, or let go
+                return handle
+            copy = stored.copy_in
+        if copy.error() is not None:  # waits for the store's reply, not for the bytes
+            self.poll()
+            return Kept(copy_of(stored.tensor), checked=False)
+        if copy.event is not None:
+            wait_on_compute(stored.device, copy.event)
+        with self._lock:
+            stored.tensor = None
         return handle
 
     def poll(self) -> None:
@@ -227,7 +255,8 @@ class ClientSession:
         stored.step.stats.record(stored.layer, stored_bytes=stored.copy_in.nbytes)
         # The version is read here, on the training thread between two ops, so an
         # in-place op that raced the copy has finished and bumped it by now.
-        stored.state = State.OFFLOADED if stored.tensor._version == stored.version else State.MODIFIED
+        unchanged = stored.version is None or stored.tensor is None or stored.tensor._version == stored.version
+        stored.state = State.OFFLOADED if unchanged else State.MODIFIED
         stored.tensor = None
         return self._forget(stored) if stored.refs == 0 else []  # its handles died during the copy
 
@@ -284,9 +313,12 @@ class ClientSession:
         self._free_at_backward_end(stored.step)
         stored.step.fetching = True
         stats = stored.step.stats
+        if stored.state == State.HELD and stored.tensor is None:  # let go before its copy was polled
+            stored.copy_in.wait()
+            self.poll()
         with self._lock:
             if stored.state in (State.HELD, State.KEPT):
-                if stored.tensor._version != stored.version:
+                if stored.version is not None and stored.tensor._version != stored.version:
                     stored.state = State.MODIFIED
                 else:
                     return handle.view_of(stored.tensor.untyped_storage())

@@ -1,0 +1,184 @@
+"""Where a graph compiled as one piece offloads: the partitioner that puts storm's ops
+(client/graph/ops.py) into AOTAutograd's forward and backward graphs.
+
+torch's own partitioner (``min_cut_rematerialization_partition``) splits the joint graph first and
+chooses what forward saves; this pass then takes the saved tensors that are large enough and:
+
+- right after each is made, a ``storm::save`` starts its copy into the store (saves chained in
+  the order they are made, which is the order the store's prefetch reverses in backward);
+- after its last use in forward, and not before saves of ``held_bytes`` more have been made, a
+  ``storm::released`` lets the graph free it: the compute stream waits for its copy there, so a
+  copy runs behind forward by at most about ``held_bytes`` before forward waits for it;
+- forward returns the released token in its place, and backward, before its first use, loads it.
+
+The last ``held_bytes`` of saves stay on the device, as the budget's later saves do in eager mode:
+backward needs them first, and their copies would not be done before forward ends. Saves of
+symbolic shape (dynamic shapes) stay too: their size and strides are not known when the graph is
+rewritten.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+from torch._functorch.partitioners import get_default_op_list, min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from ..policy import DEFAULT_MIN_BYTES
+from . import ops
+
+DEFAULT_HELD_BYTES = 512 << 20  # also the session's default bound on bytes waiting for their copy
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """``mode``, ``socket``, ``pool_size``: the store, as storm.offload's options say; ``min_bytes``:
+    smaller saves stay; ``held_bytes``: how far copies may run behind forward (and the last saves
+    that stay); ``budget``: offload at most this many bytes a forward, earliest saves first."""
+
+    mode: str = "auto"
+    socket: str | None = None
+    pool_size: int | None = None
+    min_bytes: int = DEFAULT_MIN_BYTES
+    held_bytes: int = DEFAULT_HELD_BYTES
+    budget: int | None = None
+
+
+class Partitioner(CustomPartitionerFn):
+    """torch's partitioner, then storm's offloading. Set it as inductor's ``custom_partitioner_fn``
+    (storm.compile does)."""
+
+    def __init__(self, options: GraphOptions):
+        self.options = options
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
+                 ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        offload_saves(fw, bw, kwargs["num_fwd_outputs"], self.options)
+        return fw, bw
+
+    def uuid(self) -> str:
+        """Compiled graphs are cached under this: storm's ops and pass, and the options."""
+        h = hashlib.sha256(repr(self.options).encode())
+        for f in (Path(ops.__file__), Path(__file__)):
+            h.update(f.read_bytes())
+        return h.hexdigest()
+
+
+@dataclass
+class Save:
+    node: fx.Node       # the saved tensor, in forward
+    nbytes: int
+    last_use: fx.Node   # after which forward no longer reads it
+    release_after: fx.Node | None = None
+
+
+def offload_saves(fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int, options: GraphOptions) -> list[str]:
+    """Rewrite ``fw`` and ``bw`` in place; returns the names of the saves offloaded."""
+    output = fw.graph.find_nodes(op="output")[0]
+    outputs = list(output.args[0])
+    bw_inputs = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
+    position = {n: i for i, n in enumerate(fw.graph.nodes)}
+    saves = [Save(n, _nbytes(n), _last_use(n, position))
+             for n in sorted(set(outputs[num_user_outputs:]), key=position.__getitem__)
+             if _offloadable(n, outputs[:num_user_outputs], bw_inputs, options.min_bytes)]
+    chosen = _choose(saves, options)
+    previous: fx.Node | None = None
+    for s in chosen:
+        with fw.graph.inserting_after(s.node):
+            saved = _call(fw.graph, torch.ops.storm.save.default,
+                          (s.node, previous, options.mode, options.socket, options.pool_size))
+        previous = saved
+        release_after = max(s.last_use, s.release_after, key=position.__getitem__)
+        if release_after is s.node:  # nothing reads it in forward, and it is the last of held_bytes
+            release_after = saved
+        with fw.graph.inserting_after(release_after):
+            token = _call(fw.graph, torch.ops.storm.released.default, (saved, s.node))
+        outputs = [token if o is s.node else o for o in outputs]
+        _load_before_first_use(bw.graph, bw_inputs[s.node.name], s.node.meta["val"])
+    output.args = (tuple(outputs),)
+    for g in (fw, bw):
+        g.graph.lint()
+        g.recompile()
+    return [s.node.name for s in chosen]
+
+
+def _choose(saves: list[Save], options: GraphOptions) -> list[Save]:
+    """The saves to offload, in the order they are made, each with where it may be released: after
+    the first later save by which ``held_bytes`` more have been made (saves with none stay), and
+    within ``budget``, earliest first."""
+    made = list(itertools.accumulate((s.nbytes for s in saves), initial=0))  # made[i]: bytes of saves[:i]
+    chosen: list[Save] = []
+    total = 0
+    for k, s in enumerate(saves):
+        end = bisect.bisect_left(made, made[k + 1] + options.held_bytes)  # saves[k + 1:end] make held_bytes
+        if end == len(made):
+            break  # this save and the later ones are the last held_bytes: they stay
+        if options.budget is not None and total + s.nbytes > options.budget:
+            break
+        s.release_after = saves[end - 1].node
+        total += s.nbytes
+        chosen.append(s)
+    return chosen
+
+
+def _offloadable(n: fx.Node, user_outputs: list[Any], bw_inputs: dict[str, fx.Node], min_bytes: int) -> bool:
+    """A tensor forward makes (not an input, such as a parameter, nor a view of one), of static shape,
+    at least ``min_bytes``, that the caller does not get (a user output must stay where it is)."""
+    val = n.meta.get("val")
+    return (n.op == "call_function" and isinstance(val, torch.Tensor) and n not in user_outputs
+            and n.name in bw_inputs and bw_inputs[n.name].users and not _aliases(n)
+            and all(type(d) is int for d in (*val.shape, *val.stride(), val.storage_offset()))
+            and _nbytes(n) >= min_bytes)
+
+
+def _aliases(n: fx.Node) -> bool:
+    """Whether ``n``'s output may share memory with its input (a view, detach, alias): its memory
+    is not forward's to free."""
+    schema = getattr(n.target, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns) or get_default_op_list().is_view(n)
+
+
+def _nbytes(n: fx.Node) -> int:
+    val = n.meta["val"]
+    return val.numel() * val.element_size()
+
+
+def _last_use(n: fx.Node, position: dict[fx.Node, int]) -> fx.Node:
+    """The last node of forward that reads ``n``, through views of it too (the graph's output aside)."""
+    views = get_default_op_list()
+    last, pending = n, [n]
+    while pending:
+        for user in pending.pop().users:
+            if user.op == "output":
+                continue
+            if position[user] > position[last]:
+                last = user
+            if views.is_view(user):
+                pending.append(user)
+    return last
+
+
+def _call(graph: fx.Graph, op: Any, args: tuple[Any, ...]) -> fx.Node:
+    node = graph.call_function(op, args)
+    node.meta["val"] = torch.empty(0, dtype=torch.uint8)
+    return node
+
+
+def _load_before_first_use(graph: fx.Graph, placeholder: fx.Node, val: torch.Tensor) -> None:
+    """``placeholder`` brings a token now: load the tensor before its first use, and use that."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(placeholder.users, key=position.__getitem__)
+    with graph.inserting_before(first):
+        loaded = graph.call_function(torch.ops.storm.load.default,
+                                     (placeholder, list(val.shape), list(val.stride()), val.dtype, val.device))
+    loaded.meta["val"] = val
+    placeholder.replace_all_uses_with(loaded, delete_user_cb=lambda user: user is not loaded)
+    placeholder.meta["val"] = torch.empty(0, dtype=torch.uint8)

@@ -1,0 +1,63 @@
+"""storm.partitioner on CUDA, inductor compiling the whole model as one graph: gradients equal the
+same model compiled without it bit for bit, and forward's peak holds a fraction of the saves."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import storm
+from storm.examples.models import GPT, same_bits
+from storm.session import session_for
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def uncached():
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def compiled_pair(**options) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = GPT(**options, dropout=0.0).cuda()
+    ref = copy.deepcopy(model)
+    part = storm.partitioner(mode="embedded", min_bytes=0, held_bytes=MiB)
+    idx = torch.randint(0, 256, (4, options["seq_len"] + 1), device="cuda")
+    return torch.compile(model, options={"custom_partitioner_fn": part}), torch.compile(ref), idx
+
+
+def step(model: torch.nn.Module, idx: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+    """Gradients of one step, and its peak above what was allocated before it."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model.loss(idx[:, :-1], idx[:, 1:]).backward()
+    torch.cuda.synchronize()
+    return [p.grad.clone() for p in model.parameters()], torch.cuda.max_memory_allocated() - base
+
+
+def test_gradients_equal_compiled_without_offload_bit_for_bit_on_cuda():
+    # the model of tests/test_gpu.py's bit-exact tests, whose gradients CUDA computes deterministically
+    model, ref, idx = compiled_pair(seq_len=64, d_model=128, n_heads=4, n_layers=2)
+    for _ in range(2):
+        got, _ = step(model, idx)
+        want, _ = step(ref, idx)
+        assert all(same_bits(a, b) for a, b in zip(got, want))
+    stats = session_for("embedded", None, None).mover.request("STATS").result(10)
+    assert stats["session"]["puts"] > 0 and stats["node"]["keys"] == 0
+
+
+def test_forward_frees_what_it_offloads_as_it_goes_on_cuda():
+    model, ref, idx = compiled_pair(seq_len=512, d_model=512, n_heads=8, n_layers=8)
+    for _ in range(2):  # the first step compiles
+        _, peak = step(model, idx)
+        _, ref_peak = step(ref, idx)
+    assert peak < 0.5 * ref_peak, (peak / MiB, ref_peak / MiB)

@@ -1,0 +1,54 @@
+"""storm.graph's ops (client/graph/ops.py) called as a compiled graph calls them: the graph may
+overwrite a saved tensor once ``released`` has run and overwrite what ``load`` gave it, and
+neither reaches the bytes another load gets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import storm  # noqa: F401  (storm.graph registers the ops)
+import storm.graph  # noqa: F401
+from storm.errors import StormError
+
+CPU = torch.device("cpu")
+ops = torch.ops.storm
+
+
+def saved(x: torch.Tensor, pool_size: int | None = None) -> torch.Tensor:
+    token = ops.save(x, None, "embedded", None, pool_size)
+    return ops.released(token, x)
+
+
+def load(token: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return ops.load(token, list(like.shape), list(like.stride()), like.dtype, like.device)
+
+
+def test_the_graph_may_overwrite_a_saved_tensor_once_released():
+    x = torch.randn(512, 64)
+    expected = x.clone()
+    token = saved(x)
+    x.fill_(7.0)  # the graph reuses the buffer for another tensor
+    assert torch.equal(load(token, expected), expected)
+
+
+@pytest.mark.parametrize("pool_size", [None, 4096], ids=["stored", "no room in the store"])
+def test_each_load_gets_its_own_bytes(pool_size):
+    x = torch.randn(512, 64).t()  # a transposed view: its strides come back as they were
+    expected = x.clone()
+    token = saved(x, pool_size)
+    first = load(token, x)
+    assert first.stride() == x.stride()
+    first.zero_()  # the graph reuses what it loaded, say for a gradient it returns
+    assert torch.equal(load(token, x), expected)  # a second backward (retain_graph)
+
+
+def test_the_graph_asking_for_another_shape_than_was_saved_is_an_error_naming_both():
+    token = saved(torch.randn(512, 64))
+    with pytest.raises(StormError, match=r"\(512, 64\) torch.float32.*expects \(64, 512\)"):
+        ops.load(token, [64, 512], [512, 1], torch.float32, CPU)
+
+
+def test_a_token_that_lost_what_it_carries_is_named():
+    with pytest.raises(StormError, match="storm token lost what it carries"):
+        ops.load(torch.empty(0, dtype=torch.uint8), [4], [1], torch.float32, CPU)

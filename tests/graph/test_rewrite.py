@@ -1,0 +1,117 @@
+"""storm.graph's partitioner (client/graph/rewrite.py) on graphs AOTAutograd traces, run as FX
+code (no inductor: fast): which saves it offloads, where its ops go in forward and backward,
+and that gradients stay bit for bit those of the same graphs without it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import fx
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
+
+import storm
+from storm.graph.rewrite import GraphOptions, Partitioner, Save, _choose
+from storm.session import session_for
+
+KiB, MiB = 1 << 10, 1 << 20
+SAVE, RELEASED, LOAD = torch.ops.storm.save.default, torch.ops.storm.released.default, torch.ops.storm.load.default
+
+
+def chain(nbytes: list[int], **options: Any) -> list[str]:
+    saves = [Save(node=f"s{i}", nbytes=n, last_use=None) for i, n in enumerate(nbytes)]  # type: ignore[arg-type]
+    return [f"{s.node}<{s.release_after}" for s in _choose(saves, GraphOptions(**options))]
+
+
+def test_each_save_is_released_once_held_bytes_more_are_made_and_the_last_held_bytes_stay():
+    assert chain([10 * MiB] * 4, held_bytes=20 * MiB) == ["s0<s2", "s1<s3"]
+    assert chain([10 * MiB] * 4, held_bytes=0) == ["s0<s0", "s1<s1", "s2<s2", "s3<s3"]
+    assert chain([30 * MiB, 1 * MiB, 25 * MiB, 1 * MiB], held_bytes=20 * MiB) == ["s0<s2", "s1<s2"]
+    assert chain([10 * MiB] * 4, held_bytes=40 * MiB) == []
+
+
+def test_a_budget_offloads_the_earliest_saves_up_to_it():
+    assert chain([10 * MiB] * 6, held_bytes=10 * MiB, budget=25 * MiB) == ["s0<s1", "s1<s2"]
+    assert chain([10 * MiB] * 6, held_bytes=10 * MiB, budget=0) == []
+
+
+def mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x
+    for _ in range(4):
+        h = torch.tanh(h @ w)
+    return h.sum()
+
+
+def traced(partition: Partitioner | None) -> tuple[Any, dict[str, fx.GraphModule]]:
+    graphs: dict[str, fx.GraphModule] = {}
+
+    def compiler(name: str) -> Any:
+        def compile_graph(gm: fx.GraphModule, inputs: Any) -> Any:
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    kwargs = {} if partition is None else {"partition_fn": partition}
+    return aot_function(mlp, compiler("fw"), compiler("bw"), **kwargs), graphs
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(256, 256, generator=g, requires_grad=True),
+            (torch.randn(256, 256, generator=g) / 16).requires_grad_())
+
+
+def grads(f: Any) -> list[torch.Tensor]:
+    x, w = inputs()
+    f(x, w).backward()
+    return [x.grad, w.grad]
+
+
+def ops_in(gm: fx.GraphModule, op: Any) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is op]
+
+
+def test_saves_go_as_made_are_released_after_their_last_use_and_load_before_their_first():
+    f, graphs = traced(Partitioner(GraphOptions(mode="embedded", min_bytes=0, held_bytes=256 * KiB)))
+    ref, _ = traced(None)
+    assert all(torch.equal(a, b) for a, b in zip(grads(f), grads(ref)))  # bit for bit
+    fw, bw = graphs["fw"], graphs["bw"]
+    position = {n: i for i, n in enumerate(fw.graph.nodes)}
+    saves, released = ops_in(fw, SAVE), ops_in(fw, RELEASED)
+    # three tanh outputs saved (the fourth is saved as a detach of it: an alias, which stays), the last 256 KiB stay
+    assert len(saves) == len(released) == 2
+    for i, s in enumerate(saves):
+        x = s.args[0]
+        assert position[s] == position[x] + 1, "a save comes right after its tensor is made"
+        assert s.args[1] is (saves[i - 1] if i else None), "each save takes the token of the one before"
+        r = next(u for u in s.users if u.target is RELEASED)
+        assert all(position[u] < position[r] for u in x.users if u is not r and u.op != "output")
+        assert position[r] > position[saves[i + 1]] if i + 1 < len(saves) else True
+    output = fw.graph.find_nodes(op="output")[0].args[0]
+    assert not any(s.args[0] in output for s in saves), "forward returns tokens in place of offloaded tensors"
+    assert all(r in output for r in released)
+    bpos = {n: i for i, n in enumerate(bw.graph.nodes)}
+    for load in ops_in(bw, LOAD):
+        token = load.args[0]
+        assert token.op == "placeholder" and list(token.users) == [load]
+        assert load.users and all(bpos[u] > bpos[load] for u in load.users)
+    assert len(ops_in(bw, LOAD)) == 2
+    session = storm.stats("embedded")["session"]
+    assert session["puts"] == 2 and session["keys"] == 0  # stored in forward, freed once backward used them
+
+
+def test_without_room_in_the_store_the_saves_stay_as_copies_and_gradients_are_unchanged():
+    f, graphs = traced(Partitioner(GraphOptions(mode="embedded", pool_size=4096, min_bytes=0, held_bytes=0)))
+    ref, _ = traced(None)
+    assert all(torch.equal(a, b) for a, b in zip(grads(f), grads(ref)))
+    assert len(ops_in(graphs["fw"], SAVE)) == 3
+    store = session_for("embedded", None, 4096).mover.request("STATS").result(10)["node"]
+    assert store["errors"] == {"TOO_LARGE": 3} and store["keys"] == 0
+
+
+@pytest.mark.parametrize("options, named", [({"mode": "local"}, "mode"), ({"held_bytes": -1}, "held_bytes"),
+                                            ({"budget": "lots"}, "budget"), ({"min_bytes": 1.5}, "min_bytes")])
+def test_bad_options_are_named_with_what_is_accepted(options, named):
+    with pytest.raises(ValueError, match=named):
+        storm.partitioner(**options)
