@@ -1,6 +1,7 @@
 """The three ops a graph rewritten by client/graph/rewrite.py calls, and what they do at run time.
 
-    token = storm::save(x, previous token)      # right after x is made: its copy into the store starts
+    token = storm::save(x, previous token, [released tokens])  # right after x is made: its copy into
+                                                 # the store starts
     token = storm::released(token, x)            # after x's last use in forward, some saves later:
                                                  # the compute stream waits for x's copy; x may go
     x = storm::load(token, size, stride, ...)    # in backward, before x's first use
@@ -50,10 +51,11 @@ def carried(t: torch.Tensor) -> Saved:
 
 
 @torch.library.custom_op("storm::save", mutates_args=())
-def save(x: torch.Tensor, previous: Optional[torch.Tensor], mode: str, socket: Optional[str],
-         pool_size: Optional[int]) -> torch.Tensor:
+def save(x: torch.Tensor, previous: Optional[torch.Tensor], after: list[torch.Tensor], mode: str,
+         socket: Optional[str], pool_size: Optional[int]) -> torch.Tensor:
     """Start storing ``x``; ``previous``: the token of the save before in this forward (None: the
-    first, which starts a step of the session for ``mode``, ``socket`` and ``pool_size``)."""
+    first, which starts a step of the session for ``mode``, ``socket`` and ``pool_size``);
+    ``after``: tokens of releases that must run before it (their order in the graph is all)."""
     if previous is None:
         session = session_for(mode, socket, pool_size)
         step = session.new_step()
@@ -64,7 +66,7 @@ def save(x: torch.Tensor, previous: Optional[torch.Tensor], mode: str, socket: O
 
 
 @save.register_fake
-def _(x, previous, mode, socket, pool_size):
+def _(x, previous, after, mode, socket, pool_size):
     return torch.empty(0, dtype=torch.uint8)
 
 

@@ -90,18 +90,37 @@ def offload_saves(fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int,
              for n in sorted(set(outputs[num_user_outputs:]), key=position.__getitem__)
              if _offloadable(n, outputs[:num_user_outputs], bw_inputs, options.min_bytes)]
     chosen = _choose(saves, options)
+    for s in chosen:
+        s.release_after = max(s.last_use, s.release_after, key=position.__getitem__)
+    saved: dict[fx.Node, fx.Node] = {}   # a chosen tensor -> its storm::save
+    tokens: dict[fx.Node, fx.Node] = {}  # -> its storm::released, which forward returns in its place
+    waiting: list[Save] = []             # saved and not yet released
+
+    def release(s: Save) -> fx.Node:
+        at = saved[s.node] if s.release_after is s.node else s.release_after  # after its save, at least
+        with fw.graph.inserting_after(at):
+            tokens[s.node] = _call(fw.graph, torch.ops.storm.released.default, (saved[s.node], s.node))
+        return tokens[s.node]
+
     previous: fx.Node | None = None
     for s in chosen:
-        with fw.graph.inserting_after(s.node):
-            saved = _call(fw.graph, torch.ops.storm.save.default,
-                          (s.node, previous, options.mode, options.socket, options.pool_size))
-        previous = saved
-        release_after = max(s.last_use, s.release_after, key=position.__getitem__)
-        if release_after is s.node:  # nothing reads it in forward, and it is the last of held_bytes
-            release_after = saved
-        with fw.graph.inserting_after(release_after):
-            token = _call(fw.graph, torch.ops.storm.released.default, (saved, s.node))
-        outputs = [token if o is s.node else o for o in outputs]
+        # The saves after a release take its token: inductor moves a node whose only user is the
+        # graph's output to just before the output (reorder_for_locality), which would free
+        # nothing before forward's end; a later save's input is where it has to run instead.
+        due = [w for w in waiting if position[w.release_after] <= position[s.node]]
+        waiting = [w for w in waiting if w not in due]
+        after = [release(w) for w in due]
+        anchor = s.node
+        while anchor.next in after:  # releases placed right after this tensor come before its save
+            anchor = anchor.next
+        with fw.graph.inserting_after(anchor):
+            previous = saved[s.node] = _call(fw.graph, torch.ops.storm.save.default,
+                                             (s.node, previous, after, options.mode, options.socket, options.pool_size))
+        waiting.append(s)
+    for s in waiting:  # released after the last save: where forward's end may take them
+        release(s)
+    outputs = [tokens.get(o, o) for o in outputs]
+    for s in chosen:
         _load_before_first_use(bw.graph, bw_inputs[s.node.name], s.node.meta["val"])
     output.args = (tuple(outputs),)
     for g in (fw, bw):

@@ -24,11 +24,11 @@ def uncached():
     torch._dynamo.reset()
 
 
-def compiled_pair(**options) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+def compiled_pair(held_bytes: int, **options) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = GPT(**options, dropout=0.0).cuda()
     ref = copy.deepcopy(model)
-    part = storm.partitioner(mode="embedded", min_bytes=0, held_bytes=MiB)
+    part = storm.partitioner(mode="embedded", min_bytes=0, held_bytes=held_bytes)
     idx = torch.randint(0, 256, (4, options["seq_len"] + 1), device="cuda")
     return torch.compile(model, options={"custom_partitioner_fn": part}), torch.compile(ref), idx
 
@@ -46,7 +46,7 @@ def step(model: torch.nn.Module, idx: torch.Tensor) -> tuple[list[torch.Tensor],
 
 def test_gradients_equal_compiled_without_offload_bit_for_bit_on_cuda():
     # the model of tests/test_gpu.py's bit-exact tests, whose gradients CUDA computes deterministically
-    model, ref, idx = compiled_pair(seq_len=64, d_model=128, n_heads=4, n_layers=2)
+    model, ref, idx = compiled_pair(0, seq_len=64, d_model=128, n_heads=4, n_layers=2)
     for _ in range(2):
         got, _ = step(model, idx)
         want, _ = step(ref, idx)
@@ -56,7 +56,7 @@ def test_gradients_equal_compiled_without_offload_bit_for_bit_on_cuda():
 
 
 def test_forward_frees_what_it_offloads_as_it_goes_on_cuda():
-    model, ref, idx = compiled_pair(seq_len=512, d_model=512, n_heads=8, n_layers=8)
+    model, ref, idx = compiled_pair(MiB, seq_len=512, d_model=512, n_heads=8, n_layers=8)
     for _ in range(2):  # the first step compiles
         _, peak = step(model, idx)
         _, ref_peak = step(ref, idx)

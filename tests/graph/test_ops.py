@@ -16,7 +16,7 @@ ops = torch.ops.storm
 
 
 def saved(x: torch.Tensor, pool_size: int | None = None) -> torch.Tensor:
-    token = ops.save(x, None, "embedded", None, pool_size)
+    token = ops.save(x, None, [], "embedded", None, pool_size)
     return ops.released(token, x)
 
 
