@@ -105,7 +105,8 @@ class ClientSession:
         nbytes = storage.nbytes()
         stored = step.by_storage.get(storage._cdata)
         if stored is not None and stored.state != State.FREED and not stored.weak.expired() \
-                and stored.version == t._version and stored.nbytes == nbytes:
+                and stored.nbytes == nbytes and (stored.version == t._version if stored.version is not None
+                                                 else stored.tensor is not None):  # compiled: not let go
             with self._lock:
                 step.stats.record(step.layer, saved=1, deduplicated=1)
                 return Handle(self.dropped, stored, t)
@@ -178,14 +179,15 @@ class ClientSession:
             return Kept(copy_of(handle.tensor), checked=False)
         stored = handle.stored
         with self._lock:
-            if stored.state == State.KEPT:  # the store refused it, and a poll has seen that already
-                return Kept(copy_of(stored.tensor), checked=False)
-            if stored.state != State.HELD or stored.tensor is None:  # in the store already, or let go
+            refused = stored.state == State.KEPT  # and a poll has seen that already
+            if not refused and (stored.state != State.HELD or stored.tensor is None):  # stored, or let go
                 return handle
             copy = stored.copy_in
-        if copy.error() is not None:  # waits for the store's reply, not for the bytes
+        if not refused and copy.error() is not None:  # waits for the store's reply, not for the bytes
             self.poll()
-            return Kept(copy_of(stored.tensor), checked=False)
+            refused = True
+        if refused:  # this handle's view of a copy: other views of the storage may have saved it too
+            return Kept(handle.view_of(stored.tensor.untyped_storage().clone()), checked=False)
         if copy.event is not None:
             wait_on_compute(stored.device, copy.event)
         with self._lock:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -75,7 +76,7 @@ class Partitioner(CustomPartitionerFn):
 @dataclass
 class Save:
     node: fx.Node       # the saved tensor, in forward
-    nbytes: int
+    nbytes: int         # of its memory, counted at the first save of that memory (views share it)
     last_use: fx.Node   # after which forward no longer reads it
     release_after: fx.Node | None = None
 
@@ -86,9 +87,15 @@ def offload_saves(fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int,
     outputs = list(output.args[0])
     bw_inputs = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
     position = {n: i for i, n in enumerate(fw.graph.nodes)}
-    saves = [Save(n, _nbytes(n), _last_use(n, position))
-             for n in sorted(set(outputs[num_user_outputs:]), key=position.__getitem__)
-             if _offloadable(n, outputs[:num_user_outputs], bw_inputs, options.min_bytes)]
+    returned = {_root(o) for o in outputs[:num_user_outputs] if isinstance(o, fx.Node)}
+    saves: list[Save] = []
+    stored: set[fx.Node] = set()  # roots saved already: a second view of one moves no more bytes
+    for n in sorted(set(outputs[num_user_outputs:]), key=position.__getitem__):
+        root = _root(n)
+        if root is None or root in returned or not _offloadable(n, root, bw_inputs, options.min_bytes):
+            continue
+        saves.append(Save(n, 0 if root in stored else _nbytes(root), _last_use(n, position)))
+        stored.add(root)
     chosen = _choose(saves, options)
     for s in chosen:
         s.release_after = max(s.last_use, s.release_after, key=position.__getitem__)
@@ -148,21 +155,30 @@ def _choose(saves: list[Save], options: GraphOptions) -> list[Save]:
     return chosen
 
 
-def _offloadable(n: fx.Node, user_outputs: list[Any], bw_inputs: dict[str, fx.Node], min_bytes: int) -> bool:
-    """A tensor forward makes (not an input, such as a parameter, nor a view of one), of static shape,
-    at least ``min_bytes``, that the caller does not get (a user output must stay where it is)."""
-    val = n.meta.get("val")
-    return (n.op == "call_function" and isinstance(val, torch.Tensor) and n not in user_outputs
-            and n.name in bw_inputs and bw_inputs[n.name].users and not _aliases(n)
-            and all(type(d) is int for d in (*val.shape, *val.stride(), val.storage_offset()))
-            and _nbytes(n) >= min_bytes)
+def _offloadable(n: fx.Node, root: fx.Node, bw_inputs: dict[str, fx.Node], min_bytes: int) -> bool:
+    """A tensor forward makes, or a view of one (not an input such as a parameter, nor a view of
+    one), of static shape, whose memory is at least ``min_bytes``, that backward uses."""
+    val, base = n.meta.get("val"), root.meta.get("val")
+    return (root.op == "call_function" and isinstance(val, torch.Tensor) and isinstance(base, torch.Tensor)
+            and n.name in bw_inputs and bool(bw_inputs[n.name].users)
+            and all(type(d) is int for t in (val, base) for d in (*t.shape, *t.stride(), t.storage_offset()))
+            and _nbytes(root) >= min_bytes)
 
 
-def _aliases(n: fx.Node) -> bool:
-    """Whether ``n``'s output may share memory with its input (a view, detach, alias): its memory
-    is not forward's to free."""
-    schema = getattr(n.target, "_schema", None)
-    return schema is None or any(r.alias_info is not None for r in schema.returns) or get_default_op_list().is_view(n)
+def _root(n: fx.Node) -> fx.Node | None:
+    """The node whose memory ``n`` is: itself, or what it is a view (or detach, alias) of; None
+    where that is not known (a call of something other than an ATen op or getitem)."""
+    views = get_default_op_list()
+    while n.op == "call_function" and n.target is not operator.getitem:  # getitem: an output of its own
+        schema = getattr(n.target, "_schema", None)
+        if schema is None:
+            return None
+        if not (views.is_view(n) or any(r.alias_info is not None for r in schema.returns)):
+            return n
+        if not n.args or not isinstance(n.args[0], fx.Node):
+            return None
+        n = n.args[0]
+    return n
 
 
 def _nbytes(n: fx.Node) -> int:

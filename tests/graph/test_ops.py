@@ -52,3 +52,15 @@ def test_the_graph_asking_for_another_shape_than_was_saved_is_an_error_naming_bo
 def test_a_token_that_lost_what_it_carries_is_named():
     with pytest.raises(StormError, match="storm token lost what it carries"):
         ops.load(torch.empty(0, dtype=torch.uint8), [4], [1], torch.float32, CPU)
+
+
+def test_views_of_one_tensor_are_stored_once_and_each_comes_back_as_it_was():
+    qkv = torch.randn(256, 3, 64)
+    q, k = qkv[:, 0], qkv[:, 1].t()  # views of one storage, as a projection's q and k are
+    first = ops.save(q, None, [], "embedded", None, None)
+    second = ops.save(k, first, [], "embedded", None, None)
+    tokens = [ops.released(first, q), ops.released(second, k)]
+    expected = [q.clone(), k.clone()]
+    qkv.fill_(0.0)  # the graph reuses the memory
+    assert all(torch.equal(load(t, view), e) for t, view, e in zip(tokens, (q, k), expected))
+    assert storm.stats("embedded")["session"]["puts"] == 1
