@@ -137,22 +137,34 @@ def offload_saves(fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int,
 
 
 def _choose(saves: list[Save], options: GraphOptions) -> list[Save]:
-    """The saves to offload, in the order they are made, each with where it may be released: after
-    the first later save by which ``held_bytes`` more have been made (saves with none stay), and
-    within ``budget``, earliest first."""
+    """The saves to offload, in the order they are made, each with the save after which it may be
+    released at the earliest (``release_after``).
+
+    Without a budget, every save but the last ``held_bytes``; with one, the earliest saves up to it.
+    A save is released once ``held_bytes`` more have been made, and not before the share of forward
+    its copy needs has passed: the link copies the chosen saves one after another, and a budget is
+    taken to fill forward's time on it (the bytes it carries while forward runs), so the copy of the
+    saves through one ends about as far into forward, by bytes made, as they are into the budget.
+    Releasing earlier would make forward wait for the link there."""
     made = list(itertools.accumulate((s.nbytes for s in saves), initial=0))  # made[i]: bytes of saves[:i]
-    chosen: list[Save] = []
-    total = 0
+    chosen: list[tuple[int, int]] = []  # (save, the save after which it goes at the earliest)
+    offloaded = 0
     for k, s in enumerate(saves):
         end = bisect.bisect_left(made, made[k + 1] + options.held_bytes)  # saves[k + 1:end] make held_bytes
         if end == len(made):
-            break  # this save and the later ones are the last held_bytes: they stay
-        if options.budget is not None and total + s.nbytes > options.budget:
+            if options.budget is None:
+                break  # this save and the later ones are the last held_bytes: they stay
+            end = len(saves)
+        if options.budget is not None and offloaded + s.nbytes > options.budget:
             break
-        s.release_after = saves[end - 1].node
-        total += s.nbytes
-        chosen.append(s)
-    return chosen
+        offloaded += s.nbytes
+        chosen.append((k, end - 1))
+    copied = 0
+    for k, j in chosen:
+        copied += saves[k].nbytes
+        share = bisect.bisect_left(made, made[-1] * copied / offloaded) if offloaded else 0
+        saves[k].release_after = saves[max(j, share - 1, k)].node
+    return [saves[k] for k, _ in chosen]
 
 
 def _offloadable(n: fx.Node, root: fx.Node, bw_inputs: dict[str, fx.Node], min_bytes: int) -> bool:

@@ -28,12 +28,16 @@ def chain(nbytes: list[int], **options: Any) -> list[str]:
 def test_each_save_is_released_once_held_bytes_more_are_made_and_the_last_held_bytes_stay():
     assert chain([10 * MiB] * 4, held_bytes=20 * MiB) == ["s0<s2", "s1<s3"]
     assert chain([10 * MiB] * 4, held_bytes=0) == ["s0<s0", "s1<s1", "s2<s2", "s3<s3"]
-    assert chain([30 * MiB, 1 * MiB, 25 * MiB, 1 * MiB], held_bytes=20 * MiB) == ["s0<s2", "s1<s2"]
+    # s1 could go after s2 by held_bytes, but the link copies s0 and s1 through forward's end
+    assert chain([30 * MiB, 1 * MiB, 25 * MiB, 1 * MiB], held_bytes=20 * MiB) == ["s0<s2", "s1<s3"]
     assert chain([10 * MiB] * 4, held_bytes=40 * MiB) == []
 
 
-def test_a_budget_offloads_the_earliest_saves_up_to_it():
-    assert chain([10 * MiB] * 6, held_bytes=10 * MiB, budget=25 * MiB) == ["s0<s1", "s1<s2"]
+def test_a_budget_offloads_the_earliest_saves_up_to_it_released_as_the_link_would_copy_them_in_forward():
+    # the budget's 20 MiB are taken to fill forward on the link: s0's copy ends a third of the way
+    # (20 of 60 MiB made), s1's at forward's end
+    assert chain([10 * MiB] * 6, held_bytes=10 * MiB, budget=25 * MiB) == ["s0<s2", "s1<s5"]
+    assert chain([10 * MiB] * 6, held_bytes=0, budget=60 * MiB) == [f"s{i}<s{i}" for i in range(6)]
     assert chain([10 * MiB] * 6, held_bytes=10 * MiB, budget=0) == []
 
 
