@@ -5,6 +5,7 @@ A graph that torch.compile compiled as one piece (AOTAutograd's forward) hands t
 saves for backward to the saved-tensor hooks only once the whole graph has run: after forward's
 memory peak, so offloading them lowers nothing at the peak and costs the copies. Blocks compiled
 one by one hand theirs over as each block ends, which STORM offloads and plans as in eager mode.
+A model compiled as one graph offloads through storm.partitioner (client/graph/) instead.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def warn_whole_graph(who: str, what: str) -> None:
                 "which hands its saved tensors over only once the whole graph has run, after forward's memory peak: "
                 "offloading them lowers no peak and costs the copies. Compile the model's blocks one by one instead "
                 "(for b in model.model.layers: b.compile(), or torch.compile(b) in their ModuleList), which %s "
-                "supports", who, what, who)
+                "supports, or compile the model with storm.partitioner(), which offloads inside the compiled graph "
+                "(torch.compile(model, options={'custom_partitioner_fn': storm.partitioner()}))", who, what, who)
 
 
 LATE_SAVES_MIN_BYTES = 64 << 20  # a step saving less is not judged: too little to tell from noise
