@@ -90,9 +90,10 @@ def contender(w: Workload | Llama, row: dict, storm_opts: dict,
     """What common.run() (or a Trainer) needs to measure a row: workload, method as run() names
     it, options. A plan row is asked for a peak of at most total_bytes less its budget; a row
     with "compiled" set runs on the model compiled so (common.Variant), under its
-    "memory_budget" where set."""
+    "memory_budget" where set, through storm.partitioner(**row["partitioner"]) where set."""
     if row.get("compiled"):
-        w = Variant(w, compile=row["compiled"], memory_budget=row.get("memory_budget"))
+        w = Variant(w, compile=row["compiled"], memory_budget=row.get("memory_budget"),
+                    partitioner=row.get("partitioner"))
     if row["method"] == "ckpt-first":
         k = row["ckpt_blocks"]
         return (FirstK(**dataclasses.asdict(w), k=k) if isinstance(w, Workload)
@@ -174,6 +175,7 @@ def measure(args: argparse.Namespace, device: torch.device, measure_row: Callabl
             for mb in MEMORY_BUDGETS:
                 add("compiled" if mb == 1.0 else f"compiled budget {mb}", "none", compiled="graph", memory_budget=mb)
             add("compiled storm-full", "storm", compiled="graph")  # STORM warns here: it records the peak anyway
+            add("compiled storm-graph", "none", compiled="graph", partitioner=storm_opts)  # storm.partitioner
             add("blocks-compiled", "none", compiled="blocks")
             low = next(r for r in sec["rows"] if r["label"] == f"compiled budget {MEMORY_BUDGETS[-1]}")
             if "peak_GiB" in low:  # storm.plan on the blocks compiled, at the cap torch's lowest budget reached

@@ -239,14 +239,23 @@ def must_show(section: dict) -> dict:
     out["blocks_compiled_plan_vs_budget_0.1"] = {"plan_ms": mine and mine["step_ms"],
                                                  "budget_0.1_ms": budget and budget["step_ms"], "x": x,
                                                  "fits_cap": fits, "holds": fits and x <= 1.0}
-    whole, offload = rows.get("compiled"), rows.get("compiled storm-full")
-    lowered = round(1 - offload["peak_GiB"] / whole["peak_GiB"], 3) if whole and offload else None
+    whole, offload, graph = rows.get("compiled"), rows.get("compiled storm-full"), rows.get("compiled storm-graph")
+
+    def removed(row: dict | None) -> float | None:
+        return round(1 - row["peak_GiB"] / whole["peak_GiB"], 3) if whole and row and "peak_GiB" in row else None
+
+    lowered, graph_lowered = removed(offload), removed(graph)
     # issue 40 accepts the warning that names per-block compile in place of a lower peak
     warned = bool(offload) and any("compiled as one graph" in m for m in offload.get("warnings", []))
     out["graph_compiled_full_offload"] = {"peak_GiB": offload and offload["peak_GiB"],
                                           "compiled_peak_GiB": whole and whole["peak_GiB"],
                                           "fraction_removed": lowered, "warned": warned,
-                                          "holds": warned or (lowered is not None and lowered >= 0.5)}
+                                          "partitioner_peak_GiB": graph and graph.get("peak_GiB"),
+                                          "partitioner_fraction_removed": graph_lowered,
+                                          "partitioner_x_compiled": (round(graph["step_ms"] / whole["step_ms"], 3)
+                                                                     if whole and graph and "step_ms" in graph else None),
+                                          "holds": warned or any(x is not None and x >= 0.5
+                                                                 for x in (lowered, graph_lowered))}
     return out
 
 

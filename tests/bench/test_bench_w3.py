@@ -196,6 +196,8 @@ class FakeRun:
                     "peak_extra_GiB": peak}
         if compiled == "graph" and method == "storm":
             return {"step_ms": 200.0, "peak_extra_GiB": 4.0}
+        if compiled == "graph" and w.partitioner is not None:  # storm.partitioner
+            return {"step_ms": 150.0, "peak_extra_GiB": 2.0}
         if compiled == "graph":  # torch's activation_memory_budget: less memory, more time
             return {"step_ms": {1.0: 50.0, 0.5: 55.0, 0.1: 60.0}[w.memory_budget],
                     "peak_extra_GiB": {1.0: 5.0, 0.5: 4.0, 0.1: 3.0}[w.memory_budget]}
@@ -218,7 +220,8 @@ def test_frontier_measures_w3s_rows_at_checkpointings_caps_and_gives_the_must_sh
     sec = results["W3-tiny"]
     labels = [r["label"] for r in sec["rows"]]
     assert {"none", "checkpoint", "save_on_cpu", "torchtune", "torchtune-checkpoint", "storm-full", "compiled",
-            "compiled budget 0.5", "compiled budget 0.1", "compiled storm-full", "blocks-compiled"} <= set(labels)
+            "compiled budget 0.5", "compiled budget 0.1", "compiled storm-full", "compiled storm-graph",
+            "blocks-compiled"} <= set(labels)
     # the caps at checkpointing's peak (2.001 GiB, rounded up to a byte) and half of it are among the budgets,
     # each with a plan row
     cap = math.ceil(2.001 * GiB)
@@ -234,7 +237,7 @@ def test_frontier_measures_w3s_rows_at_checkpointings_caps_and_gives_the_must_sh
     w, method, opts = fake.calls[labels.index("blocks-compiled plan 3.00GiB")]
     assert (w.compile, method, opts["peak"]) == ("blocks", "plan", 3 * GiB)
     assert [(c[0].compile, c[0].memory_budget) for c in fake.calls if getattr(c[0], "compile", None) == "graph"
-            and c[1] == "none"] == [("graph", 1.0), ("graph", 0.5), ("graph", 0.1)]
+            and c[1] == "none" and c[0].partitioner is None] == [("graph", 1.0), ("graph", 0.5), ("graph", 0.1)]
     verdicts = sec["must_show"]
     # the plan's peak, measured equal to checkpointing's, fits the cap taken from it
     assert verdicts["plan_at_checkpoint_peak"]["x_checkpoint"] == 1.0 and verdicts["plan_at_checkpoint_peak"]["holds"]
@@ -242,7 +245,11 @@ def test_frontier_measures_w3s_rows_at_checkpointings_caps_and_gives_the_must_sh
     assert half["x_checkpoint"] == 1.04 and half["holds"] and half["cap_GiB"] == round(cap // 2 / GiB, 3)
     compiled = verdicts["blocks_compiled_plan_vs_budget_0.1"]
     assert compiled["fits_cap"] and compiled["x"] == 1.5 and not compiled["holds"]  # 90 ms against 60
-    assert verdicts["graph_compiled_full_offload"]["fraction_removed"] == round(1 - 4.0 / 5.0, 3)
+    whole = verdicts["graph_compiled_full_offload"]
+    assert whole["fraction_removed"] == round(1 - 4.0 / 5.0, 3)  # the hooks: too late to lower the peak
+    assert whole["partitioner_fraction_removed"] == 0.6 and whole["partitioner_x_compiled"] == 3.0 and whole["holds"]
+    w, method, opts = fake.calls[labels.index("compiled storm-graph")]
+    assert (w.compile, w.memory_budget, method, w.partitioner["mode"]) == ("graph", None, "none", "embedded")
     # compiled rows are not the eager planner's "best other", though faster
     assert all(p["best_other"] is None or not p["best_other"].startswith(("compiled", "blocks"))
                for p in sec["planner"])
