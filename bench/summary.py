@@ -245,6 +245,7 @@ def must_show(section: dict) -> dict:
         return round(1 - row["peak_GiB"] / whole["peak_GiB"], 3) if whole and row and "peak_GiB" in row else None
 
     lowered, graph_lowered = removed(offload), removed(graph)
+    graph_x = round(graph["step_ms"] / whole["step_ms"], 3) if whole and graph and "step_ms" in graph else None
     # issue 40 accepts the warning that names per-block compile in place of a lower peak
     warned = bool(offload) and any("compiled as one graph" in m for m in offload.get("warnings", []))
     out["graph_compiled_full_offload"] = {"peak_GiB": offload and offload["peak_GiB"],
@@ -252,8 +253,7 @@ def must_show(section: dict) -> dict:
                                           "fraction_removed": lowered, "warned": warned,
                                           "partitioner_peak_GiB": graph and graph.get("peak_GiB"),
                                           "partitioner_fraction_removed": graph_lowered,
-                                          "partitioner_x_compiled": (round(graph["step_ms"] / whole["step_ms"], 3)
-                                                                     if whole and graph and "step_ms" in graph else None),
+                                          "partitioner_x_compiled": graph_x,
                                           "holds": warned or any(x is not None and x >= 0.5
                                                                  for x in (lowered, graph_lowered))}
     return out

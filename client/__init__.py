@@ -47,5 +47,5 @@ def stats(mode: str = "auto", socket: str | None = None) -> dict[str, Any]:
     return {"session": reply["session"], "node": reply["node"]}
 
 
-__all__ = ["offload", "Offload", "plan", "Planner", "enable", "Enabled", "partitioner", "OffloadStats", "Keep", "stats", "close_all", "StormError", "StormUnavailable",
-           "StormUntrusted", "StormInPlaceError", "StormIntegrityError", "StormRequestError", "__version__"]
+__all__ = ["offload", "Offload", "plan", "Planner", "enable", "Enabled", "partitioner", "OffloadStats", "Keep", "stats",
+           "close_all", "StormError", "StormUnavailable", "StormUntrusted", "StormInPlaceError", "StormIntegrityError", "StormRequestError", "__version__"]
