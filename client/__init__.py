@@ -48,4 +48,5 @@ def stats(mode: str = "auto", socket: str | None = None) -> dict[str, Any]:
 
 
 __all__ = ["offload", "Offload", "plan", "Planner", "enable", "Enabled", "partitioner", "OffloadStats", "Keep", "stats",
-           "close_all", "StormError", "StormUnavailable", "StormUntrusted", "StormInPlaceError", "StormIntegrityError", "StormRequestError", "__version__"]
+           "close_all", "StormError", "StormUnavailable", "StormUntrusted", "StormInPlaceError", "StormIntegrityError",
+           "StormRequestError", "__version__"]
