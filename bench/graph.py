@@ -7,7 +7,8 @@ Per workload, each compiled as one graph: no offload; torch's activation_memory_
 and storm.partitioner with a budget of what the link carries in the compiled forward's time
 ("storm-graph link-time": forward_ms x the measured pinned D2H bandwidth), the most a step can
 offload without waiting for the link. The verdicts: the fraction of the compiled peak the full
-offload removes, and the link-time row's step against no offload's. And whether one step's
+offload removes, and the link-time row's step against no offload's (``--link-fractions``: smaller
+budgets beside it, to tell the link's cost from each save's own). And whether one step's
 gradients through storm.partitioner equal the same compiled model's without it bit for bit,
 beside whether that model's own gradients repeat bit for bit (what does not, cannot be compared).
 """
@@ -68,6 +69,11 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
             timed = add("storm-graph link-time", Variant(w, compile="graph", partitioner={**STORM, "budget": budget}))
             if "step_ms" in timed:
                 sec["link_time_x_compiled"] = round(timed["step_ms"] / plain["step_ms"], 3)
+            for f in args.link_fractions:  # where the cost comes from: the link, or each save's own
+                part = add(f"storm-graph {f:g} x link-time", Variant(w, compile="graph",
+                                                                     partitioner={**STORM, "budget": int(f * budget)}))
+                if "step_ms" in part:
+                    part["x_compiled"] = round(part["step_ms"] / plain["step_ms"], 3)
         if "peak_extra_GiB" in plain and "peak_extra_GiB" in full:
             sec["peak_removed_fraction"] = round(1 - full["peak_extra_GiB"] / plain["peak_extra_GiB"], 3)
             sec["storm_graph_x_compiled"] = round(full["step_ms"] / plain["step_ms"], 3)
@@ -85,6 +91,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--check", action="store_true", help="also compare one step's gradients bit for bit")
+    ap.add_argument("--link-fractions", type=float, nargs="*", default=[],
+                    help="also budgets of these fractions of the link-time budget (e.g. 0.5 0.25)")
     ap.add_argument("--out", default="bench/results/graph.json")
     args = ap.parse_args()
     device = cuda_device("graph.py")
