@@ -10,9 +10,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
 import storm
+import torch
 from storm.examples.models import GPT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

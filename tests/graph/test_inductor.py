@@ -9,9 +9,8 @@ import copy
 from typing import Any
 
 import pytest
-import torch
-
 import storm
+import torch
 from storm.examples.models import GPT
 from storm.session import session_for
 

@@ -5,10 +5,9 @@ neither reaches the bytes another load gets."""
 from __future__ import annotations
 
 import pytest
-import torch
-
 import storm  # noqa: F401  (storm.graph registers the ops)
 import storm.graph  # noqa: F401
+import torch
 from storm.errors import StormError
 
 CPU = torch.device("cpu")

@@ -7,14 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import storm
 import torch
+from storm.graph.rewrite import GraphOptions, Partitioner, Save, _choose
+from storm.session import session_for
 from torch import fx
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._inductor.fx_passes.post_grad import reorder_for_locality
-
-import storm
-from storm.graph.rewrite import GraphOptions, Partitioner, Save, _choose
-from storm.session import session_for
 
 KiB, MiB = 1 << 10, 1 << 20
 SAVE, RELEASED, LOAD = torch.ops.storm.save.default, torch.ops.storm.released.default, torch.ops.storm.load.default
@@ -130,7 +129,8 @@ def test_without_room_in_the_store_the_saves_stay_as_copies_and_gradients_are_un
     assert store["errors"] == {"TOO_LARGE": 4} and store["keys"] == 0
 
 
-@pytest.mark.parametrize("options, named", [({"mode": "local"}, "mode"), ({"held_bytes": -1}, "held_bytes"),
+@pytest.mark.parametrize("options, named", [({"mode": "local"}, "mode"), ({"socket": "ftp://host"}, "socket"),
+                                            ({"held_bytes": -1}, "held_bytes"),
                                             ({"budget": "lots"}, "budget"), ({"min_bytes": 1.5}, "min_bytes")])
 def test_bad_options_are_named_with_what_is_accepted(options, named):
     with pytest.raises(ValueError, match=named):
