@@ -187,7 +187,7 @@ class ClientSession:
             self.poll()
             refused = True
         if refused:  # this handle's view of a copy: other views of the storage may have saved it too
-            return Kept(handle.view_of(stored.tensor.untyped_storage().clone()), checked=False)
+            return Kept(copy_of(handle.view_of(stored.tensor.untyped_storage())), checked=False)
         if copy.event is not None:
             wait_on_compute(stored.device, copy.event)
         with self._lock:

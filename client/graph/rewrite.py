@@ -20,6 +20,7 @@ rewritten.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import itertools
 import operator
@@ -127,8 +128,9 @@ def offload_saves(fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int,
     for s in waiting:  # released after the last save: where forward's end may take them
         release(s)
     outputs = [tokens.get(o, o) for o in outputs]
+    bw_position = {n: i for i, n in enumerate(bw.graph.nodes)}  # the placeholders' users are all there before
     for s in chosen:
-        _load_before_first_use(bw.graph, bw_inputs[s.node.name], s.node.meta["val"])
+        _load_before_first_use(bw.graph, bw_position, bw_inputs[s.node.name], s.node.meta["val"])
     output.args = (tuple(outputs),)
     for g in (fw, bw):
         g.graph.lint()
@@ -180,7 +182,7 @@ def _offloadable(n: fx.Node, root: fx.Node, bw_inputs: dict[str, fx.Node], min_b
 def _root(n: fx.Node) -> fx.Node | None:
     """The node whose memory ``n`` is: itself, or what it is a view (or detach, alias) of; None
     where that is not known (a call of something other than an ATen op or getitem)."""
-    views = get_default_op_list()
+    views = _op_types()
     while n.op == "call_function" and n.target is not operator.getitem:  # getitem: an output of its own
         schema = getattr(n.target, "_schema", None)
         if schema is None:
@@ -193,6 +195,9 @@ def _root(n: fx.Node) -> fx.Node | None:
     return n
 
 
+_op_types = functools.cache(get_default_op_list)  # torch's kinds of ops (views among them), built once
+
+
 def _nbytes(n: fx.Node) -> int:
     val = n.meta["val"]
     return val.numel() * val.element_size()
@@ -200,7 +205,7 @@ def _nbytes(n: fx.Node) -> int:
 
 def _last_use(n: fx.Node, position: dict[fx.Node, int]) -> fx.Node:
     """The last node of forward that reads ``n``, through views of it too (the graph's output aside)."""
-    views = get_default_op_list()
+    views = _op_types()
     last, pending = n, [n]
     while pending:
         for user in pending.pop().users:
@@ -219,9 +224,9 @@ def _call(graph: fx.Graph, op: Any, args: tuple[Any, ...]) -> fx.Node:
     return node
 
 
-def _load_before_first_use(graph: fx.Graph, placeholder: fx.Node, val: torch.Tensor) -> None:
+def _load_before_first_use(graph: fx.Graph, position: dict[fx.Node, int], placeholder: fx.Node,
+                           val: torch.Tensor) -> None:
     """``placeholder`` brings a token now: load the tensor before its first use, and use that."""
-    position = {n: i for i, n in enumerate(graph.nodes)}
     first = min(placeholder.users, key=position.__getitem__)
     with graph.inserting_before(first):
         loaded = graph.call_function(torch.ops.storm.load.default,
