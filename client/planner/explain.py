@@ -65,7 +65,7 @@ def explain(planner: Explained) -> str:
                      f"{b.forward_ms:>10.3f}  {what}")
     lines.append(f"outside the blocks: {t.before_bytes / MiB:.1f} MiB saved before them (embeddings; "
                  f"{'offload' if p.offloads else 'keep'}), {t.after_bytes / MiB:.1f} MiB after them (final norm, "
-                 f"logits, loss; {'offload' if p.offloaded == len(t.blocks) else 'keep'})")
+                 f"logits, loss; {'offload' if p.offloaded + p.inputs_offloaded == len(t.blocks) else 'keep'})")
     if p.inputs_offloaded:
         lines.append(_inputs_offloaded(t, p))
     lines.append(f"copy queue {p.max_held_bytes / MiB:.1f} MiB, prefetch window {p.prefetch_bytes / MiB:.1f} MiB"

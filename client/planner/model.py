@@ -2,7 +2,9 @@
 
 A plan offloads the first k blocks (the earliest saves, which backward needs last), recomputes
 the next m with their inputs offloaded (nothing of them stays on the device from forward to
-their backward), recomputes some of the others in backward and keeps the rest.
+their backward), recomputes some of the others in backward and keeps the rest. The saves before
+the blocks go with the first that offloads, those after them (the head's and the loss's) once
+every block offloads its saves or inputs.
 ``predicted_peak`` says what the device holds at backward's worst moment under a plan,
 ``Offloading.of`` what offloading costs, and ``choose`` the plan of least predicted cost whose
 peak fits a budget. docs/planner.md ("How a plan is chosen") explains the model in full.
@@ -117,7 +119,7 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
     blocks, n, end = trace.blocks, len(trace.blocks), offloaded + inputs_offloaded
     kept = kept_bytes(trace, offloaded, recomputed, inputs_offloaded)
     before = trace.before_bytes * (end == 0) + in_flight_bytes
-    start = (before + sum(kept) + trace.after_bytes * (offloaded < n) + blocks[-1].grad_bytes * grads
+    start = (before + sum(kept) + trace.after_bytes * (end < n) + blocks[-1].grad_bytes * grads
              + start_extra)
     allocated = sum(b.grad_bytes for b in blocks) * grads
     held = []
@@ -155,7 +157,7 @@ class Offloading:
         blocks, n = trace.blocks, len(trace.blocks)
         # per offloading block, what it sends: its saves, or a recomputed block's inputs
         per_block = [b.saved_bytes for b in blocks[:k]] + [fetched_inputs(b) for b in blocks[k:k + m]]
-        sent = trace.before_bytes * (k + m > 0) + sum(per_block) + trace.after_bytes * (k == n)
+        sent = trace.before_bytes * (k + m > 0) + sum(per_block) + trace.after_bytes * (k + m == n)
         if not sent:
             return [Offloading(0, 0, 0.0, 0.0, 0)]
         offloaded = blocks[:k] if compressed else []
@@ -259,9 +261,10 @@ def _plans(trace: Trace, k: int, m: int, budget: int, held_bytes: int | None, pr
     frameable = any(b.frame_bytes < b.framed_bytes for b in blocks[:k])
     offloading = [off for compressed in sorted({c and frameable for c in allowed})
                   for off in Offloading.of(trace, k, held_bytes, compressed, m)]
-    # the step offloads every save before block k + m (budget None: all); the inputs' bytes may
-    # count a tensor twice, but the hooks come off after block k + m - 1 anyway
-    offload_budget = (None if k == n else (trace.offloaded_before[k] if k + m else 0)
+    # the step offloads every save before block k + m, or where that is every block all it saves
+    # (budget None); the inputs' bytes may count a tensor twice, but the hooks come off after
+    # block k + m - 1 anyway
+    offload_budget = (None if k + m == n else (trace.offloaded_before[k] if k + m else 0)
                       + sum(b.input_bytes for b in blocks[k:k + m]))
     out = []
     for off in offloading:

@@ -78,7 +78,8 @@ def fixed(offloaded: int, inputs: int, recomputed: set[int]):
         if offload is not None:
             return None
         every = sorted(recomputed | set(range(offloaded, offloaded + inputs)))
-        nbytes = trace.offloaded_before[offloaded] + sum(trace.blocks[j].input_bytes for j in every[:inputs])
+        nbytes = None if offloaded + inputs == len(trace.blocks) else \
+            trace.offloaded_before[offloaded] + sum(trace.blocks[j].input_bytes for j in every[:inputs])
         return Plan(offloaded, frozenset(every), nbytes, 1 << 30, 0, 1 << 40, 0.0, True, inputs_offloaded=inputs)
     return choose
 
@@ -104,6 +105,30 @@ def test_a_plan_offloads_the_inputs_of_its_blocks_and_nothing_of_the_kept_ones()
     assert storm.Keep.BUDGET not in st.kept  # the hooks came off after block 2: no save went past the budget
     assert st.fetched == st.offloaded and st.prefetch_hits == st.offloaded  # fetched ahead of their recompute
     assert "blocks 1-2 recomputed with their inputs offloaded" in planner.explain()
+    planner.close()
+
+
+def test_where_every_blocks_inputs_are_offloaded_the_saves_after_the_blocks_go_too():
+    """Every block recomputed with its inputs offloaded: the step also offloads what the head and
+    the loss save (a language model's logits, needed only once backward starts), as the plan
+    counts, where the hooks came off after the last block before."""
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    n = len(model.blocks)
+    planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock(),
+                            chooser=fixed(0, n, set()), form_trial=False)
+    for _ in range(2):
+        grads_of(model, idx, planner.step())
+    t = planner.trace
+    assert t.after_bytes > 0
+    for _ in range(2):
+        ctx = planner.step()
+        got = grads_of(model, idx, ctx)
+        assert all(same_bits(a, b) for a, b in zip(ref, got))
+    st = ctx.stats
+    assert st.offloaded_bytes == t.before_bytes + sum(b.input_bytes for b in t.blocks) + t.after_bytes
+    assert storm.Keep.BUDGET not in st.kept and st.fetched == st.offloaded
+    assert "after them (final norm, logits, loss; offload)" in planner.explain()
     planner.close()
 
 

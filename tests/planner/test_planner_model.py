@@ -7,6 +7,7 @@ import pytest
 
 from planner_fakes import MiB, framed, shared_inputs, trace
 from storm.planner import BlockTrace, Offloading, Trace, choose, moments, predicted_peak
+from storm.planner.model import _plans
 
 
 def test_a_budget_above_the_step_changes_nothing():
@@ -270,6 +271,23 @@ def test_a_block_recomputed_with_its_inputs_offloaded_keeps_nothing_until_its_ba
     shared_inputs(t)
     assert moments(t, 0, {0, 1}, 0, False, inputs_offloaded=2) == [100 * MiB, 110 * MiB, 120 * MiB,
                                                                     220 * MiB, 222 * MiB]
+
+
+def test_where_every_block_offloads_its_saves_or_inputs_the_saves_after_the_blocks_go_too():
+    """The head's and the loss's saves (after_bytes) leave the device once no block keeps
+    anything: backward's start no longer holds them, the link carries them, and the step offloads
+    all it saves (budget None). One block short of that, they stay."""
+    t = trace(n=4, saved=100 * MiB, inputs=10 * MiB)
+    t.after_bytes = 50 * MiB
+    every = moments(t, 0, set(range(4)), 0, False, inputs_offloaded=4)
+    but_last = moments(t, 0, set(range(4)), 0, False, inputs_offloaded=3)
+    assert every[-1] == 0 and but_last[-1] == 10 * MiB + 50 * MiB
+    assert moments(t, 1, set(range(1, 4)), 0, False, inputs_offloaded=3)[-1] == 0
+    assert Offloading.of(t, 0, None, m=4)[-1].sent == MiB + 4 * 10 * MiB + 50 * MiB
+    assert Offloading.of(t, 0, None, m=3)[-1].sent == MiB + 3 * 10 * MiB
+    for m, budget in ((4, None), (3, t.offloaded_before[0] + 3 * 10 * MiB)):
+        assert {p.offload_budget for p, _ in _plans(t, 0, m, t.total_bytes, None, None, 0, False, "raw", 0, 0)} \
+            == {budget}
 
 
 def test_offloading_inputs_costs_their_link_bytes_and_host_time():
