@@ -124,7 +124,7 @@ def measure(args: argparse.Namespace, device: torch.device, measure_row: Callabl
     prior = json.loads(Path(args.resume).read_text()) if args.resume else {}
     if prior:
         results["resumed_from"] = prior.get("meta")  # rows measured by that run are kept as they were
-    storm_opts = {"mode": "embedded", "min_bytes": 1 << 20, "pool_size": args.pool_size}
+    storm_opts = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size}
     for w in workloads(args.workloads, args.batch, args.layers):
         sec: dict = {"layers": w.layers, "rows": []}
         results[w.name] = sec
@@ -293,6 +293,9 @@ def main() -> int:
     p.add_argument("--budgets", nargs="+", type=parse_size, default=None, metavar="SIZE",
                    help="byte budgets instead of --points (bytes or e.g. 512MiB)")
     p.add_argument("--pool-size", default="24GiB")
+    p.add_argument("--min-bytes", type=parse_size, default=1024,
+                   help="STORM rows' min_bytes; the default is torchtune OffloadActivations' min_offload_size, so "
+                        "that at a cap another method reached STORM may offload the same tensors")
     p.add_argument("--duel", type=int, default=0, metavar="ROUNDS",
                    help="then time the planner, the best other method that fits and no offload in alternation, "
                         "per budget")
