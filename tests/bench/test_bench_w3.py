@@ -214,8 +214,8 @@ class FakeRun:
 def test_frontier_measures_w3s_rows_at_checkpointings_caps_and_gives_the_must_show_verdicts(tmp_path):
     fake = FakeRun()
     args = argparse.Namespace(workloads=["W3-tiny"], batch=None, layers=None, steps=1, warmup=0, points=2,
-                              budgets=None, pool_size="64MiB", duel=0, resume=None, out=str(tmp_path / "f.json"),
-                              compiled=True)
+                              budgets=None, pool_size="64MiB", min_bytes=1024, duel=0, resume=None,
+                              out=str(tmp_path / "f.json"), compiled=True)
     results = frontier.measure(args, CPU, measure_row=fake, link={"d2h_GBps": 50.0, "h2d_GBps": 50.0})
     sec = results["W3-tiny"]
     labels = [r["label"] for r in sec["rows"]]
@@ -236,6 +236,8 @@ def test_frontier_measures_w3s_rows_at_checkpointings_caps_and_gives_the_must_sh
     # storm.plan on the blocks compiled one by one is capped at torch's budget 0.1 peak (3 GiB)
     w, method, opts = fake.calls[labels.index("blocks-compiled plan 3.00GiB")]
     assert (w.compile, method, opts["peak"]) == ("blocks", "plan", 3 * GiB)
+    # every STORM row offloads down to --min-bytes (torchtune's min_offload_size by default)
+    assert {c[2]["min_bytes"] for c in fake.calls if c[1] in ("storm", "plan")} == {1024}
     assert [(c[0].compile, c[0].memory_budget) for c in fake.calls if getattr(c[0], "compile", None) == "graph"
             and c[1] == "none" and c[0].partitioner is None] == [("graph", 1.0), ("graph", 0.5), ("graph", 0.1)]
     verdicts = sec["must_show"]
@@ -270,7 +272,7 @@ def test_caps_come_from_exact_peaks_where_rows_have_them(tmp_path):
             return r
 
     args = argparse.Namespace(workloads=["W3-tiny"], batch=None, layers=None, steps=1, warmup=0, points=2,
-                              budgets=None, pool_size="64MiB", duel=0, resume=None, out=str(tmp_path / "f.json"),
+                              budgets=None, pool_size="64MiB", min_bytes=1024, duel=0, resume=None, out=str(tmp_path / "f.json"),
                               compiled=False)
     sec = frontier.measure(args, CPU, measure_row=Exact(), link={"d2h_GBps": 50.0, "h2d_GBps": 50.0})["W3-tiny"]
     assert sec["ckpt_budgets"]["checkpoint"] == 10 * GiB - int(2.0014 * GiB)
