@@ -517,6 +517,31 @@ def test_stop_offloading_takes_the_hooks_off_for_the_rest_of_forward(monkeypatch
         y.sum().backward()
 
 
+def test_offload_at_most_offloads_that_many_more_bytes_then_keeps_the_rest():
+    """From offload_at_most(n) on, saves are offloaded while they fit in n more bytes; the first
+    that does not and every later one stay, as past a budget; gradients are bit-exact."""
+    x = torch.randn(128, 128, requires_grad=True)
+    size = 128 * 128 * 4
+    with pytest.raises(RuntimeError, match="not been entered"):
+        storm.offload(mode="embedded").offload_at_most(0)
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        h = x
+        for _ in range(2):
+            h = h.tanh()
+        ctx.offload_at_most(2 * size + size // 2)
+        for _ in range(4):
+            h = h.tanh()
+    assert ctx.stats.offloaded == 4 and ctx.stats.kept == {storm.Keep.BUDGET: 1}  # the first past it counted
+    ctx.synchronize()
+    h.sum().backward()
+    expected = x.detach().clone().requires_grad_()
+    h = expected
+    for _ in range(6):
+        h = h.tanh()
+    h.sum().backward()
+    assert same_bits(x.grad, expected.grad)
+
+
 def test_stop_offloading_changes_nothing_under_other_hooks():
     """Inside another saved_tensors_hooks (a checkpointed block, save_on_cpu) the innermost hooks
     are not STORM's: stop_offloading leaves them, and STORM's, in place."""

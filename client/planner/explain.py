@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ..transfer import FRAME_MIN_BYTES
-from .model import Offloading, Plan, Trace, fetched_inputs
+from .model import Offloading, Plan, Trace, after_kept, fetched_inputs
 from .trial import Trial
 
 MiB = 1 << 20
@@ -65,7 +65,7 @@ def explain(planner: Explained) -> str:
                      f"{b.forward_ms:>10.3f}  {what}")
     lines.append(f"outside the blocks: {t.before_bytes / MiB:.1f} MiB saved before them (embeddings; "
                  f"{'offload' if p.offloads else 'keep'}), {t.after_bytes / MiB:.1f} MiB after them (final norm, "
-                 f"logits, loss; {'offload' if p.offloaded + p.inputs_offloaded == len(t.blocks) else 'keep'})")
+                 f"logits, loss; {after(t, p)})")
     if p.inputs_offloaded:
         lines.append(_inputs_offloaded(t, p))
     lines.append(f"copy queue {p.max_held_bytes / MiB:.1f} MiB, prefetch window {p.prefetch_bytes / MiB:.1f} MiB"
@@ -137,3 +137,11 @@ def _describe_budget(budget: int | float, total: int) -> str:
     if isinstance(budget, float):
         return f"{budget:.0%} of {total / MiB:.1f} MiB saved per step"
     return f"{budget / MiB:.1f} MiB of {total / MiB:.1f} MiB saved per step"
+
+
+def after(t: Trace, p: Plan) -> str:
+    """What the plan does with the saves after the blocks."""
+    kept = after_kept(t, p.offloaded, p.inputs_offloaded)
+    if kept == t.after_bytes:
+        return "keep"
+    return "offload" if not kept else f"offload the {t.after_early_bytes / MiB:.1f} MiB saved before the largest"

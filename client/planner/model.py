@@ -3,8 +3,10 @@
 A plan offloads the first k blocks (the earliest saves, which backward needs last), recomputes
 the next m with their inputs offloaded (nothing of them stays on the device from forward to
 their backward), recomputes some of the others in backward and keeps the rest. The saves before
-the blocks go with the first that offloads, those after them (the head's and the loss's) once
-every block offloads its saves or inputs.
+the blocks go with the first that offloads, those after them (the head's and the loss's) with
+the last block's: where that block's inputs are offloaded instead, only those saved before the
+largest after them (a language model's log-softmax of its logits, which the loss's backward
+takes at once, so that offloading it would lower no moment).
 ``predicted_peak`` says what the device holds at backward's worst moment under a plan,
 ``Offloading.of`` what offloading costs, and ``choose`` the plan of least predicted cost whose
 peak fits a budget. docs/planner.md ("How a plan is chosen") explains the model in full.
@@ -52,6 +54,7 @@ class Trace:
     d2h_GBps: float = 0.0
     h2d_GBps: float = 0.0
     store_bytes: int | None = None   # what the store took of the offload trace's saves when it refused some
+    after_early_bytes: int = 0       # of after_bytes, those saved before the largest of them (after_kept)
 
     @property
     def total_bytes(self) -> int:
@@ -94,6 +97,15 @@ def fetched_inputs(b: BlockTrace) -> int:
     return b.input_bytes - b.shared_input_bytes
 
 
+def after_kept(trace: Trace, offloaded: int, inputs_offloaded: int = 0) -> int:
+    """What of the saves after the blocks stays on the device: none where every block is
+    offloaded, all but the early ones where the last block's inputs are, else all."""
+    n = len(trace.blocks)
+    if offloaded == n:
+        return 0
+    return trace.after_bytes - trace.after_early_bytes * (offloaded + inputs_offloaded == n)
+
+
 def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
                    grads: bool = True, kept_extra: int = 0, inputs_offloaded: int = 0, start_extra: int = 0) -> int:
     """Saved bytes (and with ``grads`` parameter gradients) on the device at the worst moment of
@@ -119,7 +131,7 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
     blocks, n, end = trace.blocks, len(trace.blocks), offloaded + inputs_offloaded
     kept = kept_bytes(trace, offloaded, recomputed, inputs_offloaded)
     before = trace.before_bytes * (end == 0) + in_flight_bytes
-    start = (before + sum(kept) + trace.after_bytes * (end < n) + blocks[-1].grad_bytes * grads
+    start = (before + sum(kept) + after_kept(trace, offloaded, inputs_offloaded) + blocks[-1].grad_bytes * grads
              + start_extra)
     allocated = sum(b.grad_bytes for b in blocks) * grads
     held = []
@@ -157,7 +169,7 @@ class Offloading:
         blocks, n = trace.blocks, len(trace.blocks)
         # per offloading block, what it sends: its saves, or a recomputed block's inputs
         per_block = [b.saved_bytes for b in blocks[:k]] + [fetched_inputs(b) for b in blocks[k:k + m]]
-        sent = trace.before_bytes * (k + m > 0) + sum(per_block) + trace.after_bytes * (k + m == n)
+        sent = trace.before_bytes * (k + m > 0) + sum(per_block) + trace.after_bytes - after_kept(trace, k, m)
         if not sent:
             return [Offloading(0, 0, 0.0, 0.0, 0)]
         offloaded = blocks[:k] if compressed else []
@@ -261,9 +273,9 @@ def _plans(trace: Trace, k: int, m: int, budget: int, held_bytes: int | None, pr
     frameable = any(b.frame_bytes < b.framed_bytes for b in blocks[:k])
     offloading = [off for compressed in sorted({c and frameable for c in allowed})
                   for off in Offloading.of(trace, k, held_bytes, compressed, m)]
-    # the step offloads every save before block k + m, or where that is every block all it saves
-    # (budget None); the inputs' bytes may count a tensor twice, but the hooks come off after
-    # block k + m - 1 anyway
+    # the step offloads every save before block k + m (budget None: all, and with inputs offloaded
+    # up to the last block, the early saves after it: wiring.py limits it there); the inputs'
+    # bytes may count a tensor twice, but the hooks come off after block k + m - 1 anyway
     offload_budget = (None if k + m == n else (trace.offloaded_before[k] if k + m else 0)
                       + sum(b.input_bytes for b in blocks[k:k + m]))
     out = []

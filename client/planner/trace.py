@@ -108,9 +108,11 @@ class OffloadTrace:
                         store_bytes / MiB, offset[-1] / MiB, ", ".join(f"{v} {k}" for k, v in st.kept.items()
                                                                        if k in (Keep.POOL_FULL, Keep.QUOTA,
                                                                                 Keep.STORE_ERROR)))
+        after = [stored.nbytes for stored in order[marks[-1][1]:]]
+        early = sum(after[:after.index(max(after))]) if after else 0  # before the largest (model.after_kept)
         return Trace(blocks, offset[marks[0][1]], offset[-1] - offset[marks[-1][1]],
                      [offset[marks[2 * i][1]] for i in range(n)], 2e3 * host_s, frame_ms, frame_device_ms,
-                     d2h_GBps=d2h, h2d_GBps=h2d, store_bytes=store_bytes)
+                     d2h_GBps=d2h, h2d_GBps=h2d, store_bytes=store_bytes, after_early_bytes=early)
 
 
 class Shared:

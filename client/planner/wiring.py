@@ -130,8 +130,8 @@ class BlockHooks:
         allocated from there on, so fetches start as early as memory allows and hold back as
         gradients grow. The blocks recomputed with their
         inputs offloaded pass them through STORM's hooks as the offloaded blocks' saves do: the
-        hooks come off after the last of them, unless that is the last block: then the saves
-        after the blocks (the head's, the loss's) go too, as the plan counts."""
+        hooks come off after the last of them, unless that is the last block: then the early
+        saves after the blocks (model.after_kept) go too, as the plan counts."""
         p, blocks = plan, trace.blocks
         end = p.offloaded + p.inputs_offloaded  # the blocks whose saves (or inputs) are offloaded
         grad = [b.grad_bytes * grads for b in blocks]  # in the plan's peak with peak= only
@@ -161,6 +161,8 @@ class BlockHooks:
                 step.drain(limit[i])
             elif i == end - 1 < len(blocks) - 1:  # the later blocks' saves stay: no hooks for them to pass through
                 step.stop_offloading()
+            elif i == end - 1 and p.offloaded < end:  # the last block's inputs went: the early saves after it go
+                step.offload_at_most(trace.after_early_bytes)
             t = first_tensor(out)
             if t is not None and t.requires_grad:
                 t.register_hook(lambda grad: step.allow_prefetch(room[i]))

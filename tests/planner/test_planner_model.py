@@ -273,18 +273,23 @@ def test_a_block_recomputed_with_its_inputs_offloaded_keeps_nothing_until_its_ba
                                                                     220 * MiB, 222 * MiB]
 
 
-def test_where_every_block_offloads_its_saves_or_inputs_the_saves_after_the_blocks_go_too():
-    """The head's and the loss's saves (after_bytes) leave the device once no block keeps
-    anything: backward's start no longer holds them, the link carries them, and the step offloads
-    all it saves (budget None). One block short of that, they stay."""
+def test_where_the_last_blocks_inputs_are_offloaded_the_early_saves_after_the_blocks_go_too():
+    """The saves after the blocks (after_bytes) that come before the largest of them (a language
+    model's final norm, before the log-softmax of its logits that the loss's backward takes at
+    once) leave the device once no block keeps anything: backward's start no longer holds them,
+    the link carries them, and the step offloads all it saves up to there (budget None, which
+    wiring.py limits after the last block). One block short of that, they stay; every block
+    offloaded, all of them go."""
     t = trace(n=4, saved=100 * MiB, inputs=10 * MiB)
-    t.after_bytes = 50 * MiB
+    t.after_bytes, t.after_early_bytes = 50 * MiB, 20 * MiB
     every = moments(t, 0, set(range(4)), 0, False, inputs_offloaded=4)
     but_last = moments(t, 0, set(range(4)), 0, False, inputs_offloaded=3)
-    assert every[-1] == 0 and but_last[-1] == 10 * MiB + 50 * MiB
-    assert moments(t, 1, set(range(1, 4)), 0, False, inputs_offloaded=3)[-1] == 0
-    assert Offloading.of(t, 0, None, m=4)[-1].sent == MiB + 4 * 10 * MiB + 50 * MiB
+    assert every[-1] == 30 * MiB and but_last[-1] == 10 * MiB + 50 * MiB
+    assert moments(t, 1, set(range(1, 4)), 0, False, inputs_offloaded=3)[-1] == 30 * MiB
+    assert moments(t, 4, set(), 0, False)[-1] == 0
+    assert Offloading.of(t, 0, None, m=4)[-1].sent == MiB + 4 * 10 * MiB + 20 * MiB
     assert Offloading.of(t, 0, None, m=3)[-1].sent == MiB + 3 * 10 * MiB
+    assert Offloading.of(t, 4, None)[-1].sent == MiB + 4 * 100 * MiB + 50 * MiB
     for m, budget in ((4, None), (3, t.offloaded_before[0] + 3 * 10 * MiB)):
         assert {p.offload_budget for p, _ in _plans(t, 0, m, t.total_bytes, None, None, 0, False, "raw", 0, 0)} \
             == {budget}
