@@ -12,7 +12,8 @@ storm.plan sets it as a recomputed block's ``forward``. Two forms:
   saves, in forward as well; a host-bound step pays all of it.
 - Non-reentrant (torch.utils.checkpoint, use_reentrant=False): for keyword arguments, which the
   reentrant form does not take, and ``reentrant=False``; it also works with
-  torch.autograd.grad and backward(inputs=...).
+  torch.autograd.grad and backward(inputs=...). Tensors among the keyword arguments are passed
+  to torch's checkpoint positionally, so that it saves them as the others.
 
 What the reentrant form's nested backward holds is kept to what the non-reentrant one holds
 (their difference decides which form fits a tight cap):
@@ -47,6 +48,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger("storm")
@@ -87,7 +89,19 @@ class Recompute:
             return self.forward(*args, **kwargs)
         if kwargs or not self.reentrant:
             contexts = {"context_fn": lambda: (nullcontext(), self.replaying())} if self._stateful else {}
-            return checkpoint(self.forward, *args, use_reentrant=False, **contexts, **self._without_cache(kwargs))
+            # the keyword arguments' tensors go positionally, so that torch's checkpoint saves them
+            # as it saves the positional ones (through the saved-tensor hooks: STORM may offload
+            # them) instead of holding them in its closure: a Hugging Face layer's rotary tables
+            leaves, spec = tree_flatten(self._without_cache(kwargs))
+            at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+            def call(*flat: Any) -> Any:
+                given = list(leaves)
+                for i, t in zip(at, flat[len(args):]):
+                    given[i] = t
+                return self.forward(*flat[:len(args)], **tree_unflatten(given, spec))
+
+            return checkpoint(call, *args, *(leaves[i] for i in at), use_reentrant=False, **contexts)
         return _Reentrant.apply(self, self._grad, *args)
 
     @contextmanager

@@ -329,3 +329,39 @@ def test_a_recompute_leaves_batchnorms_running_statistics_as_forward_left_them(r
     assert got_stats[-1].item() == 2  # num_batches_tracked: each step's batch once
     assert all(same_bits(a, b) for a, b in zip(want_stats, got_stats))
     assert all(same_bits(a, b) for a, b in zip(want, got))
+
+
+class Rotary(torch.nn.Module):
+    """A block given tables by keyword, in a tuple, as a Hugging Face layer is its rotary ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, *, tables: tuple[torch.Tensor, torch.Tensor], mask: None = None) -> torch.Tensor:
+        cos, sin = tables
+        return torch.tanh(self.lin(x) * cos + sin)
+
+
+def test_keyword_tensors_are_saved_through_the_hooks_as_the_positional_ones():
+    """torch's checkpoint holds its keyword arguments in its closure; Recompute passes their tensors
+    positionally, so the saved-tensor hooks see them (storm.plan offloads them with a block's
+    inputs) and backward hands them back: gradients as without recompute, bit for bit."""
+    def grads(recompute: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        block = Rotary()
+        if recompute:
+            block.forward = Recompute(type(block).forward.__get__(block), torch.device("cpu"), reentrant=False)
+        x = torch.randn(4, 32, requires_grad=True)
+        cos, sin = torch.randn(4, 32), torch.randn(4, 32, requires_grad=True)
+        seen = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+            y = block(x, tables=(cos, sin), mask=None)
+        y.sum().backward()
+        saved = {t.untyped_storage().data_ptr() for t in seen}
+        assert not recompute or saved == {a.untyped_storage().data_ptr() for a in (x, cos, sin)}
+        return [x.grad, sin.grad, *(p.grad for p in block.parameters())], seen
+
+    plain, _ = grads(False)
+    recomputed, _ = grads(True)
+    assert all(same_bits(a, b) for a, b in zip(plain, recomputed))

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ..hooks import Offload
 from ..policy import Keep
@@ -58,8 +59,9 @@ class OffloadTrace:
 
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
             mark()
-            self.inputs[i] = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
-            self.arg_storages[i] = self.shared.called_with(args)
+            given = [*args, *tree_leaves(kwargs)]  # keyword arguments' tensors too: Recompute saves them
+            self.inputs[i] = sum(a.untyped_storage().nbytes() for a in given if isinstance(a, torch.Tensor))
+            self.arg_storages[i] = self.shared.called_with(given)
             # gradients already there (not set to None between steps) are not allocated by the step
             self.grads[i] = sum(q.numel() * q.element_size() for q in m.parameters()
                                 if q.requires_grad and q.grad is None)
