@@ -128,7 +128,7 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
     loss's and the head's backward hold beyond what a block's backward holds besides its saves,
     which may be less: the logits' gradients of a language model are larger than any block's
     temporaries)."""
-    blocks, n, end = trace.blocks, len(trace.blocks), offloaded + inputs_offloaded
+    blocks, end = trace.blocks, offloaded + inputs_offloaded
     kept = kept_bytes(trace, offloaded, recomputed, inputs_offloaded)
     before = trace.before_bytes * (end == 0) + in_flight_bytes
     start = (before + sum(kept) + after_kept(trace, offloaded, inputs_offloaded) + blocks[-1].grad_bytes * grads
@@ -166,7 +166,7 @@ class Offloading:
     def of(trace: Trace, k: int, held: int | None, compressed: bool = False, m: int = 0) -> list["Offloading"]:
         """Per copy queue size to consider (``held``, or: one block's offloaded bytes, and
         everything sent)."""
-        blocks, n = trace.blocks, len(trace.blocks)
+        blocks = trace.blocks
         # per offloading block, what it sends: its saves, or a recomputed block's inputs
         per_block = [b.saved_bytes for b in blocks[:k]] + [fetched_inputs(b) for b in blocks[k:k + m]]
         sent = trace.before_bytes * (k + m > 0) + sum(per_block) + trace.after_bytes - after_kept(trace, k, m)
