@@ -92,14 +92,17 @@ class Recompute:
             # the keyword arguments' tensors go positionally, so that torch's checkpoint saves them
             # as it saves the positional ones (through the saved-tensor hooks: STORM may offload
             # them) instead of holding them in its closure: a Hugging Face layer's rotary tables
+            # (and `call` refers to none of the tensors: its closure lives as long as the graph)
             leaves, spec = tree_flatten(self._without_cache(kwargs))
             at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+            rest = [None if i in at else leaf for i, leaf in enumerate(leaves)]
+            n = len(args)
 
             def call(*flat: Any) -> Any:
-                given = list(leaves)
-                for i, t in zip(at, flat[len(args):]):
+                given = list(rest)
+                for i, t in zip(at, flat[n:]):
                     given[i] = t
-                return self.forward(*flat[:len(args)], **tree_unflatten(given, spec))
+                return self.forward(*flat[:n], **tree_unflatten(given, spec))
 
             return checkpoint(call, *args, *(leaves[i] for i in at), use_reentrant=False, **contexts)
         return _Reentrant.apply(self, self._grad, *args)

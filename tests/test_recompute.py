@@ -365,3 +365,27 @@ def test_keyword_tensors_are_saved_through_the_hooks_as_the_positional_ones():
     plain, _ = grads(False)
     recomputed, _ = grads(True)
     assert all(same_bits(a, b) for a, b in zip(plain, recomputed))
+
+
+class Positional(Rotary):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x, tables=(cos, sin))
+
+
+@pytest.mark.parametrize("keyword,reentrant", [(False, True), (False, False), (True, False)])
+def test_nothing_but_the_saved_tensor_hooks_holds_a_recomputed_blocks_inputs(keyword, reentrant):
+    """Where the hooks move what is saved elsewhere (STORM's offload), a recomputed block's inputs,
+    positional and keyword ones, are freed once forward lets go of them: neither form keeps them
+    in a closure or context beside what it saved."""
+    torch.manual_seed(0)
+    block = Rotary() if keyword else Positional()
+    block.forward = Recompute(type(block).forward.__get__(block), torch.device("cpu"), reentrant)
+    x = torch.randn(4, 32, requires_grad=True)
+    h, cos, sin = x * 2, torch.randn(4, 32), torch.randn(4, 32)
+    alive = [weakref.ref(t) for t in (h, cos, sin)]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        y = block(h, tables=(cos, sin)) if keyword else block(h, cos, sin)
+    del h, cos, sin
+    assert [r() for r in alive] == [None] * 3
+    y.sum().backward()
+    assert x.grad is not None
