@@ -396,7 +396,7 @@ class Planner:
         a kept block's backward and backward's start hold beyond the besides."""
         return predicted_peak(self.trace, plan.offloaded, plan.recomputed, plan.in_flight_bytes,
                               kept_extra=self.kept_extra, inputs_offloaded=plan.inputs_offloaded,
-                              start_extra=self.start_extra)
+                              start_extra=self.start_extra, prefetch=plan.prefetch_bytes)
 
     @property
     def target(self) -> int | None:

@@ -107,17 +107,19 @@ def after_kept(trace: Trace, offloaded: int, inputs_offloaded: int = 0) -> int:
 
 
 def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
-                   grads: bool = True, kept_extra: int = 0, inputs_offloaded: int = 0, start_extra: int = 0) -> int:
+                   grads: bool = True, kept_extra: int = 0, inputs_offloaded: int = 0, start_extra: int = 0,
+                   prefetch: int = 0) -> int:
     """Saved bytes (and with ``grads`` parameter gradients) on the device at the worst moment of
     backward when blocks[:offloaded] are offloaded, the next ``inputs_offloaded`` recomputed with
     their inputs offloaded and ``recomputed`` recomputed; a kept block's backward also holds
     ``kept_extra``, and backward's start ``start_extra`` (moments)."""
     return max(moments(trace, offloaded, recomputed, in_flight_bytes, grads, kept_extra, inputs_offloaded,
-                       start_extra))
+                       start_extra, prefetch))
 
 
 def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
-            grads: bool, kept_extra: int = 0, inputs_offloaded: int = 0, start_extra: int = 0) -> list[int]:
+            grads: bool, kept_extra: int = 0, inputs_offloaded: int = 0, start_extra: int = 0,
+            prefetch: int = 0) -> list[int]:
     """What the device holds as backward reaches each block i (what the blocks before i keep,
     block i's own saves, kept, rebuilt or fetched, and the gradients of blocks i.. by then,
     plus ``kept_extra`` where block i is kept: autograd holds a kept block's saves until each
@@ -127,12 +129,14 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
     included (every kept save, offloaded bytes still in flight, and ``start_extra``: what the
     loss's and the head's backward hold beyond what a block's backward holds besides its saves,
     which may be less: the logits' gradients of a language model are larger than any block's
-    temporaries)."""
+    temporaries). ``prefetch``, the prefetch window's part of ``in_flight_bytes``, is not there
+    at backward's start unless every save went (the loss's are then the first unpacked):
+    prefetch waits for backward's first unpack of an offloaded save."""
     blocks, end = trace.blocks, offloaded + inputs_offloaded
     kept = kept_bytes(trace, offloaded, recomputed, inputs_offloaded)
     before = trace.before_bytes * (end == 0) + in_flight_bytes
-    start = (before + sum(kept) + after_kept(trace, offloaded, inputs_offloaded) + blocks[-1].grad_bytes * grads
-             + start_extra)
+    start = (before - prefetch * (offloaded < len(blocks)) + sum(kept) + after_kept(trace, offloaded, inputs_offloaded)
+             + blocks[-1].grad_bytes * grads + start_extra)
     allocated = sum(b.grad_bytes for b in blocks) * grads
     held = []
     for i, b in enumerate(blocks):
@@ -322,7 +326,7 @@ def _recompute_until(trace: Trace, k: int, m: int, budget: int, off: Offloading,
     gain = [b.saved_bytes - b.input_bytes for b in blocks]
     order = sorted((j for j in range(k + m, n) if gain[j] > 0), key=lambda j: (blocks[j].forward_ms / gain[j], j))
     # block i's, for i < n (every block past k + m kept, so each with kept_extra), then backward's start
-    held_at = moments(trace, k, inputs, in_flight, grads, kept_extra, m, start_extra)
+    held_at = moments(trace, k, inputs, in_flight, grads, kept_extra, m, start_extra, window)
     recomputed: set[int] = set()
     for i, held in enumerate(held_at):
         lowered = held - sum(gain[j] for j in recomputed if j < i) - kept_extra * (i in recomputed)
@@ -332,11 +336,11 @@ def _recompute_until(trace: Trace, k: int, m: int, budget: int, off: Offloading,
             if j <= i and j not in recomputed and (j < i or kept_extra):
                 recomputed.add(j)
                 lowered -= gain[j] if j < i else kept_extra
-    peak = predicted_peak(trace, k, inputs | recomputed, in_flight, grads, kept_extra, m, start_extra)
+    peak = predicted_peak(trace, k, inputs | recomputed, in_flight, grads, kept_extra, m, start_extra, window)
     if peak <= budget:
         for j in sorted(recomputed, key=lambda j: (-blocks[j].forward_ms, -j)):
             without = predicted_peak(trace, k, inputs | (recomputed - {j}), in_flight, grads, kept_extra, m,
-                                     start_extra)
+                                     start_extra, window)
             if without <= budget:
                 recomputed.discard(j)
                 peak = without

@@ -143,7 +143,7 @@ class ScriptedMemory:
             return self.besides + (max(held[:-1]) + kept if self.in_blocks else held[-1])
         p = pl.plan
         held = moments(pl.trace, p.offloaded, p.recomputed, p.in_flight_bytes, True, self.kept_extra,
-                       p.inputs_offloaded, self.start_extra)
+                       p.inputs_offloaded, self.start_extra, p.prefetch_bytes)
         return (self.besides + (max(held[:-1]) if self.in_blocks else held[-1])
                 + (self.extra if p.offloads else 0))
 

@@ -295,6 +295,19 @@ def test_where_the_last_blocks_inputs_are_offloaded_the_early_saves_after_the_bl
             == {budget}
 
 
+def test_the_prefetch_window_is_not_at_backwards_start_unless_every_save_went():
+    """Prefetch waits for backward's first unpack of an offloaded save, which comes after the
+    loss's and the head's backward unless those saves were offloaded too (every block offloaded):
+    the window counts at each block's backward, at backward's start only then."""
+    t = trace(n=4, saved=100 * MiB, inputs=10 * MiB)
+    window = 30 * MiB
+    for k, m in ((0, 4), (2, 0), (1, 2), (4, 0)):
+        plain = moments(t, k, set(range(k, k + m)), 0, False, inputs_offloaded=m)
+        fetching = moments(t, k, set(range(k, k + m)), window, False, inputs_offloaded=m, prefetch=window)
+        assert fetching[:-1] == [h + window for h in plain[:-1]]
+        assert fetching[-1] == plain[-1] + window * (k == 4)
+
+
 def test_offloading_inputs_costs_their_link_bytes_and_host_time():
     t = trace(n=4, saved=100 * MiB, inputs=10 * MiB, gbps=0.01, host_ms=2.0)  # a link too slow to hide anything
     for b in t.blocks:
