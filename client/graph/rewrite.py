@@ -182,17 +182,22 @@ def _offloadable(n: fx.Node, root: fx.Node, bw_inputs: dict[str, fx.Node], min_b
 def _root(n: fx.Node) -> fx.Node | None:
     """The node whose memory ``n`` is: itself, or what it is a view (or detach, alias) of; None
     where that is not known (a call of something other than an ATen op or getitem)."""
-    views = _op_types()
     while n.op == "call_function" and n.target is not operator.getitem:  # getitem: an output of its own
-        schema = getattr(n.target, "_schema", None)
-        if schema is None:
+        if getattr(n.target, "_schema", None) is None:
             return None
-        if not (views.is_view(n) or any(r.alias_info is not None for r in schema.returns)):
+        if not _aliases(n):
             return n
         if not n.args or not isinstance(n.args[0], fx.Node):
             return None
         n = n.args[0]
     return n
+
+
+def _aliases(n: fx.Node) -> bool:
+    """Whether ``n`` is an ATen call whose output is a view of its input or an alias of it
+    (detach, alias): the same memory, which forward reads through it too."""
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    return schema is not None and (_op_types().is_view(n) or any(r.alias_info is not None for r in schema.returns))
 
 
 _op_types = functools.cache(get_default_op_list)  # torch's kinds of ops (views among them), built once
@@ -204,8 +209,8 @@ def _nbytes(n: fx.Node) -> int:
 
 
 def _last_use(n: fx.Node, position: dict[fx.Node, int]) -> fx.Node:
-    """The last node of forward that reads ``n``, through views of it too (the graph's output aside)."""
-    views = _op_types()
+    """The last node of forward that reads ``n``, through views and aliases of it too (the graph's
+    output aside)."""
     last, pending = n, [n]
     while pending:
         for user in pending.pop().users:
@@ -213,7 +218,7 @@ def _last_use(n: fx.Node, position: dict[fx.Node, int]) -> fx.Node:
                 continue
             if position[user] > position[last]:
                 last = user
-            if views.is_view(user):
+            if _aliases(user):
                 pending.append(user)
     return last
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import storm
 import torch
-from storm.graph.rewrite import GraphOptions, Partitioner, Save, _choose
+from storm.graph.rewrite import GraphOptions, Partitioner, Save, _choose, _last_use, _root
 from storm.session import session_for
 from torch import fx
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
@@ -103,6 +103,22 @@ def test_saves_go_as_made_are_released_after_their_last_use_and_load_before_thei
     assert len(ops_in(bw, LOAD)) == 4
     session = storm.stats("embedded")["session"]
     assert session["puts"] == 4 and session["keys"] == 0  # stored in forward, freed once backward used them
+
+
+def test_a_save_read_later_through_a_detach_is_released_after_that_read():
+    """A detach (or alias) of a saved tensor is its memory, as a view is: the save is stored as
+    that memory, and released only after forward's last read through either."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.sin.default, (x,))
+    d = g.call_function(torch.ops.aten.detach.default, (y,))
+    v = g.call_function(torch.ops.aten.view.default, (y, [4]))
+    z = g.call_function(torch.ops.aten.cos.default, (x,))
+    w = g.call_function(torch.ops.aten.mul.Tensor, (d, z))
+    g.output((w, v))
+    position = {n: i for i, n in enumerate(g.nodes)}
+    assert _root(d) is y and _root(v) is y and _root(z) is z
+    assert _last_use(y, position) is w
 
 
 def test_releases_stay_in_forward_where_inductor_moves_nodes_toward_their_users():
