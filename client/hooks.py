@@ -198,14 +198,16 @@ class Offload(contextlib.ContextDecorator):
         self._step.budget_reached = True  # nothing more goes: end_step treats it as a reached budget
         return True
 
-    def offload_at_most(self, nbytes: int) -> None:
-        """The rest of this forward offloads at most ``nbytes`` more: the first save past them
-        and every later one stay on the device, as past a budget. storm.plan calls it after the
-        last block where the step offloads only the early saves after the blocks."""
+    def offload_at_most(self, nbytes: int | str) -> None:
+        """The rest of this forward offloads at most ``nbytes`` more (bytes, or a size such as
+        '128MiB'): the first save past them and every later one stay on the device, as past a
+        budget. storm.plan calls it after the last block where the step offloads only the early
+        saves after the blocks."""
+        limit = bytes_option("offload_at_most's nbytes", nbytes)
         if self._step is None:
             raise RuntimeError("storm.offload has not been entered yet")
         step = self._step
-        step.budget_bytes = min(step.budget_bytes, step.stats.offloaded_bytes + nbytes)
+        step.budget_bytes = min(step.budget_bytes, step.stats.offloaded_bytes + limit)
 
     def drain(self, limit: int) -> None:
         """Let go of saved tensors whose copy has finished, waiting (oldest first) until at most

@@ -524,6 +524,9 @@ def test_offload_at_most_offloads_that_many_more_bytes_then_keeps_the_rest():
     size = 128 * 128 * 4
     with pytest.raises(RuntimeError, match="not been entered"):
         storm.offload(mode="embedded").offload_at_most(0)
+    for bad in (-1, 1.5, "lots", None):
+        with pytest.raises(ValueError, match="nbytes must be bytes: an int >= 0 or a size such as '256MiB'"):
+            storm.offload(mode="embedded").offload_at_most(bad)
     with storm.offload(mode="embedded", min_bytes=0) as ctx:
         h = x
         for _ in range(2):
