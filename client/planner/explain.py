@@ -141,7 +141,6 @@ def _describe_budget(budget: int | float, total: int) -> str:
 
 def after(t: Trace, p: Plan) -> str:
     """What the plan does with the saves after the blocks."""
-    kept = after_kept(t, p.offloaded, p.inputs_offloaded)
-    if kept == t.after_bytes:
+    if after_kept(t, p.offloaded, p.inputs_offloaded) == t.after_bytes:
         return "keep"
-    return "offload" if not kept else f"offload the {t.after_early_bytes / MiB:.1f} MiB saved before the largest"
+    return f"offload the {t.after_early_bytes / MiB:.1f} MiB saved before the largest"

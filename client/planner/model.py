@@ -3,10 +3,10 @@
 A plan offloads the first k blocks (the earliest saves, which backward needs last), recomputes
 the next m with their inputs offloaded (nothing of them stays on the device from forward to
 their backward), recomputes some of the others in backward and keeps the rest. The saves before
-the blocks go with the first that offloads, those after them (the head's and the loss's) with
-the last block's: where that block's inputs are offloaded instead, only those saved before the
-largest after them (a language model's log-softmax of its logits, which the loss's backward
-takes at once, so that offloading it would lower no moment).
+the blocks go with the first that offloads; of those after them (the head's and the loss's),
+once the last block's saves or inputs go, those saved before the largest (not that one: a
+language model's log-softmax of its logits, which the loss's backward takes at once, so that
+offloading it would lower no moment).
 ``predicted_peak`` says what the device holds at backward's worst moment under a plan,
 ``Offloading.of`` what offloading costs, and ``choose`` the plan of least predicted cost whose
 peak fits a budget. docs/planner.md ("How a plan is chosen") explains the model in full.
@@ -98,12 +98,9 @@ def fetched_inputs(b: BlockTrace) -> int:
 
 
 def after_kept(trace: Trace, offloaded: int, inputs_offloaded: int = 0) -> int:
-    """What of the saves after the blocks stays on the device: none where every block is
-    offloaded, all but the early ones where the last block's inputs are, else all."""
-    n = len(trace.blocks)
-    if offloaded == n:
-        return 0
-    return trace.after_bytes - trace.after_early_bytes * (offloaded + inputs_offloaded == n)
+    """What of the saves after the blocks stays on the device: all but the early ones where
+    every block offloads its saves or inputs, else all."""
+    return trace.after_bytes - trace.after_early_bytes * (offloaded + inputs_offloaded == len(trace.blocks))
 
 
 def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
@@ -277,9 +274,9 @@ def _plans(trace: Trace, k: int, m: int, budget: int, held_bytes: int | None, pr
     frameable = any(b.frame_bytes < b.framed_bytes for b in blocks[:k])
     offloading = [off for compressed in sorted({c and frameable for c in allowed})
                   for off in Offloading.of(trace, k, held_bytes, compressed, m)]
-    # the step offloads every save before block k + m (budget None: all, and with inputs offloaded
-    # up to the last block, the early saves after it: wiring.py limits it there); the inputs'
-    # bytes may count a tensor twice, but the hooks come off after block k + m - 1 anyway
+    # the step offloads every save before block k + m (budget None where that is every block: the
+    # early saves after it go too, as wiring.py limits it there); the inputs' bytes may count a
+    # tensor twice, but the hooks come off after block k + m - 1 anyway
     offload_budget = (None if k + m == n else (trace.offloaded_before[k] if k + m else 0)
                       + sum(b.input_bytes for b in blocks[k:k + m]))
     out = []

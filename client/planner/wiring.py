@@ -159,9 +159,9 @@ class BlockHooks:
                 return
             if i >= end:
                 step.drain(limit[i])
-            elif i == end - 1 < len(blocks) - 1:  # the later blocks' saves stay: no hooks for them to pass through
-                step.stop_offloading()
-            elif i == end - 1 and p.offloaded < end:  # the last block's inputs went: the early saves after it go
+            elif i == end - 1 and (end < len(blocks) or not trace.after_early_bytes):
+                step.stop_offloading()  # the later saves stay: no hooks for them to pass through
+            elif i == end - 1:  # the last block's saves or inputs went: the early saves after it go too
                 step.offload_at_most(trace.after_early_bytes)
             t = first_tensor(out)
             if t is not None and t.requires_grad:

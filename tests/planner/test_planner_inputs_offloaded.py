@@ -108,16 +108,17 @@ def test_a_plan_offloads_the_inputs_of_its_blocks_and_nothing_of_the_kept_ones()
     planner.close()
 
 
-def test_where_every_blocks_inputs_are_offloaded_the_early_saves_after_the_blocks_go_too():
-    """Every block recomputed with its inputs offloaded: the step also offloads what the head
-    saves before the largest save after the blocks (the final norm's; the log-softmax of the
-    logits, which the loss's backward takes at once, stays), as the plan counts, where the hooks
-    came off after the last block before."""
+@pytest.mark.parametrize("inputs", [True, False], ids=["inputs-offloaded", "saves-offloaded"])
+def test_where_every_block_offloads_the_early_saves_after_the_blocks_go_too(inputs):
+    """Every block recomputed with its inputs offloaded, or every block's saves offloaded: the
+    step also offloads what the head saves before the largest save after the blocks (the final
+    norm's; the log-softmax of the logits, which the loss's backward takes at once, stays), as
+    the plan counts, where the hooks came off after the last block before."""
     model, idx = gpt()
     ref = grads_of(copy.deepcopy(model), idx)
     n = len(model.blocks)
     planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock(),
-                            chooser=fixed(0, n, set()), form_trial=False)
+                            chooser=fixed(0, n, set()) if inputs else fixed(n, 0, set()), form_trial=False)
     for _ in range(2):
         grads_of(model, idx, planner.step())
     t = planner.trace
@@ -127,7 +128,8 @@ def test_where_every_blocks_inputs_are_offloaded_the_early_saves_after_the_block
         got = grads_of(model, idx, ctx)
         assert all(same_bits(a, b) for a, b in zip(ref, got))
     st = ctx.stats
-    assert st.offloaded_bytes == t.before_bytes + sum(b.input_bytes for b in t.blocks) + t.after_early_bytes
+    blocks = sum(b.input_bytes if inputs else b.saved_bytes for b in t.blocks)
+    assert st.offloaded_bytes == t.before_bytes + blocks + t.after_early_bytes
     assert st.kept[storm.Keep.BUDGET] >= 1 and st.fetched == st.offloaded
     assert "MiB saved before the largest)" in planner.explain()
     planner.close()

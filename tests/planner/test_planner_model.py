@@ -143,7 +143,7 @@ def test_a_busy_link_costs_a_stall_or_memory():
     t = trace(fwd_ms=1.0, gbps=50.0)  # 100 MiB per 1 ms block against 2 ms to copy it
     slow = Offloading.of(t, 8, 100 * MiB)[0]
     fast = Offloading.of(t, 8, None)[-1]
-    assert fast.held == slow.sent == fast.sent == t.total_bytes
+    assert fast.held == slow.sent == fast.sent == t.total_bytes - t.after_bytes  # the loss's saves: none early
     assert slow.cost_ms > 5 and slow.leftover <= 100 * MiB  # forward waits for the link
     assert fast.leftover > 300 * MiB  # forward does not wait; the bytes stay on the device meanwhile
     nothing = choose(t, 10**12, held_bytes=64 * MiB, prefetch_bytes=32 * MiB)
@@ -276,20 +276,20 @@ def test_a_block_recomputed_with_its_inputs_offloaded_keeps_nothing_until_its_ba
 def test_where_the_last_blocks_inputs_are_offloaded_the_early_saves_after_the_blocks_go_too():
     """The saves after the blocks (after_bytes) that come before the largest of them (a language
     model's final norm, before the log-softmax of its logits that the loss's backward takes at
-    once) leave the device once no block keeps anything: backward's start no longer holds them,
-    the link carries them, and the step offloads all it saves up to there (budget None, which
-    wiring.py limits after the last block). One block short of that, they stay; every block
-    offloaded, all of them go."""
+    once) leave the device once no block keeps anything, its saves or its inputs offloaded:
+    backward's start no longer holds them, the link carries them, and the step offloads all it
+    saves up to there (budget None, which wiring.py limits after the last block). One block short
+    of that, they stay."""
     t = trace(n=4, saved=100 * MiB, inputs=10 * MiB)
     t.after_bytes, t.after_early_bytes = 50 * MiB, 20 * MiB
     every = moments(t, 0, set(range(4)), 0, False, inputs_offloaded=4)
     but_last = moments(t, 0, set(range(4)), 0, False, inputs_offloaded=3)
     assert every[-1] == 30 * MiB and but_last[-1] == 10 * MiB + 50 * MiB
     assert moments(t, 1, set(range(1, 4)), 0, False, inputs_offloaded=3)[-1] == 30 * MiB
-    assert moments(t, 4, set(), 0, False)[-1] == 0
+    assert moments(t, 4, set(), 0, False)[-1] == 30 * MiB
     assert Offloading.of(t, 0, None, m=4)[-1].sent == MiB + 4 * 10 * MiB + 20 * MiB
     assert Offloading.of(t, 0, None, m=3)[-1].sent == MiB + 3 * 10 * MiB
-    assert Offloading.of(t, 4, None)[-1].sent == MiB + 4 * 100 * MiB + 50 * MiB
+    assert Offloading.of(t, 4, None)[-1].sent == MiB + 4 * 100 * MiB + 20 * MiB
     for m, budget in ((4, None), (3, t.offloaded_before[0] + 3 * 10 * MiB)):
         assert {p.offload_budget for p, _ in _plans(t, 0, m, t.total_bytes, None, None, 0, False, "raw", 0, 0)} \
             == {budget}
