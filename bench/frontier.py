@@ -9,7 +9,8 @@ Per workload (bench/common.py's: W1, W2, W3 the Hugging Face Llama), with common
 step time of --steps steps after --warmup; peak GPU memory above what was allocated before the
 steps): no offload, per-block checkpointing (W3: Hugging Face's, non-reentrant),
 save_on_cpu(pin_memory=True), torchtune's OffloadActivations alone and over checkpointed
-blocks, STORM full offload, STORM with budget=b (the earliest b bytes offloaded) for each byte
+blocks, STORM full offload, storm.offload over checkpointed blocks (as a user with
+checkpointing already on would add it), STORM with budget=b (the earliest b bytes offloaded) for each byte
 budget b (default: 10 fractions, 0.1 to 1.0, of the no-offload peak, the two that cap the
 peak at checkpointing's and at half of it, and where another method went below checkpointing,
 the least peak it reached and halfway from there to checkpointing's), per-block checkpointing
@@ -100,6 +101,8 @@ def contender(w: Workload | Llama, row: dict, storm_opts: dict,
                 else dataclasses.replace(w, ckpt_blocks=k)), "none", {}
     if row["method"] == "torchtune-checkpoint":
         return Variant(w, ckpt=True), "torchtune", {}
+    if row["method"] == "storm-checkpoint":  # storm.offload over the model's own checkpointing
+        return Variant(w, ckpt=True), "storm", storm_opts
     if row["method"] == "storm-budget":
         return w, "storm", {**storm_opts, "budget": row["budget_bytes"]}
     if row["method"] == "plan":
@@ -157,7 +160,8 @@ def measure(args: argparse.Namespace, device: torch.device, measure_row: Callabl
         sec["budgets"] = sorted(set(args.budgets or budgets(sec["total_bytes"], args.points))
                                 | set(sec["ckpt_budgets"].values()))
         others = [add("save_on_cpu", "save_on_cpu"), add("torchtune", "torchtune"),
-                  add("torchtune-checkpoint", "torchtune-checkpoint"), add("storm-full", "storm")]
+                  add("torchtune-checkpoint", "torchtune-checkpoint"), add("storm-full", "storm"),
+                  add("storm-checkpoint", "storm-checkpoint")]
         least = min((peak_bytes(r) for r in others if "peak_GiB" in r), default=None)
         if least is not None and least < ckpt_bytes:
             # below checkpointing, where offloading recomputed blocks' inputs is the planner's way:
@@ -253,7 +257,8 @@ def plot(results: dict, path: str) -> None:
     names = [n for n, s in results.items() if isinstance(s, dict) and "rows" in s]
     fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 5.5), squeeze=False)
     markers = {"none": "o", "checkpoint": "s", "save_on_cpu": "v", "storm": "D", "storm-budget": "^",
-               "ckpt-first": "x", "plan": "*", "torchtune": "<", "torchtune-checkpoint": ">"}
+               "ckpt-first": "x", "plan": "*", "torchtune": "<", "torchtune-checkpoint": ">",
+               "storm-checkpoint": "P"}
     names_of = {"storm": "storm-full", "plan": "storm.plan"}
     for ax, name in zip(axes[0], names):
         sec = results[name]

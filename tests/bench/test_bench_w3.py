@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch._functorch.config
+import storm
 from helpers import bench_module
 
 common = bench_module("common")
@@ -108,6 +109,22 @@ def test_each_compiled_w3_row_trains_on_the_cpu(row):
             assert t.planner.settled and (t.planner.plan.offloaded or t.planner.plan.recomputed)
     finally:
         t.close()
+
+
+def test_storm_over_checkpointing_offloads_the_checkpointed_blocks_inputs():
+    """The frontier's storm-checkpoint row: storm.offload around a model whose own (Hugging Face)
+    checkpointing is on, as a user who has it on would add STORM; gradients as without STORM."""
+    w, method, opts = frontier.contender(common.W3_TINY, {"method": "storm-checkpoint"}, STORM)
+    assert (w.ckpt, method, opts) == (True, "storm", STORM)
+    model, x = w.build(CPU)
+    ref, _ = common.W3_TINY.build(CPU)  # the same seed: the same weights, no checkpointing
+    with storm.offload(**opts) as ctx:
+        loss = w.forward(model, x)
+    ctx.synchronize()
+    w.objective(loss).backward()
+    w.objective(w.forward(ref, x)).backward()
+    assert ctx.stats.offloaded > 0
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
 
 
 def test_torchtunes_offload_activations_imports_without_its_dataset_stack():
@@ -219,7 +236,8 @@ def test_frontier_measures_w3s_rows_at_checkpointings_caps_and_gives_the_must_sh
     results = frontier.measure(args, CPU, measure_row=fake, link={"d2h_GBps": 50.0, "h2d_GBps": 50.0})
     sec = results["W3-tiny"]
     labels = [r["label"] for r in sec["rows"]]
-    assert {"none", "checkpoint", "save_on_cpu", "torchtune", "torchtune-checkpoint", "storm-full", "compiled",
+    assert {"none", "checkpoint", "save_on_cpu", "torchtune", "torchtune-checkpoint", "storm-full",
+            "storm-checkpoint", "compiled",
             "compiled budget 0.5", "compiled budget 0.1", "compiled storm-full", "compiled storm-graph",
             "blocks-compiled"} <= set(labels)
     # the caps at checkpointing's peak (2.001 GiB, rounded up to a byte) and half of it are among the budgets,
