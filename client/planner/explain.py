@@ -65,7 +65,7 @@ def explain(planner: Explained) -> str:
                      f"{b.forward_ms:>10.3f}  {what}")
     lines.append(f"outside the blocks: {t.before_bytes / MiB:.1f} MiB saved before them (embeddings; "
                  f"{'offload' if p.offloads else 'keep'}), {t.after_bytes / MiB:.1f} MiB after them (final norm, "
-                 f"logits, loss; {after(t, p)})")
+                 f"logits, loss; {_after_blocks(t, p)})")
     if p.inputs_offloaded:
         lines.append(_inputs_offloaded(t, p))
     lines.append(f"copy queue {p.max_held_bytes / MiB:.1f} MiB, prefetch window {p.prefetch_bytes / MiB:.1f} MiB"
@@ -139,7 +139,7 @@ def _describe_budget(budget: int | float, total: int) -> str:
     return f"{budget / MiB:.1f} MiB of {total / MiB:.1f} MiB saved per step"
 
 
-def after(t: Trace, p: Plan) -> str:
+def _after_blocks(t: Trace, p: Plan) -> str:
     """What the plan does with the saves after the blocks."""
     if after_kept(t, p.offloaded, p.inputs_offloaded) == t.after_bytes:
         return "keep"
