@@ -18,13 +18,14 @@ from stormd.wire.endpoint import normalize_endpoint
 
 from ..options import bytes_option, mode_option, pool_size_option
 from ..policy import DEFAULT_MIN_BYTES
-from .rewrite import DEFAULT_HELD_BYTES, GraphOptions, Partitioner  # ImportError where torch has no custom partitioners
+from ..session import DEFAULT_MAX_HELD_BYTES
+from .rewrite import GraphOptions, Partitioner  # ImportError where torch has no custom partitioners
 
 __all__ = ["partitioner", "Partitioner", "GraphOptions"]
 
 
 def partitioner(*, mode: str = "auto", socket: str | None = None, pool_size: int | str | None = None,
-                min_bytes: int | str = DEFAULT_MIN_BYTES, held_bytes: int | str = DEFAULT_HELD_BYTES,
+                min_bytes: int | str = DEFAULT_MIN_BYTES, held_bytes: int | str = DEFAULT_MAX_HELD_BYTES,
                 budget: int | str | None = None) -> Partitioner:
     """Inductor's partitioner with storm's offloading, for ``custom_partitioner_fn``.
 

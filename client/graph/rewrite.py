@@ -34,9 +34,8 @@ from torch._functorch.partitioners import get_default_op_list, min_cut_remateria
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from ..policy import DEFAULT_MIN_BYTES
+from ..session import DEFAULT_MAX_HELD_BYTES
 from . import ops
-
-DEFAULT_HELD_BYTES = 512 << 20  # also the session's default bound on bytes waiting for their copy
 
 
 @dataclass(frozen=True)
@@ -49,13 +48,13 @@ class GraphOptions:
     socket: str | None = None
     pool_size: int | None = None
     min_bytes: int = DEFAULT_MIN_BYTES
-    held_bytes: int = DEFAULT_HELD_BYTES
+    held_bytes: int = DEFAULT_MAX_HELD_BYTES  # storm.offload's bound on bytes waiting for their copy
     budget: int | None = None
 
 
 class Partitioner(CustomPartitionerFn):
     """torch's partitioner, then storm's offloading. Set it as inductor's ``custom_partitioner_fn``
-    (storm.compile does)."""
+    (storm.partitioner() makes one)."""
 
     def __init__(self, options: GraphOptions):
         self.options = options
