@@ -6,7 +6,9 @@ FSDP2's sharded gradients compared shard by shard)."""
 from __future__ import annotations
 
 import copy
+import datetime
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,9 @@ def _gradients(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def _rank(rank: int, wrapper: str, init_file: str, socket: str, out: str) -> None:
     torch.set_num_threads(1)  # two ranks on a small machine
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    # a collective that never completes raises here, within the parent's deadline, instead of after gloo's 30 min
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=180))
     try:
         torch.manual_seed(0)
         base = GPT(seq_len=32, d_model=64, n_heads=2, n_layers=2, dropout=0.1)
@@ -68,7 +72,14 @@ def _rank(rank: int, wrapper: str, init_file: str, socket: str, out: str) -> Non
 def test_ranks_sharing_a_daemon_are_bit_exact(wrapper, daemon, tmp_path):
     if wrapper == "fsdp2" and not hasattr(fsdp, "fully_shard"):
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
-    mp.spawn(_rank, args=(wrapper, str(tmp_path / "init"), daemon.endpoint, str(tmp_path)), nprocs=WORLD)
+    ranks = mp.spawn(_rank, args=(wrapper, str(tmp_path / "init"), daemon.endpoint, str(tmp_path)), nprocs=WORLD,
+                     join=False)
+    deadline = time.monotonic() + 600  # two torch processes on a loaded machine
+    while not ranks.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail(f"the {wrapper} ranks were still running after 600 s")
     for rank in range(WORLD):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["same"] == {"embedded": True, "daemon": True}, (rank, r)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 import storm
 from integrations_clock import SETTLE_STEPS, StillClock
@@ -217,17 +216,36 @@ def test_a_model_with_a_submodule_called_module_is_no_wrapper():
     handle.disable()
 
 
+DDP_RUN = """
+import datetime, faulthandler, sys
+faulthandler.dump_traceback_later(240)  # a stalled collective shows where, before the parent's deadline
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+import storm
+from test_integrations_enable import assert_same, gpt, train_gpt
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=120))
+try:
+    want = train_gpt(DistributedDataParallel(gpt()), 2)
+    ddp = DistributedDataParallel(gpt())
+    handle = storm.enable(ddp, budget=0.5, mode="embedded", min_bytes=0)
+    assert handle.model is ddp.module and handle.blocks == list(ddp.module.blocks)
+    assert_same(want, train_gpt(ddp, 2, handle))
+    handle.disable()
+finally:
+    dist.destroy_process_group()
+print("ok")
+"""
+
+
 def test_a_ddp_wrapped_model_is_unwrapped_and_trains_bit_identical(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        want = train_gpt(DistributedDataParallel(gpt()), 2)
-        ddp = DistributedDataParallel(gpt())
-        handle = storm.enable(ddp, budget=0.5, mode="embedded", min_bytes=0)
-        assert handle.model is ddp.module and handle.blocks == list(ddp.module.blocks)
-        assert_same(want, train_gpt(ddp, 2, handle))
-        handle.disable()
-    finally:
-        dist.destroy_process_group()
+    """In a process of its own, as a DDP rank runs: gloo's threads and store stay out of the test
+    process, and a collective that never returns fails this test instead of stalling the suite."""
+    here = str(Path(__file__).resolve().parent)
+    r = subprocess.run([sys.executable, "-c", DDP_RUN, here, str(tmp_path / "pg")], capture_output=True,
+                       text=True, timeout=600)  # a torch import and two tiny trainings, on a loaded machine
+    assert r.returncode == 0 and r.stdout.splitlines()[-1:] == ["ok"], r.stdout + r.stderr
 
 
 class Recursive(nn.Module):
