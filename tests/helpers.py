@@ -1,7 +1,9 @@
-"""A bare ZeroMQ client for speaking (and mis-speaking) the protocol to stormd in tests."""
+"""What several test files share: a bare ZeroMQ client for speaking (and mis-speaking) the protocol to
+stormd, gradients with and without storm.offload, small models, and running bench/ scripts."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import itertools
 import json
@@ -16,6 +18,8 @@ import torch
 import zmq
 from torch import nn
 
+import storm
+from storm.examples.models import same_bits
 from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
 
 
@@ -57,6 +61,49 @@ def relu_mlp() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)), \
         torch.randn(512, 256)
+
+
+def grads(model: nn.Module, loss_fn, seed: int, offload_opts: dict | None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    if offload_opts is None:
+        loss = loss_fn(model)
+    else:
+        with storm.offload(**offload_opts) as ctx:
+            loss = loss_fn(model)
+        assert ctx.stats.offloaded > 0, ctx.stats
+    loss.backward()
+    if offload_opts is not None:
+        ctx.synchronize()  # copies still running would hold pool space into the caller's next step
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_same_grads(model: nn.Module, loss_fn, opts: dict) -> None:
+    plain, offloaded = copy.deepcopy(model), copy.deepcopy(model)
+    g0 = grads(plain, loss_fn, 1234, None)
+    g1 = grads(offloaded, loss_fn, 1234, opts)
+    assert len(g0) == len(g1) > 0
+    for (name, _), a, b in zip(model.named_parameters(), g0, g1):
+        assert same_bits(a, b), f"gradient of {name} differs with offload"
+
+
+def chain_of_saves(n: int = 6):
+    """n tanh layers of 64 KiB outputs each: every output is saved by the next op."""
+    x = torch.randn(128, 128, requires_grad=True)
+    h = x
+    for _ in range(n):
+        h = h.tanh()
+    return x, h.sum()
+
+
+def chain_grad(x: torch.Tensor, n: int = 6) -> torch.Tensor:
+    x2 = x.detach().requires_grad_()
+    h = x2
+    for _ in range(n):
+        h = h.tanh()
+    h.sum().backward()
+    return x2.grad
+
 
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"

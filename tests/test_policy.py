@@ -1,5 +1,6 @@
 """client/policy.py's Refusals: the reason a put the store refused stays where it is, logged once
-per kind of refusal (the Keep reasons of saves are tested through storm.offload in test_hooks.py)."""
+per kind of refusal (the Keep reasons of saves are tested through storm.offload in test_hooks.py,
+test_hooks_budget.py and test_backend.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,215 @@
+"""storm.offload(budget=...) and the hooks' pacing: which saves a byte or fraction budget
+offloads, stop_offloading and offload_at_most, and prefetch paced by the saves kept."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import storm
+import storm.session as session_mod
+from storm.examples.models import same_bits
+
+from helpers import chain_grad, chain_of_saves
+
+
+
+
+def test_byte_budget_offloads_the_earliest_saves_only():
+    with storm.offload(mode="embedded", min_bytes=0, budget=3 * 128 * 128 * 4) as ctx:
+        x, loss = chain_of_saves()
+    ctx.synchronize()
+    # The fourth save is over the budget: it and the last two stay on the device, and
+    # saves past the first one over the budget are not counted.
+    assert ctx.stats.offloaded == 3 and ctx.stats.kept == {storm.Keep.BUDGET: 1} and ctx.stats.saved == 4
+    assert ctx.stats.offloaded_bytes == 3 * 128 * 128 * 4
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    loss.backward()
+    assert same_bits(x.grad, chain_grad(x))
+    # Backward reaching the kept save started the fetches of the offloaded ones before it.
+    assert ctx.stats.prefetch_hits == 3
+
+
+@pytest.mark.parametrize("outer", [False, True])
+def test_saves_past_the_budget_stay_with_storm(outer):
+    """Past the budget STORM's hooks stay on: the saves stay on the device with STORM, also
+    nested in save_on_cpu (which would otherwise take them to the host)."""
+    with torch.autograd.graph.save_on_cpu() if outer else contextlib.nullcontext():
+        with storm.offload(mode="embedded", min_bytes=0, budget=3 * 128 * 128 * 4) as ctx:
+            x, loss = chain_of_saves()
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            assert top is not None and top[0].__qualname__.startswith("Offload.")
+    ctx.synchronize()
+    assert ctx.stats.offloaded == 3 and ctx.stats.kept == {storm.Keep.BUDGET: 1}
+    loss.backward()
+    assert same_bits(x.grad, chain_grad(x))
+
+
+def test_stop_offloading_takes_the_hooks_off_for_the_rest_of_forward(monkeypatch):
+    """After stop_offloading the later saves pass through no STORM hook (autograd keeps them and
+    checks them for in-place changes itself); what was offloaded before comes back bit-exact."""
+    x = torch.randn(128, 128, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        h = x
+        for _ in range(3):
+            h = h.tanh()
+        assert ctx.stop_offloading() and not ctx.stop_offloading()  # once: the hooks are off
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        monkeypatch.setattr(session_mod.ClientSession, "save", lambda *a: pytest.fail("a save reached STORM"))
+        monkeypatch.setattr(session_mod.ClientSession, "save_past_budget",
+                            lambda *a: pytest.fail("a save reached STORM"))
+        for _ in range(3):
+            h = h.tanh()
+        later = h.exp()
+    monkeypatch.undo()
+    assert ctx.stats.offloaded == 3 and ctx.stats.saved == 3 and not ctx.stats.kept
+    ctx.synchronize()
+    later.sum().backward()
+    expected = x.detach().clone().requires_grad_()
+    h = expected
+    for _ in range(6):
+        h = h.tanh()
+    h.exp().sum().backward()
+    assert same_bits(x.grad, expected.grad)
+    assert ctx.stats.fetched == 3
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        ctx.stop_offloading()
+        y = torch.randn(8, requires_grad=True).exp()
+        y.add_(1)  # exp saved its output: autograd's own version check sees this
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_offload_at_most_offloads_that_many_more_bytes_then_keeps_the_rest():
+    """From offload_at_most(n) on, saves are offloaded while they fit in n more bytes; the first
+    that does not and every later one stay, as past a budget; gradients are bit-exact."""
+    x = torch.randn(128, 128, requires_grad=True)
+    size = 128 * 128 * 4
+    with pytest.raises(RuntimeError, match="not been entered"):
+        storm.offload(mode="embedded").offload_at_most(0)
+    for bad in (-1, 1.5, "lots", None):
+        with pytest.raises(ValueError, match="nbytes must be bytes: an int >= 0 or a size such as '256MiB'"):
+            storm.offload(mode="embedded").offload_at_most(bad)
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        h = x
+        for _ in range(2):
+            h = h.tanh()
+        ctx.offload_at_most(2 * size + size // 2)
+        for _ in range(4):
+            h = h.tanh()
+    assert ctx.stats.offloaded == 4 and ctx.stats.kept == {storm.Keep.BUDGET: 1}  # the first past it counted
+    ctx.synchronize()
+    h.sum().backward()
+    assert same_bits(x.grad, chain_grad(x))
+
+
+def test_stop_offloading_changes_nothing_under_other_hooks():
+    """Inside another saved_tensors_hooks (a checkpointed block, save_on_cpu) the innermost hooks
+    are not STORM's: stop_offloading leaves them, and STORM's, in place."""
+    outer = torch.autograd.graph.save_on_cpu()
+    with outer:
+        with storm.offload(mode="embedded", min_bytes=0) as ctx:
+            ours = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            with torch.autograd.graph.save_on_cpu():
+                inner = torch._C._autograd._top_saved_tensors_default_hooks(False)
+                assert not ctx.stop_offloading()
+                assert torch._C._autograd._top_saved_tensors_default_hooks(False) == inner
+            assert torch._C._autograd._top_saved_tensors_default_hooks(False) == ours
+            assert ctx.stop_offloading()
+        # ours came off once: leaving the context takes nothing more off the stack
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False)[0] is outer.pack_hook
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not storm.offload(mode="embedded").stop_offloading()  # not entered
+
+
+def test_markers_past_the_budget_pace_prefetch(monkeypatch):
+    """Past the budget one save in about MARK_BYTES is a marker; as backward unpacks each, the
+    offloaded saves (needed last) may come back by the bytes saved since the marker before,
+    and not more: the prefetch window opens only at the first offloaded save unpacked."""
+    one = 128 * 128 * 4
+    monkeypatch.setattr(session_mod, "MARK_BYTES", 2 * one)
+    paced = []  # markers that measured the room backward made
+    from storm.prefetch import Prefetcher
+
+    room_made = Prefetcher.room_made
+    monkeypatch.setattr(Prefetcher, "room_made",
+                        lambda self, step, marker: (paced.append(marker), room_made(self, step, marker))[1])
+    x = torch.randn(128, 128, requires_grad=True)
+    seen: dict[int, int] = {}
+    with storm.offload(mode="embedded", min_bytes=0, budget=4 * one) as ctx:
+        h = [x]
+        for _ in range(12):  # save k is layer k's output; saves 1-4 are offloaded
+            h.append(h[-1].tanh())
+        for k in (11, 10, 8):  # its gradient is ready once layer k + 1's backward has unpacked save k + 1
+            h[k].register_hook(lambda g, k=k: seen.__setitem__(k, ctx._session.prefetch.nbytes))
+        loss = h[-1].sum()
+    # save 5 is the first over the budget (a marker); then markers at saves 7, 9 and 11
+    ctx.synchronize()  # prefetch waits at a save whose copy is still running
+    loss.backward()
+    assert seen == {11: 0, 10: 2 * one, 8: 4 * one}
+    assert ctx.stats.prefetch_hits == 4
+    assert len(paced) == 2  # the markers at saves 7 and 5 come once all four are fetched: nothing to pace
+    assert same_bits(x.grad, chain_grad(x, 12))
+
+
+def test_copies_may_run_behind_by_what_the_last_step_saved_past_its_budget():
+    """Forward's peak is at its end: until the saves past the budget that the last step made
+    have come, copies may wait beyond max_held_bytes without raising it. Forward's end waits
+    until at most max_held_bytes do."""
+    one = 128 * 128 * 4
+    limits = []
+    for _ in range(2):
+        with storm.offload(mode="embedded", min_bytes=0, budget=2 * one, max_held_bytes=one) as ctx:
+            x = torch.randn(128, 128, requires_grad=True)
+            h = x
+            for i in range(6):
+                h = h.tanh()
+                if i == 1:  # both offloaded saves are in; none past the budget yet
+                    limits.append(ctx._session._held_limit(ctx._step))
+            loss = h.sum()
+        assert ctx._session._held_bytes <= one
+        assert ctx._step.past_budget_bytes == 3 * one  # saves 4-6; save 3 was the first over the budget
+        loss.backward()
+        assert same_bits(x.grad, chain_grad(x))
+    assert limits == [one, one + 3 * one]
+
+
+def test_fraction_budget_follows_the_previous_step():
+    offloaded = []
+    for _ in range(3):
+        with storm.offload(mode="embedded", min_bytes=0, budget=0.5) as ctx:
+            x, loss = chain_of_saves()
+        loss.backward()
+        assert same_bits(x.grad, chain_grad(x))
+        offloaded.append(ctx.stats.offloaded)
+    assert offloaded == [6, 3, 3]  # the first step has no previous one to take half of
+
+
+def test_a_zero_budget_installs_no_hooks_and_keeps_fractions_of_the_last_full_step(monkeypatch):
+    """budget=0: nothing may be offloaded, so no save goes through STORM at all (storm.plan's
+    recompute-only plans then cost nothing per save), and a later fraction budget still
+    measures against the last step that offloaded all."""
+    x = torch.randn(64, 256, requires_grad=True)
+    one = x.numel() * x.element_size()
+
+    def forward() -> torch.Tensor:
+        h = x
+        for _ in range(6):
+            h = torch.tanh(h * 1.5)  # six fresh tensors of `one` bytes
+        return h.sum()
+
+    with storm.offload(mode="embedded", min_bytes=0) as full:
+        forward().backward()
+    assert full.stats.offloaded == 6
+    save = session_mod.ClientSession.save
+    monkeypatch.setattr(session_mod.ClientSession, "save", lambda *a: pytest.fail("a save reached STORM"))
+    with storm.offload(mode="embedded", min_bytes=0, budget=0) as none:
+        loss = forward()
+    loss.backward()
+    assert none.stats.saved == 0 and none.stats.offloaded == 0
+    monkeypatch.setattr(session_mod.ClientSession, "save", save)
+    with storm.offload(mode="embedded", min_bytes=0, budget=0.5) as half:
+        forward().backward()
+    assert half.stats.offloaded_bytes == 3 * one

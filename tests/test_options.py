@@ -1,0 +1,93 @@
+"""storm.offload's options and environment variables: each bad one refused where it is given,
+naming it and what it accepts; sizes read as whole bytes."""
+
+from __future__ import annotations
+
+
+import pytest
+from torch import nn
+
+import storm
+
+
+
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="mode"):
+        with storm.offload(mode="fast"):
+            pass
+    for name in ("min_bytes", "prefetch_bytes", "max_held_bytes"):
+        for bad in (-1, "lots", None, True):
+            with pytest.raises(ValueError, match=f"{name} must be bytes.*got {bad!r}"):
+                storm.offload(**{name: bad})
+    sized = storm.offload(min_bytes="1KiB", prefetch_bytes="64MiB", max_held_bytes=1 << 20)
+    assert [sized.options[k] for k in ("min_bytes", "prefetch_bytes", "max_held_bytes")] == [1024, 64 << 20, 1 << 20]
+    with pytest.raises(ValueError, match="size"):
+        with storm.offload(mode="embedded", pool_size="lots"):
+            pass
+
+
+def test_bad_budgets_are_refused():
+    for bad in (0.0, 1.5, -3, "much", True):
+        with pytest.raises(ValueError):
+            storm.offload(budget=bad)
+
+
+def test_an_unknown_codec_is_refused():
+    with pytest.raises(ValueError, match="codec"):
+        storm.offload(codec="gzip")
+
+
+BAD_OPTIONS = [
+    ({"pool_size": -1}, "pool_size must be bytes: at least 4KiB: an int or a size such as '512MiB'; got -1"),
+    ({"pool_size": "-1"}, "pool_size must be bytes: at least 4KiB.*got '-1'"),
+    ({"pool_size": "abc"}, "pool_size must be bytes: at least 4KiB.*got 'abc'"),
+    ({"pool_size": 0}, "pool_size must be bytes: at least 4KiB.*got 0"),
+    ({"pool_size": "0"}, "pool_size must be bytes: at least 4KiB.*got '0'"),
+    ({"pool_size": 1.5}, "pool_size must be bytes.*got 1.5"),
+    ({"min_bytes": 1.5}, "min_bytes must be bytes: an int >= 0 or a size such as '256MiB'; got 1.5"),
+    ({"min_bytes": "1.5"}, "min_bytes must be bytes.*got '1.5'.*not a whole number of bytes"),
+    ({"prefetch_bytes": "-1"}, "prefetch_bytes must be bytes.*got '-1'"),
+    ({"max_held_bytes": 2.5}, "max_held_bytes must be bytes.*got 2.5"),
+    ({"budget": "abc"}, r"budget must be bytes \(an int >= 0 or a size such as '8GiB'\) or a fraction in \(0, 1\], "
+                        r"got 'abc'"),
+    ({"budget": -1}, "budget must be bytes.*got -1"),
+    ({"budget": 1.5}, "budget must be bytes.*fraction in .0, 1.*got 1.5"),
+    ({"mode": "deamon"}, "mode must be one of 'auto', 'daemon', 'embedded'; got 'deamon'"),
+    ({"codec": "lz4"}, "codec must be None .*got 'lz4'"),
+    ({"socket": "http://host/x"}, "socket 'http://host/x': use a path, ipc://PATH or tcp://127.0.0.1:PORT"),
+    ({"verify": "no"}, "verify must be True or False; got 'no'"),
+]
+
+
+@pytest.mark.parametrize("options,message", BAD_OPTIONS, ids=[repr(o) for o, _ in BAD_OPTIONS])
+def test_each_bad_option_is_refused_where_it_is_given_naming_it(options, message):
+    """Issue 38, item 12: refused by the constructor (not at ``with``), naming the option and what
+    it accepts. On main pool_size=0 became 2 GiB, min_bytes=1.5 became 1, '-1' and 'abc' gave
+    "cannot read size" without the option's name, a misspelt mode passed until ``with``."""
+    with pytest.raises(ValueError, match=message):
+        storm.offload(**options)
+    with pytest.raises(ValueError, match=message):  # storm.plan passes the options on, checked as early
+        storm.plan([nn.Linear(2, 2)], **{"budget": 1.0, **options})
+
+
+@pytest.mark.parametrize("variable,value,message", [
+    ("STORM_POOL_SIZE", "abc", "STORM_POOL_SIZE must be bytes: at least 4KiB.*got 'abc'"),
+    ("STORM_POOL_SIZE", "0", "STORM_POOL_SIZE must be bytes: at least 4KiB.*got '0'"),
+    ("STORMD_SOCKET", "udp://127.0.0.1:1", "STORMD_SOCKET: socket 'udp://127.0.0.1:1': use a path"),
+])
+def test_a_bad_environment_variable_is_named(variable, value, message, monkeypatch):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=message):
+        storm.offload()
+
+
+def test_sizes_given_are_read_as_whole_bytes(monkeypatch):
+    monkeypatch.setenv("STORM_POOL_SIZE", "8MB")
+    o = storm.offload(min_bytes="1.5KiB", prefetch_bytes=0, max_held_bytes="1GB", mode="embedded")
+    assert [o.options[k] for k in ("min_bytes", "prefetch_bytes", "max_held_bytes", "pool_size")] == \
+        [1536, 0, 10**9, 8 * 10**6]
+    with o:
+        pass
+    assert o._session.backend.pool.size == 8 * 10**6
