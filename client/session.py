@@ -414,22 +414,27 @@ class ClientSession:
 
 
 _sessions: dict[int, ClientSession] = {}  # id(backend) -> the session over it
+# Threads that begin their first steps together must share one session per backend: two would
+# number their keys alike in one store session, and each builds a Mover of its own.
+_sessions_lock = threading.Lock()
 
 
 def session_for(mode: str, socket: str | None, pool_size: str | int | None) -> ClientSession:
     """The process's session for this mode and endpoint (one per backend, reused by every step)."""
     backend = open_backend(mode, socket, pool_size)
-    s = _sessions.get(id(backend))
-    if s is None or s.backend is not backend:
-        s = _sessions[id(backend)] = ClientSession(backend)
-    return s
+    with _sessions_lock:
+        s = _sessions.get(id(backend))
+        if s is None or s.backend is not backend:
+            s = _sessions[id(backend)] = ClientSession(backend)
+        return s
 
 
 def close_all() -> None:
     """Finish the copies in flight and close every session and backend of this process."""
-    for s in _sessions.values():
-        s.close()
-    _sessions.clear()
+    with _sessions_lock:
+        for s in _sessions.values():
+            s.close()
+        _sessions.clear()
     close_backends()
 
 

@@ -20,6 +20,7 @@ The paths, chosen in ``Mover.route`` and nowhere else:
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ from .gpu import DeviceStreams, IpcEvent, NotExportable
 FRAME_MIN_BYTES = 4 << 20
 FRAME_CODECS = ("auto", "ancf_exp")  # codec settings that put CUDA tensors in frames
 log = logging.getLogger("storm")
+_threads_lock = threading.Lock()  # torch's default intra-op thread count is the process's, not a Mover's
 
 
 def frameable(device_type: str, dtype: str, nbytes: int) -> bool:
@@ -59,10 +61,11 @@ class Mover:
 
     def __init__(self, backend: Backend, uuid_of: Callable[[int], str | None] = device_uuid):
         self.backend = backend
-        intra_op = torch.get_num_threads()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="storm-mover")
-        self._worker.submit(_one_cpu_thread).result()
-        torch.set_num_threads(intra_op)  # the worker set the default for threads yet to start: back to the caller's
+        with _threads_lock:  # another Mover's worker between the read and the restore would make 1 the default
+            intra_op = torch.get_num_threads()
+            self._worker.submit(_one_cpu_thread).result()
+            torch.set_num_threads(intra_op)  # the worker set the default for threads yet to start: back to the caller's
         self.codec = "raw"  # how tensors are encoded (storm.offload(codec=...), else the store's)
         self._streams: dict[int, DeviceStreams] = {}
         self._host = HostCopies(backend, self._worker)

@@ -4,6 +4,7 @@ The completion type's tests are in tests/copies/test_copies_base.py."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -81,3 +82,40 @@ def test_copies_are_routed_by_medium_and_what_the_daemon_copies(uuid, daemon_may
         assert mover.daemon_copies(torch.device("cuda", 0)) == (uuid == "GPU-served")
     finally:
         mover.close()
+
+
+def test_movers_made_at_once_leave_the_default_thread_count_as_it_was(monkeypatch):
+    """Each Mover's worker sets torch's process default to 1 and the constructor puts back what it
+    read; a second Mover that read between the two took 1 for the default and put that back, so
+    threads started later ran single-threaded (other reductions, other gradient bits). The first
+    worker is held after its setting so that, unguarded, the second Mover reads inside that window."""
+    real = transfer._one_cpu_thread
+
+    def held() -> None:
+        real()
+        time.sleep(0.4)
+
+    monkeypatch.setattr(transfer, "_one_cpu_thread", held)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        movers: list = []
+
+        def make(delay: float) -> None:
+            time.sleep(delay)
+            movers.append(transfer.Mover(Backend()))
+
+        threads = [threading.Thread(target=make, args=(d,)) for d in (0.0, 0.2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for m in movers:
+            m.close()
+        later: list[int] = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert len(movers) == 2 and later == [2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
