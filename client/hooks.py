@@ -34,6 +34,7 @@ Semantics worth knowing:
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterable
 
 import torch
@@ -68,6 +69,7 @@ class Offload(contextlib.ContextDecorator):
                              f"got {codec!r}")
         if not isinstance(verify, bool):
             raise ValueError(f"verify must be True or False; got {verify!r}")
+        modules = modules_option(modules)
         self._options = dict(mode=mode, socket=socket, min_bytes=min_bytes, prefetch_bytes=prefetch_bytes,
                              pool_size=pool_size, modules=modules, budget=budget, max_held_bytes=max_held_bytes,
                              verify=verify, codec=codec)
@@ -80,6 +82,7 @@ class Offload(contextlib.ContextDecorator):
         self._pack: Callable | None = None  # ours, to tell our hooks from others' on autograd's stack
         self._late: LateSaves | None = None  # the once-a-process check for a model compiled as one graph
         self._module_hooks: list[Any] = []
+        self._thread: int | None = None  # the entering thread's: torch keeps saved-tensor hooks per thread
 
     def _recreate_cm(self) -> "Offload":
         return Offload(**self._options)  # each decorated call is its own step
@@ -94,6 +97,7 @@ class Offload(contextlib.ContextDecorator):
         self._session.mover.verify = o["verify"]
         self._session.mover.codec = o["codec"] or self._session.backend.codec
         self._step = self._session.new_step(self._budget)
+        self._thread = threading.get_ident()
         if self._budget == 0:  # nothing may go: no hooks, so saves cost nothing (storm.plan's recompute-only plans)
             self._hooks = contextlib.nullcontext()
             return self
@@ -128,6 +132,16 @@ class Offload(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        # checked before anything is undone: torch pops the hooks off the exiting thread's own stack
+        # (an internal assert where that stack is empty), and the entering thread's would keep ours
+        if self._hooks is None:
+            raise RuntimeError("this storm.offload context was not entered (or has been exited already): "
+                               "use it as `with storm.offload(...):`")
+        if self._thread != threading.get_ident():
+            raise RuntimeError("this storm.offload context was entered in another thread: a context covers the "
+                               "thread that entered it (torch keeps saved-tensor hooks per thread), so enter and "
+                               "exit it in the same thread, with a context of its own in each thread that runs "
+                               "a forward")
         for h in self._module_hooks:
             h.remove()
         self._module_hooks = []
@@ -209,18 +223,22 @@ class Offload(contextlib.ContextDecorator):
         step = self._step
         step.budget_bytes = min(step.budget_bytes, step.stats.offloaded_bytes + limit)
 
-    def drain(self, limit: int) -> None:
+    def drain(self, limit: int | str) -> None:
         """Let go of saved tensors whose copy has finished, waiting (oldest first) until at most
         ``limit`` bytes still wait for theirs. Each offloaded save polls; past the budget only
         markers do (about one save in 64 MiB), and after ``stop_offloading`` none, so storm.plan
         calls it after each block:
         the host, usually ahead of the GPU, must not hold on to bytes the plan counted as gone."""
+        limit = bytes_option("drain's limit", limit)
         if self._session is not None:
             self._session.drain(limit)
 
-    def allow_prefetch(self, nbytes: int) -> None:
-        """Backward has room for ``nbytes`` now: as many offloaded bytes may be fetched ahead,
-        on top of the prefetch window (storm.plan calls it as backward reaches each block)."""
+    def allow_prefetch(self, nbytes: int | str) -> None:
+        """Backward has room for ``nbytes`` now (bytes, or a size such as '128MiB'): as many
+        offloaded bytes may be fetched ahead, on top of the prefetch window (storm.plan calls it as
+        backward reaches each block)."""
+        # checked first: the session keeps the room on the step, and backward's prefetch reads it
+        nbytes = bytes_option("allow_prefetch's nbytes", nbytes)
         if self._session is None or self._step is None:
             raise RuntimeError("storm.offload has not been entered yet")
         self._session.allow_prefetch(self._step, nbytes)
@@ -248,12 +266,29 @@ def parse_budget(budget: int | float | str | None) -> int | float | None:
     return budget
 
 
-def _module_names(modules: nn.Module | Iterable[nn.Module] | None) -> dict[int, str]:
+def modules_option(modules: object) -> tuple[nn.Module, ...] | None:
+    """``modules=`` read once into a tuple of modules (None: not given). Read once because the
+    protected storages, the report's layer names and each decorated call's own context all need
+    it: a generator such as ``model.modules()`` would be used up by the first."""
+    if modules is None:
+        return None
+    if isinstance(modules, nn.Module):
+        return (modules,)
+    accepted = "an nn.Module instance or an iterable of them (model, [model.encoder], model.modules())"
+    if isinstance(modules, (str, bytes)) or not isinstance(modules, Iterable):
+        raise ValueError(f"modules must be {accepted}; got {modules!r}")
+    mods = tuple(modules)
+    for m in mods:
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"modules must be {accepted}; got {m!r} among them")
+    return mods
+
+
+def _module_names(modules: tuple[nn.Module, ...] | None) -> dict[int, str]:
     """id(module) -> its qualified name, for the per-layer report; empty without modules=."""
     if modules is None:
         return {}
-    mods = [modules] if isinstance(modules, nn.Module) else list(modules)
-    return {id(m): name or type(root).__name__ for root in mods for name, m in root.named_modules()}
+    return {id(m): name or type(root).__name__ for root in modules for name, m in root.named_modules()}
 
 
 def offload(fn: Callable | None = None, /, **options: Any) -> Any:
@@ -265,7 +300,8 @@ def offload(fn: Callable | None = None, /, **options: Any) -> Any:
     "embedded"), ``socket`` (path or endpoint; default $STORMD_SOCKET, else the
     per-user runtime directory), ``min_bytes`` (smaller tensors stay; default
     64 KiB), ``prefetch_bytes`` (how far ahead backward fetches), ``pool_size``
-    (embedded store; default $STORM_POOL_SIZE or 2GiB), ``modules`` (whose
+    (the embedded store's, fixed; default $STORM_POOL_SIZE, else a pool that starts at 256 MiB
+    and grows on demand), ``modules`` (whose
     parameters and buffers are never offloaded; also names the layers in
     ``report()``: without it the report has the total only, since tracking
     layers hooks every module call), ``budget`` (offload only the earliest saves, which backward

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -39,11 +38,11 @@ class Policy:
     protected: frozenset[int] = frozenset()  # storage addresses of module parameters and buffers
 
     @staticmethod
-    def protecting(modules: nn.Module | Iterable[nn.Module] | None, min_bytes: int) -> "Policy":
+    def protecting(modules: tuple[nn.Module, ...] | None, min_bytes: int) -> "Policy":
+        """Keeping the parameters and buffers of ``modules`` (storm.offload's modules=, as checked)."""
         if modules is None:
             return Policy(min_bytes)
-        mods = [modules] if isinstance(modules, nn.Module) else list(modules)
-        ptrs = {t.untyped_storage().data_ptr() for m in mods
+        ptrs = {t.untyped_storage().data_ptr() for m in modules
                 for t in [*m.parameters(), *m.buffers()] if t.numel()}
         return Policy(min_bytes, frozenset(ptrs))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -264,6 +265,46 @@ def test_parameters_and_module_state_stay():
     assert ctx.stats.kept.get(storm.Keep.PARAMETER, 0) >= 1  # the linear layer saves its weight
     assert ctx.stats.kept.get(storm.Keep.MODULE_STATE, 0) >= 1  # BatchNorm saves its running stats
     assert ctx.stats.offloaded >= 1
+
+
+@pytest.mark.parametrize("call,bad", [("allow_prefetch", "lots"), ("allow_prefetch", -5), ("allow_prefetch", None),
+                                      ("drain", -1), ("drain", None), ("drain", "lots")])
+def test_a_bad_size_given_to_a_method_is_refused_and_the_step_goes_on(call, bad):
+    """allow_prefetch and drain take bytes as offload_at_most does: a bad value is refused before
+    anything changes, so the step's backward still runs and is bit-exact (allow_prefetch('1GiB')
+    raised a raw TypeError and left the room on the step, so backward raised it again; -5 and -1
+    were taken)."""
+    x = torch.randn(128, 128, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        h = x.tanh().tanh()
+        with pytest.raises(ValueError, match=f"{call}'s (nbytes|limit) must be bytes: an int >= 0 or a size"):
+            getattr(ctx, call)(bad)
+        loss = h.tanh().sum()
+    loss.backward()
+    assert same_bits(x.grad, chain_grad(x, 3))
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:  # a size string is bytes, as elsewhere
+        ctx.drain("1GiB")
+        ctx.allow_prefetch("1GiB")
+
+
+def test_a_context_is_exited_in_the_thread_that_entered_it():
+    """torch keeps saved-tensor hooks per thread: exiting a context entered in another thread
+    (or one never entered) is refused with a clear error before torch's hook stack is touched,
+    where torch raised an INTERNAL ASSERT; the entering thread exits it as usual."""
+    ctx = storm.offload(mode="embedded", min_bytes=0)
+    with pytest.raises(RuntimeError, match="was not entered"):
+        ctx.__exit__(None, None, None)
+    with ThreadPoolExecutor(1) as worker:  # one thread for both calls
+        worker.submit(ctx.__enter__).result()
+        with pytest.raises(RuntimeError, match="entered in another thread: a context covers the thread that "
+                                               "entered it"):
+            ctx.__exit__(None, None, None)
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # nothing popped here
+        worker.submit(ctx.__exit__, None, None, None).result()
+    with pytest.raises(RuntimeError, match="was not entered"):  # a second exit
+        with storm.offload(mode="embedded") as c:
+            pass
+        c.__exit__(None, None, None)
 
 
 def test_small_tensors_stay():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 
 import pytest
+import torch
 from torch import nn
 
 import storm
@@ -70,6 +71,35 @@ def test_each_bad_option_is_refused_where_it_is_given_naming_it(options, message
         storm.offload(**options)
     with pytest.raises(ValueError, match=message):  # storm.plan passes the options on, checked as early
         storm.plan([nn.Linear(2, 2)], **{"budget": 1.0, **options})
+
+
+@pytest.mark.parametrize("modules", [5, "model", [nn.Linear], [nn.Linear(2, 2), None]])
+def test_modules_that_are_not_module_instances_are_refused(modules):
+    """modules= takes modules, refused where given (5, 'model' and the class nn.Linear gave a raw
+    TypeError or AttributeError)."""
+    with pytest.raises(ValueError, match="modules must be an nn.Module instance or an iterable of them"):
+        storm.offload(modules=modules)
+
+
+def test_modules_given_as_a_generator_count_in_every_step():
+    """A generator (model.modules()) is read once: every call of a decorated function keeps the
+    buffer and names the layers. It was used up by the first reader: the buffer was offloaded and
+    the report named no layer."""
+    model = nn.Linear(128, 128)
+    model.register_buffer("b", torch.randn(128, 128))
+
+    @storm.offload(mode="embedded", min_bytes=0, modules=model.modules())
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return (model(x) @ model.b).sum()
+
+    made = []
+    recreate = storm.Offload._recreate_cm
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(storm.Offload, "_recreate_cm", lambda self: made.append(recreate(self)) or made[-1])
+        for _ in range(2):
+            forward(torch.randn(4, 128)).backward()
+    assert [c.stats.kept.get(storm.Keep.MODULE_STATE) for c in made] == [1, 1]
+    assert all("Linear" in c.report() for c in made)
 
 
 @pytest.mark.parametrize("variable,value,message", [
