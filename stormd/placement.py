@@ -117,7 +117,10 @@ class StepPlacement:
         self._clock = 0
         self._recording: int | None = None          # the step whose trace is being recorded
         self._trace: dict[int, list[int]] = {}      # slot -> [size, start, end or -1]
-        self._open = 0                              # recorded slots not yet freed
+        # Recorded slots not yet freed. A set, not a count: a client may come back to the recorded
+        # step after another one (its slots count from 0 again) and free keys of either visit, and
+        # a lifetime must end once, after it began, for the plan to be made from ended ones only.
+        self._open: set[int] = set()
         self._plan: dict[int, tuple[int, int]] | None = None  # slot -> (size, offset in region)
         self._region: int | None = None             # offset of the reserved region in the pool
         self._live: SortedDict = SortedDict()       # region offset -> end, of placed tensors alive
@@ -133,21 +136,21 @@ class StepPlacement:
         return self._slots - 1
 
     def _begin_step(self, step: int) -> None:
-        if self._recording is not None and self._open == 0:
+        if self._recording is not None and not self._open:
             self._make_plan()  # the usual case: backward freed the recorded step before this one began
         if self._plan is not None and self._step_misses > self._step_hits:
             self._drop_plan()  # the last step no longer looks like the recorded one: learn again
         self._step, self._slots = step, 0
         self._step_hits = self._step_misses = 0
         if self._plan is None and self._recording is None:
-            self._recording, self._trace, self._open = step, {}, 0
+            self._recording, self._trace, self._open = step, {}, set()
 
     def place(self, step: int, slot: int, size: int) -> int | None:
         """The pool offset planned for this tensor, or None to use the general allocator."""
         self._clock += 1
         if step == self._recording and slot < MAX_PLANNED_TENSORS:
             self._trace[slot] = [size, self._clock, -1]
-            self._open += 1
+            self._open.add(slot)
         if self._plan is None:
             return None
         if self._region is None:
@@ -212,16 +215,16 @@ class StepPlacement:
     def cancel(self, step: int, slot: int) -> None:
         """The PUT of this slot was refused: it has no lifetime to learn from."""
         if step == self._recording and self._trace.pop(slot, None) is not None:
-            self._open -= 1
+            self._open.discard(slot)
 
     def forget(self, step: int, slot: int) -> None:
         """The key is freed: its lifetime in the recorded step ends now."""
         self._clock += 1
-        if step != self._recording or slot not in self._trace:
+        if step != self._recording or slot not in self._open:
             return
         self._trace[slot][2] = self._clock
-        self._open -= 1
-        if self._open == 0 and self._step != self._recording:
+        self._open.discard(slot)
+        if not self._open and self._step != self._recording:
             self._make_plan()  # the recorded step is over and all of it freed
 
     def _make_plan(self) -> None:
