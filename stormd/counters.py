@@ -17,7 +17,8 @@ class SessionCounters:
     bytes_out: int = 0
     pool_full: int = 0
     quota_refused: int = 0
-    held_bytes: int = 0          # in the pool or spilled: what the quota counts
+    held_bytes: int = 0          # its extents' bytes (sizes rounded up to the pool's alignment),
+                                 # in the pool or spilled: what the quota counts
     peak_held_bytes: int = 0
     spilled_bytes: int = 0       # of held_bytes, in the spill file now
 

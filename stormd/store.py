@@ -76,15 +76,18 @@ class Store:
                                 f"{f['nbytes']} bytes is more than the whole pool ({self._ceiling()} bytes)")
         c = s.counters
         quota = s.limits.quota
-        if quota and c.held_bytes + f["nbytes"] > quota:
+        # what the extent takes, not what the client asked for: counted by nbytes, 1-byte PUTs held
+        # the alignment's worth of pool each past the quota
+        charge = self.allocator.aligned(f["nbytes"])
+        if quota and c.held_bytes + charge > quota:
             c.quota_refused += 1
             who = f"client {s.name!r}" if s.name else "this client"
             raise ProtocolError(ErrorCode.QUOTA,
-                                f"{who} holds {c.held_bytes} bytes and its quota is {quota}; {f['nbytes']} more "
+                                f"{who} holds {c.held_bytes} bytes and its quota is {quota}; {charge} more "
                                 f"do not fit: raise its quota (client_quota, or clients.{s.name or 'NAME'}.quota "
                                 f"in stormd.toml) or offload less (storm.offload(budget=...))")
         slot = s.placement.slot(f["step"])
-        offset = s.placement.place(f["step"], slot, self.allocator.aligned(f["nbytes"]))
+        offset = s.placement.place(f["step"], slot, charge)
         planned = offset is not None
         try:
             if offset is None:
@@ -99,7 +102,7 @@ class Store:
         c.puts += 1
         c.bytes_in += e.nbytes
         c.raw_bytes_in += e.raw_nbytes
-        c.held_bytes += e.nbytes
+        c.held_bytes += charge
         c.peak_held_bytes = max(c.peak_held_bytes, c.held_bytes)
         return e
 
@@ -206,7 +209,7 @@ class Store:
             self.eviction.discard(session, s.limits.priority, e)
             s.placement.forget(e.step, e.slot)
             del s.entries[k]
-            s.counters.held_bytes -= e.nbytes
+            s.counters.held_bytes -= self.allocator.aligned(e.nbytes)
         self.spiller.prefetch(session, s)
         return len(doomed)
 

@@ -8,7 +8,7 @@ from helpers import put_fields
 
 from stormd.allocator import AllocatorStats
 from stormd.store import Store
-from stormd.store_options import StoreOptions
+from stormd.store_options import ClientLimits, StoreOptions
 from stormd.wire.protocol import ErrorCode, ProtocolError
 
 ALIGN = 256
@@ -79,4 +79,18 @@ def test_a_full_allocator_is_pool_full_saying_what_it_has_left_and_why_nothing_m
     assert refused.value.message == ("no free extent of 4096 bytes (2048 bytes free, largest extent 2048); "
                                      "spill is off here")
     assert store.find(1, 2) is None and store.session_stats(1)["pool_full"] == 1
-    assert store.held_bytes(1) == 6000 and len(allocator.taken) == 1  # the refused PUT took nothing
+    assert store.held_bytes(1) == allocator.aligned(6000) and len(allocator.taken) == 1  # the refused PUT took nothing
+
+
+def test_the_quota_counts_what_each_extent_takes_not_the_bytes_asked_for():
+    """1-byte PUTs each take an extent of the alignment: counted by nbytes, a client with a 4 KiB
+    quota held 256 times that in the pool."""
+    allocator = RecordingAllocator(1 << 20)
+    store = Store(allocator, options=StoreOptions(default_limits=ClientLimits(quota=4096)))
+    stored = 0
+    with pytest.raises(ProtocolError) as refused:
+        for key in range(1, 4097):
+            store.put(1, put_fields(key, 1))
+            stored += 1
+    assert refused.value.code == ErrorCode.QUOTA
+    assert stored == 4096 // allocator.aligned(1) and allocator.stats().used <= 4096 == store.held_bytes(1)
