@@ -50,6 +50,7 @@ class DaemonConfig:
     max_message_size: int = 2 << 20  # larger frames are dropped by ZeroMQ before they are buffered
     max_sessions_per_peer: int = 16  # HELLOs one socket connection may hold open (a process needs one)
     max_sessions: int = 1024  # sessions of the whole daemon
+    max_keys: int = 1 << 18  # tensors the daemon holds at once, all sessions together
     curve_secret_key: str = ""  # tcp:// only: the server's CURVE secret key file (zmq.auth format)
     curve_authorized_keys: str = ""  # tcp:// only: directory of the clients' CURVE public key files
     spill: bool = False  # move the oldest tensors to spill_dir when the pool is full
@@ -285,6 +286,9 @@ SETTINGS: tuple[Setting, ...] = (
             "sessions (HELLOs) one client socket may hold open; one more is refused with TOO_MANY_SESSIONS"),
     Setting("max_sessions", _Number(1, 1_000_000, integer=True),
             "sessions the daemon serves at once, all clients together; one more is refused with TOO_MANY_SESSIONS"),
+    Setting("max_keys", _Number(1, 100_000_000, integer=True),
+            "tensors the daemon holds at once, all clients together (each costs daemon memory beside its pool "
+            "bytes); a PUT beyond it is refused with POOL_FULL and its tensor stays on the client's device"),
     Setting("curve_secret_key", _Text("empty, or an absolute path", _optional_path),
             "tcp:// only (required there): the server's CURVE secret key file, as zmq.auth.create_certificates "
             "writes it"),

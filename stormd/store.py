@@ -50,6 +50,7 @@ class Store:
         self.node = NodeCounters()
         self._placement = placement
         self._sessions: dict[int, SessionEntries] = {}
+        self._keys = 0  # held by all sessions: at most options.max_keys
         self.extents = PoolExtents(allocator, ExtentLedger(self._ceiling()) if self.options.check_extents else None)
         spill = SpillFile(self.options.spill_dir, self.options.spill_limit, self.options.spill_io) \
             if self.options.spill_dir and pool is not None else None
@@ -71,6 +72,10 @@ class Store:
         s = self._of(session)
         if f["key"] in s.entries:
             raise ProtocolError(ErrorCode.DUPLICATE_KEY, f"key {f['key']} is already stored in this session")
+        if self._keys >= self.options.max_keys:
+            s.counters.pool_full += 1
+            raise ProtocolError(ErrorCode.POOL_FULL, f"the store holds {self._keys} tensors, its max_keys; free some "
+                                                     f"or raise max_keys")
         if f["nbytes"] > self._ceiling():
             raise ProtocolError(ErrorCode.TOO_LARGE,
                                 f"{f['nbytes']} bytes is more than the whole pool ({self._ceiling()} bytes)")
@@ -99,6 +104,7 @@ class Store:
         e = Entry(f["key"], f["step"], offset, f["nbytes"], f["dtype"], list(f["shape"]), list(f["strides"]),
                   f["storage_offset"], f["codec"], f.get("raw_nbytes", f["nbytes"]), slot=slot, planned=planned)
         s.entries[e.key] = e
+        self._keys += 1
         c.puts += 1
         c.bytes_in += e.nbytes
         c.raw_bytes_in += e.raw_nbytes
@@ -209,6 +215,7 @@ class Store:
             self.eviction.discard(session, s.limits.priority, e)
             s.placement.forget(e.step, e.slot)
             del s.entries[k]
+            self._keys -= 1
             s.counters.held_bytes -= self.allocator.aligned(e.nbytes)
         self.spiller.prefetch(session, s)
         return len(doomed)

@@ -27,6 +27,9 @@ class StoreOptions:
     # what POOL_FULL says while spill is off: stormd's settings; the embedded store cannot spill
     spill_off: str = "spill is off (set spill = true and spill_dir to let stormd move old tensors to disk)"
     check_extents: bool = False    # keep a ledger that refuses overlapping extents (ledger.py)
+    # Each key costs the daemon memory beside its pool bytes (the entry, its view's shape and strides),
+    # and 1-byte PUTs take only 256 pool bytes each: a bound on keys bounds that memory.
+    max_keys: int = 1 << 18
     spill_io: SpillIO = field(default_factory=SpillIO)  # how bytes reach the spill file (tests: a failing disk)
 
     @classmethod
@@ -34,4 +37,4 @@ class StoreOptions:
         return cls(config.spill_dir if config.spill else None, config.spill_limit,
                    ClientLimits(config.client_quota, config.client_priority),
                    {name: ClientLimits(row["quota"], row["priority"]) for name, row in config.clients.items()},
-                   check_extents=config.check_extents)
+                   check_extents=config.check_extents, max_keys=config.max_keys)

@@ -94,3 +94,18 @@ def test_the_quota_counts_what_each_extent_takes_not_the_bytes_asked_for():
             stored += 1
     assert refused.value.code == ErrorCode.QUOTA
     assert stored == 4096 // allocator.aligned(1) and allocator.stats().used <= 4096 == store.held_bytes(1)
+
+
+def test_keys_past_max_keys_are_pool_full_whatever_room_the_pool_has():
+    """Each key costs daemon memory beside its pool bytes: without a bound, 1-byte PUTs grew the
+    daemon by the pool's size over 256 entries."""
+    store = Store(RecordingAllocator(1 << 20), options=StoreOptions(max_keys=3))
+    for key in (1, 2, 3):
+        store.put(key % 2, put_fields(key, 1))  # two sessions: the bound is the daemon's
+    with pytest.raises(ProtocolError) as refused:
+        store.put(1, put_fields(4, 1))
+    assert refused.value.code == ErrorCode.POOL_FULL and "max_keys" in refused.value.message
+    assert store.session_stats(1)["pool_full"] == 1
+    store.free(0, keys=[2])
+    store.put(0, put_fields(4, 1))  # room again once one goes
+    assert store.node_stats()["keys"] == 3
