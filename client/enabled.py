@@ -29,6 +29,7 @@ are unwrapped first, so the hooks sit on the model that the wrapper calls.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any, Iterable
 
@@ -38,6 +39,7 @@ from torch import nn
 from .compiled import compiled, probe_compiling, warn_whole_graph
 from .hooks import Offload
 from .planner import Planner, plan
+from .planner.driver import plan_options
 
 # Containers of a model's layers: HF and GPT-style models keep them in a ModuleList,
 # torchtitan in a ModuleDict (keys for pipeline stages), small GPTs in an nn.Sequential.
@@ -147,6 +149,33 @@ class Enabled:
             del _enabled[id(self.model)]
 
 
+def handle_of(model: nn.Module) -> Enabled | None:
+    """The handle of ``storm.enable`` on ``model`` (unwrapped as enable does), None where it is off."""
+    return _enabled.get(id(unwrap(model)))
+
+
+def check_options(*, blocks: Iterable[nn.Module] | None = None, budget: int | float | str | None = None,
+                  peak: int | str | None = None, **options: Any) -> None:
+    """Raise what ``storm.enable(model, **these)`` would raise for its options, without a model:
+    the integrations' callbacks are made before the Trainer hands them one, and check theirs then."""
+    if budget is None and peak is None:
+        _offload_options(blocks, options)
+    else:  # the planner's own keywords (reentrant, clock, and what tests give) are not storm.offload's
+        planner = inspect.signature(Planner).parameters
+        plan_options(budget, peak, options.get("reentrant", True), options.get("clock"),
+                     {k: v for k, v in options.items() if k not in planner})
+
+
+def _offload_options(blocks: Iterable[nn.Module] | None, options: dict[str, Any]) -> dict[str, Any]:
+    """storm.offload's options for a model enabled without a plan, as checked: refused now, not at
+    the first forward, and read once (a generator given as modules= would be used up by the first
+    step's context)."""
+    if blocks is not None:
+        raise TypeError("storm.enable's blocks= is for a plan: give budget= or peak= with it")
+    checked = Offload(**options).options
+    return {k: checked[k] for k in options}
+
+
 def _warn_offload_whole_graph() -> None:
     warn_whole_graph("storm.enable", "the model's forward, offloaded as a whole,")
 
@@ -165,6 +194,8 @@ def enable(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None, budge
     ``clock``. ``on_forward=False`` puts no step hooks on the model: the caller marks each step with
     ``begin()`` (before forward) and ``end()`` (before backward), as the Lightning callback does.
     A model (or a module of it, or a model it is part of) already enabled is refused."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"storm.enable takes an nn.Module instance (the model); got {model!r}")
     model = unwrap(model)
     for other in [h.model for h in _enabled.values()]:
         if other is model:
@@ -176,12 +207,12 @@ def enable(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None, budge
         else:
             continue
         raise RuntimeError(f"storm.enable is already on for {type(other).__name__}{relation}: call disable() on its "
-                           f"handle first (nested STORM hooks would take each other's saves)")
+                           f"handle first (nested STORM hooks would take each other's saves): the one storm.enable "
+                           f"returned, a StormCallback's .handle, or storm.enabled.handle_of(the "
+                           f"{type(other).__name__})")
     planner = None
     if budget is None and peak is None:
-        if blocks is not None:
-            raise TypeError("storm.enable's blocks= is for a plan: give budget= or peak= with it")
-        Offload(**options)  # refuse bad options now, not at the first forward
+        options = _offload_options(blocks, options)
         where, found = "", None
     else:
         where, found = ("blocks=", list(blocks)) if blocks is not None else find_blocks(model)

@@ -18,15 +18,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from ..enabled import Enabled, enable
+from ..enabled import Enabled, check_options, enable
 
 
 class StormCallback(pl.Callback):
     """``storm.enable(pl_module, **options)`` while the Trainer fits; ``options`` are
     storm.enable's (``budget=`` / ``peak=`` for a plan, else storm.offload's). ``handle`` is
-    the Enabled of the fit in progress (None outside it): ``handle.explain()``."""
+    the Enabled of the fit in progress (None outside it): ``handle.explain()``. The options are
+    checked here, as storm.enable checks them."""
 
     def __init__(self, **options: Any):
+        check_options(**options)
         self.options = options
         self.handle: Enabled | None = None
 

@@ -13,19 +13,27 @@ checkpointing in torch's ``save_on_cpu`` and takes no other offloader.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..enabled import Enabled, enable
+from ..enabled import Enabled, check_options, enable, handle_of
+
+# The handles StormCallbacks made: transformers has no event for a train() that raises, so its
+# callback's handle stays on the model, and the next StormCallback on that model takes it off.
+_made: "weakref.WeakSet[Enabled]" = weakref.WeakSet()
 
 
 class StormCallback(TrainerCallback):
     """``storm.enable(model, **options)`` for the span of ``Trainer.train()``; ``options`` are
     storm.enable's (``budget=`` / ``peak=`` for a plan, else storm.offload's). ``handle`` is
-    the Enabled of the run in progress (None outside it): ``handle.explain()``."""
+    the Enabled of the run in progress (None outside it): ``handle.explain()``. The options are
+    checked here, as storm.enable checks them. A train() that raised leaves STORM on the model
+    until the next train() with a StormCallback, which takes it off first."""
 
     def __init__(self, **options: Any):
+        check_options(**options)
         self.options = options
         self.handle: Enabled | None = None
 
@@ -33,9 +41,11 @@ class StormCallback(TrainerCallback):
                        model: Any = None, **kwargs: Any) -> None:
         if model is None:
             raise RuntimeError("StormCallback: the Trainer passed no model to on_train_begin")
-        if self.handle is not None:  # a train() that raised had no train end (transformers has no exception event)
-            self.handle.disable()
+        stale = handle_of(model)  # a StormCallback's (this one's or another's) whose train() raised
+        if stale in _made:
+            stale.disable()
         self.handle = enable(model, **self.options)
+        _made.add(self.handle)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:

@@ -64,28 +64,25 @@ class Planner:
                  memory: PeakMemory | None = None, chooser: Chooser = choose, frames_of: Frames = frames_of,
                  host_check_tolerance: float = HOST_CHECK_TOLERANCE, form_trial: bool = True,
                  **offload_options: Any):
+        if isinstance(blocks, nn.Module) and not hasattr(type(blocks), "__iter__"):
+            raise TypeError(f"storm.plan takes the model's repeated blocks in the order its forward runs them "
+                            f"(such as model.layers), not a {type(blocks).__name__} that holds them; or "
+                            f"storm.enable(model, budget=...) finds them in the model")
         self.blocks = list(blocks)
         if not self.blocks or not all(isinstance(b, nn.Module) for b in self.blocks):
             raise TypeError("storm.plan needs the model's blocks: a non-empty list (or ModuleList) of modules")
+        self.budget, self.peak, self.options = plan_options(budget, peak, reentrant, clock, offload_options)
         # The reentrant form runs a block's forward without autograd: a compiled block then runs its
         # inference graph, whose kernels need not match the training graph's bit for bit (on CUDA they
         # did not), while the recompute in backward runs the training graph. torch's non-reentrant
         # checkpoint runs the training graph both times, so compiled blocks are recomputed that way.
         self.compiled = any(compiled(b) for b in self.blocks)
         self.reentrant = reentrant and not self.compiled
-        if "budget" in offload_options or (budget is None) == (peak is None):
-            raise TypeError("storm.plan takes one of budget= (the GPU memory saved activations may take: bytes or "
-                            "a fraction of a step's) and peak= (the step's peak GPU memory above its start, bytes); "
-                            "it sets storm.offload's budget itself")
-        self.budget = parse_budget(budget)  # as given: bytes, or a fraction of the traced step's
-        self.peak = None if peak is None else _parse_peak(peak)  # peak=, in bytes
         self._memory = memory or CudaPeakMemory(device_of(self.blocks))
         self.clock = clock or Clock(device_of(self.blocks))  # what the traces and trials are timed by
         if self.peak is not None and not self._memory.available:
             raise ValueError("storm.plan's peak= is measured with the CUDA caching allocator and these blocks are "
                              "not on a CUDA device; give budget= (the bytes saved activations may take)")
-        checked = Offload(**offload_options).options  # refuse bad options now, not at the first step
-        self.options = {k: checked[k] for k in offload_options}  # the given ones, sizes read ("512MiB")
         self._chooser, self._frames_of, self._form_trial = chooser, frames_of, form_trial
         self._host_check_tolerance = host_check_tolerance
         self._hooks = BlockHooks(self.blocks, self.reentrant)
@@ -463,6 +460,27 @@ class Planner:
         """Restore the blocks' own forwards and remove STORM's hooks from them."""
         self._hooks.close()  # a step begun but never run leaves its hook waiting: that goes too
         self._pending = None
+
+
+def plan_options(budget: int | float | str | None, peak: int | str | None, reentrant: bool, clock: Clock | None,
+                 offload_options: dict[str, Any]) -> tuple[int | float | None, int | None, dict[str, Any]]:
+    """storm.plan's options checked as far as they can be without the blocks (whether peak= can be
+    measured depends on their device): the budget as given (bytes, or a fraction of the traced
+    step's), the peak in bytes, and the storm.offload options given, as checked ("512MiB" read as
+    bytes). Refused now, not at the first step; storm.enable's callbacks check theirs here before
+    they have a model."""
+    if "budget" in offload_options or (budget is None) == (peak is None):
+        raise TypeError("storm.plan takes one of budget= (the GPU memory saved activations may take: bytes or "
+                        "a fraction of a step's) and peak= (the step's peak GPU memory above its start, bytes); "
+                        "it sets storm.offload's budget itself")
+    if not isinstance(reentrant, bool):  # "no" would be taken as True
+        raise ValueError(f"reentrant must be True or False; got {reentrant!r}")
+    if clock is not None and not all(callable(getattr(clock, f, None)) for f in ("host", "mark", "elapsed_ms")):
+        raise TypeError(f"clock must be None (the compute stream's timings on CUDA, else the host's) or a "
+                        f"storm.planner.Clock (an object with host(), mark() and elapsed_ms()); got {clock!r}")
+    checked = Offload(**offload_options).options
+    return (parse_budget(budget), None if peak is None else _parse_peak(peak),
+            {k: checked[k] for k in offload_options})
 
 
 def _parse_peak(peak: int | str) -> int:

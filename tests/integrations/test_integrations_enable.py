@@ -201,6 +201,44 @@ def test_enabling_a_model_twice_or_a_part_of_it_is_refused_until_disabled():
     storm.enable(model, mode="embedded").disable()
 
 
+@pytest.mark.parametrize("model", [None, "model", lambda x: x, nn.Linear])
+def test_what_is_no_module_instance_is_refused(model):
+    """None, a name, a function or a model's class gave an AttributeError or TypeError from deep
+    inside storm.enable."""
+    with pytest.raises(TypeError, match="storm.enable takes an nn.Module instance"):
+        storm.enable(model)
+
+
+def test_the_refusal_of_a_second_enable_says_where_the_first_handle_is():
+    """Whoever enabled the model (a callback, a helper) may not have handed its handle over: the
+    error names where to find it, and storm.enabled.handle_of finds it."""
+    model = gpt()
+    handle = storm.enable(model, mode="embedded")
+    with pytest.raises(RuntimeError, match=r"storm.enabled.handle_of\(the GPT\)"):
+        storm.enable(model)
+    assert storm.enabled.handle_of(model) is handle
+    handle.disable()
+    assert storm.enabled.handle_of(model) is None
+
+
+def test_modules_given_as_a_generator_count_in_every_step():
+    """modules=model.modules() is read once: the second step keeps the module state too (the first
+    step's context used the generator up)."""
+    class WithBuffer(nn.Linear):  # its forward saves its buffer
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (super().forward(x) @ self.b).sum()
+
+    model = WithBuffer(128, 128)
+    model.register_buffer("b", torch.randn(128, 128))
+    handle = storm.enable(model, mode="embedded", min_bytes=0, modules=model.modules())
+    kept = []
+    for _ in range(2):
+        model(torch.randn(4, 128)).backward()
+        kept.append(handle.last.stats.kept.get(storm.Keep.MODULE_STATE))
+    handle.disable()
+    assert kept == [1, 1]
+
+
 def test_a_forward_that_raises_ends_its_step():
     model = gpt()
     handle = storm.enable(model, mode="embedded", min_bytes=0)

@@ -118,3 +118,14 @@ def test_a_step_without_loss_ends_its_scope_and_a_failing_one_leaves_the_model_r
     with pytest.raises(ZeroDivisionError):
         fit(3, callback, fail=1)
     assert callback.handle is None  # disabled at teardown, the failed step's scope ended
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"mode": "bogus"}, ValueError, "mode must be one of"),
+    ({"budegt": 0.5}, TypeError, "budegt"),
+    ({"budget": 0.5, "clock": "cuda"}, TypeError, "clock must be None"),
+])
+def test_bad_options_are_refused_when_the_callback_is_made(options, error, message):
+    """As storm.enable refuses them, at the line that wrote them: they passed until fit()."""
+    with pytest.raises(error, match=message):
+        StormCallback(**options)

@@ -8,6 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the Trainer test needs transformers installed")
 
+import storm  # noqa: E402
 from integrations_clock import SETTLE_STEPS, StillClock  # noqa: E402
 from storm.examples.models import same_bits  # noqa: E402
 from storm.integrations.transformers import StormCallback  # noqa: E402
@@ -95,3 +96,38 @@ def test_a_train_that_raised_does_not_keep_the_next_from_enabling(tmp_path):
     hook.remove()
     train(tmp_path, 2, callback, model)
     assert callback.handle is None and not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_a_new_callback_takes_off_what_a_train_that_raised_left(tmp_path):
+    """A new Trainer with a new StormCallback on a model whose last train() raised: the handle the
+    old callback left is disabled at train begin (it was refused: "storm.enable is already on ...
+    call disable() on its handle first", with no handle in the user's hands)."""
+    model = tiny_llama()
+
+    class FailAtStepEnd(transformers.TrainerCallback):
+        def on_step_end(self, *args, **kwargs) -> None:
+            raise KeyError("a failing callback")
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+                                          logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
+                                          disable_tqdm=True)
+    with pytest.raises(KeyError):
+        transformers.Trainer(model=model, args=args, train_dataset=Tokens(4),
+                             callbacks=[StormCallback(mode="embedded"), FailAtStepEnd()]).train()
+    assert storm.enabled.handle_of(model) is not None  # no event of transformers' came to disable it
+    callback = StormCallback(mode="embedded", min_bytes=0)
+    train(tmp_path, 2, callback, model)
+    assert storm.enabled.handle_of(model) is None and not model._forward_hooks and not model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"mode": "bogus"}, ValueError, "mode must be one of"),
+    ({"budegt": 0.5}, TypeError, "budegt"),
+    ({"budget": 2.0}, ValueError, "budget must be bytes"),
+    ({"budget": 0.5, "reentrant": "no"}, ValueError, "reentrant must be True or False"),
+])
+def test_bad_options_are_refused_when_the_callback_is_made(options, error, message):
+    """As storm.enable refuses them, at the line that wrote them: they passed until train()."""
+    with pytest.raises(error, match=message):
+        StormCallback(**options)
+

@@ -88,6 +88,29 @@ def test_bad_plans_are_refused(blocks, budget, options, error):
         storm.plan(model.blocks if blocks is None else blocks, budget=budget, **options)
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"reentrant": "no"}, "reentrant must be True or False; got 'no'"),
+    ({"reentrant": None}, "reentrant must be True or False; got None"),
+    ({"clock": "cuda"}, r"clock must be None \(the compute stream's timings.*or a storm.planner.Clock.*got 'cuda'"),
+    ({"clock": 5}, "clock must be None .*got 5"),
+])
+def test_reentrant_and_clock_are_refused_where_given(options, message):
+    """reentrant='no' was taken as True and a clock that is none failed at the first step, inside
+    the trace."""
+    model, _ = gpt()
+    with pytest.raises((TypeError, ValueError), match=message):
+        storm.plan(model.blocks, budget=0.5, **options)
+
+
+def test_a_whole_model_is_refused_naming_its_blocks():
+    """The model itself, not its blocks: said so, with where to look (it raised "'GPT' object is
+    not iterable")."""
+    model, _ = gpt()
+    with pytest.raises(TypeError, match="storm.plan takes the model's repeated blocks .*such as model.layers.*not a "
+                                        "GPT that holds them; or storm.enable"):
+        storm.plan(model, budget=0.5)
+
+
 def test_plan_options_in_sizes_reach_the_plan_as_bytes():
     """The options go to the planner's choice as bytes, whatever it chooses (which depends on
     the trace's timings: on a busy CPU recomputing every block can win, and a plan that
