@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -143,12 +144,23 @@ def clients_report(reply: dict[str, Any], endpoint: str) -> Report:
     return Report(f"clients of stormd at {endpoint}", columns, rows, caption)
 
 
+def seconds(text: str) -> float:
+    """--timeout: a positive, finite number of seconds (zmq polls forever for a negative one)."""
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not (math.isfinite(s) and s > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
+    return s
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="stormctl", description="Query or drain a running stormd.")
     p.add_argument("verb", choices=list(VERBS), help="status | stats (per client) | ping | drain")
     p.add_argument("--socket", default=None, help="the daemon's socket (default: $STORMD_SOCKET or the runtime dir)")
     p.add_argument("--json", action="store_true", help="print the reply as JSON instead of a table")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    p.add_argument("--timeout", type=seconds, default=3.0, help="seconds to wait for the answer (default 3)")
     a = p.parse_args(argv)
     try:
         endpoint = normalize_endpoint(a.socket)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 
+import pytest
 from rich.console import Console
 
 from stormd import ctl
@@ -50,3 +51,13 @@ def test_a_client_without_a_name_shows_a_dash_and_status_prints_plain_when_piped
     text = printed(ctl.status_report(status, "ipc:///s"), terminal=False, width=20)
     assert "pool used      1.0 MiB of 1GiB (0.1%), peak 2.0 MiB" in text
     assert "errors         POOL_FULL 2" in text
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf"])
+def test_a_timeout_that_is_no_positive_finite_number_is_a_usage_error(timeout, capsys):
+    """argparse refuses it (exit 2) naming --timeout: -1 polled forever, nan and inf crashed."""
+    with pytest.raises(SystemExit) as exit_:
+        ctl.main(["ping", "--timeout", timeout, "--socket", "ipc:///nonexistent/stormd.sock"])
+    assert exit_.value.code == 2
+    assert "--timeout: " in capsys.readouterr().err
+
