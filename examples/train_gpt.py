@@ -26,6 +26,7 @@ from torch.profiler import record_function
 
 import storm
 from storm.examples.models import GPT, same_bits
+from storm.hooks import parse_budget
 from storm.report import BACKWARD, FORWARD, memory_timeline, plot_memory, progress
 from storm.session import DEFAULT_MAX_HELD_BYTES
 from stormd.wire.sizes import parse_size
@@ -69,9 +70,23 @@ def check_first_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argpars
     return len(bad)
 
 
-def plan_budget(text: str) -> int | float | str:
-    """--plan's value: a fraction when it has a decimal point, else bytes or a size."""
-    return float(text) if "." in text else text
+def plan_budget(text: str) -> int | float:
+    """argparse type of --plan: a fraction in (0, 1] of a step's saves, written with a decimal point
+    (0.3), or a size with a unit (64MiB). A bare number is refused: as bytes, "2" is surely not meant."""
+    accepted = "must be a size with a unit (such as 64MiB) or a fraction in (0, 1] with a decimal point (such as 0.3)"
+    try:
+        fraction = float(text)
+    except ValueError:
+        try:
+            return parse_size(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{accepted}; got {text!r} ({e})") from None
+    try:
+        if "." not in text:
+            raise ValueError(text)
+        return parse_budget(fraction)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{accepted}; got {text!r}") from None
 
 
 def make_offload(args: argparse.Namespace) -> storm.Offload:
@@ -125,6 +140,14 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def device(text: str) -> torch.device:
+    """argparse type: a device torch names (cpu, cuda, cuda:1)."""
+    try:
+        return torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (use cpu, cuda or cuda:N)") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=positive, default=20)
@@ -141,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-held-bytes", type=size, default=DEFAULT_MAX_HELD_BYTES,
                    help="bytes whose copy may still be running before a save waits (a size such as 64MiB; "
                         "0: every save waits)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the bit-exact first-step comparison")
     p.add_argument("--plot", metavar="FILE.png", default=None,
@@ -149,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                         "pip install 'storm-offload[plot]')")
     p.add_argument("--quiet", action="store_true", help="no per-step lines and no progress bar")
     p.add_argument("--plan", metavar="BUDGET", default=None, type=plan_budget,
-                   help="train with storm.plan: the GPU memory saved activations may take, bytes (e.g. 64MiB) "
+                   help="train with storm.plan: the GPU memory saved activations may take, a size (e.g. 64MiB) "
                         "or a fraction of a step's (e.g. 0.3); blocks are kept, offloaded or recomputed")
     args = p.parse_args(argv)
     if args.d_model % args.heads:
@@ -157,11 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after training
         p.error("--plot draws with matplotlib, which is not installed: pip install 'storm-offload[plot]' "
                 "(or pip install matplotlib)")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if args.plot and not Path(args.plot).absolute().parent.is_dir():  # say so now, not after training
+        p.error(f"--plot {args.plot}: there is no directory {Path(args.plot).absolute().parent}")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: this torch sees no CUDA device (use --device cpu)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return train(args)
+    except storm.StormError as e:  # no daemon with --mode daemon, or one that refused: the message says which
+        print(f"{p.prog}: {e}", file=sys.stderr)
+        return 1
 
-    device = torch.device(args.device)
+
+def train(args: argparse.Namespace) -> int:
+    """The run main() parsed: the first step checked (1 if a gradient differs), then training."""
+    device = args.device
     torch.manual_seed(args.seed)
     model = GPT(seq_len=args.seq, d_model=args.d_model, n_heads=args.heads, n_layers=args.layers).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -43,11 +43,26 @@ def test_train_gpt_with_a_plan_traces_plans_and_explains(capsys):
     (["--heads", "3"], "--d-model 128 is not a multiple of --heads 3"),
     (["--min-bytes", "x"], "--min-bytes: cannot read size 'x': use bytes or a number with a unit"),
     (["--max-held-bytes", "1.5"], "--max-held-bytes: size '1.5' is not a whole number of bytes"),
+    # --plan: "half" and "1.5" gave a traceback, "2" was taken as 2 bytes; --device gpu a torch traceback
+    (["--plan", "half"], "--plan: must be a size with a unit (such as 64MiB) or a fraction in (0, 1]"),
+    (["--plan", "2"], "--plan: must be a size with a unit (such as 64MiB) or a fraction in (0, 1] with a decimal "
+                      "point (such as 0.3); got '2'"),
+    (["--plan", "1.5"], "--plan: must be a size with a unit"),
+    (["--device", "gpu"], "--device: not a torch device: 'gpu' (use cpu, cuda or cuda:N)"),
+    (["--plot", "/nonexistent/memory.png"], "--plot /nonexistent/memory.png: there is no directory /nonexistent"),
 ])
 def test_train_gpt_refuses_bad_arguments_clearly(args, says, capsys):
     with pytest.raises(SystemExit) as e:
         train_gpt.main(args)
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_train_gpt_without_a_daemon_in_daemon_mode_says_so_and_exits_1(tmp_path, monkeypatch, capsys):
+    """storm's errors end the run with their message and exit status 1 (it was a StormUnavailable
+    traceback)."""
+    monkeypatch.setenv("STORMD_SOCKET", str(tmp_path / "none.sock"))
+    assert train_gpt.main([*SMALL, "--mode", "daemon"]) == 1
+    assert "stormd" in capsys.readouterr().err
 
 
 def test_train_gpt_takes_sizes_as_the_python_api_does(capsys):
