@@ -29,14 +29,18 @@ def embedded_service(pool_size: int | None, room: Callable[[], tuple[int, str]] 
     """A Service over a new pool for one process's own requests: no session logging (the process is
     its only client), and no spill to disk (the embedded store's pool is its whole budget).
 
-    ``pool_size``: the pool's fixed size. None: the pool grows on demand up to a cap, ``room()``'s
+    ``pool_size``: the pool's fixed size, refused (ValueError) past ``room()``. None: the pool grows on demand up to a cap, ``room()``'s
     bytes and where they come from (free host memory and the memory cgroup, read once; pool_text
     says it for the log), from ``initial`` bytes by at least ``min_step``; ``extend`` grows it (the
     last four parameters let a test stand in a host and a pool of its own)."""
     options = StoreOptions(spill_off="the embedded store does not spill to disk")
-    if pool_size is not None:
-        return Service(SharedPool.anonymous(pool_size), log_sessions=False, store_options=options)
     cap, source = room()
+    if pool_size is not None:
+        if pool_size > cap:  # the mapping is lazy: it would not fail now but when training fills it (OOM)
+            raise ValueError(f"pool_size {format_size(pool_size)} is more than this host can give a pool now "
+                             f"({format_size(cap)}: {source}); give a smaller pool_size (or STORM_POOL_SIZE), "
+                             f"or none: the pool then grows on demand up to that")
+        return Service(SharedPool.anonymous(pool_size), log_sessions=False, store_options=options)
     cap = max(cap - cap % GROWTH_ALIGNMENT, GROWTH_ALIGNMENT)
     start = min(max(initial - initial % GROWTH_ALIGNMENT, GROWTH_ALIGNMENT), cap)  # whole pages, as growths add
     pool = SharedPool.anonymous(start, reserve=cap)

@@ -95,6 +95,14 @@ def test_a_given_pool_size_stays_fixed():
         e.close()
 
 
+def test_a_given_pool_size_past_what_the_host_can_give_is_refused_naming_it_and_the_bound():
+    """The pool is a lazy mapping: 10 TiB mapped at once on a 24 GB host, and the OOM killer came
+    when training filled it. stormd refuses such a pool at start; so does the embedded store."""
+    with pytest.raises(ValueError, match=r"pool_size 32MiB is more than this host can give a pool now "
+                                         r"\(16MiB: a test's cgroup\).*STORM_POOL_SIZE"):
+        EmbeddedStore(32 * MiB, room=small_host())
+
+
 def test_the_cap_is_free_ram_less_headroom_or_the_cgroup_room_when_lower():
     info = {"MemTotal": 64 << 30, "MemAvailable": 40 << 30}
     cap, source = host_room(lambda: info, lambda: None)
