@@ -39,6 +39,12 @@ from .wire.protocol import OPS, ErrorCode, ProtocolError, pack, unpack
 log = logging.getLogger("stormd")
 
 BACKLOG_RETRY = 0.001  # seconds between retries of replies a client has not made room for
+# What the daemon sends a client socket, unasked, to learn whether it is still connected: an id no
+# request has, which clients drop as they drop any reply they are not waiting for.
+PROBE = pack({"id": 0, "ok": True, "probe": True})
+# A HELLO that finds the daemon full looks for sessions of closed sockets at most this often: every
+# look costs a send per client socket, and a HELLO loop must not turn into a send storm.
+PROBE_INTERVAL = 0.1
 
 
 def heartbeat_timeout(client_timeout: float) -> float:
@@ -87,6 +93,7 @@ class Server:
         self._auth = None  # the ZAP authenticator of a tcp:// (CURVE) socket
         self._backlog: dict[bytes, _Backlog] = {}  # by peer
         self._flusher: asyncio.Task | None = None
+        self._probed = -PROBE_INTERVAL  # time.monotonic() of the last look for closed client sockets
 
     def bind(self) -> None:
         path = ipc_path(self.config.socket)
@@ -147,6 +154,8 @@ class Server:
                 msg = unpack(frames[1])
                 if isinstance(msg, dict) and msg.get("op") in OPS:
                     op = msg["op"]
+                if op == "HELLO" and self.service.sessions.full():
+                    self._end_sessions_of_closed_sockets()
                 reply = self.service.handle_message(msg, peer)
             except ProtocolError as e:
                 reply = self.service.refuse(0, e)
@@ -183,6 +192,17 @@ class Server:
         # Nothing else is expected; one lost reply (its client times out) beats a daemon down for all.
         log.error("reply to a client could not be sent", extra={"error": repr(err)})
         return True
+
+    def _end_sessions_of_closed_sockets(self) -> None:
+        """A process that crashes after HELLO leaves its sessions open until client_timeout, and a
+        crash loop would fill max_sessions with them: a socket that is gone is one ZeroMQ cannot
+        route to (ROUTER_MANDATORY), which a probe finds now."""
+        now = time.monotonic()
+        if now - self._probed < PROBE_INTERVAL:
+            return
+        self._probed = now
+        for peer in self.service.sessions.peers():
+            self._try_send(peer, PROBE)  # a full pipe (alive, or stopped: heartbeats end that) is left alone
 
     def _peer_gone(self, peer: bytes, why: str) -> None:
         backlog = self._backlog.pop(peer, None)

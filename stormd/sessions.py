@@ -45,7 +45,7 @@ class SessionTable:
 
     def open(self, pid: int, host: str, peer: bytes | None) -> Session:
         """A new session; TOO_MANY_SESSIONS past a limit."""
-        if self.limits.total and len(self._sessions) >= self.limits.total:
+        if self.full():
             raise ProtocolError(ErrorCode.TOO_MANY_SESSIONS,
                                 f"stormd serves {len(self._sessions)} sessions, its limit (max_sessions); "
                                 f"retry once others have ended, or raise max_sessions")
@@ -83,6 +83,14 @@ class SessionTable:
 
     def by_peer(self, peer: bytes) -> list[Session]:
         return [self._sessions[i] for i in sorted(self._by_peer.get(peer, ()))]
+
+    def peers(self) -> list[bytes]:
+        """The client sockets that hold sessions."""
+        return list(self._by_peer)
+
+    def full(self) -> bool:
+        """Whether the next HELLO would be refused for the whole daemon's limit."""
+        return bool(self.limits.total) and len(self._sessions) >= self.limits.total
 
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))

@@ -4,7 +4,9 @@ reply stays within what any client (stormctl) decodes however many sessions ther
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 import pytest
 import pytest_asyncio
@@ -15,6 +17,7 @@ from test_server_async import AsyncClient, serving, until
 
 from stormd import ctl
 from stormd.config import DaemonConfig
+from stormd.server import Server
 from stormd.service import Service
 from stormd.sessions import SessionLimits
 from stormd.wire.pool import SharedPool
@@ -50,7 +53,7 @@ def test_the_clients_reply_fits_any_client_however_many_sessions_and_lists_the_b
     n = 6000
     sessions = [hello(service, None, pid) for pid in range(1, n + 1)]
     holders = {}
-    for r, nbytes in zip(sessions[-3:], (3000, 1000, 2000)):  # the last sessions opened hold the most
+    for r, nbytes in zip(sessions[-3:], (3072, 1024, 2048)):  # the last sessions opened hold the most
         auth = {"session": r["session"], "token": r["token"]}
         assert service.handle(Request("PUT", 1, {**auth, **put_fields(1, nbytes)}), None)["ok"]
         holders[r["session"]] = nbytes
@@ -123,3 +126,35 @@ def test_a_daemon_at_its_session_limit_is_unavailable_to_a_new_client(tmp_path, 
     finally:
         storm.close_all()
         stop_daemon(d)
+
+
+@pytest.mark.asyncio
+async def test_a_hello_at_the_session_limit_first_ends_the_sessions_of_closed_sockets(tmp_path):
+    """Processes that crash after HELLO (a crash loop) left their sessions until client_timeout and
+    kept every new client out meanwhile; a HELLO at the limit now finds the closed sockets first,
+    and a live client is asked, not ended."""
+    pool = SharedPool.anonymous(MIB)
+    srv = Server(Service(pool, session_limits=SessionLimits(per_peer=16, total=3)),
+                 DaemonConfig(socket=f"ipc://{tmp_path}/run/s.sock", client_timeout=600))
+    srv.bind()
+    task = asyncio.create_task(srv.serve())
+    try:
+        clients = [AsyncClient(srv.config.socket) for _ in range(3)]
+        for c in clients:
+            assert (await c.hello())["ok"]
+        for c in clients[:2]:
+            c.sock.close(linger=0)  # no BYE: the process is gone
+        newcomer = AsyncClient(srv.config.socket)
+        deadline = time.monotonic() + 60  # until ZeroMQ's I/O thread has seen both connections close
+        hello = {"version": PROTOCOL_VERSION, "pid": 1, "host": "test"}
+        while not (r := await newcomer.call("HELLO", **hello))["ok"] and time.monotonic() < deadline:
+            assert r["error"] == ErrorCode.TOO_MANY_SESSIONS, r
+            await asyncio.sleep(0.2)
+        assert r["ok"], r
+        assert len(srv.service.sessions) == 2
+        assert (await clients[2].call("PUT", **put_fields(1, 4096)))["ok"]  # the live one was probed, not ended
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        pool.close()

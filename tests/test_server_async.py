@@ -30,7 +30,9 @@ class AsyncClient:
 
     async def call(self, op: str, **fields) -> dict:
         await self.sock.send(pack({"op": op, "id": next(self.ids), **self.auth, **fields}))
-        return unpack(await asyncio.wait_for(self.sock.recv(), 5))
+        while (reply := unpack(await asyncio.wait_for(self.sock.recv(), 5))).get("probe"):
+            pass  # the daemon asking whether this socket is still there, which clients drop
+        return reply
 
     async def hello(self) -> dict:
         r = await self.call("HELLO", version=PROTOCOL_VERSION, pid=os.getpid(), host="test")
