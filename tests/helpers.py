@@ -35,7 +35,9 @@ class RawClient:
 
     def send_frames(self, *frames: bytes) -> dict:
         self.sock.send_multipart(list(frames))
-        return unpack(self.sock.recv())
+        while (reply := unpack(self.sock.recv())).get("probe"):
+            pass  # the daemon asking whether this socket is still there, which clients drop
+        return reply
 
     def call(self, op: str, **fields) -> dict:
         msg = {"op": op, "id": next(self.ids), **self.auth, **fields}
