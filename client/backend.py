@@ -19,7 +19,7 @@ from stormd.wire.pool import SharedPool
 from .errors import StormUnavailable, StormUntrusted
 from .options import mode_option, pool_size_option
 from .replies import Resolved
-from .trust import check_socket
+from .trust import open_checked_socket
 
 log = logging.getLogger("storm")
 
@@ -75,22 +75,21 @@ def open_backend(mode: str, socket: str | None = None, pool_size: str | int | No
 
 
 def _connect(endpoint: str) -> Backend:
-    path = ipc_path(endpoint)
-    if path is not None:
-        check_socket(path)  # before anything reaches the socket, the liveness probe included
-    try:
-        exists = path is None or path.exists()
-    except PermissionError:  # the socket's directory belongs to another user
-        raise StormUnavailable(f"no access to the stormd socket {path}: its directory is private to the "
-                               f"daemon's user; run training as that user, or use mode='embedded'") from None
-    if not exists:
-        raise StormUnavailable(f"no stormd socket at {path}; start one with `stormd`, set STORMD_SOCKET, "
-                               f"or use mode='embedded'")
-    if path is not None and not socket_is_live(path):
-        raise StormUnavailable(f"stormd socket {path} is left over from a daemon that is gone; "
-                               f"restart stormd, or use mode='embedded'")
     from .connection import DaemonConnection
-    return DaemonConnection(endpoint)
+    path = ipc_path(endpoint)
+    if path is None:
+        return DaemonConnection(endpoint)
+    # Checked before anything reaches the socket, the liveness probe included; from here on the socket
+    # is reached only through the directory that was checked (client/trust.py says why)
+    checked = open_checked_socket(path)
+    try:
+        if not socket_is_live(checked.via):
+            raise StormUnavailable(f"stormd socket {path} is left over from a daemon that is gone; "
+                                   f"restart stormd, or use mode='embedded'")
+        return DaemonConnection(endpoint, checked=checked)  # it closes ``checked`` when it closes
+    except BaseException:
+        checked.close()  # closes once: a no-op if the connection already did
+        raise
 
 
 def _announce(line: str, level: int = logging.INFO) -> None:

@@ -19,7 +19,9 @@ ones wait here, in order. So a process that produces requests faster than
 the daemon answers is slowed in its own queue, the socket's send never blocks
 (the credit is below ZeroMQ's high-water mark) and the daemon never holds a
 backlog of this client's replies. A tcp:// endpoint is reached with CURVE
-keys from the environment (stormd/wire/curve.py).
+keys from the environment (stormd/wire/curve.py). An ipc:// endpoint is reached only
+through its directory as client/trust.py opened and checked it (/proc/self/fd/N/NAME), held open for
+as long as ZeroMQ may reconnect: never by the name again, which another user could have repointed.
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ import zmq
 
 from stormd.wire.cuda import unregister_pool
 from stormd.wire.curve import CurveKeyError, client_curve_options
+from stormd.wire.endpoint import ipc_path
 from stormd.wire.pool import PoolError, SharedPool
 from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
 
 from .errors import StormRequestError, StormUnavailable, StormUntrusted
 from .replies import resolve
-from .trust import check_pool
+from .trust import CheckedSocket, check_pool, open_checked_socket
 
 CONNECT_TIMEOUT = 2.0
 HEARTBEAT = 1.0
@@ -53,12 +56,20 @@ MAX_IN_FLIGHT = 256  # below stormd's default hwm (1000), so neither side's pipe
 
 class DaemonConnection:
     def __init__(self, endpoint: str, connect_timeout: float = CONNECT_TIMEOUT, heartbeat: float = HEARTBEAT,
-                 dead_after: float = DEAD_AFTER, max_in_flight: int = MAX_IN_FLIGHT):
+                 dead_after: float = DEAD_AFTER, max_in_flight: int = MAX_IN_FLIGHT,
+                 checked: CheckedSocket | None = None):
+        """``checked``: the ipc:// socket as open_checked_socket opened it (opened here if not given);
+        the connection owns it from here on and closes it when it closes, failing to connect included."""
         self.endpoint = endpoint
+        path = ipc_path(endpoint)
+        self._checked = checked if checked is not None or path is None else open_checked_socket(path)
+        # what ZeroMQ connects (and reconnects) to: ``endpoint`` itself is kept for what is said to the user
+        self._connect_to = self._checked.endpoint if self._checked is not None else endpoint
         self.max_in_flight = max_in_flight
         try:
             self._sockopts = client_curve_options(endpoint) if endpoint.startswith("tcp://") else {}
         except CurveKeyError as e:
+            self._close_checked()
             raise StormUnavailable(str(e)) from None
         self.heartbeat = heartbeat
         self.dead_after = dead_after
@@ -158,7 +169,7 @@ class DaemonConnection:
         sock.setsockopt(zmq.LINGER, 0)
         for option, value in self._sockopts.items():
             sock.setsockopt(option, value)
-        sock.connect(self.endpoint)
+        sock.connect(self._connect_to)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -211,6 +222,11 @@ class DaemonConnection:
         os.close(self._wake_r)
         os.close(self._wake_w)
         self._ctx.term()
+        self._close_checked()  # only now: until the context is gone, ZeroMQ may reconnect through it
+
+    def _close_checked(self) -> None:
+        if self._checked is not None:
+            self._checked.close()
 
     def close(self) -> None:
         """Say BYE (the daemon frees everything of this session) and stop the I/O thread."""

@@ -252,6 +252,35 @@ def test_a_socket_directory_another_user_could_have_made_is_refused_before_anyth
         stop_daemon(d)
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="a link of another uid needs root")
+def test_a_socket_directory_name_another_user_made_a_symlink_is_refused_in_both_modes(
+        tmp_path, open_parent, monkeypatch, caplog):
+    """Another user who made /tmp/stormd-UID first can make it a symlink and repoint it between the
+    client's check and its connection (shown: .scratch/attack/a4_trust_symlink_race.py): at the check,
+    at a directory of the user's, at the connection, at its own with its own daemon in it. So the link
+    is refused as such, here while it leads to the user's own running daemon, and nothing reaches it."""
+    monkeypatch.delenv("STORM_DAEMON_UID", raising=False)
+    open_parent.chmod(0o1777)  # as /tmp: every user may make a name in it
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics")
+    squatted = open_parent / f"stormd-{os.getuid()}"
+    squatted.symlink_to(d.socket.parent, target_is_directory=True)
+    os.lchown(squatted, NOBODY, NOBODY)
+    sock = squatted / d.socket.name
+    try:
+        said = (f"refusing the stormd socket directory {squatted}: it is a symlink (to '{d.socket.parent}', owned by "
+                f"uid {NOBODY}); accepted: a directory itself, not a symlink to one, of this user")
+        with pytest.raises(storm.StormUntrusted, match=re.escape(said)):
+            offload_one_step(mode="daemon", socket=str(sock))
+        with caplog.at_level(logging.WARNING, logger="storm"):
+            ctx = offload_one_step(socket=str(sock))
+        assert ctx.backend_name == "embedded store" and ctx.stats.offloaded > 0
+        assert [r.levelno for r in caplog.records if said in r.getMessage()] == [logging.WARNING], caplog.text
+        assert "client connected" not in d.output()
+    finally:
+        storm.close_all()
+        stop_daemon(d)
+
+
 @pytest.mark.parametrize("change", ["open-to-others", "owned-by-another-uid"])
 def test_a_pool_segment_of_another_user_or_open_to_others_is_refused_before_any_put(tmp_path, change, monkeypatch):
     """The daemon names its pool in HELLO; a pool another uid owns, or that others may open, is not

@@ -62,9 +62,25 @@ def ipc_path(endpoint: str) -> Path | None:
 
 
 def ensure_private_dir(path: Path) -> None:
-    """Create the socket's directory 0700; refuse one that another user owns or others can enter."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
+    """Create the socket's directory 0700; refuse one that is a symlink, that another user owns or
+    that others can enter. A symlink is refused, not followed: its owner (e.g. another user who made
+    /tmp/stormd-UID first) could repoint it, after this check, at a directory of theirs."""
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass  # checked below as it is, symlink or not
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = repr(os.readlink(path))
+        except OSError:  # repointed or removed since
+            target = "somewhere"
+        raise PermissionError(f"socket directory {path} is a symlink (to {target}, owned by uid {st.st_uid}); "
+                              f"stormd does not follow it, since whoever owns the link can repoint it. Accepted: "
+                              f"a directory of this user that others cannot enter; remove the link, or give "
+                              f"--socket a path in a directory of yours")
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"socket directory {path} is not a directory; accepted: a directory of this user")
     if st.st_uid != os.getuid():
         raise PermissionError(f"socket directory {path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
     if stat.S_IMODE(st.st_mode) & 0o007:
