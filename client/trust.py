@@ -31,7 +31,7 @@ import os
 import stat
 from pathlib import Path
 
-from stormd.wire.pool import _SEGMENT_RE as SEGMENT_NAME  # how SharedPool.create names segments
+from stormd.wire.pool import SEGMENT_NAME  # how SharedPool.create names segments
 
 from .errors import StormUnavailable, StormUntrusted
 

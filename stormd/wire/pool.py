@@ -152,14 +152,15 @@ class SharedPool:
             self._owner = False
 
 
-_SEGMENT_RE = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-(\d+)-[0-9a-f]+$")
+# stormd-UID-PID-HEX: what create names a segment; clients accept no other pool (client/trust.py)
+SEGMENT_NAME = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-(\d+)-[0-9a-f]+$")
 
 
 def remove_stale_segments(directory: Path) -> list[str]:
     """Unlink segments of this uid whose daemon is gone (a kill -9 leaves them behind)."""
     removed = []
     for p in directory.iterdir():
-        m = _SEGMENT_RE.match(p.name)
+        m = SEGMENT_NAME.match(p.name)
         if not m or int(m.group(1)) != os.getuid():
             continue
         pid = int(m.group(2))
