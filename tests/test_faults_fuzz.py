@@ -307,3 +307,37 @@ def test_100k_hostile_messages_each_get_an_error_and_nothing_leaks(tmp_path):
     finally:
         stop_daemon(d)
     assert d.proc.returncode == 0, d.output()
+
+
+def test_a_daemon_answers_the_largest_hostile_requests_with_small_replies_and_serves_on(tmp_path):
+    """The attacks a1, a2, a6 (.scratch/attack) against a real daemon: requests that echo into the
+    reply, that make a PUT's metadata large, that are costly to decode. Each gets one small error
+    reply (sizes, not times, are asserted) and the daemon keeps serving another client."""
+    import msgpack
+    d = start_daemon(tmp_path, "--pool-size", str(POOL))
+    try:
+        victim = RawClient(d.endpoint)
+        victim.hello()
+        attacker = RawClient(d.endpoint, timeout_ms=60_000)
+        attacker.hello()
+        fat = {**put_fields(1, 1), "shape": [0] + [(1 << 62) + i for i in range(31)], "strides": [1 << 62] * 32,
+               "storage_offset": 1 << 62}
+        frames = {
+            "op of a million Nones": msgpack.packb({"op": [None] * 1_040_000, "id": 1}),
+            "a million empty arrays": msgpack.packb({"op": "PING", "id": 2, "x": [[]] * 1_040_000}),
+            "16 x 60000 empty arrays": msgpack.packb({"op": "PING", "id": 3, "x": [[[]] * 60_000] * 16}),
+            "100000 unknown fields": msgpack.packb({"op": "PING", "id": 4, **{str(i): i for i in range(100_000)}}),
+            "an op of 16000 characters": pack({"op": "x" * 16_000, "id": 5}),
+            "a PUT of one byte with fat metadata": pack({"op": "PUT", "id": 6, **attacker.auth, **fat}),
+        }
+        for name, frame in frames.items():
+            assert len(frame) <= MAX_MESSAGE_BYTES
+            attacker.sock.send(frame)
+            raw = attacker.sock.recv()
+            reply = unpack(raw)
+            assert reply["ok"] is False and reply["error"] in (E.BAD_MESSAGE, E.BAD_FIELD, E.UNKNOWN_OP), (name, reply)
+            assert len(raw) <= 2048, (name, len(raw))
+        assert attacker.call("STATS")["session"]["keys"] == 0  # the fat PUT stored nothing
+        assert victim.call("PING")["ok"] and d.proc.poll() is None
+    finally:
+        stop_daemon(d)

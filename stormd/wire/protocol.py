@@ -82,7 +82,10 @@ DRAIN  -> as STATUS         (refuse PUT and HELLO from now on; the daemon exits 
                              clients hold nothing more or its drain deadline passes)
 
 ``nbytes`` counts the bytes of the whole storage the tensor views; ``shape``,
-``strides`` (in elements) and ``storage_offset`` place the saved view in it.
+``strides`` (in elements) and ``storage_offset`` place the saved view in it: at most
+MAX_DIMS dims, the view inside the storage, no stride larger than twice the storage's
+elements or the view's extent (empty views and size-1 dims included), the shape's
+elements within an int64 (check_view). Otherwise BAD_FIELD, and the client keeps the tensor.
 
 Hostile or broken input: every frame gets exactly one reply, in the order the
 client sent them; a frame that is not a request (bad msgpack, not a map, an
@@ -93,11 +96,18 @@ that sends faster than the daemon answers is slowed by the socket's high-water
 mark (``hwm``), not refused. Exception to "exactly one reply": a frame larger
 than ``max_message_size`` (at least MAX_MESSAGE_BYTES) is dropped by ZeroMQ as
 it arrives, unanswered, and its connection closed.
+
+A frame is decoded within DecodeLimits (arrays, maps, strings, bins, and arrays and maps
+over the whole message; MESSAGE_LIMITS in ``unpack``, the tighter REQUEST_LIMITS in
+``unpack_request``): past one it is BAD_MESSAGE, naming the limit. An error's ``message``
+is at most MAX_ERROR_CHARS characters and quotes a client's value cut to about SHOWN_CHARS.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -108,9 +118,54 @@ PROTOCOL_VERSION = 2
 
 # Bounds on what one message may say; larger requests are refused, not tried.
 MAX_MESSAGE_BYTES = 1 << 20
-MAX_DIMS = 64
+# Dims of a saved view. torch sets no limit for CPU tensors, but its CUDA kernels stop at 25
+# (ATen's MAX_TENSORINFO_DIMS: "CUDA Tensors cannot have more than 25 dimensions"), and a view of
+# more than 32 dims of size >= 2 holds at least 2**33 elements. Models use a handful. Each dim
+# costs the daemon a shape and a stride it keeps for the key's lifetime, so the cap bounds what
+# one key's metadata costs; a tensor past it is refused (BAD_FIELD) and the client keeps it.
+MAX_DIMS = 32
 MAX_KEYS_PER_FREE = 1 << 16
 MAX_INT = (1 << 63) - 1
+IPC_HANDLE_BYTES = 64
+
+# What the decoder builds from one frame, at most. These bound the decode's cost on the daemon's
+# one event loop: a 1 MiB frame of a million empty arrays cost ~0.3 s to build (and to collect).
+# msgpack checks a length as it reads its header, before it builds the value, and a count of the
+# arrays and maps built stops the decode at the first one past the limit.
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """At most this much in one decoded message (msgpack's max_*_len, per array, map, string, bin;
+    ``containers`` and ``elements`` (array items and map entries) over the whole message)."""
+
+    array_len: int
+    map_len: int
+    str_bytes: int
+    bin_bytes: int
+    containers: int
+    elements: int
+
+
+# Any message either side sends: ``unpack`` decodes the daemon's replies in clients and stormctl
+# too, and the largest reply, CLIENTS (a row per session, as many as fit in CLIENTS_REPLY_BYTES),
+# holds fewer than 3600 rows of 25 fields (a row packs to ~300 bytes: its field names alone take 250).
+MESSAGE_LIMITS = DecodeLimits(
+    array_len=MAX_KEYS_PER_FREE,  # FREE's keys; CLIENTS' rows
+    map_len=256,                  # a request has at most 14 fields; STATS', STATUS' and a row's maps ~30
+    str_bytes=16 << 10,           # HELLO's host: 256 characters (1 KiB of UTF-8); the pool's path (4 KiB)
+    bin_bytes=4 << 10,            # the 64-byte CUDA IPC handles; replies carry none
+    containers=1 << 13,           # a request has at most 4; a CLIENTS reply one a row
+    elements=1 << 18)             # CLIENTS: ~90k fields; the 1 MiB frame holds no more than ~250k anyway
+# A request, at most: what the daemon's decode of a frame from a client should allow (see
+# unpack_request). A decode under these costs a few milliseconds whatever the frame says.
+REQUEST_LIMITS = DecodeLimits(
+    array_len=MAX_KEYS_PER_FREE, map_len=32, str_bytes=1 << 10, bin_bytes=IPC_HANDLE_BYTES,
+    containers=8, elements=MAX_KEYS_PER_FREE + 256)
+# An error message's length, whatever it quotes: a reply that echoed the request (a repr of a
+# 1 MiB op was 6 MB) would pin that much in the daemon's send pipe for every reply left unread.
+MAX_ERROR_CHARS = 1024
+SHOWN_CHARS = 120         # of one client-supplied value quoted in a message
 
 # dtype name -> item size in bytes. Names are torch's ("float32", "bfloat16").
 DTYPE_SIZES: dict[str, int] = {
@@ -158,6 +213,8 @@ class ProtocolError(Exception):
     """A request the daemon refuses; becomes an error reply, never a crash."""
 
     def __init__(self, code: str, message: str):
+        if len(message) > MAX_ERROR_CHARS:  # a bound for every message, wherever it was built
+            message = f"{message[:MAX_ERROR_CHARS - 40]}... ({len(message)} characters in all)"
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
@@ -165,12 +222,30 @@ class ProtocolError(Exception):
 
 # --- field checks -----------------------------------------------------------
 
+_reprs = reprlib.Repr()
+_reprs.maxlevel, _reprs.maxstring, _reprs.maxother = 2, SHOWN_CHARS, SHOWN_CHARS
+_reprs.maxlist = _reprs.maxtuple = _reprs.maxdict = _reprs.maxset = 6
+
+
+def show(v: Any) -> str:
+    """A client-supplied value as an error message may quote it: at most about SHOWN_CHARS
+    characters, with its length when cut, at a cost that does not grow with the value (reprlib
+    looks at a container's first few items and at a string's ends only)."""
+    text = _reprs.repr(v)
+    if len(text) > SHOWN_CHARS:  # reprlib bounds each item, not how many nested ones add up to
+        text = text[:SHOWN_CHARS] + "..."
+    if "..." in text and isinstance(v, (str, bytes, list, tuple, dict)):
+        unit = "characters" if isinstance(v, str) else "bytes" if isinstance(v, bytes) else "items"
+        text += f" ({len(v)} {unit})"
+    return text
+
+
 def _int(lo: int = 0, hi: int = MAX_INT) -> Callable[[str, Any], int]:
     def check(name: str, v: Any) -> int:
         if not isinstance(v, int) or isinstance(v, bool):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' must be an integer, got {type(v).__name__}")
         if not lo <= v <= hi:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' = {v} is out of range [{lo}, {hi}]")
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' = {show(v)} is out of range [{lo}, {hi}]")
         return v
     return check
 
@@ -186,17 +261,23 @@ def _str(max_len: int = 256) -> Callable[[str, Any], str]:
 def _choice(options: Any) -> Callable[[str, Any], str]:
     def check(name: str, v: Any) -> str:
         if not isinstance(v, str) or v not in options:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' = {v!r} is not one of {sorted(options)}")
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' = {show(v)} is not one of {sorted(options)}")
         return v
     return check
 
 
-def _int_list(max_len: int, lo: int = 0) -> Callable[[str, Any], list[int]]:
-    item = _int(lo)
+def _int_list(max_len: int, lo: int = 0, hi: int = MAX_INT) -> Callable[[str, Any], list[int]]:
+    item = _int(lo, hi)
 
     def check(name: str, v: Any) -> list[int]:
         if not isinstance(v, (list, tuple)) or len(v) > max_len:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' must be a list of at most {max_len} integers")
+            got = f"{len(v)} items" if isinstance(v, (list, tuple)) else type(v).__name__
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' must be a list of at most {max_len} integers, "
+                                                     f"got {got}")
+        # At C speed for the usual case (FREE's 65536 keys: ~3 ms, not ~10 ms of one check per
+        # key); the item checks then name the first bad one. bool, an int's subclass, is no int here.
+        if set(map(type, v)) <= {int} and (not v or (lo <= min(v) and max(v) <= hi)):
+            return list(v)
         return [item(name, x) for x in v]
     return check
 
@@ -225,7 +306,6 @@ def _bool(name: str, v: Any) -> bool:
 
 
 _AUTH = {"session": _int(1), "token": _str(64)}
-IPC_HANDLE_BYTES = 64
 _CUDA = _map({"handle": _bytes(IPC_HANDLE_BYTES), "offset": _int(), "device": _str(64),
               "ready": _bytes(IPC_HANDLE_BYTES), "done": _bytes(IPC_HANDLE_BYTES)})
 
@@ -261,14 +341,55 @@ def pack(msg: dict[str, Any]) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
-def unpack(frame: bytes) -> Any:
-    """Decode one frame; anything that is not a bounded msgpack value is BAD_MESSAGE."""
+_LIMIT_NAMES = {"max_array_len": ("an array", "items", "array_len"), "max_map_len": ("a map", "entries", "map_len"),
+                "max_str_len": ("a string", "bytes", "str_bytes"), "max_bin_len": ("a bin", "bytes", "bin_bytes"),
+                "max_ext_len": ("an ext value", "bytes", "the protocol has no ext types")}
+_EXCEEDS = re.compile(r"(\d+) exceeds (max_\w+_len)\((\d+)\)")  # msgpack's wording for a length past its limit
+
+
+class _Overflow(Exception):
+    pass
+
+
+def unpack(frame: bytes, limits: DecodeLimits = MESSAGE_LIMITS) -> Any:
+    """Decode one frame; anything that is not a msgpack value within ``limits`` (and
+    MAX_MESSAGE_BYTES) is BAD_MESSAGE, whose message names the limit it passed."""
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(ErrorCode.BAD_MESSAGE, f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    containers = elements = 0
+
+    def count(built: Any) -> Any:  # msgpack calls it with each array and map once it has built it
+        nonlocal containers, elements
+        containers += 1
+        elements += len(built)
+        if containers > limits.containers or elements > limits.elements:
+            raise _Overflow
+        return built
+
     try:
-        return msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True, list_hook=count, object_hook=count,
+                               max_array_len=limits.array_len, max_map_len=limits.map_len,
+                               max_str_len=limits.str_bytes, max_bin_len=limits.bin_bytes, max_ext_len=0)
+    except _Overflow:
+        raise ProtocolError(ErrorCode.BAD_MESSAGE,
+                            f"message holds more than {limits.containers} arrays and maps (containers) or "
+                            f"{limits.elements} items and entries in them (elements)") from None
     except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a msgpack message: {type(e).__name__}") from None
+        limit = _EXCEEDS.search(str(e)) if isinstance(e, ValueError) else None
+        if limit is None:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a msgpack message: {type(e).__name__}") from None
+        n, name, most = limit.groups()
+        what, unit, field = _LIMIT_NAMES.get(name, (name, "", name))
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"message holds {what} of {n} {unit}; at most {most} are "
+                                                   f"accepted ({field})") from None
+
+
+def unpack_request(frame: bytes) -> Any:
+    """Decode a frame from a client, within REQUEST_LIMITS: what the largest valid request needs
+    (FREE's 65536 keys, PUT's MAX_DIMS dims and ``cuda`` map), so that no frame costs the daemon's
+    loop more than a few milliseconds to decode. ``unpack``'s MESSAGE_LIMITS fit replies too,
+    whose largest (CLIENTS) decode for ~10 ms, and then a hostile request may cost ~10x that."""
+    return unpack(frame, REQUEST_LIMITS)
 
 
 def request_id(msg: Any) -> int:
@@ -286,7 +407,7 @@ def parse_request(msg: Any) -> Request:
         raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a request is a map, got {type(msg).__name__}")
     op = msg.get("op")
     if not isinstance(op, str) or op not in SCHEMAS:  # an unhashable op (a list, a map) must not raise TypeError
-        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(OPS)}")
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {show(op)}; known: {', '.join(OPS)}")
     rid = _int()("id", msg.get("id"))
     required, optional = SCHEMAS[op]
     fields: dict[str, Any] = {}
@@ -297,9 +418,11 @@ def parse_request(msg: Any) -> Request:
     for name, check in optional.items():
         if name in msg:
             fields[name] = check(name, msg[name])
-    unknown = set(msg) - set(required) - set(optional) - {"op", "id"}
+    unknown = [name for name in msg if name not in required and name not in optional and name not in ("op", "id")]
     if unknown:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{op} has unknown field(s) {sorted(map(str, unknown))}")
+        more = f" and {len(unknown) - 4} more" if len(unknown) > 4 else ""
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{op} has unknown field(s) {', '.join(map(show, unknown[:4]))}"
+                                                 f"{more}; it takes {', '.join([*required, *optional])}")
     if op == "PUT":
         check_view(fields)
     if op == "FREE" and sum(k in fields for k in ("keys", "step", "all")) != 1:
@@ -308,7 +431,10 @@ def parse_request(msg: Any) -> Request:
 
 
 def check_view(f: dict[str, Any]) -> None:
-    """The view (shape, strides, storage_offset) must lie inside the storage (``raw_nbytes``)."""
+    """The view (shape, strides, storage_offset) must lie inside the storage (``raw_nbytes``), and
+    none of its numbers may be larger than a view of that storage can need: the daemon keeps them
+    for the key's lifetime, and a PUT of one byte could otherwise make it keep 2 x MAX_DIMS
+    integers of any size (an empty view's, or a size-1 dim's, were not checked at all)."""
     shape, strides = f["shape"], f["strides"]
     if len(shape) != len(strides):
         raise ProtocolError(ErrorCode.BAD_FIELD, f"shape has {len(shape)} dims but strides has {len(strides)}")
@@ -320,12 +446,32 @@ def check_view(f: dict[str, Any]) -> None:
     if raw % itemsize:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"storage of {raw} bytes is not a multiple of the {f['dtype']} "
                                                  f"item size")
-    if math.prod(shape) == 0:
-        return
-    last = f["storage_offset"] + sum((n - 1) * s for n, s in zip(shape, strides))
-    if (last + 1) * itemsize > raw:
+    elements = raw // itemsize
+    # torch counts a tensor's elements in an int64, size-0 dims aside (an empty view may have any
+    # other dims). Only a dim of stride 0 (expand) can be longer than the storage: the reach check
+    # below holds the others to it.
+    extent = math.prod(max(n, 1) for n in shape)
+    if extent > MAX_INT:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"shape {show(shape)} has more elements than torch can count ({MAX_INT})")
+    if 0 not in shape:
+        last = f["storage_offset"] + sum((n - 1) * s for n, s in zip(shape, strides))
+        if (last + 1) * itemsize > raw:
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"view reaches element {last} but the storage holds {elements}")
+    # A stride that reaches no element (a size-1 dim's, or any of an empty view's) is whatever the
+    # op that made the view computed: unsqueeze gives size x stride of the next dim and diagonal the
+    # sum of two strides (either at most twice the storage), a slice with a step past the dim's end
+    # the step, a reshape of an empty view its own contiguous strides (at most its extent). Larger
+    # ones, which take as_strided or such a slice, are refused: the client keeps that tensor.
+    most = max(2 * elements, extent)
+    for i, s in enumerate(strides):
+        if s > most:
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"stride {s} of dim {i} is larger than a view of a storage of {elements} elements "
+                                f"and shape {show(shape)} has (at most {most})")
+    if f["storage_offset"] > elements:  # an empty view may start just past the end (t[len(t):])
         raise ProtocolError(ErrorCode.BAD_FIELD,
-                            f"view reaches element {last} but the storage holds {raw // itemsize}")
+                            f"storage_offset {f['storage_offset']} lies past the storage's {elements} elements")
 
 
 def ok(rid: int, **fields: Any) -> dict[str, Any]:
