@@ -20,6 +20,8 @@ import logging
 import signal
 import sys
 
+import zmq
+
 from . import logs
 from .config import ConfigError, DaemonConfig, add_arguments, load, to_toml, unknown_environment
 from .metrics import Metrics
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = asyncio.run
     try:
         runner(run(config))
-    except (PoolError, PermissionError, RuntimeError, OSError) as e:
+    except (PoolError, PermissionError, RuntimeError, OSError, zmq.ZMQError) as e:
         log.error("stormd cannot start: %s", e, extra={"error": type(e).__name__})
         return 2
     return 0

@@ -105,6 +105,8 @@ def test_bad_toml_is_refused_with_the_file_and_position(tmp_path):
     ("unknown key", "spool_dir = \"/x\"\n", "unknown key 'spool_dir'"),
     ("wrong type", "client_timeout = [1]\n", "client_timeout: wrong type: got list"),
     ("out of range", "client_timeout = 0\n", "client_timeout: 0 is out of range; allowed: a number from 0.05"),
+    # a path longer than a unix socket's room failed at bind, deep in ZeroMQ, with a traceback and exit 1
+    ("socket too long", f"socket = \"/tmp/{'d' * 120}/s.sock\"\n", "a unix socket's may have at most 107"),
 ])
 def test_stormd_exits_2_on_each_kind_of_config_error(tmp_path, kind, text, message):
     r = subprocess.run([sys.executable, "-m", "stormd", "--config", write(tmp_path, text),

@@ -59,7 +59,15 @@ BAD_OPTIONS = [
     ({"codec": "lz4"}, "codec must be None .*got 'lz4'"),
     ({"socket": "http://host/x"}, "socket 'http://host/x': use a path, ipc://PATH or tcp://127.0.0.1:PORT"),
     ({"verify": "no"}, "verify must be True or False; got 'no'"),
+    ({"socket": 5}, "socket must be a path, ipc://PATH or tcp://127.0.0.1:PORT; got 5"),
+    ({"socket": "   "}, "socket '   ' is blank"),
+    ({"socket": "/tmp/" + "d" * 120 + "/s.sock"}, "its path is 132 bytes and a unix socket's may have at most 107"),
 ]
+
+
+def test_a_socket_given_as_a_path_object_is_that_path(tmp_path):
+    """pathlib.Path is how a careless user passes a path: it gave AttributeError ('startswith')."""
+    assert storm.offload(socket=tmp_path / "s.sock").options["socket"] == f"ipc://{tmp_path}/s.sock"
 
 
 @pytest.mark.parametrize("options,message", BAD_OPTIONS, ids=[repr(o) for o, _ in BAD_OPTIONS])

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Mapping
 from urllib.parse import urlsplit
 
+import zmq
+
 SOCKET_ENV = "STORMD_SOCKET"
 SOCKET_NAME = "stormd.sock"
 
@@ -27,10 +29,19 @@ def runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
     return Path(f"/tmp/stormd-{os.getuid()}")
 
 
-def normalize_endpoint(value: str | None, environ: Mapping[str, str] | None = None) -> str:
+ACCEPTED = "a path, ipc://PATH or tcp://127.0.0.1:PORT"
+
+
+def normalize_endpoint(value: str | os.PathLike | None, environ: Mapping[str, str] | None = None) -> str:
     """The ZeroMQ endpoint of a socket given as a path, ipc://PATH or tcp://LOOPBACK:PORT; for None
     (not given) $STORMD_SOCKET, read the same way, else the runtime directory's socket. stormd, the
     client and stormctl all find the socket here, so what one accepts the others do."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"socket must be {ACCEPTED}; got {value!r}")
+    if value is not None and value and not value.strip():
+        raise ValueError(f"socket {value!r} is blank: give {ACCEPTED}")
     if not value:
         env = os.environ if environ is None else environ
         if not env.get(SOCKET_ENV):
@@ -40,7 +51,7 @@ def normalize_endpoint(value: str | None, environ: Mapping[str, str] | None = No
         except ValueError as e:
             raise ValueError(f"{SOCKET_ENV}: {e}") from None
     if value.startswith("ipc://"):
-        return value
+        return _fits_unix_socket(value)
     if value.startswith("tcp://"):
         u = urlsplit(value)
         try:
@@ -52,8 +63,18 @@ def normalize_endpoint(value: str | None, environ: Mapping[str, str] | None = No
                              f"(tcp://127.0.0.1:PORT); tensors are not sent over the network")
         return value
     if "://" in value:
-        raise ValueError(f"socket {value!r}: use a path, ipc://PATH or tcp://127.0.0.1:PORT")
-    return f"ipc://{os.path.abspath(value)}"
+        raise ValueError(f"socket {value!r}: use {ACCEPTED}")
+    return _fits_unix_socket(f"ipc://{os.path.abspath(value)}")
+
+
+def _fits_unix_socket(endpoint: str) -> str:
+    """A unix socket's path has a fixed room in the kernel's address (sun_path); a longer one fails
+    only at bind or connect, deep in ZeroMQ."""
+    n = len(endpoint[len("ipc://"):].encode())
+    if n > zmq.IPC_PATH_MAX_LEN:
+        raise ValueError(f"socket {endpoint!r}: its path is {n} bytes and a unix socket's may have at most "
+                         f"{zmq.IPC_PATH_MAX_LEN}; use a shorter one, e.g. in $XDG_RUNTIME_DIR")
+    return endpoint
 
 
 def ipc_path(endpoint: str) -> Path | None:
