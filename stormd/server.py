@@ -34,7 +34,7 @@ from .auth import secure_server
 from .config import DaemonConfig
 from .service import Service
 from .wire.endpoint import ensure_private_dir, ipc_path, socket_is_live
-from .wire.protocol import OPS, ErrorCode, ProtocolError, pack, unpack
+from .wire.protocol import OPS, ErrorCode, ProtocolError, pack, unpack_request
 
 log = logging.getLogger("stormd")
 
@@ -151,7 +151,8 @@ class Server:
                                                          f"expected one frame per message, got {len(frames) - 1}"))
         else:
             try:
-                msg = unpack(frames[1])
+                # within the largest valid request's limits: no frame holds the loop up for long
+                msg = unpack_request(frames[1])
                 if isinstance(msg, dict) and msg.get("op") in OPS:
                     op = msg["op"]
                 if op == "HELLO" and self.service.sessions.full():

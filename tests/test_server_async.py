@@ -156,3 +156,13 @@ async def test_an_exception_while_ending_a_gone_clients_sessions_does_not_end_se
     assert (await other.call("PING"))["ok"]
     await other.hello()
     assert (await other.call("PUT", **put_fields(1, 100)))["ok"]
+
+
+@pytest.mark.asyncio
+async def test_the_server_decodes_requests_within_the_largest_valid_requests_limits(server):
+    """A map of 100 fields is within what a reply may hold (the client's limits) and more than any
+    request has: decoding such frames held the daemon's loop up for every other client."""
+    c = AsyncClient(server.config.socket)
+    r = await c.call("PING", **{f"f{i}": i for i in range(100)})
+    assert r["error"] == ErrorCode.BAD_MESSAGE and "map_len" in r["message"], r
+    assert (await c.call("PING"))["ok"]  # and it serves on
