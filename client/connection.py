@@ -42,14 +42,14 @@ from stormd.wire.cuda import unregister_pool
 from stormd.wire.curve import CurveKeyError, client_curve_options
 from stormd.wire.endpoint import ipc_path
 from stormd.wire.pool import PoolError, SharedPool
-from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
+from stormd.wire.protocol import CLIENT_HEARTBEAT, PROTOCOL_VERSION, pack, unpack
 
 from .errors import StormRequestError, StormUnavailable, StormUntrusted
 from .replies import resolve
 from .trust import CheckedSocket, check_pool, open_checked_socket
 
 CONNECT_TIMEOUT = 2.0
-HEARTBEAT = 1.0
+HEARTBEAT = CLIENT_HEARTBEAT
 DEAD_AFTER = 5.0
 MAX_IN_FLIGHT = 256  # below stormd's default hwm (1000), so neither side's pipe fills
 
@@ -191,7 +191,8 @@ class DaemonConnection:
                 if fut is not None:
                     resolve(fut, reply)
                 if reply.get("error") == "UNAUTHORIZED" and self._auth:
-                    self.lost = f"stormd at {self.endpoint} no longer knows session {self.session} (restarted?)"
+                    self.lost = (f"stormd at {self.endpoint} no longer knows session {self.session}: it ended it "
+                                 f"(no message within its client_timeout, a client cut off) or it restarted")
             if self._auth and not unsent and time.monotonic() - last_sent >= self.heartbeat:
                 unsent.append(({"op": "PING", "id": next(self._ids), **self._auth}, Future()))
             while len(self._pending) < self.max_in_flight and (unsent or not self._outbox.empty()):

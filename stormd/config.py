@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 from .wire.endpoint import normalize_endpoint
 from .wire.pool import MIN_POOL_SIZE
-from .wire.protocol import CODECS, MAX_MESSAGE_BYTES
+from .wire.protocol import CLIENT_HEARTBEAT, CODECS, MAX_MESSAGE_BYTES
 from .wire.sizes import format_size, parse_size
 
 if sys.version_info >= (3, 11):
@@ -56,7 +56,7 @@ class DaemonConfig:
     spill: bool = False  # move the oldest tensors to spill_dir when the pool is full
     spill_dir: str = "/var/tmp"
     spill_limit: int = 16 << 30
-    client_quota: int = 0  # bytes one client may hold (pool + spill); 0: no limit
+    client_quota: int = 0  # bytes one session may hold (pool + spill, extents' sizes); 0: no limit
     client_priority: int = 0
     clients: dict = field(default_factory=dict)  # name -> {"quota": bytes, "priority": int}
     codec: str = "raw"  # how clients encode tensors before storing them (told at HELLO)
@@ -299,8 +299,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("spill_dir", _Text("an absolute path", _absolute_dir),
             "directory on local disk for the spill file (not a tmpfs: that would use the RAM spill frees)"),
     Setting("spill_limit", _Size(MIN_POOL_SIZE), "most bytes the spill file may hold; must fit on spill_dir's disk"),
-    Setting("client_quota", _Size(0), "bytes one client may hold in pool and spill together (0: no limit); "
-            "a PUT beyond it is refused with QUOTA"),
+    Setting("client_quota", _Size(0), "bytes one session (a training process's connection) may hold in pool "
+            "and spill together, each tensor counted at its extent's size (0: no limit); a PUT beyond it is "
+            "refused with QUOTA"),
     Setting("client_priority", _Number(-1000, 1000, integer=True),
             "clients with a lower priority are spilled first"),
     Setting("clients", _ClientTable(), "per-client quota and priority by the name a client gives in HELLO "
@@ -360,6 +361,15 @@ def load(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> 
     config = DaemonConfig(**values)
     check_curve(config)
     return config
+
+
+def setting_warnings(config: DaemonConfig) -> list[str]:
+    """Settings allowed (tests and odd setups use them) that would not work as an operator means."""
+    if config.client_timeout < 3 * CLIENT_HEARTBEAT:
+        return [f"client_timeout {config.client_timeout:g} s leaves room for fewer than three of the clients' "
+                f"heartbeats (one each {CLIENT_HEARTBEAT:g} s): a live client idle between steps may be dropped "
+                f"and its tensors freed; give at least {3 * CLIENT_HEARTBEAT:g}"]
+    return []
 
 
 def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -23,7 +23,8 @@ import sys
 import zmq
 
 from . import logs
-from .config import ConfigError, DaemonConfig, add_arguments, load, to_toml, unknown_environment
+from .config import (ConfigError, DaemonConfig, add_arguments, load, setting_warnings, to_toml,
+                     unknown_environment)
 from .metrics import Metrics
 from .notify import Notifier
 from .limits import check_host
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(to_toml(config))
         return 0
     logs.configure(config.log_level, config.log_format)
-    for warning in unknown_environment():
+    for warning in unknown_environment() + setting_warnings(config):
         log.warning(warning)
     try:
         import uvloop

@@ -12,7 +12,9 @@ import pytest
 from conftest import start_daemon, stop_daemon
 from test_ops_daemon import wait_for_log
 
-from stormd.config import SETTINGS, ConfigError, DaemonConfig, add_arguments, load, to_toml, tomllib, unknown_environment
+from stormd.config import (SETTINGS, ConfigError, DaemonConfig, add_arguments, load, setting_warnings, to_toml,
+                           tomllib, unknown_environment)
+from stormd.wire.protocol import CLIENT_HEARTBEAT
 from stormd.wire.sizes import format_size, parse_size
 
 
@@ -163,3 +165,11 @@ def test_unknown_stormd_variables_are_named_with_the_closest_setting(tmp_path, m
         wait_for_log(d, "ignoring environment variable STORMD_POOLSIZE: .*did you mean STORMD_POOL_SIZE", timeout=30)
     finally:
         stop_daemon(d)
+
+
+def test_a_client_timeout_too_short_for_the_clients_heartbeats_is_warned_about(tmp_path):
+    """Allowed (tests reap silent clients fast with it), but a daemon started so dropped live
+    clients idle between steps and freed their tensors, without a word at start."""
+    (short,) = setting_warnings(parse("--client-timeout", "0.2"))
+    assert "client_timeout 0.2 s" in short and f"at least {3 * CLIENT_HEARTBEAT:g}" in short
+    assert setting_warnings(parse()) == []

@@ -115,6 +115,9 @@ import msgpack
 
 # 2: stormd seals what its own CUDA copies fill; clients send no SEAL for it, which a stormd of 1 needs
 PROTOCOL_VERSION = 2
+# Seconds between a client's PINGs while it has nothing else to send: what keeps an idle client's
+# session alive, so stormd's client_timeout must leave room for a few of them.
+CLIENT_HEARTBEAT = 1.0
 
 # Bounds on what one message may say; larger requests are refused, not tried.
 MAX_MESSAGE_BYTES = 1 << 20
