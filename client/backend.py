@@ -13,11 +13,11 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from stormd.wire.endpoint import ipc_path, normalize_endpoint, socket_is_live
+from stormd.wire.endpoint import ipc_path, socket_is_live
 from stormd.wire.pool import SharedPool
 
 from .errors import StormUnavailable, StormUntrusted
-from .options import mode_option, pool_size_option
+from .options import mode_option, pool_size_option, socket_option
 from .replies import Resolved
 from .trust import open_checked_socket
 
@@ -45,7 +45,7 @@ _announced: set[str] = set()
 def open_backend(mode: str, socket: str | None = None, pool_size: str | int | None = None) -> Backend:
     """The process's backend for this mode and endpoint, created on first use."""
     mode = mode_option(mode)
-    endpoint = normalize_endpoint(socket)
+    endpoint = socket_option(mode, socket)
     size = pool_size_option(pool_size)
     with _lock:
         if mode in ("auto", "daemon"):

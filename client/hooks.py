@@ -40,12 +40,11 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from stormd.wire.endpoint import normalize_endpoint
 from stormd.wire.protocol import CODECS
 from stormd.wire.sizes import parse_size
 
 from .compiled import LateSaves
-from .options import bytes_option, mode_option, pool_size_option
+from .options import bytes_option, mode_option, pool_size_option, socket_option
 from .policy import DEFAULT_MIN_BYTES, Policy
 from .saved import Step, Stored
 from .session import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSession, session_for
@@ -59,7 +58,7 @@ class Offload(contextlib.ContextDecorator):
                  modules: nn.Module | Iterable[nn.Module] | None = None, budget: int | float | str | None = None,
                  max_held_bytes: int | str = DEFAULT_MAX_HELD_BYTES, verify: bool = True, codec: str | None = None):
         mode = mode_option(mode)
-        socket = normalize_endpoint(socket)  # a socket= or $STORMD_SOCKET that is no endpoint: named now
+        socket = socket_option(mode, socket)
         pool_size = pool_size_option(pool_size)
         min_bytes, prefetch_bytes, max_held_bytes = (
             bytes_option(name, value) for name, value in

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from stormd.wire.endpoint import normalize_endpoint
 from stormd.wire.pool import MIN_POOL_SIZE
 from stormd.wire.sizes import format_size, parse_size
 
@@ -43,3 +44,12 @@ def pool_size_option(pool_size: object) -> int | None:
     if os.environ.get(POOL_SIZE_ENV):
         return bytes_option(POOL_SIZE_ENV, os.environ[POOL_SIZE_ENV], MIN_POOL_SIZE)
     return None
+
+
+def socket_option(mode: str, socket: object) -> str | None:
+    """The daemon's endpoint for ``mode`` (checked already): a ``socket`` given, else
+    $STORMD_SOCKET's or the default one, named now if it is no endpoint. None for
+    mode='embedded' with no socket given: that store reads no daemon's variable."""
+    if mode == "embedded" and socket is None:
+        return None
+    return normalize_endpoint(socket)

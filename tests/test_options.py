@@ -129,3 +129,15 @@ def test_sizes_given_are_read_as_whole_bytes(monkeypatch):
     with o:
         pass
     assert o._session.backend.pool.size == 8 * 10**6
+
+
+def test_the_embedded_store_reads_no_daemons_socket_variable(monkeypatch):
+    """A garbage $STORMD_SOCKET concerns a daemon; mode='embedded' refused to train over it."""
+    monkeypatch.setenv("STORMD_SOCKET", "udp://127.0.0.1:1")
+    x = torch.randn(64, 64, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        loss = x.exp().sum()
+    loss.backward()
+    assert ctx.stats.offloaded == 1 and ctx.backend_name == "embedded store"
+    with pytest.raises(ValueError, match="STORMD_SOCKET"):  # where a daemon is looked for, it is named
+        storm.offload(mode="auto")

@@ -14,9 +14,8 @@ accelerate), before it compiles: ``torch._inductor.config.custom_partitioner_fn 
 
 from __future__ import annotations
 
-from stormd.wire.endpoint import normalize_endpoint
 
-from ..options import bytes_option, mode_option, pool_size_option
+from ..options import bytes_option, mode_option, pool_size_option, socket_option
 from ..policy import DEFAULT_MIN_BYTES
 from ..session import DEFAULT_MAX_HELD_BYTES
 from .rewrite import GraphOptions, Partitioner  # ImportError where torch has no custom partitioners
@@ -34,7 +33,8 @@ def partitioner(*, mode: str = "auto", socket: str | None = None, pool_size: int
     ``held_bytes`` of a forward's saves stay on the device (backward needs them first).
     ``budget``: offload at most this many bytes a forward, the earliest saves first (None: all
     but the last ``held_bytes``). Saves are stored raw (no codec) and only those of static shape."""
+    mode = mode_option(mode)
     return Partitioner(GraphOptions(
-        mode=mode_option(mode), socket=normalize_endpoint(socket), pool_size=pool_size_option(pool_size),
+        mode=mode, socket=socket_option(mode, socket), pool_size=pool_size_option(pool_size),
         min_bytes=bytes_option("min_bytes", min_bytes), held_bytes=bytes_option("held_bytes", held_bytes),
         budget=None if budget is None else bytes_option("budget", budget)))
