@@ -26,7 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .backend import Backend, close_backends, open_backend
 from .copies.base import Copy, PutRequest, detached
-from .errors import StormError, StormInPlaceError
+from .errors import StormError, StormInPlaceError, StormUnavailable
 from .gpu import allocated, consume, pack_range, record_ready, unpack_range, wait_on_compute
 from .policy import Keep, Policy, Refusals
 from .prefetch import Prefetcher
@@ -63,6 +63,7 @@ class ClientSession:
         self.last_past_budget_bytes = 0  # saved past the budget in the last step that had one
         self._refusals = Refusals()
         self._raw_kinds: set[tuple[Any, ...]] = set()  # Stored.kind whose frame overflowed: stored raw
+        self.closed = False  # by close_all(): the store's bytes are gone, and saves have nowhere to go
 
     def new_step(self, budget: int | float | None = None) -> Step:
         """A step; ``budget``: bytes, or a fraction of the offloadable bytes of the last step
@@ -115,6 +116,9 @@ class ClientSession:
             step.budget_reached = True
             step.stats.record_kept(step.layer, Keep.BUDGET, nbytes)
             return Marker(t, step, nbytes)
+        if self.closed:
+            raise StormUnavailable("storm.close_all() closed the store inside this step's context: "
+                                   "call it once the step's backward has run")
         with pack_range(t.device):
             return self._offload(t, storage, nbytes, step, compiled)
 
@@ -310,6 +314,9 @@ class ClientSession:
             return self._restore(handle)
 
     def _restore(self, handle: Handle) -> torch.Tensor:
+        if self.closed:
+            raise StormUnavailable("storm.close_all() closed the store while this graph still had saved "
+                                   "tensors in it, so they are gone: call it once backward has run")
         self.poll()
         stored = handle.stored
         self._free_at_backward_end(stored.step)
@@ -410,6 +417,7 @@ class ClientSession:
         return self.mover.get(stored.key, stored.nbytes, stored.device, copy_in=stored.copy_in)
 
     def close(self) -> None:
+        self.closed = True
         self.mover.close()
 
 

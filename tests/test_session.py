@@ -5,6 +5,10 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+import torch
+
+import storm
 import storm.session as session_mod
 
 
@@ -39,3 +43,23 @@ def test_threads_that_begin_together_share_one_session(monkeypatch):
     finally:
         for s in built:
             s.close()
+
+
+def test_close_all_before_backward_is_storm_unavailable_saying_what_happened():
+    """The store's bytes go with close_all(): backward got 'cannot schedule new futures after
+    shutdown' from the mover's executor, and saves after it inside the context the same."""
+    x = torch.randn(64, 64, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0):
+        loss = x.exp().sum()
+    storm.close_all()
+    with pytest.raises(storm.StormUnavailable, match="close_all.*once backward has run"):
+        loss.backward()
+    with pytest.raises(storm.StormUnavailable, match="close_all.*inside this step's context"):
+        with storm.offload(mode="embedded", min_bytes=0):
+            h = x.exp()
+            storm.close_all()
+            h.exp()
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:  # a new session after that
+        loss = x.exp().sum()
+    loss.backward()
+    assert ctx.stats.offloaded == 1
