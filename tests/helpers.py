@@ -58,6 +58,15 @@ def put_fields(key: int, nbytes: int, step: int = 1) -> dict:
             "storage_offset": 0, "codec": "raw"}
 
 
+def offload_one_step(**options) -> storm.Offload:
+    """One small training step through storm.offload with ``options``; its context."""
+    lin = torch.nn.Linear(64, 64)
+    with storm.offload(min_bytes=0, **options) as ctx:
+        loss = lin(torch.randn(16, 64)).tanh().sum()
+    loss.backward()
+    return ctx
+
+
 def relu_mlp() -> tuple[nn.Module, torch.Tensor]:
     """A model whose saved activations are half zeros (ReLU outputs): every codec has work to do."""
     torch.manual_seed(0)

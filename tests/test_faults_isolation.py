@@ -21,7 +21,7 @@ import torch
 import zmq
 import zmq.auth
 from conftest import Daemon, popen_stormd, start_daemon, stop_daemon
-from helpers import RawClient
+from helpers import RawClient, offload_one_step
 from test_ops_daemon import wait_for_log
 
 import storm
@@ -207,14 +207,6 @@ def test_tcp_serves_only_clients_with_an_authorized_curve_key(curve_daemon, monk
 def pool_of(d) -> str:
     """The pool segment the daemon logged at start-up (read there, so no session is opened for it)."""
     return wait_for_log(d, r"stormd ready.* pool=(\S+)", timeout=30).group(1)
-
-
-def offload_one_step(**options) -> storm.Offload:
-    lin = torch.nn.Linear(64, 64)
-    with storm.offload(min_bytes=0, **options) as ctx:
-        loss = lin(torch.randn(16, 64)).tanh().sum()
-    loss.backward()
-    return ctx
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="handing a directory to another uid needs root")

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import zmq
 from conftest import popen_stormd, start_daemon, stop_daemon
+from helpers import offload_one_step
 from test_ops_daemon import wait_for_log
 
 import storm
@@ -32,14 +32,6 @@ def _only_this_user(monkeypatch):
     monkeypatch.delenv("STORM_DAEMON_UID", raising=False)
     yield
     storm.close_all()
-
-
-def offload_one_step(**options) -> storm.Offload:
-    lin = torch.nn.Linear(64, 64)
-    with storm.offload(min_bytes=0, **options) as ctx:
-        loss = lin(torch.randn(16, 64)).tanh().sum()
-    loss.backward()
-    return ctx
 
 
 class FakeDaemon:
