@@ -20,7 +20,7 @@ from storm.connection import DaemonConnection
 from storm.examples.models import same_bits
 from storm.policy import Policy
 from storm.session import ClientSession
-from tests.conftest import start_daemon, stop_daemon
+from conftest import start_daemon, stop_daemon
 
 
 def small_mlp() -> tuple[nn.Module, torch.Tensor]:

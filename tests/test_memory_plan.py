@@ -12,7 +12,7 @@ from stormd.allocator import ExtentAllocator
 from stormd.placement import Lifetime, first_fit_footprint, pack_lifetimes, peak_live_bytes
 from stormd.store import Store
 from stormd.wire.pool import SharedPool
-from tests.helpers import put_fields
+from helpers import put_fields
 
 
 class _Saved:

@@ -6,8 +6,8 @@ import torch
 
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import pack, unpack
-from tests.conftest import start_daemon, stop_daemon
-from tests.helpers import RawClient, put_fields
+from conftest import start_daemon, stop_daemon
+from helpers import RawClient, put_fields
 
 STEPS = 10_000
 SIZES = (1000, 4096, 3000)  # small on purpose: the test is about bookkeeping, not bandwidth

@@ -15,8 +15,8 @@ from stormd.store import Store
 from stormd.store_options import ClientLimits, StoreOptions
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import ErrorCode, ProtocolError
-from tests.conftest import start_daemon, stop_daemon
-from tests.helpers import RawClient, put_fields
+from conftest import start_daemon, stop_daemon
+from helpers import RawClient, put_fields
 
 KIB = 1024
 

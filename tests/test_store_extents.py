@@ -26,7 +26,7 @@ from stormd.store import Store
 from stormd.store_options import StoreOptions
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import ErrorCode, ProtocolError
-from tests.helpers import RawClient, put_fields
+from helpers import RawClient, put_fields
 
 A, B = 1, 2
 
