@@ -81,9 +81,9 @@ def plan_budget(text: str) -> int | float:
             return parse_size(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"{accepted}; got {text!r} ({e})") from None
+    if "." not in text:
+        raise argparse.ArgumentTypeError(f"{accepted}; got {text!r}")
     try:
-        if "." not in text:
-            raise ValueError(text)
         return parse_budget(fraction)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{accepted}; got {text!r}") from None

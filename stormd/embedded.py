@@ -29,8 +29,8 @@ def embedded_service(pool_size: int | None, room: Callable[[], tuple[int, str]] 
     """A Service over a new pool for one process's own requests: no session logging (the process is
     its only client), and no spill to disk (the embedded store's pool is its whole budget).
 
-    ``pool_size``: the pool's fixed size, refused (ValueError) past ``room()``. None: the pool grows on demand up to a cap, ``room()``'s
-    bytes and where they come from (free host memory and the memory cgroup, read once; pool_text
+    ``pool_size``: the pool's fixed size, refused (ValueError) past ``room()``. None: the pool grows
+    on demand up to a cap, ``room()``'s bytes and where they come from (free host memory and the memory cgroup, read once; pool_text
     says it for the log), from ``initial`` bytes by at least ``min_step``; ``extend`` grows it (the
     last four parameters let a test stand in a host and a pool of its own)."""
     options = StoreOptions(spill_off="the embedded store does not spill to disk")

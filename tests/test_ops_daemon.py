@@ -180,7 +180,8 @@ def test_stormctl_status_stats_ping_and_drain(tmp_path):
         assert status["node"]["clients"] == 1 and status["traffic"]["bytes_in"] == 5000
         assert status["draining"] is False and status["endpoint"] == d.endpoint
         (row,) = json.loads(ctl(d, "--json", "stats").stdout)["clients"]
-        assert row["pid"] == os.getpid() and row["keys"] == 1 and row["held_bytes"] == 5120 and row["puts"] == 1  # its extent: 5000 rounded up to 256
+        # held_bytes: its extent, 5000 rounded up to 256
+        assert row["pid"] == os.getpid() and row["keys"] == 1 and row["held_bytes"] == 5120 and row["puts"] == 1
         table = ctl(d, "status")
         assert table.returncode == 0 and "serving" in table.stdout and "stored (PUT)" in table.stdout
         piped = ctl(d, "stats").stdout.splitlines()  # captured: not a terminal, so plain columns, none cut

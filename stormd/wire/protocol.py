@@ -455,7 +455,8 @@ def check_view(f: dict[str, Any]) -> None:
     # below holds the others to it.
     extent = math.prod(max(n, 1) for n in shape)
     if extent > MAX_INT:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"shape {show(shape)} has more elements than torch can count ({MAX_INT})")
+        raise ProtocolError(ErrorCode.BAD_FIELD,
+                            f"shape {show(shape)} has more elements than torch can count ({MAX_INT})")
     if 0 not in shape:
         last = f["storage_offset"] + sum((n - 1) * s for n, s in zip(shape, strides))
         if (last + 1) * itemsize > raw:
