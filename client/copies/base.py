@@ -14,6 +14,7 @@ and, for a CUDA copy, the event that marks the end of the copy on its stream.
 from __future__ import annotations
 
 import abc
+import threading
 import traceback
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
@@ -58,10 +59,14 @@ class Copy:
       must, once the event has fired.
 
     ``cancellable``: a put of the worker's that sends nothing to the store until it starts.
-    Errors are held, not raised, until a field is read; ``error()`` reads them."""
+    Errors are held, not raised, until a field is read; ``error()`` reads them.
+
+    Any thread may read a Copy: the training threads of one process share its session, so one
+    thread's poll resolves a copy another thread's graph is letting go of. It lands once, under
+    its lock, and ``_landed`` is set only after every landed field."""
 
     __slots__ = ("_pending", "_finish", "_error", "cancellable", "_landed", "_nbytes", "_tensor", "_event", "_frame",
-                 "_sealed")
+                 "_sealed", "_lock")
 
     def __init__(self, pending: Future | Resolved | None = None, finish: Callable[[], "Copy"] | None = None,
                  cancellable: bool = False):
@@ -69,6 +74,7 @@ class Copy:
         self._error: BaseException | None = None
         self._landed = pending is None
         self._nbytes, self._tensor, self._event, self._frame, self._sealed = 0, None, None, None, False
+        self._lock = threading.Lock()
 
     @classmethod
     def landed(cls, *, nbytes: int = 0, tensor: torch.Tensor | None = None, event: Any = None,
@@ -86,7 +92,11 @@ class Copy:
 
     def _resolve(self) -> "Copy":
         """Take the result once it is in (blocks until then): the fields are this Copy's from now on."""
-        if not self._landed:
+        if self._landed:
+            return self
+        with self._lock:
+            if self._landed:  # another thread took it while this one waited for the lock
+                return self
             out = None
             if self._finish is None:  # the worker's: a Future holds its error as it was raised
                 self._error = self._pending.exception()
@@ -102,12 +112,14 @@ class Copy:
                 self._nbytes, self._tensor, self._event, self._frame, self._sealed = (
                     out._nbytes, out._tensor, out._event, out._frame, out._sealed)
                 self._error = out._error
-            self._landed, self._pending, self._finish = True, None, None
+            self._landed = True  # before the pending goes: a reader that finds no pending finds it landed
+            self._pending, self._finish = None, None
         return self
 
     def done(self) -> bool:
         """True once the bytes have arrived (or the copy failed); never blocks."""
-        if not self._landed and not self._pending.done():
+        pending = self._pending
+        if pending is not None and not pending.done():
             return False
         c = self._resolve()
         return c._error is not None or c._event is None or c._event.query()
@@ -129,9 +141,12 @@ class Copy:
     def cancel(self) -> bool:
         """Drop a cancellable put the worker has not started: nothing of it reaches the store, and it
         fails with CancelledError. False where it has started (or cannot be dropped)."""
-        if not (self.cancellable and not self._landed and self._pending.cancel()):
-            return False
-        self._landed, self._pending, self._error = True, None, CancelledError()
+        with self._lock:
+            if not (self.cancellable and not self._landed and self._pending.cancel()):
+                return False
+            self._error = CancelledError()
+            self._landed = True
+            self._pending = None
         return True
 
     def incomplete(self) -> bool:

@@ -150,3 +150,54 @@ def test_an_error_the_store_did_not_send_holds_where_it_was_raised_as_a_note():
     err = c.error()
     assert isinstance(err, KeyError) and err.__traceback__ is None
     assert "in broken" in err.__notes__[0]
+
+
+@pytest.mark.parametrize("round", range(20))
+@pytest.mark.parametrize("made_by", ["worker", "reply"])
+def test_threads_that_read_one_copy_together_all_see_it_landed(round, made_by):
+    """The training threads of a process share its session: one thread's poll resolves a copy while
+    another's graph asks whether it failed (storm.partitioner in two threads died here with
+    "'NoneType' object has no attribute 'result'"). Threads start together on each copy, with the
+    interpreter switching threads as often as it can."""
+    import sys
+    import threading
+    readers, copies = 4, 200
+    pendings, made = [], []
+    for i in range(copies):
+        p: Future = Future()
+        pendings.append(p)
+        if made_by == "worker":
+            made.append(Copy(p))
+        else:
+            made.append(from_reply(p, lambda fields: Copy.landed(nbytes=fields["nbytes"])))
+    start = threading.Barrier(readers + 1)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        start.wait()
+        try:
+            for c in made:
+                while not c.done():
+                    pass
+                assert c.error() is None
+        except BaseException as e:  # noqa: BLE001 - any failure of a reader fails the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=read) for _ in range(readers)]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in threads:
+            t.start()
+        start.wait()
+        for i, p in enumerate(pendings):
+            if made_by == "worker":
+                p.set_result(Copy.landed(nbytes=i))
+            else:
+                resolve(p, {"ok": True, "nbytes": i})
+        for t in threads:
+            t.join(120)
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:3]
+    assert [c.nbytes for c in made] == list(range(copies))

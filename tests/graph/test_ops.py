@@ -63,3 +63,37 @@ def test_views_of_one_tensor_are_stored_once_and_each_comes_back_as_it_was():
     qkv.fill_(0.0)  # the graph reuses the memory
     assert all(torch.equal(load(t, view), e) for t, view, e in zip(tokens, (q, k), expected))
     assert storm.stats("embedded")["session"]["puts"] == 1
+
+
+@pytest.mark.parametrize("round", range(20))
+def test_two_threads_save_release_and_load_through_one_session_started_together(round):
+    """Two threads each run a compiled graph's saves (storm.partitioner in two threads, one context
+    each): they share the process's session, so one thread's poll resolves the copies the other is
+    letting go of. The interpreter switches threads as often as it can."""
+    import sys
+    import threading
+    start, errors, graphs = threading.Barrier(2), [], 2
+
+    def graph(seed: int) -> None:
+        try:
+            xs = [torch.randn(64, 32, generator=torch.Generator().manual_seed(seed * 1000 + i)) for i in range(60)]
+            expected = [x.clone() for x in xs]
+            start.wait()
+            tokens = [saved(x) for x in xs]
+            for x in xs:
+                x.fill_(float("nan"))  # the graph reuses the buffers
+            assert all(torch.equal(load(t, e), e) for t, e in zip(tokens, expected))
+        except BaseException as e:  # noqa: BLE001 - the test fails below on any thread's error
+            errors.append(e)
+
+    threads = [threading.Thread(target=graph, args=(i,)) for i in range(graphs)]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:3]
