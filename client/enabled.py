@@ -30,6 +30,7 @@ are unwrapped first, so the hooks sit on the model that the wrapper calls.
 from __future__ import annotations
 
 import inspect
+import threading
 import weakref
 from typing import Any, Iterable
 
@@ -96,7 +97,11 @@ class Enabled:
         self.planner = planner
         self.last: Offload | None = None
         self._options = options
-        self._scopes: list[Offload | None] = []  # one per begin() not yet ended; None where none was entered
+        # Each thread's steps: threads may run the model's forward at once, each in a context of its own
+        # (a storm.offload context covers its thread), so one thread's end never exits another's context.
+        self._threads = threading.local()
+        self._open = 0  # begin()s not yet ended, all threads together
+        self._open_lock = threading.Lock()
         self._hooks = [model.register_forward_pre_hook(torch.compiler.disable(lambda m, args: self.begin())),
                        model.register_forward_hook(torch.compiler.disable(lambda m, args, out: self.end()),
                                                    always_call=True)
@@ -111,19 +116,40 @@ class Enabled:
         unless grad is off or a step of this model is already open (its forward called inside
         itself), which the open one covers. Called by the forward pre-hook, or by a framework's
         callback that marks steps itself (``on_forward=False``)."""
-        if not torch.is_grad_enabled() or any(self._scopes):
-            self._scopes.append(None)
+        scopes = self._scopes()
+        with self._open_lock:
+            self._open += 1
+        if not torch.is_grad_enabled() or any(scopes):
+            scopes.append(None)
             return
-        ctx = self.planner.step() if self.planner is not None else Offload(**self._options)
-        ctx.__enter__()
-        self._scopes.append(ctx)
+        try:
+            ctx = self.planner.step() if self.planner is not None else Offload(**self._options)
+            ctx.__enter__()
+        except BaseException:
+            with self._open_lock:
+                self._open -= 1
+            raise
+        scopes.append(ctx)
         self.last = ctx
 
     def end(self) -> None:
-        """The step's forward has ended: its context is exited (saved tensors stay in the store
-        until backward). Without an open step, nothing."""
-        if self._scopes and (ctx := self._scopes.pop()) is not None:
+        """The step's forward has ended: this thread's context is exited (saved tensors stay in the
+        store until backward). Without an open step in this thread, nothing."""
+        scopes = self._scopes()
+        if not scopes:
+            return
+        with self._open_lock:
+            self._open -= 1
+        if (ctx := scopes.pop()) is not None:
             ctx.__exit__(None, None, None)
+
+    def _scopes(self) -> list[Offload | None]:
+        """This thread's open steps: one per begin() not yet ended, None where none was entered."""
+        try:
+            return self._threads.scopes
+        except AttributeError:
+            self._threads.scopes = []
+            return self._threads.scopes
 
     def explain(self) -> str:
         """What was enabled, and the plan's explanation or the last step's report."""
@@ -137,9 +163,9 @@ class Enabled:
     def disable(self) -> None:
         """Remove every hook STORM put on the model, close the planner (the blocks' own forwards
         come back); a second call does nothing. Not inside the model's forward."""
-        if self._scopes:
+        if self._open:
             raise RuntimeError("storm.enable's disable() was called inside a step of the model (between its "
-                               "forward's start and end); call it between steps")
+                               "forward's start and end, in this thread or another); call it between steps")
         for h in self._hooks:
             h.remove()
         self._hooks = []

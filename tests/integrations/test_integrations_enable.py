@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -304,6 +305,54 @@ def test_a_forward_called_inside_the_models_own_forward_belongs_to_the_open_step
     handle = storm.enable(model, mode="embedded", min_bytes=0)
     model(x, depth=2).sum().backward()
     assert handle.last.stats.offloaded == whole.stats.offloaded > 0  # one scope: the outermost call's
+    handle.disable()
+
+
+class Meeting(nn.Module):
+    """A model whose forward waits until every thread running it is inside it."""
+
+    def __init__(self, threads: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.inside = threading.Barrier(threads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        self.inside.wait(120)
+        return self.b(h).sum()
+
+
+@pytest.mark.parametrize("round", range(20))
+def test_threads_in_one_enabled_models_forward_at_once_each_keep_their_own_step(round):
+    """Each thread's forward has its own context: one thread's forward hook never exits another's
+    (an error, and saved-tensor hooks left installed in both), and both train bit-identical."""
+    threads = 2
+    model = Meeting(threads)
+    xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(round * 10 + i)) for i in range(threads)]
+    params = list(model.parameters())
+    model.inside = threading.Barrier(1)
+    expected = [torch.autograd.grad(model(x), params) for x in xs]
+    model.inside = threading.Barrier(threads)
+    handle = storm.enable(model, mode="embedded", min_bytes=0)
+    start, results, errors = threading.Barrier(threads), [None] * threads, []
+
+    def train(i: int) -> None:
+        try:
+            start.wait(120)
+            loss = model(xs[i])
+            assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # none left on
+            results[i] = torch.autograd.grad(loss, params)
+        except BaseException as e:  # noqa: BLE001 - the test fails below on any thread's error
+            errors.append(e)
+
+    workers = [threading.Thread(target=train, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(300)
+    assert not errors, errors
+    assert all(same_bits(g, w) for got, want in zip(results, expected) for g, w in zip(got, want))
+    assert handle.last.stats.offloaded > 0
     handle.disable()
 
 
