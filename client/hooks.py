@@ -46,8 +46,8 @@ from stormd.wire.sizes import parse_size
 from .compiled import LateSaves
 from .options import bytes_option, mode_option, pool_size_option, socket_option
 from .policy import DEFAULT_MIN_BYTES, Policy
-from .saved import Step, Stored
-from .session import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, ClientSession, session_for
+from .saved import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, Step, StepOptions, Stored
+from .session import ClientSession, session_for
 from .stats import OffloadStats
 
 class Offload(contextlib.ContextDecorator):
@@ -73,6 +73,7 @@ class Offload(contextlib.ContextDecorator):
                              pool_size=pool_size, modules=modules, budget=budget, max_held_bytes=max_held_bytes,
                              verify=verify, codec=codec)
         self._budget = parse_budget(budget)
+        self._step_options = StepOptions(prefetch_bytes, max_held_bytes, verify, codec)
         self._policy = Policy.protecting(modules, min_bytes)
         self._names = _module_names(modules)
         self._session: ClientSession | None = None
@@ -91,11 +92,7 @@ class Offload(contextlib.ContextDecorator):
             raise RuntimeError("this storm.offload context is already active; create a new one per step")
         o = self._options
         self._session = session_for(o["mode"], o["socket"], o["pool_size"])
-        self._session.prefetch.window = o["prefetch_bytes"]
-        self._session.max_held_bytes = o["max_held_bytes"]
-        self._session.mover.verify = o["verify"]
-        self._session.mover.codec = o["codec"] or self._session.backend.codec
-        self._step = self._session.new_step(self._budget)
+        self._step = self._session.new_step(self._budget, self._step_options)
         self._thread = threading.get_ident()
         if self._budget == 0:  # nothing may go: no hooks, so saves cost nothing (storm.plan's recompute-only plans)
             self._hooks = contextlib.nullcontext()

@@ -5,7 +5,7 @@ fetches the ones before the save backward unpacks now, within the room
 backward has made (markers past a budget measure it, or a caller that knows
 the model's blocks says it: storm.plan through ``allow_prefetch``) plus, once
 backward unpacks offloaded saves, the byte window (storm.offload's
-``prefetch_bytes``). The session calls it under its lock.
+``prefetch_bytes``, the step's own). The session calls it under its lock.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ class Prefetcher:
     """``fetch``: start fetching a Stored (the mover's get); ``restored``: the session's fetched
     bytes by key, still alive or not (what is here needs no fetch)."""
 
-    def __init__(self, fetch: Callable[[Stored], Copy], restored: dict[int, weakref.ref], window: int):
+    def __init__(self, fetch: Callable[[Stored], Copy], restored: dict[int, weakref.ref]):
         self.fetch = fetch
         self.restored = restored
-        self.window = window  # bytes backward may fetch ahead once it unpacks offloaded saves
         self.copies: dict[int, Copy] = {}  # key -> its fetch, started ahead and not yet unpacked
         self.nbytes = 0  # the bytes of those fetches
 
@@ -54,7 +53,7 @@ class Prefetcher:
         still running (it may yet be needed from the device) and goes on once that
         copy is done. A second pass (retain_graph) fetches on demand."""
         step.cursor = min(step.cursor, index)
-        window = self.window if step.fetching else 0
+        window = step.options.prefetch_bytes if step.fetching else 0
         limit = step.prefetch_room + window
         while step.cursor > 0 and self.nbytes < limit:
             s = step.order[step.cursor - 1]

@@ -6,6 +6,7 @@ tensor that stays where it is) and its ``Marker`` kind, and ``Step`` (one storm.
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,11 +29,33 @@ class State:
 
 
 
+DEFAULT_PREFETCH_BYTES = 256 << 20
+DEFAULT_MAX_HELD_BYTES = 512 << 20  # saving blocks on the mover beyond this much not yet copied
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What one ``storm.offload`` context asked for its step, read wherever the step's saves are
+    served, in forward and in backward: the session is shared by every context and thread of
+    the process, so it holds none of them.
+
+    ``prefetch_bytes``: how far ahead backward fetches once it unpacks offloaded saves;
+    ``max_held_bytes``: bytes that may wait for their copy before saving blocks; ``verify``: check
+    fetched CPU bytes against their checksum; ``codec``: how the step's saves are encoded (None:
+    the store's choice)."""
+
+    prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
+    max_held_bytes: int = DEFAULT_MAX_HELD_BYTES
+    verify: bool = True
+    codec: str | None = None
+
+
 class Step:
     """The saves of one ``storm.offload`` context, in saving order (for prefetch)."""
 
-    def __init__(self, number: int, budget_bytes: float):
+    def __init__(self, number: int, budget_bytes: float, options: StepOptions = StepOptions()):
         self.number = number
+        self.options = options
         self.budget_bytes = budget_bytes  # offload the earliest saves up to this many bytes
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
         self.prefetch_room = 0            # room backward has made: prefetch may run this far past its window

@@ -30,11 +30,9 @@ from .errors import StormError, StormInPlaceError, StormUnavailable
 from .gpu import allocated, consume, pack_range, record_ready, unpack_range, wait_on_compute
 from .policy import Keep, Policy, Refusals
 from .prefetch import Prefetcher
-from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, Stored, copy_of
+from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of
 from .transfer import Mover
 
-DEFAULT_PREFETCH_BYTES = 256 << 20
-DEFAULT_MAX_HELD_BYTES = 512 << 20  # saving blocks on the mover beyond this much not yet copied
 MARK_BYTES = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
 
 
@@ -43,11 +41,9 @@ class ClientSession:
     close. Which saves stay is policy.py's to say, what comes back ahead prefetch.py's, and the
     counters are stats.py's."""
 
-    def __init__(self, backend: Backend, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
-                 max_held_bytes: int = DEFAULT_MAX_HELD_BYTES):
+    def __init__(self, backend: Backend):
         self.backend = backend
         self.mover = Mover(backend)
-        self.max_held_bytes = max_held_bytes
         self.dropped: collections.deque[Stored] = collections.deque()  # handles autograd let go of
         self._lock = threading.RLock()
         self._keys = itertools.count(1)
@@ -55,7 +51,7 @@ class ClientSession:
         self._held: collections.deque[Stored] = collections.deque()
         self._held_bytes = 0
         self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
-        self.prefetch = Prefetcher(self._fetch, self._restored, prefetch_bytes)
+        self.prefetch = Prefetcher(self._fetch, self._restored)
         self._awaited: dict[int, torch.Tensor] = {}   # fetched bytes that more handles will unpack
         # (copies out of the store: Copy objects or CUDA events, key to free once they are done)
         self._reading: collections.deque[tuple[list[Any], int]] = collections.deque()
@@ -65,16 +61,17 @@ class ClientSession:
         self._raw_kinds: set[tuple[Any, ...]] = set()  # Stored.kind whose frame overflowed: stored raw
         self.closed = False  # by close_all(): the store's bytes are gone, and saves have nowhere to go
 
-    def new_step(self, budget: int | float | None = None) -> Step:
+    def new_step(self, budget: int | float | None = None, options: StepOptions = StepOptions()) -> Step:
         """A step; ``budget``: bytes, or a fraction of the offloadable bytes of the last step
-        that stayed within its budget (the first step, with nothing to go by, offloads all)."""
+        that stayed within its budget (the first step, with nothing to go by, offloads all);
+        ``options``: the step's own, served with each of its saves."""
         if budget is None or (isinstance(budget, float) and self.last_candidate_bytes is None):
             limit = float("inf")
         elif isinstance(budget, float):
             limit = budget * self.last_candidate_bytes
         else:
             limit = budget
-        return Step(next(self._steps), limit)
+        return Step(next(self._steps), limit, options)
 
     def end_step(self, step: Step) -> None:
         """Forward is over: remember its size for fraction budgets. Prefetch waits for backward's
@@ -83,7 +80,7 @@ class ClientSession:
             self.last_candidate_bytes = step.candidate_bytes
         self.poll()
         if step.budget_reached:
-            self.drain(self.max_held_bytes)
+            self.drain(step.options.max_held_bytes)
             self.last_past_budget_bytes = step.past_budget_bytes
             if step.order and step.order[0].device.type == "cuda":
                 step.level = allocated(step.order[0].device)
@@ -143,9 +140,10 @@ class ClientSession:
         every save stays: until as many as in the last step have come, the copies may run
         behind by that much more without raising the peak, and forward need not wait for the
         link (a budget that fits in forward's link time then costs forward nothing)."""
+        held = step.options.max_held_bytes
         if step.budget_bytes == float("inf"):
-            return self.max_held_bytes
-        return self.max_held_bytes + max(0, self.last_past_budget_bytes - step.past_budget_bytes)
+            return held
+        return held + max(0, self.last_past_budget_bytes - step.past_budget_bytes)
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int, step: Step,
                  compiled: bool) -> Handle:
@@ -161,8 +159,9 @@ class ClientSession:
             step.order.append(stored)
             step.by_storage[storage._cdata] = stored
             handle = Handle(self.dropped, stored, t)
+            raw = compiled or stored.kind in self._raw_kinds
             stored.request = PutRequest(stored.key, step.number, storage, meta, ready,
-                                        encode=not compiled and stored.kind not in self._raw_kinds)
+                                        codec="raw" if raw else step.options.codec or self.backend.codec)
             stored.copy_in = self.mover.put(stored.request)
             self._held.append(stored)
             self._held_bytes += nbytes
@@ -234,7 +233,7 @@ class ClientSession:
         store its kind raw from now on. Returns the old key, to free."""
         self._raw_kinds.add(stored.kind)
         old, stored.key = stored.key, next(self._keys)
-        stored.request = dataclasses.replace(stored.request, key=stored.key, encode=False)
+        stored.request = dataclasses.replace(stored.request, key=stored.key, codec="raw")
         stored.copy_in = self.mover.put(stored.request)
         stored.step.stats.record(stored.layer, frame_overflows=1)
         return old
@@ -414,7 +413,8 @@ class ClientSession:
         self.poll()
 
     def _fetch(self, stored: Stored) -> Copy:
-        return self.mover.get(stored.key, stored.nbytes, stored.device, copy_in=stored.copy_in)
+        return self.mover.get(stored.key, stored.nbytes, stored.device, copy_in=stored.copy_in,
+                              verify=stored.step.options.verify)
 
     def close(self) -> None:
         self.closed = True

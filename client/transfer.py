@@ -66,21 +66,11 @@ class Mover:
             intra_op = torch.get_num_threads()
             self._worker.submit(_one_cpu_thread).result()
             torch.set_num_threads(intra_op)  # the worker set the default for threads yet to start: back to the caller's
-        self.codec = "raw"  # how tensors are encoded (storm.offload(codec=...), else the store's)
         self._streams: dict[int, DeviceStreams] = {}
         self._host = HostCopies(backend, self._worker)
         self._pool = PoolCopies(backend, self._worker, self._streams_for)
         self._daemon = DaemonCopies(backend, self._worker, lambda device: self._streams_for(device, into_pool=False),
                                     uuid_of=uuid_of)
-
-    @property
-    def verify(self) -> bool:
-        """Check fetched CPU bytes against their checksum (storm.offload(verify=...))."""
-        return self._host.verify
-
-    @verify.setter
-    def verify(self, on: bool) -> None:
-        self._host.verify = on
 
     def _streams_for(self, device: torch.device, into_pool: bool = True) -> DeviceStreams:
         """``into_pool``: this process copies into the pool, which it then page-locks (not stormd)."""
@@ -112,12 +102,11 @@ class Mover:
             return start(self._pool)
 
     def _codec_for(self, req: PutRequest) -> str:
-        """CPU tensors: the codec setting. CUDA tensors: a frame where a frame codec takes them, else raw."""
-        if not req.encode:
-            return "raw"
+        """CPU tensors: the step's codec setting. CUDA tensors: a frame where a frame codec takes them,
+        else raw."""
         if not req.source.is_cuda:
-            return self.codec
-        framed = self.codec in FRAME_CODECS and frameable("cuda", req.meta["dtype"], req.source.nbytes())
+            return req.codec
+        framed = req.codec in FRAME_CODECS and frameable("cuda", req.meta["dtype"], req.source.nbytes())
         return FRAME_CODEC if framed else "raw"
 
     def put(self, req: PutRequest) -> Copy:
@@ -129,12 +118,14 @@ class Mover:
         handler = self.route(device, codec == "raw" and isinstance(req.ready, IpcEvent))
         return self._started(handler, device, lambda h: h.put(req, codec))
 
-    def get(self, key: int, nbytes: int, device: torch.device, copy_in: Copy | None = None) -> Copy:
+    def get(self, key: int, nbytes: int, device: torch.device, copy_in: Copy | None = None,
+            verify: bool = True) -> Copy:
         """Fetch a key's bytes into a fresh uint8 tensor on ``device``; ``copy_in``: the key's put (a
-        frame is decoded here, and a copy out of the pool waits for the copy in)."""
+        frame is decoded here, and a copy out of the pool waits for the copy in); ``verify``: the
+        step's setting."""
         handler = self.route(device, copy_in is not None and copy_in.frame is None)
         after = copy_in.event if copy_in is not None else None
-        return self._started(handler, device, lambda h: h.get(key, nbytes, device, after))
+        return self._started(handler, device, lambda h: h.get(key, nbytes, device, after, verify))
 
     def request(self, op: str, **fields: Any) -> Future:
         """A request queued behind the copies already submitted (so STATS sees earlier FREEs)."""

@@ -28,7 +28,7 @@ import storm
 from storm.examples.models import GPT, same_bits
 from storm.hooks import parse_budget
 from storm.report import BACKWARD, FORWARD, memory_timeline, plot_memory, progress
-from storm.session import DEFAULT_MAX_HELD_BYTES
+from storm.saved import DEFAULT_MAX_HELD_BYTES
 from stormd.wire.sizes import parse_size
 
 

@@ -453,13 +453,13 @@ def test_a_put_whose_frame_overflowed_is_stored_again_raw(monkeypatch):
     def put(self, req):
         requests.append(req)
         copy = real_put(self, req)
-        return Overflowed(Resolved(copy)) if req.encode else copy
+        return Overflowed(Resolved(copy)) if req.codec != "raw" else copy
 
     monkeypatch.setattr(Mover, "put", put)
     x = torch.randn(256, 256, requires_grad=True)
     for step in (1, 2):
         x.grad = None
-        with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        with storm.offload(mode="embedded", min_bytes=0, codec="auto") as ctx:
             y = x.exp()  # exp saves its result
         ctx.synchronize()  # landed (and stored again, raw) before backward, which would drop a put not begun
         y.sum().backward()
@@ -468,5 +468,5 @@ def test_a_put_whose_frame_overflowed_is_stored_again_raw(monkeypatch):
         assert store.node_stats()["keys"] == 0
         assert ctx.stats.frame_overflows == (1 if step == 1 else 0)
         assert ctx.stats.stored_bytes == ctx.stats.offloaded_bytes == 256 * 256 * 4
-    assert [r.encode for r in requests] == [True, False, False]
+    assert [r.codec for r in requests] == ["auto", "raw", "raw"]
     assert requests[0].key != requests[1].key

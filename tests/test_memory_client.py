@@ -19,6 +19,7 @@ import storm
 from storm.connection import DaemonConnection
 from storm.examples.models import same_bits
 from storm.policy import Policy
+from storm.saved import StepOptions
 from storm.session import ClientSession
 from conftest import start_daemon, stop_daemon
 
@@ -45,7 +46,8 @@ def mover_held_back(session: ClientSession):
 def train_step(session: ClientSession, model: nn.Module, x: torch.Tensor) -> None:
     """A step as storm.offload runs it, on a session of the test's own (storm.offload keeps one
     session per process and endpoint; these tests need several clients of one daemon)."""
-    step, policy = session.new_step(), Policy(min_bytes=0)
+    # saving never waits for a held-back mover
+    step, policy = session.new_step(options=StepOptions(max_held_bytes=1 << 30)), Policy(min_bytes=0)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: session.save(t, step, policy), session.load):
         loss = model(x).square().sum()
     session.end_step(step)
@@ -89,7 +91,7 @@ def test_clients_whose_movers_fall_behind_are_not_refused_for_a_full_pool(tmp_pa
     sessions: list[ClientSession] = []
     try:
         for _ in range(4):
-            sessions.append(ClientSession(DaemonConnection(d.endpoint), max_held_bytes=1 << 30))
+            sessions.append(ClientSession(DaemonConnection(d.endpoint)))
         with contextlib.ExitStack() as held_back:
             for s in sessions:
                 held_back.enter_context(mover_held_back(s))

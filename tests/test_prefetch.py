@@ -10,14 +10,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from client.copies.base import Copy
 from client.prefetch import Prefetcher
-from client.saved import Marker, State, Step, Stored
+from client.saved import Marker, State, Step, StepOptions, Stored
 
 KIB = 1024
 
 
-def step_of(states: list[str], nbytes: int = 4 * KIB) -> Step:
+def step_of(states: list[str], nbytes: int = 4 * KIB, window: int = 0) -> Step:
     """A step whose saves, in saving order, are in these states (each saved once, not unpacked)."""
-    step = Step(1, float("inf"))
+    step = Step(1, float("inf"), StepOptions(prefetch_bytes=window))
     for key, state in enumerate(states, 1):
         t = torch.empty(nbytes, dtype=torch.uint8)
         s = Stored(key, step, t, StorageWeakRef(t.untyped_storage()), nbytes)
@@ -26,14 +26,14 @@ def step_of(states: list[str], nbytes: int = 4 * KIB) -> Step:
     return step
 
 
-def prefetcher(window: int, restored: dict | None = None) -> tuple[Prefetcher, list[int]]:
+def prefetcher(restored: dict | None = None) -> tuple[Prefetcher, list[int]]:
     fetched: list[int] = []
-    return Prefetcher(lambda s: fetched.append(s.key) or Copy.landed(), restored or {}, window), fetched
+    return Prefetcher(lambda s: fetched.append(s.key) or Copy.landed(), restored or {}), fetched
 
 
 def test_backward_fetches_the_saves_before_it_newest_first_within_the_window_once_it_is_open():
-    step = step_of([State.OFFLOADED] * 4)
-    p, fetched = prefetcher(window=8 * KIB)
+    step = step_of([State.OFFLOADED] * 4, window=8 * KIB)
+    p, fetched = prefetcher()
     p.ahead(step, 4)
     assert fetched == []  # the window opens at the first offloaded save backward unpacks
     step.fetching = True
@@ -46,16 +46,16 @@ def test_backward_fetches_the_saves_before_it_newest_first_within_the_window_onc
 
 def test_room_backward_made_lets_saves_come_back_but_only_whole():
     step = step_of([State.OFFLOADED] * 4)
-    p, fetched = prefetcher(window=0)
+    p, fetched = prefetcher()
     step.prefetch_room = 6 * KIB  # room for one and a half
     p.ahead(step, 4)
     assert fetched == [4]
 
 
 def test_it_waits_at_a_save_still_being_copied_and_passes_saves_not_in_the_store_or_here():
-    step = step_of([State.OFFLOADED, State.HELD, State.KEPT, State.OFFLOADED, State.OFFLOADED])
+    step = step_of([State.OFFLOADED, State.HELD, State.KEPT, State.OFFLOADED, State.OFFLOADED], window=1 << 20)
     here = torch.empty(1)
-    p, fetched = prefetcher(window=1 << 20, restored={5: weakref.ref(here)})
+    p, fetched = prefetcher(restored={5: weakref.ref(here)})
     step.fetching = True
     p.ahead(step, 5)
     assert fetched == [4]  # 5's bytes are here; 3 stayed on its device; 2's copy to the store still runs
@@ -67,5 +67,5 @@ def test_it_waits_at_a_save_still_being_copied_and_passes_saves_not_in_the_store
 def test_the_room_a_marker_reports_off_cuda_is_what_was_saved_since_the_marker_before():
     step = step_of([State.OFFLOADED])
     step.prefetch_room = 3 * KIB
-    p, _ = prefetcher(window=0)
+    p, _ = prefetcher()
     assert p.room_made(step, Marker(torch.empty(1), step, 5 * KIB)) == 8 * KIB

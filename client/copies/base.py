@@ -38,7 +38,7 @@ class PutRequest:
     source: torch.UntypedStorage  # the storage to store, whole
     meta: dict[str, Any]   # dtype, shape, strides, storage_offset of the saved view
     ready: Any = None      # gpu.CopyEvent recorded where the tensor was produced, or None
-    encode: bool = True    # False: store it raw whatever the codec
+    codec: str = "raw"     # the step's codec setting ("raw": stored as it is)
 
 
 class Copy:
@@ -191,9 +191,10 @@ class CopyHandler(abc.ABC):
         stormd.wire.protocol.FRAME_CODEC for a frame, or "raw")."""
 
     @abc.abstractmethod
-    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None) -> Copy:
+    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None, verify: bool = True) -> Copy:
         """Start fetching ``key``'s ``nbytes`` raw bytes into a new uint8 tensor on ``device``;
-        ``after``: the key's put's event, when that copy may still be running."""
+        ``after``: the key's put's event, when that copy may still be running; ``verify``: check
+        the bytes against the checksum the store holds, where this medium has one."""
 
 
 def detached(e: BaseException) -> BaseException:

@@ -43,16 +43,15 @@ def checksum(buf: torch.Tensor) -> int:
 class HostCopies(CopyHandler):
     """CPU tensors to and from the pool, on ``worker`` (one thread: the copies stay in order)."""
 
-    def __init__(self, backend: Backend, worker: Executor, verify: bool = True):
+    def __init__(self, backend: Backend, worker: Executor):
         self.backend = backend
         self.worker = worker
-        self.verify = verify  # check fetched bytes against their checksum (storm.offload(verify=...))
 
     def put(self, req: PutRequest, codec: str) -> Copy:
         return Copy(self.worker.submit(self._put, req, codec), cancellable=True)
 
-    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None) -> Copy:
-        return Copy(self.worker.submit(self._get, key, nbytes, self.backend.request("GET", key=key)))
+    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None, verify: bool = True) -> Copy:
+        return Copy(self.worker.submit(self._get, key, nbytes, self.backend.request("GET", key=key), verify))
 
     def _put(self, req: PutRequest, codec: str) -> Copy:
         """On the worker: encoded (unless ``codec`` is raw), PUT for the size that takes, copied into
@@ -77,10 +76,10 @@ class HostCopies(CopyHandler):
         wait_reply(self.backend, "SEAL", self.backend.request("SEAL", key=req.key, checksum=checksum(dst)))
         return Copy.landed(nbytes=data.numel(), sealed=True)
 
-    def _get(self, key: int, nbytes: int, reply: Any) -> Copy:
+    def _get(self, key: int, nbytes: int, reply: Any, verify: bool) -> Copy:
         r = fetched_fields(self.backend, key, nbytes, reply)
         out = self.backend.pool.view(r["offset"], r["nbytes"]).clone()
-        if self.verify and r["checksum"] is not None and checksum(out) != r["checksum"]:
+        if verify and r["checksum"] is not None and checksum(out) != r["checksum"]:
             raise StormIntegrityError(f"key {key}: the bytes in the pool no longer match their checksum; "
                                       f"the saved tensor is lost (pool memory was overwritten)")
         if r["codec"] != "raw":

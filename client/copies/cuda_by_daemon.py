@@ -82,7 +82,7 @@ class DaemonCopies(CopyHandler):
                                                              cuda=cuda))
         return landed  # stormd has queued the copy; its ``done`` event fires when it is over
 
-    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None) -> Copy:
+    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None, verify: bool = True) -> Copy:
         """stormd copies the stored bytes into a buffer this process allocated (after the put, which
         stormd's own streams ordered)."""
         buf, ready = self.streams(device).destination(nbytes)

@@ -51,7 +51,7 @@ class PoolCopies(CopyHandler):
         streams = self.streams(req.source.device)
         return self._start(reply, self._put, req, reply, streams, fields["nbytes"] if framed else None)
 
-    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None) -> Copy:
+    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None, verify: bool = True) -> Copy:
         reply = self.backend.request("GET", key=key)
         return self._start(reply, self._get, key, nbytes, reply, self.streams(device), after)
 

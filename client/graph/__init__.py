@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..options import bytes_option, mode_option, pool_size_option, socket_option
 from ..policy import DEFAULT_MIN_BYTES
-from ..session import DEFAULT_MAX_HELD_BYTES
+from ..saved import DEFAULT_MAX_HELD_BYTES
 from .rewrite import GraphOptions, Partitioner  # ImportError where torch has no custom partitioners
 
 __all__ = ["partitioner", "Partitioner", "GraphOptions"]

@@ -34,7 +34,7 @@ from torch._functorch.partitioners import get_default_op_list, min_cut_remateria
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from ..policy import DEFAULT_MIN_BYTES
-from ..session import DEFAULT_MAX_HELD_BYTES
+from ..saved import DEFAULT_MAX_HELD_BYTES
 from . import ops
 
 

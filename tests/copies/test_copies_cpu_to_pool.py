@@ -48,10 +48,10 @@ def test_a_codec_stores_fewer_bytes_and_the_get_decodes_them(worker):
 @pytest.mark.parametrize("verify", [True, False])
 def test_bytes_changed_in_the_pool_are_an_integrity_error_only_when_verified(worker, verify):
     store = FakeStore()
-    copies = HostCopies(store, worker, verify=verify)
+    copies = HostCopies(store, worker)
     copies.put(PutRequest(1, 1, storage(4096), {"dtype": "uint8"}), "raw").wait()
     store.pool.view(0, 1).fill_(0)
-    got = copies.get(1, 4096, CPU)
+    got = copies.get(1, 4096, CPU, verify=verify)
     got.wait()
     assert isinstance(got.error(), StormIntegrityError) == verify
 
