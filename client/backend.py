@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from stormd.wire.endpoint import ipc_path, socket_is_live
 from stormd.wire.pool import SharedPool
 
-from .errors import StormUnavailable, StormUntrusted
+from .errors import StormNoDaemon, StormUnavailable
 from .options import mode_option, pool_size_option, socket_option
 from .replies import Resolved
 from .trust import open_checked_socket
@@ -63,7 +63,9 @@ def open_backend(mode: str, socket: str | None = None, pool_size: str | int | No
             except StormUnavailable as e:
                 if mode == "daemon":
                     raise
-                why, level = str(e), logging.WARNING if isinstance(e, StormUntrusted) else logging.INFO
+                # quiet only when no daemon is there: one that answered and cannot be used (its pool
+                # cannot be mapped, it refused the session, it is not trusted) is worth a warning
+                why, level = str(e), logging.INFO if isinstance(e, StormNoDaemon) else logging.WARNING
         else:
             why, level = "mode='embedded'", logging.INFO
         b = _backends.get(("embedded", size))
@@ -84,8 +86,8 @@ def _connect(endpoint: str) -> Backend:
     checked = open_checked_socket(path)
     try:
         if not socket_is_live(checked.via):
-            raise StormUnavailable(f"stormd socket {path} is left over from a daemon that is gone; "
-                                   f"restart stormd, or use mode='embedded'")
+            raise StormNoDaemon(f"stormd socket {path} is left over from a daemon that is gone; "
+                                f"restart stormd, or use mode='embedded'")
         return DaemonConnection(endpoint, checked=checked)  # it closes ``checked`` when it closes
     except BaseException:
         checked.close()  # closes once: a no-op if the connection already did

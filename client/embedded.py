@@ -16,8 +16,7 @@ import socket
 import threading
 from typing import Any
 
-from stormd.embedded import embedded_service, pool_text
-from stormd.wire.cuda import unregister_pool
+from stormd.embedded import close_service, embedded_service, pool_text
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import PROTOCOL_VERSION, Request
 
@@ -29,8 +28,8 @@ class EmbeddedStore:
 
     def __init__(self, pool_size: int | None, **host: Any):
         """``pool_size``: the pool's fixed size; None: it grows on demand up to a cap from free host
-        memory. ``host``: embedded_service's stand-ins for the host and the growth (room=, extend=,
-        initial=, min_step=; tests)."""
+        memory, shared by the embedded stores of the host. ``host``: embedded_service's stand-ins for
+        the host and the growth (room=, extend=, initial=, min_step=, ledger=; tests)."""
         self.service = embedded_service(pool_size, **host)
         self.pool: SharedPool = self.service.pool
         self.pool_text = pool_text(self.service)  # its size, or how it grows and up to what cap
@@ -52,5 +51,4 @@ class EmbeddedStore:
 
     def close(self) -> None:
         self.request("BYE")
-        unregister_pool(self.pool)
-        self.pool.close()
+        close_service(self.service)

@@ -11,6 +11,11 @@ class StormUnavailable(StormError):
     """No stormd answered (mode='daemon'), or the daemon went away mid-request."""
 
 
+class StormNoDaemon(StormUnavailable):
+    """No daemon is there: no socket, or one that a daemon that is gone left behind. Unlike a daemon
+    that answered and cannot be used, this is what mode='auto' expects, and it falls back quietly."""
+
+
 class StormUntrusted(StormUnavailable):
     """The daemon at the socket is not a trusted user's (its directory, socket or pool belongs to
     another uid or is open to other users); nothing was offloaded through it."""

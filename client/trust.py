@@ -33,7 +33,7 @@ from pathlib import Path
 
 from stormd.wire.pool import SEGMENT_NAME  # how SharedPool.create names segments
 
-from .errors import StormUnavailable, StormUntrusted
+from .errors import StormNoDaemon, StormUnavailable, StormUntrusted
 
 DAEMON_UID_ENV = "STORM_DAEMON_UID"
 # O_PATH: the directory is pinned, not read, so one that only lets its group or others through
@@ -145,9 +145,9 @@ def _not_opened(path: Path, e: OSError) -> StormUnavailable:
     return StormUnavailable(f"cannot open the stormd socket directory {directory}: {e.strerror}")
 
 
-def _no_socket(path: Path) -> StormUnavailable:
-    return StormUnavailable(f"no stormd socket at {path}; start one with `stormd`, set STORMD_SOCKET, "
-                            f"or use mode='embedded'")
+def _no_socket(path: Path) -> StormNoDaemon:
+    return StormNoDaemon(f"no stormd socket at {path}; start one with `stormd`, set STORMD_SOCKET, "
+                         f"or use mode='embedded'")
 
 
 def _no_access(path: Path) -> StormUnavailable:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import storm
-from stormd import launch
+from stormd import host_share, launch
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,6 +27,14 @@ def _fresh_backends():
     """Each test gets its own connections and embedded store."""
     yield
     storm.close_all()
+
+
+@pytest.fixture(autouse=True)
+def _own_ledger(monkeypatch, tmp_path_factory):
+    """The embedded stores a test makes in this process share the host's memory among themselves
+    (stormd/host_share.py), not with the user's training: a test's stand-in host (room=) would set
+    the budget of the ledger in /dev/shm that every embedded store of the user reads."""
+    monkeypatch.setattr(host_share, "LEDGER_ROOT", str(tmp_path_factory.mktemp("shm")))
 
 
 class Daemon:

@@ -1,14 +1,19 @@
 """The embedded store's pool without a pool_size: it grows on demand, in place, up to a cap from the
-host's free memory and memory cgroup; past the cap, or when a growth fails, POOL_FULL with the reason.
+host's free memory and memory cgroup, which the host's embedded stores share; past the cap, or when
+a growth fails, POOL_FULL with the reason.
 
-The host (room=), the growth itself (extend=) and the pool's start (initial=, min_step=) are
-parameters of EmbeddedStore, so these tests run on a host and a pool of their own.
+The host (room=, ledger=), the growth itself (extend=) and the pool's start (initial=, min_step=)
+are parameters of EmbeddedStore, so these tests run on a host and a pool of their own.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,3 +221,113 @@ def test_on_cuda_each_growth_of_the_page_locked_pool_is_page_locked_and_unlocked
         assert pool.cuda_ranges == []
         for (name, a), b in zip(ref.named_parameters(), model.parameters()):
             assert same_bits(a.grad, b.grad), name
+
+
+# The embedded stores of one host share one cap (stormd/host_share.py): each test here has a ledger
+# of its own (conftest: _own_ledger), so its stores share with one another alone.
+
+def test_embedded_stores_of_one_host_together_stay_within_one_cap_and_say_with_what():
+    """Eight ranks without a daemon each took the whole of free memory as their cap, and together
+    grew past it to meet the OOM killer instead of POOL_FULL."""
+    a, b = store(), store()
+    try:
+        put(a, 1, 7 * MiB)  # grows a to 10 MiB of the 16
+        put(b, 1, 4 * MiB)  # grows b to 6 MiB, the rest of the 16
+        with pytest.raises(storm.StormRequestError, match=r"POOL_FULL.*cap of 6MiB \(16MiB: a test's cgroup.*"
+                                                          r"shared with 1 other embedded store .*holds 10MiB"):
+            put(b, 2, 3 * MiB)
+        assert a.pool.size + b.pool.size <= 16 * MiB
+        assert "shared with the other embedded stores of this user on this host" in a.pool_text
+        assert "(1 other embedded store now)" in b.pool_text
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_closed_stores_share_goes_to_the_others():
+    a, b = store(), store()
+    try:
+        put(a, 1, 7 * MiB)
+        a.close()
+        put(b, 1, 12 * MiB)
+        assert b.pool.size > 6 * MiB
+    finally:
+        b.close()
+
+
+DIES_HOLDING_10_MIB = """
+import sys
+from storm.embedded import EmbeddedStore
+e = EmbeddedStore(None, room=lambda: (16 << 20, "a test's cgroup"), initial=2 << 20, min_step=2 << 20,
+                  ledger=sys.argv[1])
+e.request("PUT", key=1, nbytes=7 << 20, step=1, dtype="uint8", shape=[1], strides=[1], storage_offset=0,
+          codec="raw").result()
+print(e.pool.size, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_dead_stores_share_returns_to_the_others():
+    """A store killed with its entry still in the ledger: the kernel let go of its lock, and the
+    next growth of another store removes the entry and counts its bytes as free."""
+    from stormd import host_share
+    root = host_share.LEDGER_ROOT
+    proc = subprocess.Popen([sys.executable, "-c", DIES_HOLDING_10_MIB, root], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == str(10 * MiB)
+        b = store()
+        try:
+            with pytest.raises(storm.StormRequestError, match="POOL_FULL.*holds 10MiB"):
+                put(b, 1, 12 * MiB)
+            proc.kill()
+            proc.wait(60)
+            entries = lambda: sorted(p.name for p in (Path(root) / f"storm-embedded-{os.getuid()}").iterdir()
+                                     if p.name.startswith("store-"))
+            assert len(entries()) == 2  # the dead store's entry stays until a live one looks
+            put(b, 2, 8 * MiB)
+            assert b.pool.size > 6 * MiB and len(entries()) == 1
+        finally:
+            b.close()
+    finally:
+        proc.kill()
+        proc.wait(60)
+
+
+def test_each_growth_reads_free_memory_again():
+    free = [16 * MiB]
+    e = EmbeddedStore(None, room=lambda: (free[0], "MemAvailable now"), initial=2 * MiB, min_step=2 * MiB)
+    try:
+        put(e, 1, MiB)
+        free[0] = MiB  # the host's memory went elsewhere since the store started: less than a growth's step
+        with pytest.raises(storm.StormRequestError, match=r"POOL_FULL.*cap of 2MiB \(its 2MiB and what the host "
+                                                          r"can give now: MemAvailable now"):
+            put(e, 2, 2 * MiB)
+        assert e.pool.size == 2 * MiB
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("ledger", ["missing", "symlink", "writable by others"])
+def test_without_a_ledger_of_its_own_a_store_keeps_its_own_cap_and_says_why(tmp_path, ledger):
+    root = tmp_path / "shm"
+    own = root / f"storm-embedded-{os.getuid()}"
+    if ledger != "missing":
+        root.mkdir()
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir(mode=0o700)
+        if ledger == "symlink":
+            own.symlink_to(elsewhere, target_is_directory=True)  # whoever owns it could repoint it
+        else:
+            own.mkdir()
+            own.chmod(0o777)
+    e = store(ledger=str(root))
+    try:
+        said = {"missing": f"{root} does not exist", "symlink": f"refusing the ledger {own}",
+                "writable by others": f"refusing the ledger {own}: it belongs to uid {os.getuid()} with mode 0o777"}
+        assert f"not shared with other embedded stores: {said[ledger]}" in e.pool_text, e.pool_text
+        put(e, 1, 12 * MiB)  # the cap is its own
+        if ledger == "symlink":
+            assert list(elsewhere.iterdir()) == []
+    finally:
+        e.close()

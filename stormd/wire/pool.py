@@ -4,6 +4,8 @@ The daemon creates a file in a tmpfs (``/dev/shm`` by default), reserves its
 pages up front with ``posix_fallocate`` (so a full tmpfs is a clear start-up
 error, not a SIGBUS in the middle of a step) and maps it. Clients map the same
 file from the path in the HELLO reply and copy tensors in and out of it.
+The daemon holds the segment locked for as long as its pool lives (held.py),
+so a segment is removed as stale only once no process holds it.
 The embedded store uses an anonymous mapping of the same class, which may
 reserve more address space than it exposes and grow into it (``grow``): the
 mapping never moves, so offsets and addresses handed out stay valid.
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from .held import create_held, remove_if_unheld
 
 SEGMENT_PREFIX = "stormd-"
 MIN_POOL_SIZE = 4096  # the smallest pool stormd or the embedded store accepts
@@ -43,12 +47,14 @@ class PoolDescriptor:
 
 
 class SharedPool:
-    def __init__(self, mapping: mmap.mmap, size: int, path: str | None, owner: bool):
+    def __init__(self, mapping: mmap.mmap, size: int, path: str | None, owner: bool, held: int | None = None):
+        """``held``: the descriptor of the segment whose lock says that its daemon lives (create's)."""
         self._mmap = mapping
         self.size = size  # the bytes in use: extents lie below it; ``grow`` raises it up to ``reserved``
         self.reserved = len(mapping)
         self.path = path
         self._owner = owner
+        self._held = held
         self.cuda_registered = False  # page-locked with cudaHostRegister (stormd.wire.cuda.register_pool)
         self.cuda_ranges: list[tuple[int, int]] = []  # the (offset, bytes) of each cudaHostRegister call
         self._bytes: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=self.reserved)
@@ -62,8 +68,7 @@ class SharedPool:
         if not d.is_dir():
             raise PoolError(f"pool directory {directory} does not exist; set --pool-dir to a tmpfs such as /dev/shm")
         remove_stale_segments(d)
-        path = d / f"{SEGMENT_PREFIX}{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        path, fd = _new_segment(d)
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
@@ -72,9 +77,10 @@ class SharedPool:
                 raise PoolError(f"cannot reserve {size} bytes in {directory}: {e.strerror}; "
                                 f"lower --pool-size or free space there") from None
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(mapping, size, str(path), owner=True)
+            raise
+        return cls(mapping, size, str(path), owner=True, held=fd)
 
     @classmethod
     def anonymous(cls, size: int, reserve: int | None = None) -> "SharedPool":
@@ -150,14 +156,34 @@ class SharedPool:
             except FileNotFoundError:
                 pass
             self._owner = False
+        if self._held is not None:  # after the unlink: until then no sweep may take the segment for stale
+            os.close(self._held)
+            self._held = None
 
 
 # stormd-UID-PID-HEX: what create names a segment; clients accept no other pool (client/trust.py)
 SEGMENT_NAME = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-(\d+)-[0-9a-f]+$")
 
 
+def _new_segment(directory: Path) -> tuple[Path, int]:
+    """A new segment's path and the descriptor that holds it locked for the pool's life."""
+    # Between the file's creation and its lock, another namespace's daemon, to which this pid names no
+    # process, may sweep it as stale; then it is gone and a second name is taken.
+    for _ in range(3):
+        path = directory / f"{SEGMENT_PREFIX}{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            return path, create_held(path)
+        except FileNotFoundError:
+            continue
+    raise PoolError(f"each new segment in {directory} was removed as it was created: another stormd sweeps "
+                    f"that directory; give each daemon a --pool-dir of its own")
+
+
 def remove_stale_segments(directory: Path) -> list[str]:
-    """Unlink segments of this uid whose daemon is gone (a kill -9 leaves them behind)."""
+    """Unlink segments of this uid whose daemon is gone (a kill -9 leaves them behind): only those
+    no process holds locked (the kernel drops a daemon's lock when it dies, in whichever PID
+    namespace it ran) and whose pid names no live process here either (a daemon of an earlier
+    version holds no lock)."""
     removed = []
     for p in directory.iterdir():
         m = SEGMENT_NAME.match(p.name)
@@ -166,11 +192,8 @@ def remove_stale_segments(directory: Path) -> list[str]:
         pid = int(m.group(2))
         if pid == os.getpid() or _alive(pid):
             continue
-        try:
-            p.unlink()
+        if remove_if_unheld(p):
             removed.append(str(p))
-        except OSError:
-            pass
     return removed
 
 
