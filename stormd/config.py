@@ -41,7 +41,7 @@ class DaemonConfig:
     log_level: str = "INFO"
     log_format: str = "text"
     error_log_interval: float = 10.0
-    metrics: bool = True
+    metrics: bool = False  # off unless asked: the endpoint answers whoever reaches it (docs/security.md)
     metrics_address: str = "127.0.0.1"
     metrics_port: int = 9466
     hwm: int = 1000  # ZeroMQ high-water mark per client and direction, in messages
@@ -265,7 +265,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("log_format", _Choice("text", "json"), "text (key=value) or json, one object per line"),
     Setting("error_log_interval", _Number(0.1, 3600),
             "error replies: the first of each code per interval is logged, the rest are counted"),
-    Setting("metrics", _Flag(), "serve Prometheus metrics over HTTP"),
+    Setting("metrics", _Flag(), "serve Prometheus metrics over HTTP on metrics_address:metrics_port (off by "
+            "default: any local user, and any host that reaches a non-loopback address, can read them)"),
     Setting("metrics_address", _Text("an IP address (127.0.0.1 keeps metrics on this host)", _ip_address),
             "address the metrics endpoint binds"),
     Setting("metrics_port", _Number(0, 65535, integer=True), "port of the metrics endpoint (0: any free port)"),
@@ -400,17 +401,39 @@ def check_curve(config: DaemonConfig) -> None:
 def _config_path(given: str | None, env: Mapping[str, str]) -> Path | None:
     named = given or env.get(CONFIG_ENV)
     if named:
-        if not Path(named).is_file():
+        if not _is_file(Path(named)):
             raise ConfigError(f"config file {named} does not exist or is not a file")
         return Path(named)
-    return next((p for p in default_config_paths(env) if p.is_file()), None)
+    return next((p for p in default_config_paths(env) if _is_file(p)), None)
+
+
+def _is_file(path: Path) -> bool:
+    """Path.is_file, except that an error other than the file's absence (no permission to look, a
+    name too long) is a ConfigError naming the file: stormd must not run without a file it was
+    meant to read, nor stop with a traceback."""
+    try:
+        return path.is_file()
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: Path, e: OSError) -> ConfigError:
+    return ConfigError(f"cannot read config file {path}: {e.strerror or e}")
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        data = tomllib.loads(path.read_text())
+        raw = path.read_bytes()
     except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        raise _unreadable(path, e) from None
+    try:
+        text = raw.decode("utf-8")  # TOML files are UTF-8 whatever the locale (read_text would use the locale's)
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path} is not UTF-8, as a TOML file must be: byte 0x{raw[e.start]:02x} at offset "
+                          f"{e.start} (line {line}): {e.reason}") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from None
     unknown = [k for k in data if k not in _BY_NAME]

@@ -9,6 +9,9 @@
 On a terminal wide enough, tables are drawn by rich; piped, redirected or too narrow, the same
 rows print as plain aligned columns, nothing cut (--json for scripts that parse them).
 
+A tcp:// daemon is reached with the CURVE keys a training process uses ($STORM_CURVE_SECRET_KEY,
+$STORM_CURVE_SERVER_KEY; stormd/wire/curve.py).
+
 Exit status: 0 on an answer, 1 when no daemon answers or it refuses.
 """
 
@@ -26,6 +29,7 @@ import zmq
 from rich.console import Console
 from rich.table import Table
 
+from .wire.curve import CurveKeyError, client_curve_options
 from .wire.endpoint import normalize_endpoint
 from .wire.protocol import ProtocolError, pack, unpack
 from .wire.sizes import format_size
@@ -39,10 +43,16 @@ class CtlError(Exception):
 
 def request(endpoint: str, op: str, timeout: float) -> dict[str, Any]:
     """One request on a fresh DEALER socket (no HELLO: admin verbs and PING need no session)."""
+    try:
+        options = client_curve_options(endpoint)  # a tcp:// daemon admits only CURVE clients
+    except CurveKeyError as e:
+        raise CtlError(str(e)) from None
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        for option, value in options.items():
+            sock.setsockopt(option, value)
         sock.connect(endpoint)
         sock.send(pack({"op": op, "id": 1}))
         if not sock.poll(int(timeout * 1000), zmq.POLLIN):

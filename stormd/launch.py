@@ -20,7 +20,7 @@ from stormd.wire.endpoint import socket_is_live
 
 START_TIMEOUT_S = 120.0  # a pool of many GiB is reserved (posix_fallocate) before the socket opens
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-METRICS_FLAGS = {"--metrics", "--no-metrics", "--metrics-port"}
+METRICS_FLAGS = {"--metrics", "--no-metrics"}
 
 
 def die_with_parent(parent: int) -> None:
@@ -37,8 +37,8 @@ def die_with_parent(parent: int) -> None:
 
 def popen_stormd(args: Sequence[str], **popen: object) -> subprocess.Popen:
     """``python -m stormd *args``, dying with this process (die_with_parent). It serves
-    no metrics unless ``args`` asks (--metrics or --metrics-port, 0 for any free port): the
-    default port belongs to the node's real stormd."""
+    no metrics unless ``args`` asks (--metrics; --metrics-port 0 for any free port), whatever a
+    config file or $STORMD_METRICS says: the default port belongs to the node's real stormd."""
     args = list(args)
     if not METRICS_FLAGS & {a.split("=")[0] for a in args}:
         args.append("--no-metrics")

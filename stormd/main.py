@@ -1,7 +1,7 @@
 """``stormd``: the per-node activation store daemon.
 
 Lifecycle: read the configuration (config.py), allocate the pool, start the
-metrics endpoint, bind the socket, tell systemd READY=1, serve. SIGTERM,
+metrics endpoint (if turned on), bind the socket, tell systemd READY=1, serve. SIGTERM,
 SIGINT, SIGHUP or ``stormctl drain`` start a drain: new PUTs and HELLOs are
 refused while GETs, FREEs and BYEs are answered, until no client holds a
 tensor or ``drain_timeout`` passes; then the daemon exits 0, its socket and
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import signal
 import sys
@@ -40,6 +41,7 @@ log = logging.getLogger("stormd")
 
 DRAIN_POLL = 0.05     # seconds between checks while draining: short next to any deadline
 STATUS_INTERVAL = 2.0  # seconds between systemd STATUS= updates and error-log flushes
+METRICS_REVEAL = "clients connected, their traffic and errors, bytes stored, pool size and use, process statistics"
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[DaemonConfig, bool]:
@@ -95,7 +97,8 @@ async def run(config: DaemonConfig, notifier: Notifier | None = None) -> None:
 
 
 async def _start_metrics(metrics: Metrics, config: DaemonConfig) -> tuple[asyncio.Server | None, str]:
-    """The endpoint and its URL. A port already taken costs the metrics, not the node's offload service."""
+    """The endpoint and its URL, logged with who can read it. A port already taken costs the metrics,
+    not the node's offload service."""
     try:
         http = await metrics.serve(config.metrics_address, config.metrics_port)
     except OSError as e:
@@ -103,7 +106,19 @@ async def _start_metrics(metrics: Metrics, config: DaemonConfig) -> tuple[asynci
             "address": config.metrics_address, "port": config.metrics_port, "error": e.strerror or str(e)})
         return None, "off"
     host, port = http.sockets[0].getsockname()[:2]
-    return http, f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+    level, readers = metrics_readers(config.metrics_address)
+    log.log(level, "metrics endpoint answers without authentication",
+            extra={"url": url, "readable_by": readers, "reveals": METRICS_REVEAL})
+    return http, url
+
+
+def metrics_readers(address: str) -> tuple[int, str]:
+    """Who can read the metrics served on ``address``, and the level stormd says so at: a loopback
+    address is open to every local user (HTTP carries no uid); any other to whatever reaches it."""
+    if ipaddress.ip_address(address).is_loopback:
+        return logging.INFO, "any local user"
+    return logging.WARNING, f"any local user and any host that reaches {address}"
 
 
 async def _serve(server: Server, service: Service, config: DaemonConfig, notifier: Notifier,

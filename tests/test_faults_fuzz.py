@@ -236,7 +236,7 @@ def rss(pid: int) -> int:
 
 @pytest.mark.slow
 def test_100k_hostile_messages_each_get_an_error_and_nothing_leaks(tmp_path):
-    d = start_daemon(tmp_path, "--pool-size", str(POOL), "--metrics-port", "0", "--client-timeout", "120")
+    d = start_daemon(tmp_path, "--pool-size", str(POOL), "--metrics", "--metrics-port", "0", "--client-timeout", "120")
     try:
         victim = RawClient(d.endpoint)
         pool = victim.hello()["pool"]["path"]

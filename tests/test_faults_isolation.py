@@ -22,7 +22,7 @@ import zmq
 import zmq.auth
 from conftest import Daemon, popen_stormd, start_daemon, stop_daemon
 from helpers import RawClient, offload_one_step
-from test_ops_daemon import wait_for_log
+from test_ops_daemon import STORMCTL, wait_for_log
 
 import storm
 from stormd.wire.curve import CLIENT_SECRET_ENV, SERVER_PUBLIC_ENV
@@ -202,6 +202,25 @@ def test_tcp_serves_only_clients_with_an_authorized_curve_key(curve_daemon, monk
     plain = RawClient(endpoint, timeout_ms=1500)  # no CURVE at all: the handshake fails, nothing is read
     with pytest.raises(zmq.Again):
         plain.call("PING")
+
+
+def test_stormctl_reaches_a_tcp_daemon_with_the_clients_curve_keys(curve_daemon):
+    """Issue 49, item 5: stormctl set no CURVE keys, so a tcp:// daemon that the library client reached
+    with STORM_CURVE_* never answered it ("is it running?"). Both take their keys from one function."""
+    endpoint, server_public, client_secret, stranger_secret = curve_daemon
+    env = {**os.environ, SERVER_PUBLIC_ENV: server_public, CLIENT_SECRET_ENV: client_secret}
+
+    def stormctl(env: dict, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([STORMCTL, "--socket", endpoint, *args], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    r = stormctl(env, "--json", "--timeout", "60", "status")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["endpoint"] == endpoint
+    r = stormctl({**env, CLIENT_SECRET_ENV: str(stranger_secret)}, "--timeout", "1", "ping")
+    assert r.returncode == 1 and "no stormd answered" in r.stderr, r.stderr
+    r = stormctl({k: v for k, v in env.items() if k != CLIENT_SECRET_ENV}, "ping")
+    assert r.returncode == 1 and f"a tcp:// stormd requires CURVE keys; set {CLIENT_SECRET_ENV}" in r.stderr, r.stderr
 
 
 def pool_of(d) -> str:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import subprocess
 import sys
 
 import pytest
-from conftest import start_daemon, stop_daemon
+from conftest import Daemon, start_daemon, stop_daemon, stop_process
 from test_ops_daemon import wait_for_log
 
 from stormd.config import (SETTINGS, ConfigError, DaemonConfig, add_arguments, load, setting_warnings, to_toml,
@@ -115,6 +116,49 @@ def test_stormd_exits_2_on_each_kind_of_config_error(tmp_path, kind, text, messa
                         "--socket", str(tmp_path / "s.sock")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and message in r.stderr, (kind, r.stderr)
     assert not (tmp_path / "s.sock").exists()
+
+
+@pytest.mark.parametrize("case", ["latin-1", "search path stormd cannot look in"])
+def test_a_config_file_stormd_cannot_decode_or_read_stops_it_with_exit_2_naming_the_file(tmp_path, case):
+    """Issue 49, item 6: a Latin-1 comment in stormd.toml ended stormd with a UnicodeDecodeError traceback
+    and exit 1, and a config path stat refuses (here a name too long; no permission to look, for a
+    user other than root) with an OSError traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STORMD_")}
+    if case == "latin-1":
+        latin = tmp_path / "stormd.toml"
+        latin.write_bytes(b'pool_size = "1MiB"\n# caf\xe9\n')
+        args = ["--config", str(latin)]
+        message = f"{latin} is not UTF-8, as a TOML file must be: byte 0xe9 at offset 24 (line 2)"
+    else:
+        too_long = tmp_path / ("x" * 300)  # stat fails with ENAMETOOLONG, not with "no such file"
+        env["XDG_CONFIG_HOME"] = str(too_long)
+        args = []
+        message = f"cannot read config file {too_long}/stormd/stormd.toml: File name too long"
+    r = subprocess.run([sys.executable, "-m", "stormd", *args, "--socket", str(tmp_path / "s.sock")],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_metrics_are_off_unless_turned_on(tmp_path):
+    """Issue 49, item 4: the metrics endpoint answers whoever reaches it, so stormd serves it only when
+    asked. On b4ebf24 a stormd with no metrics setting served 127.0.0.1:9466 to every local user."""
+    assert DaemonConfig(socket="ipc:///x").metrics is False and parse().metrics is False
+    assert parse("--metrics").metrics and parse(env={"STORMD_METRICS": "1"}).metrics
+    assert parse("--config", write(tmp_path, "metrics = true\n")).metrics
+    sock = tmp_path / "run" / "stormd.sock"
+    log = tmp_path / "stormd.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STORMD_")}
+    # not popen_stormd, which adds --no-metrics; an empty file, so no config on this host counts; port 0,
+    # so that a stormd serving metrics anyway takes no port of the node's
+    proc = subprocess.Popen([sys.executable, "-m", "stormd", "--config", write(tmp_path, ""), "--socket", str(sock),
+                             "--pool-size", "1MiB", "--metrics-port", "0"], env=env, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+    try:
+        ready = wait_for_log(Daemon(sock, proc, log), r"stormd ready.*", timeout=60).group(0)
+    finally:
+        stop_process(proc)
+    assert "metrics=off" in ready and "metrics endpoint" not in log.read_text(), log.read_text()
 
 
 def test_print_config_prints_toml_that_reads_back_to_the_same_config(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ from helpers import RawClient, put_fields
 from prometheus_client.parser import text_string_to_metric_families
 from test_daemon import read_extent, store
 
+from stormd.main import metrics_readers
 from stormd.wire.protocol import ALL_ERROR_CODES, PROTOCOL_VERSION, ErrorCode, pack, unpack
 
 STORMCTL = str(Path(sys.executable).parent / "stormctl")
@@ -128,10 +130,12 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_metrics_endpoint_counts_exactly_the_traffic_sent(tmp_path):
-    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--metrics-port", "0")
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--metrics", "--metrics-port", "0")
     try:
         url = wait_for_log(d, r"metrics=(http://\S+)").group(1)
         assert url.startswith("http://127.0.0.1:")  # loopback by default
+        assert re.search(r'level=info .*msg="metrics endpoint answers without authentication" '
+                         rf'url={re.escape(url)} readable_by="any local user"', d.output()), d.output()
         c = RawClient(d.endpoint)
         pool = c.hello()["pool"]["path"]
         sizes = [1000, 2048, 4096, 777]
@@ -165,6 +169,15 @@ def test_metrics_endpoint_counts_exactly_the_traffic_sent(tmp_path):
         assert e.value.code == 404
     finally:
         stop_daemon(d)
+
+
+@pytest.mark.parametrize("address,level,readers", [
+    ("127.0.0.1", logging.INFO, "any local user"), ("::1", logging.INFO, "any local user"),
+    ("0.0.0.0", logging.WARNING, "any local user and any host that reaches 0.0.0.0"),
+    ("10.1.2.3", logging.WARNING, "any local user and any host that reaches 10.1.2.3")])
+def test_stormd_says_who_can_read_its_metrics_louder_off_loopback(address, level, readers):
+    """Issue 49, item 4: what the start-up log line (see the test above) says for each address."""
+    assert metrics_readers(address) == (level, readers)
 
 
 def ctl(d: Daemon, *args: str) -> subprocess.CompletedProcess:
@@ -233,7 +246,7 @@ def test_metrics_port_in_use_costs_the_metrics_not_the_daemon(tmp_path):
     busy.bind(("127.0.0.1", 0))
     busy.listen()
     try:
-        d = start_daemon(tmp_path, "--pool-size", "1MiB", "--metrics-port", str(busy.getsockname()[1]))
+        d = start_daemon(tmp_path, "--pool-size", "1MiB", "--metrics", "--metrics-port", str(busy.getsockname()[1]))
         try:
             wait_for_log(d, r'metrics endpoint not started; serving without it.*error=".*address already in use"')
             assert RawClient(d.endpoint).call("PING")["ok"]

@@ -316,7 +316,7 @@ def test_a_trainer_keeping_an_old_graph_and_growing_its_batch_beside_another(tmp
     first trainer's later steps failed with StormIntegrityError (its planned slots were placed past
     its old region, over extents handed out since); with check_extents on (as in every test daemon)
     the ledger would refuse such a placement, so the daemon must also have answered no INTERNAL."""
-    d = start_daemon(tmp_path, "--pool-size", "16MiB", "--metrics-port", "0")
+    d = start_daemon(tmp_path, "--pool-size", "16MiB", "--metrics", "--metrics-port", "0")
     other = subprocess.Popen([sys.executable, "-c", SECOND_TRAINER, d.endpoint], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:

@@ -42,8 +42,12 @@ def load_key(path: str, setting: str, need_secret: bool) -> tuple[bytes, bytes |
 
 
 def client_curve_options(endpoint: str, environ: Mapping[str, str] | None = None) -> dict[int, bytes]:
-    """Socket options giving a client its CURVE keys, read from the environment; raises CurveKeyError
-    naming the variable that is missing or unreadable."""
+    """Socket options giving a client of ``endpoint`` its CURVE keys, read from the environment
+    (none for an ipc:// endpoint, which needs none); raises CurveKeyError naming the variable that is
+    missing or unreadable. The library's connection and stormctl both set their sockets up with it,
+    so whatever reaches a daemon as a client reaches it as an operator too."""
+    if not endpoint.startswith("tcp://"):
+        return {}
     env = os.environ if environ is None else environ
     missing = [v for v in (CLIENT_SECRET_ENV, SERVER_PUBLIC_ENV) if not env.get(v)]
     if missing:
