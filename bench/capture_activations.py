@@ -176,8 +176,8 @@ def main() -> int:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"tensors": sample, "shapes": shapes, "crop": {"bf16": args.crop_bf16, "fp32": args.crop_fp32}, "model": "all-MiniLM-L6-v2",
-                "batch": args.batch, "seq": args.seq}, out)
+    torch.save({"tensors": sample, "shapes": shapes, "crop": {"bf16": args.crop_bf16, "fp32": args.crop_fp32},
+                "model": "all-MiniLM-L6-v2", "batch": args.batch, "seq": args.seq}, out)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB, {len(sample)} tensors)")
     if args.report:
         write(args.report, {"ratios": report}, "cpu",

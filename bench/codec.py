@@ -31,8 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from common import REPO, write
-from storm.kernels import CODECS, CodecNotApplicable, associative_scan, decode, encode, verify_lossless
-from storm.kernels import frame
+from storm.kernels import CODECS, CodecNotApplicable, associative_scan, decode, encode, frame, verify_lossless
 from storm.kernels.frame import complete, decode_frame, encode_frame, frame_nbytes
 
 FIXTURE = REPO / "tests" / "fixtures" / "activations" / "minilm_saved.pt"
@@ -215,7 +214,8 @@ def bench_scan(size: int, dev: torch.device, reps: int) -> list[dict]:
             row["identical_to_cumsum"] = bool(torch.equal(y, ref))
         else:
             err = (y.double() - torch.cumsum(x.double(), 0)).abs()
-            bound = torch.arange(1, n + 1, device=dev, dtype=torch.float64) * 2.0**-24 * torch.cumsum(x.double().abs(), 0)
+            bound = (torch.arange(1, n + 1, device=dev, dtype=torch.float64) * 2.0**-24
+                     * torch.cumsum(x.double().abs(), 0))
             row["within_bound"] = bool((err <= bound).all())
         rows.append(row)
     return rows
@@ -282,7 +282,8 @@ def main() -> None:
     impls += [(f"storm:ancf_exp_frame:small_tiles={k}", lambda t, k=k: bench_frame(t, args.reps, k))
               for k in map(int, filter(None, args.frame_small_tiles.split(",")))]
     if dev.type == "cuda" and "nvcomp" not in skip:
-        impls += [(f"nvcomp:{a}", lambda t, a=a: bench_nvcomp(t, a, args.reps)) for a in ("ANS", "Bitcomp", "Cascaded", "GDeflate")]
+        impls += [(f"nvcomp:{a}", lambda t, a=a: bench_nvcomp(t, a, args.reps))
+                  for a in ("ANS", "Bitcomp", "Cascaded", "GDeflate")]
     if "zstd" not in skip:
         impls += [(f"zstd-cpu:1{'-shuffled' if s else ''}", lambda t, s=s: bench_zstd(t, 1, s, min(args.reps, 2)))
                   for s in (False, True)]
@@ -311,7 +312,8 @@ def main() -> None:
     print(f"\n{'kind':32s} {'impl':24s} {'ratio':>7s} {'enc GB/s':>9s} {'dec GB/s':>9s}   back to back: enc, dec")
     for r in res["rows"]:
         if "ratio" in r:
-            print(f"{r['kind']:32s} {r['impl']:24s} {r['ratio']:7.3f} {r['enc_GBps'] or 0:9.2f} {r['dec_GBps'] or 0:9.2f}"
+            print(f"{r['kind']:32s} {r['impl']:24s} {r['ratio']:7.3f} "
+                  f"{r['enc_GBps'] or 0:9.2f} {r['dec_GBps'] or 0:9.2f}"
                   f"   {r['enc_GBps_back_to_back'] or 0:9.2f} {r['dec_GBps_back_to_back'] or 0:9.2f}"
                   f"{'' if r.get('lossless') else '  NOT LOSSLESS'}")
 

@@ -395,7 +395,8 @@ def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opt
             st = t.last.stats
             ratio = st.offloaded_bytes / st.stored_bytes if st.stored_bytes else 1.0
             # fetched_bytes counts tensors' sizes; each comes back as it was stored
-            r.update(to_host_GiB=round(st.stored_bytes / GiB, 3), to_device_GiB=round(st.fetched_bytes / ratio / GiB, 3),
+            r.update(to_host_GiB=round(st.stored_bytes / GiB, 3),
+                     to_device_GiB=round(st.fetched_bytes / ratio / GiB, 3),
                      offloaded_GiB=round(st.offloaded_bytes / GiB, 3), ratio=round(ratio, 3),
                      frame_overflows=st.frame_overflows, offloaded_tensors=st.offloaded, kept=dict(st.kept),
                      fetch_wait_ms=round(st.fetch_wait_s * 1e3, 2), backend=t.last.backend_name)

@@ -8,10 +8,10 @@ Starts one stormd, then runs torchrun twice: with one rank and with --nproc rank
 trains W1 (bench/common.py, --batch per rank) for --steps steps without offload, then the
 same steps from the same initial state under storm.offload(mode="daemon") through that one
 daemon. Every step's loss and a hash of every gradient (after DDP's all-reduce) must be
-bit-identical between the two (FSDP2: this rank's shards of the gradients); the JSON has both step times per rank (median after --warmup),
-per-rank throughput with --nproc ranks against the single-rank run, and offload's cost (step time
-with offload over step time without) against the single rank's, which leaves out what DDP itself
-costs each rank. Each rank also measures
+bit-identical between the two (FSDP2: this rank's shards of the gradients); the JSON has both
+step times per rank (median after --warmup), per-rank throughput with --nproc ranks against the
+single-rank run, and offload's cost (step time with offload over step time without) against the
+single rank's, which leaves out what DDP itself costs each rank. Each rank also measures
 its pinned link (GB/s each way) alone, ranks taking turns, and with every rank copying at once:
 full offload is link-bound, so what the ranks' links lose together bounds what offload can keep.
 """
@@ -39,7 +39,6 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import storm  # noqa: E402
 from common import TINY, W1, Workload, start_daemon, write  # noqa: E402
-
 
 
 def wrap(model: torch.nn.Module, wrapper: str, device: torch.device) -> torch.nn.Module:

@@ -15,7 +15,7 @@ budget b (default: 10 fractions, 0.1 to 1.0, of the no-offload peak, the two tha
 peak at checkpointing's and at half of it, and where another method went below checkpointing,
 the least peak it reached and halfway from there to checkpointing's), per-block checkpointing
 of only the first k blocks, k = round(b / bytes one block's recompute removes), and storm.plan
-(client/planner/: per block keep, offload or recompute, planned from two traced steps). With --compiled, also: the model
+(storm/planner/: per block keep, offload or recompute, planned from two traced steps). With --compiled, also: the model
 compiled as one graph at torch's activation_memory_budget 1.0 (no recompute added), 0.5 and
 0.1, and under STORM's full offload; its blocks compiled one by one, alone and under storm.plan
 capped at the 0.1 row's peak. A budget b asks for a
@@ -52,14 +52,37 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from summary import (Bound, Measurements, blocks_for, budgets, must_show, peak_bytes, ratio_interval, rebound,
-                     summarize, table)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from common import (WORKLOADS, GiB, Llama, Net, Trainer, Variant, Workload, cuda_device, link_bandwidth, plan_summary,
-                    run, workloads, write)
+from common import (
+    WORKLOADS,
+    GiB,
+    Llama,
+    Net,
+    Trainer,
+    Variant,
+    Workload,
+    cuda_device,
+    link_bandwidth,
+    plan_summary,
+    run,
+    workloads,
+    write,
+)
 from stormd.wire.sizes import parse_size
+from summary import (
+    Bound,
+    Measurements,
+    blocks_for,
+    budgets,
+    must_show,
+    peak_bytes,
+    ratio_interval,
+    rebound,
+    summarize,
+    table,
+)
 
 
 class FirstKCheckpointed(nn.Module):

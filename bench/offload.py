@@ -1,4 +1,5 @@
-"""Step time and memory per method: no offload, checkpointing, save_on_cpu, torchtune, STORM (embedded, daemon, plan...).
+"""Step time and memory per method: no offload, checkpointing, save_on_cpu, torchtune, STORM (embedded, daemon,
+plan...).
 
     python bench/offload.py --out bench/results/offload.json            # W1, W2 timings (CUDA)
     python bench/offload.py --check --out bench/results/bitexact.json   # gradients, bit for bit
@@ -32,8 +33,19 @@ from pathlib import Path
 import torch
 
 import storm
-from common import (WORKLOADS, GiB, Variant, Workload, cuda_device, link_bandwidth, run, start_daemon, stop_daemon,
-                    workloads, write)
+from common import (
+    WORKLOADS,
+    GiB,
+    Variant,
+    Workload,
+    cuda_device,
+    link_bandwidth,
+    run,
+    start_daemon,
+    stop_daemon,
+    workloads,
+    write,
+)
 from storm.examples.models import same_bits
 from storm.report import progress
 
@@ -159,13 +171,14 @@ def plot(args: argparse.Namespace, device: torch.device) -> None:
     """GPU memory over one step of the first workload, without and with STORM, into args.plot."""
     from torch.autograd.profiler import record_function
 
-    from storm.report import BACKWARD, FORWARD, memory_timeline, plot_memory
+    from storm.report import BACKWARD, FORWARD, Timeline, memory_timeline, plot_memory
 
     w = workloads(args.workloads, args.batch, args.layers)[0]
     opts = {"mode": "embedded", "min_bytes": args.min_bytes, **pool(args),
             "max_held_bytes": args.max_held, "prefetch_bytes": args.prefetch, "budget": args.budget}
-    lines = []
-    for label, offload in (("without STORM", None), ("with STORM (embedded)", opts)):
+
+    def timeline(label: str, offload: dict | None) -> Timeline:
+        """One variant's step; its model and input are freed on return, before the next is built."""
         model, x = w.build(device)
 
         def step() -> None:
@@ -175,8 +188,11 @@ def plot(args: argparse.Namespace, device: torch.device) -> None:
                 w.objective(y).backward()
 
         step()  # warm-up: the pool is pinned and the allocator's caches are filled outside the picture
-        lines.append(memory_timeline(label, step, device))
-        del model, x
+        return memory_timeline(label, step, device)
+
+    lines = []
+    for label, offload in (("without STORM", None), ("with STORM (embedded)", opts)):
+        lines.append(timeline(label, offload))
         torch.cuda.empty_cache()
     plot_memory(lines, args.plot, f"GPU memory over one {w.name} step (batch {w.batch}, seq {w.seq})")
 

@@ -3,8 +3,8 @@
     python bench/plan_trace.py --workloads W1 W2 --out bench/results/plan-trace.json   # CUDA
 
 Per workload: the no-offload step's peak GPU memory above its start, then storm.plan with
-peak= each --fractions of it (with bench/frontier.py's options), stepped until it has traced (offload trace, compute trace,
-and with peak= the kept-extra trace) and settled; the JSON holds, per cap, the Trace
+peak= each --fractions of it (with bench/frontier.py's options), stepped until it has traced
+(offload trace, compute trace, and with peak= the kept-extra trace) and settled; the JSON holds, per cap, the Trace
 (dataclasses.asdict), what the planner measured beside it (besides, kept_extra, target) and
 the plan it kept. tests/planner/data/ holds such traces for the golden test of the
 cost model. Without CUDA it exits 2.

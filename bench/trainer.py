@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import torch
-from common import W3, W3_TINY, cuda_device, start_daemon, stop_daemon, write
 
 import storm
+from common import W3, W3_TINY, cuda_device, start_daemon, stop_daemon, write
 from storm.integrations.transformers import StormCallback
 
 GiB = 1 << 30

@@ -11,10 +11,7 @@ import torch
 from torch import nn
 
 import storm
-
 from helpers import assert_same_grads
-
-
 
 
 def test_embedded_pool_full_keeps_tensors_on_their_device_and_says_so_once(caplog):

@@ -53,7 +53,8 @@ def step(allocated: Allocator, made_before_first: int, tensors: list[torch.Tenso
 def test_saves_handed_over_after_the_whole_forward_warn_once_naming_per_block_compile(caplog):
     tensors = saves(8)
     warned = step(Allocator(), sum(t.untyped_storage().nbytes() for t in tensors), tensors, caplog)
-    assert len(warned) == 1 and warned[0].startswith("storm.offload:") and "b.compile()" in warned[0] and "storm.partitioner()" in warned[0]
+    assert len(warned) == 1 and warned[0].startswith("storm.offload:")
+    assert "b.compile()" in warned[0] and "storm.partitioner()" in warned[0]
     assert LateSaves.judged
     caplog.clear()
     assert step(Allocator(), 10**12, tensors, caplog) == []  # judged once a process

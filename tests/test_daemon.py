@@ -9,13 +9,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import fall_back_then_reconnect, start_daemon, stop_daemon
-from helpers import RawClient, put_fields, relu_mlp
 
 import storm
+from conftest import fall_back_then_reconnect, start_daemon, stop_daemon
+from helpers import RawClient, put_fields, relu_mlp
 from stormd.wire.protocol import PROTOCOL_VERSION, ErrorCode, pack
 
 
@@ -301,6 +302,14 @@ STOPPED_PEER = textwrap.dedent("""
 """)
 
 
+def connections_to(sock: Path) -> int:
+    """Connections the daemon holds on its unix socket ``sock``: Linux lists each accepted socket in
+    /proc/net/unix under its listener's path, connected (state 03); a client's end has no path."""
+    with open("/proc/net/unix") as f:
+        rows = [line.split(None, 7) for line in f.read().splitlines()[1:]]
+    return sum(1 for r in rows if len(r) == 8 and r[7] == str(sock) and r[5] == "03")
+
+
 def test_a_peer_that_answers_nothing_is_disconnected_by_zeromqs_heartbeats(tmp_path):
     """A stopped process answers no ZMTP heartbeat: the daemon's socket closes its connection after
     stormd.server.heartbeat_timeout (2 s at this client_timeout), freeing what libzmq holds for it.
@@ -310,8 +319,14 @@ def test_a_peer_that_answers_nothing_is_disconnected_by_zeromqs_heartbeats(tmp_p
                             stdout=subprocess.PIPE, text=True)
     try:
         assert peer.stdout.readline().strip() == "ready"
+        assert connections_to(d.socket) == 1
         peer.send_signal(signal.SIGSTOP)
-        time.sleep(8)  # four heartbeat timeouts: a loaded host makes the disconnect late, never early
+        # the peer stays stopped until the daemon has closed its end: after heartbeat_timeout, later on
+        # a loaded host, never earlier
+        deadline = time.monotonic() + 60
+        while connections_to(d.socket):
+            assert time.monotonic() < deadline, "the daemon still holds the stopped peer's connection after 60 s"
+            time.sleep(0.1)
         peer.send_signal(signal.SIGCONT)
         peer.stdin.write("go\n")
         peer.stdin.flush()

@@ -12,8 +12,8 @@ import shutil
 import tempfile
 
 import pytest
-from helpers import put_fields
 
+from helpers import put_fields
 from stormd.service import Service
 from stormd.store_options import StoreOptions
 from stormd.wire.cuda import CudaError

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import start_daemon, stop_daemon
 
 import storm
+from conftest import start_daemon, stop_daemon
 from stormd.ctl import request
 
 RANK_SCRIPT = Path(__file__).resolve().parent / "multinode_rank.py"
@@ -51,10 +51,11 @@ def test_two_nodes_each_with_its_own_stormd_train_ddp_bit_identical(tmp_path):
             except subprocess.TimeoutExpired:
                 for q in nodes:
                     q.kill()
-                pytest.fail(f"node {n}'s torchrun still running after 600 s:\n{(tmp_path / f'node{n}.log').read_text()}")
+                log_text = (tmp_path / f"node{n}.log").read_text()
+                pytest.fail(f"node {n}'s torchrun still running after 600 s:\n{log_text}")
             assert rc == 0, (tmp_path / f"node{n}.log").read_text()
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(NODES)]
-        for r, d in zip(ranks, daemons):
+        for r, _ in zip(ranks, daemons):
             assert r["same_losses"] and r["same_gradients"], r
             assert r["offloaded"] > 0 and r["backend"].startswith(f"stormd at {daemons[r['node']].endpoint} "), r
         # each daemon served its own node's rank, and only it

@@ -1,4 +1,4 @@
-"""README.md stays a user's guide, and the docs name only files that exist.
+"""README.md stays a user's guide, and the docs and the code's comments name only files that exist.
 
 The README is what a new user reads first, so it is kept short (the design, the planner's model,
 operations, security and the results log live in docs/). docs/results.md cites the script and the
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -24,19 +25,27 @@ _BENCH_SCRIPT = re.compile(r"bench/[A-Za-z0-9_\-/]+\.(?:py|sh)\b")
 _RESULT_FILE = re.compile(r"bench/results/[^\s`'\")\],]+")
 _TEST_FILE = re.compile(r"tests/[A-Za-z0-9_\-/]+\.py\b")
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+# In code (comments, docstrings, messages): a module named by its path under src/ (storm/hooks.py,
+# stormd/wire/pool.py), or a file of the repository's bench/, tests/, docs/ or deploy/.
+_CODE_PATH = re.compile(r"(?<![\w./-])((?:storm|stormd)/[A-Za-z0-9_/]+\.py|bench/[A-Za-z0-9_\-/]+\.(?:py|sh)"
+                        r"|tests/[A-Za-z0-9_\-/]+\.py|docs/[A-Za-z0-9_\-]+\.md|deploy/[A-Za-z0-9_.\-]+[A-Za-z0-9])")
+CODE = sorted({*ROOT.glob("src/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("bench/*.py"),
+               *ROOT.glob("bench/*.sh")} - {Path(__file__).resolve()})  # this file names missing ones on purpose
 
 
 def _paths(pattern: re.Pattern[str], text: str) -> set[str]:
     return {match.rstrip(".:;") for match in pattern.findall(text)}
 
 
-def _missing(pattern: re.Pattern[str]) -> dict[str, list[str]]:
-    """Per page, the paths matching `pattern` that do not exist under the repository root."""
+def _missing(pattern: re.Pattern[str], files: list[Path] = PAGES,
+             exists: Callable[[str], bool] = lambda p: (ROOT / p).is_file()) -> dict[str, list[str]]:
+    """Per file (the docs' pages by default), the paths matching `pattern` that do not exist
+    (by default: as files under the repository root)."""
     missing = {}
-    for page in PAGES:
-        absent = sorted(p for p in _paths(pattern, page.read_text()) if not (ROOT / p).is_file())
+    for f in files:
+        absent = sorted(p for p in _paths(pattern, f.read_text()) if not exists(p))
         if absent:
-            missing[page.relative_to(ROOT).as_posix()] = absent
+            missing[f.relative_to(ROOT).as_posix()] = absent
     return missing
 
 
@@ -63,6 +72,26 @@ def test_the_docs_pages_exist_and_the_readme_links_each():
 def test_every_file_the_docs_name_exists(what, pattern):
     missing = _missing(pattern)
     assert not missing, f"the docs name a {what} that does not exist (moved or deleted?): {missing}"
+
+
+def _code_path_exists(path: str) -> bool:
+    base = ROOT / "src" if path.split("/")[0] in ("storm", "stormd") else ROOT
+    return (base / path).exists()
+
+
+def test_every_file_the_code_names_exists():
+    """A comment that sends the reader to a module or a script that moved or was deleted sends them nowhere."""
+    missing = _missing(_CODE_PATH, CODE, _code_path_exists)
+    assert not missing, f"code names files that do not exist (moved or deleted?): {missing}"
+
+
+def test_the_code_path_pattern_finds_what_it_should():
+    text = ("# storm/hooks.py and stormd/wire/pool.py (bench/offload.py, bench/ab.sh); see docs/graph.md, "
+            "tests/test_docs.py, deploy/stormd.toml. Not tests/kernels/x or a.storm/b.py")
+    assert _paths(_CODE_PATH, text) == {"storm/hooks.py", "stormd/wire/pool.py", "bench/offload.py", "bench/ab.sh",
+                                        "docs/graph.md", "tests/test_docs.py", "deploy/stormd.toml"}
+    assert _code_path_exists("storm/hooks.py") and _code_path_exists("deploy/stormd.toml")
+    assert not _code_path_exists("storm/no_such_module.py")
 
 
 def test_the_results_page_cites_scripts_and_result_files():

@@ -282,8 +282,11 @@ def test_a_dead_stores_share_returns_to_the_others():
                 put(b, 1, 12 * MiB)
             proc.kill()
             proc.wait(60)
-            entries = lambda: sorted(p.name for p in (Path(root) / f"storm-embedded-{os.getuid()}").iterdir()
-                                     if p.name.startswith("store-"))
+
+            def entries() -> list[str]:
+                return sorted(p.name for p in (Path(root) / f"storm-embedded-{os.getuid()}").iterdir()
+                              if p.name.startswith("store-"))
+
             assert len(entries()) == 2  # the dead store's entry stays until a live one looks
             put(b, 2, 8 * MiB)
             assert b.pool.size > 6 * MiB and len(entries()) == 1

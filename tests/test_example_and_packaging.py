@@ -1,4 +1,4 @@
-"""The main job (examples/train_gpt.py) and the installed package's layout."""
+"""The main job (storm/examples/train_gpt.py) and the installed package's layout."""
 
 from __future__ import annotations
 
@@ -94,19 +94,18 @@ def test_train_gpt_console_script_through_the_daemon(daemon):
     assert "through stormd at " + daemon.endpoint in r.stdout
 
 
-def test_wheel_maps_folders_to_storm_and_stormd(tmp_path):
+def test_wheel_holds_every_module_under_src_at_its_name(tmp_path):
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path), str(root)], check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert top == {"storm", "stormd"}, top  # no top-level client/ or kernels/ in site-packages
-    # every module of the source folders, subpackages included, at its installed name
+    assert top == {"storm", "stormd"}, top  # nothing else lands top-level in site-packages
+    # every module under src/, subpackages included, at its installed name
     # (storm.kernels.gpu once went missing: `pip install .` then failed on import)
-    folders = {"client": "storm", "kernels": "storm/kernels", "examples": "storm/examples", "stormd": "stormd"}
-    expected = {f"{dest}/{f.relative_to(root / src).as_posix()}"
-                for src, dest in folders.items() for f in (root / src).rglob("*.py")}
+    src = root / "src"
+    expected = {f.relative_to(src).as_posix() for f in src.rglob("*.py")}
     missing = sorted(expected - set(names))
     assert not missing, missing
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
@@ -145,7 +144,8 @@ def test_checkout_named_storm_imports_the_package_from_its_parent(tmp_path, line
     r = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                         *args], capture_output=True, text=True, timeout=600, cwd=checkout)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([str(python), "-c", "import storm, stormd.wire; print(storm.offload.__module__, storm.__file__)"],
+    r = subprocess.run([str(python), "-c",
+                        "import storm, stormd.wire; print(storm.offload.__module__, storm.__file__)"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("storm.hooks "), r.stdout

@@ -7,10 +7,10 @@ import threading
 import time
 
 import zmq
-from conftest import start_daemon, stop_daemon
-from helpers import RawClient, put_fields
 from test_ops_daemon import wait_for_log
 
+from conftest import start_daemon, stop_daemon
+from helpers import RawClient, put_fields
 from stormd.wire.protocol import pack, unpack
 
 FLOOD = 30_000

@@ -20,9 +20,9 @@ import time
 
 import pytest
 import xxhash
+
 from conftest import start_daemon, stop_daemon
 from helpers import RawClient, put_fields
-
 from stormd.server import reap_interval
 
 CLIENT_TIMEOUT = 0.4

@@ -16,9 +16,9 @@ import textwrap
 import time
 
 import pytest
-from conftest import start_daemon, stop_daemon
 
 import storm
+from conftest import start_daemon, stop_daemon
 from storm.connection import DaemonConnection
 
 # What the old behaviour could not meet by far (30 s for each of the hundreds of queued requests),

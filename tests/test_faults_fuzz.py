@@ -16,14 +16,22 @@ import string
 import pytest
 import xxhash
 import zmq
-from conftest import start_daemon, stop_daemon
-from helpers import RawClient, put_fields
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_daemon import read_extent, store
 
-from stormd.wire.protocol import (ALL_ERROR_CODES, MAX_INT, MAX_MESSAGE_BYTES, OPS, PROTOCOL_VERSION, ErrorCode,
-                             pack, unpack)
+from conftest import start_daemon, stop_daemon
+from helpers import RawClient, put_fields
+from stormd.wire.protocol import (
+    ALL_ERROR_CODES,
+    MAX_INT,
+    MAX_MESSAGE_BYTES,
+    OPS,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    pack,
+    unpack,
+)
 
 POOL = 16 << 20
 BATCH = 200

@@ -6,10 +6,10 @@ import time
 
 import pytest
 import torch
-from conftest import fall_back_then_reconnect, start_daemon, stop_daemon
 from torch import nn
 
 import storm
+from conftest import fall_back_then_reconnect, start_daemon, stop_daemon
 from storm.connection import DEAD_AFTER, HEARTBEAT
 
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 import zmq
 import zmq.auth
-from conftest import Daemon, popen_stormd, start_daemon, stop_daemon
-from helpers import RawClient, offload_one_step
 from test_ops_daemon import STORMCTL, wait_for_log
 
 import storm
+from conftest import Daemon, popen_stormd, start_daemon, stop_daemon
+from helpers import RawClient, offload_one_step
 from stormd.wire.curve import CLIENT_SECRET_ENV, SERVER_PUBLIC_ENV
 from stormd.wire.endpoint import ensure_private_dir
 from stormd.wire.protocol import PROTOCOL_VERSION, pack

@@ -13,15 +13,15 @@ import pytest
 import pytest_asyncio
 import torch
 import zmq
-from helpers import put_fields
 from test_server_async import AsyncClient
 
+from helpers import put_fields
 from stormd.allocator import ExtentAllocator
 from stormd.config import DaemonConfig
+from stormd.entries import Where
 from stormd.server import Server
 from stormd.service import Service
 from stormd.spill import SpillIO
-from stormd.entries import Where
 from stormd.store import Store
 from stormd.store_options import StoreOptions
 from stormd.wire.pool import SharedPool

@@ -342,7 +342,8 @@ def test_a_frame_that_overflows_is_stored_raw_and_its_kind_stays_raw(cuda_opts):
         ctx.synchronize()  # through stormd the copy may still run: its outcome is counted once done
         return w.grad, ctx.stats
 
-    grads, stats = zip(*[step(o) for o in (None, {**cuda_opts, "codec": "ancf_exp"}, {**cuda_opts, "codec": "ancf_exp"})])
+    ancf = {**cuda_opts, "codec": "ancf_exp"}
+    grads, stats = zip(*[step(o) for o in (None, ancf, ancf)])
     assert same_bits(grads[0], grads[1]) and same_bits(grads[0], grads[2])
     first, second = stats[1], stats[2]
     assert first.offloaded == 1 and first.frame_overflows == 1 and first.stored_bytes == 2 * n

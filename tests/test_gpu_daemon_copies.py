@@ -15,10 +15,11 @@ import time
 
 import pytest
 import torch
-from conftest import start_daemon, stop_daemon
-from helpers import RawClient, put_fields
 
 import storm
+from conftest import start_daemon, stop_daemon
+from helpers import RawClient, put_fields
+from storm.copies.base import Route
 from storm.examples.models import same_bits
 from storm.gpu import export, ipc_event
 from storm.session import session_for
@@ -66,7 +67,8 @@ def test_the_daemon_copies_cuda_tensors_itself_bit_exact(daemon):
     got = gpt_grads(opts)
     assert all(same_bits(a, b) for a, b in zip(ref, got))
     session = session_for("daemon", daemon.endpoint, None)
-    assert session.mover.daemon_copies(torch.device("cuda", 0))
+    cuda_storage = torch.empty(1024, device="cuda").untyped_storage()
+    assert session.mover.route(cuda_storage, "float32", "raw")[0] is Route.DAEMON
     assert not session.backend.pool.cuda_registered  # this process copied nothing into the pool itself
     assert node(daemon.endpoint)["cuda_segments"] > 0
     storm.close_all()  # BYE: the daemon closes the segments it opened for this client

@@ -5,6 +5,7 @@ graphs, retain_graph, codecs, and when each key is freed."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -14,11 +15,8 @@ import torch
 from torch import nn
 
 import storm
-from storm.examples.models import GPT, ResNet, ViewNet, same_bits
-
 from helpers import assert_same_grads, chain_grad, chain_of_saves, relu_mlp
-
-
+from storm.examples.models import GPT, ResNet, ViewNet, same_bits
 
 
 @pytest.fixture(params=["embedded", "daemon"])
@@ -360,27 +358,26 @@ def test_a_key_is_freed_only_once_the_copy_out_of_it_is_done(monkeypatch):
     the extent must stay allocated, or the next PUT (of any process) could overwrite it first.
     Reads that report themselves unfinished stand in for such copies here."""
     from storm.copies.base import Copy
+    from storm.mover import Mover
     from storm.replies import Resolved
-    from storm.transfer import Mover
 
     copies_done = threading.Event()
 
-    class Running:
-        def done(self) -> bool:
+    class Running:  # a CUDA event of a copy the GPU has not run yet
+        def query(self) -> bool:
             return copies_done.is_set()
 
-        def wait(self) -> None:
+        def synchronize(self) -> None:
             copies_done.wait()
 
-    class UnfinishedRead(Copy):
-        __slots__ = ()
-
-        @property
-        def event(self) -> Running:
-            return Running()
+        done, wait = query, synchronize
 
     real_get = Mover.get
-    monkeypatch.setattr(Mover, "get", lambda self, *a, **k: UnfinishedRead(Resolved(real_get(self, *a, **k))))
+
+    def unfinished(self, *a, **k):
+        return Copy(Resolved(dataclasses.replace(real_get(self, *a, **k).result(), event=Running())))
+
+    monkeypatch.setattr(Mover, "get", unfinished)
     with storm.offload(mode="embedded", min_bytes=0, max_held_bytes=0) as ctx:
         x, loss = chain_of_saves()
     loss.backward()
@@ -437,13 +434,11 @@ def test_a_put_whose_frame_overflowed_is_stored_again_raw(monkeypatch):
     """The session's side of frames (CUDA tensors only; simulated here): a put that lands incomplete
     is put again, raw, under a new key while its tensor is still held; the old key is freed, and
     tensors of its kind are stored raw from then on."""
-    from storm.copies.base import Copy
+    from storm.copies.base import Copy, Landed
+    from storm.mover import Mover
     from storm.replies import Resolved
-    from storm.transfer import Mover
 
-    class Overflowed(Copy):
-        __slots__ = ()
-
+    class Overflowed(Landed):
         def incomplete(self) -> bool:
             return True
 
@@ -452,8 +447,11 @@ def test_a_put_whose_frame_overflowed_is_stored_again_raw(monkeypatch):
 
     def put(self, req):
         requests.append(req)
-        copy = real_put(self, req)
-        return Overflowed(Resolved(copy)) if req.codec != "raw" else copy
+        put = real_put(self, req)
+        if req.codec == "raw":
+            return put
+        landed = put.result()
+        return Copy(Resolved(Overflowed(**{f.name: getattr(landed, f.name) for f in dataclasses.fields(landed)})))
 
     monkeypatch.setattr(Mover, "put", put)
     x = torch.randn(256, 256, requires_grad=True)

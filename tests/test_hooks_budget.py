@@ -10,11 +10,8 @@ import torch
 
 import storm
 import storm.session as session_mod
-from storm.examples.models import same_bits
-
 from helpers import chain_grad, chain_of_saves
-
-
+from storm.examples.models import same_bits
 
 
 def test_byte_budget_offloads_the_earliest_saves_only():

@@ -1,18 +1,21 @@
 """The import graph of the repository's packages, read from the source (ast), not by importing it.
 
-Two rules, each a test:
+Three rules, each a test:
 
-- The client (client/, installed as ``storm``) reaches the daemon only through
-  its public surface for clients, ``stormd.wire``, and client/embedded.py
+- The client (storm/, installed as ``storm``) reaches the daemon only through
+  its public surface for clients, ``stormd.wire``, and storm/embedded.py
   through ``stormd.embedded`` besides: the daemon's internals (store, service,
   server, settings) stay free to change without the client.
-- No import cycle among the modules of client/, kernels/ and stormd/. Every
+- No import cycle among the modules of storm/, storm/kernels/ and stormd/. Every
   import counts, a function-level one too: an import deferred into a function
   still ties the two modules together, and one that breaks a cycle at import
   time hides it rather than removing it. Imports of a package's ``__init__``
   as a side effect of importing one of its modules are not counted: every
   module of a package would otherwise be in a cycle with an ``__init__`` that
   re-exports it.
+- Tests and benchmarks import the packages by their one name (``storm``,
+  ``stormd``): a module loaded under two names is two modules, with two classes
+  of each, and an ``except`` on one does not catch the other.
 """
 
 from __future__ import annotations
@@ -23,20 +26,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# source folder -> the package it is installed as (pyproject.toml's [tool.setuptools.package-dir])
-PACKAGES = {"client": "storm", "kernels": "storm.kernels", "stormd": "stormd"}
+SRC = ROOT / "src"  # each folder under it is the package it installs
+PACKAGES = ("storm", "stormd")
 EMBEDDED_ENTRY = ("storm.embedded", "stormd.embedded")  # the one module of the client that may use the daemon's Service
 
 
 def _modules() -> dict[str, Path]:
     """Installed module name -> source file, for every module of the repository's packages."""
     out = {}
-    for folder, package in PACKAGES.items():
-        for f in sorted((ROOT / folder).rglob("*.py")):
-            parts = f.relative_to(ROOT / folder).with_suffix("").parts
+    for package in PACKAGES:
+        for f in sorted((SRC / package).rglob("*.py")):
+            parts = f.relative_to(SRC).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
-            out[".".join((package, *parts))] = f
+            out[".".join(parts)] = f
     return out
 
 
@@ -122,6 +125,18 @@ def test_the_client_imports_the_daemon_only_through_stormd_wire():
 def test_no_import_cycle_among_the_repositorys_modules():
     cycles = _cycles(_graph())
     assert not cycles, f"import cycles: {[sorted(c) for c in cycles]}"
+
+
+def test_tests_and_benchmarks_import_the_packages_by_their_one_name():
+    """Not as the folders they once were (client, kernels, examples at the top level)."""
+    others = {"client", "kernels", "examples"}
+    wrong = []
+    for f in sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
+            wrong += [f"{f.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in others]
+    assert not wrong, "import storm.* (storm.kernels, storm.examples) or stormd.*:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("importer, imported", [

@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 import storm
+from conftest import start_daemon, stop_daemon
 from storm.connection import DaemonConnection
 from storm.examples.models import same_bits
 from storm.policy import Policy
 from storm.saved import StepOptions
 from storm.session import ClientSession
-from conftest import start_daemon, stop_daemon
 
 
 def small_mlp() -> tuple[nn.Module, torch.Tensor]:

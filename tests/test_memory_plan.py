@@ -7,12 +7,12 @@ import weakref
 
 import torch
 
+from helpers import put_fields
 from storm.examples.models import GPT
 from stormd.allocator import ExtentAllocator
 from stormd.placement import Lifetime, first_fit_footprint, pack_lifetimes, peak_live_bytes
 from stormd.store import Store
 from stormd.wire.pool import SharedPool
-from helpers import put_fields
 
 
 class _Saved:

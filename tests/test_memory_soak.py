@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from stormd.wire.pool import SharedPool
-from stormd.wire.protocol import pack, unpack
 from conftest import start_daemon, stop_daemon
 from helpers import RawClient, put_fields
+from stormd.wire.pool import SharedPool
+from stormd.wire.protocol import pack, unpack
 
 STEPS = 10_000
 SIZES = (1000, 4096, 3000)  # small on purpose: the test is about bookkeeping, not bandwidth

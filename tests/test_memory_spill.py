@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import storm
+from conftest import start_daemon, stop_daemon
+from helpers import RawClient, put_fields
 from storm.examples.models import GPT, same_bits
 from stormd.allocator import ExtentAllocator
 from stormd.store import Store
 from stormd.store_options import ClientLimits, StoreOptions
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import ErrorCode, ProtocolError
-from conftest import start_daemon, stop_daemon
-from helpers import RawClient, put_fields
 
 KIB = 1024
 

@@ -1,5 +1,6 @@
-"""The mover (client/transfer.py): who seals a put, and the worker thread it runs the copies on.
-The completion type's tests are in tests/copies/test_copies_base.py."""
+"""The mover (storm/mover.py): the route a save takes, decided once; which handler tells the
+store a put has landed; and the worker thread it runs the copies on. The completion type's tests
+are in tests/copies/test_copies_base.py."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from client import transfer
-from client.copies.base import Copy
-from client.copies.cpu_to_pool import HostCopies
-from client.copies.cuda_by_daemon import DaemonCopies
-from client.copies.cuda_to_pool import PoolCopies
-from client.replies import resolve
+from storm import mover as moving
+from storm.copies.base import Landed, Route
+from storm.gpu import NotExportable
+from storm.replies import resolve
+from stormd.wire.protocol import FRAME_CODEC
 
 
 class Backend:
@@ -33,14 +33,15 @@ class RecordingBackend(Backend):
         return reply
 
 
-def test_only_puts_the_store_does_not_seal_itself_are_sealed_by_the_client():
+def test_only_puts_this_process_copied_on_its_streams_are_sealed_once_landed():
     backend = RecordingBackend()
-    mover = transfer.Mover(backend)
+    m = moving.Mover(backend)
     try:
-        mover.seal(1, Copy.landed(nbytes=4096, sealed=True))  # stormd copied it
-        mover.seal(2, Copy.landed(nbytes=4096))  # this process copied it
+        m.settle(Route.DAEMON, 1, Landed(nbytes=4096))  # stormd copied it, and seals it itself
+        m.settle(Route.OWN, 2, Landed(nbytes=4096))     # this process copied it
+        m.settle(Route.HOST, 3, Landed(nbytes=4096))    # a CPU put seals itself, with its checksum
     finally:
-        mover.close()
+        m.close()
     assert backend.sent == [("SEAL", {"key": 2})]
 
 
@@ -50,11 +51,11 @@ def test_the_mover_copies_on_one_cpu_thread_and_leaves_the_callers_threads_as_th
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # a count the worker must not take, even on a one-core machine
     try:
-        mover = transfer.Mover(Backend())
+        m = moving.Mover(Backend())
         try:
-            assert mover._worker.submit(torch.get_num_threads).result() == 1
+            assert m._worker.submit(torch.get_num_threads).result() == 1
         finally:
-            mover.close()
+            m.close()
         assert torch.get_num_threads() == 2
         later: list[int] = []
         t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
@@ -69,19 +70,57 @@ class CudaBackend(Backend):
     cuda_devices = frozenset({"GPU-served"})
 
 
-@pytest.mark.parametrize("uuid, daemon_may_copy, handler", [
-    ("GPU-served", True, DaemonCopies),  # stormd copies this GPU's memory, and may copy this tensor
-    ("GPU-served", False, PoolCopies),   # a frame, or a tensor whose ready event stormd cannot wait on
-    ("GPU-other", True, PoolCopies),     # stormd does not copy this GPU's memory (or no CUDA at all)
+class Storage:
+    """What routing reads of a CUDA storage, without a GPU."""
+
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+    def __init__(self, nbytes: int):
+        self._nbytes = nbytes
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def data_ptr(self) -> int:
+        return 1 << 20
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("uuid, dtype, nbytes, codec, route, stored_as", [
+    ("GPU-served", "float32", MIB, "raw", Route.DAEMON, "raw"),             # stormd copies this GPU's memory
+    ("GPU-served", "bfloat16", 8 * MIB, "auto", Route.OWN, FRAME_CODEC),   # a frame: this process encodes it
+    ("GPU-served", "bfloat16", MIB, "auto", Route.DAEMON, "raw"),          # too small for a frame
+    ("GPU-other", "float32", MIB, "raw", Route.OWN, "raw"),                # stormd does not copy this GPU
 ])
-def test_copies_are_routed_by_medium_and_what_the_daemon_copies(uuid, daemon_may_copy, handler):
-    mover = transfer.Mover(CudaBackend(), uuid_of=lambda index: uuid)
+def test_a_save_is_routed_once_by_medium_codec_and_what_the_daemon_copies(uuid, dtype, nbytes, codec, route,
+                                                                         stored_as):
+    m = moving.Mover(CudaBackend(), uuid_of=lambda index: uuid, export=lambda ptr, index: (b"h", ptr - 4096))
     try:
-        assert isinstance(mover.route(torch.device("cpu"), daemon_may_copy), HostCopies)
-        assert isinstance(mover.route(torch.device("cuda", 0), daemon_may_copy), handler)
-        assert mover.daemon_copies(torch.device("cuda", 0)) == (uuid == "GPU-served")
+        cpu = torch.empty(16, dtype=torch.uint8).untyped_storage()
+        assert m.route(cpu, "uint8", "auto") == (Route.HOST, "auto", None)
+        assert m.route(Storage(nbytes), dtype, codec) == (
+            route, stored_as, (b"h", MIB - 4096) if route is Route.DAEMON else None)
     finally:
-        mover.close()
+        m.close()
+
+
+def test_memory_cuda_ipc_cannot_name_takes_this_processs_copies_from_then_on(caplog):
+    tried = []
+
+    def export(ptr: int, index: int) -> tuple[bytes, int]:
+        tried.append(ptr)
+        raise NotExportable("expandable segments")
+
+    m = moving.Mover(CudaBackend(), uuid_of=lambda index: "GPU-served", export=export)
+    try:
+        routes = [m.route(Storage(MIB), "float32", "raw") for _ in range(3)]
+    finally:
+        m.close()
+    assert routes == [(Route.OWN, "raw", None)] * 3 and len(tried) == 1
+    assert [r.levelname for r in caplog.records if "expandable segments" in r.getMessage()] == ["WARNING"]
 
 
 def test_movers_made_at_once_leave_the_default_thread_count_as_it_was(monkeypatch):
@@ -89,13 +128,13 @@ def test_movers_made_at_once_leave_the_default_thread_count_as_it_was(monkeypatc
     read; a second Mover that read between the two took 1 for the default and put that back, so
     threads started later ran single-threaded (other reductions, other gradient bits). The first
     worker is held after its setting so that, unguarded, the second Mover reads inside that window."""
-    real = transfer._one_cpu_thread
+    real = moving._one_cpu_thread
 
     def held() -> None:
         real()
         time.sleep(0.4)
 
-    monkeypatch.setattr(transfer, "_one_cpu_thread", held)
+    monkeypatch.setattr(moving, "_one_cpu_thread", held)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -103,7 +142,7 @@ def test_movers_made_at_once_leave_the_default_thread_count_as_it_was(monkeypatc
 
         def make(delay: float) -> None:
             time.sleep(delay)
-            movers.append(transfer.Mover(Backend()))
+            movers.append(moving.Mover(Backend()))
 
         threads = [threading.Thread(target=make, args=(d,)) for d in (0.0, 0.2)]
         for t in threads:

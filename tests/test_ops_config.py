@@ -10,11 +10,20 @@ import subprocess
 import sys
 
 import pytest
-from conftest import Daemon, start_daemon, stop_daemon, stop_process
 from test_ops_daemon import wait_for_log
 
-from stormd.config import (SETTINGS, ConfigError, DaemonConfig, add_arguments, load, setting_warnings, to_toml,
-                           tomllib, unknown_environment)
+from conftest import Daemon, start_daemon, stop_daemon, stop_process
+from stormd.config import (
+    SETTINGS,
+    ConfigError,
+    DaemonConfig,
+    add_arguments,
+    load,
+    setting_warnings,
+    to_toml,
+    tomllib,
+    unknown_environment,
+)
 from stormd.wire.protocol import CLIENT_HEARTBEAT
 from stormd.wire.sizes import format_size, parse_size
 

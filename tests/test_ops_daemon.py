@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import zmq
-from conftest import Daemon, start_daemon, stop_daemon
-from helpers import RawClient, put_fields
 from prometheus_client.parser import text_string_to_metric_families
 from test_daemon import read_extent, store
 
+from conftest import Daemon, start_daemon, stop_daemon
+from helpers import RawClient, put_fields
 from stormd.main import metrics_readers
 from stormd.wire.protocol import ALL_ERROR_CODES, PROTOCOL_VERSION, ErrorCode, pack, unpack
 

@@ -71,7 +71,7 @@ def test_error_log_writes_at_most_two_lines_per_code_per_interval(caplog):
         clock.now += 6
         limiter.record("BAD_MESSAGE", "garbage again")
         limiter.flush()
-    lines = [(r.getMessage(), getattr(r, "code"), getattr(r, "suppressed", None), getattr(r, "detail", None))
+    lines = [(r.getMessage(), r.code, getattr(r, "suppressed", None), getattr(r, "detail", None))
              for r in caplog.records]
     assert lines == [("error reply", "BAD_MESSAGE", None, "garbage 0"),
                      ("error reply", "NOT_FOUND", None, "key 1"),
@@ -79,8 +79,8 @@ def test_error_log_writes_at_most_two_lines_per_code_per_interval(caplog):
                      ("error reply", "BAD_MESSAGE", None, "garbage again")]
 
 
-@pytest.mark.parametrize("key", ["ipc: host", "pid: host", "stormd-run:/run/stormd", "memlock: -1", "capabilities: [gpu]",
-                                 'user: "10001:10001"'])
+@pytest.mark.parametrize("key", ["ipc: host", "pid: host", "stormd-run:/run/stormd", "memlock: -1",
+                                 "capabilities: [gpu]", 'user: "10001:10001"'])
 def test_compose_example_shares_what_cuda_ipc_needs_in_both_containers(key):
     compose = (ROOT / "deploy" / "compose.yaml").read_text()
     stormd, train = compose.split("\n  train:\n")

@@ -3,15 +3,11 @@ naming it and what it accepts; sizes read as whole bytes."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
 
 import storm
-
-
-
 
 
 def test_bad_options_are_refused():

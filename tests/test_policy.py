@@ -1,4 +1,4 @@
-"""client/policy.py's Refusals: the reason a put the store refused stays where it is, logged once
+"""storm/policy.py's Refusals: the reason a put the store refused stays where it is, logged once
 per kind of refusal (the Keep reasons of saves are tested through storm.offload in test_hooks.py,
 test_hooks_budget.py and test_backend.py)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from client.errors import StormRequestError, StormUnavailable
-from client.policy import Keep, Refusals
+from storm.errors import StormRequestError, StormUnavailable
+from storm.policy import Keep, Refusals
 
 
 def test_each_refusal_has_its_reason_and_each_kind_is_logged_once(caplog):

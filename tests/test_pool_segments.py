@@ -18,10 +18,10 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import start_daemon, stop_daemon
-from helpers import offload_one_step
 
 import storm
+from conftest import start_daemon, stop_daemon
+from helpers import offload_one_step
 from stormd.wire.pool import SEGMENT_PREFIX, SharedPool, remove_stale_segments
 
 NO_SUCH_PID = 999_999_999  # above any pid_max: no process has it, in this namespace or another

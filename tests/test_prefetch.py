@@ -1,4 +1,4 @@
-"""client/prefetch.py: the Prefetcher on steps of fake saves, with a fake fetch injected: what it
+"""storm/prefetch.py: the Prefetcher on steps of fake saves, with a fake fetch injected: what it
 starts ahead of backward, within which room, where it waits, and what ``take`` hands back."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from client.copies.base import Copy
-from client.prefetch import Prefetcher
-from client.saved import Marker, State, Step, StepOptions, Stored
+from storm.copies.base import Copy
+from storm.prefetch import Prefetcher
+from storm.saved import Marker, State, Step, StepOptions, Stored
 
 KIB = 1024
 

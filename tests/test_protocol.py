@@ -5,8 +5,15 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from stormd.wire.protocol import (ALL_ERROR_CODES, PROTOCOL_VERSION, ErrorCode, ProtocolError, pack,
-                             parse_request, unpack)
+from stormd.wire.protocol import (
+    ALL_ERROR_CODES,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ProtocolError,
+    pack,
+    parse_request,
+    unpack,
+)
 
 AUTH = {"session": 1, "token": "t"}
 PUT = {"op": "PUT", "id": 7, **AUTH, "key": 1, "step": 1, "nbytes": 64, "dtype": "float32",

@@ -9,9 +9,25 @@ import msgpack
 import pytest
 import torch
 
-from stormd.wire.protocol import (DTYPE_SIZES, IPC_HANDLE_BYTES, MAX_DIMS, MAX_INT, MAX_KEYS_PER_FREE,
-                                  MAX_MESSAGE_BYTES, MESSAGE_LIMITS, PROTOCOL_VERSION, REQUEST_LIMITS, ErrorCode,
-                                  ProtocolError, error, pack, parse_request, request_id, unpack, unpack_request)
+from stormd.wire.protocol import (
+    DTYPE_SIZES,
+    IPC_HANDLE_BYTES,
+    MAX_DIMS,
+    MAX_INT,
+    MAX_KEYS_PER_FREE,
+    MAX_MESSAGE_BYTES,
+    MESSAGE_LIMITS,
+    PROTOCOL_VERSION,
+    REQUEST_LIMITS,
+    ErrorCode,
+    ProtocolError,
+    error,
+    pack,
+    parse_request,
+    request_id,
+    unpack,
+    unpack_request,
+)
 
 AUTH = {"session": 1, "token": "t"}
 PUT = {"op": "PUT", "id": 7, **AUTH, "key": 1, "step": 1, "nbytes": 64, "dtype": "float32",
@@ -58,7 +74,7 @@ def hostile_requests() -> list[tuple[str, bytes]]:
                                                         **{f"{i}{BIG_STR[:3000]}": i for i in range(250)}})),
               ("unknown fields: past the map limit", pack({"op": "PING", "id": 1,
                                                            **{str(i): i for i in range(100_000)}}))]
-    for name, v in list(PUT.items()) + [("raw_nbytes", 64), ("cuda", CUDA)]:
+    for name in [*PUT, "raw_nbytes", "cuda"]:
         if name in ("op", "id"):
             continue
         for what, big in (("long string", BIG_STR), ("long list", BIG_LIST), ("list of long strings",
@@ -100,7 +116,7 @@ def test_any_error_message_is_bounded_wherever_it_was_built():
 # --- 2. what a PUT makes the daemon keep --------------------------------------------------------
 
 def put_meta(t: torch.Tensor, codec: str = "raw") -> dict:
-    """A PUT for ``t`` as the client builds it (client/session.py _offload, client/copies/*: the view's
+    """A PUT for ``t`` as the client builds it (storm/session.py _offload, storm/copies/*: the view's
     meta, and the whole storage's size)."""
     storage = t.untyped_storage()
     meta = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "strides": list(t.stride()),
@@ -148,11 +164,11 @@ def test_every_view_torch_makes_is_accepted_as_the_client_puts_it(name):
 
 
 def test_the_client_builds_put_meta_as_the_test_does():
-    """put_meta above mirrors client/session.py; should the client change how it says a view, this
+    """put_meta above mirrors storm/session.py; should the client change how it says a view, this
     test says where to look."""
     import inspect
 
-    from client import session
+    from storm import session
     src = inspect.getsource(session.ClientSession._offload)
     for part in ('"shape": list(t.shape)', '"strides": list(t.stride())', '"storage_offset": t.storage_offset()'):
         assert part in src

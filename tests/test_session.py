@@ -1,4 +1,4 @@
-"""client/session.py's process-wide sessions: one per backend, whichever threads ask for it."""
+"""storm/session.py's process-wide sessions: one per backend, whichever threads ask for it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Each storm.offload context's options serve its own step (client/saved.py StepOptions), in
+"""Each storm.offload context's options serve its own step (storm/saved.py StepOptions), in
 forward and in backward, however contexts of one process interleave: the session is shared by
 every context and thread, so an option written onto it served whichever step came next."""
 

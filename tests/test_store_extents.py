@@ -14,9 +14,10 @@ import textwrap
 
 import pytest
 import torch
-from conftest import start_daemon, stop_daemon
 
 import storm
+from conftest import start_daemon, stop_daemon
+from helpers import RawClient, put_fields
 from storm.examples.models import GPT, same_bits
 from stormd.allocator import ExtentAllocator
 from stormd.config import add_arguments, load
@@ -26,7 +27,6 @@ from stormd.store import Store
 from stormd.store_options import StoreOptions
 from stormd.wire.pool import SharedPool
 from stormd.wire.protocol import ErrorCode, ProtocolError
-from helpers import RawClient, put_fields
 
 A, B = 1, 2
 

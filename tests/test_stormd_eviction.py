@@ -4,7 +4,6 @@ test's own (stormd.eviction.EvictionPolicy) chooses, having told it which tensor
 from __future__ import annotations
 
 from helpers import put_fields
-
 from stormd.allocator import ExtentAllocator
 from stormd.entries import Entry, Where
 from stormd.eviction import SpillOrder

@@ -4,11 +4,10 @@ of the test's own (SpillIO) failed."""
 
 from __future__ import annotations
 
-
 import pytest
-from helpers import put_fields
 from test_faults_spill import FailingDisk
 
+from helpers import put_fields
 from stormd.entries import Where
 from stormd.metrics import Metrics
 from stormd.service import Service

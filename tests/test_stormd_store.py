@@ -4,8 +4,8 @@ stands in for the extent allocator, so what the store takes and gives back is se
 from __future__ import annotations
 
 import pytest
-from helpers import put_fields
 
+from helpers import put_fields
 from stormd.allocator import AllocatorStats
 from stormd.store import Store
 from stormd.store_options import ClientLimits, StoreOptions

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import start_daemon, stop_daemon, stop_process
 from test_ops_daemon import wait_for_log
 
+from conftest import start_daemon, stop_daemon, stop_process
 from stormd.launch import start_stormd
 from stormd.wire.endpoint import socket_is_live
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import zmq
-from conftest import popen_stormd, start_daemon, stop_daemon
-from helpers import offload_one_step
 from test_ops_daemon import wait_for_log
 
 import storm
+from conftest import popen_stormd, start_daemon, stop_daemon
+from helpers import offload_one_step
 from storm import backend, trust
 from storm.connection import DaemonConnection
 from stormd.wire.endpoint import ensure_private_dir

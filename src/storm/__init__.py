@@ -12,9 +12,15 @@ from typing import Any
 
 import torch
 
-from .errors import (StormError, StormInPlaceError, StormIntegrityError, StormRequestError, StormUnavailable,
-                     StormUntrusted)
 from .enabled import Enabled, enable
+from .errors import (
+    StormError,
+    StormInPlaceError,
+    StormIntegrityError,
+    StormRequestError,
+    StormUnavailable,
+    StormUntrusted,
+)
 from .hooks import Offload, offload
 from .planner import Planner, plan
 from .policy import Keep

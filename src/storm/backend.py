@@ -82,7 +82,7 @@ def _connect(endpoint: str) -> Backend:
     if path is None:
         return DaemonConnection(endpoint)
     # Checked before anything reaches the socket, the liveness probe included; from here on the socket
-    # is reached only through the directory that was checked (client/trust.py says why)
+    # is reached only through the directory that was checked (storm/trust.py says why)
     checked = open_checked_socket(path)
     try:
         if not socket_is_live(checked.via):

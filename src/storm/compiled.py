@@ -5,7 +5,7 @@ A graph that torch.compile compiled as one piece (AOTAutograd's forward) hands t
 saves for backward to the saved-tensor hooks only once the whole graph has run: after forward's
 memory peak, so offloading them lowers nothing at the peak and costs the copies. Blocks compiled
 one by one hand theirs over as each block ends, which STORM offloads and plans as in eager mode.
-A model compiled as one graph offloads through storm.partitioner (client/graph/) instead.
+A model compiled as one graph offloads through storm.partitioner (storm/graph/) instead.
 """
 
 from __future__ import annotations

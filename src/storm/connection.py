@@ -20,7 +20,7 @@ the daemon answers is slowed in its own queue, the socket's send never blocks
 (the credit is below ZeroMQ's high-water mark) and the daemon never holds a
 backlog of this client's replies. A tcp:// endpoint is reached with CURVE
 keys from the environment (stormd/wire/curve.py). An ipc:// endpoint is reached only
-through its directory as client/trust.py opened and checked it (/proc/self/fd/N/NAME), held open for
+through its directory as storm/trust.py opened and checked it (/proc/self/fd/N/NAME), held open for
 as long as ZeroMQ may reconnect: never by the name again, which another user could have repointed.
 """
 

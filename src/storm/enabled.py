@@ -153,8 +153,11 @@ class Enabled:
 
     def explain(self) -> str:
         """What was enabled, and the plan's explanation or the last step's report."""
-        what = (f"storm.plan on {len(self.blocks)} blocks at {self.where or '(the model)'} "
-                f"({type(self.blocks[0]).__name__})" if self.planner is not None else "storm.offload")
+        what = "storm.offload"
+        if self.planner is not None:
+            assert self.blocks is not None  # a plan is made on blocks (__init__)
+            what = (f"storm.plan on {len(self.blocks)} blocks at {self.where or '(the model)'} "
+                    f"({type(self.blocks[0]).__name__})")
         head = f"storm.enable: {what} on every forward of {type(self.model).__name__} with grad enabled"
         if self.planner is not None:
             return f"{head}\n{self.planner.explain()}"

@@ -23,21 +23,17 @@ from typing import Any
 import torch
 
 from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
+from stormd.wire import cuda as binding
 from stormd.wire.cuda import bindings, check, fired, handle_bytes
 
 from .errors import StormError
 
-_rt: Any = None   # cuda.bindings.runtime, imported with the first CUDA tensor (CPU builds lack it)
-_drv: Any = None  # cuda.bindings.driver
-
 
 def runtime() -> Any:
-    """The shared binding (stormd.wire.cuda), held in this module's globals: the hooks' hot path
-    reads ``_rt`` without a call."""
-    global _rt, _drv
-    if _rt is None:
-        _rt, _drv = bindings()
-    return _rt
+    """cuda.bindings.runtime, imported with the first CUDA tensor (CPU builds lack it). The handle is
+    the shared binding's (stormd.wire.cuda), which the daemon's copier uses too; once this has run,
+    the hooks' hot path reads it as ``binding.rt``, without a call."""
+    return bindings()[0]
 
 
 def _check(err: Any, what: str) -> None:
@@ -82,7 +78,7 @@ class CopyEvent:
         _check(err, "cudaEventCreate")
 
     def record(self, stream: int) -> "CopyEvent":
-        _check(_rt.cudaEventRecord(self.handle, stream)[0], "cudaEventRecord")
+        _check(binding.rt.cudaEventRecord(self.handle, stream)[0], "cudaEventRecord")
         return self
 
     def query(self) -> bool:
@@ -90,14 +86,14 @@ class CopyEvent:
         return fired(self.handle)
 
     def synchronize(self) -> None:
-        _check(_rt.cudaEventSynchronize(self.handle)[0], "cudaEventSynchronize")
+        _check(binding.rt.cudaEventSynchronize(self.handle)[0], "cudaEventSynchronize")
 
     done, wait = query, synchronize  # so an event can stand where a Copy is waited on
 
     def __del__(self) -> None:
         # Safe while the event is still pending: CUDA releases it once it completes.
-        if _rt is not None:
-            _rt.cudaEventDestroy(self.handle)
+        if binding.rt is not None:
+            binding.rt.cudaEventDestroy(self.handle)
 
 
 class IpcEvent(CopyEvent):
@@ -149,14 +145,14 @@ class NotExportable(StormError):
 def export(pointer: int, device: int) -> tuple[bytes, int]:
     """The IPC handle of the cudaMalloc segment holding ``pointer``, and the offset of ``pointer`` in
     it (a handle names a whole segment; the allocator carves tensors out of segments)."""
-    runtime()
+    rt, drv = bindings()
     with OnDevice(device):
-        err, base, _ = _drv.cuMemGetAddressRange(pointer)
+        err, base, _ = drv.cuMemGetAddressRange(pointer)
         if int(err) == 0:
             base = int(base)
-            err, handle = _rt.cudaIpcGetMemHandle(base)
+            err, handle = rt.cudaIpcGetMemHandle(base)
         if int(err) != 0:
-            _rt.cudaGetLastError()
+            rt.cudaGetLastError()
             raise NotExportable(
                 f"this process's CUDA memory cannot be exported through CUDA IPC (CUDA error {int(err)}, "
                 f"{getattr(err, 'name', err)}): PyTorch's expandable_segments (PYTORCH_CUDA_ALLOC_CONF) and "
@@ -174,13 +170,13 @@ class OnDevice:
         self.index = index
 
     def __enter__(self) -> None:
-        self.previous = _rt.cudaGetDevice()[1]
+        self.previous = binding.rt.cudaGetDevice()[1]
         if self.previous != self.index:
-            _check(_rt.cudaSetDevice(self.index)[0], "cudaSetDevice")
+            _check(binding.rt.cudaSetDevice(self.index)[0], "cudaSetDevice")
 
     def __exit__(self, *exc: Any) -> None:
         if self.previous != self.index:
-            _rt.cudaSetDevice(self.previous)
+            binding.rt.cudaSetDevice(self.previous)
 
 
 def allocated(device: torch.device) -> int:
@@ -216,7 +212,7 @@ def consume(t: torch.Tensor, arrived: CopyEvent) -> None:
 def wait_on_compute(device: torch.device, event: CopyEvent) -> None:
     """Make the compute stream of ``device`` wait for ``event``, unless it has fired already."""
     if not event.query():
-        _check(_rt.cudaStreamWaitEvent(current_stream(device), event.handle, 0)[0], "cudaStreamWaitEvent")
+        _check(binding.rt.cudaStreamWaitEvent(current_stream(device), event.handle, 0)[0], "cudaStreamWaitEvent")
 
 
 class OnStream:
@@ -262,8 +258,8 @@ class DeviceStreams:
         self._d2h, self._h2d = self.d2h.cuda_stream, self.h2d.cuda_stream
         self._on_h2d = OnStream(self.h2d)
         self._codec: tuple[OnStream, OnStream] | None = None  # (encode, decode), made with the first frame
-        rt = runtime()
-        self._to_host, self._to_device = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        kinds = runtime().cudaMemcpyKind
+        self._to_host, self._to_device = kinds.cudaMemcpyDeviceToHost, kinds.cudaMemcpyHostToDevice
 
     def _codec_streams(self) -> tuple[OnStream, OnStream]:
         if self._codec is None:
@@ -311,12 +307,12 @@ class DeviceStreams:
                 out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             return out, ipc_event(self.device.index).record(self._h2d)
 
-    def to_device(self, src: int, nbytes: int, after: CopyEvent | None) -> tuple[torch.Tensor, CopyEvent]:
-        """Queue pinned address ``src`` -> a new device buffer, after the put's event if it is still running."""
+    def to_device(self, src: int, nbytes: int) -> tuple[torch.Tensor, CopyEvent]:
+        """Queue pinned address ``src`` -> a new device buffer (the session fetches a key only once its
+        put's copy has finished)."""
         with OnDevice(self.device.index):
             with self._on_h2d:
                 out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._wait(self._h2d, after)
             self._copy(out.data_ptr(), src, nbytes, self._to_device, self._h2d)
             return out, CopyEvent().record(self._h2d)
 
@@ -333,17 +329,16 @@ class DeviceStreams:
             frame.record_stream(decode.stream)
             return out, CopyEvent().record(stream)
 
-    def to_device_frame(self, src: int, nbytes: int, raw_nbytes: int,
-                        after: CopyEvent | None) -> tuple[torch.Tensor, CopyEvent]:
+    def to_device_frame(self, src: int, nbytes: int, raw_nbytes: int) -> tuple[torch.Tensor, CopyEvent]:
         """Queue the frame at pinned address ``src`` (``nbytes``) -> the device, then its decoding."""
-        frame, arrived = self.to_device(src, nbytes, after)
+        frame, arrived = self.to_device(src, nbytes)
         return self.decode(frame, raw_nbytes, arrived)
 
     @staticmethod
     def _wait(stream: int, event: CopyEvent | None) -> None:
         if event is not None:
-            _check(_rt.cudaStreamWaitEvent(stream, event.handle, 0)[0], "cudaStreamWaitEvent")
+            _check(binding.rt.cudaStreamWaitEvent(stream, event.handle, 0)[0], "cudaStreamWaitEvent")
 
     @staticmethod
     def _copy(dst: int, src: int, nbytes: int, kind: Any, stream: int) -> None:
-        _check(_rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream)[0], "cudaMemcpyAsync")
+        _check(binding.rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream)[0], "cudaMemcpyAsync")

@@ -50,6 +50,7 @@ from .saved import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, Step, StepOpt
 from .session import ClientSession, session_for
 from .stats import OffloadStats
 
+
 class Offload(contextlib.ContextDecorator):
     """One offload scope (a step). Use through ``storm.offload(...)``."""
 

@@ -82,7 +82,7 @@ _REFUSED = {
                 "stormd's client_quota or clients table sets it",
     Keep.STORE_ERROR: "storm: saved tensors stay where they are while the store refuses them: %s",
 }
-_REFUSAL_CODES = {"POOL_FULL": Keep.POOL_FULL, "TOO_LARGE": Keep.POOL_FULL, "QUOTA": Keep.QUOTA}
+_REFUSAL_CODES: dict[str | None, str] = {"POOL_FULL": Keep.POOL_FULL, "TOO_LARGE": Keep.POOL_FULL, "QUOTA": Keep.QUOTA}
 
 
 class Refusals:

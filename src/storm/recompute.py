@@ -7,7 +7,7 @@ storm.plan sets it as a recomputed block's ``forward``. Two forms:
   does; written out here (``_Reentrant``) because a recomputed block's Python is step time on
   a host-bound step, and torch's generic form enters autocast and RNG contexts and scans its
   arguments at every call, which shows in forward's host time and so in a host-bound step's
-  (bench/recompute.py compares the forms; docs/results.md has its figures). It costs the host
+  (docs/results.md has the comparison of the forms). It costs the host
   less than the non-reentrant form, whose Python hooks pack and unpack every tensor the block
   saves, in forward as well; a host-bound step pays all of it.
 - Non-reentrant (torch.utils.checkpoint, use_reentrant=False): for keyword arguments, which the
@@ -253,7 +253,7 @@ def _release(out: Any) -> None:
     """Let the reentrant recompute's rebuilt output go before the nested backward runs: that
     backward needs only its graph (``grad_fn``) and shape, and would otherwise keep the block's
     output alive beside everything the block's backward holds, one block's output more at the
-    step's peak (bench/recompute.py measures it). The tensor
+    step's peak. The tensor
     keeps its shape over a one-element stride-0 buffer; a node that saved the output (``exp``'s
     backward) holds its own reference to the storage, so its gradient is unchanged and only the
     unshared bytes go. Views, leaves (a block that returns its input) and what is not a tensor

@@ -72,7 +72,8 @@ def memory_timeline(label: str, step: Callable[[], None], device: torch.device) 
                     (spans[BACKWARD] - t0) / 1e3 if BACKWARD in spans else None)
 
 
-def plot_memory(timelines: list[Timeline], path: str | Path, title: str, size_px: tuple[int, int] = (1200, 600)) -> None:
+def plot_memory(timelines: list[Timeline], path: str | Path, title: str,
+                size_px: tuple[int, int] = (1200, 600)) -> None:
     """Draw the timelines into a PNG of ``size_px`` pixels."""
     import matplotlib
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .copies.base import Copy, PutRequest
+from .copies.base import Copy, PutRequest, Route
 from .errors import StormInPlaceError
 from .stats import OffloadStats
 
@@ -81,41 +81,83 @@ class Step:
 
 
 
-class Stored:
-    def __init__(self, key: int, step: Step, t: torch.Tensor, weak: StorageWeakRef, nbytes: int):
-        self.key = key
-        self.step: Step | None = step  # None once freed (_forget)
-        self.index = len(step.order)
-        self.layer = step.layer
-        self.nbytes = nbytes
-        self.device = t.device
-        self.tensor: torch.Tensor | None = t.detach()  # not t: see Kept
-        self.version: int | None = t._version  # None: not checked (a compiled graph's save)
-        self.weak = weak  # also the dedup key (weak.cdata) while this step lasts
-        self.shape, self.dtype = tuple(t.shape), t.dtype
-        self.producer = _producer(t)
-        self.state = State.HELD
-        self.copy_in: Copy | None = None  # the copy into the store (Mover.put)
-        self.request: PutRequest | None = None  # while held: to store it again, raw, if its frame overflows
-        self.refs = 0      # live handles
-        self.handles = 0   # handles ever made (one per save of this storage)
-        self.unpacks = 0
-        self.in_store = False
-        self.read: Any = None  # CUDA event of the last copy out of the store (CPU copies are done on return)
+@dataclass(frozen=True)
+class Facts:
+    """What an offloaded storage is, fixed when it is saved: its place in the step's saving order
+    (``index``) and layer, its bytes, device, the saved view's shape and dtype, the op that made it,
+    a weak reference to the storage (also the step's dedup key while the step lasts), and the
+    route its copies take (mover.Mover.route)."""
 
-    def describe(self) -> str:
-        """For error messages (built only then: the tensor may be gone by now)."""
-        return _description(self.shape, self.dtype, self.producer)
+    index: int
+    layer: str | None
+    nbytes: int
+    device: torch.device
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    producer: str
+    weak: StorageWeakRef
+    route: Route
 
     @property
     def kind(self) -> tuple[Any, ...]:
-        """What tensors saved by the same op at the same place in the model share."""
+        """What tensors saved by the same op at the same place in the model share (kind_of)."""
         return self.producer, self.shape, self.dtype
 
 
+def kind_of(t: torch.Tensor) -> tuple[Any, ...]:
+    """The kind of the Stored a save of ``t`` would make (Facts.kind), before it is made."""
+    return _producer(t), tuple(t.shape), t.dtype
+
+
+class Stored:
+    """An offloaded storage, in the store or on its way. ``facts`` are set once, when it is saved;
+    every other field is the session's (storm/session.py) alone to write, under its lock:
+
+    ``key`` (a new one if its frame overflowed and it is stored again raw), ``step`` (None once
+    freed), ``tensor`` (held until its copy is in: ``detach()``-ed, see Kept), ``version`` (at save;
+    None: not checked, a compiled graph's save), ``state``, ``copy_in`` (the put, until it lands),
+    ``request`` (while held: to store it again raw), ``refs`` (live handles), ``handles`` (handles
+    ever made: one per save of this storage), ``unpacks``, ``in_store``, ``read`` (the CUDA event of
+    the last copy out of the store; CPU copies are done on return)."""
+
+    __slots__ = ("facts", "key", "step", "tensor", "version", "state", "copy_in", "request", "refs", "handles",
+                 "unpacks", "in_store", "read", "__weakref__")
+
+    def __init__(self, key: int, step: Step, t: torch.Tensor, weak: StorageWeakRef, nbytes: int,
+                 route: Route = Route.HOST):
+        self.facts = Facts(len(step.order), step.layer, nbytes, t.device, tuple(t.shape), t.dtype, _producer(t),
+                           weak, route)
+        self.key = key
+        self.step: Step | None = step
+        self.tensor: torch.Tensor | None = t.detach()
+        self.version: int | None = t._version
+        self.state = State.HELD
+        self.copy_in: Copy | None = None
+        self.request: PutRequest | None = None
+        self.refs = 0
+        self.handles = 0
+        self.unpacks = 0
+        self.in_store = False
+        self.read: Any = None
+
+    # the facts the rest of the client reads, by their names
+    index = property(lambda self: self.facts.index)
+    layer = property(lambda self: self.facts.layer)
+    nbytes = property(lambda self: self.facts.nbytes)
+    device = property(lambda self: self.facts.device)
+    shape = property(lambda self: self.facts.shape)
+    dtype = property(lambda self: self.facts.dtype)
+    weak = property(lambda self: self.facts.weak)
+    route = property(lambda self: self.facts.route)
+    kind = property(lambda self: self.facts.kind)
+
+    def describe(self) -> str:
+        """For error messages (built only then: the tensor may be gone by now)."""
+        return _description(self.facts.shape, self.facts.dtype, self.facts.producer)
+
 
 class Handle:
-    """What autograd holds in place of a saved tensor."""
+    """What autograd holds in place of a saved tensor (the session counts it in its Stored's refs)."""
 
     __slots__ = ("stored", "dtype", "shape", "strides", "storage_offset", "_dropped", "__weakref__")
 
@@ -126,8 +168,6 @@ class Handle:
         self.shape = tuple(t.shape)
         self.strides = t.stride()
         self.storage_offset = t.storage_offset()
-        stored.refs += 1
-        stored.handles += 1
 
     @property
     def device(self) -> torch.device:

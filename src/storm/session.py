@@ -25,13 +25,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .backend import Backend, close_backends, open_backend
-from .copies.base import Copy, PutRequest, detached
+from .copies.base import Copy, PutRequest, Route
 from .errors import StormError, StormInPlaceError, StormUnavailable
 from .gpu import allocated, consume, pack_range, record_ready, unpack_range, wait_on_compute
+from .mover import Mover
 from .policy import Keep, Policy, Refusals
 from .prefetch import Prefetcher
-from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of
-from .transfer import Mover
+from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of, kind_of
 
 MARK_BYTES = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
 
@@ -89,7 +89,7 @@ class ClientSession:
 
     def save(self, t: torch.Tensor, step: Step, policy: Policy, compiled: bool = False) -> Handle | Kept:
         """pack: a Handle for an offloaded tensor, or a Kept when it stays where it is. ``compiled``:
-        a compiled graph's save (client/graph), stored raw and not checked for in-place changes (the
+        a compiled graph's save (storm/graph), stored raw and not checked for in-place changes (the
         graph makes none; it reuses the memory once it has called ``let_go``).
 
         Runs once per saved tensor on the training thread, where every microsecond is a
@@ -107,7 +107,7 @@ class ClientSession:
                                                  else stored.tensor is not None):  # compiled: not let go
             with self._lock:
                 step.stats.record(step.layer, saved=1, deduplicated=1)
-                return Handle(self.dropped, stored, t)
+                return self._handle(stored, t)
         step.candidate_bytes += nbytes
         if step.stats.offloaded_bytes + nbytes > step.budget_bytes:
             step.budget_reached = True
@@ -149,19 +149,20 @@ class ClientSession:
                  compiled: bool) -> Handle:
         t0 = time.perf_counter()
         self.poll()
-        ready = record_ready(t.device, self.mover.daemon_copies(t.device)) if t.is_cuda else None
-        meta = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                "strides": list(t.stride()), "storage_offset": t.storage_offset()}
+        dtype = str(t.dtype).removeprefix("torch.")
+        codec = "raw" if compiled or kind_of(t) in self._raw_kinds else step.options.codec or self.backend.codec
+        route, codec, ipc = self.mover.route(storage, dtype, codec)  # decided once: it serves the get too
+        ready = record_ready(t.device, interprocess=route is Route.DAEMON) if t.is_cuda else None
+        meta = {"dtype": dtype, "shape": list(t.shape), "strides": list(t.stride()),
+                "storage_offset": t.storage_offset()}
         with self._lock:
-            stored = Stored(next(self._keys), step, t, StorageWeakRef(storage), nbytes)
+            stored = Stored(next(self._keys), step, t, StorageWeakRef(storage), nbytes, route)
             if compiled:
                 stored.version = None
             step.order.append(stored)
             step.by_storage[storage._cdata] = stored
-            handle = Handle(self.dropped, stored, t)
-            raw = compiled or stored.kind in self._raw_kinds
-            stored.request = PutRequest(stored.key, step.number, storage, meta, ready,
-                                        codec="raw" if raw else step.options.codec or self.backend.codec)
+            handle = self._handle(stored, t)
+            stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)
             stored.copy_in = self.mover.put(stored.request)
             self._held.append(stored)
             self._held_bytes += nbytes
@@ -173,8 +174,14 @@ class ClientSession:
             self.poll()
         return handle
 
+    def _handle(self, stored: Stored, t: torch.Tensor) -> Handle:
+        """A new Handle onto ``stored`` for a save of ``t`` (under the lock: the session alone counts them)."""
+        stored.refs += 1
+        stored.handles += 1
+        return Handle(self.dropped, stored, t)
+
     def let_go(self, handle: Handle | Kept) -> Handle | Kept:
-        """A compiled graph frees or reuses the saved tensor's memory after this call (client/graph):
+        """A compiled graph frees or reuses the saved tensor's memory after this call (storm/graph):
         what comes after on the compute stream waits for its copy into the store, and the session
         no longer holds it. A put the store refused keeps a copy of it instead (a Kept, returned
         in place of the handle), as does a tensor the policy kept."""
@@ -191,42 +198,60 @@ class ClientSession:
             refused = True
         if refused:  # this handle's view of a copy: other views of the storage may have saved it too
             return Kept(copy_of(handle.view_of(stored.tensor.untyped_storage())), checked=False)
-        if copy.event is not None:
-            wait_on_compute(stored.device, copy.event)
+        event = copy.result().event
+        if event is not None:
+            wait_on_compute(stored.device, event)
         with self._lock:
             stored.tensor = None
         return handle
 
     def poll(self) -> None:
         """Let go of tensors whose copy finished, and free keys nobody holds any more."""
-        held, dropped = self._held, self.dropped
+        held = self._held
         try:
             copied = held[0].copy_in.done()
         except IndexError:  # nothing held (tested without the lock: another thread may empty it)
             copied = False
-        if not (copied or dropped or self._reading):
+        if not (copied or self.dropped or self._reading):
             return  # the common case
-        frees: list[int] = []
         with self._lock:
-            reading = self._reading
-            while reading and all(r.done() for r in reading[0][0]):  # copies finish about in order
-                frees.append(reading.popleft()[1])
-            while held and held[0].copy_in.done():
-                if held[0].copy_in.incomplete():
-                    frees.append(self._put_again_raw(held[0]))
-                    break  # it is held until that copy is done too
-                frees.extend(self._release(held.popleft()))
-            while dropped:
-                stored = dropped.popleft()
-                stored.refs -= 1
-                if stored.refs != 0:
-                    continue
-                if stored.state == State.HELD:  # backward took it from its tensor, or its graph went
-                    if not stored.copy_in.cancel():
-                        continue  # its copy has begun: freed once it is done (_release)
-                    stored.step.stats.record(stored.layer, copies_dropped=1)
-                frees.extend(self._forget(stored))
+            frees = self._reads_done() + self._copies_in_done() + self._handles_dropped()
         self.mover.free(frees)
+
+    def _reads_done(self) -> list[int]:
+        """Keys whose last copies out of the store have finished: free now."""
+        frees, reading = [], self._reading
+        while reading and all(r.done() for r in reading[0][0]):  # copies finish about in order
+            frees.append(reading.popleft()[1])
+        return frees
+
+    def _copies_in_done(self) -> list[int]:
+        """Release the held tensors whose copy into the store has finished, oldest first; a frame that
+        overflowed is stored again raw. Returns the keys to free."""
+        frees, held = [], self._held
+        while held and held[0].copy_in.done():
+            copy = held[0].copy_in
+            if copy.error() is None and copy.result().incomplete():
+                frees.append(self._put_again_raw(held[0]))
+                break  # it is held until that copy is done too
+            frees.extend(self._release(held.popleft()))
+        return frees
+
+    def _handles_dropped(self) -> list[int]:
+        """Count the handles autograd let go of; a storage none holds is forgotten (its put dropped
+        if the worker has not begun it). Returns the keys to free."""
+        frees, dropped = [], self.dropped
+        while dropped:
+            stored = dropped.popleft()
+            stored.refs -= 1
+            if stored.refs != 0:
+                continue
+            if stored.state == State.HELD:  # backward took it from its tensor, or its graph went
+                if not stored.copy_in.cancel():
+                    continue  # its copy has begun: freed once it is done (_release)
+                stored.step.stats.record(stored.layer, copies_dropped=1)
+            frees.extend(self._forget(stored))
+        return frees
 
     def _put_again_raw(self, stored: Stored) -> int:
         """``stored``'s frame had more escapes than slots: store it again, raw, under a new key, and
@@ -244,20 +269,18 @@ class ClientSession:
         stored.request = None
         if stored.state == State.FREED:  # its put was cancelled (poll): nothing of it reached the store
             return []
-        err = stored.copy_in.error()
+        copy, stored.copy_in = stored.copy_in, None  # its event goes with it: interprocess events are scarce
+        err = copy.error()
         if err is not None:
             reason = self._refusals.reason(err)
             stored.state = State.KEPT
-            detached(err)  # a worker's Future holds it with the put's frames
-            stored.copy_in = None
             stored.step.stats.record(stored.layer, keep=reason, kept_bytes=stored.nbytes,
                                      offloaded=-1, offloaded_bytes=-stored.nbytes)
             return self._forget(stored) if stored.refs == 0 else []
         stored.in_store = True
-        if stored.copy_in.event is not None:
-            self.mover.seal(stored.key, stored.copy_in)  # the copy's event has fired: the bytes are in the pool now
-            stored.copy_in.drop_event()  # and the event can go (stormd's interprocess events are a scarce resource)
-        stored.step.stats.record(stored.layer, stored_bytes=stored.copy_in.nbytes)
+        landed = copy.result()
+        self.mover.settle(stored.route, stored.key, landed)  # its bytes are in the pool now: the handler says so
+        stored.step.stats.record(stored.layer, stored_bytes=landed.nbytes)
         # The version is read here, on the training thread between two ops, so an
         # in-place op that raced the copy has finished and bumped it by now.
         unchanged = stored.version is None or stored.tensor is None or stored.tensor._version == stored.version
@@ -321,8 +344,9 @@ class ClientSession:
         self._free_at_backward_end(stored.step)
         stored.step.fetching = True
         stats = stored.step.stats
-        if stored.state == State.HELD and stored.tensor is None:  # let go before its copy was polled
-            stored.copy_in.wait()
+        copy = stored.copy_in  # read once: another thread's poll may release it meanwhile
+        if stored.state == State.HELD and stored.tensor is None and copy is not None:  # let go, not yet polled
+            copy.wait()
             self.poll()
         with self._lock:
             if stored.state in (State.HELD, State.KEPT):
@@ -332,7 +356,8 @@ class ClientSession:
                     return handle.view_of(stored.tensor.untyped_storage())
             if stored.state == State.MODIFIED:
                 raise StormInPlaceError(f"a saved {stored.describe()} was modified in place after autograd saved "
-                                        f"it and before STORM finished copying it, so its saved value is gone; {IN_PLACE_FIX}")
+                                        f"it and before STORM finished copying it, so its saved value is gone; "
+                                        f"{IN_PLACE_FIX}")
             if stored.state == State.FREED:
                 raise StormError(f"saved {stored.describe()} was already freed (its graph was released)")
             stored.unpacks += 1
@@ -350,8 +375,9 @@ class ClientSession:
             self.prefetch.ahead(stored.step, stored.index)
         if base is None:
             t0 = time.perf_counter()
-            base = fetch.result().tensor  # raises what the fetch raised
-            stored.read = fetch.event  # not the Copy: that would hold the fetched bytes alive
+            landed = fetch.result()  # raises what the fetch raised
+            base = landed.tensor
+            stored.read = landed.event  # not the Copy: that would hold the fetched bytes alive
             stats.record(stored.layer, fetch_wait_s=time.perf_counter() - t0, fetched=1,
                          fetched_bytes=stored.nbytes)
             if base.is_cuda:  # the compute stream waits for the copy's event, the host does not
@@ -413,7 +439,7 @@ class ClientSession:
         self.poll()
 
     def _fetch(self, stored: Stored) -> Copy:
-        return self.mover.get(stored.key, stored.nbytes, stored.device, copy_in=stored.copy_in,
+        return self.mover.get(stored.route, stored.key, stored.nbytes, stored.device,
                               verify=stored.step.options.verify)
 
     def close(self) -> None:

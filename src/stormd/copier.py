@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .wire import cuda as binding
 from .wire.cuda import CudaError, bindings, check, device_uuid, fired, handle_from_bytes, register_pool, unregister_pool
 from .wire.pool import SharedPool
 from .wire.protocol import ErrorCode, ProtocolError
@@ -40,10 +41,6 @@ log = logging.getLogger("stormd")
 MAX_SEGMENTS = 1024    # segments one session may have open; beyond, the least recently used idle one is closed
 MAX_EVENTS = 4096      # events one session may have open; beyond, the least recently used is destroyed
 _RANGES = ("stormd copy to host", "stormd copy to device")
-
-_rt: Any = None   # cuda.bindings' runtime and driver, bound by the first CudaCopier: nothing here runs before one
-_drv: Any = None
-
 
 def device_uuids() -> dict[str, int]:
     """UUID -> index of the GPUs this process sees (torch's spelling, which clients send)."""
@@ -71,15 +68,16 @@ class Mark:
     __slots__ = ("event",)
 
     def __init__(self, stream: Any):
-        err, self.event = _rt.cudaEventCreateWithFlags(_rt.cudaEventDisableTiming)
+        rt = binding.rt
+        err, self.event = rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming)
         check(err, "cudaEventCreate")
-        check(_rt.cudaEventRecord(self.event, stream)[0], "cudaEventRecord")
+        check(rt.cudaEventRecord(self.event, stream)[0], "cudaEventRecord")
 
     def finished(self) -> bool:
         return fired(self.event)
 
     def __del__(self) -> None:
-        _rt.cudaEventDestroy(self.event)  # safe while pending: CUDA releases it once it completes
+        binding.rt.cudaEventDestroy(self.event)  # safe while pending: CUDA releases it once it completes
 
 
 @dataclass
@@ -100,8 +98,8 @@ class _SessionCuda:
 
 class CudaCopier:
     def __init__(self, pool: SharedPool):
-        global _rt, _drv
-        _rt, _drv = bindings()
+        # binds binding.rt and binding.drv, which the rest of this module reads: none of it runs before a CudaCopier
+        rt, drv = bindings()
         self.pool = pool
         self.uuids = device_uuids()
         if not self.uuids:
@@ -113,9 +111,9 @@ class CudaCopier:
         # visible GPU at start (a node's training processes use them all; CUDA_VISIBLE_DEVICES limits it)
         self._contexts = []
         for index in range(len(self.uuids)):
-            check(_rt.cudaSetDevice(index)[0], "cudaSetDevice")
-            check(_rt.cudaFree(0)[0], "cudaFree")  # initialises the device's primary context
-            err, context = _drv.cuCtxGetCurrent()
+            check(rt.cudaSetDevice(index)[0], "cudaSetDevice")
+            check(rt.cudaFree(0)[0], "cudaFree")  # initialises the device's primary context
+            err, context = drv.cuCtxGetCurrent()
             check(err, "cuCtxGetCurrent")
             self._contexts.append(context)
         self._use(0)
@@ -123,8 +121,8 @@ class CudaCopier:
         log.info("pool page-locked for CUDA copies", extra={"seconds": round(time.monotonic() - started, 3),
                                                             "devices": len(self.uuids)})
         self._sessions: dict[int, _SessionCuda] = {}
-        self._to_host = _rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        self._to_device = _rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        self._to_host = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        self._to_device = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
 
     @property
     def devices(self) -> list[str]:
@@ -166,14 +164,15 @@ class CudaCopier:
         s = self._sessions.pop(session, None)
         if s is None:
             return
+        rt = binding.rt
         for seg in s.segments.values():
             self._use(seg.device)
-            _rt.cudaIpcCloseMemHandle(seg.pointer)
+            rt.cudaIpcCloseMemHandle(seg.pointer)
         for event in s.events.values():
-            _rt.cudaEventDestroy(event)
+            rt.cudaEventDestroy(event)
         for pair in s.streams.values():
             for stream in pair:
-                _rt.cudaStreamDestroy(stream)
+                rt.cudaStreamDestroy(stream)
         s.busy.clear()
 
     def open_segments(self) -> int:
@@ -202,7 +201,7 @@ class CudaCopier:
 
     def _use(self, device: int) -> None:
         """Bind ``device``'s primary context to this thread: the runtime calls that follow run there."""
-        check(_drv.cuCtxSetCurrent(self._contexts[device])[0], "cuCtxSetCurrent")
+        check(binding.drv.cuCtxSetCurrent(self._contexts[device])[0], "cuCtxSetCurrent")
 
     def _range(self, s: _SessionCuda, device: int, cuda: dict[str, Any], nbytes: int) -> int:
         """The daemon's address of the client's [offset, offset + nbytes) in its segment."""
@@ -219,16 +218,17 @@ class CudaCopier:
             return seg
         if len(s.segments) >= MAX_SEGMENTS:
             self._close_idle_segment(s)
-        err, pointer = _rt.cudaIpcOpenMemHandle(handle_from_bytes(_rt.cudaIpcMemHandle_t, handle),
-                                               _rt.cudaIpcMemLazyEnablePeerAccess)
+        rt = binding.rt
+        err, pointer = rt.cudaIpcOpenMemHandle(handle_from_bytes(rt.cudaIpcMemHandle_t, handle),
+                                               rt.cudaIpcMemLazyEnablePeerAccess)
         if int(err) != 0:
-            _rt.cudaGetLastError()
+            rt.cudaGetLastError()
             raise ProtocolError(ErrorCode.BAD_HANDLE, f"the CUDA IPC memory handle does not open ({err.name}): not a "
                                                       f"live cudaMalloc segment of a process on this node's GPU")
         pointer = int(pointer)
-        err, base, size = _drv.cuMemGetAddressRange(pointer)
+        err, base, size = binding.drv.cuMemGetAddressRange(pointer)
         if int(err) != 0 or int(base) != pointer:
-            _rt.cudaIpcCloseMemHandle(pointer)
+            rt.cudaIpcCloseMemHandle(pointer)
             raise CudaError(f"cuMemGetAddressRange of an opened IPC segment failed ({getattr(err, 'name', err)})")
         seg = s.segments[handle] = _Segment(device, pointer, int(size))
         return seg
@@ -237,7 +237,7 @@ class CudaCopier:
         for handle, seg in s.segments.items():  # least recently used first
             if seg.last is None or seg.last.finished():
                 del s.segments[handle]
-                _rt.cudaIpcCloseMemHandle(seg.pointer)
+                binding.rt.cudaIpcCloseMemHandle(seg.pointer)
                 return
         raise ProtocolError(ErrorCode.COPY_IN_FLIGHT, f"all {MAX_SEGMENTS} segments this session has open have "
                                                       f"copies in flight; wait for some to finish")
@@ -247,11 +247,12 @@ class CudaCopier:
         if event is not None:
             s.events.move_to_end(handle)
             return event
+        rt = binding.rt
         if len(s.events) >= MAX_EVENTS:
-            _rt.cudaEventDestroy(s.events.popitem(last=False)[1])  # safe while pending
-        err, event = _rt.cudaIpcOpenEventHandle(handle_from_bytes(_rt.cudaIpcEventHandle_t, handle))
+            rt.cudaEventDestroy(s.events.popitem(last=False)[1])  # safe while pending
+        err, event = rt.cudaIpcOpenEventHandle(handle_from_bytes(rt.cudaIpcEventHandle_t, handle))
         if int(err) != 0:
-            _rt.cudaGetLastError()
+            rt.cudaGetLastError()
             raise ProtocolError(ErrorCode.BAD_HANDLE, f"the CUDA IPC event handle does not open ({err.name}): not an "
                                                       f"interprocess event of a live process")
         s.events[handle] = event
@@ -262,7 +263,7 @@ class CudaCopier:
         if pair is None:
             made = []
             for _ in range(2):
-                err, stream = _rt.cudaStreamCreateWithFlags(_rt.cudaStreamNonBlocking)
+                err, stream = binding.rt.cudaStreamCreateWithFlags(binding.rt.cudaStreamNonBlocking)
                 check(err, "cudaStreamCreate")
                 made.append(stream)
             pair = s.streams[device] = (made[0], made[1])
@@ -280,15 +281,16 @@ class CudaCopier:
                src: int, nbytes: int, kind: Any) -> None:
         ready, done = self._event(s, cuda["ready"]), self._event(s, cuda["done"])
         stream = self._streams(s, device)[direction]
+        rt = binding.rt
         # A ready event that has fired needs no wait; one on the GPU waits for another process's work.
-        if int(_rt.cudaEventQuery(ready)[0]) != 0 and int(_rt.cudaStreamWaitEvent(stream, ready, 0)[0]) != 0:
-            _rt.cudaGetLastError()
+        if int(rt.cudaEventQuery(ready)[0]) != 0 and int(rt.cudaStreamWaitEvent(stream, ready, 0)[0]) != 0:
+            rt.cudaGetLastError()
             raise ProtocolError(ErrorCode.BAD_HANDLE, "the ready event cannot be waited on from this GPU")
-        check(_rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream)[0], "cudaMemcpyAsync")
+        check(rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream)[0], "cudaMemcpyAsync")
         mark = Mark(stream)
         s.busy[key] = s.segments[cuda["handle"]].last = mark
-        if int(_rt.cudaEventRecord(done, stream)[0]) != 0:
+        if int(rt.cudaEventRecord(done, stream)[0]) != 0:
             # the copy stands (busy guards its extent); the client learns of it only through its error reply
-            _rt.cudaGetLastError()
+            rt.cudaGetLastError()
             raise ProtocolError(ErrorCode.BAD_HANDLE, "the done event cannot be recorded on this GPU (an event "
                                                       "of another device?)")

@@ -47,7 +47,7 @@ def request(endpoint: str, op: str, timeout: float) -> dict[str, Any]:
         options = client_curve_options(endpoint)  # a tcp:// daemon admits only CURVE clients
     except CurveKeyError as e:
         raise CtlError(str(e)) from None
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

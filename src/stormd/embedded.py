@@ -1,6 +1,6 @@
 """The daemon's request handling inside a client process: the one entry point of the embedded store.
 
-``storm``'s embedded store (client/embedded.py), what ``mode='auto'`` falls back
+``storm``'s embedded store (storm/embedded.py), what ``mode='auto'`` falls back
 to when no daemon answers, runs every request through the daemon's own Service
 and Store by design, so that it behaves as stormd does. It reaches them through
 ``embedded_service`` alone, not by importing the daemon's modules, so the

@@ -24,12 +24,11 @@ import sys
 import zmq
 
 from . import logs
-from .config import (ConfigError, DaemonConfig, add_arguments, load, setting_warnings, to_toml,
-                     unknown_environment)
+from .config import ConfigError, DaemonConfig, add_arguments, load, setting_warnings, to_toml, unknown_environment
+from .copier import open_copier
+from .limits import check_host
 from .metrics import Metrics
 from .notify import Notifier
-from .limits import check_host
-from .copier import open_copier
 from .server import Server
 from .service import Service
 from .sessions import SessionLimits

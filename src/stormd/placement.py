@@ -80,7 +80,8 @@ def pack_lifetimes(lifetimes: list[Lifetime]) -> tuple[list[int], int]:
 def first_fit_footprint(lifetimes: list[Lifetime]) -> int:
     """What an unplanned first-fit allocator needs for the same trace (the baseline reported
     beside a plan): each PUT takes the lowest free gap among the tensors alive at that time."""
-    events = sorted([(t.end, 0, i) for i, t in enumerate(lifetimes)] + [(t.start, 1, i) for i, t in enumerate(lifetimes)])
+    events = sorted([(t.end, 0, i) for i, t in enumerate(lifetimes)]
+                    + [(t.start, 1, i) for i, t in enumerate(lifetimes)])
     live: SortedDict = SortedDict()  # offset -> end
     where: dict[int, int] = {}
     footprint = 0
@@ -188,7 +189,8 @@ class StepPlacement:
         start = self._region + self._plan[slot][1]
         end = start + size
         i = self._live.bisect_left(start)
-        if (i > 0 and self._live.peekitem(i - 1)[1] > start) or (i < len(self._live) and self._live.peekitem(i)[0] < end):
+        if ((i > 0 and self._live.peekitem(i - 1)[1] > start)
+                or (i < len(self._live) and self._live.peekitem(i)[0] < end)):
             return None  # the previous step still holds bytes there
         return start
 

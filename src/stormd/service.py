@@ -13,14 +13,25 @@ from typing import Any, Protocol
 
 from .allocator import ExtentAllocator
 from .copier import CudaCopier
-from .sessions import Session, SessionLimits, SessionTable
 from .entries import Entry
 from .growth import PoolGrowth
+from .sessions import Session, SessionLimits, SessionTable
 from .store import Store
 from .store_options import StoreOptions
 from .wire.pool import SharedPool
-from .wire.protocol import (ADMIN_OPS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, ErrorCode, ProtocolError, Request, error,
-                            ok, pack, parse_request, request_id)
+from .wire.protocol import (
+    ADMIN_OPS,
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ProtocolError,
+    Request,
+    error,
+    ok,
+    pack,
+    parse_request,
+    request_id,
+)
 
 log = logging.getLogger("stormd")
 

@@ -64,7 +64,8 @@ class SessionTable:
         s = self._sessions.get(session_id)
         # compare_digest so a wrong token takes as long as a right one
         if s is None or not hmac.compare_digest(s.token.encode(), token.encode()):
-            raise ProtocolError(ErrorCode.UNAUTHORIZED, f"no session {session_id} with that token (it may have timed out)")
+            raise ProtocolError(ErrorCode.UNAUTHORIZED,
+                                f"no session {session_id} with that token (it may have timed out)")
         s.last_seen = time.monotonic()
         return s
 

@@ -9,6 +9,7 @@ import importlib.util
 
 import pytest
 import torch
+
 from helpers import bench_module, run_bench
 
 capture = bench_module("capture_activations")

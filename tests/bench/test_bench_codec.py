@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 
-import torch
 import pytest
+import torch
+
 from helpers import bench_module, bench_result, run_bench
 
 codec = bench_module("codec")

@@ -4,9 +4,9 @@ their stormd, which says BYE for the benchmark's own sessions first."""
 from __future__ import annotations
 
 import torch
-from helpers import bench_module, bench_result
 
 import storm
+from helpers import bench_module, bench_result
 
 common = bench_module("common")
 

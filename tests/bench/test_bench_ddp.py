@@ -4,6 +4,7 @@ gradients bit-identical to the same steps without offload, and the JSON says so 
 from __future__ import annotations
 
 import pytest
+
 from helpers import bench_module, bench_result, run_bench
 
 ddp = bench_module("ddp")

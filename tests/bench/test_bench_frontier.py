@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+
 from helpers import BENCH, bench_module, run_bench
 
 frontier = bench_module("frontier")

@@ -4,6 +4,7 @@ every byte fetched compared (tests/test_faults_load.py runs it at full size)."""
 from __future__ import annotations
 
 import pytest
+
 from helpers import bench_result, run_bench
 
 

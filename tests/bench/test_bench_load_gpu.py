@@ -4,6 +4,7 @@ gradients bit for bit against the same step without offload, and the pool back w
 from __future__ import annotations
 
 import pytest
+
 from helpers import bench_result, run_bench
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers import bench_module, bench_result, run_bench
 
 offload = bench_module("offload")

@@ -4,6 +4,7 @@ step, and the script times only the steps they ran together."""
 from __future__ import annotations
 
 import pytest
+
 from helpers import bench_result, run_bench
 
 

@@ -4,6 +4,7 @@ StormCallback; on CPU with --tiny it runs for real, through the embedded store."
 from __future__ import annotations
 
 import pytest
+
 from helpers import bench_result, run_bench
 
 

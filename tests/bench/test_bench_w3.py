@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch._functorch.config
+
 import storm
 from helpers import bench_module
 
@@ -290,8 +291,8 @@ def test_caps_come_from_exact_peaks_where_rows_have_them(tmp_path):
             return r
 
     args = argparse.Namespace(workloads=["W3-tiny"], batch=None, layers=None, steps=1, warmup=0, points=2,
-                              budgets=None, pool_size="64MiB", min_bytes=1024, duel=0, resume=None, out=str(tmp_path / "f.json"),
-                              compiled=False)
+                              budgets=None, pool_size="64MiB", min_bytes=1024, duel=0, resume=None,
+                              out=str(tmp_path / "f.json"), compiled=False)
     sec = frontier.measure(args, CPU, measure_row=Exact(), link={"d2h_GBps": 50.0, "h2d_GBps": 50.0})["W3-tiny"]
     assert sec["ckpt_budgets"]["checkpoint"] == 10 * GiB - int(2.0014 * GiB)
     assert summary.peak_bytes({"peak_GiB": 2.001}) == math.ceil(2.001 * GiB)

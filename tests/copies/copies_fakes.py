@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from client.replies import Resolved, resolve
+from storm.replies import Resolved, resolve
 
 
 class FakePool:
@@ -99,12 +99,11 @@ class FakeStreams:
     def to_host_frame(self, dst: int, src: torch.UntypedStorage, ready: Any) -> FakeEvent:
         return self._queue("to_host_frame", dst, src.nbytes(), ready)
 
-    def to_device(self, src: int, nbytes: int, after: Any) -> tuple[torch.Tensor, FakeEvent]:
-        return torch.empty(nbytes, dtype=torch.uint8), self._queue("to_device", src, nbytes, after)
+    def to_device(self, src: int, nbytes: int) -> tuple[torch.Tensor, FakeEvent]:
+        return torch.empty(nbytes, dtype=torch.uint8), self._queue("to_device", src, nbytes)
 
-    def to_device_frame(self, src: int, nbytes: int, raw_nbytes: int, after: Any) -> tuple[torch.Tensor, FakeEvent]:
-        return torch.empty(raw_nbytes, dtype=torch.uint8), self._queue("to_device_frame", src, nbytes, raw_nbytes,
-                                                                       after)
+    def to_device_frame(self, src: int, nbytes: int, raw_nbytes: int) -> tuple[torch.Tensor, FakeEvent]:
+        return torch.empty(raw_nbytes, dtype=torch.uint8), self._queue("to_device_frame", src, nbytes, raw_nbytes)
 
     def destination(self, nbytes: int) -> tuple[torch.Tensor, FakeEvent]:
         return torch.empty(nbytes, dtype=torch.uint8), FakeEvent(wire=b"destination ready")

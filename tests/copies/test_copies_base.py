@@ -1,5 +1,5 @@
-"""The one completion type, copies.base.Copy: a copy stormd makes resolves from its reply on the
-calling thread, with the errors a worker's Future would carry (CPU; tests/test_gpu_daemon_copies.py
+"""The one completion type, copies.base.Copy: a copy stormd makes lands from its reply on the thread
+that receives the reply, with the errors a worker's Future would carry (CPU; tests/test_gpu_daemon_copies.py
 runs it on stormd's copies); a worker's copy resolves from its Future; a put the worker has not
 begun can be cancelled; errors held by copies hold none of the frames that started them."""
 
@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import gc
 import weakref
-from concurrent.futures import CancelledError, Future
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 import pytest
 import torch
 
-from client.copies import base
-from client.copies.base import Copy, PutRequest, wait_reply
-from client.copies.cuda_to_pool import PoolCopies
-from client.errors import StormIntegrityError, StormRequestError, StormUnavailable
-from client.replies import Resolved, resolve
+from storm.copies import base
+from storm.copies.base import Copy, Landed, PutRequest, Route
+from storm.copies.cuda_to_pool import CudaToPool
+from storm.errors import StormIntegrityError, StormRequestError, StormUnavailable
+from storm.replies import Resolved, resolve
 
 
 class Backend:
@@ -25,19 +24,19 @@ class Backend:
 
 
 def from_reply(reply, then):
-    """A Copy read off ``reply`` (as stormd's copies are): ``then`` maps the reply's fields to the landed Copy."""
-    return Copy(reply, finish=lambda: then(wait_reply(Backend(), "GET", reply)))
+    """A Copy read off ``reply`` (as stormd's copies are): ``then`` maps the reply's fields to what landed."""
+    return Copy.from_reply(Backend(), "GET", reply, then)
 
 
 def test_it_resolves_from_the_reply_once_and_only_once_it_is_in():
     reply: Future = Future()
     calls = []
-    c = from_reply(reply, lambda fields: calls.append(fields) or Copy.landed(nbytes=fields["nbytes"] * 2))
+    c = from_reply(reply, lambda fields: calls.append(fields) or Landed(nbytes=fields["nbytes"] * 2))
     assert not c.done()
     resolve(reply, {"ok": True, "nbytes": 21})
     assert c.done()
     assert c.error() is None
-    assert c.result().nbytes == 42 and c.nbytes == 42 and c.event is None and c.tensor is None
+    assert c.result().nbytes == 42 and c.result().event is None and c.result().tensor is None
     assert calls == [{"ok": True, "nbytes": 21}]  # mapped once
 
 
@@ -66,7 +65,7 @@ def test_a_reply_the_mapping_refuses_is_the_copys_error():
 
 def test_a_reply_that_never_comes_is_unavailable_after_the_request_timeout(monkeypatch):
     monkeypatch.setattr(base, "REQUEST_TIMEOUT", 0.05)
-    c = from_reply(Future(), lambda fields: Copy.landed())
+    c = from_reply(Future(), lambda fields: Landed())
     with pytest.raises(StormUnavailable, match="did not answer GET"):
         c.result()
     assert isinstance(c.error(), StormUnavailable)
@@ -83,17 +82,15 @@ def test_a_workers_copy_lands_with_its_futures_result_and_its_event_decides_done
     event = Event()
     c = Copy(fut)
     assert not c.done()
-    fut.set_result(Copy.landed(nbytes=7, event=event, sealed=True))
-    assert not c.done() and c.nbytes == 7 and c.sealed  # the result is in, the bytes are not
+    fut.set_result(Landed(nbytes=7, event=event))
+    assert not c.done() and c.result().nbytes == 7  # the result is in, the bytes are not
     event.fired = True
     assert c.done()
-    c.drop_event()
-    assert c.event is None and c.done()
 
 
 def test_only_a_put_the_worker_has_not_begun_can_be_cancelled():
     c = Copy(Future(), cancellable=True)
-    assert c.cancel() and c.done() and isinstance(c.error(), CancelledError) and not c.incomplete()
+    assert c.cancel() and c.done() and isinstance(c.error(), CancelledError)
     running: Future = Future()
     running.set_running_or_notify_cancel()
     assert not Copy(running, cancellable=True).cancel() and not running.cancelled()
@@ -112,9 +109,9 @@ class RefusingBackend(Backend):
 def failed_start(worker) -> tuple[Copy, weakref.ref]:
     """A CUDA put whose reply is in and refused: the copy would be queued on this thread, and fails here."""
     canary = Canary()
-    copies = PoolCopies(RefusingBackend(), worker, streams=lambda device: object())
-    req = PutRequest(1, 1, torch.empty(4096, dtype=torch.uint8).untyped_storage(), {"dtype": "uint8"})
-    return copies.put(req, "raw"), weakref.ref(canary)
+    copies = CudaToPool(RefusingBackend(), worker, streams=lambda device: object())
+    req = PutRequest(1, 1, torch.empty(4096, dtype=torch.uint8).untyped_storage(), {"dtype": "uint8"}, Route.OWN)
+    return copies.put(req), weakref.ref(canary)
 
 
 def failed_reply() -> tuple[Copy, weakref.ref]:
@@ -122,7 +119,7 @@ def failed_reply() -> tuple[Copy, weakref.ref]:
     canary = Canary()
     reply: Future = Future()
     resolve(reply, {"ok": False, "error": "POOL_FULL", "message": "no room"})
-    c = from_reply(reply, lambda fields: Copy.landed())
+    c = from_reply(reply, lambda fields: Landed())
     assert c.done()
     return c, weakref.ref(canary)
 
@@ -163,13 +160,13 @@ def test_threads_that_read_one_copy_together_all_see_it_landed(round, made_by):
     import threading
     readers, copies = 4, 200
     pendings, made = [], []
-    for i in range(copies):
+    for _ in range(copies):
         p: Future = Future()
         pendings.append(p)
         if made_by == "worker":
             made.append(Copy(p))
         else:
-            made.append(from_reply(p, lambda fields: Copy.landed(nbytes=fields["nbytes"])))
+            made.append(from_reply(p, lambda fields: Landed(nbytes=fields["nbytes"])))
     start = threading.Barrier(readers + 1)
     errors: list[BaseException] = []
 
@@ -192,7 +189,7 @@ def test_threads_that_read_one_copy_together_all_see_it_landed(round, made_by):
         start.wait()
         for i, p in enumerate(pendings):
             if made_by == "worker":
-                p.set_result(Copy.landed(nbytes=i))
+                p.set_result(Landed(nbytes=i))
             else:
                 resolve(p, {"ok": True, "nbytes": i})
         for t in threads:
@@ -200,4 +197,4 @@ def test_threads_that_read_one_copy_together_all_see_it_landed(round, made_by):
     finally:
         sys.setswitchinterval(old)
     assert not errors, errors[:3]
-    assert [c.nbytes for c in made] == list(range(copies))
+    assert [c.result().nbytes for c in made] == list(range(copies))

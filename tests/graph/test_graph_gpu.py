@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 import pytest
-import storm
 import torch
+
+import storm
 from storm.examples.models import GPT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

@@ -9,8 +9,9 @@ import copy
 from typing import Any
 
 import pytest
-import storm
 import torch
+
+import storm
 from storm.examples.models import GPT
 from storm.session import session_for
 

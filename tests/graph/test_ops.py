@@ -1,13 +1,14 @@
-"""storm.graph's ops (client/graph/ops.py) called as a compiled graph calls them: the graph may
+"""storm.graph's ops (storm/graph/ops.py) called as a compiled graph calls them: the graph may
 overwrite a saved tensor once ``released`` has run and overwrite what ``load`` gave it, and
 neither reaches the bytes another load gets."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+
 import storm  # noqa: F401  (storm.graph registers the ops)
 import storm.graph  # noqa: F401
-import torch
 from storm.errors import StormError
 
 CPU = torch.device("cpu")

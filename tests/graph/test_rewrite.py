@@ -1,4 +1,4 @@
-"""storm.graph's partitioner (client/graph/rewrite.py) on graphs AOTAutograd traces, run as FX
+"""storm.graph's partitioner (storm/graph/rewrite.py) on graphs AOTAutograd traces, run as FX
 code (no inductor: fast): which saves it offloads, where its ops go in forward and backward,
 and that gradients stay bit for bit those of the same graphs without it."""
 
@@ -7,13 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import storm
 import torch
-from storm.graph.rewrite import GraphOptions, Partitioner, Save, _choose, _last_use, _root
-from storm.session import session_for
 from torch import fx
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._inductor.fx_passes.post_grad import reorder_for_locality
+
+import storm
+from storm.graph.rewrite import GraphOptions, Partitioner, Save, _choose, _last_use, _root
+from storm.session import session_for
 
 KiB, MiB = 1 << 10, 1 << 20
 SAVE, RELEASED, LOAD = torch.ops.storm.save.default, torch.ops.storm.released.default, torch.ops.storm.load.default

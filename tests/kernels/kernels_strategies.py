@@ -1,7 +1,6 @@
 """Strategies and helpers shared by the kernel tests (imported by name: the test dir is on sys.path)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import strategies as st
@@ -68,7 +67,8 @@ def tensors(draw, dtype: torch.dtype, max_len: int = 300) -> torch.Tensor:
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
         return False
-    return a.contiguous().reshape(-1).view(torch.uint8).cpu().tolist() == b.contiguous().reshape(-1).view(torch.uint8).cpu().tolist()
+    return (a.contiguous().reshape(-1).view(torch.uint8).cpu().tolist()
+            == b.contiguous().reshape(-1).view(torch.uint8).cpu().tolist())
 
 
 __all__ = ["DTYPES", "SPECIAL_BITS", "bits_equal", "from_bits", "requires_cuda", "tensors"]

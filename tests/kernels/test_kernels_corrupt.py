@@ -65,12 +65,14 @@ def _mutations(enc: Encoded):
             if bad != v:
                 yield f"meta {k}={bad!r}", Encoded(enc.codec, enc.dtype, enc.shape, {**enc.meta, k: bad}, enc.buffers)
     for k, b in enc.buffers.items():
-        variants = {"empty": b[:0], "short": b[:-1], "long": torch.cat([b, b[:1] if b.numel() else torch.zeros(1, dtype=torch.uint8)])}
+        variants = {"empty": b[:0], "short": b[:-1],
+                    "long": torch.cat([b, b[:1] if b.numel() else torch.zeros(1, dtype=torch.uint8)])}
         for name, nb in variants.items():
             if nb.numel() != b.numel():
                 yield f"buffer {k} {name}", Encoded(enc.codec, enc.dtype, enc.shape, enc.meta, {**enc.buffers, k: nb})
     yield "shape", Encoded(enc.codec, enc.dtype, (enc.numel + 8,), enc.meta, enc.buffers)
-    yield "dtype", Encoded(enc.codec, torch.int64 if enc.dtype != torch.int64 else torch.int8, enc.shape, enc.meta, enc.buffers)
+    other = torch.int64 if enc.dtype != torch.int64 else torch.int8
+    yield "dtype", Encoded(enc.codec, other, enc.shape, enc.meta, enc.buffers)
     yield "codec", Encoded("nope", enc.dtype, enc.shape, enc.meta, enc.buffers)
 
 

@@ -48,7 +48,8 @@ def cross_check(t: torch.Tensor, codec: str) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("codec", list(CODECS) + ["auto"])
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_gpu_roundtrip_property(gpu_path: str, dtype: torch.dtype, codec: str, data) -> None:
     cross_check(data.draw(tensors(dtype, max_len=5000)), codec)

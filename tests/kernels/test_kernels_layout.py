@@ -1,13 +1,13 @@
 """The layout of storm.kernels: no import cycle among its modules (imports inside functions
 included: the GPU kernels are imported lazily, and a lazy import closes a cycle as surely as a
-top-level one), each Triton module under kernels/gpu/ imports nothing from the CPU side but
+top-level one), each Triton module under storm/kernels/gpu/ imports nothing from the CPU side but
 the frame's layout, and no module grows past what a reader takes in at once."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "src" / "storm" / "kernels"
 MAX_LINES = 500
 
 

@@ -37,13 +37,15 @@ def test_int64_wraps_like_cumsum() -> None:
 
 def float_bound(x: torch.Tensor, dim: int, u: float) -> torch.Tensor:
     """Order-independent bound for recursive summation: (i) * u * sum_{j<=i} |x_j|."""
-    i = torch.arange(1, x.shape[dim] + 1, dtype=torch.float64).view([-1 if d == dim % x.dim() else 1 for d in range(x.dim())])
+    shape = [-1 if d == dim % x.dim() else 1 for d in range(x.dim())]
+    i = torch.arange(1, x.shape[dim] + 1, dtype=torch.float64).view(shape)
     return i * u * torch.cumsum(x.double().abs(), dim)
 
 
 @pytest.mark.parametrize("dtype,u", [(torch.float32, 2.0**-24), (torch.float64, 2.0**-53)])
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(1, 2000), scale=st.sampled_from([1e-6, 1.0, 1e6]), reverse=st.booleans(), seed=st.integers(0, 1000))
+@given(n=st.integers(1, 2000), scale=st.sampled_from([1e-6, 1.0, 1e6]), reverse=st.booleans(),
+       seed=st.integers(0, 1000))
 def test_float_error_bound(dtype: torch.dtype, u: float, n: int, scale: float, reverse: bool, seed: int) -> None:
     x = (torch.randn(3, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale).to(dtype)
     out = associative_scan(x, 1, reverse=reverse)

@@ -27,12 +27,14 @@ def test_a_plane_that_inflates_past_its_tensor_is_corrupt_data_not_an_allocation
     t = torch.zeros(1000, dtype=torch.float32)
     enc = encode(t, "zstd")
     bomb = zstandard.ZstdCompressor(level=1).compress(b"\0" * (256 << 20))  # 256 MiB in a few KiB
-    bad = Encoded("zstd", enc.dtype, enc.shape, enc.meta, {**enc.buffers, "plane0": torch.frombuffer(bytearray(bomb), dtype=torch.uint8)})
+    bad = Encoded("zstd", enc.dtype, enc.shape, enc.meta,
+                  {**enc.buffers, "plane0": torch.frombuffer(bytearray(bomb), dtype=torch.uint8)})
     with pytest.raises(CorruptEncodedError, match="plane 0"):
         decode(bad)
     # the same without the content size in the frame header (a streaming writer's frame)
     stream = zstandard.ZstdCompressor(level=1, write_content_size=False).compress(b"\0" * (256 << 20))
-    bad = Encoded("zstd", enc.dtype, enc.shape, enc.meta, {**enc.buffers, "plane0": torch.frombuffer(bytearray(stream), dtype=torch.uint8)})
+    bad = Encoded("zstd", enc.dtype, enc.shape, enc.meta,
+                  {**enc.buffers, "plane0": torch.frombuffer(bytearray(stream), dtype=torch.uint8)})
     with pytest.raises(CorruptEncodedError, match="plane 0"):
         decode(bad)
 

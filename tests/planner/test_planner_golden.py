@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from make_golden import DATA, PLAN, decision, trace_of
 
 CHANGED = {"w1-h100": 752, "w2-h100": 440}  # cases where a plan with inputs offloaded is chosen instead

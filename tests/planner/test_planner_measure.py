@@ -239,17 +239,17 @@ def test_a_planned_steps_dearer_packs_replace_the_traced_host_time(monkeypatch, 
     ``slow_ms`` on the packs' clock once the trace is done) become the trace's and the planner plans again,
     here to recompute instead; faster ones (here against a trace set to 5 ms a tensor) change
     nothing. Gradients stay bit-exact."""
-    from storm import transfer
+    from storm import mover
 
     seen: list[float] = []
-    put, clock = transfer.Mover.put, pack_clock(monkeypatch)
+    put, clock = mover.Mover.put, pack_clock(monkeypatch)
 
     def put_slower(self, req):
         clock.now += slow_ms / 1e3
         return put(self, req)
 
     model, idx, ref, planner = traced_gpt_planner(chooser=by_host_cost(10.0, seen), form_trial=False)
-    monkeypatch.setattr(transfer.Mover, "put", put_slower)
+    monkeypatch.setattr(mover.Mover, "put", put_slower)
     assert planner.trace.host_ms_per_tensor == 0.0  # the packs' clock stood still in the trace
     if not slow_ms:
         planner.trace.host_ms_per_tensor = 5.0  # far over what packs take here

@@ -103,16 +103,16 @@ def test_one_slow_first_offload_does_not_make_offloading_look_slow(monkeypatch):
     """A process's first offload also sets up the pinned pool (seconds for a large one on a
     GPU host): the host time per tensor is the median block's, not the step's mean. Here each
     put takes 10 us on the packs' clock, the first 0.5 s more."""
-    from storm import transfer
+    from storm import mover
 
-    put, calls, clock = transfer.Mover.put, [], pack_clock(monkeypatch)
+    put, calls, clock = mover.Mover.put, [], pack_clock(monkeypatch)
 
     def first_put_slow(self, req):
         calls.append(req)
         clock.now += 1e-5 + 0.5 * (len(calls) == 1)
         return put(self, req)
 
-    monkeypatch.setattr(transfer.Mover, "put", first_put_slow)
+    monkeypatch.setattr(mover.Mover, "put", first_put_slow)
     model, idx = gpt()
     planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
     grads_of(model, idx, planner.step())

@@ -24,7 +24,7 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
     forward and backward, and keeps the faster: here offloading blocks 0-1 (the model's choice)
     against recomputing them, with ``slow`` made 20 ms a call slower on the planner's clock.
     Every step's gradients are those of no offload, bit for bit."""
-    from storm import transfer
+    from storm import mover
 
     def by_kind(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
                 offload=None, kept_extra=0, start_extra=0):
@@ -33,7 +33,7 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
         return Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0, 1 << 40, 1.0, True)
 
     clock = FakeClock()
-    cls, name = (transfer.Mover, "put") if slow == "offload" else (Recompute, "__call__")
+    cls, name = (mover.Mover, "put") if slow == "offload" else (Recompute, "__call__")
     call = getattr(cls, name)
 
     def slower(*args, **kwargs):

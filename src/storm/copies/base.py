@@ -1,22 +1,23 @@
-"""The copy interface: what every path between a tensor and the store's pool has in common.
+"""The copy interface: what every path between a saved tensor and the store's pool has in common.
 
 After vLLM's kv_offload: one handler per (source, destination) medium behind
-one small verb set. A handler starts a copy into the store (``put``) or out
-of it (``get``) and returns at once; what it returns is a ``Copy``, the one
-completion type the session and the hooks see, whichever path made it. The
-mover (client/transfer.py) picks the handler.
-
-A Copy wraps what it waits on: the worker's Future, a store's reply (a Future,
-or a ``Resolved`` one from the embedded store), or nothing once it has landed;
-and, for a CUDA copy, the event that marks the end of the copy on its stream.
+one small verb set, registered by ``Route``. Which route a saved tensor takes
+is decided once, when it is saved (mover.Mover.route), and serves its put
+and its get. A handler starts a copy into the store (``put``) or out of it
+(``get``) and returns at once; what it returns is a ``Copy``, the one
+completion type, whichever path made it: a future of the ``Landed`` result,
+plus, on CUDA, the event that marks the end of the bytes' copy on its stream.
+Once a put's bytes are in the pool, its handler tells the store whatever the
+store must hear (``settle``): each handler seals what it copies.
 """
 
 from __future__ import annotations
 
 import abc
-import threading
+import enum
+import logging
 import traceback
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Executor, Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,6 +30,15 @@ from ..errors import StormIntegrityError, StormRequestError, StormUnavailable
 from ..replies import Resolved
 
 REQUEST_TIMEOUT = 30.0
+log = logging.getLogger("storm")
+
+
+class Route(enum.Enum):
+    """Which handler copies a saved tensor, into the store and back."""
+
+    HOST = "host"      # a CPU tensor: the mover's worker copies it (cpu_to_pool.py)
+    OWN = "own"        # a CUDA tensor this process copies on its own streams (cuda_to_pool.py)
+    DAEMON = "daemon"  # a CUDA tensor stormd copies out of this process's memory (cuda_by_daemon.py)
 
 
 @dataclass(frozen=True)
@@ -37,178 +47,170 @@ class PutRequest:
     step: int
     source: torch.UntypedStorage  # the storage to store, whole
     meta: dict[str, Any]   # dtype, shape, strides, storage_offset of the saved view
-    ready: Any = None      # gpu.CopyEvent recorded where the tensor was produced, or None
-    codec: str = "raw"     # the step's codec setting ("raw": stored as it is)
+    route: Route = Route.HOST
+    codec: str = "raw"     # how the handler stores it: a codec name, stormd.wire.protocol.FRAME_CODEC, or "raw"
+    ready: Any = None      # gpu.CopyEvent recorded where the tensor was produced (CUDA), or None
+    ipc: tuple[bytes, int] | None = None  # Route.DAEMON: the memory's IPC handle and offset in it
+
+
+@dataclass(frozen=True)
+class Landed:
+    """What a copy leaves once its result is in: ``nbytes`` stored (the encoded size), for a put;
+    ``tensor``, the fetched bytes (uint8), for a get; ``event``, the CUDA event that marks the end
+    of the bytes' copy on its stream (None: CPU copies are over when they land); ``frame``, the
+    landed frame's header (pool memory), for a put into a frame."""
+
+    nbytes: int = 0
+    tensor: torch.Tensor | None = None
+    event: Any = None
+    frame: torch.Tensor | None = None
+
+    def incomplete(self) -> bool:
+        """A put into a frame whose escapes did not all fit: the stored bytes do not hold the tensor,
+        which must be stored another way."""
+        return self.frame is not None and not complete(self.frame)
 
 
 class Copy:
-    """A copy into the store (a put) or out of it (a get), in flight or landed.
+    """A copy into the store (a put) or out of it (a get): ``future`` is its Landed result (a
+    Future, or a Resolved one where it is in already). Errors are held, not raised, until read:
+    ``error()`` reads them. Reading waits for the result, never for the bytes (``done`` and
+    ``wait`` look at the event); a result that rides on a store's reply is waited for at most
+    REQUEST_TIMEOUT. Futures are safe to read from any thread, so a Copy is.
 
-    In flight it waits on ``pending``: a Future or Resolved whose result is the landed Copy (a
-    handler's work on the worker), or, with ``finish``, a store's reply that ``finish`` turns into
-    the landed Copy on the thread that first asks (stormd's own copies: nothing is left to do once
-    stormd has queued them, so no worker takes the reply; that hop woke one more thread per tensor,
-    whose Python competes with the training thread for the GIL). A landed Copy holds:
+    ``cancellable``: a put of the worker's that has not started can be dropped (``cancel``)."""
 
-    - ``nbytes``: bytes stored (the encoded size), for a put;
-    - ``tensor``: the fetched bytes (uint8), for a get;
-    - ``event``: the CUDA event that marks the end of the copy, or None (CPU copies have finished
-      when they land);
-    - ``frame``: the landed frame's header (pool memory), for a put into a frame;
-    - ``sealed``: the store seals the put itself (stormd's own copies, CPU puts); else the client
-      must, once the event has fired.
+    __slots__ = ("future", "cancellable", "_late")
 
-    ``cancellable``: a put of the worker's that sends nothing to the store until it starts.
-    Errors are held, not raised, until a field is read; ``error()`` reads them.
-
-    Any thread may read a Copy: the training threads of one process share its session, so one
-    thread's poll resolves a copy another thread's graph is letting go of. It lands once, under
-    its lock, and ``_landed`` is set only after every landed field."""
-
-    __slots__ = ("_pending", "_finish", "_error", "cancellable", "_landed", "_nbytes", "_tensor", "_event", "_frame",
-                 "_sealed", "_lock")
-
-    def __init__(self, pending: Future | Resolved | None = None, finish: Callable[[], "Copy"] | None = None,
-                 cancellable: bool = False):
-        self._pending, self._finish, self.cancellable = pending, finish, cancellable
-        self._error: BaseException | None = None
-        self._landed = pending is None
-        self._nbytes, self._tensor, self._event, self._frame, self._sealed = 0, None, None, None, False
-        self._lock = threading.Lock()
+    def __init__(self, future: Future | Resolved, cancellable: bool = False, late: str | None = None):
+        self.future = future
+        self.cancellable = cancellable
+        self._late = late  # a reply-borne result: what did not answer, for the timeout's error
 
     @classmethod
-    def landed(cls, *, nbytes: int = 0, tensor: torch.Tensor | None = None, event: Any = None,
-               frame: torch.Tensor | None = None, sealed: bool = False) -> "Copy":
-        """A copy whose result is in (its bytes may still be on their way: ``event``)."""
-        c = cls()
-        c._nbytes, c._tensor, c._event, c._frame, c._sealed = nbytes, tensor, event, frame, sealed
-        return c
+    def landed(cls, **fields: Any) -> "Copy":
+        return cls(Resolved(Landed(**fields)))
 
     @classmethod
     def failed(cls, error: BaseException) -> "Copy":
-        c = cls()
-        c._error = detached(error)
-        return c
+        return cls(Resolved(error=detached(error)))
 
-    def _resolve(self) -> "Copy":
-        """Take the result once it is in (blocks until then): the fields are this Copy's from now on."""
-        if self._landed:
-            return self
-        with self._lock:
-            if self._landed:  # another thread took it while this one waited for the lock
-                return self
-            out = None
-            if self._finish is None:  # the worker's: a Future holds its error as it was raised
-                self._error = self._pending.exception()
-                if self._error is None:
-                    out = self._pending.result()
-            else:
-                try:
-                    out = self._finish()
-                except Exception as e:  # held, as a Future holds it; raising would give it this caller's frames
-                    self._error = detached(e)
-            if out is not None:
-                out._resolve()
-                self._nbytes, self._tensor, self._event, self._frame, self._sealed = (
-                    out._nbytes, out._tensor, out._event, out._frame, out._sealed)
-                self._error = out._error
-            self._landed = True  # before the pending goes: a reader that finds no pending finds it landed
-            self._pending, self._finish = None, None
-        return self
+    @classmethod
+    def now(cls, fn: Callable[..., Landed], *args: Any) -> "Copy":
+        """``fn(*args)`` run here: landed with its result, or failed with what it raised."""
+        try:
+            return cls(Resolved(fn(*args)))
+        except Exception as e:  # held, as a Future holds it
+            return cls.failed(e)
+
+    @classmethod
+    def on(cls, worker: Executor, fn: Callable[..., Landed], *args: Any, cancellable: bool = False) -> "Copy":
+        """``fn(*args)`` run on ``worker``; its error is held detached (see ``detached``)."""
+        out: Future = Future()
+
+        def run() -> None:
+            if not out.set_running_or_notify_cancel():
+                return  # cancelled before the worker came to it
+            try:
+                out.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - the copy holds it; the worker goes on
+                out.set_exception(detached(e))
+
+        worker.submit(run)
+        return cls(out, cancellable=cancellable)
+
+    @classmethod
+    def from_reply(cls, backend: Backend, op: str, reply: Future | Resolved,
+                   finish: Callable[[dict[str, Any]], Landed]) -> "Copy":
+        """Landed by ``finish`` from a store's reply's fields, on whichever thread the reply lands
+        (the connection's I/O thread; here for the embedded store): nothing is left to do once stormd
+        has queued its own copies, and a worker taking the reply would wake one more thread per tensor,
+        whose Python competes with the training thread for the GIL."""
+        if isinstance(reply, Resolved):
+            return cls.now(lambda: finish(reply.result()))
+        out: Future = Future()
+
+        def landed(r: Future) -> None:
+            try:
+                out.set_result(finish(r.result()))
+            except Exception as e:  # noqa: BLE001 - the copy holds it
+                out.set_exception(detached(e))
+
+        reply.add_done_callback(landed)
+        return cls(out, late=f"{backend.name} did not answer {op} within {REQUEST_TIMEOUT:g} s")
+
+    def _exception(self) -> BaseException | None:
+        try:
+            return self.future.exception(REQUEST_TIMEOUT if self._late else None)
+        except CancelledError as e:
+            return e
+        except TimeoutError:
+            return StormUnavailable(self._late)
 
     def done(self) -> bool:
         """True once the bytes have arrived (or the copy failed); never blocks."""
-        pending = self._pending
-        if pending is not None and not pending.done():
+        if not self.future.done():
             return False
-        c = self._resolve()
-        return c._error is not None or c._event is None or c._event.query()
+        if self._exception() is not None:
+            return True
+        event = self.future.result().event
+        return event is None or event.query()
 
     def wait(self) -> None:
         """Block until done(); errors are left for ``error``."""
-        if self._resolve()._error is None and self._event is not None:
-            self._event.synchronize()
+        if self._exception() is None and (event := self.future.result().event) is not None:
+            event.synchronize()
 
     def error(self) -> BaseException | None:
-        return self._resolve()._error
+        return self._exception()
 
-    def result(self) -> "Copy":
-        """This Copy, landed: raises its error if it failed."""
-        if self._resolve()._error is not None:
-            raise self._error
-        return self
+    def result(self) -> Landed:
+        """The landed result: raises the copy's error if it failed."""
+        error = self._exception()
+        if error is not None:
+            raise error
+        return self.future.result()
 
     def cancel(self) -> bool:
         """Drop a cancellable put the worker has not started: nothing of it reaches the store, and it
         fails with CancelledError. False where it has started (or cannot be dropped)."""
-        with self._lock:
-            if not (self.cancellable and not self._landed and self._pending.cancel()):
-                return False
-            self._error = CancelledError()
-            self._landed = True
-            self._pending = None
-        return True
-
-    def incomplete(self) -> bool:
-        """A landed put into a frame whose escapes did not all fit: the stored bytes do not hold the
-        tensor, which must be stored another way."""
-        return self.error() is None and self._frame is not None and not complete(self._frame)
-
-    def drop_event(self) -> None:
-        """Forget the event of a landed put: the session holds the Copy with its step (the storm.offload
-        context holds the step for its stats), and interprocess events are limited (about 20,000 per
-        process)."""
-        self._event = None
-
-    # The landed fields (class docstring); reading one waits for the result (not for the bytes).
-    @property
-    def nbytes(self) -> int:
-        return self._resolve()._nbytes
-
-    @property
-    def tensor(self) -> torch.Tensor | None:
-        return self._resolve()._tensor
-
-    @property
-    def event(self) -> Any:
-        return self._resolve()._event
-
-    @property
-    def frame(self) -> torch.Tensor | None:
-        return self._resolve()._frame
-
-    @property
-    def sealed(self) -> bool:
-        return self._resolve()._sealed
+        return self.cancellable and self.future.cancel()
 
 
 class CopyHandler(abc.ABC):
     """The copies between one medium (host memory, a GPU) and the store's pool, both ways."""
 
     @abc.abstractmethod
-    def put(self, req: PutRequest, codec: str) -> Copy:
-        """Start copying ``req.source`` into the store, encoded with ``codec`` (a codec name, or
-        stormd.wire.protocol.FRAME_CODEC for a frame, or "raw")."""
+    def put(self, req: PutRequest) -> Copy:
+        """Start copying ``req.source`` into the store, stored as ``req.codec`` says."""
 
     @abc.abstractmethod
-    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None, verify: bool = True) -> Copy:
+    def get(self, key: int, nbytes: int, device: torch.device, verify: bool = True) -> Copy:
         """Start fetching ``key``'s ``nbytes`` raw bytes into a new uint8 tensor on ``device``;
-        ``after``: the key's put's event, when that copy may still be running; ``verify``: check
-        the bytes against the checksum the store holds, where this medium has one."""
+        ``verify``: check the bytes against the checksum the store holds, where this medium has one."""
+
+    @abc.abstractmethod
+    def settle(self, key: int, landed: Landed) -> None:
+        """The put of ``key`` has landed and its bytes are in the pool (its event has fired): tell the
+        store what it must hear, if anything: each handler seals what it copies."""
 
 
 def detached(e: BaseException) -> BaseException:
-    """``e``, to hold, without its traceback, whose frames are cleared too. Caught on the training
-    thread, the traceback's frames link through ``f_back`` to their callers' (the pack hook's, the
-    model's forward with its tensors, the save's Handle), which then lived as long as the error:
-    through a pool too small for a step, every refused save stayed on the GPU after its step
-    (bench/results/refused-saves-*). Raised on the worker, they hold the put's request (the tensor's
-    storage) and its reply, which holds the error again: a cycle until the garbage collector ran.
-    An error the store did not send holds its traceback as a note."""
+    """``e``, to hold, without its traceback, whose frames are cleared too. Held with its traceback,
+    the frames link through ``f_back`` to the callers' (the pack hook's, the model's forward with
+    its tensors), which then lived as long as the error; raised on the worker, they hold the put's
+    request (the tensor's storage). tests/copies/test_copies_base.py holds this. An error the store
+    did not send keeps its traceback as a note."""
     if not isinstance(e, StormRequestError):
         e.add_note("".join(traceback.format_tb(e.__traceback__)).rstrip())
     traceback.clear_frames(e.__traceback__)
     return e.with_traceback(None)
+
+
+def log_failure(reply: Future | Resolved) -> None:
+    """A done-callback for a request whose reply nobody waits for (SEAL, FREE): its failure is logged."""
+    if reply.exception() is not None:
+        log.warning("storm: a request to the store failed: %s", reply.exception())
 
 
 def wait_reply(backend: Backend, op: str, reply: Future | Resolved) -> dict[str, Any]:
@@ -219,9 +221,8 @@ def wait_reply(backend: Backend, op: str, reply: Future | Resolved) -> dict[str,
         raise StormUnavailable(f"{backend.name} did not answer {op} within {REQUEST_TIMEOUT:g} s") from None
 
 
-def fetched_fields(backend: Backend, key: int, nbytes: int, reply: Future | Resolved) -> dict[str, Any]:
-    """A GET's reply, checked to hold the ``nbytes`` raw bytes that were stored under ``key``."""
-    r = wait_reply(backend, "GET", reply)
-    if r["raw_nbytes"] != nbytes:
-        raise StormIntegrityError(f"key {key}: store returned {r['raw_nbytes']} bytes, {nbytes} were stored")
-    return r
+def fetched_fields(backend: Backend, key: int, nbytes: int, fields: dict[str, Any]) -> dict[str, Any]:
+    """A GET's reply fields, checked to hold the ``nbytes`` raw bytes that were stored under ``key``."""
+    if fields["raw_nbytes"] != nbytes:
+        raise StormIntegrityError(f"key {key}: store returned {fields['raw_nbytes']} bytes, {nbytes} were stored")
+    return fields

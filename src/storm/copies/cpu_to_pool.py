@@ -28,7 +28,7 @@ from storm.kernels import CorruptEncodedError, Encoded, decode, encode
 
 from ..backend import Backend
 from ..errors import StormIntegrityError
-from .base import Copy, CopyHandler, PutRequest, fetched_fields, wait_reply
+from .base import Copy, CopyHandler, Landed, PutRequest, fetched_fields, wait_reply
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -40,27 +40,30 @@ def checksum(buf: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(buf.numpy()) if buf.numel() else 0
 
 
-class HostCopies(CopyHandler):
+class CpuToPool(CopyHandler):
     """CPU tensors to and from the pool, on ``worker`` (one thread: the copies stay in order)."""
 
     def __init__(self, backend: Backend, worker: Executor):
         self.backend = backend
         self.worker = worker
 
-    def put(self, req: PutRequest, codec: str) -> Copy:
-        return Copy(self.worker.submit(self._put, req, codec), cancellable=True)
+    def put(self, req: PutRequest) -> Copy:
+        return Copy.on(self.worker, self._put, req, cancellable=True)
 
-    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None, verify: bool = True) -> Copy:
-        return Copy(self.worker.submit(self._get, key, nbytes, self.backend.request("GET", key=key), verify))
+    def get(self, key: int, nbytes: int, device: torch.device, verify: bool = True) -> Copy:
+        return Copy.on(self.worker, self._get, key, nbytes, self.backend.request("GET", key=key), verify)
 
-    def _put(self, req: PutRequest, codec: str) -> Copy:
-        """On the worker: encoded (unless ``codec`` is raw), PUT for the size that takes, copied into
-        the extent and sealed."""
+    def settle(self, key: int, landed: Landed) -> None:
+        """Nothing: the worker sealed the put, with its checksum, as soon as it had copied it."""
+
+    def _put(self, req: PutRequest) -> Landed:
+        """On the worker: encoded (unless ``req.codec`` is raw), PUT for the size that takes, copied
+        into the extent and sealed."""
         raw = req.source.nbytes()
         enc = None
-        if codec != "raw":
+        if req.codec != "raw":
             try:
-                enc = encode(torch.empty(0, dtype=getattr(torch, req.meta["dtype"])).set_(req.source), codec)
+                enc = encode(torch.empty(0, dtype=getattr(torch, req.meta["dtype"])).set_(req.source), req.codec)
             except ValueError:  # a dtype or a tensor the codec does not take: stored as it is
                 pass
         if enc is None or enc.codec == "raw" or enc.nbytes >= raw:
@@ -74,10 +77,10 @@ class HostCopies(CopyHandler):
         dst = self.backend.pool.view(offset, data.numel())
         dst.copy_(data)
         wait_reply(self.backend, "SEAL", self.backend.request("SEAL", key=req.key, checksum=checksum(dst)))
-        return Copy.landed(nbytes=data.numel(), sealed=True)
+        return Landed(nbytes=data.numel())
 
-    def _get(self, key: int, nbytes: int, reply: Any, verify: bool) -> Copy:
-        r = fetched_fields(self.backend, key, nbytes, reply)
+    def _get(self, key: int, nbytes: int, reply: Any, verify: bool) -> Landed:
+        r = fetched_fields(self.backend, key, nbytes, wait_reply(self.backend, "GET", reply))
         out = self.backend.pool.view(r["offset"], r["nbytes"]).clone()
         if verify and r["checksum"] is not None and checksum(out) != r["checksum"]:
             raise StormIntegrityError(f"key {key}: the bytes in the pool no longer match their checksum; "
@@ -87,4 +90,4 @@ class HostCopies(CopyHandler):
                 out = decode(Encoded.from_bytes(out.numpy())).reshape(-1).view(torch.uint8)
             except CorruptEncodedError as e:
                 raise StormIntegrityError(f"key {key}: the stored encoding does not decode ({e})") from None
-        return Copy.landed(tensor=out)
+        return Landed(tensor=out)

@@ -8,8 +8,9 @@ holds, read off the reply without the worker. stormd seals the key itself once
 its copy has finished, so no SEAL is sent. A PUT whose tensor the GPU has not
 finished yet is sent by the worker once it has: stormd's copy stream never
 waits on another process's event, since such waits held back the copies of
-every client behind it. Memory that cannot be exported (expandable_segments)
-raises NotExportable, and the mover sends the copy to cuda_to_pool instead.
+every client behind it. The mover exports the tensor's memory when it routes
+the save (``export``): memory that cannot be exported (expandable_segments)
+raises NotExportable there, and the save takes cuda_to_pool instead.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from stormd.wire.cuda import device_uuid
 from ..backend import Backend
 from ..errors import StormIntegrityError
 from ..gpu import DeviceStreams, IpcEvent, export, ipc_event
-from .base import Copy, CopyHandler, PutRequest, wait_reply
+from .base import Copy, CopyHandler, Landed, PutRequest, wait_reply
 
 
-class DaemonCopies(CopyHandler):
+class CudaByDaemon(CopyHandler):
     """CUDA tensors that stormd copies out of (and into) this process's memory. ``streams``: a device's
     streams (the destination of a get is allocated on its host-to-device stream); ``export`` and
-    ``ipc_event`` (client/gpu.py's, by default) name memory and make events for stormd;
+    ``ipc_event`` (storm/gpu.py's, by default) name memory and make events for stormd;
     ``uuid_of``: a device index's UUID."""
 
     def __init__(self, backend: Backend, worker: Executor, streams: Callable[[torch.device], DeviceStreams],
@@ -51,38 +52,38 @@ class DaemonCopies(CopyHandler):
             u = self._uuids[device.index] = u if u in self.backend.cuda_devices else None
         return u is not None
 
-    def stop_serving(self, device: torch.device) -> None:
-        """This process's memory of ``device`` cannot go through CUDA IPC: it copies it itself from now on."""
-        self._uuids[device.index] = None
+    def export(self, source: torch.UntypedStorage) -> tuple[bytes, int]:
+        """The IPC handle of the memory holding ``source`` and its offset in it; NotExportable where
+        CUDA IPC cannot name it."""
+        return self._export(source.data_ptr(), source.device.index)
 
-    def put(self, req: PutRequest, codec: str) -> Copy:
-        """stormd copies the storage out of this process's memory (the session holds it until then).
-        Frames are not for this path (``codec`` is raw): the mover copies them itself."""
+    def put(self, req: PutRequest) -> Copy:
+        """stormd copies the storage out of this process's memory, named by ``req.ipc`` (the session
+        holds it until then). Raw: frames are this process's to copy."""
         device = req.source.device
-        handle, offset = self._export(req.source.data_ptr(), device.index)
+        handle, offset = req.ipc
         done = self._ipc_event(device.index)
         fields = {"nbytes": req.source.nbytes(), "codec": "raw"}
         cuda = {"handle": handle, "offset": offset, "device": self._uuids[device.index], "ready": req.ready.wire,
                 "done": done.wire}
-        landed = Copy.landed(nbytes=fields["nbytes"], event=done, sealed=True)
+        landed = Landed(nbytes=fields["nbytes"], event=done)
         if not req.ready.query():
             # stormd's copy stream would wait on this process's event, and such waits held its copies back
             # (module docstring): the worker sends the PUT once the tensor is complete
-            return Copy(self.worker.submit(self._put_when_ready, req, fields, cuda, landed))
+            return Copy.on(self.worker, self._put_when_ready, req, fields, cuda, landed)
         reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta, cuda=cuda)
+        return Copy.from_reply(self.backend, "PUT", reply, lambda _: landed)  # stormd has queued the copy
 
-        def queued() -> Copy:
-            wait_reply(self.backend, "PUT", reply)  # raises what the store refused
-            return landed
-        return Copy(reply, finish=queued)
+    def settle(self, key: int, landed: Landed) -> None:
+        """Nothing: stormd seals what it copies, once its copy has finished."""
 
-    def _put_when_ready(self, req: PutRequest, fields: dict[str, Any], cuda: dict[str, Any], landed: Copy) -> Copy:
+    def _put_when_ready(self, req: PutRequest, fields: dict[str, Any], cuda: dict[str, Any], landed: Landed) -> Landed:
         req.ready.synchronize()  # the runtime lets go of the GIL while it waits
         wait_reply(self.backend, "PUT", self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta,
                                                              cuda=cuda))
         return landed  # stormd has queued the copy; its ``done`` event fires when it is over
 
-    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None, verify: bool = True) -> Copy:
+    def get(self, key: int, nbytes: int, device: torch.device, verify: bool = True) -> Copy:
         """stormd copies the stored bytes into a buffer this process allocated (after the put, which
         stormd's own streams ordered)."""
         buf, ready = self.streams(device).destination(nbytes)
@@ -94,10 +95,9 @@ class DaemonCopies(CopyHandler):
         # request before stormd waited on it, it could make stormd's copy wait for work that waits for this copy
         reply.add_done_callback(lambda _, held=ready: None)
 
-        def queued() -> Copy:
-            r = wait_reply(self.backend, "GET", reply)
+        def queued(r: dict[str, Any]) -> Landed:
             if r["nbytes"] != buf.numel() or r["codec"] != "raw":
                 raise StormIntegrityError(f"key {key}: store returned {r['nbytes']} bytes ({r['codec']}), "
                                           f"{buf.numel()} raw bytes were stored")
-            return Copy.landed(tensor=buf, event=done)
-        return Copy(reply, finish=queued)
+            return Landed(tensor=buf, event=done)
+        return Copy.from_reply(self.backend, "GET", reply, queued)

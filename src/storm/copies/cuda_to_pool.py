@@ -1,10 +1,12 @@
-"""A GPU <-> the pool, copied by this process on its own streams (client/gpu.py), raw or as a frame.
+"""A GPU <-> the pool, copied by this process on its own streams (storm/gpu.py), raw or as a frame.
 
 The path of the embedded store and of a daemon that does not copy this GPU's
 memory (or whose CUDA IPC this process's memory cannot go through), and of
 every frame. The PUT goes out at save time; the copy is queued on a
 per-device side stream (device to host, or host to device) behind an event,
 and the Copy holds the event that marks its end: nothing waits on the host.
+Once that event has fired, ``settle`` seals the key: the store must not hand
+out bytes this process is still copying in.
 The pool is page-locked (registered with CUDA) in this process so those
 copies run at link speed. CUDA copies are not checksummed: a host-side hash
 of every byte would cost more than the copy.
@@ -30,10 +32,10 @@ from stormd.wire.protocol import FRAME_CODEC
 from ..backend import Backend
 from ..gpu import DeviceStreams
 from ..replies import Resolved
-from .base import Copy, CopyHandler, PutRequest, fetched_fields, wait_reply
+from .base import Copy, CopyHandler, Landed, PutRequest, fetched_fields, log_failure, wait_reply
 
 
-class PoolCopies(CopyHandler):
+class CudaToPool(CopyHandler):
     """CUDA tensors copied into and out of the mapped pool by this process. ``streams``: the copy
     streams of a device (made on first use; the pool is page-locked then)."""
 
@@ -42,46 +44,49 @@ class PoolCopies(CopyHandler):
         self.worker = worker
         self.streams = streams
 
-    def put(self, req: PutRequest, codec: str) -> Copy:
+    def put(self, req: PutRequest) -> Copy:
         nbytes = req.source.nbytes()
-        framed = codec == FRAME_CODEC
+        framed = req.codec == FRAME_CODEC
         fields = ({"nbytes": frame_nbytes(nbytes // 2), "raw_nbytes": nbytes, "codec": FRAME_CODEC} if framed
                   else {"nbytes": nbytes, "codec": "raw"})
         reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta)
         streams = self.streams(req.source.device)
         return self._start(reply, self._put, req, reply, streams, fields["nbytes"] if framed else None)
 
-    def get(self, key: int, nbytes: int, device: torch.device, after: Any = None, verify: bool = True) -> Copy:
+    def get(self, key: int, nbytes: int, device: torch.device, verify: bool = True) -> Copy:
         reply = self.backend.request("GET", key=key)
-        return self._start(reply, self._get, key, nbytes, reply, self.streams(device), after)
+        return self._start(reply, self._get, key, nbytes, reply, self.streams(device))
 
-    def _start(self, reply: Future | Resolved, fn: Callable[..., Copy], *args: Any) -> Copy:
+    def settle(self, key: int, landed: Landed) -> None:
+        """The copy into ``key``'s extent has finished: the store may hand its bytes out now."""
+        self.backend.request("SEAL", key=key).add_done_callback(log_failure)
+
+    def _start(self, reply: Future | Resolved, fn: Callable[..., Landed], *args: Any) -> Copy:
         """Run ``fn`` on the worker; or here, when the reply is in (the embedded store answers at
         once): the copy only queues work on a stream, a hop to the worker would cost more than
         that, and its Python competes with the training thread for the GIL."""
         if not reply.done():
-            return Copy(self.worker.submit(fn, *args))
-        try:
-            return fn(*args)
-        except Exception as e:  # the worker's Future would carry it too
-            return Copy.failed(e)
+            return Copy.on(self.worker, fn, *args)
+        return Copy.now(fn, *args)
 
-    def _put(self, req: PutRequest, reply: Future | Resolved, streams: DeviceStreams, frame: int | None) -> Copy:
+    def _put(self, req: PutRequest, reply: Future | Resolved, streams: DeviceStreams, frame: int | None) -> Landed:
         """The copy into the extent the PUT reserved. ``frame``: the frame's size, for a put into a
-        frame. Sealed by the mover once the event has fired."""
+        frame. Sealed by ``settle`` once the event has fired."""
         offset = wait_reply(self.backend, "PUT", reply)["offset"]
         pool = self.backend.pool
         if frame is not None:
-            return Copy.landed(nbytes=frame, event=streams.to_host_frame(pool.address(offset, frame), req.source,
-                                                                        req.ready), frame=pool.view(offset, 16))
+            return Landed(nbytes=frame, event=streams.to_host_frame(pool.address(offset, frame), req.source, req.ready),
+                          frame=pool.view(offset, 16))
         nbytes = req.source.nbytes()
-        return Copy.landed(nbytes=nbytes, event=streams.to_host(pool.address(offset, nbytes), req.source, req.ready))
+        return Landed(nbytes=nbytes, event=streams.to_host(pool.address(offset, nbytes), req.source, req.ready))
 
-    def _get(self, key: int, nbytes: int, reply: Future | Resolved, streams: DeviceStreams, after: Any) -> Copy:
-        r = fetched_fields(self.backend, key, nbytes, reply)
+    def _get(self, key: int, nbytes: int, reply: Future | Resolved, streams: DeviceStreams) -> Landed:
+        """The copy out of the key's extent, which its put's copy has filled: the session fetches only
+        what it has let go of, once that copy's event fired."""
+        r = fetched_fields(self.backend, key, nbytes, wait_reply(self.backend, "GET", reply))
         src = self.backend.pool.address(r["offset"], r["nbytes"])
         if r["codec"] == FRAME_CODEC:
-            out, event = streams.to_device_frame(src, r["nbytes"], nbytes, after)
+            out, event = streams.to_device_frame(src, r["nbytes"], nbytes)
         else:
-            out, event = streams.to_device(src, nbytes, after)
-        return Copy.landed(tensor=out, event=event)
+            out, event = streams.to_device(src, nbytes)
+        return Landed(tensor=out, event=event)

@@ -14,7 +14,6 @@ accelerate), before it compiles: ``torch._inductor.config.custom_partitioner_fn 
 
 from __future__ import annotations
 
-
 from ..options import bytes_option, mode_option, pool_size_option, socket_option
 from ..policy import DEFAULT_MIN_BYTES
 from ..saved import DEFAULT_MAX_HELD_BYTES

@@ -1,4 +1,4 @@
-"""The three ops a graph rewritten by client/graph/rewrite.py calls, and what they do at run time.
+"""The three ops a graph rewritten by storm/graph/rewrite.py calls, and what they do at run time.
 
     token = storm::save(x, previous token, [released tokens])  # right after x is made: its copy into
                                                  # the store starts
@@ -27,8 +27,8 @@ from ..session import ClientSession, session_for
 ANY_SIZE = Policy(min_bytes=0)  # the rewrite chose the saves by size already
 
 
-class Saved:
-    """What a token carries."""
+class Carried:
+    """What a token carries: the session and step of the save, and what the save became."""
 
     __slots__ = ("session", "step", "held")
 
@@ -36,13 +36,13 @@ class Saved:
         self.session, self.step, self.held = session, step, held
 
 
-def token(saved: Saved) -> torch.Tensor:
+def token(saved: Carried) -> torch.Tensor:
     t = torch.empty(0, dtype=torch.uint8)
     t.storm_saved = saved
     return t
 
 
-def carried(t: torch.Tensor) -> Saved:
+def carried(t: torch.Tensor) -> Carried:
     saved = getattr(t, "storm_saved", None)
     if saved is None:
         raise StormError("a storm token lost what it carries: a tensor the compiled graph passes between storm's "
@@ -62,7 +62,7 @@ def save(x: torch.Tensor, previous: Optional[torch.Tensor], after: list[torch.Te
     else:
         p = carried(previous)
         session, step = p.session, p.step
-    return token(Saved(session, step, session.save(x, step, ANY_SIZE, compiled=True)))
+    return token(Carried(session, step, session.save(x, step, ANY_SIZE, compiled=True)))
 
 
 @save.register_fake
@@ -75,7 +75,7 @@ def released(saved: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x`` was saved as ``saved`` and forward is done with it: the graph may free or reuse its
     memory once this has run (session.let_go)."""
     s = carried(saved)
-    return token(Saved(s.session, s.step, s.session.let_go(s.held)))
+    return token(Carried(s.session, s.step, s.session.let_go(s.held)))
 
 
 @released.register_fake

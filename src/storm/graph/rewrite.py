@@ -1,5 +1,5 @@
 """Where a graph compiled as one piece offloads: the partitioner that puts storm's ops
-(client/graph/ops.py) into AOTAutograd's forward and backward graphs.
+(storm/graph/ops.py) into AOTAutograd's forward and backward graphs.
 
 torch's own partitioner (``min_cut_rematerialization_partition``) splits the joint graph first and
 chooses what forward saves; this pass then takes the saved tensors that are large enough and:

@@ -4,8 +4,9 @@
     trainer = lightning.pytorch.Trainer(..., callbacks=[StormCallback(budget=0.5)])
 
 ``setup`` (stage "fit") enables STORM on the LightningModule, its repeated blocks found inside
-it; ``teardown``, or ``on_exception`` for a fit that fails (it gets no teardown), disables it. A training step is marked by Lightning's batch hooks rather than
-by the module's forward: ``training_step`` often calls submodules (``self.model(x)``) and never
+it; ``teardown``, or ``on_exception`` for a fit that fails (it gets no teardown), disables it.
+A training step is marked by Lightning's batch hooks rather than by the module's forward:
+``training_step`` often calls submodules (``self.model(x)``) and never
 the LightningModule's own forward, and under a DDP strategy Lightning's wrapper calls
 ``training_step`` itself. So the step's context is entered at ``on_train_batch_start`` and
 exited at ``on_before_backward``, when the loss is computed (or at ``on_train_batch_end`` for a

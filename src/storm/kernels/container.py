@@ -140,7 +140,8 @@ class Encoded:
         require(all(s >= 0 for s in shape), f"negative dimension in shape {shape}")
         require(sum(_pad8(n) for _, n in layout) == plen and all(n >= 0 for _, n in layout),
                 "buffer sizes in the header do not add up to the payload length")
-        payload = torch.frombuffer(bytearray(body[hlen:]), dtype=torch.uint8) if plen else torch.empty(0, dtype=torch.uint8)
+        payload = (torch.frombuffer(bytearray(body[hlen:]), dtype=torch.uint8) if plen
+                   else torch.empty(0, dtype=torch.uint8))
         buffers, off = {}, 0
         for k, n in layout:
             buffers[k] = payload[off:off + n]

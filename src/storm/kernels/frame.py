@@ -33,9 +33,23 @@ import torch
 
 from .bitpack import pack_bits, unpack_bits
 from .container import require
+
 # the layout's names are part of this module's API (storm.kernels.frame.frame_nbytes, ...)
-from .frame_layout import (HEADER, MAGIC, PREFIX, SAMPLE, SMALL_TILES, TABLE, TILE, Layout, complete, escape_slots,
-                           frame_nbytes, header, layout)
+from .frame_layout import (
+    HEADER,
+    MAGIC,
+    PREFIX,
+    SAMPLE,
+    SMALL_TILES,
+    TABLE,
+    TILE,
+    Layout,
+    complete,
+    escape_slots,
+    frame_nbytes,
+    header,
+    layout,
+)
 from .gpu import use_triton
 
 

@@ -188,8 +188,8 @@ def encode(sym: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.
         from .gpu.huffman import encode_lanes, programs
         from .gpu.huffman_code import host_code
         flags = torch.zeros(1 + programs(lanes), dtype=torch.int64, device=dev)
-        out = encode_lanes(sym.reshape(-1), 1, device_tables(lengths.tobytes(), dev)[0], host_code(lengths, pad_sym, dev),
-                           flags, lanes, steps, PAD_WORDS, MAX_LEN)
+        out = encode_lanes(sym.reshape(-1), 1, device_tables(lengths.tobytes(), dev)[0],
+                           host_code(lengths, pad_sym, dev), flags, lanes, steps, PAD_WORDS, MAX_LEN)
         return None if out is None else out[:2]
     len_t = torch.from_numpy(lengths.astype(np.int64)).to(dev)
     s = torch.full((steps * lanes,), pad_sym, dtype=torch.int64, device=dev)

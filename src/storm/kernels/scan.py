@@ -2,8 +2,8 @@
 
 ``associative_scan`` returns what ``torch.cumsum`` returns (same dtype
 promotion: integer and bool inputs give int64, or the ``dtype`` asked for, as
-torch.cumsum's ``dtype``; integers bit-identical), forward or reversed along a dim. On CUDA with Triton it runs ``kernels.gpu.scan``
-(one pass with decoupled look-back; three for 64-bit inputs); elsewhere it is
+torch.cumsum's ``dtype``; integers bit-identical), forward or reversed along a dim. On CUDA with
+Triton it runs ``kernels.gpu.scan`` (one pass with decoupled look-back; three for 64-bit inputs); elsewhere it is
 ``torch.cumsum``.
 
 Float summation order and the error bound we test: on the CPU, left to right

@@ -16,14 +16,23 @@ from torch import nn
 
 from stormd.wire.sizes import parse_size
 
+from ..compiled import compiled
 from ..hooks import Offload, parse_budget
 from . import explain as explaining
-from .measure import (HOST_CHECK_STEP, HOST_CHECK_TOLERANCE, MAX_CHECKS, CudaPeakMemory, PeakMemory, dearer_packs,
-                      frames_of, packs_ms_per_tensor, widened_margin)
+from .measure import (
+    HOST_CHECK_STEP,
+    HOST_CHECK_TOLERANCE,
+    MAX_CHECKS,
+    CudaPeakMemory,
+    PeakMemory,
+    dearer_packs,
+    frames_of,
+    packs_ms_per_tensor,
+    widened_margin,
+)
 from .model import Plan, Trace, choose, moments, predicted_peak
 from .trace import ComputeTrace, Frames, OffloadTrace
 from .trial import Clock, Trial
-from ..compiled import compiled
 from .wiring import BlockHooks, device_of
 
 log = logging.getLogger("storm")

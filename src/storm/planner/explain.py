@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ..transfer import FRAME_MIN_BYTES
+from ..mover import FRAME_MIN_BYTES
 from .model import Offloading, Plan, Trace, after_kept, fetched_inputs
 from .trial import Trial
 

@@ -13,8 +13,8 @@ import torch
 
 from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
 
+from ..mover import FRAME_MIN_BYTES, frameable
 from ..stats import OffloadStats
-from ..transfer import FRAME_MIN_BYTES, frameable
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -110,7 +110,7 @@ def link_bandwidth(device: torch.device, nbytes: int = 256 * MiB) -> tuple[float
 
 def frames_of(saves: Iterable[Any]) -> tuple[int, int, int]:
     """Of these offloaded storages (session.Stored: device, dtype, nbytes), how many a frame codec
-    puts in frames (transfer.frameable, as the mover decides), their bytes, and their frames' bytes."""
+    puts in frames (mover.frameable, as the mover decides), their bytes, and their frames' bytes."""
     framed = [s.nbytes for s in saves if frameable(s.device.type, str(s.dtype).removeprefix("torch."), s.nbytes)]
     return len(framed), sum(framed), sum(frame_nbytes(b // 2) for b in framed)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..transfer import FRAME_CODECS
+from ..mover import FRAME_CODECS
 
 GiB = 1 << 30
 

@@ -21,18 +21,23 @@ import torch
 from .pool import SharedPool
 from .protocol import IPC_HANDLE_BYTES
 
-_rt: Any = None
-_drv: Any = None
+# cuda.bindings' runtime and driver modules, once bindings() has run: the one handle on them that
+# storm.gpu and stormd/copier.py share. Their hot paths read ``binding.rt`` (an attribute, no call);
+# each runs bindings() first where nothing before it has (a first CUDA copy, the copier's start).
+rt: Any = None
+drv: Any = None
 _register_lock = threading.Lock()
 
 
 def bindings() -> tuple[Any, Any]:
-    """cuda.bindings' runtime and driver modules (CUDA builds of torch bring them; CPU builds do not)."""
-    global _rt, _drv
-    if _rt is None:
-        from cuda.bindings import driver, runtime
-        _rt, _drv = runtime, driver
-    return _rt, _drv
+    """cuda.bindings' runtime and driver modules (CUDA builds of torch bring them; CPU builds do not),
+    imported on first use and kept in ``rt`` and ``drv``."""
+    global rt, drv
+    if rt is None:
+        from cuda.bindings import driver as _driver
+        from cuda.bindings import runtime as _runtime
+        rt, drv = _runtime, _driver
+    return rt, drv
 
 
 class CudaError(RuntimeError):
@@ -50,8 +55,8 @@ def check(err: Any, what: str, error: type[Exception] = CudaError) -> None:
 def fired(event: Any) -> bool:
     """Whether the work before the event's last record has run (an event never recorded has);
     never blocks."""
-    err = _rt.cudaEventQuery(event)[0]
-    if err == _rt.cudaError_t.cudaErrorNotReady:
+    err = rt.cudaEventQuery(event)[0]
+    if err == rt.cudaError_t.cudaErrorNotReady:
         return False
     check(err, "cudaEventQuery")
     return True
@@ -97,9 +102,9 @@ def grow_pool(pool: SharedPool, size: int) -> None:
 
 
 def _register(pool: SharedPool, offset: int, nbytes: int) -> None:
-    rt, _ = bindings()
+    runtime, _ = bindings()
     base = pool.address(0, 0)  # the start of the mapping, which reaches past pool.size when it may grow
-    err = rt.cudaHostRegister(base + offset, nbytes, rt.cudaHostRegisterPortable)[0]
+    err = runtime.cudaHostRegister(base + offset, nbytes, runtime.cudaHostRegisterPortable)[0]
     if int(err) != 0:
         raise CudaError(f"cudaHostRegister of {nbytes} bytes of the pool failed with CUDA error {int(err)}; "
                         f"check RLIMIT_MEMLOCK (ulimit -l) and free memory")

@@ -16,7 +16,7 @@ from ``$STORM_CURVE_SECRET_KEY`` and the server's public file from
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import Literal, Mapping, overload
 
 import zmq
 import zmq.auth
@@ -27,6 +27,12 @@ SERVER_PUBLIC_ENV = "STORM_CURVE_SERVER_KEY"
 
 class CurveKeyError(RuntimeError):
     """A CURVE key file is missing or unreadable; the message names the setting."""
+
+
+@overload
+def load_key(path: str, setting: str, need_secret: Literal[True]) -> tuple[bytes, bytes]: ...
+@overload
+def load_key(path: str, setting: str, need_secret: bool) -> tuple[bytes, bytes | None]: ...
 
 
 def load_key(path: str, setting: str, need_secret: bool) -> tuple[bytes, bytes | None]:

@@ -32,10 +32,11 @@ def runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
 ACCEPTED = "a path, ipc://PATH or tcp://127.0.0.1:PORT"
 
 
-def normalize_endpoint(value: str | os.PathLike | None, environ: Mapping[str, str] | None = None) -> str:
+def normalize_endpoint(value: object, environ: Mapping[str, str] | None = None) -> str:
     """The ZeroMQ endpoint of a socket given as a path, ipc://PATH or tcp://LOOPBACK:PORT; for None
     (not given) $STORMD_SOCKET, read the same way, else the runtime directory's socket. stormd, the
-    client and stormctl all find the socket here, so what one accepts the others do."""
+    client and stormctl all find the socket here, so what one accepts the others do. ``value`` may be
+    anything a user gave (a str, a path, None): anything else is a ValueError."""
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if value is not None and not isinstance(value, str):

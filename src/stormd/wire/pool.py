@@ -161,7 +161,7 @@ class SharedPool:
             self._held = None
 
 
-# stormd-UID-PID-HEX: what create names a segment; clients accept no other pool (client/trust.py)
+# stormd-UID-PID-HEX: what create names a segment; clients accept no other pool (storm/trust.py)
 SEGMENT_NAME = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-(\d+)-[0-9a-f]+$")
 
 

@@ -13,9 +13,11 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: object) -> int:
     """'8GiB', '512MiB', '1.5GB', '4096', 4096 -> bytes. A size is a whole number of bytes >= 0:
-    anything else (-1, '1.5', 1.5, True) is a ValueError rather than a size rounded into range."""
+    anything else (-1, '1.5', 1.5, True) is a ValueError rather than a size rounded into range.
+    ``text`` is typed ``object`` since that check is the point: options and settings pass what a
+    user gave, unchecked."""
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise ValueError(f"size {text} is negative")

@@ -55,7 +55,8 @@ def decode(e: Encoded) -> torch.Tensor:
     is_esc = codes == entries - 1
     require(bool((codes[~is_esc] < dict_len).all()) if n else True, "ancf: code beyond the dictionary")
     require(int(is_esc.sum()) == esc, "ancf: escape codes and escape list disagree")
-    out = table[codes.clamp(max=max(dict_len - 1, 0))] if dict_len else torch.zeros(n, dtype=torch.int64, device=codes.device)
+    out = (table[codes.clamp(max=max(dict_len - 1, 0))] if dict_len
+           else torch.zeros(n, dtype=torch.int64, device=codes.device))
     out[pos] = vals
     require(bool(is_esc[pos].all()) if esc else True, "ancf: escape position on a non-escape code")
     return keys_to_tensor(out, e.dtype, e.shape)

@@ -40,7 +40,8 @@ def encode(t: torch.Tensor) -> tuple[Meta, Buffers]:
         raise CodecNotApplicable("pack: more than 4 distinct values")
     width = 1 if table.numel() <= 2 else 2
     codes = torch.searchsorted(table, v) if table.numel() > 1 else torch.zeros_like(v, dtype=torch.int64)
-    return {"width": width, "table_len": int(table.numel())}, {"table": as_bytes(table), "codes": pack_bits(codes, width)}
+    meta = {"width": width, "table_len": int(table.numel())}
+    return meta, {"table": as_bytes(table), "codes": pack_bits(codes, width)}
 
 
 def decode(e: Encoded) -> torch.Tensor:

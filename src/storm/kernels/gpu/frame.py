@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..frame_layout import HEADER, PREFIX, TABLE, TILE as FRAME_TILE
+from ..frame_layout import HEADER, PREFIX, TABLE
+from ..frame_layout import TILE as FRAME_TILE
 from . import cdiv
 from .launch import Launcher
 from .rest import AtRest

@@ -93,7 +93,8 @@ def _merge(sym_ptr, raw_ptr, out_ptr, n, W: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def merge(sym: torch.Tensor, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Symbols and raw field bytes (layout of kernels.gpu.fields) joined: a flat tensor of ``dtype`` (bf16/int16/fp32)."""
+    """Symbols and raw field bytes (layout of kernels.gpu.fields) joined: a flat tensor of ``dtype``
+    (bf16/int16/fp32)."""
     n = sym.numel()
     w = dtype.itemsize
     out = torch.empty(n, dtype=torch.int16 if w == 2 else torch.int32, device=sym.device)
@@ -129,7 +130,8 @@ def _store_raw(raw_ptr, base, full, live, n, r0, r1, r2, r3, W: tl.constexpr, PL
         v3 = (r3 >> sh) & 0xFF
         at = raw_ptr + p * n + base
         if PLANES4:
-            tl.store(at.to(tl.pointer_type(tl.int32), bitcast=True), v0 | (v1 << 8) | (v2 << 16) | (v3 << 24), mask=full)
+            tl.store(at.to(tl.pointer_type(tl.int32), bitcast=True), v0 | (v1 << 8) | (v2 << 16) | (v3 << 24),
+                     mask=full)
             one = live & ~full
         else:
             one = live
@@ -274,7 +276,8 @@ def _emit2(words_ptr, buf, nb, wp, first, head, e0, e1, live):
 def _encode_group(x_ptr, table_ptr, words_ptr, q, lanes, c, live, n, pad, buf, nb, wp, first, head, W: tl.constexpr,
                   FULL: tl.constexpr):
     s0, s1, s2, s3 = _group_syms(x_ptr, x_ptr, q, lanes, c, live, n, pad, W, False, False, FULL)
-    buf, nb, wp, head = _emit2(words_ptr, buf, nb, wp, first, head, table_entry(table_ptr, s0), table_entry(table_ptr, s1), live)
+    buf, nb, wp, head = _emit2(words_ptr, buf, nb, wp, first, head, table_entry(table_ptr, s0),
+                               table_entry(table_ptr, s1), live)
     return _emit2(words_ptr, buf, nb, wp, first, head, table_entry(table_ptr, s2), table_entry(table_ptr, s3), live)
 
 

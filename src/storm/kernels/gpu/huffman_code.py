@@ -135,7 +135,8 @@ def _build_code(hist_ptr, force_ptr, out_ptr, table_ptr, scratch_ptr, MARGIN: tl
             i = deepest - ii2
             left = _at(bits, i, r)
             while left > 0:  # two leaves of depth i at a time; nothing below touches bits[i]
-                j = tl.max(tl.where((r <= i - 2) & (bits != 0), r, -1), axis=0)  # the deepest level above i - 1 with leaves
+                # the deepest level above i - 1 with leaves
+                j = tl.max(tl.where((r <= i - 2) & (bits != 0), r, -1), axis=0)
                 bits += tl.where(r == i, -2, 0) + tl.where(r == i - 1, 1, 0) + tl.where(r == j + 1, 2, 0) \
                     + tl.where(r == j, -1, 0)
                 left -= 2

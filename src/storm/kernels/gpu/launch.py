@@ -2,8 +2,9 @@
 
 A launch through ``kernel[grid](...)`` binds and specializes every argument, builds the
 cache key and checks the kernel's globals before it launches: far more host time than the
-same launch through the compiled kernel's launcher (docs/results.md has both, measured). A codec's call is a few launches, and at its start the device waits for
-each, so the codecs' kernels are wrapped in ``Launcher``, which saves part of it: its first
+same launch through the compiled kernel's launcher (docs/results.md has both, measured). A
+codec's call is a few launches, and at its start the device waits for each, so the codecs'
+kernels are wrapped in ``Launcher``, which saves part of it: its first
 launch of each specialization goes through the JIT, which compiles or finds the kernel and
 returns it; later ones go to that compiled kernel, found again by what the JIT specializes
 on (``_spec``: each tensor's dtype and 16-byte alignment, each integer's width and whether

@@ -133,7 +133,8 @@ def scan_lastdim(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch
     or ``out_dtype`` (int32 or int64 for integer and bool inputs)."""
     if out_dtype is None:
         out_dtype = torch.int64 if (x.dtype == torch.bool or not x.dtype.is_floating_point) else x.dtype
-    acc_t = {torch.int64: torch.int64, torch.float64: torch.float64, torch.int32: torch.int32}.get(out_dtype, torch.float32)
+    acc_t = {torch.int64: torch.int64, torch.float64: torch.float64,
+             torch.int32: torch.int32}.get(out_dtype, torch.float32)
     acc = {torch.int64: tl.int64, torch.float64: tl.float64, torch.float32: tl.float32, torch.int32: tl.int32}[acc_t]
     word32 = acc_t in (torch.float32, torch.int32)
     src = x.view(torch.uint8) if x.dtype == torch.bool else x
