@@ -226,3 +226,11 @@ def test_a_client_timeout_too_short_for_the_clients_heartbeats_is_warned_about(t
     (short,) = setting_warnings(parse("--client-timeout", "0.2"))
     assert "client_timeout 0.2 s" in short and f"at least {3 * CLIENT_HEARTBEAT:g}" in short
     assert setting_warnings(parse()) == []
+
+
+def test_every_stormd_option_says_what_it_does_and_its_default():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    vague = [a.dest for a in p._actions
+             if a.dest not in ("help", "config", "print_config") and not (a.help and "default" in a.help)]
+    assert not vague, f"stormd --help gives these no default: {vague}"

@@ -10,6 +10,7 @@ it is read, so an error names the key, where it came from and what is allowed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import ipaddress
 import json
@@ -336,11 +337,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{', '.join(str(x) for x in default_config_paths())} that exists)")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML and exit")
     for s in SETTINGS:
-        text = f"{s.help} (env {s.env})".replace("%", "%%")  # argparse %-formats help ("saves at least 5%")
+        default = _default_text(s)
+        text = f"{s.help} ({default}env {s.env})".replace("%", "%%")  # argparse %-formats help ("saves 5%")
         if isinstance(s.kind, _Flag):
             p.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             p.add_argument(s.flag, dest=s.name, default=None, metavar=s.name.upper(), help=text)
+
+
+def _default_text(s: "Setting") -> str:
+    """'default VALUE; ' for --help, as the TOML file would spell it; '' for a setting whose default
+    is worked out at start (the socket: its help says how)."""
+    f = next(f for f in dataclasses.fields(DaemonConfig) if f.name == s.name)
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return ""
+    shown = "none" if value in (None, "", {}, []) else s.kind.to_toml(value).strip('"')
+    return f"default {shown}; "
 
 
 def load(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> DaemonConfig:

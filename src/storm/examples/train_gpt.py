@@ -29,7 +29,7 @@ from storm.examples.models import GPT, same_bits
 from storm.hooks import parse_budget
 from storm.report import BACKWARD, FORWARD, memory_timeline, plot_memory, progress
 from storm.saved import DEFAULT_MAX_HELD_BYTES
-from stormd.wire.sizes import parse_size
+from stormd.wire.sizes import format_size, parse_size
 
 
 def corpus(device: torch.device) -> torch.Tensor:
@@ -149,27 +149,32 @@ def device(text: str) -> torch.device:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=positive, default=20)
-    p.add_argument("--batch", type=positive, default=8)
-    p.add_argument("--seq", type=positive, default=128)
-    p.add_argument("--layers", type=positive, default=4)
-    p.add_argument("--d-model", type=positive, default=128, help="a multiple of --heads")
-    p.add_argument("--heads", type=positive, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--mode", default="auto", choices=["auto", "daemon", "embedded"])
-    p.add_argument("--socket", default=None, help="stormd socket (default: $STORMD_SOCKET or the runtime dir)")
-    p.add_argument("--min-bytes", type=size, default=64 << 10,
-                   help="smaller saved tensors stay on the device (bytes or a size such as 64KiB; default 64KiB)")
-    p.add_argument("--max-held-bytes", type=size, default=DEFAULT_MAX_HELD_BYTES,
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=positive, default=20, help="training steps")
+    p.add_argument("--batch", type=positive, default=8, help="sequences a step")
+    p.add_argument("--seq", type=positive, default=128, help="tokens a sequence")
+    p.add_argument("--layers", type=positive, default=4, help="transformer blocks")
+    p.add_argument("--d-model", type=positive, default=128, help="model width, a multiple of --heads")
+    p.add_argument("--heads", type=positive, default=4, help="attention heads")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (SGD)")
+    p.add_argument("--mode", default="auto", choices=["auto", "daemon", "embedded"],
+                   help="auto: a running stormd, else the embedded store; daemon: fail without one")
+    p.add_argument("--socket", default=None,
+                   help="stormd socket (None: $STORMD_SOCKET, else the per-user runtime directory, which must "
+                        "be yours and 0700)")
+    p.add_argument("--min-bytes", type=size, default="64KiB",
+                   help="smaller saved tensors stay on the device (bytes or a size such as 64KiB)")
+    p.add_argument("--max-held-bytes", type=size, default=format_size(DEFAULT_MAX_HELD_BYTES),
                    help="bytes whose copy may still be running before a save waits (a size such as 64MiB; "
                         "0: every save waits)")
-    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where to train: cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's weights and data")
     p.add_argument("--no-check", action="store_true", help="skip the bit-exact first-step comparison")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="draw memory over one step without and with STORM (needs matplotlib: "
-                        "pip install 'storm-offload[plot]')")
+                        "pip install matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines and no progress bar")
     p.add_argument("--plan", metavar="BUDGET", default=None, type=plan_budget,
                    help="train with storm.plan: the GPU memory saved activations may take, a size (e.g. 64MiB) "
@@ -178,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after training
-        p.error("--plot draws with matplotlib, which is not installed: pip install 'storm-offload[plot]' "
-                "(or pip install matplotlib)")
+        p.error("--plot draws with matplotlib, which is not installed: pip install matplotlib "
+                "(from a checkout of STORM: pip install '.[plot]')")
     if args.plot and not Path(args.plot).absolute().parent.is_dir():  # say so now, not after training
         p.error(f"--plot {args.plot}: there is no directory {Path(args.plot).absolute().parent}")
     if args.device.type == "cuda" and not torch.cuda.is_available():
