@@ -25,7 +25,9 @@ from conftest import start_daemon, stop_daemon
 from helpers import RawClient, put_fields
 from stormd.server import reap_interval
 
-CLIENT_TIMEOUT = 0.4
+# A victim must not be ended for silence while it runs: on a loaded 2-core machine a process can be
+# held back for most of a second (0.4 s ended a victim between its HELLO and its first request).
+CLIENT_TIMEOUT = 2.0
 ITERATIONS = 50
 # A killed client's session must be gone within its timeout plus one reaper period, plus scheduling
 # slack (the daemon, this test, the victim and the next one starting), in the median of the kills:

@@ -178,7 +178,11 @@ class Handle:
             storage, self.storage_offset, self.shape, self.strides)
 
     def __del__(self) -> None:
-        self._dropped.append(self.stored)  # deque.append is atomic: safe from any thread
+        # Only a Handle the session made is counted in its Stored's refs. Dynamo, tracing a pack hook
+        # inside a compiled region, makes Handles with object.__new__ and drops them unfinished.
+        dropped = getattr(self, "_dropped", None)
+        if dropped is not None:
+            dropped.append(self.stored)  # deque.append is atomic: safe from any thread
 
 
 class Kept:
