@@ -8,8 +8,9 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from storm.copies.base import Copy
+from storm.copies.base import Copy, Landed
 from storm.prefetch import Prefetcher
+from storm.replies import Resolved
 from storm.saved import Marker, State, Step, StepOptions, Stored
 
 KIB = 1024
@@ -28,7 +29,7 @@ def step_of(states: list[str], nbytes: int = 4 * KIB, window: int = 0) -> Step:
 
 def prefetcher(restored: dict | None = None) -> tuple[Prefetcher, list[int]]:
     fetched: list[int] = []
-    return Prefetcher(lambda s: fetched.append(s.key) or Copy.landed(), restored or {}), fetched
+    return Prefetcher(lambda s: fetched.append(s.key) or Copy(Resolved(Landed())), restored or {}), fetched
 
 
 def test_backward_fetches_the_saves_before_it_newest_first_within_the_window_once_it_is_open():

@@ -88,20 +88,12 @@ class Copy:
         self._late = late  # a reply-borne result: what did not answer, for the timeout's error
 
     @classmethod
-    def landed(cls, **fields: Any) -> "Copy":
-        return cls(Resolved(Landed(**fields)))
-
-    @classmethod
-    def failed(cls, error: BaseException) -> "Copy":
-        return cls(Resolved(error=detached(error)))
-
-    @classmethod
     def now(cls, fn: Callable[..., Landed], *args: Any) -> "Copy":
         """``fn(*args)`` run here: landed with its result, or failed with what it raised."""
         try:
             return cls(Resolved(fn(*args)))
         except Exception as e:  # held, as a Future holds it
-            return cls.failed(e)
+            return cls(Resolved(error=detached(e)))
 
     @classmethod
     def on(cls, worker: Executor, fn: Callable[..., Landed], *args: Any, cancellable: bool = False) -> "Copy":
