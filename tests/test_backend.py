@@ -110,3 +110,10 @@ def test_auto_uses_a_running_daemon(daemon, monkeypatch):
     with storm.offload(min_bytes=0) as ctx:
         nn.Linear(8, 8)(torch.randn(4, 8)).sum().backward()
     assert ctx.backend_name.startswith("stormd at " + daemon.endpoint)
+
+
+def test_stats_names_the_store_it_reports(daemon, env_without_socket):
+    """Issue 53, item 4: which store storm.stats() counts for, a daemon or the embedded store."""
+    assert storm.stats(socket=daemon.endpoint)["store"].startswith(f"stormd at {daemon.endpoint} (session ")
+    store = storm.stats()["store"]  # no daemon at $STORMD_SOCKET
+    assert store.startswith("embedded store (") and "pool" in store and "in place of" not in store, store

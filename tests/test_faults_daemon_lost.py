@@ -5,6 +5,10 @@ queued or makes later fails at once with StormUnavailable. Before, requests
 still queued for the socket were never failed: the mover's worker waited
 REQUEST_TIMEOUT (30 s) for each of the hundreds queued behind it, and exit
 joined that worker, so a script that caught the error lived on for minutes.
+
+Issue 53, item 4: that error says how the daemon stopped (drained on SIGTERM,
+or killed) and since when, not that its socket is gone (tests/test_daemon_loss.py
+stops it in the middle of a step).
 """
 
 from __future__ import annotations
@@ -83,7 +87,12 @@ def test_a_trainer_that_loses_its_daemon_exits_within_seconds(tmp_path, sig):
             pytest.fail(f"the trainer was still running {EXIT_BOUND} s after the daemon exited ({sig.name}): "
                         f"{log.read_text()[-2000:]}")
         assert trainer.returncode == 0, log.read_text()[-2000:]
-        assert "lost the daemon after" in log.read_text()
+        said = log.read_text().split("lost the daemon after", 1)[-1]
+        assert said != log.read_text(), log.read_text()[-2000:]
+        how = "it began draining at " if sig == signal.SIGTERM else "did not answer for 5 s after that: it was killed"
+        assert f"stormd at {d.endpoint} stopped: " in said and how in said and " s ago)" in said, said
+        assert "on SIGTERM" in said if sig == signal.SIGTERM else "it last answered at " in said, said
+        assert "no stormd socket" not in said and "left over" not in said, said
         assert time.monotonic() - lost < EXIT_BOUND
         assert d.proc.returncode == (0 if sig == signal.SIGTERM else -signal.SIGKILL), d.output()
     finally:

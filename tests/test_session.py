@@ -10,19 +10,21 @@ import torch
 
 import storm
 import storm.session as session_mod
+from storm.embedded import EmbeddedStore
+from storm.policy import Policy
 
 
 def test_threads_that_begin_together_share_one_session(monkeypatch):
-    """Two sessions over one store session would number their keys alike (DUPLICATE_KEY) and each
-    start a Mover; the first construction is held open so that, unguarded, every thread builds one."""
+    """Each session starts a Mover (a worker thread) of its own: the first construction is held open
+    so that, unguarded, every thread builds one."""
     built = []
     real = session_mod.ClientSession
 
     class Slow(real):
-        def __init__(self, backend):
+        def __init__(self, backend, **options):
             built.append(self)
             time.sleep(0.5)  # the others reach session_for meanwhile
-            super().__init__(backend)
+            super().__init__(backend, **options)
 
     monkeypatch.setattr(session_mod, "ClientSession", Slow)
     monkeypatch.setattr(session_mod, "_sessions", {})
@@ -63,3 +65,58 @@ def test_close_all_before_backward_is_storm_unavailable_saying_what_happened():
         loss = x.exp().sum()
     loss.backward()
     assert ctx.stats.offloaded == 1
+
+
+def lose(store) -> None:
+    """``store`` stands in for a daemon's connection that has just found its daemon killed."""
+    from storm.errors import KILLED, DaemonLoss  # here: what the tests before need not
+
+    store.loss = DaemonLoss("ipc:///run/stormd.sock", KILLED, time.time(), "5 s")
+
+
+def test_saves_after_the_store_is_lost_go_to_the_store_in_its_place_the_held_ones_too():
+    """In the step that finds its store lost: the save still held for it is stored again in the store
+    in its place, as is every save after; each key is fetched from the store that holds it."""
+    first, second = EmbeddedStore(4 << 20), EmbeddedStore(4 << 20)
+    session = session_mod.ClientSession(first, reopen=lambda: second)
+    x = torch.randn(64, 64, requires_grad=True)
+    x.exp().tanh().sum().backward()
+    want, x.grad = x.grad, None
+    try:
+        step = session.new_step()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: session.save(t, step, Policy(0)), session.load):
+            h = x.exp()  # its put is held until a poll sees it landed: none comes before the loss
+            lose(first)
+            y = h.tanh().sum()
+        session.end_step(step)
+        session.synchronize()  # every put landed: backward takes none from its tensor
+        y.backward()
+        assert torch.equal(x.grad, want)
+        assert step.stats.offloaded == 2 and not step.stats.kept, step.stats
+        assert session.backend is second and first.service.store.session_stats(first.session)["keys"] == 0
+        assert second.service.store.session_stats(second.session)["puts"] == 2
+    finally:
+        session.close()
+        first.close()
+        second.close()
+
+
+def test_a_tensor_the_lost_daemon_held_fails_with_its_loss_once_its_store_is_let_go():
+    first, second = EmbeddedStore(4 << 20), EmbeddedStore(4 << 20)
+    session = session_mod.ClientSession(first, reopen=lambda: second)
+    x = torch.randn(64, 64, requires_grad=True)
+    try:
+        step = session.new_step()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: session.save(t, step, Policy(0)), session.load):
+            y = x.exp().sum()
+        session.end_step(step)
+        session.synchronize()  # released: its bytes are first's alone now
+        lose(first)
+        first.alive = False  # its connection closed: the next step lets it go, pool and all
+        session.use(second)  # as session_for does, open_backend having given it in first's place
+        session.new_step()
+        with pytest.raises(storm.StormUnavailable, match="stormd at ipc:///run/stormd.sock stopped: it last answered"):
+            y.backward()
+    finally:
+        session.close()
+        second.close()

@@ -46,11 +46,13 @@ def partitioner(**options: Any) -> Any:
 
 
 def stats(mode: str = "auto", socket: str | None = None) -> dict[str, Any]:
-    """The store's counters for this process's session and for the whole node (pool, clients, errors)."""
+    """The store's counters for this process's session and for the whole node (pool, clients, errors),
+    and which store that is (``store``: "stormd at ...", or "embedded store (...)", which says the
+    daemon it took the place of when one stopped)."""
     session = session_for(mode, socket, None)
     session.synchronize()
     reply = session.mover.request("STATS").result(timeout=10)
-    return {"session": reply["session"], "node": reply["node"]}
+    return {"store": session.describe(), "session": reply["session"], "node": reply["node"]}
 
 
 __all__ = ["offload", "Offload", "plan", "Planner", "enable", "Enabled", "partitioner", "OffloadStats", "Keep", "stats",

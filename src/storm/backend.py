@@ -4,6 +4,14 @@ Two implementations: ``DaemonConnection`` (stormd over ZeroMQ) and
 ``EmbeddedStore`` (the same Service, in this process). ``open_backend``
 chooses between them for ``mode='auto' | 'daemon' | 'embedded'`` and holds
 one per process and endpoint, so every step reuses its session and pool.
+
+A daemon that stopped serving this process (its connection's ``loss``) is let
+go of here, and its loss kept for the endpoint until a daemon answers there
+again: ``mode='daemon'`` raises it (StormDaemonLost: drained, killed,
+restarted, since when), ``mode='auto'`` says it once at WARNING and goes on
+with the embedded store. The connection itself is the session's that used it
+to close (storm/session.py): a draining daemon still hands back what that
+session stored in it.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from typing import Any, Protocol
 from stormd.wire.endpoint import ipc_path, socket_is_live
 from stormd.wire.pool import SharedPool
 
-from .errors import StormNoDaemon, StormUnavailable
+from .errors import DaemonLoss, StormNoDaemon, StormUnavailable, StormUntrusted
 from .options import mode_option, pool_size_option, socket_option
 from .replies import Resolved
 from .trust import open_checked_socket
@@ -27,7 +35,9 @@ log = logging.getLogger("storm")
 class Backend(Protocol):
     pool: SharedPool
     name: str
-    alive: bool  # False once a daemon connection has lost its daemon
+    store: str   # the store in words, for storm.stats()
+    alive: bool  # False once a daemon connection has closed (it lost its daemon, or was closed)
+    loss: DaemonLoss | None  # how and since when its daemon stopped serving this process: it takes no new tensors
     codec: str   # how the store asks for tensors to be encoded (HELLO; CUDA: frames or raw)
     cuda_devices: frozenset[str]  # UUIDs of the GPUs whose memory the store copies itself (CUDA IPC)
 
@@ -39,7 +49,8 @@ class Backend(Protocol):
 
 _lock = threading.Lock()
 _backends: dict[tuple, Backend] = {}
-_announced: set[str] = set()
+_losses: dict[str, DaemonLoss] = {}  # endpoint -> how its daemon stopped, until one answers there again
+_announced: set[object] = set()
 
 
 def open_backend(mode: str, socket: str | None = None, pool_size: str | int | None = None) -> Backend:
@@ -50,30 +61,48 @@ def open_backend(mode: str, socket: str | None = None, pool_size: str | int | No
     with _lock:
         if mode in ("auto", "daemon"):
             b = _backends.get(("daemon", endpoint))
-            if b is not None and b.alive:
+            if b is not None and b.alive and b.loss is None:
                 return b
-            if b is not None:  # the daemon went away: try it afresh (it may have been restarted)
+            if b is not None:  # its daemon stopped: try afresh (it may have been restarted)
                 del _backends[("daemon", endpoint)]
-                b.close()
+                if b.loss is not None:
+                    _losses[endpoint] = b.loss
+            loss = _losses.pop(endpoint, None)
             try:
                 b = _connect(endpoint)
-                _backends[("daemon", endpoint)] = b
-                _announce(f"storm: offloading through {b.name}")
-                return b
             except StormUnavailable as e:
+                if loss is None or isinstance(e, StormUntrusted):
+                    if mode == "daemon":
+                        raise
+                    # quiet only when no daemon is there: one that answered and cannot be used (its pool
+                    # cannot be mapped, it refused the session, it is not trusted) is worth a warning
+                    level = logging.INFO if isinstance(e, StormNoDaemon) else logging.WARNING
+                    return _embedded(size, str(e), level)
+                _losses[endpoint] = loss  # what the user needs to hear: the daemon stopped, not that its socket is gone
                 if mode == "daemon":
-                    raise
-                # quiet only when no daemon is there: one that answered and cannot be used (its pool
-                # cannot be mapped, it refused the session, it is not trusted) is worth a warning
-                why, level = str(e), logging.INFO if isinstance(e, StormNoDaemon) else logging.WARNING
-        else:
-            why, level = "mode='embedded'", logging.INFO
-        b = _backends.get(("embedded", size))
-        if b is None:
-            from .embedded import EmbeddedStore
-            b = _backends[("embedded", size)] = EmbeddedStore(size)  # a pool that grows when size is None
+                    raise loss.error() from None
+                return _embedded(size, loss, logging.WARNING)
+            _backends[("daemon", endpoint)] = b
+            if loss is None:
+                _announce(f"storm: offloading through {b.name}")
+            else:
+                _announce(f"storm: {loss.said()}; offloading through {b.name} from now on", logging.WARNING, loss)
+            return b
+        return _embedded(size, "mode='embedded'", logging.INFO)
+
+
+def _embedded(size: int | None, why: str | DaemonLoss, level: int) -> Backend:
+    """The process's embedded store for ``size`` (under _lock), said once: why it is used, or that it
+    takes the place of a daemon that stopped (``why``, its loss)."""
+    b = _backends.get(("embedded", size))
+    if b is None:
+        from .embedded import EmbeddedStore
+        b = _backends[("embedded", size)] = EmbeddedStore(size)  # a pool that grows when size is None
+    if isinstance(why, DaemonLoss):
+        _announce(f"storm: {why.said()}; offloading to the embedded store ({b.pool_text}) from now on", level, why)
+    else:
         _announce(f"storm: using the embedded store ({b.pool_text}): {why}", level)
-        return b
+    return b
 
 
 def _connect(endpoint: str) -> Backend:
@@ -94,9 +123,11 @@ def _connect(endpoint: str) -> Backend:
         raise
 
 
-def _announce(line: str, level: int = logging.INFO) -> None:
-    if line not in _announced:  # once per process and mode: nothing per step
-        _announced.add(line)
+def _announce(line: str, level: int = logging.INFO, once: object = None) -> None:
+    """Log ``line`` once per process for ``once`` (default: the line itself): nothing per step."""
+    key = line if once is None else once
+    if key not in _announced:
+        _announced.add(key)
         log.log(level, line)
 
 
@@ -106,5 +137,6 @@ def close_backends() -> None:
         for b in _backends.values():
             b.close()
         _backends.clear()
+        _losses.clear()
         _announced.clear()
 

@@ -4,15 +4,23 @@ ZeroMQ sockets are not thread-safe, and both the training thread (unpack) and
 the mover thread (PUT, GET) issue requests. So callers enqueue requests and
 wake the I/O thread through a pipe; it sends, matches replies to futures by
 id, and pings the daemon every ``heartbeat`` seconds so the daemon knows the
-client is alive while no tensors flow. The same pings tell the client the daemon
-is gone: when nothing has come back for ``dead_after`` seconds while requests
-wait, or the daemon no longer knows the session (it restarted), the connection
-closes for good and every request fails at once with StormUnavailable: those
-sent, those still queued here and any made later. So no caller (the mover's
-worker, with hundreds of requests behind it) waits out a timeout per request,
-and a process that catches the error can exit. These pings stay beside
-ZeroMQ's own heartbeats, which the daemon's socket sets (stormd/server.py
-says why they cannot replace them).
+client is alive while no tensors flow.
+
+The connection also learns when the daemon stops serving this process, and
+keeps how and since when as ``loss`` (storm/errors.py's DaemonLoss): a drain
+(SIGTERM, stormctl drain) from the PING replies or the daemon's STOPPING
+notice as it exits (a PUT refused with DRAINING waits for the next PING's
+account, so that its failure says why); a kill from the silence, when nothing
+has come back for ``dead_after`` seconds while requests wait; a restart, or a
+session the daemon ended, from a request it no longer knows the session of (a
+STATUS then tells the two apart by the daemon's uptime). A draining daemon
+still answers GET and FREE, so the connection stays open until it stops;
+otherwise it closes for good at once, and every request fails with the loss's
+StormDaemonLost: those sent, those still queued here and any made later. So
+no caller (the mover's worker, with hundreds of requests behind it) waits out
+a timeout per request, and a process that catches the error can exit. These
+pings stay beside ZeroMQ's own heartbeats, which the daemon's socket sets
+(stormd/server.py says why they cannot replace them).
 
 Credit: at most ``max_in_flight`` requests are on the wire unanswered; later
 ones wait here, in order. So a process that produces requests faster than
@@ -44,7 +52,17 @@ from stormd.wire.endpoint import ipc_path
 from stormd.wire.pool import PoolError, SharedPool
 from stormd.wire.protocol import CLIENT_HEARTBEAT, PROTOCOL_VERSION, pack, unpack
 
-from .errors import StormRequestError, StormUnavailable, StormUntrusted
+from .errors import (
+    DRAINED,
+    ENDED,
+    FAILED,
+    KILLED,
+    RESTARTED,
+    DaemonLoss,
+    StormRequestError,
+    StormUnavailable,
+    StormUntrusted,
+)
 from .replies import resolve
 from .trust import CheckedSocket, check_pool, open_checked_socket
 
@@ -52,6 +70,10 @@ CONNECT_TIMEOUT = 2.0
 HEARTBEAT = CLIENT_HEARTBEAT
 DEAD_AFTER = 5.0
 MAX_IN_FLIGHT = 256  # below stormd's default hwm (1000), so neither side's pipe fills
+# A drain learnt from a refused PUT, from a daemon whose PING replies give no account of it (an older one)
+REFUSED_PUT = "a signal or `stormctl drain` (it refused a PUT with DRAINING)"
+ENDED_WHY = ("it heard nothing from this process within its client_timeout, or cut it off for replies left "
+             "unread (its log says which)")
 
 
 class DaemonConnection:
@@ -73,10 +95,14 @@ class DaemonConnection:
             raise StormUnavailable(str(e)) from None
         self.heartbeat = heartbeat
         self.dead_after = dead_after
-        self.lost: str | None = None  # why the daemon is considered gone
+        self.loss: DaemonLoss | None = None  # how and since when the daemon stopped serving this process
+        self._stopping = False  # the daemon is gone, or going (STOPPING): close now
         self._ids = itertools.count(1)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[int, Future] = {}
+        self._unknown: list[Future] = []  # requests of a session the daemon no longer knows: failed with the loss
+        self._refused: list[tuple[Future, dict]] = []  # PUTs refused with DRAINING, answered once the loss is known
+        self._asked: tuple[Future, float] | None = None  # the STATUS that tells a restart, and when it was sent
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)  # a full pipe already means "wake up"
         self._closed = threading.Event()
@@ -87,6 +113,7 @@ class DaemonConnection:
         try:
             # STORM_CLIENT_NAME picks this process's quota and priority in stormd's `clients` setting
             named = {"name": os.environ["STORM_CLIENT_NAME"]} if os.environ.get("STORM_CLIENT_NAME") else {}
+            self._hello_at = time.time()  # a daemon started after this is not the one that opened the session
             hello = self.request("HELLO", version=PROTOCOL_VERSION, pid=os.getpid(),
                                  host=socket.gethostname(), **named).result(connect_timeout)
         except TimeoutError:
@@ -103,6 +130,7 @@ class DaemonConnection:
         self.codec = hello.get("codec", "raw")  # the daemon's choice of codec
         self.cuda_devices = frozenset(hello.get("cuda_devices", ()))  # GPUs whose memory the daemon copies
         self.name = f"stormd at {endpoint} (session {self.session}, {hello['server']})"
+        self.store = self.name
         path = hello["pool"]["path"]
         try:
             self.pool = SharedPool.attach(path, hello["pool"]["size"], check=lambda st: check_pool(path, st))
@@ -137,7 +165,7 @@ class DaemonConnection:
             fut.set_exception(error)
 
     def _closing_error(self) -> StormUnavailable:
-        return StormUnavailable(self.lost or f"connection to {self.endpoint} is closed")
+        return self.loss.error() if self.loss else StormUnavailable(f"connection to {self.endpoint} is closed")
 
     def _wake(self) -> None:
         try:
@@ -151,16 +179,19 @@ class DaemonConnection:
         try:
             self._serve(sock, unsent)
         except Exception as e:  # the requests fail with this, rather than the thread dying with a traceback
-            self.lost = f"connection to {self.endpoint} failed: {type(e).__name__}: {e}"
+            self.loss = self.loss or DaemonLoss(self.endpoint, FAILED, time.time(), f"{type(e).__name__}: {e}")
         finally:
             # closed first: a request queued from here on fails in request() instead of waiting in the outbox
             self._closed.set()
             sock.close(linger=0)
             error = self._closing_error()
-            for fut in [*self._pending.values(), *(fut for _, fut in unsent)]:
+            waiting = [*self._pending.values(), *(f for _, f in unsent), *self._unknown, *(f for f, _ in self._refused)]
+            for fut in waiting:
                 if not fut.done():
                     fut.set_exception(error)
             self._pending.clear()
+            self._unknown.clear()
+            self._refused.clear()
             self._fail_outbox()
 
     def _serve(self, sock: zmq.Socket, unsent: collections.deque) -> None:
@@ -185,14 +216,12 @@ class DaemonConnection:
                 os.read(self._wake_r, 4096)
             # replies first: each one returns a credit the outbox below may use
             while sock.poll(0, zmq.POLLIN):
-                reply = unpack(sock.recv())
                 last_heard = time.monotonic()
-                fut = self._pending.pop(reply.get("id"), None)
-                if fut is not None:
-                    resolve(fut, reply)
-                if reply.get("error") == "UNAUTHORIZED" and self._auth:
-                    self.lost = (f"stormd at {self.endpoint} no longer knows session {self.session}: it ended it "
-                                 f"(no message within its client_timeout, a client cut off) or it restarted")
+                self._read(unpack(sock.recv()), unsent)
+            if self._asked is not None:
+                status, asked = self._asked
+                if status.done() or time.monotonic() - asked > self.dead_after:
+                    self.loss, self._stopping = self._session_unknown(status, asked), True
             if self._auth and not unsent and time.monotonic() - last_sent >= self.heartbeat:
                 unsent.append(({"op": "PING", "id": next(self._ids), **self._auth}, Future()))
             while len(self._pending) < self.max_in_flight and (unsent or not self._outbox.empty()):
@@ -204,10 +233,66 @@ class DaemonConnection:
                     break
                 self._pending[msg["id"]] = fut
                 last_sent = time.monotonic()
-            if (self._pending or unsent) and time.monotonic() - last_heard > self.dead_after:
-                self.lost = f"stormd at {self.endpoint} did not answer for {self.dead_after:g} s"
-            if self.lost:
+            silent = time.monotonic() - last_heard
+            if (self._pending or unsent) and silent > self.dead_after:
+                self.loss = self.loss or DaemonLoss(self.endpoint, KILLED, time.time() - silent,
+                                                    f"{self.dead_after:g} s")
+                self._stopping = True
+            if self._stopping:
                 return
+
+    def _read(self, reply: dict[str, Any], unsent: collections.deque) -> None:
+        """One message from the daemon: a reply, or unasked (a probe; STOPPING). What it says of the
+        daemon's state goes into ``loss`` before the request it answers completes, so whoever sees
+        that request fail sees why."""
+        draining = reply.get("draining")
+        if isinstance(draining, dict):
+            self._draining(draining.get("reason"), draining.get("since"))
+            self._stopping = self._stopping or reply.get("stopping") is True
+        fut = self._pending.pop(reply.get("id"), None)
+        if fut is None:
+            return
+        error = reply.get("error")
+        if error == "DRAINING" and self._auth and self.loss is None:
+            self._refused.append((fut, reply))
+            if len(self._refused) == 1:  # its reply says why and since when; without that, an older daemon
+                ping: Future = Future()
+                ping.add_done_callback(lambda _: self._draining(None, None))
+                unsent.appendleft(({"op": "PING", "id": next(self._ids), **self._auth}, ping))
+            return
+        if error == "UNAUTHORIZED" and self._auth:
+            self._unknown.append(fut)
+            if self.loss is not None:  # the daemon that drained is gone, and another answers
+                self._stopping = True
+            elif self._asked is None:
+                self._asked = (Future(), time.monotonic())
+                unsent.appendleft(({"op": "STATUS", "id": next(self._ids)}, self._asked[0]))
+            return
+        resolve(fut, reply)
+
+    def _draining(self, reason: object, since: object) -> None:
+        """The daemon drains: ``reason`` and ``since`` as it says them (None: it does not say), and the
+        PUTs it refused for that fail now."""
+        if self.loss is None:
+            if isinstance(reason, str) and isinstance(since, (int, float)):
+                how = "`stormctl drain`" if reason == "DRAIN request" else reason
+                self.loss = DaemonLoss(self.endpoint, DRAINED, float(since), how)
+            else:
+                self.loss = DaemonLoss(self.endpoint, DRAINED, time.time(), REFUSED_PUT)
+        refused, self._refused = self._refused, []
+        for fut, reply in refused:
+            resolve(fut, reply)
+
+    def _session_unknown(self, status: Future, asked: float) -> DaemonLoss:
+        """The daemon no longer knows this process's session (since ``asked``, time.monotonic()): it
+        restarted, if the daemon that answers ``status`` (a STATUS) started after this session's HELLO;
+        else it ended the session."""
+        now = time.time()
+        reply = status.result() if status.done() and status.exception() is None else {}
+        uptime = reply.get("uptime_s")
+        if isinstance(uptime, (int, float)) and now - uptime > self._hello_at:
+            return DaemonLoss(self.endpoint, RESTARTED, now - uptime, str(reply.get("server")))
+        return DaemonLoss(self.endpoint, ENDED, now - (time.monotonic() - asked), ENDED_WHY)
 
     @property
     def alive(self) -> bool:

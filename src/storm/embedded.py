@@ -25,6 +25,7 @@ from .replies import Resolved
 
 class EmbeddedStore:
     alive = True  # nothing to lose: it lives and dies with this process
+    loss = None
 
     def __init__(self, pool_size: int | None, **host: Any):
         """``pool_size``: the pool's fixed size; None: it grows on demand up to a cap from free host
@@ -41,6 +42,7 @@ class EmbeddedStore:
         self.codec = hello["codec"]
         self.cuda_devices = frozenset()  # CUDA IPC cannot open memory in the process that made it
         self.name = "embedded store"
+        self.store = f"embedded store ({self.pool_text})"
 
     def request(self, op: str, **fields: Any) -> Resolved:
         if op != "HELLO":

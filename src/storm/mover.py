@@ -16,10 +16,15 @@ The routes, chosen in ``Mover.route`` and nowhere else, serve a save's put and i
   from then on);
 - Route.OWN, any other CUDA tensor (the embedded store, a daemon without CUDA,
   frames): copies/cuda_to_pool.py (this process copies on its own streams).
+
+``Stores``: a session's Movers, one per store it has offloaded to, and which of
+them holds a key (a session moves on to another store when its daemon stops).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,7 +40,9 @@ from .copies.base import Copy, CopyHandler, Landed, PutRequest, Route, log_failu
 from .copies.cpu_to_pool import CpuToPool
 from .copies.cuda_by_daemon import CudaByDaemon
 from .copies.cuda_to_pool import CudaToPool
+from .errors import DaemonLoss
 from .gpu import DeviceStreams, NotExportable, export
+from .replies import Resolved
 
 # Smaller CUDA tensors are copied raw: a frame's kernel launches cost the training thread
 # the same host time at any size, while what it saves on the link shrinks with the size.
@@ -43,6 +50,14 @@ FRAME_MIN_BYTES = 4 << 20
 FRAME_CODECS = ("auto", "ancf_exp")  # codec settings that put CUDA tensors in frames
 log = logging.getLogger("storm")
 _threads_lock = threading.Lock()  # torch's default intra-op thread count is the process's, not a Mover's
+# Keys are numbered for the whole process, not per session: Stores finds a key's store by its number,
+# and two sessions may share one store (mode auto and mode daemon of one endpoint; the embedded store).
+_keys = itertools.count(1)
+
+
+def next_key() -> int:
+    """A key no other save of this process has had."""
+    return next(_keys)
 
 
 def frameable(device_type: str, dtype: str, nbytes: int) -> bool:
@@ -129,6 +144,114 @@ class Mover:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+class Stores:
+    """The stores one session has offloaded to, each with its Mover, and which of them holds a key.
+
+    A session moves on to another store when its daemon stops serving it (``move_on``: ``reopen``
+    gives the store in its place, mode auto) and at a step that finds another one (``use``: a
+    restarted daemon, the embedded store). Keys are numbered for the whole process (next_key), so
+    each store holds the session's keys from the first after it moved there up to where it moved
+    on, and what a key needs later (its get, its settling, its FREE) goes to the store that holds
+    it, whichever is current. A store whose daemon is gone, its connection closed, is let go of
+    once no copy of the session reads or writes its pool (``retire``): its keys then fail with its
+    loss. The session changes them under its lock; a change replaces the list of runs whole, so
+    ``of`` and ``free`` may read it from any thread."""
+
+    def __init__(self, backend: Backend, reopen: Callable[[], Backend] | None = None):
+        self.current = Mover(backend)
+        self._reopen = reopen
+        # (the first key of each run of keys, where the run is: its Mover, or the loss of a store let go)
+        self._runs: list[tuple[int, Mover | DaemonLoss]] = [(0, self.current)]
+
+    def of(self, key: int) -> Mover | DaemonLoss:
+        runs = self._runs
+        return runs[0][1] if len(runs) == 1 else runs[bisect.bisect_right(runs, key, key=lambda r: r[0]) - 1][1]
+
+    def lost(self, key: int) -> DaemonLoss | None:
+        """How the store that holds ``key`` stopped serving this process, if it did."""
+        where = self.of(key)
+        return where.backend.loss if isinstance(where, Mover) else where
+
+    def get(self, route: Route, key: int, nbytes: int, device: torch.device, verify: bool) -> Copy:
+        """Fetch ``key`` from the store that holds it (Mover.get); its loss, if that store was let go of."""
+        where = self.of(key)
+        if not isinstance(where, Mover):
+            return Copy(Resolved(error=where.error()))
+        return where.get(route, key, nbytes, device, verify)
+
+    def settle(self, route: Route, key: int, landed: Landed) -> None:
+        """Mover.settle, in the store that holds ``key``: none where its connection is closed."""
+        where = self.of(key)
+        if isinstance(where, Mover) and where.backend.alive:
+            where.settle(route, key, landed)
+
+    def use(self, backend: Backend) -> None:
+        """New saves go to ``backend`` (through the Mover the session had for it, if any)."""
+        if backend is self.current.backend:
+            return
+        mover = next((m for m in self._movers() if m.backend is backend), None)
+        self.current = mover or Mover(backend)
+        self._runs = [*self._runs, (next_key(), self.current)]
+
+    def _movers(self) -> list[Mover]:
+        """Each Mover once (a session that comes back to a store uses its Mover again)."""
+        return list({id(m): m for _, m in self._runs if isinstance(m, Mover)}.values())
+
+    def move_on(self) -> bool:
+        """The current store's daemon stopped: new saves go to the store ``reopen`` gives in its place
+        (open_backend, which says so once). False where there is none: mode daemon."""
+        if self.current.backend.loss is None:  # another thread moved on
+            return True
+        if self._reopen is None:
+            return False
+        self.use(self._reopen())
+        return True
+
+    def describe(self) -> str:
+        """The current store in words, and the daemon it took the place of, if it did."""
+        before = self.lost(self._runs[-1][0] - 1) if len(self._runs) > 1 else None
+        if before is None or self.current.backend.loss is not None:
+            return self.current.backend.store
+        return f"{self.current.backend.store}, in place of the daemon: {before.said()}"
+
+    def gone(self) -> list[Mover]:
+        """The Movers, other than the current one, of stores whose daemon is gone: connection closed."""
+        return [m for m in self._movers() if m is not self.current and m.backend.loss is not None
+                and not m.backend.alive]
+
+    def retire(self, movers: list[Mover]) -> None:
+        """Let go of ``movers`` (gone(), no copy of theirs in flight) and their connections: the pool goes."""
+        for m in movers:
+            loss = m.backend.loss
+            assert loss is not None  # gone() returns only lost stores
+            m.close()
+            m.backend.close()
+            self._runs = [(start, loss if where is m else where) for start, where in self._runs]
+
+    def free(self, keys: list[int]) -> None:
+        """FREE ``keys`` in the stores that hold them; a store that is gone freed them when it went."""
+        runs = self._runs
+        if len(runs) == 1:  # the common case: one store, this key's
+            where = runs[0][1]
+            if isinstance(where, Mover) and where.backend.alive:
+                where.free(keys)
+            return
+        by_store: dict[int, tuple[Mover, list[int]]] = {}
+        for key in keys:
+            where = self.of(key)
+            if isinstance(where, Mover) and where.backend.alive:
+                by_store.setdefault(id(where), (where, []))[1].append(key)
+        for mover, some in by_store.values():
+            mover.free(some)
+
+    def close(self) -> None:
+        """Close every Mover, and the connections of daemons that stopped (open_backend let go of them)."""
+        for m in self._movers():
+            m.close()
+            if m.backend.loss is not None:
+                m.backend.close()
 
 
 def _one_cpu_thread() -> None:

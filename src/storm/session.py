@@ -8,6 +8,13 @@ last Handle dies (autograd freed the graph) the key is freed in the store.
 
 All state changes happen under one lock in ``poll``, ``save`` and ``load``;
 Handle finalizers only enqueue, because they run wherever Python drops them.
+
+When its daemon stops serving it (the backend's ``loss``), a session of
+``mode='auto'`` moves on to the store in its place from the next save on
+(mover.Stores), and stores there again the saves it still holds (their copy
+failed, or is not released yet): nothing stays on the device for it. What the
+daemon already held is its to lose: a draining one still hands it back, else
+backward raises its StormDaemonLost. With ``mode='daemon'`` a save raises it.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import itertools
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -28,12 +35,14 @@ from .backend import Backend, close_backends, open_backend
 from .copies.base import Copy, PutRequest, Route
 from .errors import StormError, StormInPlaceError, StormUnavailable
 from .gpu import allocated, consume, pack_range, record_ready, unpack_range, wait_on_compute
-from .mover import Mover
+from .mover import Mover, Stores, next_key
+from .options import mode_option, pool_size_option, socket_option
 from .policy import Keep, Policy, Refusals
 from .prefetch import Prefetcher
 from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of, kind_of
 
 MARK_BYTES = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
+_steps = itertools.count(1)  # for the whole process, as keys are (mover.next_key): sessions may share a store
 
 
 class ClientSession:
@@ -41,13 +50,12 @@ class ClientSession:
     close. Which saves stay is policy.py's to say, what comes back ahead prefetch.py's, and the
     counters are stats.py's."""
 
-    def __init__(self, backend: Backend):
-        self.backend = backend
-        self.mover = Mover(backend)
+    def __init__(self, backend: Backend, reopen: Callable[[], Backend] | None = None):
+        """``reopen``: the store to move on to when the current one's daemon stops (mode auto; None: a save
+        raises its loss)."""
+        self._stores = Stores(backend, reopen)
         self.dropped: collections.deque[Stored] = collections.deque()  # handles autograd let go of
         self._lock = threading.RLock()
-        self._keys = itertools.count(1)
-        self._steps = itertools.count(1)
         self._held: collections.deque[Stored] = collections.deque()
         self._held_bytes = 0
         self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
@@ -61,6 +69,29 @@ class ClientSession:
         self._raw_kinds: set[tuple[Any, ...]] = set()  # Stored.kind whose frame overflowed: stored raw
         self.closed = False  # by close_all(): the store's bytes are gone, and saves have nowhere to go
 
+    @property
+    def backend(self) -> Backend:
+        """The store new saves go to."""
+        return self._stores.current.backend
+
+    @property
+    def mover(self) -> Mover:
+        return self._stores.current
+
+    def use(self, backend: Backend) -> None:
+        """New saves go to ``backend``: a step found it in place of the current store."""
+        with self._lock:
+            self._stores.use(backend)
+
+    def _move_on(self) -> bool:
+        """The current store's daemon stopped: False in mode daemon, else new saves go to its replacement."""
+        with self._lock:
+            return self._stores.move_on()
+
+    def describe(self) -> str:
+        """The store new saves go to, in words, and the daemon it took the place of, if it did."""
+        return self._stores.describe()
+
     def new_step(self, budget: int | float | None = None, options: StepOptions = StepOptions()) -> Step:
         """A step; ``budget``: bytes, or a fraction of the offloadable bytes of the last step
         that stayed within its budget (the first step, with nothing to go by, offloads all);
@@ -71,7 +102,18 @@ class ClientSession:
             limit = budget * self.last_candidate_bytes
         else:
             limit = budget
-        return Step(next(self._steps), limit, options)
+        if self._stores.gone():
+            self._retire()
+        return Step(next(_steps), limit, options)
+
+    def _retire(self) -> None:
+        """Let go of the stores whose daemon is gone, once no copy reads or writes their pool (it goes)."""
+        gone = self._stores.gone()
+        self.synchronize()
+        for copy in [c for key, c in list(self.prefetch.copies.items()) if self._stores.of(key) in gone]:
+            copy.wait()
+        with self._lock:
+            self._stores.retire(gone)
 
     def end_step(self, step: Step) -> None:
         """Forward is over: remember its size for fraction budgets. Prefetch waits for backward's
@@ -116,6 +158,9 @@ class ClientSession:
         if self.closed:
             raise StormUnavailable("storm.close_all() closed the store inside this step's context: "
                                    "call it once the step's backward has run")
+        loss = self.backend.loss
+        if loss is not None and not self._move_on():
+            raise loss.error()
         with pack_range(t.device):
             return self._offload(t, storage, nbytes, step, compiled)
 
@@ -150,13 +195,13 @@ class ClientSession:
         t0 = time.perf_counter()
         self.poll()
         dtype = str(t.dtype).removeprefix("torch.")
-        codec = "raw" if compiled or kind_of(t) in self._raw_kinds else step.options.codec or self.backend.codec
-        route, codec, ipc = self.mover.route(storage, dtype, codec)  # decided once: it serves the get too
-        ready = record_ready(t.device, interprocess=route is Route.DAEMON) if t.is_cuda else None
         meta = {"dtype": dtype, "shape": list(t.shape), "strides": list(t.stride()),
                 "storage_offset": t.storage_offset()}
-        with self._lock:
-            stored = Stored(next(self._keys), step, t, StorageWeakRef(storage), nbytes, route)
+        with self._lock:  # the store, its route and the key together: the session may move on to another store
+            codec = self._codec(step, kind_of(t), compiled)
+            route, codec, ipc = self.mover.route(storage, dtype, codec)  # decided once: it serves the get too
+            ready = record_ready(t.device, interprocess=route is Route.DAEMON) if t.is_cuda else None
+            stored = Stored(next_key(), step, t, StorageWeakRef(storage), nbytes, route)
             if compiled:
                 stored.version = None
             step.order.append(stored)
@@ -173,6 +218,10 @@ class ClientSession:
             oldest.wait()
             self.poll()
         return handle
+
+    def _codec(self, step: Step, kind: tuple[Any, ...], compiled: bool) -> str:
+        """The codec setting a save of ``kind`` takes to the current store (its route decides the codec)."""
+        return "raw" if compiled or kind in self._raw_kinds else step.options.codec or self.backend.codec
 
     def _handle(self, stored: Stored, t: torch.Tensor) -> Handle:
         """A new Handle onto ``stored`` for a save of ``t`` (under the lock: the session alone counts them)."""
@@ -216,7 +265,7 @@ class ClientSession:
             return  # the common case
         with self._lock:
             frees = self._reads_done() + self._copies_in_done() + self._handles_dropped()
-        self.mover.free(frees)
+        self._stores.free(frees)
 
     def _reads_done(self) -> list[int]:
         """Keys whose last copies out of the store have finished: free now."""
@@ -227,13 +276,18 @@ class ClientSession:
 
     def _copies_in_done(self) -> list[int]:
         """Release the held tensors whose copy into the store has finished, oldest first; a frame that
-        overflowed is stored again raw. Returns the keys to free."""
+        overflowed is stored again raw, and a tensor whose store's daemon stopped before it was
+        released is stored again in the store that replaces it. Returns the keys to free."""
         frees, held = [], self._held
         while held and held[0].copy_in.done():
-            copy = held[0].copy_in
-            if copy.error() is None and copy.result().incomplete():
-                frees.append(self._put_again_raw(held[0]))
-                break  # it is held until that copy is done too
+            stored = held[0]
+            landed = stored.copy_in.error() is None
+            if stored.tensor is not None and self._stores.lost(stored.key) is not None and self._move_on():
+                frees.extend(self._put_again(stored, landed))
+                continue  # it is held until that copy is done too
+            if landed and stored.copy_in.result().incomplete():
+                frees.extend(self._put_again(stored, landed, raw=True))
+                break
             frees.extend(self._release(held.popleft()))
         return frees
 
@@ -253,15 +307,25 @@ class ClientSession:
             frees.extend(self._forget(stored))
         return frees
 
-    def _put_again_raw(self, stored: Stored) -> int:
-        """``stored``'s frame had more escapes than slots: store it again, raw, under a new key, and
-        store its kind raw from now on. Returns the old key, to free."""
-        self._raw_kinds.add(stored.kind)
-        old, stored.key = stored.key, next(self._keys)
-        stored.request = dataclasses.replace(stored.request, key=stored.key, codec="raw")
-        stored.copy_in = self.mover.put(stored.request)
-        stored.step.stats.record(stored.layer, frame_overflows=1)
-        return old
+    def _put_again(self, stored: Stored, landed: bool, raw: bool = False) -> list[int]:
+        """Store ``stored``, still held, again under a new key in the current store: raw when its frame had
+        more escapes than slots (its kind is stored raw from now on), else because the daemon of the
+        store it went to stopped (its route is the current store's). Returns the old key to free,
+        where its put ``landed``."""
+        old, stored.key = stored.key, next_key()
+        req = stored.request
+        if raw:
+            self._raw_kinds.add(stored.kind)
+            stored.step.stats.record(stored.layer, frame_overflows=1)
+            req = dataclasses.replace(req, key=stored.key, codec="raw")
+        else:
+            codec = self._codec(stored.step, stored.kind, stored.version is None)
+            route, codec, ipc = self.mover.route(req.source, req.meta["dtype"], codec)
+            stored.facts = dataclasses.replace(stored.facts, route=route)
+            req = dataclasses.replace(req, key=stored.key, route=route, codec=codec, ipc=ipc)
+        stored.request = req
+        stored.copy_in = self.mover.put(req)
+        return [old] if landed else []
 
     def _release(self, stored: Stored) -> list[int]:
         """The copy of ``stored`` finished: let its tensor go. Returns keys to free."""
@@ -272,14 +336,15 @@ class ClientSession:
         copy, stored.copy_in = stored.copy_in, None  # its event goes with it: interprocess events are scarce
         err = copy.error()
         if err is not None:
-            reason = self._refusals.reason(err)
+            loss = self._stores.lost(stored.key)  # a refusal of a daemon that stopped is said as its loss
+            reason = self._refusals.reason(loss.error() if loss is not None else err)
             stored.state = State.KEPT
             stored.step.stats.record(stored.layer, keep=reason, kept_bytes=stored.nbytes,
                                      offloaded=-1, offloaded_bytes=-stored.nbytes)
             return self._forget(stored) if stored.refs == 0 else []
         stored.in_store = True
         landed = copy.result()
-        self.mover.settle(stored.route, stored.key, landed)  # its bytes are in the pool now: the handler says so
+        self._stores.settle(stored.route, stored.key, landed)  # its bytes are in the pool now: the handler says so
         stored.step.stats.record(stored.layer, stored_bytes=landed.nbytes)
         # The version is read here, on the training thread between two ops, so an
         # in-place op that raced the copy has finished and bumped it by now.
@@ -439,27 +504,31 @@ class ClientSession:
         self.poll()
 
     def _fetch(self, stored: Stored) -> Copy:
-        return self.mover.get(stored.route, stored.key, stored.nbytes, stored.device,
-                              verify=stored.step.options.verify)
+        return self._stores.get(stored.route, stored.key, stored.nbytes, stored.device, stored.step.options.verify)
 
     def close(self) -> None:
         self.closed = True
-        self.mover.close()
+        self._stores.close()
 
 
-_sessions: dict[int, ClientSession] = {}  # id(backend) -> the session over it
-# Threads that begin their first steps together must share one session per backend: two would
-# number their keys alike in one store session, and each builds a Mover of its own.
+_sessions: dict[tuple, ClientSession] = {}  # (mode, endpoint, pool size) -> its session
+# Threads that begin their first steps together must share one session: each would build a Mover of its own.
 _sessions_lock = threading.Lock()
 
 
 def session_for(mode: str, socket: str | None, pool_size: str | int | None) -> ClientSession:
-    """The process's session for this mode and endpoint (one per backend, reused by every step)."""
-    backend = open_backend(mode, socket, pool_size)
+    """The process's session for this mode, endpoint and pool size, reused by every step: over the store
+    open_backend gives now (the one before, a daemon that stopped, stays the session's for what it holds)."""
+    mode = mode_option(mode)
+    endpoint, size = socket_option(mode, socket), pool_size_option(pool_size)
+    backend = open_backend(mode, endpoint, size)
+    key = (mode, endpoint if mode != "embedded" else None, size if mode != "daemon" else None)
     with _sessions_lock:
-        s = _sessions.get(id(backend))
-        if s is None or s.backend is not backend:
-            s = _sessions[id(backend)] = ClientSession(backend)
+        s = _sessions.get(key)
+        if s is None:
+            reopen = (lambda: open_backend(mode, endpoint, size)) if mode == "auto" else None
+            s = _sessions[key] = ClientSession(backend, reopen=reopen)
+        s.use(backend)
         return s
 
 

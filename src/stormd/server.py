@@ -34,17 +34,20 @@ from .auth import secure_server
 from .config import DaemonConfig
 from .service import Service
 from .wire.endpoint import ensure_private_dir, ipc_path, socket_is_live
-from .wire.protocol import OPS, ErrorCode, ProtocolError, pack, unpack_request
+from .wire.protocol import OPS, ErrorCode, ProtocolError, notice, pack, unpack_request
 
 log = logging.getLogger("stormd")
 
 BACKLOG_RETRY = 0.001  # seconds between retries of replies a client has not made room for
 # What the daemon sends a client socket, unasked, to learn whether it is still connected: an id no
 # request has, which clients drop as they drop any reply they are not waiting for.
-PROBE = pack({"id": 0, "ok": True, "probe": True})
+PROBE = pack(notice())
 # A HELLO that finds the daemon full looks for sessions of closed sockets at most this often: every
 # look costs a send per client socket, and a HELLO loop must not turn into a send storm.
 PROBE_INTERVAL = 0.1
+# How long the last messages queued as the daemon stops (the STOPPING notices) may take to reach
+# their clients: bounded, so a client that reads nothing cannot hold the exit up.
+STOP_LINGER_MS = 1000
 
 
 def heartbeat_timeout(client_timeout: float) -> float:
@@ -251,6 +254,16 @@ class Server:
                 except Exception:
                     log.exception("ending a silent client's session failed", extra={"session": s.id})
 
+    def _tell_stopping(self, sock: zmq.asyncio.Socket) -> None:
+        """After a drain, tell each client socket that still holds a session that the daemon stops and
+        why (protocol.py's STOPPING): an idle client, whose pings would go unanswered, would otherwise
+        take the drain for a daemon killed. Best effort: a full pipe or a gone socket is passed over."""
+        if not self.service.draining:
+            return
+        frame = pack(notice(stopping=True, **self.service.drain_fields()))
+        for peer in self.service.sessions.peers():
+            sock.send_multipart([peer, frame], flags=zmq.NOBLOCK)  # resolves at once; a failure stays in it
+
     def close(self) -> None:
         if self._flusher is not None:
             self._flusher.cancel()
@@ -258,7 +271,8 @@ class Server:
             self._auth.stop()
             self._auth = None
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._tell_stopping(self._sock)
+            self._sock.close(linger=STOP_LINGER_MS)
             self._sock = None
             path = ipc_path(self.config.socket)
             if path is not None:

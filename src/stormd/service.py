@@ -78,6 +78,7 @@ class Service:
         self.store = Store(ExtentAllocator(pool.size), pool, store_options, growth=growth)
         self.sessions = SessionTable(session_limits)
         self.draining = False
+        self.drain: dict[str, Any] = {}  # while draining: why and since when, as clients are told (protocol.py)
         self.errors: dict[str, int] = {}
         self.traffic = Traffic()
         self.started = time.time()
@@ -119,7 +120,7 @@ class Service:
         if req.op == "PING":
             if "session" in f:
                 self.sessions.authenticate(f["session"], f.get("token", ""))
-            return ok(req.id, time=time.time())
+            return ok(req.id, time=time.time(), **self.drain_fields())
         if req.op in ADMIN_OPS:
             return self._admin(req)
         s = self.sessions.authenticate(f["session"], f["token"])
@@ -270,8 +271,14 @@ class Service:
         """Refuse new PUTs and HELLOs from now on; GETs, FREEs and BYEs are still answered."""
         if not self.draining:
             self.draining = True
+            self.drain = {"reason": reason, "since": time.time()}
             log.info("draining: no new PUT or HELLO; GETs are answered until clients are done",
                      extra={"reason": reason})
+
+    def drain_fields(self) -> dict[str, Any]:
+        """What a PING reply, and the notice to clients when the daemon stops, say of a drain: nothing
+        while serving. A client learns of the drain from them, not from a silence or a refused PUT."""
+        return {"draining": self.drain} if self.draining else {}
 
     def _admin(self, req: Request) -> dict[str, Any]:
         """stormctl's verbs. They need no session: the socket is private to the daemon's user."""

@@ -56,7 +56,10 @@ STATS  -> session:{...} node:{...}
                 spill_capacity spilled_bytes spilled_total read_back_total read_back_on_get
                 prefetched spill_write_errors spill_read_errors plan_hits plan_misses clients errors
                 cuda_segments (clients' GPU memory segments the daemon has open through CUDA IPC)
-PING   -> time:float        (session and token optional; refreshes the heartbeat)
+PING   -> time:float draining?:{reason:str since:float}
+                            (session and token optional; refreshes the heartbeat. ``draining``
+                             while the daemon drains: ``reason`` the signal or "DRAIN request",
+                             ``since`` its time.time() when the drain began)
 BYE    -> freed:int         (frees everything of the session and ends it)
 
 CUDA (the ``cuda`` field of PUT and GET; stormd/copier.py copies):
@@ -70,6 +73,12 @@ CUDA (the ``cuda`` field of PUT and GET; stormd/copier.py copies):
        that does not open, a range past its segment's end, an event of another GPU). A PUT that
        fails so stores nothing. FREE of a key whose copy still runs answers at once and frees its
        extent once the copy has finished; so does the end of a session.
+
+Unasked messages: id 0, ok true and probe true, so a client drops them as it drops any reply it
+waits for none of (``notice``). PROBE has nothing else: the daemon sends it to learn whether a
+client's socket is still there. STOPPING, sent to every client socket holding a session as the
+daemon stops after a drain, has stopping:true and the PING reply's ``draining``: the client
+knows at once that it is gone, and why, rather than after a silence.
 
 Admin verbs (``stormctl``), without session or token: whoever can open the
 socket (mode 0600, the daemon's user) may run them.
@@ -476,6 +485,11 @@ def check_view(f: dict[str, Any]) -> None:
     if f["storage_offset"] > elements:  # an empty view may start just past the end (t[len(t):])
         raise ProtocolError(ErrorCode.BAD_FIELD,
                             f"storage_offset {f['storage_offset']} lies past the storage's {elements} elements")
+
+
+def notice(**fields: Any) -> dict[str, Any]:
+    """An unasked message to a client (see the module's "Unasked messages")."""
+    return {"id": 0, "ok": True, "probe": True, **fields}
 
 
 def ok(rid: int, **fields: Any) -> dict[str, Any]:
