@@ -30,17 +30,21 @@ are unwrapped first, so the hooks sit on the model that the wrapper calls.
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import weakref
 from typing import Any, Iterable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .compiled import compiled, probe_compiling, warn_whole_graph
 from .hooks import Offload
 from .planner import Planner, plan
 from .planner.driver import plan_options
+
+log = logging.getLogger("storm")
 
 # Containers of a model's layers: HF and GPT-style models keep them in a ModuleList,
 # torchtitan in a ModuleDict (keys for pipeline stages), small GPTs in an nn.Sequential.
@@ -97,15 +101,17 @@ class Enabled:
         self.planner = planner
         self.last: Offload | None = None
         self._options = options
+        self._on_forward = on_forward  # steps begin at the model's forward, else where begin() is called
         # Each thread's steps: threads may run the model's forward at once, each in a context of its own
         # (a storm.offload context covers its thread), so one thread's end never exits another's context.
         self._threads = threading.local()
         self._open = 0  # begin()s not yet ended, all threads together
         self._open_lock = threading.Lock()
         self._hooks = [model.register_forward_pre_hook(torch.compiler.disable(lambda m, args: self.begin())),
-                       model.register_forward_hook(torch.compiler.disable(lambda m, args, out: self.end()),
+                       model.register_forward_hook(torch.compiler.disable(lambda m, args, out: self._end(out)),
                                                    always_call=True)
                        ] if on_forward else []
+        self._told_joined = False  # a forward joined the step before it: said once
         if planner is None:  # a plan probes its blocks itself (planner/wiring.py)
             if compiled(model):
                 _warn_offload_whole_graph()
@@ -123,8 +129,12 @@ class Enabled:
             scopes.append(None)
             return
         try:
-            ctx = self.planner.step() if self.planner is not None else Offload(**self._options)
-            ctx.__enter__()
+            ctx = self._awaiting_backward()
+            if ctx is not None:
+                ctx.resume().__enter__()
+            else:
+                ctx = self.planner.step() if self.planner is not None else Offload(**self._options)
+                ctx.__enter__()
         except BaseException:
             with self._open_lock:
                 self._open -= 1
@@ -135,6 +145,11 @@ class Enabled:
     def end(self) -> None:
         """The step's forward has ended: this thread's context is exited (saved tensors stay in the
         store until backward). Without an open step in this thread, nothing."""
+        self._end(None)
+
+    def _end(self, out: Any) -> None:
+        """end(); ``out``, the forward's output (from the forward hook), is watched: a forward that
+        begins before backward reaches it goes on with this step (_awaiting_backward)."""
         scopes = self._scopes()
         if not scopes:
             return
@@ -142,6 +157,23 @@ class Enabled:
             self._open -= 1
         if (ctx := scopes.pop()) is not None:
             ctx.__exit__(None, None, None)
+            if out is not None and not scopes:
+                self._threads.awaiting = _Awaiting(ctx, out)
+
+    def _awaiting_backward(self) -> Offload | None:
+        """This thread's last step, where its forward's output is alive and no backward has reached
+        it: a step is what runs between backwards, so a second forward before one backward (chosen
+        and rejected sequences, a siamese model's two towers) is more of the same step."""
+        awaiting, self._threads.awaiting = getattr(self._threads, "awaiting", None), None
+        if awaiting is None or not awaiting.waiting:
+            return None
+        if not self._told_joined:
+            self._told_joined = True
+            log.info("storm.enable: a forward of %s began before the backward of the forward before it: both are "
+                     "one step%s. Where a step should end elsewhere, enable with on_forward=False and mark each "
+                     "step with the handle's begin() and end()", type(self.model).__name__,
+                     ", planned as a whole" if self.planner is not None else "")
+        return awaiting.ctx
 
     def _scopes(self) -> list[Offload | None]:
         """This thread's open steps: one per begin() not yet ended, None where none was entered."""
@@ -152,13 +184,19 @@ class Enabled:
             return self._threads.scopes
 
     def explain(self) -> str:
-        """What was enabled, and the plan's explanation or the last step's report."""
+        """What was enabled and how its steps are marked, and the plan's explanation or the last
+        step's report; after ``disable()`` too, as they were then."""
         what = "storm.offload"
         if self.planner is not None:
             assert self.blocks is not None  # a plan is made on blocks (__init__)
             what = (f"storm.plan on {len(self.blocks)} blocks at {self.where or '(the model)'} "
                     f"({type(self.blocks[0]).__name__})")
-        head = f"storm.enable: {what} on every forward of {type(self.model).__name__} with grad enabled"
+        model = type(self.model).__name__
+        steps = (f"on every forward of {model} with grad enabled" if self._on_forward else
+                 f"in {model}, on the steps that begin() and end() mark (a framework's callback: Lightning's "
+                 f"batch hooks), with grad enabled")
+        state = "" if _enabled.get(id(self.model)) is self else " (disabled; as it was then)"
+        head = f"storm.enable{state}: {what} {steps}"
         if self.planner is not None:
             return f"{head}\n{self.planner.explain()}"
         return f"{head}\n{self.last.report()}" if self.last is not None else f"{head}; no step yet"
@@ -178,6 +216,40 @@ class Enabled:
             del _enabled[id(self.model)]
 
 
+class _Awaiting:
+    """A step whose forward has ended, until backward reaches its output or its graph is dropped
+    unused. Each output's hook (_Reached) is held by the output's graph alone, which outlives the
+    output's tensor object (a loss computed from the logits drops them): while one of the hooks
+    lives, so does a graph that a later backward may still run."""
+
+    def __init__(self, ctx: Offload, out: Any):
+        self.ctx = ctx
+        self.reached = False
+        self._hooks: list[weakref.ref] = []
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                hook = _Reached(self)
+                t.register_hook(hook)
+                self._hooks.append(weakref.ref(hook))
+
+    @property
+    def waiting(self) -> bool:
+        """Backward has not reached the output, and a graph it is in may still run."""
+        return not self.reached and any(r() is not None for r in self._hooks)
+
+
+class _Reached:
+    """A gradient hook on a step's output: backward reached it."""
+
+    __slots__ = ("awaiting", "__weakref__")
+
+    def __init__(self, awaiting: _Awaiting):
+        self.awaiting = awaiting
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.awaiting.reached = True
+
+
 def handle_of(model: nn.Module) -> Enabled | None:
     """The handle of ``storm.enable`` on ``model`` (unwrapped as enable does), None where it is off."""
     return _enabled.get(id(unwrap(model)))
@@ -190,7 +262,7 @@ def check_options(*, blocks: Iterable[nn.Module] | None = None, budget: int | fl
     if budget is None and peak is None:
         _offload_options(blocks, options)
     else:  # the planner's own keywords (reentrant, clock, and what tests give) are not storm.offload's
-        planner = inspect.signature(Planner).parameters
+        planner = set(inspect.signature(Planner).parameters) - {"model"}  # enable passes its own model
         plan_options(budget, peak, options.get("reentrant", True), options.get("clock"),
                      {k: v for k, v in options.items() if k not in planner})
 
@@ -245,7 +317,7 @@ def enable(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None, budge
         where, found = "", None
     else:
         where, found = ("blocks=", list(blocks)) if blocks is not None else find_blocks(model)
-        planner = plan(found, budget, peak=peak, **options)
+        planner = plan(found, budget, peak=peak, model=model, **options)
     handle = Enabled(model, found, where, planner, options, on_forward)
     _enabled[id(model)] = handle
     return handle

@@ -84,6 +84,7 @@ class Offload(contextlib.ContextDecorator):
         self._late: LateSaves | None = None  # the once-a-process check for a model compiled as one graph
         self._module_hooks: list[Any] = []
         self._thread: int | None = None  # the entering thread's: torch keeps saved-tensor hooks per thread
+        self._resuming = False  # resume(): the next entry goes on with this context's step
 
     def _recreate_cm(self) -> "Offload":
         return Offload(**self._options)  # each decorated call is its own step
@@ -91,9 +92,12 @@ class Offload(contextlib.ContextDecorator):
     def __enter__(self) -> "Offload":
         if self._hooks is not None:
             raise RuntimeError("this storm.offload context is already active; create a new one per step")
-        o = self._options
-        self._session = session_for(o["mode"], o["socket"], o["pool_size"])
-        self._step = self._session.new_step(self._budget, self._step_options)
+        if self._resuming:
+            self._resuming = False
+        else:
+            o = self._options
+            self._session = session_for(o["mode"], o["socket"], o["pool_size"])
+            self._step = self._session.new_step(self._budget, self._step_options)
         self._thread = threading.get_ident()
         if self._budget == 0:  # nothing may go: no hooks, so saves cost nothing (storm.plan's recompute-only plans)
             self._hooks = contextlib.nullcontext()
@@ -149,6 +153,19 @@ class Offload(contextlib.ContextDecorator):
             self._late = None
         if self._budget != 0:  # a step without hooks leaves the session as it found it
             self._session.end_step(self._step)
+
+    def resume(self) -> "Offload":
+        """This context, to be entered again for another forward of the same step: one that runs
+        before the backward of the forward this context covered (chosen and rejected forwards in
+        preference training, the two towers of a contrastive model). Its saves join the step's:
+        one budget, one set of counters, one backward. ``with ctx.resume(): ...``"""
+        if self._step is None:
+            raise RuntimeError("storm.offload's resume() goes on with a step that has run: enter the context first")
+        if self._hooks is not None:
+            raise RuntimeError("this storm.offload context is active: resume() is for entering it again after "
+                               "its exit")
+        self._resuming = True
+        return self
 
     @property
     def stats(self) -> OffloadStats:

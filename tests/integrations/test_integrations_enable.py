@@ -180,7 +180,8 @@ def test_forwards_without_grad_get_no_context_and_are_no_plan_step(plan):
         model(idx)
     assert handle.last is None
     if plan:
-        assert handle.planner.explain() == "storm.plan: trace offload step next; no plan yet"
+        assert handle.planner.explain() == ("storm.plan: no plan yet; the next step is traced with every save "
+                                            "offloaded (what each block saves)")
     model.train()
     model(idx).sum().backward()
     assert handle.last is not None and handle.last.stats.offloaded > 0

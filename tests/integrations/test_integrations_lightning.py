@@ -95,7 +95,7 @@ def test_lightning_fit_with_the_callback_is_bit_identical_and_validation_untouch
     got = fit(3, callback, watch)
     assert len(watch.offloaded) == 3 and all(n > 0 for n in watch.offloaded)  # every step offloaded
     assert got.validated > 0  # validation ran (under no_grad, so without a step)
-    assert callback.handle is None  # disabled at teardown
+    assert storm.enabled.handle_of(got) is None  # disabled at teardown
     assert not got._forward_hooks and not got._forward_pre_hooks
     assert_same(fit(3), got)
 
@@ -107,6 +107,13 @@ def test_lightning_fit_with_a_plan_settles_bit_identical():
     assert watch.settled[-1], watch.settled
     assert not any(b.__dict__.get("forward") for b in got.model.blocks)  # the plan closed: blocks' own forwards
     assert_same(fit(SETTLE_STEPS), got)
+    # after fit(), the plan is still there to read: steps marked by Lightning's hooks, modules by their names
+    text = callback.handle.explain()
+    assert text.startswith("storm.enable (disabled; as it was then): storm.plan on 3 blocks at model.blocks "
+                           "(GPTBlock) in TinyGPT, on the steps that begin() and end() mark"), text
+    assert "on every forward" not in text and "\nsettled: " in text
+    before, after = text.split("before the blocks: ")[1].split("after the blocks: ")
+    assert "model.tok" in before and "model.head" in after and "TinyGPT (own code)" in after, text
 
 
 def test_a_step_without_loss_ends_its_scope_and_a_failing_one_leaves_the_model_restored():
@@ -117,7 +124,8 @@ def test_a_step_without_loss_ends_its_scope_and_a_failing_one_leaves_the_model_r
     callback = StormCallback(mode="embedded", min_bytes=0)
     with pytest.raises(ZeroDivisionError):
         fit(3, callback, fail=1)
-    assert callback.handle is None  # disabled at teardown, the failed step's scope ended
+    assert storm.enabled.handle_of(callback.handle.model) is None  # disabled at on_exception
+    assert not callback.handle._open  # the failed step's scope ended
 
 
 @pytest.mark.parametrize("options, error, message", [

@@ -64,8 +64,10 @@ def test_trainer_with_the_callback_trains_bit_identical_through_the_embedded_sto
     callback.on_step_end = lambda *a, **k: seen.append(callback.handle.last.stats.offloaded)
     got = train(tmp_path, 3, callback)
     assert seen and all(n > 0 for n in seen)  # every step offloaded
-    assert callback.handle is None  # disabled at train end
     model = got[0]
+    assert storm.enabled.handle_of(model) is None  # disabled at train end
+    assert callback.handle.explain().startswith("storm.enable (disabled; as it was then): storm.offload on every "
+                                                "forward of LlamaForCausalLM")  # the last step's report
     assert not model._forward_hooks and not model._forward_pre_hooks
     assert_same(train(tmp_path, 3, None), got)
 
@@ -77,6 +79,12 @@ def test_trainer_with_a_plan_settles_bit_identical(tmp_path):
     got = train(tmp_path, SETTLE_STEPS, callback)
     assert settled[-1], settled
     assert_same(train(tmp_path, SETTLE_STEPS, None), got)
+    # after train(), the plan is still there to read, named by the model's own modules
+    text = callback.handle.explain()
+    assert storm.enabled.handle_of(got[0]) is None and "storm.enable (disabled; as it was then)" in text
+    assert "\nsettled: " in text and "\ntried the reentrant form against torch's non-reentrant checkpoint" in text
+    assert "before the blocks: " in text and "model.embed_tokens" in text.split("after the blocks: ")[0]
+    assert "lm_head" in text.split("after the blocks: ")[1], text
 
 
 def test_a_train_that_raised_does_not_keep_the_next_from_enabling(tmp_path):
@@ -95,7 +103,7 @@ def test_a_train_that_raised_does_not_keep_the_next_from_enabling(tmp_path):
         train(tmp_path, 3, callback, model)
     hook.remove()
     train(tmp_path, 2, callback, model)
-    assert callback.handle is None and not model._forward_hooks and not model._forward_pre_hooks
+    assert storm.enabled.handle_of(model) is None and not model._forward_hooks and not model._forward_pre_hooks
 
 
 def test_a_new_callback_takes_off_what_a_train_that_raised_left(tmp_path):

@@ -20,10 +20,10 @@ def test_explain_says_raw_or_compressed_and_why(hidden_ms, choice):
     raw, compressed = (Offloading.of(t, planner.plan.offloaded, planner.plan.max_held_bytes, c)[0]
                        for c in (False, True))
     text = planner.explain()
-    assert f"offloaded tensors go {choice}: predicted link {compressed.link_ms:.2f} ms compressed against " \
+    assert f"offloaded tensors go {choice} (codec): predicted link {compressed.link_ms:.2f} ms compressed against " \
            f"{raw.link_ms:.2f} ms raw" in text
-    assert f"host {compressed.host_ms - raw.host_ms:+.2f} ms (100 us per frame" in text
-    assert f"codec kernels +{compressed.codec_ms:.2f} ms on the device (0.00 ms per GiB framed)" in text
+    assert f"host {compressed.host_ms - raw.host_ms:+.2f} ms (100 us per compressed tensor" in text
+    assert f"compression kernels +{compressed.codec_ms:.2f} ms on the device (0.00 ms per GiB compressed)" in text
     planner.close()
 
 
@@ -38,11 +38,12 @@ def test_explain_names_the_blocks_recomputed_with_their_inputs_offloaded_and_wha
     first, last = p.offloaded, p.offloaded + p.inputs_offloaded - 1
     assert p.inputs_offloaded > 1
     lines = planner.explain().splitlines()
-    decisions = [line.split()[5:] for line in lines[2:10]]
+    decisions = [line.split()[5:] for line in lines[3:11]]
     assert decisions == [["offload"]] * first + [["recompute,", "inputs", "offloaded"]] * p.inputs_offloaded + \
         [["recompute"] if i in p.recomputed else ["keep"] for i in range(last + 1, 8)]
     assert f"blocks {first}-{last} recomputed with their inputs offloaded: {30.0 * p.inputs_offloaded:.1f} MiB in " \
            f"{p.inputs_offloaded} tensors fetched back when backward recomputes them" in lines
-    assert "outside the blocks: 1.0 MiB saved before them (embeddings; offload), 2.0 MiB after them (final norm, " \
-           "logits, loss; keep)" in lines
+    assert "before the blocks: 1.0 MiB saved (storm.plan's model= names the modules that saved it); offloaded" in lines
+    assert "after the blocks: 2.0 MiB saved (storm.plan's model= names the modules that saved it); kept on the " \
+           "device" in lines
     planner.close()

@@ -286,5 +286,6 @@ def test_the_phases_follow_the_steps_to_settled():
         phases.append(planner.phase)
     assert phases == [Phase.TRACE_OFFLOAD, Phase.TRACE_COMPUTE, Phase.TRACE_COMPUTE_KEPT, Phase.MEASURE,
                       Phase.CHECK_HOST, Phase.SETTLED]
-    assert "trace offload step next; no plan yet" in storm.Planner(model.blocks, budget=0.5).explain()
+    assert storm.Planner(model.blocks, budget=0.5).explain() == \
+        "storm.plan: no plan yet; the next step is traced with every save offloaded (what each block saves)"
     planner.close()

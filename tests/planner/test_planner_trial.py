@@ -58,8 +58,8 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
     assert (planner.plan.offloaded > 0) == (kept == "offload") and trial.kept is planner.plan
     assert {i for i, b in enumerate(model.blocks) if "forward" in vars(b)} == set(planner.plan.recomputed)
     text = planner.explain()
-    assert "tried in alternation" in text
-    assert f"kept {'offload 2 blocks' if kept == 'offload' else 'recompute 2 blocks'}" in text
+    assert "tried offload 2 blocks against recompute 2 blocks in alternation" in text
+    assert f"kept {'offload 2 blocks' if kept == 'offload' else 'recompute 2 blocks'}, " in text
     planner.close()
 
 
@@ -91,8 +91,10 @@ def test_the_faster_recompute_form_is_kept(monkeypatch, slow):
     assert forms == [{True}, {False}] * TRIAL_STEPS + [{kept}] * 2, planner.explain()
     assert planner.plan.reentrant == kept and planner.plan.recomputed == frozenset({0, 1})
     text = planner.explain()
-    assert f"kept recompute 2 blocks{'' if kept else ' non-reentrant'}" in text
-    assert ("reentrant form (storm.recompute)" if kept else "non-reentrant checkpoint, faster here") in text
+    form = "the reentrant form" if kept else "torch's non-reentrant checkpoint"
+    assert f"kept {form}, " in text
+    assert ("recomputed in the reentrant form (storm.recompute), kept in its trial" if kept
+            else "recomputed with torch's non-reentrant checkpoint, kept in its trial") in text
     planner.close()
 
 
@@ -129,7 +131,7 @@ def test_a_trial_whose_plans_are_close_runs_more_steps_before_it_decides(apart, 
     assert TRIAL_STEPS < TRIAL_MAX_STEPS
     assert forms == [True, False] * steps + [False] * 2
     assert [len(ms) for ms in planner.trial.ms] == [steps, steps]
-    assert f"median of {steps}" in planner.explain()
+    assert f"in alternation, {steps} steps each" in planner.explain()
     planner.close()
 
 
@@ -143,7 +145,8 @@ def test_a_slow_stretch_of_the_host_does_not_decide_a_trial():
     assert planner.trial.median(0) < planner.trial.median(1)
     assert planner.trial.gain_ms == pytest.approx(3.0)
     assert forms[-2:] == [False, False] and not planner.plan.reentrant
-    assert "the second 3.00 ms faster in the median of 5 pairs" in planner.explain()
+    assert "kept torch's non-reentrant checkpoint, 3.0 ms a step faster in the median of the 5 pairs" \
+        in planner.explain()
     planner.close()
 
 

@@ -5,6 +5,8 @@
 
 ``setup`` (stage "fit") enables STORM on the LightningModule, its repeated blocks found inside
 it; ``teardown``, or ``on_exception`` for a fit that fails (it gets no teardown), disables it.
+The disabled handle stays on the callback, so ``callback.handle.explain()`` tells the plan and
+its trials after ``fit()``.
 A training step is marked by Lightning's batch hooks rather than by the module's forward:
 ``training_step`` often calls submodules (``self.model(x)``) and never
 the LightningModule's own forward, and under a DDP strategy Lightning's wrapper calls
@@ -25,8 +27,9 @@ from ..enabled import Enabled, check_options, enable
 class StormCallback(pl.Callback):
     """``storm.enable(pl_module, **options)`` while the Trainer fits; ``options`` are
     storm.enable's (``budget=`` / ``peak=`` for a plan, else storm.offload's). ``handle`` is
-    the Enabled of the fit in progress (None outside it): ``handle.explain()``. The options are
-    checked here, as storm.enable checks them."""
+    the Enabled of the fit in progress, and after it ends, until the next begins, of the fit
+    that ended, disabled (None before the first): ``handle.explain()`` reads its plan either way.
+    The options are checked here, as storm.enable checks them."""
 
     def __init__(self, **options: Any):
         check_options(**options)
@@ -60,5 +63,4 @@ class StormCallback(pl.Callback):
 
     def _disable(self) -> None:
         if self.handle is not None:
-            self.handle.disable()
-            self.handle = None
+            self.handle.disable()  # kept: its plan and last step stay readable until the next fit()

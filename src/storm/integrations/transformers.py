@@ -6,9 +6,11 @@
 The callback calls ``storm.enable`` on the model the Trainer trains (its repeated blocks found
 inside it: ``model.model.layers``) when training begins, and disables it when training ends,
 so evaluation and generation afterwards run as without STORM; evaluation during training runs
-under ``torch.no_grad()``, which ``storm.enable`` leaves alone. A callback because transformers'
-own switch (``TrainingArguments.activation_checkpointing_kwargs={"offload": True}``) wraps
-checkpointing in torch's ``save_on_cpu`` and takes no other offloader.
+under ``torch.no_grad()``, which ``storm.enable`` leaves alone. The disabled handle stays on the
+callback, so ``callback.handle.explain()`` tells the plan and its trials after ``train()``. A
+callback because transformers' own switch
+(``TrainingArguments.activation_checkpointing_kwargs={"offload": True}``) wraps checkpointing in
+torch's ``save_on_cpu`` and takes no other offloader.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ _made: "weakref.WeakSet[Enabled]" = weakref.WeakSet()
 class StormCallback(TrainerCallback):
     """``storm.enable(model, **options)`` for the span of ``Trainer.train()``; ``options`` are
     storm.enable's (``budget=`` / ``peak=`` for a plan, else storm.offload's). ``handle`` is
-    the Enabled of the run in progress (None outside it): ``handle.explain()``. The options are
-    checked here, as storm.enable checks them. A train() that raised leaves STORM on the model
-    until the next train() with a StormCallback, which takes it off first."""
+    the Enabled of the run in progress, and after it ends, until the next begins, of the run
+    that ended, disabled (None before the first): ``handle.explain()`` reads its plan either way.
+    The options are checked here, as storm.enable checks them. A train() that raised leaves
+    STORM on the model until the next train() with a StormCallback, which takes it off first."""
 
     def __init__(self, **options: Any):
         check_options(**options)
@@ -50,5 +53,4 @@ class StormCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         if self.handle is not None:
-            self.handle.disable()
-            self.handle = None
+            self.handle.disable()  # kept: its plan and last step stay readable until the next train()

@@ -60,7 +60,9 @@ class Planner:
     planning from traced steps. Each step: ``with planner.step(): ...``. ``reentrant``: how
     blocks are recomputed (Recompute); False for training that calls torch.autograd.grad or
     backward(inputs=...). ``clock``: what steps and blocks are timed by (Clock: the compute
-    stream's, else the host's). Other options go to storm.offload.
+    stream's, else the host's). ``model``: the model the blocks are in, by whose module names
+    explain() says what saved the step's tensors outside the blocks (storm.enable passes it;
+    without it, only their bytes). Other options go to storm.offload.
 
     What the planner measures and decides by can be given, as tests do: ``memory`` (a step's
     peak memory; the CUDA allocator's), ``chooser`` (the plan for a trace: model.choose),
@@ -72,7 +74,7 @@ class Planner:
                  peak: int | str | None = None, reentrant: bool = True, clock: Clock | None = None,
                  memory: PeakMemory | None = None, chooser: Chooser = choose, frames_of: Frames = frames_of,
                  host_check_tolerance: float = HOST_CHECK_TOLERANCE, form_trial: bool = True,
-                 **offload_options: Any):
+                 model: nn.Module | None = None, **offload_options: Any):
         if isinstance(blocks, nn.Module) and not hasattr(type(blocks), "__iter__"):
             raise TypeError(f"storm.plan takes the model's repeated blocks in the order its forward runs them "
                             f"(such as model.layers), not a {type(blocks).__name__} that holds them; or "
@@ -86,6 +88,7 @@ class Planner:
         # did not), while the recompute in backward runs the training graph. torch's non-reentrant
         # checkpoint runs the training graph both times, so compiled blocks are recomputed that way.
         self.compiled = any(compiled(b) for b in self.blocks)
+        self.model = model
         self.reentrant = reentrant and not self.compiled
         self._memory = memory or CudaPeakMemory(device_of(self.blocks))
         self.clock = clock or Clock(device_of(self.blocks))  # what the traces and trials are timed by
@@ -110,7 +113,7 @@ class Planner:
         self._pending: Callable[[], None] | None = None  # finishes reading the last step
         self._signature: tuple | None = None   # block 0's inputs' shapes and dtypes in the offload trace
         self._stale = False                    # block 0 was called with others: the next step traces again
-        self._ctx: Offload | None = None  # the planned step running now
+        self._ctx: Offload | None = None  # the step running now, or the last begun (a trace's too)
         self._measured: int | None = None  # the measured step's peak, read as its backward ended
         # and apart: until backward reached the blocks (forward, the loss's and the head's backward),
         # and from there; None where backward never reached them
@@ -132,6 +135,18 @@ class Planner:
     def trial(self) -> Trial | None:
         """The last trial decided since the last trace."""
         return self.trials[-1] if self.trials else None
+
+    @property
+    def trying(self) -> Trial | None:
+        """The trial running now, or the one the next step begins (no step timed yet); None in any
+        phase but ``try``."""
+        if self.phase is not Phase.TRY:
+            return None
+        if self._trial is not None:
+            return self._trial
+        if self.plan is None or self._alternative is None:
+            return None
+        return Trial((self.plan, self._alternative))
 
     @property
     def kept_extra(self) -> int:
@@ -178,6 +193,10 @@ class Planner:
         """The storm.offload context of the next step, with the plan (or the trace) applied."""
         self._finish_last_step()
         self._hooks.remove_end_hooks()  # the last step's, where it never ran a backward
+        forwards = self._hooks.calls[0]
+        if self.trace is not None and forwards and forwards != self.trace.forwards:
+            self._stale = True  # the last step ran the blocks more or fewer times than the traced one
+        self._hooks.new_step()
         if self._stale:
             self._stale, self._tracing, self.plan = False, Phase.TRACE_OFFLOAD, None
             self._margins, self.checks, self._checking = {False: 0, True: 0}, 0, False
@@ -225,7 +244,8 @@ class Planner:
             pending()
 
     def _trace_offload(self) -> Offload:
-        tracer = OffloadTrace(self._hooks, self.options, self._frames_of)
+        tracer = OffloadTrace(self._hooks, self.options, self._frames_of, self.model)
+        self._ctx = tracer.ctx
 
         def collect() -> None:
             trace = tracer.collect()
@@ -240,6 +260,7 @@ class Planner:
         """The compute trace and what a step holds besides its saves; with peak=, where the
         reentrant form is the planner's, a second one without the hand-over (kept_extra)."""
         tracer = ComputeTrace(self._hooks, self.clock, self.options, hand_over)
+        self._ctx = tracer.ctx
         self._measure_this_step()
 
         def collect() -> None:
@@ -466,9 +487,22 @@ class Planner:
         return explaining.explain(self)
 
     def close(self) -> None:
-        """Restore the blocks' own forwards and remove STORM's hooks from them."""
+        """Read the last step where it ran, so that explain() tells what it decided (a trial's last
+        step, say: training often ends as the plan settles), then restore the blocks' own forwards
+        and remove STORM's hooks from them."""
+        if self._ctx is not None and _entered(self._ctx):
+            self._finish_last_step()
         self._hooks.close()  # a step begun but never run leaves its hook waiting: that goes too
         self._pending = None
+
+
+def _entered(ctx: Offload) -> bool:
+    """Whether a step's context was entered: a step begun but never run has nothing to read."""
+    try:
+        ctx.stats  # raises before the context is entered
+    except RuntimeError:
+        return False
+    return True
 
 
 def plan_options(budget: int | float | str | None, peak: int | str | None, reentrant: bool, clock: Clock | None,
@@ -506,6 +540,7 @@ def _parse_peak(peak: int | str) -> int:
 
 
 def plan(blocks: Iterable[nn.Module], budget: int | float | str | None = None, *, peak: int | str | None = None,
-         reentrant: bool = True, clock: Clock | None = None, **offload_options: Any) -> Planner:
+         reentrant: bool = True, clock: Clock | None = None, model: nn.Module | None = None,
+         **offload_options: Any) -> Planner:
     """A Planner (see its docstring, and docs/planner.md)."""
-    return Planner(blocks, budget, peak=peak, reentrant=reentrant, clock=clock, **offload_options)
+    return Planner(blocks, budget, peak=peak, reentrant=reentrant, clock=clock, model=model, **offload_options)

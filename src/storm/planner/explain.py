@@ -1,6 +1,7 @@
-"""``Planner.explain()``: per block what was measured and what the plan does with it, the
-predicted totals, the trials and the measured peak, as text. docs/planner.md ("What
-``explain()`` prints") shows an example.
+"""``Planner.explain()``: whether the plan is settled (and if not, what the next steps do), per
+block what was measured and what the plan does with it, what the modules outside the blocks
+saved, the predicted totals, the trials and the measured peak, as text, with storm.offload's
+option names beside what they set. docs/planner.md ("What ``explain()`` prints") shows an example.
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ from .model import Offloading, Plan, Trace, after_kept, fetched_inputs
 from .trial import Trial
 
 MiB = 1 << 20
+OUTSIDE_NAMED = 4  # the modules named per side of the blocks, the largest; the rest are counted
+# What a traced step is for, by Phase value (driver.Phase: driver imports this module)
+_TRACED = {
+    "trace-offload": "is traced with every save offloaded (what each block saves)",
+    "trace-compute": "is traced with every block recomputed (what recomputing each costs)",
+    "trace-compute-kept": "is traced with every block recomputed and its saves held as a kept block's (what a "
+                          "kept block's backward holds beyond them)",
+}
 
 
 class Explained(Protocol):
@@ -42,13 +51,17 @@ class Explained(Protocol):
     def kept_extra(self) -> int: ...
 
     @property
+    def trying(self) -> Trial | None: ...
+
+    @property
     def margins(self) -> dict[bool, int]: ...
 
 
 def explain(planner: Explained) -> str:
-    """Per block what was measured and what the plan does with it, and the predicted totals."""
+    """Whether the plan is settled, per block what was measured and what the plan does with it,
+    what was saved outside the blocks, the predicted totals, the trials and the measured peak."""
     if planner.plan is None or planner.trace is None:
-        return f"storm.plan: {planner.phase.value.replace('-', ' ')} step next; no plan yet"
+        return f"storm.plan: no plan yet; the next step {_TRACED[planner.phase.value]}"
     t, p = planner.trace, planner.plan
     want = (f"peak {planner.peak / MiB:.1f} MiB above the step's start" if planner.peak is not None
             else f"budget {_describe_budget(planner.budget, t.total_bytes)}")
@@ -57,25 +70,26 @@ def explain(planner: Explained) -> str:
         else f" (measured in a planned step; traced {planner.traced_host_ms_per_tensor * 1e3:.0f})")
     lines = [f"storm.plan: {want}; link {t.d2h_GBps:.1f} GB/s to host, {t.h2d_GBps:.1f} back; {host}; "
              f"forward {t.forward_host_ms:.2f} ms host, {t.forward_device_ms:.2f} ms compute stream",
+             _standing(planner),
+             *([f"a step is {t.forwards} forwards before one backward: each block's figures are its {t.forwards} "
+                f"calls' together, and the plan decides for all of them"] if t.forwards > 1 else []),
              f"{'block':>5} {'saved MiB':>10} {'tensors':>7} {'input MiB':>10} {'forward ms':>10}  decision"]
     for i, b in enumerate(t.blocks):
         what = ("offload" if i < p.offloaded else "recompute, inputs offloaded" if i < p.offloaded + p.inputs_offloaded
                 else "recompute" if i in p.recomputed else "keep")
         lines.append(f"{i:>5} {b.saved_bytes / MiB:>10.1f} {b.tensors:>7} {b.input_bytes / MiB:>10.1f} "
                      f"{b.forward_ms:>10.3f}  {what}")
-    lines.append(f"outside the blocks: {t.before_bytes / MiB:.1f} MiB saved before them (embeddings; "
-                 f"{'offload' if p.offloads else 'keep'}), {t.after_bytes / MiB:.1f} MiB after them (final norm, "
-                 f"logits, loss; {_after_blocks(t, p)})")
+    lines += _outside(t, p)
     if p.inputs_offloaded:
         lines.append(_inputs_offloaded(t, p))
-    lines.append(f"copy queue {p.max_held_bytes / MiB:.1f} MiB, prefetch window {p.prefetch_bytes / MiB:.1f} MiB"
-                 + (" (given)" if {"max_held_bytes", "prefetch_bytes"} & planner.options.keys() else ""))
+    lines.append(_copies(p, planner.options))
     if p.recomputed:
-        lines.append(_recompute_form(p, planner.reentrant, planner.compiled))
+        lines.append(_recompute_form(planner, p))
     if t.store_bytes is not None:
         lines.append(f"the store took {t.store_bytes / MiB:.1f} of the {t.total_bytes / MiB:.1f} MiB traced: "
                      "plans offload at most that")
-    lines.append(_codec(t, p, "codec" in planner.options))
+    if p.offloads:
+        lines.append(_codec(t, p, "codec" in planner.options))
     lines.append(f"predicted: {p.predicted_peak / MiB:.1f} MiB saved on the device at the peak "
                  f"({'fits' if p.fits else 'does NOT fit'}), {p.predicted_cost_ms:.2f} ms over no offload; "
                  f"re-planned {planner.replans} times")
@@ -92,15 +106,85 @@ def explain(planner: Explained) -> str:
     return "\n".join(lines)
 
 
-def _recompute_form(p: Plan, reentrant: bool, compiled: bool) -> str:
-    """How the plan's blocks are recomputed, and why (``reentrant``: the planner's own form)."""
-    if p.reentrant:
-        return "recomputed in the reentrant form (storm.recompute)"
-    if reentrant:
-        return "recomputed with torch's non-reentrant checkpoint, faster here in its trial"
-    if compiled:
-        return "recomputed with torch's non-reentrant checkpoint (compiled blocks: it runs their training graph)"
-    return "recomputed with torch's non-reentrant checkpoint (reentrant=False)"
+def _standing(planner: Explained) -> str:
+    """Whether the plan is settled, and if not, what the next steps do to it."""
+    phase = planner.phase.value
+    if phase == "settled":
+        return "settled: no further step measures, tries or changes this plan while steps run as the traced one did"
+    if phase in _TRACED:  # a plan, and a step traced again
+        return (f"not settled: the last step ran unlike the traced one (block 0's inputs of other shapes, say), so "
+                f"the next step {_TRACED[phase]} and the plan is made anew")
+    if phase == "measure":
+        target = "" if planner.target is None else f" of {planner.target / MiB:.1f} MiB"
+        return (f"not settled yet: the next step measures its peak against the target{target}; a step over it "
+                "leaves a margin and the plan is made again")
+    if phase == "check-host":
+        return ("not settled yet: a coming step that offloads has its host time per offloaded tensor read; "
+                "dearer than traced, the plan is made again with it")
+    trying = planner.trying
+    assert trying is not None  # phase "try"
+    return f"not settled yet: {trying.describe()}; the plan below is the last step's"
+
+
+def _outside(t: Trace, p: Plan) -> list[str]:
+    """What the step saved outside the blocks, by module where the planner knows the model, and
+    what the plan does with it."""
+    after = ("kept on the device" if after_kept(t, p.offloaded, p.inputs_offloaded) == t.after_bytes + t.between_bytes
+             else f"the first {_size(t.after_early_bytes)} (saved before its largest tensor) offloaded, the rest "
+                  f"kept on the device")
+    lines = [f"before the blocks: {_saved(t.before_bytes, t.before_modules)}"
+             + (f"; {'offloaded' if p.offloads else 'kept on the device'}" if t.before_bytes else ""),
+             f"after the blocks: {_saved(t.after_bytes, t.after_modules)}" + (f"; {after}" if t.after_bytes else "")]
+    if t.between_bytes:
+        lines.append(f"between the blocks: {_saved(t.between_bytes, t.between_modules)}; counted as kept on the "
+                     f"device")
+    return lines
+
+
+def _saved(nbytes: int, modules: list[tuple[str, int]]) -> str:
+    """``nbytes`` saved, and by which modules: the largest few."""
+    if not nbytes:
+        return "nothing saved"
+    if not modules:
+        return f"{_size(nbytes)} saved (storm.plan's model= names the modules that saved it)"
+    named = ", ".join(f"{name} {_size(b)}" for name, b in modules[:OUTSIDE_NAMED])
+    more = len(modules) - OUTSIDE_NAMED
+    return f"{_size(nbytes)} saved by {named}" + (f" and {more} more" if more > 0 else "")
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in MiB, or KiB below one (a small model's saves outside its blocks)."""
+    return f"{nbytes / MiB:.1f} MiB" if nbytes >= MiB or not nbytes else f"{max(1, round(nbytes / 1024))} KiB"
+
+
+def _copies(p: Plan, options: dict[str, Any]) -> str:
+    """What the plan lets wait for the link, and fetch ahead, in storm.offload's options' terms."""
+    if not p.offloads:
+        return "nothing is offloaded: every save stays on the device" + (
+            " or, in a recomputed block, is rebuilt in backward" if p.recomputed else "")
+    given = {k: ", as given" if k in options else "" for k in ("max_held_bytes", "prefetch_bytes")}
+    return (f"copies: at most {_size(p.max_held_bytes)} of saves wait for their copy to the host, forward waiting "
+            f"past that (max_held_bytes{given['max_held_bytes']}); backward fetches up to {_size(p.prefetch_bytes)} "
+            f"ahead of its need (prefetch_bytes{given['prefetch_bytes']})")
+
+
+def _recompute_form(planner: Explained, p: Plan) -> str:
+    """How the plan's blocks are recomputed, and why: the form trial (running, or what it kept),
+    the user's reentrant=False, or compiled blocks."""
+    form = "in the reentrant form (storm.recompute)" if p.reentrant else "with torch's non-reentrant checkpoint"
+    trying = planner.trying
+    if trying is not None and trying.forms:
+        return f"recomputed {form} in the last step: the two forms are being tried (above)"
+    tried = next((t for t in reversed(planner.trials) if t.forms), None)
+    if tried is not None and tried.kept == p:
+        why = ("the other went over its target" if tried.over is not None
+               else "neither was faster" if tried.gain_ms == 0 else "faster there")
+        return f"recomputed {form}, kept in its trial against the other form: {why}"
+    if not p.reentrant and planner.compiled:
+        return f"recomputed {form} (compiled blocks: it runs their training graph)"
+    if not p.reentrant and not planner.reentrant:
+        return f"recomputed {form} (reentrant=False)"
+    return f"recomputed {form}"
 
 
 def _inputs_offloaded(t: Trace, p: Plan) -> str:
@@ -109,38 +193,29 @@ def _inputs_offloaded(t: Trace, p: Plan) -> str:
     blocks = t.blocks[first:last + 1]
     which = f"block {first}" if first == last else f"blocks {first}-{last}"
     shared = sum(b.shared_input_bytes for b in blocks)
-    return (f"{which} recomputed with their inputs offloaded: {sum(map(fetched_inputs, blocks)) / MiB:.1f} MiB in "
+    return (f"{which} recomputed with their inputs offloaded: {_size(sum(map(fetched_inputs, blocks)))} in "
             f"{sum(b.input_tensors for b in blocks)} tensors fetched back when backward recomputes them"
-            + (f"; {shared / MiB:.1f} MiB of inputs other blocks are called with too stay" if shared else ""))
+            + (f"; {_size(shared)} of inputs other blocks are called with too stay" if shared else ""))
 
 
 def _codec(t: Trace, p: Plan, given: bool) -> str:
     """Whether offloaded tensors go raw or compressed, and the predicted times that chose it."""
-    if not p.offloads:
-        return "nothing offloaded: no codec"
-    offloaded, given_text = t.blocks[:p.offloaded], " (codec given)" if given else ""
+    offloaded, given_text = t.blocks[:p.offloaded], ", as given" if given else ""
     framed_bytes, frame_bytes = sum(b.framed_bytes for b in offloaded), sum(b.frame_bytes for b in offloaded)
     if frame_bytes >= framed_bytes:
-        return (f"offloaded tensors go raw{given_text}: none would be framed (frames are for CUDA bf16 tensors of "
-                f"at least {FRAME_MIN_BYTES / MiB:g} MiB)")
+        return (f"offloaded tensors go raw (codec{given_text}): none would be compressed (compression is for "
+                f"CUDA bf16 tensors of at least {FRAME_MIN_BYTES / MiB:g} MiB)")
     raw, compressed = (Offloading.of(t, p.offloaded, p.max_held_bytes, c, p.inputs_offloaded)[0] for c in (False, True))
     framed = sum(b.framed for b in offloaded)
-    return (f"offloaded tensors go {'compressed' if p.compressed else 'raw'}{given_text}: predicted link "
+    return (f"offloaded tensors go {'compressed' if p.compressed else 'raw'} (codec{given_text}): predicted link "
             f"{compressed.link_ms:.2f} ms compressed against {raw.link_ms:.2f} ms raw ({framed_bytes / MiB:.1f} "
-            f"MiB in {framed} tensors would cross as {frame_bytes / MiB:.1f} MiB of frames), host "
-            f"{compressed.host_ms - raw.host_ms:+.2f} ms ({t.frame_host_ms_per_tensor * 1e3:.0f} us per frame, "
-            f"less what the compute stream hides), codec kernels +{compressed.codec_ms:.2f} ms on the device "
-            f"({t.frame_device_ms_per_GiB:.2f} ms per GiB framed)")
+            f"MiB in {framed} tensors would cross as {frame_bytes / MiB:.1f} MiB compressed), host "
+            f"{compressed.host_ms - raw.host_ms:+.2f} ms ({t.frame_host_ms_per_tensor * 1e3:.0f} us per compressed "
+            f"tensor, less what the compute stream hides), compression kernels +{compressed.codec_ms:.2f} ms on the "
+            f"device ({t.frame_device_ms_per_GiB:.2f} ms per GiB compressed)")
 
 
 def _describe_budget(budget: int | float, total: int) -> str:
     if isinstance(budget, float):
         return f"{budget:.0%} of {total / MiB:.1f} MiB saved per step"
     return f"{budget / MiB:.1f} MiB of {total / MiB:.1f} MiB saved per step"
-
-
-def _after_blocks(t: Trace, p: Plan) -> str:
-    """What the plan does with the saves after the blocks."""
-    if after_kept(t, p.offloaded, p.inputs_offloaded) == t.after_bytes:
-        return "keep"
-    return f"offload the {t.after_early_bytes / MiB:.1f} MiB saved before the largest"

@@ -55,10 +55,18 @@ class Trace:
     h2d_GBps: float = 0.0
     store_bytes: int | None = None   # what the store took of the offload trace's saves when it refused some
     after_early_bytes: int = 0       # of after_bytes, those saved before the largest of them (after_kept)
+    between_bytes: int = 0           # saved between blocks, outside them (a step's forwards but its last end there)
+    # what saved them, per module outside the blocks ((name, bytes), largest first), where the planner
+    # knows the model (trace.OutsideSaves): before the first block, between blocks, after the last
+    before_modules: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    between_modules: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    after_modules: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    # forwards a step ran before its backward, each calling every block: a block's figures are all its calls'
+    forwards: int = 1
 
     @property
     def total_bytes(self) -> int:
-        return self.before_bytes + sum(b.saved_bytes for b in self.blocks) + self.after_bytes
+        return self.before_bytes + sum(b.saved_bytes for b in self.blocks) + self.between_bytes + self.after_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +106,12 @@ def fetched_inputs(b: BlockTrace) -> int:
 
 
 def after_kept(trace: Trace, offloaded: int, inputs_offloaded: int = 0) -> int:
-    """What of the saves after the blocks stays on the device: all but the early ones where
-    every block offloads its saves or inputs, else all."""
-    return trace.after_bytes - trace.after_early_bytes * (offloaded + inputs_offloaded == len(trace.blocks))
+    """What of the saves after the blocks, and between them, stays on the device: of those after,
+    all but the early ones where every block offloads its saves or inputs, else all; those between
+    (in a step of more forwards, the earlier forwards' heads and losses, the later ones' embeddings)
+    are counted as kept, which a plan that offloads them only lowers."""
+    return (trace.between_bytes + trace.after_bytes
+            - trace.after_early_bytes * (offloaded + inputs_offloaded == len(trace.blocks)))
 
 
 def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
@@ -170,7 +181,8 @@ class Offloading:
         blocks = trace.blocks
         # per offloading block, what it sends: its saves, or a recomputed block's inputs
         per_block = [b.saved_bytes for b in blocks[:k]] + [fetched_inputs(b) for b in blocks[k:k + m]]
-        sent = trace.before_bytes * (k + m > 0) + sum(per_block) + trace.after_bytes - after_kept(trace, k, m)
+        sent = (trace.before_bytes * (k + m > 0) + sum(per_block) + trace.between_bytes + trace.after_bytes
+                - after_kept(trace, k, m))
         if not sent:
             return [Offloading(0, 0, 0.0, 0.0, 0)]
         offloaded = blocks[:k] if compressed else []

@@ -2,13 +2,16 @@
 tensors, frames and host time per block) and the compute trace (every block recomputed, nothing
 offloaded: what recomputing each costs, and how far the host runs ahead of the compute stream).
 Each is the least-memory step of its kind, and calls no block beyond the step's own calls and
-their recomputes. docs/planner.md ("What is traced") explains what each measures and why.
+their recomputes; the offload trace also names which modules outside the blocks saved what
+(OutsideSaves). docs/planner.md ("What is traced") explains what each measures and why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
+import threading
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -40,16 +43,19 @@ class OffloadTrace:
     host time per tensor (raw: what frames add is measured apart). ``ctx`` is the step's
     storm.offload; ``collect()`` after it reads the Trace."""
 
-    def __init__(self, hooks: BlockHooks, options: dict[str, Any], frames_of: Frames):
+    def __init__(self, hooks: BlockHooks, options: dict[str, Any], frames_of: Frames, model: nn.Module | None = None):
         hooks.recompute(set())
         self.hooks, self.frames_of = hooks, frames_of
-        self.ctx = ctx = Offload(**{**options, "codec": "raw"})
-        self.signature: tuple | None = None  # block 0's inputs' shapes, which the trace holds for
+        self.outside = OutsideSaves(hooks.blocks, model)
+        self.ctx = ctx = TracedStep(self.outside, **{**options, "codec": "raw"})
+        self.signature: tuple = ()  # block 0's inputs' shapes in each forward, which the trace holds for
         n = len(hooks.blocks)
-        # (pack s, storages offloaded) when each block started and ended. The step's storages, in
-        # saving order, give each block's bytes and which a frame codec would frame: not the
-        # offloaded-bytes counter, which a store's refusal (a full pool) takes back later
+        # (pack s, storages offloaded) when each block call started and ended, and which block each
+        # call was: a step may run the blocks in more than one forward before its backward. The
+        # step's storages, in saving order, give each block's bytes and which a frame codec would
+        # frame: not the offloaded-bytes counter, which a store's refusal (a full pool) takes back later
         self.marks: list[tuple[float, int]] = []
+        self.called: list[int] = []
         self.inputs, self.grads = [0] * n, [0] * n
         self.arg_storages: list[dict[int, int]] = [{} for _ in range(n)]  # per block: its tensors' storages' bytes
         self.shared = Shared()
@@ -59,40 +65,57 @@ class OffloadTrace:
 
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
             mark()
+            self.called.append(i)
+            self.outside.block_starts()
             given = [*args, *tree_leaves(kwargs)]  # keyword arguments' tensors too: Recompute saves them
-            self.inputs[i] = sum(a.untyped_storage().nbytes() for a in given if isinstance(a, torch.Tensor))
-            self.arg_storages[i] = self.shared.called_with(given)
-            # gradients already there (not set to None between steps) are not allocated by the step
-            self.grads[i] = sum(q.numel() * q.element_size() for q in m.parameters()
-                                if q.requires_grad and q.grad is None)
+            # each forward's call keeps its own inputs where the block is recomputed
+            self.inputs[i] += sum(a.untyped_storage().nbytes() for a in given if isinstance(a, torch.Tensor))
+            self.arg_storages[i].update(self.shared.called_with(given))
+            # gradients already there (not set to None between steps) are not allocated by the step,
+            # and a second forward's call allocates none of its own
+            if hooks.calls[i] <= 1:
+                self.grads[i] = sum(q.numel() * q.element_size() for q in m.parameters()
+                                    if q.requires_grad and q.grad is None)
             if i == 0:
-                self.signature = input_signature(args)
+                self.signature += (input_signature(args),)
 
-        hooks.hook(pre, lambda i, m, args, out: mark())
+        def post(i: int, m: nn.Module, args: Any, out: Any) -> None:
+            mark()
+            self.outside.block_ends()
+
+        hooks.hook(pre, post)
 
     def collect(self) -> Trace | None:
-        """The Trace; None where the step did not run every block once (trace again)."""
+        """The Trace; None where the step did not run every block once in each of its forwards,
+        in order (trace again). Of a step of more forwards, each block's figures are its calls'
+        together: the plan decides per block, for all of them."""
         self.hooks.unhook()
+        self.outside.stop()  # where the step's context was never exited
         ctx, marks, n = self.ctx, self.marks, len(self.hooks.blocks)
         st = ctx.stats
         if not marks and ctx.saves:  # the blocks ran without their hooks, inside a graph compiled before them
             warn_blocks_whole_graph()
-        if len(marks) != 2 * n:
-            log.warning("storm.plan: the traced step did not run every block once; tracing again")
+        forwards = len(self.called) // n
+        if not forwards or self.called != list(range(n)) * forwards:
+            log.warning("storm.plan: the traced step did not run every block once in each forward, in order; "
+                        "tracing again")
             return None
         ctx.synchronize()  # every copy settled: the store's refusals are counted
         order = ctx.saves
         offset = [0]  # bytes saved before each storage of the step
         for stored in order:
             offset.append(offset[-1] + stored.nbytes)
+        calls = list(zip(marks[::2], marks[1::2]))  # call c * n + i: block i in forward c
         blocks = []
         for i in range(n):
-            s0, s1 = marks[2 * i][1], marks[2 * i + 1][1]
-            framed, framed_bytes, frame_bytes = self.frames_of(order[s0:s1])
+            spans = [(calls[c * n + i][0][1], calls[c * n + i][1][1]) for c in range(forwards)]
+            framed, framed_bytes, frame_bytes = (sum(f) for f in zip(*(self.frames_of(order[s0:s1])
+                                                                      for s0, s1 in spans)))
             storages = self.arg_storages[i]
             shared = [ptr for ptr in storages if ptr in self.shared]
-            blocks.append(BlockTrace(offset[s1] - offset[s0], s1 - s0, self.inputs[i], grad_bytes=self.grads[i],
-                                     framed=framed, framed_bytes=framed_bytes, frame_bytes=frame_bytes,
+            blocks.append(BlockTrace(sum(offset[s1] - offset[s0] for s0, s1 in spans), sum(s1 - s0 for s0, s1 in spans),
+                                     self.inputs[i], grad_bytes=self.grads[i], framed=framed,
+                                     framed_bytes=framed_bytes, frame_bytes=frame_bytes,
                                      input_tensors=len(storages) - len(shared),
                                      shared_input_bytes=sum(storages[ptr] for ptr in shared)))
         device = device_of(self.hooks.blocks)
@@ -100,7 +123,7 @@ class OffloadTrace:
         # frames are timed only where some tensor would be framed: their kernels compile at first use
         frame_ms, frame_device_ms = frame_costs(device) if any(b.framed for b in blocks) else (0.0, 0.0)
         # the median block's: the first offload of a process also sets up the pinned pool
-        per_tensor = [(marks[2 * i + 1][0] - marks[2 * i][0]) / b.tensors for i, b in enumerate(blocks) if b.tensors]
+        per_tensor = [(end[0] - start[0]) / (end[1] - start[1]) for start, end in calls if end[1] > start[1]]
         host_s = statistics.median(per_tensor) if per_tensor else st.pack_s / max(1, st.offloaded)
         store_bytes = None
         if st.offloaded_bytes < offset[-1]:  # the store refused some (pool full, quota): plans stay within
@@ -112,9 +135,161 @@ class OffloadTrace:
                                                                                 Keep.STORE_ERROR)))
         after = [stored.nbytes for stored in order[marks[-1][1]:]]
         early = sum(after[:after.index(max(after))]) if after else 0  # before the largest (model.after_kept)
-        return Trace(blocks, offset[marks[0][1]], offset[-1] - offset[marks[-1][1]],
-                     [offset[marks[2 * i][1]] for i in range(n)], 2e3 * host_s, frame_ms, frame_device_ms,
-                     d2h_GBps=d2h, h2d_GBps=h2d, store_bytes=store_bytes, after_early_bytes=early)
+        # between the first block's start and the last one's end, outside the blocks
+        inside = sum(offset[end[1]] - offset[start[1]] for start, end in zip(marks[::2], marks[1::2]))
+        between = offset[marks[-1][1]] - offset[marks[0][1]] - inside
+        before_modules, between_modules, after_modules = self.outside.by_module()
+        # what a budget offloads up to block i: the step's saves before it, and in each later forward
+        # those of the blocks before it (the budget takes the step's first bytes, forward after forward)
+        offloaded_before = [offset[calls[i][0][1]] + sum(offset[calls[c * n + i][0][1]] - offset[calls[c * n][0][1]]
+                                                         for c in range(1, forwards)) for i in range(n)]
+        return Trace(blocks, offset[marks[0][1]], offset[-1] - offset[marks[-1][1]], offloaded_before,
+                     2e3 * host_s, frame_ms, frame_device_ms, d2h_GBps=d2h, h2d_GBps=h2d, store_bytes=store_bytes,
+                     after_early_bytes=early, between_bytes=between, before_modules=before_modules,
+                     between_modules=between_modules, after_modules=after_modules, forwards=forwards)
+
+
+class TracedStep(Offload):
+    """The offload trace's storm.offload context: while it is entered, ``outside`` watches the
+    modules outside the blocks, so that their hooks come off with the step (and a planner closed
+    before the trace is read leaves none on the model)."""
+
+    def __init__(self, outside: "OutsideSaves", **options: Any):
+        super().__init__(**options)
+        self.outside = outside
+
+    def __enter__(self) -> "TracedStep":
+        super().__enter__()
+        self.outside.start(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.outside.stop()
+        super().__exit__(*exc)
+
+
+@dataclasses.dataclass
+class _Call:
+    """A call of a module outside the blocks, in progress: what its own code saved (before the
+    first block, between blocks, after the last) and what the modules called inside it did."""
+
+    module: nn.Module
+    blocks_started: int  # blocks started before it: it holds blocks where more have started by its end
+    own: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])
+    within: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)
+
+
+class OutsideSaves:
+    """Which modules outside the blocks saved what in the offload trace, by the model's own
+    qualified names (``conv1``, ``decoder.up1``, ``lm_head``), so that explain() tells a CNN's
+    stem or a UNet's decoder by name. Each save counts for the outermost module that holds no
+    block (``decoder.up1``, not its conv); a module that holds blocks keeps only what its own
+    code saved (``decoder (own code)``: a concatenation in its forward), and so does the model,
+    for what it saved outside any submodule (the loss in its forward or, under a framework's
+    step, in its training step). Without the model nothing is named: only its modules are
+    hooked, and torch's global module hooks instead would warn at every ``torch.compile``d
+    block's call while they are on and recompile it after. The hooks are on only while the
+    step's context is entered (TracedStep)."""
+
+    def __init__(self, blocks: list[nn.Module], model: nn.Module | None):
+        inside = {id(m) for b in blocks for m in b.modules()}
+        # the model itself is left out: storm.enable enters the step from its pre-hook, too late
+        # for a hook put on it then, and what it saves itself counts apart anyway
+        named = [] if model is None else [(name, m) for name, m in model.named_modules()
+                                          if name and id(m) not in inside]
+        self._modules = [m for _, m in named]
+        self._names = {id(m): name for name, m in named}
+        self._model = "" if model is None else type(model).__name__
+        self._blocks = len(blocks)
+        self._hooks: list[Any] = []
+        self._ctx: Offload | None = None
+        self._thread: int | None = None  # the step's: a module called by another thread is not its
+        self._seen = 0                   # the step's saves read so far
+        self._started = self._ended = 0  # blocks started and ended
+        self._calls: list[_Call] = []
+        self._own = [0, 0, 0]  # saved outside every hooked module: the model's own code
+        self._done: list[tuple[str, list[int]]] = []
+
+    def start(self, ctx: Offload) -> None:
+        """Watch the step ``ctx`` runs, entered now in this thread."""
+        self._ctx, self._thread = ctx, threading.get_ident()
+        for m in self._modules:
+            self._hooks.append(m.register_forward_pre_hook(self._enter))
+            self._hooks.append(m.register_forward_hook(self._leave, always_call=True))
+
+    def stop(self) -> None:
+        """The step's forward has ended (or never ran): the hooks come off, what is open is closed."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._ctx is not None:
+            self._settle()
+            while self._calls:
+                self._close(self._calls.pop())
+            self._ctx = None
+
+    def block_starts(self) -> None:
+        self._settle()
+        if self._ended and not self._ended % self._blocks:  # another forward of the step: not after the blocks
+            for saved in self._sizes():
+                saved[1], saved[2] = saved[1] + saved[2], 0
+        self._started += 1
+
+    def block_ends(self) -> None:
+        self._settle()  # the block's saves, which are its own: the trace counts them
+        self._ended += 1
+
+    def by_module(self) -> tuple[list[tuple[str, int]], list[tuple[str, int]], list[tuple[str, int]]]:
+        """(name, bytes) saved before the first block, between blocks and after the last, largest first."""
+        done = [*self._done, (f"{self._model} (own code)", self._own)] if self._model else []
+        sides: list[dict[str, int]] = [{}, {}, {}]
+        for name, saved in done:
+            for side, nbytes in zip(sides, saved):
+                if nbytes:
+                    side[name] = side.get(name, 0) + nbytes
+        before, between, after = (sorted(side.items(), key=lambda item: -item[1]) for side in sides)
+        return before, between, after
+
+    def _sizes(self) -> list[list[int]]:
+        """Every [before, between, after] kept so far."""
+        calls = [(c.own, *(saved for _, saved in c.within)) for c in self._calls]
+        return [self._own, *(saved for _, saved in self._done), *(saved for call in calls for saved in call)]
+
+    def _settle(self) -> None:
+        """The bytes saved since the last call of this: the open module's own, or the model's,
+        outside the blocks (a block's are its own)."""
+        if self._ctx is None:
+            return
+        saves = self._ctx.saves
+        nbytes = sum(s.nbytes for s in saves[self._seen:])
+        self._seen = len(saves)
+        if self._started > self._ended:
+            return
+        side = 0 if not self._started else 1 if self._ended % self._blocks else 2
+        (self._calls[-1].own if self._calls else self._own)[side] += nbytes
+
+    def _enter(self, m: nn.Module, args: Any) -> None:
+        # inside a compiled region this runs at trace time only: nothing to count there
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or self._started > self._ended:
+            return
+        self._settle()
+        self._calls.append(_Call(m, self._started))
+
+    def _leave(self, m: nn.Module, args: Any, out: Any) -> None:
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread:
+            return
+        if not self._calls or self._calls[-1].module is not m:  # entered inside a block, or before the step
+            return
+        self._settle()
+        self._close(self._calls.pop())
+
+    def _close(self, call: _Call) -> None:
+        into = self._calls[-1].within if self._calls else self._done
+        name = self._names[id(call.module)]
+        if call.blocks_started == self._started:  # it holds no block: it and what ran inside it are one
+            into.append((name, [sum(saved) for saved in zip(call.own, *(s for _, s in call.within))]))
+        else:
+            into += [*call.within, (f"{name} (own code)", call.own)]
 
 
 class Shared:
@@ -169,19 +344,21 @@ class ComputeTrace:
         self.hooks, self.clock, self.hand_over = hooks, clock, hand_over
         self.first_calls = False  # collect() found the traced forward paid the blocks' first calls
         n = len(hooks.blocks)
-        self.starts: list[Any] = [None] * n
-        self.ends: list[Any] = [None] * n
-        self.host = [0.0] * (n + 1)  # as each block starts, and as the last ends
-        # each block's last call, its recompute in backward: what recomputing it costs (see _timing)
-        self.recomputes: list[tuple[Any, Any] | None] = [None] * n
+        self.starts: list[Any] = [None] * n  # as each block's first call starts
+        self.ends: list[Any] = [None] * n    # and its last one ends
+        self.host = [0.0] * (n + 1)  # as each block first starts, and as the last ends
+        # each block's calls; the last of a step, one per forward, are its recomputes in backward:
+        # what recomputing it costs (see _timing)
+        self.recomputes: list[list[tuple[Any, Any]]] = [[] for _ in range(n)]
         self.untimed = [b.forward.forward for b in hooks.blocks]
         if hand_over:
             for i, b in enumerate(hooks.blocks):
                 b.forward.forward = _timing(self.untimed[i], clock, self.recomputes, i)
 
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
-            self.host[i] = clock.host()
-            self.starts[i] = clock.mark()
+            if self.starts[i] is None:  # the first forward's call: the lead is the host's within a forward
+                self.host[i] = clock.host()
+                self.starts[i] = clock.mark()
 
         def post(i: int, m: nn.Module, args: Any, out: Any) -> None:
             self.ends[i] = clock.mark()
@@ -204,8 +381,8 @@ class ComputeTrace:
             return False
         if not self.hand_over:
             return True
-        for b, marks in zip(trace.blocks, self.recomputes):  # the times of the form plans take
-            b.forward_ms = clock.elapsed_ms(*marks)
+        for b, calls in zip(trace.blocks, self.recomputes):  # the times of the form plans take
+            b.forward_ms = sum(clock.elapsed_ms(*marks) for marks in calls[-trace.forwards:])
         trace.forward_host_ms = (host[n] - host[0]) * 1e3
         trace.forward_device_ms = clock.elapsed_ms(starts[0], ends[-1])
         recomputing_ms = sum(b.forward_ms for b in trace.blocks)
@@ -226,19 +403,20 @@ class ComputeTrace:
         return True
 
 
-def _timing(forward: Callable[..., Any], clock: Clock, marks: list[Any], i: int) -> Callable[..., Any]:
-    """``forward`` (a recomputed block's own), each call's start and end on ``clock`` kept in
-    ``marks[i]``: the last call of a step is the block's recompute in backward (the non-reentrant
-    form's stops early, by raising, where the block's last saved tensor is rebuilt), which is what
-    recomputing it costs. Timing the recompute rather than forward's call, which runs without
-    autograd, leaves out what a process's first such call loads (kernels that grad-mode steps
-    never used) and needs no extra call of the block to pay that beforehand: a block with a side
-    effect (a KV cache, running statistics) must run exactly as training runs it."""
+def _timing(forward: Callable[..., Any], clock: Clock, marks: list[list[Any]], i: int) -> Callable[..., Any]:
+    """``forward`` (a recomputed block's own), each call's start and end on ``clock`` added to
+    ``marks[i]``: the last call of a step (one per forward, where it ran more) is the block's
+    recompute in backward (the non-reentrant form's stops early, by raising, where the block's
+    last saved tensor is rebuilt), which is what recomputing it costs. Timing the recompute
+    rather than forward's call, which runs without autograd, leaves out what a process's first
+    such call loads (kernels that grad-mode steps never used) and needs no extra call of the block
+    to pay that beforehand: a block with a side effect (a KV cache, running statistics) must run
+    exactly as training runs it."""
     def timed(*args: Any, **kwargs: Any) -> Any:
         start = clock.mark()
         try:
             return forward(*args, **kwargs)
         finally:
-            marks[i] = (start, clock.mark())
+            marks[i].append((start, clock.mark()))
 
     return timed

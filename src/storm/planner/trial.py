@@ -97,15 +97,41 @@ class Trial:
         return self.plans[0].reentrant != self.plans[1].reentrant
 
     def describe(self) -> str:
-        names = [plan_name(p) for p in self.plans]
+        """The trial in words: while it runs, what is tried; once decided, the two plans' median
+        steps and which was kept, faster by how much in the median of the pairs of steps run one
+        after the other (what decides, where the medians may say otherwise)."""
+        names = ([_form_name(p) for p in self.plans] if self.forms else [plan_name(p) for p in self.plans])
+        what = f"{names[0]} against {names[1]}" + (f" to {plan_name(self.plans[0])}" if self.forms else "")
         if self.over is not None:
-            return (f"tried {names[1]} beside {names[0]}: it peaked at {self.over / MiB:.1f} MiB, over its target; "
-                    f"kept {names[0]}")
-        times = ", ".join(f"{name} {self.median(i):.2f} ms" for i, name in enumerate(names))
+            return (f"tried {what}: {names[1]} peaked at {self.over / MiB:.1f} MiB in its first step, over its "
+                    f"target; kept {names[0]}")
         n = min(map(len, self.ms))
-        return (f"tried in alternation, forward and backward a step (median of {n}): {times}, the second "
-                f"{abs(self.gain_ms):.2f} ms {'faster' if self.gain_ms > 0 else 'slower'} in the median of {n} "
-                f"pairs; kept {plan_name(self.kept)}")
+        if self.kept is None:
+            run = sum(map(len, self.ms))
+            return (f"trying {what} in alternation, {TRIAL_STEPS} steps each (up to {TRIAL_MAX_STEPS} while they "
+                    f"are close), forward and backward timed, the faster to be kept ({run} step{'s' * (run != 1)} "
+                    f"timed so far)")
+        tried = (f"tried {what} in alternation, {n} steps each, forward and backward timed: median step "
+                 f"{_ms(self.median(0))} against {_ms(self.median(1))} ms")
+        if self.gain_ms == 0:
+            return f"{tried}; kept {names[0]}: neither was faster in the median of the {n} pairs of steps"
+        kept = self.plans.index(self.kept)
+        gain = self.gain_ms if kept else -self.gain_ms  # how much less the kept plan's steps took
+        text = (f"{tried}; kept {names[kept]}, {_ms(abs(gain))} ms a step {'faster' if gain > 0 else 'slower'} "
+                f"in the median of the {n} pairs of steps run one after the other")
+        if self.median(kept) > self.median(1 - kept):
+            text += (" (its median step is the longer: the pairs decide, which a slow stretch of the host moves "
+                     "less)")
+        return text
+
+
+def _form_name(p: Plan) -> str:
+    return "the reentrant form" if p.reentrant else "torch's non-reentrant checkpoint"
+
+
+def _ms(ms: float) -> str:
+    """A step's time: to 0.1 ms, finer below 1 ms."""
+    return f"{ms:.1f}" if ms >= 1 else f"{ms:.2f}"
 
 
 def plan_name(p: Plan) -> str:

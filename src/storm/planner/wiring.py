@@ -35,6 +35,20 @@ class BlockHooks:
         self._end_hooks: list[Any] = []  # on the last block (at_backward_end), until their step's forward ends
         self._recomputing: set[int] = set()
         self._own: dict[int, Callable[..., Any]] = {}  # own_forward per block, once recomputed
+        # A step is what runs between backwards: it may call each block more than once (two
+        # forwards before one backward, as preference and contrastive training do). Each block's
+        # forward calls with grad enabled since the step began (new_step), counted by a hook set
+        # before any other, so that every later hook reads the call it runs in
+        self.calls = [0] * len(blocks)
+        self._counting = [self._pre_hook(i, functools.partial(self._count, i)) for i in range(len(blocks))]
+
+    def _count(self, i: int, m: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():  # evaluation between steps calls the blocks too
+            self.calls[i] += 1
+
+    def new_step(self) -> None:
+        """A step begins: no block has been called in it yet."""
+        self.calls = [0] * len(self.blocks)
 
     def _pre_hook(self, i: int, fn: Callable, **kwargs: Any) -> Any:
         return self.blocks[i].register_forward_pre_hook(torch.compiler.disable(fn), **kwargs)
@@ -60,17 +74,26 @@ class BlockHooks:
     def at_backward_end(self, fn: Callable[[], None], reached: Callable[[], None] | None = None) -> None:
         """Call ``fn`` as this step's backward ends: queued on the autograd engine from the
         gradient of the last block's output, which is ready as backward reaches the blocks (the
-        loss's and the head's backward done); ``reached``, where given, is called then."""
+        loss's and the head's backward done); ``reached``, where given, is called then. Of a step
+        that called the blocks more than once, the first such gradient (backward reaches the
+        last forward's blocks first) counts."""
+        grads: list[Any] = []  # the hooks on each call's output, until one has fired
+
         def at_grad(grad: torch.Tensor) -> None:
+            if not grads:
+                return
+            for h in grads:
+                h.remove()
+            grads.clear()
+            handle.remove()  # not again when a checkpointed last block is rebuilt in backward
             if reached is not None:
                 reached()
             torch.autograd.Variable._execution_engine.queue_callback(fn)
 
         def at_output(m: nn.Module, args: Any, out: Any) -> None:
-            handle.remove()  # once: not again when a checkpointed last block is rebuilt
             t = first_tensor(out)
             if t is not None and t.requires_grad:
-                t.register_hook(at_grad)
+                grads.append(t.register_hook(at_grad))
 
         handle = self._post_hook(len(self.blocks) - 1, at_output)
         self._end_hooks.append(handle)
@@ -100,16 +123,17 @@ class BlockHooks:
         self._recomputing = set(which)
 
     def apply(self, plan: Plan, trace: Trace, grads: bool, on_new_shapes: Callable[[], None],
-              signature: tuple | None, ctx: Callable[[], Offload | None]) -> None:
+              signature: tuple, ctx: Callable[[], Offload | None]) -> None:
         """Put ``plan`` in force from the next step: its recomputed blocks, a hook that calls
-        ``on_new_shapes`` where block 0 is called with inputs unlike ``signature`` (the trace no
-        longer holds), and where it offloads, the hooks that pace the step ``ctx()`` returns
+        ``on_new_shapes`` where block 0 is called with inputs unlike ``signature`` (per call of
+        the step: the trace no longer holds), and where it offloads, the hooks that pace the step ``ctx()`` returns
         (pace). ``grads``: whether the plan's peak counts parameter gradients."""
         self.unhook()
         self.recompute(set(plan.recomputed), reentrant=plan.reentrant)
 
         def check(m: nn.Module, args: Any) -> None:
-            if input_signature(args) != signature:
+            call = self.calls[0] - 1  # counted already (_count runs first)
+            if call >= 0 and (call >= len(signature) or input_signature(args) != signature[call]):
                 on_new_shapes()
 
         self._hooks.append(self._pre_hook(0, check))
@@ -157,11 +181,12 @@ class BlockHooks:
             step = ctx()
             if step is None:
                 return
+            last_call = self.calls[i] >= trace.forwards  # a step's earlier forwards offload by the budget alone
             if i >= end:
                 step.drain(limit[i])
-            elif i == end - 1 and (end < len(blocks) or not trace.after_early_bytes):
+            elif i == end - 1 and last_call and (end < len(blocks) or not trace.after_early_bytes):
                 step.stop_offloading()  # the later saves stay: no hooks for them to pass through
-            elif i == end - 1:  # the last block's saves or inputs went: the early saves after it go too
+            elif i == end - 1 and last_call:  # the last block's saves or inputs went: the early saves after it go too
                 step.offload_at_most(trace.after_early_bytes)
             t = first_tensor(out)
             if t is not None and t.requires_grad:
@@ -175,6 +200,9 @@ class BlockHooks:
         self.unhook()
         self.remove_end_hooks()
         self.recompute(set())
+        for h in self._counting:
+            h.remove()
+        self._counting = []
 
 
 def warn_blocks_whole_graph() -> None:

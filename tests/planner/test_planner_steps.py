@@ -1,0 +1,123 @@
+"""Issue 53, item 3: a step is what runs between backwards, not one forward. Two forwards before
+one backward (chosen and rejected sequences in preference training, a siamese model's two
+towers) plan as one step: the trace holds both forwards' saves, the plan settles, and every
+step's gradients are those of training without STORM, bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import storm
+from planner_fakes import FakeClock, gpt
+
+STEPS = 30  # more than a budget=0.5 plan of the CPU GPT takes to settle on a clock standing still
+
+
+def two_forward_step(model, a: torch.Tensor, b: torch.Tensor, step: int, handle=None) -> list[torch.Tensor]:
+    """One step of two forwards (``a`` and ``b``) and one backward of their losses' sum; the
+    gradients. With ``handle``, the step is marked by its begin() and end()."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(step)  # the same dropout masks with and without STORM
+    if handle is not None:
+        handle.begin()
+    loss = model.loss(a[:, :-1], a[:, 1:]) + 0.5 * model.loss(b[:, :-1], b[:, 1:])
+    if handle is not None:
+        handle.end()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def saved_bytes_of_a_step(model, a: torch.Tensor, b: torch.Tensor, losses: bool) -> int:
+    """What a step of the model's two forwards saves that storm.offload would take (min_bytes=0:
+    everything it offloads); with ``losses``, the losses too, as a step marked by begin() and end()
+    around the forwards and the losses has them."""
+    ctx = storm.offload(mode="embedded", min_bytes=0)
+    with ctx:
+        logits = model(a[:, :-1])
+    with ctx.resume() if losses else contextlib.nullcontext():
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), a[:, 1:].reshape(-1))
+    with ctx.resume():
+        logits = model(b[:, :-1])
+    with ctx.resume() if losses else contextlib.nullcontext():
+        loss = loss + 0.5 * F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1))
+    loss.backward()
+    return ctx.stats.offloaded_bytes
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["on-forward", "begin-end"])
+def test_two_forwards_before_one_backward_plan_as_one_step_that_settles_bit_exact(marked, caplog):
+    model, idx = gpt()
+    a, b = idx, idx.flip(0)
+    reference = copy.deepcopy(model)
+    whole_step = saved_bytes_of_a_step(copy.deepcopy(model), a, b, losses=marked)
+    handle = storm.enable(model, budget=0.5, on_forward=not marked, mode="embedded", min_bytes=0, clock=FakeClock())
+    planner = handle.planner
+    caplog.set_level(logging.INFO, logger="storm")
+    try:
+        for step in range(STEPS):
+            want = two_forward_step(reference, a, b, step)
+            got = two_forward_step(model, a, b, step, handle if marked else None)
+            for g, w in zip(got, want):
+                assert torch.equal(g, w), f"step {step}: gradients differ from training without STORM"
+            if planner.settled:
+                break
+        assert planner.settled, f"not settled after {STEPS} steps:\n{handle.explain()}"
+        assert planner.trace.forwards == 2
+        # the plan is of the whole step: both forwards' saves, not one forward's
+        assert planner.trace.total_bytes == whole_step
+        assert planner.replans == 0
+        assert "2 forwards" in handle.explain()
+        # settled, it stays so, bit-exact
+        for step in range(STEPS, STEPS + 3):
+            want = two_forward_step(reference, a, b, step)
+            got = two_forward_step(model, a, b, step, handle if marked else None)
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert planner.settled and planner.replans == 0
+    finally:
+        handle.disable()
+    joined = [r for r in caplog.records if "before the backward" in r.getMessage()]
+    assert len(joined) == (0 if marked else 1), [r.getMessage() for r in joined]  # said once, where it was seen
+
+
+def test_a_backward_between_forwards_makes_them_steps_of_their_own():
+    """Gradient accumulation (forward, backward, forward, backward): each forward is a step."""
+    model, idx = gpt()
+    handle = storm.enable(model, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock())
+    try:
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            for half in (idx[:4], idx[4:]):
+                model.loss(half[:, :-1], half[:, 1:]).backward()
+        assert handle.planner.trace is not None and handle.planner.trace.forwards == 1
+    finally:
+        handle.disable()
+
+
+def test_resume_enters_the_same_step_again():
+    """storm.offload's resume(): a second forward's saves join the step; refused before entry and
+    while active."""
+    model, idx = gpt()
+    reference = copy.deepcopy(model)
+    ctx = storm.offload(mode="embedded", min_bytes=0)
+    with pytest.raises(RuntimeError, match="enter the context first"):
+        ctx.resume()
+    torch.manual_seed(3)
+    with ctx:
+        l1 = model.loss(idx[:, :-1], idx[:, 1:])
+        with pytest.raises(RuntimeError, match="is active"):
+            ctx.resume()
+    first = ctx.stats.saved
+    with ctx.resume():
+        l2 = model.loss(idx[:, :-1], idx[:, 1:])
+    assert ctx.stats.saved == 2 * first  # one step's counters, both forwards
+    (l1 + l2).backward()
+    torch.manual_seed(3)
+    (reference.loss(idx[:, :-1], idx[:, 1:]) + reference.loss(idx[:, :-1], idx[:, 1:])).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
