@@ -25,6 +25,8 @@ def test_train_gpt_embedded_checks_gradients_bit_for_bit(capsys):
     assert "gradients bit-identical" in out and "through embedded store" in out
     n, total = out.split("first step: ")[1].split(" ")[0].split("/")
     assert n == total and int(total) > 10
+    # the run's peak beside the one of a step without STORM (issue 53: the peak alone said nothing)
+    assert re.search(r"peak RSS [\d.]+ MiB \([\d.]+ MiB by the end of the first step without STORM", out), out
 
 
 def test_train_gpt_with_a_plan_traces_plans_and_explains(capsys):

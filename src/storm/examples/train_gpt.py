@@ -57,17 +57,21 @@ def grads_after_step(model: GPT, x: torch.Tensor, y: torch.Tensor, seed: int,
     return [p.grad.clone() for p in model.parameters()]
 
 
-def check_first_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> int:
-    """Gradients without and with offload from identical copies; returns how many differ."""
+def check_first_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> tuple[int, float]:
+    """Gradients without and with offload from identical copies; returns how many differ, and the
+    peak memory (MiB, as peak_mib) by the end of the step without offload."""
     plain, offloaded = copy.deepcopy(model), copy.deepcopy(model)
     g0 = grads_after_step(plain, x, y, args.seed, None)
+    without = peak_mib(x.device)
+    if x.device.type == "cuda":  # from here on, the peak is that of steps with STORM
+        torch.cuda.reset_peak_memory_stats(x.device)
     g1 = grads_after_step(offloaded, x, y, args.seed, make_offload(args))
     names = [n for n, _ in model.named_parameters()]
     bad = [n for n, a, b in zip(names, g0, g1) if not same_bits(a, b)]
     for n in bad:
         print(f"gradient of {n} differs with offload", file=sys.stderr)
     print(f"first step: {len(names) - len(bad)}/{len(names)} gradients bit-identical with and without offload")
-    return len(bad)
+    return len(bad), without
 
 
 def plan_budget(text: str) -> int | float:
@@ -118,10 +122,24 @@ def plot_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argparse.Names
             f"{with_storm.peak_mib:.1f} MiB with)")
 
 
-def peak_memory(device: torch.device) -> str:
+def peak_mib(device: torch.device) -> float:
+    """The peak so far: of GPU memory allocated by torch on CUDA (since its last reset), else of
+    the process's RSS."""
     if device.type == "cuda":
-        return f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**20:.1f} MiB"
-    return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.1f} MiB"
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+def peak_memory(device: torch.device, without: float | None) -> str:
+    """The run's peak, beside the one of the first step without STORM where the check ran it."""
+    if device.type == "cuda":
+        text = f"peak GPU memory {peak_mib(device):.1f} MiB with STORM"
+        return text + ("" if without is None else f", {without:.1f} MiB in the first step without it")
+    text = f"peak RSS {peak_mib(device):.1f} MiB"
+    # the process's peak cannot be reset: the figure after the step without STORM is the peak up to then
+    return text + ("" if without is None else f" ({without:.1f} MiB by the end of the first step without "
+                                             f"STORM; on the CPU the host pool STORM offloads to is the same "
+                                             f"memory, so STORM lowers no CPU peak: it is for GPU memory)")
 
 
 def positive(text: str) -> int:
@@ -207,8 +225,11 @@ def train(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(args.seed)
 
     x, y = batch(data, args.batch, args.seq, gen)
-    if not args.no_check and check_first_step(model, x, y, args):
-        return 1
+    without = None
+    if not args.no_check:
+        bad, without = check_first_step(model, x, y, args)
+        if bad:
+            return 1
 
     if args.plot:
         print(plot_step(model, x, y, args))
@@ -229,7 +250,7 @@ def train(args: argparse.Namespace) -> int:
                     f"fetch wait {st.fetch_wait_s * 1e3:.1f} ms")
             x, y = batch(data, args.batch, args.seq, gen)
     print(f"done: {args.steps} steps through {off.backend_name}; offloaded {total_tensors} tensors, "
-          f"{total_bytes / 2**20:.1f} MiB in all; {peak_memory(device)}")
+          f"{total_bytes / 2**20:.1f} MiB in all; {peak_memory(device, without)}")
     if planner is not None:
         print(planner.explain())
         planner.close()
