@@ -74,8 +74,10 @@ def test_daemon_killed_during_forward(tmp_path, monkeypatch):
         assert time.monotonic() - t0 < DEAD_AFTER + HEARTBEAT + 2.0  # never a hang
         ctx.synchronize()
         # b's tensors were not lost, nor kept on the device: once the daemon was found gone, the step's saves
-        # still held for it went to the embedded store that took its place (issue 53, item 4)
-        assert ctx.stats.kept.get(storm.Keep.STORE_ERROR, 0) == 0 and ctx.backend_name == "embedded store"
+        # still held for it went to the embedded store that took its place (issue 53, item 4), or backward
+        # took them before their copies began
+        assert ctx.stats.kept.get(storm.Keep.STORE_ERROR, 0) == 0
+        assert ctx.backend_name == "embedded store" or ctx.stats.copies_dropped > 0
         d = fall_back_then_reconnect(tmp_path, lambda: a(x).tanh().sum().backward(), "--no-metrics")
     finally:
         storm.close_all()
