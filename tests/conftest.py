@@ -13,7 +13,19 @@ import storm
 from stormd import host_share, launch
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker runs torch with one thread, and so do the processes tests
+    start: workers as many as cores, each with torch's default of a thread per core, would spin
+    their OpenMP threads against each other and run every CPU-bound test many times slower."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
+    # the slow tests first (a stable sort: each module's order otherwise kept), so that pytest-xdist's
+    # workers start with them rather than one worker ending the run alone on the last of them
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")

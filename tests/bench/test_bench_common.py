@@ -3,6 +3,8 @@ their stormd, which says BYE for the benchmark's own sessions first."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 import storm
@@ -13,11 +15,14 @@ common = bench_module("common")
 
 def test_results_carry_their_provenance_and_stormd_commit_names_the_code(tmp_path, monkeypatch):
     monkeypatch.setenv("STORM_COMMIT", "abc1234")  # the lent machine's copy of the tree has no .git of its own
+    # a benchmark's command line (pytest's own is another process's under pytest-xdist: "python -c")
+    monkeypatch.setattr(sys, "argv", ["bench/offload.py", "--workloads", "tiny"])
     out = tmp_path / "sub" / "r.json"
     common.write(out, {"rows": [1]}, "cpu", cpu_threads=2)
     result = bench_result(out)
     assert result["rows"] == [1]
     assert result["meta"]["commit"] == "abc1234" and result["meta"]["device"] == "cpu"
+    assert result["meta"]["command"].endswith("bench/offload.py --workloads tiny")
     assert result["meta"]["cpu_threads"] == 2 and result["meta"]["torch"] == torch.__version__
 
 
