@@ -12,7 +12,9 @@ forward. ``enable`` does the second from the model itself: a forward pre-hook
 enters a ``storm.offload`` context (or the planner's next step) and a forward
 hook, always called, exits it, so saves made inside the model's forward go to
 the store and come back in backward, which ``storm.offload`` serves after its
-``with`` has ended.
+``with`` has ended. A step is what runs between backwards: a forward that begins
+before backward has reached the last one's output goes on with that step
+(``Offload.resume()``), so two forwards before one backward are planned as one step.
 
 A model compiled as one graph (``torch.compile(model)``, ``model.compile()``) hands its saved
 tensors over only once its whole forward has run, after the peak: a warning says so
@@ -42,7 +44,7 @@ from torch.utils._pytree import tree_leaves
 from .compiled import compiled, probe_compiling, warn_whole_graph
 from .hooks import Offload
 from .planner import Planner, plan
-from .planner.driver import plan_options
+from .planner.options import plan_options
 
 log = logging.getLogger("storm")
 

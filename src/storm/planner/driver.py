@@ -14,10 +14,8 @@ from typing import Any, Callable, Iterable
 
 from torch import nn
 
-from stormd.wire.sizes import parse_size
-
 from ..compiled import compiled
-from ..hooks import Offload, parse_budget
+from ..hooks import Offload
 from . import explain as explaining
 from .measure import (
     HOST_CHECK_STEP,
@@ -31,6 +29,7 @@ from .measure import (
     widened_margin,
 )
 from .model import Plan, Trace, choose, moments, predicted_peak
+from .options import plan_options
 from .trace import ComputeTrace, Frames, OffloadTrace
 from .trial import Clock, Trial
 from .wiring import BlockHooks, device_of
@@ -503,40 +502,6 @@ def _entered(ctx: Offload) -> bool:
     except RuntimeError:
         return False
     return True
-
-
-def plan_options(budget: int | float | str | None, peak: int | str | None, reentrant: bool, clock: Clock | None,
-                 offload_options: dict[str, Any]) -> tuple[int | float | None, int | None, dict[str, Any]]:
-    """storm.plan's options checked as far as they can be without the blocks (whether peak= can be
-    measured depends on their device): the budget as given (bytes, or a fraction of the traced
-    step's), the peak in bytes, and the storm.offload options given, as checked ("512MiB" read as
-    bytes). Refused now, not at the first step; storm.enable's callbacks check theirs here before
-    they have a model."""
-    if "budget" in offload_options or (budget is None) == (peak is None):
-        raise TypeError("storm.plan takes one of budget= (the GPU memory saved activations may take: bytes or "
-                        "a fraction of a step's) and peak= (the step's peak GPU memory above its start, bytes); "
-                        "it sets storm.offload's budget itself")
-    if not isinstance(reentrant, bool):  # "no" would be taken as True
-        raise ValueError(f"reentrant must be True or False; got {reentrant!r}")
-    if clock is not None and not all(callable(getattr(clock, f, None)) for f in ("host", "mark", "elapsed_ms")):
-        raise TypeError(f"clock must be None (the compute stream's timings on CUDA, else the host's) or a "
-                        f"storm.planner.Clock (an object with host(), mark() and elapsed_ms()); got {clock!r}")
-    checked = Offload(**offload_options).options
-    return (parse_budget(budget), None if peak is None else _parse_peak(peak),
-            {k: checked[k] for k in offload_options})
-
-
-def _parse_peak(peak: int | str) -> int:
-    bad = ValueError(f"peak must be bytes (an int or a size such as '6GiB'), got {peak!r}")
-    if isinstance(peak, (bool, float)):  # a fraction of what? peak is the step's own memory
-        raise bad
-    try:
-        value = parse_size(peak)
-    except ValueError:
-        raise bad from None
-    if value < 0:
-        raise bad
-    return value
 
 
 def plan(blocks: Iterable[nn.Module], budget: int | float | str | None = None, *, peak: int | str | None = None,
