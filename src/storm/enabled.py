@@ -194,7 +194,8 @@ class Enabled:
             what = (f"storm.plan on {len(self.blocks)} blocks at {self.where or '(the model)'} "
                     f"({type(self.blocks[0]).__name__})")
         model = type(self.model).__name__
-        steps = (f"on every forward of {model} with grad enabled" if self._on_forward else
+        steps = (f"on every forward of {model} with grad enabled (those before one backward: one step)"
+                 if self._on_forward else
                  f"in {model}, on the steps that begin() and end() mark (a framework's callback: Lightning's "
                  f"batch hooks), with grad enabled")
         state = "" if _enabled.get(id(self.model)) is self else " (disabled; as it was then)"

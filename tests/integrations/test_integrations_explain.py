@@ -32,7 +32,7 @@ def test_after_disable_explain_tells_the_plan_as_its_last_step_left_it():
     assert handle.planner.settled  # disable() read the last step
     text = handle.explain()
     assert text.startswith("storm.enable (disabled; as it was then): storm.plan on 3 blocks at blocks (GPTBlock) on "
-                           "every forward of GPT with grad enabled\n"), text
+                           "every forward of GPT with grad enabled (those before one backward: one step)\n"), text
     assert "\nsettled: " in text and "; kept the reentrant form: neither was faster" in text, text
     before, after = text.split("before the blocks: ")[1].split("after the blocks: ")
     assert before.startswith("9 KiB saved by drop 8 KiB, tok 1 KiB, pos 1 KiB; ") and "head" in after, text
