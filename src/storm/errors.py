@@ -92,4 +92,3 @@ class StormInPlaceError(StormError):
 
 class StormIntegrityError(StormError):
     """Bytes read back from the pool do not match the checksum taken when they were stored."""
-

@@ -110,7 +110,7 @@ class Planner:
         self._checking = False                 # the next planned step is measured
         self._tracing: Phase | None = Phase.TRACE_OFFLOAD  # the traced step next; None once planned
         self._pending: Callable[[], None] | None = None  # finishes reading the last step
-        self._signature: tuple | None = None   # block 0's inputs' shapes and dtypes in the offload trace
+        self._signature: tuple = ()  # block 0's inputs' shapes and dtypes in each forward of the offload trace
         self._stale = False                    # block 0 was called with others: the next step traces again
         self._ctx: Offload | None = None  # the step running now, or the last begun (a trace's too)
         self._measured: int | None = None  # the measured step's peak, read as its backward ended

@@ -136,7 +136,7 @@ class OffloadTrace:
         after = [stored.nbytes for stored in order[marks[-1][1]:]]
         early = sum(after[:after.index(max(after))]) if after else 0  # before the largest (model.after_kept)
         # between the first block's start and the last one's end, outside the blocks
-        inside = sum(offset[end[1]] - offset[start[1]] for start, end in zip(marks[::2], marks[1::2]))
+        inside = sum(offset[end[1]] - offset[start[1]] for start, end in calls)
         between = offset[marks[-1][1]] - offset[marks[0][1]] - inside
         before_modules, between_modules, after_modules = self.outside.by_module()
         # what a budget offloads up to block i: the step's saves before it, and in each later forward

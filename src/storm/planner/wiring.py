@@ -181,13 +181,13 @@ class BlockHooks:
             step = ctx()
             if step is None:
                 return
-            last_call = self.calls[i] >= trace.forwards  # a step's earlier forwards offload by the budget alone
             if i >= end:
                 step.drain(limit[i])
-            elif i == end - 1 and last_call and (end < len(blocks) or not trace.after_early_bytes):
-                step.stop_offloading()  # the later saves stay: no hooks for them to pass through
-            elif i == end - 1 and last_call:  # the last block's saves or inputs went: the early saves after it go too
-                step.offload_at_most(trace.after_early_bytes)
+            elif i == end - 1 and self.calls[i] >= trace.forwards:  # earlier forwards offload by the budget alone
+                if end < len(blocks) or not trace.after_early_bytes:
+                    step.stop_offloading()  # the later saves stay: no hooks for them to pass through
+                else:  # the last block's saves or inputs went: the early saves after it go too
+                    step.offload_at_most(trace.after_early_bytes)
             t = first_tensor(out)
             if t is not None and t.requires_grad:
                 t.register_hook(lambda grad: step.allow_prefetch(room[i]))
