@@ -12,13 +12,14 @@ import datetime
 import json
 import logging
 import os
+import random
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 import torch._functorch.config
@@ -282,8 +283,8 @@ def torchtune_offload() -> type:
 
 def method_context(method: str, opts: dict, planner: storm.Planner | None = None) -> Any:
     """The context ``method``'s forward runs in: torch's save_on_cpu(pin_memory=True), torchtune's
-    OffloadActivations(**opts), storm.offload(**opts), ``planner``'s step; none for "none" and
-    "checkpoint" (the model was built so)."""
+    OffloadActivations(**opts), storm.offload(**opts), ``planner``'s step; none for "none",
+    "checkpoint" (the model was built so) and "enable" (storm.enable's hooks enter STORM's)."""
     if method == "save_on_cpu":
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
     if method == "torchtune":
@@ -313,13 +314,17 @@ def synchronize(device: torch.device) -> None:
 
 
 class Trainer:
-    """One method's model, optimizer and (for "plan") planner on the device, stepped by train_step."""
+    """One method's model, optimizer and (for "plan") planner on the device, stepped by train_step.
+    Method "enable" is ``storm.enable(model, **opts)``, as a user turns STORM on: its handle's
+    planner (with budget= or peak=) is the Trainer's, and the handle is disabled at close()."""
 
     def __init__(self, w: Workload | Llama | Variant, method: str, opts: dict, device: torch.device):
         self.w, self.method, self.opts, self.device = w, method, opts, device
         self.model, self.x = w.build(device, ckpt=(method == "checkpoint"))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
-        self.planner = storm.plan(w.blocks(self.model), **opts) if method == "plan" else None
+        self.handle = storm.enable(self.model, **opts) if method == "enable" else None
+        self.planner = storm.plan(w.blocks(self.model), **opts) if method == "plan" else \
+            self.handle and self.handle.planner
         self.last: storm.Offload | None = None
 
     def warm(self, steps: int) -> None:
@@ -339,15 +344,33 @@ class Trainer:
         """One training step, device work included: seconds."""
         t0 = time.perf_counter()
         self.last = train_step(self.w, self.model, self.x, self.opt, self.method, self.opts, self.planner)
+        if self.handle is not None:
+            self.last = self.handle.last
         synchronize(self.device)
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        if self.planner is not None:
+        if self.handle is not None:
+            self.handle.disable()  # closes its planner
+        elif self.planner is not None:
             self.planner.close()
         del self.model, self.x, self.opt, self.last
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def alternate(trainers: Sequence[Trainer], rounds: int, steps: int, order: random.Random) -> list[list[list[float]]]:
+    """``rounds`` rounds of ``steps`` steps of each of ``trainers``, side by side on the device, each
+    round in an order shuffled by ``order`` (so that none always runs after the same one): per
+    trainer, per round, its steps' seconds. The lent machines drift by 10 to 40% within a run, and
+    rows measured minutes apart would compare that drift too."""
+    times: list[list[list[float]]] = [[] for _ in trainers]
+    for _ in range(rounds):
+        turns = list(zip(times, trainers))
+        order.shuffle(turns)
+        for r, trainer in turns:
+            r.append([trainer.step() for _ in range(steps)])
+    return times
 
 
 def plan_summary(pl: storm.Planner) -> dict:
@@ -363,10 +386,12 @@ def plan_summary(pl: storm.Planner) -> dict:
             "trial": "; ".join(t.describe() for t in pl.trials) or None}
 
 
-def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opts: dict, device: torch.device) -> dict:
+def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opts: dict, device: torch.device,
+        more: Callable[[Trainer], dict] | None = None) -> dict:
     """``method`` on ``w`` (a Trainer) on CUDA: the median step and its peak above the start, and
-    for an offloading method what moved; {"error": "OOM"} where it ran out of memory, and the
-    exception's type and message where it raised another."""
+    for an offloading method what moved, and what ``more`` reads from the Trainer after its steps;
+    {"error": "OOM"} where it ran out of memory, and the exception's type and message where it
+    raised another."""
     t = None
     warned = WarningLog()
     logging.getLogger("storm").addHandler(warned)
@@ -402,10 +427,10 @@ def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opt
                      fetch_wait_ms=round(st.fetch_wait_s * 1e3, 2), backend=t.last.backend_name)
         if t.planner is not None:
             r.update(plan=plan_summary(t.planner), explain=t.planner.explain())
-    except torch.OutOfMemoryError:
-        r = {"error": "OOM"}
+        if more is not None:
+            r.update(more(t))
     except Exception as e:  # a method that cannot run here (torchtune missing, a compile failing): the row says why
-        r = {"error": f"{type(e).__name__}: {e}"}
+        r = failure(e)
     finally:
         logging.getLogger("storm").removeHandler(warned)
         if t is not None:
@@ -413,6 +438,12 @@ def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opt
     if warned.messages:
         r["warnings"] = warned.messages
     return r
+
+
+def failure(e: Exception) -> dict:
+    """What a row (or a duel) that raised ``e`` records: {"error": "OOM"} where it ran out of
+    memory, else the exception's type and message."""
+    return {"error": "OOM" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"}
 
 
 class WarningLog(logging.Handler):

@@ -63,6 +63,7 @@ from common import (
     Trainer,
     Variant,
     Workload,
+    alternate,
     cuda_device,
     link_bandwidth,
     plan_summary,
@@ -247,12 +248,7 @@ def duel(w: Workload, sec: dict, args: argparse.Namespace, device: torch.device,
             try:
                 mine.warm(args.warmup)
                 theirs.warm(args.warmup)
-                rounds: tuple[list[list[float]], ...] = ([], [], [])
-                for _ in range(args.duel):
-                    turns = list(zip(rounds, (mine, theirs, none)))
-                    order.shuffle(turns)
-                    for r, trainer in turns:
-                        r.append([trainer.step() for _ in range(args.steps)])
+                rounds = alternate((mine, theirs, none), args.duel, args.steps, order)
                 chosen = plan_summary(mine.planner)  # planned afresh here: it may differ from the row's plan
             finally:
                 mine.close()

@@ -1,0 +1,393 @@
+"""storm.enable across a zoo of Hugging Face architectures: per cell (an architecture at a shape),
+the methods users pick and STORM's one-line API at every memory cap they span.
+
+    python bench/zoo.py --list                                                      # the cells
+    python bench/zoo.py --out bench/results/zoo-h100-<date>-<commit>.json --resume  # CUDA: every cell
+    python bench/zoo.py --cells mistral-wide gemma2-long --out ... --resume         # CUDA: these cells
+    python bench/zoo.py --quick --cells llama-wide --out /tmp/zoo.json              # smoke run
+    python bench/zoo.py --summary bench/results/zoo-....json [--markdown]           # any machine
+
+A cell is one architecture of bench/hf.py (random weights from a config, bf16, random tokens)
+at one of two shapes: "wide", a large batch of short sequences, and "long", one or two long
+sequences. Per cell, in one process, with common.run (median step of --steps steps after
+--warmup, peak GPU memory above the step's start): no offload, Hugging Face's gradient
+checkpointing (non-reentrant), torch's save_on_cpu(pin_memory=True), torchtune's
+OffloadActivations alone and over that checkpointing, ``storm.enable(model)`` (every forward
+offloaded), and ``storm.enable(model, peak=X)`` at each cap X: every one of those methods'
+measured peaks, and three caps between checkpointing's and no offload's (a quarter, a half and
+three quarters of the way; caps within 0.5% of one another are one, the least). Then, where the
+plan's peak came within 1% of X, the plan and the fastest other method that fits X are built side
+by side and timed in alternation (common.alternate: --rounds rounds of --round-steps steps, each
+round in a shuffled order; at the least cap checkpointing too), and so are full offload and
+torchtune's: ratios come from those, since the lent machines drift within a run.
+
+The verdicts (``verdicts``, recomputed by --summary from a results JSON): at every cap the plan's
+peak fits X and its step is at most 1.00x the best other that fits X; at the least peak any
+method reaches, it fits within 1% at most 1.10x checkpointing's step; full offload's peak within
+1% of torchtune's at most 0.65x its step; and each plan's predicted step peak within 3% (or 64
+MiB) of its measured peak. Every row and duel records its error (OOM, a missing import) instead
+of ending the run; the JSON is rewritten after each row, so --resume goes on where a time limit
+cut a run (one cell per device call, a run spanning calls). Without CUDA it exits 2, except
+--list and --summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from hf import ARCHS, HF, block_lists
+
+from common import (
+    GiB,
+    Trainer,
+    Variant,
+    alternate,
+    cuda_device,
+    failure,
+    link_bandwidth,
+    meta,
+    plan_summary,
+    run,
+    write,
+)
+from stormd.wire.sizes import parse_size
+from summary import peak_bytes, ratio_interval
+
+MiB = 1 << 20
+
+
+def pair(arch: str, wide: tuple[int, int], long: tuple[int, int], **sizes: int) -> list[HF]:
+    """``arch``'s two cells: (batch, seq) of the wide shape and of the long one."""
+    return [HF(f"{arch}-{shape}", arch, batch=b, seq=s, **sizes) for shape, (b, s) in (("wide", wide), ("long", long))]
+
+
+# Sizes for an 80 GB H100: no offload's peak of order 10 to 20 GiB above the start (estimated on the CPU
+# from the bytes autograd saves, SDPA's taken as flash attention's), a step of order 0.1 s. The wide and
+# long shapes of a model take as many tokens (T5 excepted, whose position bias and attention masks grow
+# with seq x seq: its long shape takes half), so that what differs between them is attention's
+# (seq x seq) part and the masks.
+LLAMA = {"layers": 16, "hidden": 2048, "mlp": 5632, "heads": 16, "kv_heads": 4, "vocab": 32000}
+CELLS = {w.name: w for w in [
+    *pair("llama", (16, 512), (1, 8192), **LLAMA),
+    *pair("mistral", (16, 512), (1, 8192), **LLAMA, window=2048),
+    *pair("gemma2", (8, 512), (1, 4096), layers=6, hidden=2304, mlp=9216, heads=8, kv_heads=4, vocab=256000,
+          window=2048),
+    *pair("phi3", (16, 512), (1, 8192), layers=10, hidden=3072, mlp=8192, heads=32, kv_heads=32, vocab=32064),
+    *pair("gpt-neox", (16, 512), (1, 8192), layers=16, hidden=2048, mlp=8192, heads=16, kv_heads=16, vocab=50304),
+    *pair("mixtral", (16, 512), (1, 8192), layers=12, hidden=1024, mlp=3584, heads=16, kv_heads=8, vocab=32000),
+    *pair("t5", (16, 512), (1, 4096), layers=10, hidden=1024, mlp=2816, heads=16, kv_heads=16, vocab=32128),
+    *pair("bert", (32, 512), (2, 8192), layers=24, hidden=1024, mlp=4096, heads=16, kv_heads=16, vocab=30522),
+]}
+
+# The methods a user picks, as the rows name them; each one's peak is a cap for storm.enable(peak=)
+OTHERS = ("none", "checkpoint", "save_on_cpu", "torchtune", "torchtune-checkpoint", "storm-enable")
+PLAN = "enable-peak"
+
+
+def contender(w: HF, row: dict, storm_opts: dict) -> tuple[HF | Variant, str, dict]:
+    """What common.run (or a Trainer) needs for a row: workload, method as run names it, options."""
+    if row["method"] == "torchtune-checkpoint":
+        return Variant(w, ckpt=True), "torchtune", {}
+    if row["method"] == "storm-enable":
+        return w, "enable", storm_opts
+    if row["method"] == PLAN:
+        return w, "enable", {**storm_opts, "peak": row["cap_bytes"]}
+    return w, row["method"], {}
+
+
+def predicted_step_peak(planner: object) -> tuple[int | None, str]:
+    """The plan's predicted peak above the step's start, and how it was read: the planner's own
+    figure where it has one, else what a planned step's measured peak is held against: the
+    besides (what a step holds beside its saves) plus the saves and gradients at the plan's
+    predicted peak (Planner.step_peak, called _step_peak before)."""
+    public = getattr(planner, "predicted_step_peak", None)
+    if public is not None:
+        return int(public() if callable(public) else public), "planner.predicted_step_peak"
+    plan, besides = getattr(planner, "plan", None), getattr(planner, "besides", None)
+    if plan is None or besides is None:
+        return None, "none: no plan, or no compute trace measured (besides None)"
+    name = "step_peak" if callable(getattr(planner, "step_peak", None)) else "_step_peak"
+    return besides + getattr(planner, name)(plan), f"planner.besides + planner.{name}(planner.plan)"
+
+
+def read_more(t: Trainer) -> dict:
+    """What a row keeps beyond common.run's: the model's size and block lists (no offload's row),
+    where storm.enable found the blocks, and a plan's predicted and self-measured step peaks."""
+    out: dict = {}
+    if t.method == "none":
+        out.update(params=sum(p.numel() for p in t.model.parameters()), block_lists=block_lists(t.model))
+    if t.handle is not None:
+        out.update(blocks_at=t.handle.where or None, blocks=t.handle.blocks and len(t.handle.blocks))
+    if t.planner is not None:
+        predicted, how = predicted_step_peak(t.planner)
+        out.update(predicted_step_peak_bytes=predicted, predicted_from=how,
+                   planner_measured_peak_bytes=t.planner.measured_peak)
+    return out
+
+
+def caps(rows: list[dict]) -> list[dict]:
+    """The caps X for storm.enable(peak=X), least first: each other method's measured peak, and
+    three between checkpointing's and no offload's; caps within 0.5% of one another are one, the
+    least, with every source named."""
+    measured = {r["method"]: peak_bytes(r) for r in rows if r["method"] in OTHERS and "step_ms" in r}
+    found = sorted((b, m) for m, b in measured.items())
+    if "none" in measured and "checkpoint" in measured:
+        lo, hi = measured["checkpoint"], measured["none"]
+        found = sorted(found + [(lo + (hi - lo) * k // 4, f"checkpoint + {k}/4 to none") for k in (1, 2, 3)])
+    out: list[dict] = []
+    for b, source in found:
+        if out and b <= out[-1]["cap_bytes"] * 1.005:
+            out[-1]["sources"].append(source)
+        else:
+            out.append({"cap_bytes": b, "sources": [source]})
+    return out
+
+
+def best_other(rows: list[dict], cap: int) -> dict | None:
+    """The fastest of the other methods' rows whose measured peak fits ``cap``."""
+    fits = [r for r in rows if r["method"] in OTHERS and "step_ms" in r and peak_bytes(r) <= cap]
+    return min(fits, key=lambda r: r["step_ms"], default=None)
+
+
+def duel(specs: list[tuple[HF | Variant, str, dict]], args: argparse.Namespace, device: torch.device,
+         order: random.Random) -> dict:
+    """Each spec's Trainer, all on the device at once, warmed (a plan until it settles), then timed
+    in alternation (common.alternate): medians of all their steps, the first's over each other's
+    with its 95% interval over rounds, and the first's plan where it has one (planned afresh: it
+    may differ from its row's). An error (OOM) is recorded, not raised."""
+    trainers: list[Trainer] = []
+    try:
+        for spec in specs:
+            trainers.append(Trainer(*spec, device))
+            trainers[-1].warm(args.warmup)
+        times = alternate(trainers, args.rounds, args.round_steps, order)
+        ms = [round(statistics.median(s for r in rs for s in r) * 1e3, 2) for rs in times]
+        out: dict = {"ms": ms, "rounds": args.rounds, "round_steps": args.round_steps,
+                     "first_over": [round(ms[0] / m, 3) for m in ms[1:]],
+                     "first_over_95": [[round(v, 3) for v in ratio_interval(times[0], rs)] for rs in times[1:]]}
+        if trainers[0].planner is not None:
+            out["chosen"] = plan_summary(trainers[0].planner)
+        return out
+    except Exception as e:  # a method that cannot run here, or out of memory: the duel says why and the run goes on
+        return failure(e)
+    finally:
+        for t in trainers:
+            t.close()
+
+
+def plan_label(cap: int) -> str:
+    return f"enable peak={cap / GiB:.3f}GiB"
+
+
+def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.device, save: Callable[[], None],
+                 measure_row: Callable[..., dict] = run, dueling: Callable[..., dict] = duel) -> dict:
+    """One cell's rows, caps, plan rows and duels into ``cell`` (rows already there, from a run
+    cut off, are kept), ``save()`` after each; then its verdicts."""
+    storm_opts = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size}
+    done = {r["label"]: r for r in cell.get("rows", [])}
+    cell.update(workload=dataclasses.asdict(w), why=w.spec.why, rows=[])
+    start = time.perf_counter()
+
+    def add(row: dict) -> dict:
+        if row["label"] not in done:
+            workload, method, opts = contender(w, row, storm_opts)
+            row.update(measure_row(workload, method, args.steps, args.warmup, opts, device, more=read_more))
+            row["peak_GiB"] = row.pop("peak_extra_GiB", None)
+            print(f"{w.name} {row['label']}: {_brief(row)}", flush=True)
+        cell["rows"].append(done.get(row["label"], row))
+        save()
+        return cell["rows"][-1]
+
+    for method in OTHERS:
+        add({"label": method, "method": method})
+    cell["caps"] = caps(cell["rows"])
+    for c in cell["caps"]:
+        c["plan"] = add({"label": plan_label(c["cap_bytes"]), "method": PLAN, "cap_bytes": c["cap_bytes"]})["label"]
+    rows, order = cell["rows"], random.Random(0)
+    old = {d["cap_bytes"]: d for d in cell.get("duels", []) if d.get("rounds") == args.rounds}
+    cell["duels"] = []
+    for i, c in enumerate(cell["caps"]):
+        mine, other = next(r for r in rows if r["label"] == c["plan"]), best_other(rows, c["cap_bytes"])
+        if "step_ms" not in mine or peak_bytes(mine) > 1.01 * c["cap_bytes"] or other is None:
+            continue  # a plan that missed its cap fails it however fast: no need to time it
+        if c["cap_bytes"] in old:
+            cell["duels"].append(old[c["cap_bytes"]])
+            continue
+        versus = [other] + [r for r in rows if i == 0 and r["method"] == "checkpoint" and r is not other]
+        d = dueling([contender(w, r, storm_opts) for r in [mine, *versus]], args, device, order)
+        d.update(cap_bytes=c["cap_bytes"], plan=mine["label"], versus=[r["label"] for r in versus], rounds=args.rounds)
+        print(f"{w.name} duel at {c['cap_bytes'] / GiB:.3f} GiB: {_brief(d)}", flush=True)
+        cell["duels"].append(d)
+        save()
+    full = {r["method"]: r for r in rows if r["method"] in ("storm-enable", "torchtune") and "step_ms" in r}
+    if len(full) == 2 and cell.get("full_duel", {}).get("rounds") != args.rounds:
+        d = dueling([contender(w, full[m], storm_opts) for m in ("storm-enable", "torchtune")], args, device, order)
+        cell["full_duel"] = {**d, "versus": ["torchtune"], "rounds": args.rounds}
+        print(f"{w.name} full offload against torchtune: {_brief(cell['full_duel'])}", flush=True)
+    cell["seconds"] = round(time.perf_counter() - start, 1)  # this call's time: a resumed cell ran in earlier ones too
+    cell["verdicts"] = verdicts(cell)
+    cell["complete"] = True
+    save()
+    return cell
+
+
+def _brief(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k not in ("explain", "block_lists", "kept", "label")}
+
+
+def verdicts(cell: dict) -> dict:
+    """The cell's must-show, each with its numbers and ``holds`` (false where a row or duel it
+    needs is missing or failed), from the rows and duels alone."""
+    rows = cell["rows"]
+    by = {r["label"]: r for r in rows if "step_ms" in r}
+    duels = {d["cap_bytes"]: d for d in cell.get("duels", []) if "ms" in d}
+    per_cap = [_at_cap(c, by.get(c["plan"]), best_other(rows, c["cap_bytes"]), duels.get(c["cap_bytes"]))
+               for c in cell.get("caps", [])]
+    predicted = [_prediction(c, by[c["plan"]]) for c in cell.get("caps", [])
+                 if by.get(c["plan"], {}).get("predicted_step_peak_bytes") is not None]
+    out: dict = {"per_cap": {"holds": bool(per_cap) and all(v["holds"] for v in per_cap), "caps": per_cap}}
+
+    least = cell["caps"][0] if cell.get("caps") else {"cap_bytes": 0, "plan": None, "sources": None}
+    mine, d = by.get(least["plan"]), duels.get(least["cap_bytes"])
+    # checkpointing timed in the same duel (measure_cell adds it at the least cap)
+    x_ckpt = d["first_over"][d["versus"].index("checkpoint")] if d and "checkpoint" in d["versus"] else None
+    within = mine is not None and peak_bytes(mine) <= 1.01 * least["cap_bytes"]
+    out["least_cap"] = {"cap_GiB": round(least["cap_bytes"] / GiB, 3), "sources": least["sources"],
+                        "plan_peak_GiB": mine and mine["peak_GiB"], "within_1pct": within, "x_checkpoint": x_ckpt,
+                        "limit": 1.10, "holds": bool(within and x_ckpt is not None and x_ckpt <= 1.10)}
+
+    full, tt, ttc = by.get("storm-enable"), by.get("torchtune"), by.get("torchtune-checkpoint")
+    fd = cell.get("full_duel", {})
+    x_tt, x_tt_95 = (fd["first_over"][0], fd["first_over_95"][0]) if "ms" in fd else (None, None)
+    peak_x = round(peak_bytes(full) / peak_bytes(tt), 4) if full and tt else None
+    out["full_offload"] = {"peak_GiB": full and full["peak_GiB"], "torchtune_peak_GiB": tt and tt["peak_GiB"],
+                           "peak_x_torchtune": peak_x, "x_torchtune": x_tt, "x_torchtune_95": x_tt_95, "limit": 0.65,
+                           "torchtune_checkpoint": ttc and {"step_ms": ttc["step_ms"], "peak_GiB": ttc["peak_GiB"]},
+                           "holds": bool(peak_x is not None and peak_x <= 1.01 and x_tt is not None and x_tt <= 0.65)}
+    out["predicted_peak"] = {"holds": bool(predicted) and all(v["holds"] for v in predicted), "plans": predicted}
+    return out
+
+
+def _at_cap(c: dict, mine: dict | None, other: dict | None, d: dict | None) -> dict:
+    """At cap X: the plan's peak within X, and its step over the best other's in their duel."""
+    fits = mine is not None and peak_bytes(mine) <= c["cap_bytes"]
+    return {"cap_GiB": round(c["cap_bytes"] / GiB, 3), "sources": c["sources"], "plan_ms": mine and mine["step_ms"],
+            "plan_peak_GiB": mine and mine["peak_GiB"], "fits": fits, "best_other": other and other["label"],
+            "best_other_ms": other and other["step_ms"], "x_best_other": d and d["first_over"][0],
+            "x_best_other_95": d and d["first_over_95"][0], "holds": bool(fits and d and d["first_over"][0] <= 1.0)}
+
+
+def _prediction(c: dict, mine: dict) -> dict:
+    """The plan's predicted step peak against its row's measured one: within 3%, or 64 MiB."""
+    p, m = mine["predicted_step_peak_bytes"], peak_bytes(mine)
+    return {"cap_GiB": round(c["cap_bytes"] / GiB, 3), "predicted_GiB": round(p / GiB, 3),
+            "measured_GiB": mine["peak_GiB"], "off_MiB": round((p - m) / MiB, 1),
+            "off_pct": round(100 * (p - m) / m, 2) if m else None, "from": mine["predicted_from"],
+            "holds": abs(p - m) <= max(0.03 * m, 64 * MiB)}
+
+
+def table(name: str, cell: dict, markdown: bool = False) -> str:
+    """A cell's rows (method, step, peak), its duels and verdicts: plain text, or the Markdown of
+    docs/results.md."""
+    w = cell["workload"]
+    where = "; ".join(sorted({f"{m.get('device', '?')}, {m.get('date', '?')[:10]}, {str(m.get('commit', '?'))[:7]}"
+                              for m in cell.get("calls", [cell.get("meta", {})])}))
+    head = (f"{name}: {w['arch']} {w['layers']} layers, hidden {w['hidden']}, batch {w['batch']} x {w['seq']} "
+            f"({where})")
+    lines = [f"**{head}**" if markdown else head, ""]
+    lines += ["| method | step ms | peak GiB | plan |", "| --- | --- | --- | --- |"] if markdown else \
+        [f"{'method':<28} {'step ms':>9} {'peak GiB':>9}  plan"]
+    for r in cell["rows"]:
+        step, peak = (f"{r['step_ms']:.2f}", f"{r['peak_GiB']:.3f}") if "step_ms" in r else (r.get("error", "?"), "")
+        note = _plan_note(r)
+        lines.append(f"| {r['label']} | {step} | {peak} | {note} |" if markdown
+                     else f"{r['label']:<28} {step:>9} {peak:>9}  {note}")
+    v = cell.get("verdicts") or verdicts(cell)
+    lines += ["", "in alternation, at each cap: the plan against the best other that fits"]
+    for c in v["per_cap"]["caps"]:
+        lines.append(f"{'- ' if markdown else ''}{c['cap_GiB']} GiB ({', '.join(c['sources'])}): plan "
+                     f"{c['plan_peak_GiB']} GiB {'fits' if c['fits'] else 'does NOT fit'}, {c['x_best_other']}x "
+                     f"{c['best_other']} {c['x_best_other_95'] or ''}: {'holds' if c['holds'] else 'FAILS'}")
+    for key in ("per_cap", "least_cap", "full_offload", "predicted_peak"):
+        items = ", ".join(f"{k} {x}" for k, x in v[key].items() if k not in ("caps", "plans"))
+        lines.append(f"{'- ' if markdown else ''}{key}: {items}")
+    lines += [f"{'- ' if markdown else ''}  predicted {p['predicted_GiB']} GiB, measured {p['measured_GiB']} GiB at "
+              f"cap {p['cap_GiB']}: {p['off_MiB']} MiB ({p['off_pct']}%) {'holds' if p['holds'] else 'FAILS'}"
+              for p in v["predicted_peak"]["plans"]]
+    return "\n".join(lines)
+
+
+def _plan_note(r: dict) -> str:
+    """What a plan row's plan did, in a few words; where storm.enable found its blocks."""
+    p = r.get("plan")
+    if not p:
+        return ""
+    return (f"{len(p['recomputed_blocks'])} recomputed, {p['offloaded_blocks']} offloaded, "
+            f"{p['inputs_offloaded_blocks']} inputs offloaded, of {r.get('blocks')} at {r.get('blocks_at')}"
+            + ("" if p["fits"] else ", does NOT fit"))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS), metavar="CELL",
+                   help="<arch>-wide or <arch>-long (--list); default: all")
+    p.add_argument("--list", action="store_true", help="print the cells and what each architecture is for")
+    p.add_argument("--out", help="results JSON, rewritten after each row (required to measure)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep what --out holds: skip its complete cells, keep a cut-off cell's rows and duels")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5, help="rounds of each duel")
+    p.add_argument("--round-steps", type=int, default=3, help="steps of each method per round")
+    p.add_argument("--pool-size", default="32GiB")
+    p.add_argument("--min-bytes", type=parse_size, default=1024,
+                   help="STORM's min_bytes; the default is torchtune OffloadActivations' min_offload_size")
+    p.add_argument("--quick", action="store_true", help="--steps 3 --warmup 1 --rounds 2 --round-steps 2")
+    p.add_argument("--summary", metavar="RESULTS.json", help="measure nothing: the tables and verdicts of a run")
+    p.add_argument("--markdown", action="store_true", help="with --summary: docs/results.md's Markdown")
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.warmup, args.rounds, args.round_steps = 3, 1, 2, 2
+    if args.list:
+        for name, w in CELLS.items():
+            print(f"{name:<14} {w.layers} layers, hidden {w.hidden}, mlp {w.mlp}, heads {w.heads}/{w.kv_heads}, "
+                  f"vocab {w.vocab}, batch {w.batch} x {w.seq}, {ARCHS[w.arch].attn}: {w.spec.why}")
+        return 0
+    if args.summary:
+        cells = json.loads(Path(args.summary).read_text())["cells"]
+        for name, cell in cells.items():
+            cell["verdicts"] = verdicts(cell)
+            print(table(name, cell, args.markdown) + "\n")
+        return 0
+    if not args.out:
+        p.error("--out is required to measure (or --list, --summary)")
+    device = cuda_device("zoo.py", "; --summary RESULTS.json prints a run's tables and verdicts on any machine")
+    if device is None:
+        return 2
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if args.resume and out.exists() else {}
+    results.setdefault("cells", {})
+    link = link_bandwidth(device)
+    for name in args.cells:
+        cell = results["cells"].setdefault(name, {})
+        if cell.get("complete"):
+            print(f"{name}: in {out} already", flush=True)
+            continue
+        # a run spans device calls, maybe cards: each cell says where its rows ran, each call that measured it
+        cell.update(link=link, meta=meta(device), calls=[*cell.get("calls", []), meta(device)])
+        measure_cell(CELLS[name], cell, args, device, lambda: write(out, results, device))
+        print(table(name, cell) + "\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

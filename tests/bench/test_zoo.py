@@ -1,0 +1,299 @@
+"""bench/zoo.py on the CPU: every zoo architecture, at a tiny size, trains bit-exact through a plan
+of storm.enable; the zoo's cells, caps, duels and resumption on made-up measurements; its verdicts
+on a made-up run, each failing where its numbers do; and its command line without CUDA."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+import pytest
+import torch
+
+import storm
+from helpers import bench_module, run_bench
+from storm.examples.models import same_bits
+
+common = bench_module("common")
+hf = bench_module("hf")
+zoo = bench_module("zoo")
+GiB, MiB = common.GiB, 1 << 20
+CPU = torch.device("cpu")
+STORM = {"mode": "embedded", "min_bytes": 0, "pool_size": "64MiB"}
+STEPS = 6  # an offload trace, a compute trace, then planned steps (trials of two recompute forms among them)
+
+# where storm.enable's find_blocks finds each architecture's blocks: the list with the most parameters
+# (T5's decoder, whose blocks cross-attend too: its encoder's blocks are left to what the plan does not
+# decide, and saved as usual)
+BLOCKS_AT = {"llama": "model.layers", "mistral": "model.layers", "gemma2": "model.layers", "phi3": "model.layers",
+             "gpt-neox": "gpt_neox.layers", "mixtral": "model.layers", "t5": "decoder.block", "bert": "encoder.layer"}
+
+
+def train(w, enable: bool, blocks=None) -> tuple[list[tuple[torch.Tensor, dict[str, torch.Tensor]]], object]:
+    """STEPS SGD steps of ``w`` from its seed, through storm.enable(model, budget=0.5) where
+    ``enable`` (with blocks=``blocks(model)`` where given): each step's loss and gradients, and
+    the handle."""
+    model, ids = w.build(CPU)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)  # dropout's masks (BERT, T5): both runs draw the same
+    given = {"blocks": blocks(model)} if blocks else {}
+    handle = storm.enable(model, budget=0.5, **given, **STORM) if enable else None
+    steps = []
+    for _ in range(STEPS):
+        loss = w.objective(w.forward(model, ids))
+        loss.backward()
+        steps.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                              if p.grad is not None}))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return steps, handle
+
+
+def differences(plain: list, planned: list) -> list[str]:
+    """Where two runs' losses or gradients differ in a single bit, step by step."""
+    out = []
+    for i, ((loss_a, grads_a), (loss_b, grads_b)) in enumerate(zip(plain, planned)):
+        if not same_bits(loss_a, loss_b):
+            out.append(f"step {i}: loss {loss_a.item()!r} != {loss_b.item()!r}")
+        if grads_a.keys() != grads_b.keys():
+            out.append(f"step {i}: gradients of {sorted(grads_a.keys() ^ grads_b.keys())} on one side only")
+        out += [f"step {i}: gradient of {n}" for n in grads_a if n in grads_b and not same_bits(grads_a[n], grads_b[n])]
+    return out
+
+
+@pytest.mark.parametrize("arch", list(hf.ARCHS))
+def test_every_zoo_architecture_trains_bit_exact_through_a_plan(arch):
+    w = hf.tiny(arch)
+    plain, _ = train(w, enable=False)
+    planned, handle = train(w, enable=True)
+    try:
+        assert len(plain) == len(planned) == STEPS and len(plain[0][1]) > 0
+        assert differences(plain, planned) == []
+        pl = handle.planner
+        assert pl.plan is not None and handle.where == BLOCKS_AT[arch]
+        assert pl.plan.recomputed or pl.plan.offloaded  # half the saves moved: the plan did something
+    finally:
+        handle.disable()
+
+
+def test_t5s_two_block_lists_planned_as_one_train_bit_exact():
+    """What a T5 user passes to plan the encoder's blocks too (find_blocks takes the decoder's alone)."""
+    w = hf.tiny("t5")
+    plain, _ = train(w, enable=False)
+    planned, handle = train(w, enable=True, blocks=lambda m: [*m.encoder.block, *m.decoder.block])
+    try:
+        assert differences(plain, planned) == [] and handle.where == "blocks=" and len(handle.blocks) == 2 * w.layers
+        assert handle.planner.plan is not None
+    finally:
+        handle.disable()
+
+
+def test_the_comparison_sees_a_single_bit():
+    """The bit-exact test above would catch a real difference: one bit of one gradient at one step."""
+    steps, _ = train(hf.tiny("llama"), enable=False)
+    changed = [(loss, dict(grads)) for loss, grads in steps]
+    name, g = next(iter(changed[3][1].items()))
+    flipped = g.clone()
+    flipped.view(-1).view(torch.int32)[0] ^= 1
+    changed[3][1][name] = flipped
+    assert differences(steps, changed) == [f"step 3: gradient of {name}"]
+    changed[5] = (changed[5][0].nextafter(torch.tensor(1.0)), changed[5][1])
+    assert differences(steps, changed)[-1].startswith("step 5: loss")
+
+
+def test_the_cells_are_eight_architectures_at_two_shapes_each():
+    assert len(hf.ARCHS) >= 8 and set(zoo.CELLS) == {f"{a}-{s}" for a in hf.ARCHS for s in ("wide", "long")}
+    for w in zoo.CELLS.values():
+        assert w.dtype == "bfloat16" and w.arch in hf.ARCHS
+    assert all(zoo.CELLS[f"{a}-wide"].batch > zoo.CELLS[f"{a}-long"].batch for a in hf.ARCHS)
+    assert all(zoo.CELLS[f"{a}-wide"].seq < zoo.CELLS[f"{a}-long"].seq for a in hf.ARCHS)
+    assert hf.ARCHS["gemma2"].attn == "eager" and zoo.CELLS["gemma2-wide"].vocab == 256000
+    assert zoo.CELLS["mistral-long"].window < zoo.CELLS["mistral-long"].seq  # its window slides there
+
+
+def test_t5_has_two_block_lists_and_checkpointing_covers_both():
+    w = hf.tiny("t5")
+    model, ids = w.build(CPU, ckpt=True)
+    assert ids.shape == (2, w.batch, w.seq)  # input_ids and the decoder's labels
+    assert set(hf.block_lists(model)) == {"encoder.block", "decoder.block"}
+    assert hf.HF.blocks(model) == list(model.decoder.block)
+    assert all(b.gradient_checkpointing for b in [*model.encoder.block, *model.decoder.block])
+
+
+def test_the_enable_method_trains_and_is_turned_off_at_close():
+    """common.Trainer's "enable" is storm.enable(model, **opts), as zoo.py's rows and duels run it."""
+    w = hf.tiny("gpt-neox")
+    t = common.Trainer(w, "enable", {**STORM, "budget": 0.5}, CPU)
+    model = t.model
+    t.warm(3)
+    assert t.planner is t.handle.planner and t.planner.plan is not None and t.last is t.handle.last
+    t.close()
+    assert storm.enabled.handle_of(model) is None
+
+
+def test_a_duel_times_its_trainers_in_alternation_and_reads_the_plan():
+    args = argparse.Namespace(warmup=1, rounds=2, round_steps=1)
+    w = hf.tiny("llama")
+    d = zoo.duel([(w, "enable", {**STORM, "budget": 0.5}), (w, "checkpoint", {}), (w, "none", {})], args, CPU,
+                 random.Random(0))
+    assert len(d["ms"]) == 3 and len(d["first_over"]) == len(d["first_over_95"]) == 2
+    assert d["first_over"][0] == round(d["ms"][0] / d["ms"][1], 3) and "recomputed_blocks" in d["chosen"]
+    bad = zoo.duel([(w, "enable", {**STORM, "peak": GiB})], args, CPU, random.Random(0))  # peak= needs CUDA
+    assert bad["error"].startswith("ValueError")
+
+
+def test_the_predicted_step_peak_is_the_besides_and_the_plans_step_peak_and_says_where_it_came_from():
+    class Planner:
+        plan, besides = "a plan", 100
+
+        def step_peak(self, plan):
+            return 20 if plan == "a plan" else 0
+
+    class Before:  # the name before storm.plan made it public
+        plan, besides = "a plan", 100
+
+        def _step_peak(self, plan):
+            return 30
+
+    assert zoo.predicted_step_peak(Planner()) == (120, "planner.besides + planner.step_peak(planner.plan)")
+    assert zoo.predicted_step_peak(Before())[0] == 130
+    untraced = Planner()
+    untraced.besides = None  # on the CPU, or before the compute trace: nothing measured to add to
+    assert zoo.predicted_step_peak(untraced)[0] is None
+
+
+class FakeRun:
+    """common.run's results for a cell's rows, made up: the plan fits any cap down to 2 GiB."""
+
+    PEAKS = {"none": 10.0, "checkpoint": 3.0, "save_on_cpu": 2.5, "torchtune": 2.5, "storm-enable": 2.51}
+    MS = {"none": 100.0, "checkpoint": 130.0, "save_on_cpu": 900.0, "torchtune": 700.0, "storm-enable": 300.0}
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, w, method, steps, warmup, opts, device, more=None):
+        self.calls.append((w, method, opts))
+        if isinstance(w, common.Variant):  # torchtune over checkpointing
+            return {"error": "ImportError: torchtune is not installed"}
+        if "peak" in opts:
+            return {"step_ms": 120.0, "peak_extra_GiB": opts["peak"] / GiB - 0.01,
+                    "peak_bytes": opts["peak"] - 10 * MiB, "predicted_step_peak_bytes": opts["peak"] - 20 * MiB,
+                    "predicted_from": "test", "plan": {"fits": True}}
+        key = "storm-enable" if method == "enable" else method
+        return {"step_ms": self.MS[key], "peak_extra_GiB": self.PEAKS[key], "peak_bytes": int(self.PEAKS[key] * GiB)}
+
+
+def fake_duel(calls):
+    def dueling(specs, args, device, order):
+        calls.append([(method, opts.get("peak")) for _, method, opts in specs])
+        return {"ms": [100.0] + [110.0] * (len(specs) - 1), "first_over": [0.909] * (len(specs) - 1),
+                "first_over_95": [[0.9, 0.92]] * (len(specs) - 1), "rounds": args.rounds}
+    return dueling
+
+
+ARGS = argparse.Namespace(steps=1, warmup=0, rounds=3, round_steps=1, min_bytes=1024, pool_size="1GiB")
+
+
+def test_a_cell_caps_the_plan_at_every_other_peak_and_between_and_duels_the_best_other(tmp_path):
+    fake, duels = FakeRun(), []
+    cell, saves = {}, []
+    zoo.measure_cell(hf.tiny("llama"), cell, ARGS, CPU, lambda: saves.append(1), measure_row=fake,
+                     dueling=fake_duel(duels))
+    ckpt, none = int(3.0 * GiB), 10 * GiB
+    # save_on_cpu's and torchtune's 2.5 GiB, STORM's full offload's 2.51 (within 0.5%: one cap), checkpointing's,
+    # three between it and no offload's, and no offload's
+    assert [c["cap_bytes"] for c in cell["caps"]] == [int(2.5 * GiB), ckpt] + \
+        [ckpt + (none - ckpt) * k // 4 for k in (1, 2, 3)] + [none]
+    assert cell["caps"][0]["sources"] == ["save_on_cpu", "torchtune", "storm-enable"]
+    assert [o["peak"] for _, m, o in fake.calls if "peak" in o] == [c["cap_bytes"] for c in cell["caps"]]
+    assert all(o["min_bytes"] == 1024 and o["mode"] == "embedded" for _, m, o in fake.calls if m == "enable")
+    failed = next(r for r in cell["rows"] if r["label"] == "torchtune-checkpoint")
+    assert failed["error"].startswith("ImportError")  # recorded, and the cell went on
+    # at the least cap the best other (torchtune, faster than save_on_cpu; full offload's 2.51 GiB does not fit)
+    # and checkpointing, timed beside the plan; elsewhere the best other alone (checkpointing up to no offload's
+    # peak, which no offload fits); then full offload against torchtune
+    assert duels[0] == [("enable", int(2.5 * GiB)), ("torchtune", None), ("checkpoint", None)]
+    assert [d[1][0] for d in duels[1:-1]] == ["checkpoint"] * 4 + ["none"] and all(len(d) == 2 for d in duels[1:])
+    assert duels[-1] == [("enable", None), ("torchtune", None)]
+    v = cell["verdicts"]
+    assert v["per_cap"]["holds"] and v["least_cap"]["holds"] and v["least_cap"]["x_checkpoint"] == 0.909
+    assert v["predicted_peak"]["holds"] and not v["full_offload"]["holds"]  # 0.909x torchtune: not 0.65x
+    assert cell["complete"] and len(saves) >= len(cell["rows"])
+
+
+def test_resuming_a_cut_off_cell_keeps_its_rows_and_duels():
+    fake, duels = FakeRun(), []
+    cell = {}
+    zoo.measure_cell(hf.tiny("llama"), cell, ARGS, CPU, lambda: None, measure_row=fake, dueling=fake_duel(duels))
+    del cell["rows"][-2:], cell["full_duel"], cell["complete"]  # as if cut off in the last plan rows
+    again, more = FakeRun(), []
+    zoo.measure_cell(hf.tiny("llama"), cell, ARGS, CPU, lambda: None, measure_row=again, dueling=fake_duel(more))
+    assert len(again.calls) == 2 and all("peak" in o for _, _, o in again.calls)
+    assert more == [[("enable", None), ("torchtune", None)]]  # the duels done were kept
+
+
+def made_up_cell() -> dict:
+    """A cell as zoo.py writes it, where every verdict holds."""
+    cap = int(2.5 * GiB)
+    rows = [{"label": "none", "method": "none", "step_ms": 100.0, "peak_GiB": 10.0},
+            {"label": "checkpoint", "method": "checkpoint", "step_ms": 130.0, "peak_GiB": 3.0},
+            {"label": "torchtune", "method": "torchtune", "step_ms": 700.0, "peak_GiB": 2.5, "peak_bytes": cap},
+            {"label": "torchtune-checkpoint", "method": "torchtune-checkpoint", "step_ms": 200.0, "peak_GiB": 2.6},
+            {"label": "storm-enable", "method": "storm-enable", "step_ms": 300.0, "peak_GiB": 2.5,
+             "peak_bytes": cap + 10 * MiB},
+            {"label": "enable peak=2.500GiB", "method": "enable-peak", "cap_bytes": cap, "step_ms": 140.0,
+             "peak_GiB": 2.49, "peak_bytes": cap - 10 * MiB, "predicted_step_peak_bytes": cap - 30 * MiB,
+             "predicted_from": "test"}]
+    return {"workload": {"arch": "llama", "layers": 2, "hidden": 32, "batch": 2, "seq": 16}, "rows": rows,
+            "meta": {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-01T00:00:00+00:00", "commit": "abcdef0"},
+            "caps": [{"cap_bytes": cap, "sources": ["torchtune"], "plan": "enable peak=2.500GiB"}],
+            "duels": [{"cap_bytes": cap, "plan": "enable peak=2.500GiB", "versus": ["torchtune", "checkpoint"],
+                       "ms": [140.0, 700.0, 130.0], "first_over": [0.2, 1.077],
+                       "first_over_95": [[0.19, 0.21], [1.05, 1.1]], "rounds": 5}],
+            "full_duel": {"ms": [300.0, 700.0], "first_over": [0.429], "first_over_95": [[0.42, 0.44]],
+                          "versus": ["torchtune"], "rounds": 5}}
+
+
+def test_the_verdicts_hold_on_numbers_that_meet_them_and_fail_each_where_they_do_not():
+    v = zoo.verdicts(made_up_cell())
+    assert v["per_cap"]["holds"] and v["per_cap"]["caps"][0]["x_best_other"] == 0.2
+    assert v["least_cap"]["holds"] and v["least_cap"]["x_checkpoint"] == 1.077
+    assert v["full_offload"]["holds"] and v["full_offload"]["peak_x_torchtune"] == round((2.5 * GiB + 10 * MiB)
+                                                                                         / (2.5 * GiB), 4)
+    assert v["predicted_peak"]["holds"] and v["predicted_peak"]["plans"][0]["off_MiB"] == -20.0
+    cell = made_up_cell()  # the plan slower than torchtune in their duel
+    cell["duels"][0]["first_over"][0] = 1.02
+    assert not zoo.verdicts(cell)["per_cap"]["holds"]
+    cell = made_up_cell()  # its peak over the cap by a MiB: fails the cap, not the least cap's 1%
+    cell["rows"][-1]["peak_bytes"] = cell["caps"][0]["cap_bytes"] + MiB
+    v = zoo.verdicts(cell)
+    assert not v["per_cap"]["holds"] and v["least_cap"]["holds"]
+    cell = made_up_cell()  # 1.2x checkpointing at the least cap
+    cell["duels"][0]["first_over"][1] = 1.2
+    assert not zoo.verdicts(cell)["least_cap"]["holds"]
+    cell = made_up_cell()  # full offload 2% above torchtune's peak
+    cell["rows"][4]["peak_bytes"] = int(2.55 * GiB)
+    assert not zoo.verdicts(cell)["full_offload"]["holds"]
+    cell = made_up_cell()  # predicted 100 MiB under a 2.5 GiB peak: more than 64 MiB and 3%
+    cell["rows"][-1]["predicted_step_peak_bytes"] = cell["rows"][-1]["peak_bytes"] - 100 * MiB
+    assert not zoo.verdicts(cell)["predicted_peak"]["holds"]
+    cell = made_up_cell()  # a duel that failed decides nothing
+    cell["duels"] = [{"cap_bytes": cell["caps"][0]["cap_bytes"], "error": "OOM"}]
+    del cell["full_duel"]
+    v = zoo.verdicts(cell)
+    assert not v["per_cap"]["holds"] and not v["least_cap"]["holds"] and not v["full_offload"]["holds"]
+
+
+def test_the_summary_prints_a_runs_tables_and_without_cuda_it_measures_nothing(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "zoo.json"
+    out.write_text(json.dumps({"cells": {"llama-tiny": made_up_cell()}}))
+    monkeypatch.setattr(sys, "argv", ["bench/zoo.py", "--summary", str(out), "--markdown"])
+    assert zoo.main() == 0
+    printed = capsys.readouterr().out
+    assert "| enable peak=2.500GiB | 140.00 | 2.490 |" in printed and "full_offload: " in printed
+    assert "NVIDIA H100 80GB HBM3, 2026-12-01, abcdef0" in printed
+    if not torch.cuda.is_available():  # as a user runs it
+        r = run_bench("zoo.py", "--cells", "llama-wide", "--out", str(tmp_path / "new.json"))
+        assert r.returncode == 2 and "CUDA" in r.stderr and not (tmp_path / "new.json").exists()
