@@ -53,7 +53,7 @@ class Prefetcher:
         still running (it may yet be needed from the device) and goes on once that
         copy is done. A second pass (retain_graph) fetches on demand."""
         step.cursor = min(step.cursor, index)
-        window = step.options.prefetch_bytes if step.fetching else 0
+        window = step.window() if step.fetching else 0
         limit = step.prefetch_room + window
         while step.cursor > 0 and self.nbytes < limit:
             s = step.order[step.cursor - 1]

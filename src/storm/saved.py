@@ -14,6 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .copies.base import Copy, PutRequest, Route
 from .errors import StormInPlaceError
+from .room import Profile, Room
 from .stats import OffloadStats
 
 IN_PLACE_FIX = ("make the op out of place (e.g. relu instead of relu_, x = x + y instead of x += y) "
@@ -60,6 +61,9 @@ class Step:
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
         self.prefetch_room = 0            # room backward has made: prefetch may run this far past its window
         self.fetching = False             # backward has unpacked an offloaded save: the window is open
+        self.unpacked = 0                 # unpacks of offloaded saves so far (a room's place in backward)
+        self.room: Room | None = None     # full offload: the limits an earlier step's profile gives (room.py)
+        self.profile: Profile | None = None  # full offload without a room: what this step reads for one
         self.paced = False                # the caller sets prefetch_room (allow_prefetch), not the markers
         self.budget_reached = False       # a save did not fit: the rest of forward stays on the device
         self.past_budget_bytes = 0        # saves past the budget (views counted by their own size)
@@ -71,6 +75,11 @@ class Step:
         self.cursor = 1 << 62  # order[cursor:] has been considered for prefetch
         self.stats = OffloadStats()
         self.modules: list[str] | None = None  # with named layers: the modules running now, innermost last
+
+    def window(self) -> int:
+        """How far ahead backward may fetch now: the prefetch window, within the room where there is one."""
+        limit = self.options.prefetch_bytes
+        return self.room.window(self.unpacked, limit) if self.room is not None else limit
 
     @property
     def layer(self) -> str | None:

@@ -39,6 +39,7 @@ from .mover import Mover, Stores, next_key
 from .options import mode_option, pool_size_option, socket_option
 from .policy import Keep, Policy, Refusals
 from .prefetch import Prefetcher
+from .room import Profile, Reader, Room
 from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of, kind_of
 
 MARK_BYTES = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
@@ -68,6 +69,10 @@ class ClientSession:
         self._refusals = Refusals()
         self._raw_kinds: set[tuple[Any, ...]] = set()  # Stored.kind whose frame overflowed: stored raw
         self.closed = False  # by close_all(): the store's bytes are gone, and saves have nowhere to go
+        # full offload: the room a profiled step found (room.py), and the step profiling now
+        self._room: Room | None = None
+        self._profiling: Profile | None = None
+        self.memory: Reader = _allocated  # what the allocator holds on a device, None where unknown
 
     @property
     def backend(self) -> Backend:
@@ -104,7 +109,14 @@ class ClientSession:
             limit = budget
         if self._stores.gone():
             self._retire()
-        return Step(next(_steps), limit, options)
+        step = Step(next(_steps), limit, options)
+        if limit == float("inf"):
+            if self._profiling is not None and self._profiling.saves:
+                self._room, self._profiling = Room(self._profiling), None
+            step.room = self._room
+            if step.room is None:
+                step.profile = self._profiling = Profile()
+        return step
 
     def _retire(self) -> None:
         """Let go of the stores whose daemon is gone, once no copy reads or writes their pool (it goes)."""
@@ -121,6 +133,11 @@ class ClientSession:
         if not step.budget_reached:  # saves past the budget are not counted
             self.last_candidate_bytes = step.candidate_bytes
         self.poll()
+        if step.room is not None:
+            if len(step.order) == len(step.room.sizes):  # empty the queue as far as backward's start needs
+                self.drain(step.room.queue(len(step.order)))
+            else:  # fewer saves than the profile's: the next step profiles again
+                step.room = self._room = None
         if step.budget_reached:
             self.drain(step.options.max_held_bytes)
             self.last_past_budget_bytes = step.past_budget_bytes
@@ -184,10 +201,11 @@ class ClientSession:
         """Bytes that may wait for their copy. Forward's peak is at its end, and past the budget
         every save stays: until as many as in the last step have come, the copies may run
         behind by that much more without raising the peak, and forward need not wait for the
-        link (a budget that fits in forward's link time then costs forward nothing)."""
+        link (a budget that fits in forward's link time then costs forward nothing). A
+        full-offload step with a room holds no more than fits under its floor."""
         held = step.options.max_held_bytes
         if step.budget_bytes == float("inf"):
-            return held
+            return held if step.room is None else min(held, step.room.queue(len(step.order)))
         return held + max(0, self.last_past_budget_bytes - step.past_budget_bytes)
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int, step: Step,
@@ -206,18 +224,36 @@ class ClientSession:
                 stored.version = None
             step.order.append(stored)
             step.by_storage[storage._cdata] = stored
+            self._follow_room(step, t.device, nbytes)
             handle = self._handle(stored, t)
             stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)
             stored.copy_in = self.mover.put(stored.request)
             self._held.append(stored)
             self._held_bytes += nbytes
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
-            oldest = self._held[0].copy_in if self._held_bytes > self._held_limit(step) else None
+            # over the limit, the oldest copy is waited for (the queue may stay over by part of a
+            # save, and the link has the rest while the next op computes); with a room, until the
+            # queue is within it: its limit falls where the step's own memory rises
+            limit = self._held_limit(step)
+            over = self._held_bytes > limit
+            if step.room is None:
+                limit = self._held_bytes - self._held[0].nbytes
         step.stats.pack_s += time.perf_counter() - t0
-        if oldest is not None:  # bound what waits on the mover; wait outside the lock
-            oldest.wait()
-            self.poll()
+        if over:  # bound what waits on the mover; wait outside the lock
+            self.drain(limit)
         return handle
+
+    def _follow_room(self, step: Step, device: torch.device, nbytes: int) -> None:
+        """A full-offload step's save of ``nbytes`` was just made: where a room leads the step, the
+        save must be the profile's (else the next step profiles again); where the step profiles,
+        read what is held besides the copy queue (under the lock)."""
+        if step.room is not None and not step.room.matches(len(step.order), nbytes):
+            step.room = self._room = None
+        elif step.profile is not None:
+            held = self.memory(device)
+            if held is not None:
+                step.profile.sizes.append(nbytes)
+                step.profile.saves.append(held - self._held_bytes)
 
     def _codec(self, step: Step, kind: tuple[Any, ...], compiled: bool) -> str:
         """The codec setting a save of ``kind`` takes to the current store (its route decides the codec)."""
@@ -414,6 +450,7 @@ class ClientSession:
             copy.wait()
             self.poll()
         with self._lock:
+            self._unpacked(stored)
             if stored.state in (State.HELD, State.KEPT):
                 if stored.version is not None and stored.tensor._version != stored.version:
                     stored.state = State.MODIFIED
@@ -452,6 +489,18 @@ class ClientSession:
                 if stored.unpacks < stored.handles and stored.state != State.FREED:
                     self._awaited[stored.key] = base  # another view of it is still to come
         return handle.view_of(base.untyped_storage())
+
+    def _unpacked(self, stored: Stored) -> None:
+        """Backward unpacks an offloaded save (its copy done or not): a profiling step reads what is
+        held besides the copy queue and the prefetch window, and this save, which is needed now
+        (held, fetched ahead or about to be fetched) (under the lock)."""
+        step = stored.step
+        step.unpacked += 1
+        if step.profile is not None and step.profile.saves:
+            held = self.memory(stored.device)
+            if held is not None:
+                step.profile.unpack_sizes.append(stored.nbytes)
+                step.profile.unpacks.append(held - self._held_bytes - self.prefetch.nbytes + stored.nbytes)
 
     def _passed(self, marker: Marker) -> None:
         """Backward reached a marker past the budget: the offloaded tensors may come back as far
@@ -542,3 +591,8 @@ def close_all() -> None:
 
 
 atexit.register(close_all)
+
+
+def _allocated(device: torch.device) -> int | None:
+    """The caching allocator's bytes on a CUDA device now; None elsewhere (nothing to profile)."""
+    return allocated(device) if device.type == "cuda" else None

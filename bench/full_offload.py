@@ -1,0 +1,128 @@
+"""Where full offload's peak is, and what moves it: STORM's storm.offload() beside torchtune's
+OffloadActivations and torch's save_on_cpu, on a Hugging Face decoder, with the copy queue
+(``max_held_bytes``) and the prefetch window (``prefetch_bytes``) varied.
+
+    python bench/full_offload.py --out bench/results/full-offload-<device>-<date>-<commit>.json   # CUDA
+
+Two diagnostic variants switch parts of STORM's room (storm/room.py) off for their steps:
+"storm,room=queue" keeps the user's prefetch window in backward (the room limits only the copy
+queue), "storm,room=off" neither. Per row, the median step and the step's peak above its start,
+split into forward's peak and backward's (the peak statistics are reset as forward ends); rows
+run in alternation, --rounds rounds of --steps steps each, after a warm-up, so that the ratios
+compare like with like. Without CUDA it exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from typing import Iterator
+
+import torch
+
+import storm
+from common import GiB, Llama, cuda_device, torchtune_offload, write
+from storm.room import Room
+
+# a decoder of another shape than W3 (issue 51's: 12 layers, hidden 2560, 8,192 tokens a step)
+MODEL = Llama("L12-2560", layers=12, hidden=2560, mlp=6912, heads=20, kv_heads=4, vocab=32000, batch=4, seq=2048)
+MiB = 1 << 20
+
+
+@contextlib.contextmanager
+def room_parts(method: str) -> Iterator[None]:
+    """A diagnostic variant's room: the whole of it, the copy queue's alone, or none (see above)."""
+    saved = (Room.queue, Room.window)
+    if "room=off" in method:
+        Room.queue = lambda self, made: 1 << 62
+    if "room=" in method:
+        Room.window = lambda self, unpacked, limit: limit
+    try:
+        yield
+    finally:
+        Room.queue, Room.window = saved
+
+
+def contexts(method: str) -> object:
+    if method == "none":
+        return None
+    if method == "torchtune":
+        return torchtune_offload()()
+    if method == "save_on_cpu":
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    opts = {}
+    for part in method.split(",")[1:]:  # "storm,max_held_bytes=64MiB,prefetch_bytes=0"
+        k, v = part.split("=")
+        if k != "room":
+            opts[k] = v
+    return storm.offload(**opts)
+
+
+def step(model: torch.nn.Module, ids: torch.Tensor, method: str, device: torch.device) -> tuple[float, int, int]:
+    """One step: seconds, forward's peak and backward's (bytes above the step's start)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    with room_parts(method):
+        ctx = contexts(method)
+        if ctx is None:
+            loss = MODEL.forward(model, ids)
+        else:
+            with ctx:
+                loss = MODEL.forward(model, ids)
+        fwd = torch.cuda.max_memory_allocated(device) - base
+        torch.cuda.reset_peak_memory_stats(device)
+        loss.backward()
+        del loss
+        torch.cuda.synchronize(device)
+    bwd = torch.cuda.max_memory_allocated(device) - base
+    for p in model.parameters():
+        p.grad = None
+    return time.perf_counter() - t0, fwd, bwd
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--methods", nargs="+", default=[
+        "none", "torchtune", "save_on_cpu", "storm", "storm,max_held_bytes=64MiB",
+        "storm,prefetch_bytes=64MiB", "storm,max_held_bytes=64MiB,prefetch_bytes=64MiB",
+        "storm,max_held_bytes=16MiB,prefetch_bytes=16MiB"])
+    args = ap.parse_args()
+    device = cuda_device("full_offload.py")
+    if device is None:
+        return 2
+    model, ids = MODEL.build(device)
+    rows: dict[str, dict[str, list]] = {m: {"ms": [], "fwd": [], "bwd": []} for m in args.methods}
+    for m in args.methods:  # warm-up: kernels, the pool, torchtune's streams
+        for _ in range(2):
+            step(model, ids, m, device)
+    for _ in range(args.rounds):
+        for m in args.methods:
+            for _ in range(args.steps):
+                s, f, b = step(model, ids, m, device)
+                rows[m]["ms"].append(s * 1e3)
+                rows[m]["fwd"].append(f)
+                rows[m]["bwd"].append(b)
+    out = {}
+    for m, r in rows.items():
+        out[m] = {"step_ms": round(statistics.median(r["ms"]), 1),
+                  "forward_peak_GiB": round(max(r["fwd"]) / GiB, 3), "backward_peak_GiB": round(max(r["bwd"]) / GiB, 3),
+                  "peak_GiB": round(max(max(r["fwd"]), max(r["bwd"])) / GiB, 3)}
+        print(f"{m:55s} {out[m]['step_ms']:8.1f} ms  fwd {out[m]['forward_peak_GiB']:.3f}  "
+              f"bwd {out[m]['backward_peak_GiB']:.3f} GiB", flush=True)
+    room = storm.session_for("auto", None, None)._room  # what the storm rows' profile found
+    found = room and {"floor_MiB": room.floor / MiB, "saves_MiB": [b / MiB for b in room._saves],
+                      "unpacks_MiB": [b / MiB for b in room._unpacks]}
+    write(args.out, {"model": MODEL.name, "rows": out, "room": found}, device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Full offload's room (storm/room.py): the copy queue and the prefetch window fill only what fits
+under the floor a profiled step found, so that neither sits on the step's peak."""
+
+from __future__ import annotations
+
+import torch
+
+import storm
+from storm.examples.models import same_bits
+from storm.room import Profile, Room
+from storm.saved import Step, StepOptions
+
+MiB = 1 << 20
+
+
+def room() -> Room:
+    # held besides the queue at each of four saves (the last, a loss's, the step's highest),
+    # and besides queue and window at each of four unpacks
+    return Room(Profile(sizes=[8, 8, 8, 8], saves=[10, 10, 50, 80], unpack_sizes=[8, 8, 8, 8],
+                        unpacks=[90, 20, 20, 70]))
+
+
+def test_the_queue_holds_what_fits_under_the_floor_beside_the_next_save_and_backward_start():
+    r = room()
+    assert r.floor == 90
+    assert [r.queue(made) for made in (1, 2, 3)] == [90 - 10, 90 - 50, 90 - 80]
+    assert r.queue(4) == 8  # forward's end: backward's first unpack holds the floor, with the last save in it
+
+
+def test_the_window_fetches_what_fits_under_the_floor_until_those_bytes_are_unpacked():
+    r = room()
+    assert r.window(0, 100) == 0      # the next unpack holds the floor
+    assert r.window(1, 100) == 20     # 8 + 8 fit beside 20, but the unpack after them holds 70: 20 left
+    assert r.window(1, 12) == 12      # never more than the user's window
+    assert r.window(3, 100) == 8      # the last one, beside 70
+    assert r.window(4, 100) == 100    # past the profile: nothing more is held
+    step = Step(1, float("inf"), StepOptions(prefetch_bytes=100))
+    assert step.window() == 100
+    step.room, step.unpacked = r, 1
+    assert step.window() == 20
+
+
+def test_a_room_follows_only_the_saves_it_was_profiled_on():
+    r = room()
+    assert r.matches(1, 8) and r.matches(4, 8)
+    assert not r.matches(2, 16) and not r.matches(5, 8)
+
+
+def head_heavy_step(ctx_options: dict, n: int = 6) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A chain of ``n`` saves of one size; returns the input, its gradient and the copy queue's
+    limit after each save."""
+    limits = []
+    with storm.offload(mode="embedded", min_bytes=0, **ctx_options) as ctx:
+        x = torch.randn(64, 64, requires_grad=True)
+        h = x
+        for _ in range(n):
+            h = h.tanh()
+            limits.append(ctx._session._held_limit(ctx._step))
+        loss = h.sum()
+    loss.backward()
+    return x, x.grad, limits
+
+
+def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_the_floor(monkeypatch):
+    """With the allocator read (a fake one here: the CPU has none), the first step profiles; the
+    next follows its room: the queue limit is the floor less what the next save holds, and forward's
+    end drains to what backward's first unpack leaves; a step of other saves profiles again."""
+    session = storm.session_for("embedded", None, None)
+    one = 64 * 64 * 4
+    besides = [0, 0, 0, 4 * one, 10 * one, 12 * one]  # a head: the step holds more at its last saves
+    at_unpack = 3 * one
+
+    def reader(device: torch.device) -> int:
+        step = current[0]
+        if step.fetching:  # backward: what is held besides the queue and the window, and those
+            return at_unpack - one + session._held_bytes + session.prefetch.nbytes  # the unpacked save counts
+        return besides[len(step.order) - 1] + session._held_bytes  # the save just made counts as held besides
+
+    current: list[Step] = []
+    real_new_step = session.new_step
+
+    def new_step(*args, **kwargs) -> Step:
+        current[:] = [real_new_step(*args, **kwargs)]
+        return current[0]
+
+    drained: list[int] = []
+    real_drain = session.drain
+
+    def drain(limit: int) -> None:
+        drained.append(limit)
+        real_drain(limit)
+
+    monkeypatch.setattr(session, "memory", reader)
+    monkeypatch.setattr(session, "new_step", new_step)
+    monkeypatch.setattr(session, "drain", drain)
+    monkeypatch.setattr(session, "_room", None)
+    monkeypatch.setattr(session, "_profiling", None)
+    held = 64 * one
+
+    _, _, first = head_heavy_step({"max_held_bytes": held})
+    assert first == [held] * 6  # profiling: the user's limit
+    assert session._room is None and session._profiling is not None and len(session._profiling.saves) == 6
+
+    drained.clear()
+    _, _, second = head_heavy_step({"max_held_bytes": held})
+    floor = 12 * one
+    assert session._room is not None and session._room.floor == floor
+    # forward's end: what backward's start leaves, beside the last save, which it unpacks first
+    assert second == [floor - b for b in besides[1:]] + [floor - at_unpack + one]
+    assert drained[-1] == floor - at_unpack + one
+
+    drained.clear()
+    _, _, other = head_heavy_step({"max_held_bytes": held}, n=7)  # a seventh save: not the profile's
+    assert other[-1] == held and session._room is None
+
+
+def test_a_full_offload_step_with_a_room_computes_the_same_gradients(monkeypatch):
+    """The room changes when copies are waited for, never what is saved or restored."""
+    session = storm.session_for("embedded", None, None)
+    monkeypatch.setattr(session, "memory", lambda device: session._held_bytes + session.prefetch.nbytes + MiB)
+    monkeypatch.setattr(session, "_room", None)
+    monkeypatch.setattr(session, "_profiling", None)
+    grads = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        x, grad, _ = head_heavy_step({})
+        grads.append(grad)
+    assert session._room is not None
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+    h = x
+    for _ in range(6):
+        h = h.tanh()
+    h.sum().backward()
+    assert all(same_bits(g, x.grad) for g in grads)
+
