@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from storm.planner import BlockTrace, Trace, choose
+from storm.planner import BlockTrace, Scenario, Trace, choose
 
 DATA = Path(__file__).resolve().parent / "data"
 MiB = 1 << 20
@@ -43,8 +43,9 @@ def cases(trace: Trace, kept_extra: int) -> list[dict]:
 def decision(trace: Trace, case: dict) -> list | None:
     """choose()'s plan for ``case``, its fields in PLAN's order (None: no plan of that kind)."""
     t = Trace(**{**trace.__dict__, "store_bytes": case["store_bytes"]})
-    p = choose(t, case["budget"], case["held_bytes"], None, case["offload_margin"], grads=case["grads"],
-               codec=case["codec"], offload=case["offload"], kept_extra=case["kept_extra"])
+    p = choose(Scenario(t, case["budget"], held_bytes=case["held_bytes"], offload_margin=case["offload_margin"],
+                        grads=case["grads"], codec=case["codec"], offload=case["offload"],
+                        kept_extra=case["kept_extra"]))
     if p is None:
         return None
     return [p.offloaded, sorted(p.recomputed), p.offload_budget, p.max_held_bytes, p.prefetch_bytes,

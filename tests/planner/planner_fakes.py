@@ -14,7 +14,7 @@ import storm
 import storm.session as session_mod
 from storm.examples.models import GPT
 from storm.kernels.frame import frame_nbytes
-from storm.planner import BlockTrace, Phase, Plan, Trace, moments, predicted_peak
+from storm.planner import BlockTrace, Phase, Plan, Scenario, Trace, moments, predicted_peak
 
 MiB = 1 << 20
 
@@ -138,12 +138,12 @@ class ScriptedMemory:
         pl = self.planner
         if pl.plan is None:  # the compute traces: every block recomputed, without the hand-over in the second
             every = set(range(len(pl.trace.blocks)))
-            held = moments(pl.trace, 0, every, 0, True, start_extra=self.start_extra)
+            held = moments(pl.trace, 0, every, 0, grads=True, start_extra=self.start_extra)
             kept = self.kept_extra * (pl.phase is Phase.TRACE_COMPUTE_KEPT)
             return self.besides + (max(held[:-1]) + kept if self.in_blocks else held[-1])
         p = pl.plan
-        held = moments(pl.trace, p.offloaded, p.recomputed, p.in_flight_bytes, True, self.kept_extra,
-                       p.inputs_offloaded, self.start_extra, p.prefetch_bytes)
+        held = moments(pl.trace, p.offloaded, p.recomputed, p.in_flight_bytes, grads=True, kept_extra=self.kept_extra,
+                       inputs_offloaded=p.inputs_offloaded, start_extra=self.start_extra, prefetch=p.prefetch_bytes)
         return (self.besides + (max(held[:-1]) if self.in_blocks else held[-1])
                 + (self.extra if p.offloads else 0))
 
@@ -156,8 +156,8 @@ def pack_clock(monkeypatch) -> FakeClock:
     return clock
 
 
-def recompute_two(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-                  offload=None, kept_extra=0, start_extra=0):
+def recompute_two(s: Scenario) -> Plan | None:
     """choose() for the form trials' tests: recompute blocks 0 and 1, and no plan that offloads
     (none of the other kind: the form's trial comes at once)."""
-    return None if offload else Plan(0, frozenset({0, 1}), 0, 0, 0, 1 << 40, 1.0, True)
+    return None if s.offload else Plan(offloaded=0, recomputed=frozenset({0, 1}), offload_budget=0, max_held_bytes=0,
+                                       prefetch_bytes=0, predicted_peak=1 << 40, predicted_cost_ms=1.0, fits=True)

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 import storm
 from planner_fakes import FakeClock, below_checkpointing, grads_of
 from storm.examples.models import GPT, same_bits
-from storm.planner import Plan
+from storm.planner import Plan, Scenario
 
 pytestmark = pytest.mark.slow  # inductor compiles each block's graphs on the first steps
 
@@ -110,9 +110,11 @@ def test_plan_below_checkpointings_peak_of_compiled_blocks_is_bit_exact(form):
     planner.close()
 
 
-def recompute_all(trace, budget, *args: Any, offload=None, **kwargs: Any) -> Plan | None:
+def recompute_all(s: Scenario) -> Plan | None:
     """choose() that recomputes every block and offers no alternative of the other kind."""
-    return None if offload else Plan(0, frozenset(range(len(trace.blocks))), 0, 0, 0, 1 << 40, 1.0, True)
+    return None if s.offload else Plan(offloaded=0, recomputed=frozenset(range(len(s.trace.blocks))), offload_budget=0,
+                                       max_held_bytes=0, prefetch_bytes=0, predicted_peak=1 << 40,
+                                       predicted_cost_ms=1.0, fits=True)
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

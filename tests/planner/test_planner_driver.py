@@ -15,7 +15,7 @@ import storm
 import storm.session as session_mod
 from planner_fakes import MiB, gpt, grads_of, traced_gpt_planner
 from storm.examples.models import same_bits
-from storm.planner import Plan, choose
+from storm.planner import Plan, Scenario, choose
 from storm.recompute import _warn_cache_off
 
 
@@ -117,9 +117,9 @@ def test_plan_options_in_sizes_reach_the_plan_as_bytes():
     offloads nothing has no copy queue); a plan that offloads uses them."""
     asked = []
 
-    def recorded(trace, budget, held_bytes=None, prefetch_bytes=None, *args, **kwargs):
-        asked.append((held_bytes, prefetch_bytes))
-        return choose(trace, budget, held_bytes, prefetch_bytes, *args, **kwargs)
+    def recorded(s: Scenario) -> Plan | None:
+        asked.append((s.held_bytes, s.prefetch_bytes))
+        return choose(s)
 
     model, idx = gpt()
     planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes="0", max_held_bytes="1MiB",
@@ -160,13 +160,13 @@ def test_a_block_with_its_own_forward_attribute_is_refused_clearly():
         planner.step()
 
 
-def fixed_plan(offloaded: int, recomputed: set[int], compressed: bool = False) -> Callable[..., Plan]:
+def fixed_plan(offloaded: int, recomputed: set[int], compressed: bool = False) -> Callable[[Scenario], Plan]:
     """A choice of this plan, whatever the planner measured. Its predicted peak is far above the
     step, so backward has room to fetch everything ahead as soon as it starts."""
-    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-              offload=None, kept_extra=0, start_extra=0):
-        return Plan(offloaded, frozenset(recomputed), trace.offloaded_before[offloaded], 1 << 30, 0, 1 << 40, 0.0,
-                    True, compressed=compressed)
+    def fixed(s: Scenario) -> Plan:
+        return Plan(offloaded=offloaded, recomputed=frozenset(recomputed),
+                    offload_budget=s.trace.offloaded_before[offloaded], max_held_bytes=1 << 30, prefetch_bytes=0,
+                    predicted_peak=1 << 40, predicted_cost_ms=0.0, fits=True, compressed=compressed)
 
     return fixed
 

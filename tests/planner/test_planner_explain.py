@@ -7,7 +7,7 @@ import pytest
 
 import storm
 from planner_fakes import MiB, framed, gpt, trace
-from storm.planner import Offloading, choose, predicted_peak
+from storm.planner import Offloading, Scenario, choose, predicted_peak
 
 
 @pytest.mark.parametrize("hidden_ms, choice", [(50.0, "compressed"), (0.0, "raw")])
@@ -16,7 +16,7 @@ def test_explain_says_raw_or_compressed_and_why(hidden_ms, choice):
     planner = storm.plan(model.blocks, budget=300 * MiB, mode="embedded")
     t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
     t.forward_device_ms = t.forward_host_ms + hidden_ms  # unhidden, frames' host time outweighs their link time
-    planner.trace, planner.plan = t, choose(t, 300 * MiB)
+    planner.trace, planner.plan = t, choose(Scenario(t, 300 * MiB))
     raw, compressed = (Offloading.of(t, planner.plan.offloaded, planner.plan.max_held_bytes, c)[0]
                        for c in (False, True))
     text = planner.explain()
@@ -34,7 +34,7 @@ def test_explain_names_the_blocks_recomputed_with_their_inputs_offloaded_and_wha
     for b in t.blocks:
         b.input_tensors = 1
     planner.trace = t
-    planner.plan = p = choose(t, predicted_peak(t, 0, set(range(8)), 0, False) - 60 * MiB)
+    planner.plan = p = choose(Scenario(t, predicted_peak(t, 0, set(range(8)), 0, grads=False) - 60 * MiB))
     first, last = p.offloaded, p.offloaded + p.inputs_offloaded - 1
     assert p.inputs_offloaded > 1
     lines = planner.explain().splitlines()

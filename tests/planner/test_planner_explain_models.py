@@ -14,7 +14,7 @@ from torch import nn
 
 import storm
 from planner_fakes import FakeClock, ScriptedMemory, recompute_two
-from storm.planner import Phase, Plan, predicted_peak
+from storm.planner import Phase, Plan, Scenario, predicted_peak
 from storm.planner.trial import TRIAL_MAX_STEPS
 
 
@@ -199,13 +199,15 @@ def test_an_unsettled_plan_says_what_its_next_step_does_and_a_settled_one_says_s
     """The planner's phase, in words, from the plan's first step to its settling: the peak measured
     against the target, the host time of the packs read, a trial of the two kinds of plan; then
     settled."""
-    def offload_or_recompute(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False,
-                             codec=None, offload=None, kept_extra=0, start_extra=0):
-        if offload is False:
+    def offload_or_recompute(s: Scenario) -> Plan:
+        trace = s.trace
+        if s.offload is False:
             every = frozenset(range(3))
-            return Plan(0, every, 0, 0, 0, predicted_peak(trace, 0, every, 0), 1.0, True)
-        return Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0, predicted_peak(trace, 2, set(), 0),
-                    0.0, True)
+            return Plan(offloaded=0, recomputed=every, offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
+                        predicted_peak=predicted_peak(trace, 0, every, 0), predicted_cost_ms=1.0, fits=True)
+        return Plan(offloaded=2, recomputed=frozenset(), offload_budget=trace.offloaded_before[2],
+                    max_held_bytes=1 << 30, prefetch_bytes=0, predicted_peak=predicted_peak(trace, 2, set(), 0),
+                    predicted_cost_ms=0.0, fits=True)
 
     memory = ScriptedMemory(extra=0)
     step, planner = resnet_planner(budget=0.9, memory=memory, chooser=offload_or_recompute, clock=FakeClock(),

@@ -16,7 +16,7 @@ from torch import nn
 import storm
 from planner_fakes import FakeClock, below_checkpointing, gpt, grads_of
 from storm.examples.models import same_bits
-from storm.planner import Plan
+from storm.planner import Plan, Scenario
 from storm.recompute import Recompute
 
 
@@ -74,13 +74,16 @@ def test_a_recomputed_blocks_call_offloads_exactly_its_inputs(reentrant):
 
 def fixed(offloaded: int, inputs: int, recomputed: set[int]):
     """A choice of this plan, whatever the planner measured, with room to fetch everything."""
-    def choose(trace, budget, *args, offload=None, **kwargs):
-        if offload is not None:
+    def choose(s: Scenario) -> Plan | None:
+        trace = s.trace
+        if s.offload is not None:
             return None
         every = sorted(recomputed | set(range(offloaded, offloaded + inputs)))
         nbytes = None if offloaded + inputs == len(trace.blocks) else \
             trace.offloaded_before[offloaded] + sum(trace.blocks[j].input_bytes for j in every[:inputs])
-        return Plan(offloaded, frozenset(every), nbytes, 1 << 30, 0, 1 << 40, 0.0, True, inputs_offloaded=inputs)
+        return Plan(offloaded=offloaded, recomputed=frozenset(every), offload_budget=nbytes, max_held_bytes=1 << 30,
+                    prefetch_bytes=0, predicted_peak=1 << 40, predicted_cost_ms=0.0, fits=True,
+                    inputs_offloaded=inputs)
     return choose
 
 

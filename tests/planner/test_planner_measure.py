@@ -16,7 +16,7 @@ import storm
 from planner_fakes import MiB, ScriptedMemory, gpt, grads_of, pack_clock, traced_gpt_planner
 from storm.examples.models import same_bits
 from storm.kernels.frame import frame_nbytes
-from storm.planner import Phase, Plan, choose, frames_of, moments, predicted_peak
+from storm.planner import Phase, Plan, Scenario, choose, frames_of, moments, predicted_peak
 
 
 def test_the_mover_frames_cuda_bf16_storages_of_at_least_4_mib():
@@ -34,13 +34,15 @@ def scripted_planner(memory: ScriptedMemory | None = None, **kw: Any) -> tuple[A
     """A planner on the CPU GPT whose steps' peaks ``memory`` reports (a ScriptedMemory), and whose
     choice is fixed: offload the first 2 blocks unless offloading plans carry a margin, then
     recompute 4. No form trial, which would add its steps after these tests' last."""
-    def fixed(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-              offload=None, kept_extra=0, start_extra=0):
-        if offload_margin <= 0:
-            return Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0, predicted_peak(trace, 2, set(), 0),
-                        0.0, True)
+    def fixed(s: Scenario) -> Plan:
+        trace = s.trace
+        if s.offload_margin <= 0:
+            return Plan(offloaded=2, recomputed=frozenset(), offload_budget=trace.offloaded_before[2],
+                        max_held_bytes=1 << 30, prefetch_bytes=0, predicted_peak=predicted_peak(trace, 2, set(), 0),
+                        predicted_cost_ms=0.0, fits=True)
         rec = frozenset(range(4))
-        return Plan(0, rec, 0, 0, 0, predicted_peak(trace, 0, rec, 0), 1.0, True)
+        return Plan(offloaded=0, recomputed=rec, offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
+                    predicted_peak=predicted_peak(trace, 0, rec, 0), predicted_cost_ms=1.0, fits=True)
 
     memory = memory or ScriptedMemory()
     model, idx = gpt()
@@ -114,12 +116,12 @@ def test_kept_blocks_backward_is_planned_with_what_it_holds_more():
     extra = t.blocks[0].saved_bytes // 2
 
     def over(b: int) -> bool:  # the plan that leaves the extra out goes over b with it
-        blind = choose(t, b, grads=True)
+        blind = choose(Scenario(t, b, grads=True))
         return predicted_peak(t, blind.offloaded, blind.recomputed, blind.in_flight_bytes, kept_extra=extra) > b
 
     budget = next(b for b in range(t.total_bytes, 0, -MiB // 8)
-                  if over(b) and choose(t, b, grads=True, kept_extra=extra).fits)
-    blind = choose(t, budget, grads=True)
+                  if over(b) and choose(Scenario(t, b, grads=True, kept_extra=extra)).fits)
+    blind = choose(Scenario(t, budget, grads=True))
     memory = ScriptedMemory(extra=0, kept_extra=extra)
     planner = memory.planner = storm.Planner(model.blocks, peak=budget + memory.besides, memory=memory,
                                              form_trial=False, **options)
@@ -127,7 +129,7 @@ def test_kept_blocks_backward_is_planned_with_what_it_holds_more():
         got = grads_of(model, idx, planner.step())
         assert all(same_bits(a, b) for a, b in zip(ref, got))
     assert planner.kept_extra == extra and planner.besides == memory.besides
-    assert planner.plan == choose(planner.trace, budget, grads=True, kept_extra=extra) != blind
+    assert planner.plan == choose(Scenario(planner.trace, budget, grads=True, kept_extra=extra)) != blind
     assert planner.settled and planner.checks == 1 and planner.measured_peak <= planner.target
     assert f"and {extra / MiB:.1f} more while a kept block's backward runs" in planner.explain()
     planner.close()
@@ -149,7 +151,7 @@ def test_backward_start_is_measured_apart_so_offloading_inputs_goes_below_checkp
     t = probe.trace
     probe.close()
     n, every = len(t.blocks), set(range(len(t.blocks)))
-    held = moments(t, 0, every, 0, True)
+    held = moments(t, 0, every, 0, grads=True)
     inputs = sum(b.input_bytes for b in t.blocks)
     start_extra = max(held[:-1]) - held[-1] + 2 * inputs  # backward's start is the step's peak by far
     memory = ScriptedMemory(extra=0, start_extra=start_extra)
@@ -187,7 +189,7 @@ def test_a_memory_without_restart_gives_one_figure_for_the_step():
     for _ in range(4):
         grads_of(model, idx, planner.step())
     every = set(range(len(model.blocks)))
-    with_extra, model_held = (moments(planner.trace, 0, every, 0, True, start_extra=e) for e in (8 * MiB, 0))
+    with_extra, model_held = (moments(planner.trace, 0, every, 0, grads=True, start_extra=e) for e in (8 * MiB, 0))
     assert planner.start_extra == 0  # the whole step's extra is counted at every moment
     assert planner.besides == memory.besides + max(with_extra) - max(model_held)
     assert planner.plan is not None
@@ -217,16 +219,19 @@ def test_peak_needs_cuda():
         storm.plan(model.blocks, peak="1GiB")
 
 
-def by_host_cost(dearer_than_ms: float, seen: list[float]) -> Callable[..., Plan]:
+def by_host_cost(dearer_than_ms: float, seen: list[float]) -> Callable[[Scenario], Plan]:
     """A choice that offloads blocks 0-1 while the trace's host time per tensor is at most
     ``dearer_than_ms``, else recomputes them; the host times it was asked with go to ``seen``."""
 
-    def choose(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-               offload=None, kept_extra=0, start_extra=0):
+    def choose(s: Scenario) -> Plan:
+        trace = s.trace
         seen.append(trace.host_ms_per_tensor)
         if trace.host_ms_per_tensor <= dearer_than_ms:
-            return Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0, 1 << 40, 0.0, True)
-        return Plan(0, frozenset({0, 1}), 0, 0, 0, 1 << 40, 1.0, True)
+            return Plan(offloaded=2, recomputed=frozenset(), offload_budget=trace.offloaded_before[2],
+                        max_held_bytes=1 << 30, prefetch_bytes=0, predicted_peak=1 << 40, predicted_cost_ms=0.0,
+                        fits=True)
+        return Plan(offloaded=0, recomputed=frozenset({0, 1}), offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
+                    predicted_peak=1 << 40, predicted_cost_ms=1.0, fits=True)
 
     return choose
 

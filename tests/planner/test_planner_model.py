@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from planner_fakes import MiB, framed, shared_inputs, trace
-from storm.planner import BlockTrace, Offloading, Trace, choose, moments, predicted_peak
+from storm.planner import BlockTrace, Offloading, Scenario, Trace, choose, moments, predicted_peak
 from storm.planner.model import _plans
 
 
 def test_a_budget_above_the_step_changes_nothing():
     t = trace()
-    p = choose(t, t.total_bytes)
+    p = choose(Scenario(t, t.total_bytes))
     assert (p.offloaded, p.recomputed, p.offload_budget, p.predicted_cost_ms, p.fits) == (0, frozenset(), 0, 0.0, True)
     assert p.predicted_peak == t.total_bytes
 
@@ -20,7 +20,7 @@ def test_a_budget_above_the_step_changes_nothing():
 def test_a_slow_link_recomputes_instead_of_offloading():
     t = trace(gbps=0.5)  # 100 MiB takes ~210 ms each way; recomputing a block costs 1 ms
     budget = t.total_bytes - 350 * MiB
-    p = choose(t, budget)
+    p = choose(Scenario(t, budget))
     assert p.fits and p.predicted_peak <= budget
     assert p.offloaded == 0 and len(p.recomputed) == 4  # each recompute removes 90 MiB, plus the largest's 100
     assert p.predicted_cost_ms == pytest.approx(4.0)
@@ -37,11 +37,12 @@ def test_no_block_is_recomputed_that_the_fit_does_not_need():
     for i, b in enumerate(t.blocks):
         b.forward_ms, b.grad_bytes = 1.0 - 0.01 * i, 24 * MiB
     for budget in range(1000 * MiB, 2600 * MiB, 200 * MiB):
-        p = choose(t, budget, grads=True, kept_extra=extra)
+        p = choose(Scenario(t, budget, grads=True, kept_extra=extra))
         assert p.fits and p.offloaded == 0
         for j in p.recomputed:
-            assert predicted_peak(t, 0, p.recomputed - {j}, 0, True, extra) > budget, (budget, sorted(p.recomputed), j)
-        first = next(k for k in range(n + 1) if predicted_peak(t, 0, set(range(k)), 0, True, extra) <= budget)
+            assert predicted_peak(t, 0, p.recomputed - {j}, 0, kept_extra=extra) > budget, \
+                (budget, sorted(p.recomputed), j)
+        first = next(k for k in range(n + 1) if predicted_peak(t, 0, set(range(k)), 0, kept_extra=extra) <= budget)
         assert len(p.recomputed) <= first, (budget, sorted(p.recomputed), first)
 
 
@@ -50,8 +51,8 @@ def test_only_a_kept_blocks_backward_holds_the_kept_extra():
     every, extra = set(range(4)), 5 * MiB
 
     def added(offloaded: int, recomputed: set[int]) -> list[int]:  # per block's backward, then backward's start
-        return [a - b for a, b in zip(moments(t, offloaded, recomputed, 0, True, extra),
-                                      moments(t, offloaded, recomputed, 0, True))]
+        return [a - b for a, b in zip(moments(t, offloaded, recomputed, 0, grads=True, kept_extra=extra),
+                                      moments(t, offloaded, recomputed, 0, grads=True))]
 
     assert added(0, set()) == [extra] * 4 + [0]
     assert added(0, {1, 2}) == [extra, 0, 0, extra, 0]
@@ -60,17 +61,17 @@ def test_only_a_kept_blocks_backward_holds_the_kept_extra():
     # a budget that recomputing blocks 0-2 meets exactly, but not with block 3's kept extra:
     # recomputing block 3 too removes it there
     budget = predicted_peak(t, 0, {0, 1, 2}, 0)
-    assert choose(t, budget).recomputed == {0, 1, 2}
+    assert choose(Scenario(t, budget)).recomputed == {0, 1, 2}
     assert predicted_peak(t, 0, {0, 1, 2}, 0, kept_extra=extra) > budget
-    assert choose(t, budget, kept_extra=extra).recomputed == every
+    assert choose(Scenario(t, budget, kept_extra=extra)).recomputed == every
 
 
 def test_the_cheapest_blocks_per_byte_are_recomputed_first():
     t = trace(gbps=0.5)
     t.blocks[5].forward_ms = 0.1
     t.blocks[2].forward_ms = 0.2
-    assert choose(t, t.total_bytes - 20 * MiB).recomputed == frozenset({5})
-    assert choose(t, t.total_bytes - 150 * MiB).recomputed == frozenset({5, 2})
+    assert choose(Scenario(t, t.total_bytes - 20 * MiB)).recomputed == frozenset({5})
+    assert choose(Scenario(t, t.total_bytes - 150 * MiB)).recomputed == frozenset({5, 2})
 
 
 def test_w2_like_blocks_recompute_the_fewest_that_fit():
@@ -83,7 +84,7 @@ def test_w2_like_blocks_recompute_the_fewest_that_fit():
     t = Trace(blocks, offloaded_before=[i * 512 * MiB for i in range(n)], forward_host_ms=70.0,
               forward_device_ms=70.0, d2h_GBps=0.5, h2d_GBps=0.5)
     budget = predicted_peak(t, 0, set(range(n)), 0) + 20 * MiB
-    p = choose(t, budget, grads=True)
+    p = choose(Scenario(t, budget, grads=True))
     assert p.fits and p.offloaded == 0 and len(p.recomputed) == 7
     assert predicted_peak(t, 0, p.recomputed, 0) <= budget
 
@@ -103,7 +104,7 @@ def test_like_blocks_are_recomputed_at_the_least_cost(seed):
     for budget in range(floor, predicted_peak(t, 0, set(), 0) + 1, 45 * MiB):
         best = min(sum(blocks[i].forward_ms for i in r) for size in range(n + 1)
                    for r in itertools.combinations(range(n), size) if predicted_peak(t, 0, set(r), 0) <= budget)
-        p = choose(t, budget, grads=True)
+        p = choose(Scenario(t, budget, grads=True))
         assert p.fits and p.offloaded == 0
         assert p.predicted_cost_ms == pytest.approx(best, abs=1e-3)
 
@@ -129,7 +130,7 @@ def test_parameter_gradients_count_from_the_block_whose_backward_allocates_them(
 def test_a_link_that_forward_hides_offloads_the_earliest_blocks():
     t = trace(fwd_ms=20.0, gbps=50.0)  # 100 MiB in ~2 ms against 160 ms of forward: free
     budget = t.total_bytes - 250 * MiB
-    p = choose(t, budget)
+    p = choose(Scenario(t, budget))
     assert p.fits and p.recomputed == frozenset() and p.offloaded == 3
     assert p.offload_budget == t.offloaded_before[3]  # storm.offload(budget=) stops at block 3's first save
     assert p.predicted_cost_ms == 0.0
@@ -146,31 +147,31 @@ def test_a_busy_link_costs_a_stall_or_memory():
     assert fast.held == slow.sent == fast.sent == t.total_bytes - t.after_bytes  # the loss's saves: none early
     assert slow.cost_ms > 5 and slow.leftover <= 100 * MiB  # forward waits for the link
     assert fast.leftover > 300 * MiB  # forward does not wait; the bytes stay on the device meanwhile
-    nothing = choose(t, 10**12, held_bytes=64 * MiB, prefetch_bytes=32 * MiB)
+    nothing = choose(Scenario(t, 10**12, held_bytes=64 * MiB, prefetch_bytes=32 * MiB))
     assert nothing.offloaded == 0 and nothing.predicted_peak == t.total_bytes  # no window counted: nothing to fetch
-    p = choose(t, 300 * MiB, held_bytes=64 * MiB, prefetch_bytes=32 * MiB)
+    p = choose(Scenario(t, 300 * MiB, held_bytes=64 * MiB, prefetch_bytes=32 * MiB))
     assert (p.max_held_bytes, p.prefetch_bytes) == (64 * MiB, 32 * MiB)  # the user's options are kept
 
 
 def test_host_time_per_tensor_counts_when_the_compute_stream_does_not_hide_it():
     t = trace(fwd_ms=20.0, gbps=50.0, host_ms=50.0, tensors=5)  # 250 ms per offloaded block: recompute wins
-    p = choose(t, t.total_bytes - 250 * MiB)
+    p = choose(Scenario(t, t.total_bytes - 250 * MiB))
     assert p.offloaded == 0 and p.recomputed
     # the GPU ends forward far behind the host, but the host is not ahead while it launches the
     # first blocks (as at a step's start): their packs (half of each tensor's time) still cost
     t.forward_device_ms = t.forward_host_ms + 10_000
     t.lead_ms = [0.0] * (len(t.blocks) + 1)
-    p = choose(t, t.total_bytes - 250 * MiB)
+    p = choose(Scenario(t, t.total_bytes - 250 * MiB))
     assert p.offloaded == 0 and p.recomputed
     assert Offloading.of(t, 3, None)[0].host_ms == pytest.approx(3 * 5 * 50.0 / 2)  # the packs; unpacks hidden
     t.lead_ms = [0.0] + [10_000.0] * len(t.blocks)  # far ahead from block 1 on: host time is free
-    p = choose(t, t.total_bytes - 250 * MiB)
+    p = choose(Scenario(t, t.total_bytes - 250 * MiB))
     assert p.offloaded == 3 and not p.recomputed
 
 
 def test_an_unreachable_budget_gets_the_least_peak_plan_and_says_so():
     t = trace()
-    p = choose(t, 0)
+    p = choose(Scenario(t, 0))
     assert not p.fits
     every = set(range(len(t.blocks)))
     assert p.predicted_peak <= predicted_peak(t, 0, every, 0)  # no worse than recomputing all
@@ -185,11 +186,11 @@ def test_a_link_bound_step_offloads_compressed():
     t.forward_device_ms = t.forward_host_ms + 50
     t.lead_ms = [0.0] + [50.0] * len(t.blocks)
     budget = 300 * MiB
-    p, raw = choose(t, budget), choose(t, budget, codec="raw")
+    p, raw = choose(Scenario(t, budget)), choose(Scenario(t, budget, codec="raw"))
     assert p.compressed and p.fits and p.offloaded > 0
     assert raw.fits and raw.offloaded > 0 and not raw.compressed
     assert p.predicted_cost_ms < raw.predicted_cost_ms
-    assert choose(t, budget, codec="ancf_exp") == p  # the user's frame codec: the same choice, made alone
+    assert choose(Scenario(t, budget, codec="ancf_exp")) == p  # the user's frame codec: the same choice, made alone
     off_raw, off_compressed = (Offloading.of(t, p.offloaded, p.max_held_bytes, c)[0] for c in (False, True))
     assert off_compressed.link_ms < off_raw.link_ms
     # the peak counts one block's frames beside what is in flight
@@ -204,9 +205,9 @@ def test_the_codecs_device_time_can_make_raw_the_cheaper():
     t.forward_device_ms = t.forward_host_ms + 50
     t.lead_ms = [0.0] + [50.0] * len(t.blocks)
     budget = 300 * MiB
-    assert choose(t, budget).compressed
+    assert choose(Scenario(t, budget)).compressed
     t.frame_device_ms_per_GiB = 30.0
-    p, forced = choose(t, budget), choose(t, budget, codec="ancf_exp")
+    p, forced = choose(Scenario(t, budget)), choose(Scenario(t, budget, codec="ancf_exp"))
     assert p.fits and p.offloaded > 0 and not p.compressed
     assert forced.compressed and forced.predicted_cost_ms > p.predicted_cost_ms
     off = Offloading.of(t, forced.offloaded, forced.max_held_bytes, True)[0]
@@ -221,9 +222,9 @@ def test_a_host_bound_step_offloads_raw():
     t = shared_inputs(framed(trace(inputs=60 * MiB, host_ms=0.02, tensors=200), per_block=200, frame_ms=0.15,
                              saved_by_frames=MiB))
     budget = 300 * MiB
-    p = choose(t, budget)
+    p = choose(Scenario(t, budget))
     assert p.fits and p.offloaded > 0 and not p.compressed
-    forced = choose(t, budget, codec="ancf_exp")  # the user's frame codec is respected, at its cost
+    forced = choose(Scenario(t, budget, codec="ancf_exp"))  # the user's frame codec is respected, at its cost
     assert forced.compressed and forced.predicted_cost_ms > p.predicted_cost_ms
     off_raw, off_compressed = (Offloading.of(t, forced.offloaded, forced.max_held_bytes, c)[0] for c in (False, True))
     assert off_compressed.host_ms - off_raw.host_ms == pytest.approx(forced.offloaded * 200 * 0.15)
@@ -234,27 +235,27 @@ def test_nothing_frameable_is_never_compressed(codec):
     t = trace(inputs=60 * MiB, gbps=1.0)  # a slow link: frames would pay, if anything could be framed
     t.frame_host_ms_per_tensor = 0.0
     for budget in (0, 150 * MiB, 300 * MiB, 600 * MiB, t.total_bytes):
-        p = choose(t, budget, codec=codec)
-        assert not p.compressed and p == choose(t, budget, codec="raw")
+        p = choose(Scenario(t, budget, codec=codec))
+        assert not p.compressed and p == choose(Scenario(t, budget, codec="raw"))
 
 
 def test_a_margin_holds_plans_that_offload_to_less():
     t = trace(fwd_ms=20.0, gbps=50.0)  # the link is free: offloading 3 blocks is the plan
     budget = t.total_bytes - 250 * MiB
-    assert choose(t, budget).offloaded == 3
-    p = choose(t, budget, offload_margin=150 * MiB)  # offloading plans were measured 150 MiB over
+    assert choose(Scenario(t, budget)).offloaded == 3
+    p = choose(Scenario(t, budget, offload_margin=150 * MiB))  # offloading plans were measured 150 MiB over
     assert p.fits and (p.offloaded == 0 or p.predicted_peak + 150 * MiB <= budget)
     assert p.offloaded == 0 or p.offloaded > 3  # the 3-block plan no longer fits
-    assert choose(t, budget, offload_margin=10**12).offloaded == 0  # recomputing is not held to it
+    assert choose(Scenario(t, budget, offload_margin=10**12)).offloaded == 0  # recomputing is not held to it
 
 
 def test_no_trial_where_the_other_kind_does_not_fit():
     t = trace(fwd_ms=1.0, gbps=50.0)
-    assert choose(t, 0, offload=False).fits is False  # nothing fits a budget of 0 without offloading
-    assert choose(t, t.total_bytes, offload=True).offloaded > 0
-    assert choose(t, t.total_bytes, offload=False).offloaded == 0
+    assert choose(Scenario(t, 0, offload=False)).fits is False  # nothing fits a budget of 0 without offloading
+    assert choose(Scenario(t, t.total_bytes, offload=True)).offloaded > 0
+    assert choose(Scenario(t, t.total_bytes, offload=False)).offloaded == 0
     t.store_bytes = 0  # the store took nothing: no plan offloads
-    assert choose(t, t.total_bytes, offload=True) is None
+    assert choose(Scenario(t, t.total_bytes, offload=True)) is None
 
 
 def test_a_block_recomputed_with_its_inputs_offloaded_keeps_nothing_until_its_backward():
@@ -262,14 +263,14 @@ def test_a_block_recomputed_with_its_inputs_offloaded_keeps_nothing_until_its_ba
     backward, where it holds its rebuilt saves and its fetched inputs; the saves before the blocks
     go too. Recomputed (checkpointing), they keep their inputs and the saves before them stay."""
     t = trace(n=4, saved=100 * MiB, inputs=10 * MiB)
-    checkpointing = moments(t, 0, {0, 1}, 0, False)
-    offloaded = moments(t, 0, {0, 1}, 0, False, inputs_offloaded=2)
+    checkpointing = moments(t, 0, {0, 1}, 0, grads=False)
+    offloaded = moments(t, 0, {0, 1}, 0, grads=False, inputs_offloaded=2)
     assert checkpointing == [MiB + 100 * MiB, MiB + 10 * MiB + 100 * MiB, MiB + 20 * MiB + 100 * MiB,
                              MiB + 20 * MiB + 200 * MiB, MiB + 20 * MiB + 200 * MiB + 2 * MiB]
     assert offloaded == [110 * MiB, 110 * MiB, 100 * MiB, 200 * MiB, 200 * MiB + 2 * MiB]
     # inputs other blocks are called with too stay, and are not fetched
     shared_inputs(t)
-    assert moments(t, 0, {0, 1}, 0, False, inputs_offloaded=2) == [100 * MiB, 110 * MiB, 120 * MiB,
+    assert moments(t, 0, {0, 1}, 0, grads=False, inputs_offloaded=2) == [100 * MiB, 110 * MiB, 120 * MiB,
                                                                     220 * MiB, 222 * MiB]
 
 
@@ -282,17 +283,16 @@ def test_where_the_last_blocks_inputs_are_offloaded_the_early_saves_after_the_bl
     of that, they stay."""
     t = trace(n=4, saved=100 * MiB, inputs=10 * MiB)
     t.after_bytes, t.after_early_bytes = 50 * MiB, 20 * MiB
-    every = moments(t, 0, set(range(4)), 0, False, inputs_offloaded=4)
-    but_last = moments(t, 0, set(range(4)), 0, False, inputs_offloaded=3)
+    every = moments(t, 0, set(range(4)), 0, grads=False, inputs_offloaded=4)
+    but_last = moments(t, 0, set(range(4)), 0, grads=False, inputs_offloaded=3)
     assert every[-1] == 30 * MiB and but_last[-1] == 10 * MiB + 50 * MiB
-    assert moments(t, 1, set(range(1, 4)), 0, False, inputs_offloaded=3)[-1] == 30 * MiB
-    assert moments(t, 4, set(), 0, False)[-1] == 30 * MiB
+    assert moments(t, 1, set(range(1, 4)), 0, grads=False, inputs_offloaded=3)[-1] == 30 * MiB
+    assert moments(t, 4, set(), 0, grads=False)[-1] == 30 * MiB
     assert Offloading.of(t, 0, None, m=4)[-1].sent == MiB + 4 * 10 * MiB + 20 * MiB
     assert Offloading.of(t, 0, None, m=3)[-1].sent == MiB + 3 * 10 * MiB
     assert Offloading.of(t, 4, None)[-1].sent == MiB + 4 * 100 * MiB + 20 * MiB
     for m, budget in ((4, None), (3, t.offloaded_before[0] + 3 * 10 * MiB)):
-        assert {p.offload_budget for p, _ in _plans(t, 0, m, t.total_bytes, None, None, 0, False, "raw", 0, 0)} \
-            == {budget}
+        assert {p.offload_budget for p, _ in _plans(Scenario(t, t.total_bytes, codec="raw"), 0, m)} == {budget}
 
 
 def test_the_prefetch_window_is_not_at_backwards_start_unless_every_save_went():
@@ -302,8 +302,8 @@ def test_the_prefetch_window_is_not_at_backwards_start_unless_every_save_went():
     t = trace(n=4, saved=100 * MiB, inputs=10 * MiB)
     window = 30 * MiB
     for k, m in ((0, 4), (2, 0), (1, 2), (4, 0)):
-        plain = moments(t, k, set(range(k, k + m)), 0, False, inputs_offloaded=m)
-        fetching = moments(t, k, set(range(k, k + m)), window, False, inputs_offloaded=m, prefetch=window)
+        plain = moments(t, k, set(range(k, k + m)), 0, grads=False, inputs_offloaded=m)
+        fetching = moments(t, k, set(range(k, k + m)), window, grads=False, inputs_offloaded=m, prefetch=window)
         assert fetching[:-1] == [h + window for h in plain[:-1]]
         assert fetching[-1] == plain[-1] + window * (k == 4)
 
@@ -323,13 +323,13 @@ def test_below_checkpointings_peak_the_plan_recomputes_blocks_with_their_inputs_
     most saves over a slow link; recomputing with the inputs offloaded moves a third of the bytes
     per block and fits for less."""
     t = trace(n=8, saved=100 * MiB, inputs=30 * MiB, gbps=1.0)
-    budget = predicted_peak(t, 0, set(range(8)), 0, False) - 60 * MiB
-    old, p = choose(t, budget, inputs_offloaded=False), choose(t, budget)
+    budget = predicted_peak(t, 0, set(range(8)), 0, grads=False) - 60 * MiB
+    old, p = choose(Scenario(t, budget, inputs_offloaded=False)), choose(Scenario(t, budget))
     assert old.fits and not old.inputs_offloaded and old.offloaded > 0
     assert p.fits and p.inputs_offloaded > 0 and p.predicted_peak <= budget
     assert p.predicted_cost_ms < old.predicted_cost_ms
     assert set(range(p.offloaded, p.offloaded + p.inputs_offloaded)) <= p.recomputed
-    assert p.predicted_peak == predicted_peak(t, p.offloaded, p.recomputed, p.in_flight_bytes, False,
+    assert p.predicted_peak == predicted_peak(t, p.offloaded, p.recomputed, p.in_flight_bytes, grads=False,
                                               inputs_offloaded=p.inputs_offloaded)
     # the step offloads the saves before block k + m: the inputs' bytes on top of block k's start
     assert p.offload_budget == t.offloaded_before[p.offloaded] + p.inputs_offloaded * 30 * MiB
@@ -342,6 +342,6 @@ def test_inputs_are_never_offloaded_where_a_plan_of_the_other_options_is_as_chea
     for gbps in (0.5, 5.0, 50.0):
         t = trace(n=8, saved=100 * MiB, inputs=30 * MiB, gbps=gbps, host_ms=0.05)
         budget = int(fraction * t.total_bytes)
-        old, p = choose(t, budget, inputs_offloaded=False), choose(t, budget)
+        old, p = choose(Scenario(t, budget, inputs_offloaded=False)), choose(Scenario(t, budget))
         assert old.fits and p.fits
         assert p == old or (p.inputs_offloaded and p.predicted_cost_ms < old.predicted_cost_ms)

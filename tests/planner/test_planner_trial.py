@@ -11,7 +11,7 @@ import pytest
 import storm
 from planner_fakes import FakeClock, gpt, grads_of, recompute_two, traced_gpt_planner
 from storm.examples.models import same_bits
-from storm.planner import Phase, Plan
+from storm.planner import Phase, Plan, Scenario
 from storm.planner.measure import HOST_CHECK_STEP
 from storm.planner.trial import TRIAL_MAX_STEPS, TRIAL_STEPS
 from storm.recompute import Recompute
@@ -26,11 +26,12 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
     Every step's gradients are those of no offload, bit for bit."""
     from storm import mover
 
-    def by_kind(trace, budget, held_bytes=None, prefetch_bytes=None, offload_margin=0, grads=False, codec=None,
-                offload=None, kept_extra=0, start_extra=0):
-        if offload is False:
-            return Plan(0, frozenset({0, 1}), 0, 0, 0, 1 << 40, 5.0, True)
-        return Plan(2, frozenset(), trace.offloaded_before[2], 1 << 30, 0, 1 << 40, 1.0, True)
+    def by_kind(s: Scenario) -> Plan:
+        if s.offload is False:
+            return Plan(offloaded=0, recomputed=frozenset({0, 1}), offload_budget=0, max_held_bytes=0,
+                        prefetch_bytes=0, predicted_peak=1 << 40, predicted_cost_ms=5.0, fits=True)
+        return Plan(offloaded=2, recomputed=frozenset(), offload_budget=s.trace.offloaded_before[2],
+                    max_held_bytes=1 << 30, prefetch_bytes=0, predicted_peak=1 << 40, predicted_cost_ms=1.0, fits=True)
 
     clock = FakeClock()
     cls, name = (mover.Mover, "put") if slow == "offload" else (Recompute, "__call__")

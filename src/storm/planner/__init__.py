@@ -13,15 +13,17 @@ recompute with its inputs offloaded, and whether offloaded tensors go raw or com
 The planner traces a step that offloads everything and one that recomputes everything
 (trace.py), chooses from them by a cost model (model.py), measures what the plan's steps take
 (measure.py), tries the best plan against an alternative (trial.py), and says why
-(explain.py); driver.py runs those phases a step at a time, wiring.py holds the blocks' hooks.
+(explain.py); driver.py runs those phases a step at a time (phases.py: one object each, state.py:
+what a trace has taught), wiring.py holds the blocks' hooks.
 docs/planner.md explains the model.
 """
 
-from .driver import Phase, Planner, plan
+from .driver import Planner, plan
 from .measure import CudaPeakMemory, PeakMemory, frame_costs, frames_of, link_bandwidth
-from .model import BlockTrace, Offloading, Plan, Trace, choose, kept_bytes, moments, predicted_peak
+from .model import BlockTrace, Offloading, Plan, Scenario, Trace, choose, kept_bytes, moments, predicted_peak
+from .phases import Phase
 from .trial import Clock, Trial
 
 __all__ = ["Planner", "plan", "Phase", "Clock", "Trial", "PeakMemory", "CudaPeakMemory", "link_bandwidth",
-           "frame_costs", "frames_of", "BlockTrace", "Trace", "Plan", "Offloading", "choose", "kept_bytes",
+           "frame_costs", "frames_of", "BlockTrace", "Trace", "Plan", "Scenario", "Offloading", "choose", "kept_bytes",
            "moments", "predicted_peak"]

@@ -14,7 +14,7 @@ from .trial import Trial
 
 MiB = 1 << 20
 OUTSIDE_NAMED = 4  # the modules named per side of the blocks, the largest; the rest are counted
-# What a traced step is for, by Phase value (driver.Phase: driver imports this module)
+# What a traced step is for, by Phase value (phases.Phase)
 _TRACED = {
     "trace-offload": "is traced with every save offloaded (what each block saves)",
     "trace-compute": "is traced with every block recomputed (what recomputing each costs)",
@@ -33,13 +33,25 @@ class Explained(Protocol):
     reentrant: bool
     compiled: bool
     options: dict[str, Any]
-    traced_host_ms_per_tensor: float | None
     replans: int
-    trials: list[Trial]
-    besides: int | None
-    start_extra: int
-    measured_peak: int | None
-    checks: int
+
+    @property
+    def traced_host_ms_per_tensor(self) -> float | None: ...
+
+    @property
+    def trials(self) -> list[Trial]: ...
+
+    @property
+    def besides(self) -> int | None: ...
+
+    @property
+    def start_extra(self) -> int: ...
+
+    @property
+    def measured_peak(self) -> int | None: ...
+
+    @property
+    def checks(self) -> int: ...
 
     @property
     def phase(self) -> Any: ...

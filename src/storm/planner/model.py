@@ -69,8 +69,11 @@ class Trace:
         return self.before_bytes + sum(b.saved_bytes for b in self.blocks) + self.between_bytes + self.after_bytes
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
+    """What a step does with each block, and what the cost model predicts of it. Built by keyword:
+    the planner's knobs grow (fields with defaults), and a plan made by position would shift."""
+
     offloaded: int                 # blocks[:offloaded] (and the saves before them) are offloaded
     recomputed: frozenset[int]     # these blocks are recomputed in backward
     offload_budget: int | None     # storm.offload(budget=...) that offloads exactly those saves; None: all
@@ -114,18 +117,18 @@ def after_kept(trace: Trace, offloaded: int, inputs_offloaded: int = 0) -> int:
             - trace.after_early_bytes * (offloaded + inputs_offloaded == len(trace.blocks)))
 
 
-def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
+def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int, *,
                    grads: bool = True, kept_extra: int = 0, inputs_offloaded: int = 0, start_extra: int = 0,
                    prefetch: int = 0) -> int:
     """Saved bytes (and with ``grads`` parameter gradients) on the device at the worst moment of
     backward when blocks[:offloaded] are offloaded, the next ``inputs_offloaded`` recomputed with
     their inputs offloaded and ``recomputed`` recomputed; a kept block's backward also holds
     ``kept_extra``, and backward's start ``start_extra`` (moments)."""
-    return max(moments(trace, offloaded, recomputed, in_flight_bytes, grads, kept_extra, inputs_offloaded,
-                       start_extra, prefetch))
+    return max(moments(trace, offloaded, recomputed, in_flight_bytes, grads=grads, kept_extra=kept_extra,
+                       inputs_offloaded=inputs_offloaded, start_extra=start_extra, prefetch=prefetch))
 
 
-def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int,
+def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int, *,
             grads: bool, kept_extra: int = 0, inputs_offloaded: int = 0, start_extra: int = 0,
             prefetch: int = 0) -> list[int]:
     """What the device holds as backward reaches each block i (what the blocks before i keep,
@@ -218,25 +221,62 @@ class Offloading:
         return out
 
 
-def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_bytes: int | None = None,
-           offload_margin: int = 0, grads: bool = False, codec: str | None = None,
-           offload: bool | None = None, kept_extra: int = 0, inputs_offloaded: bool = True,
-           start_extra: int = 0) -> Plan | None:
-    """The plan of least predicted cost whose predicted peak (of saves, and with ``grads`` of
-    parameter gradients too) is at most ``budget`` bytes, less
-    ``offload_margin`` for plans that offload (what such plans were measured to take beyond
-    their prediction); the least-peak plan, fits=False, when none is. ``held_bytes`` and ``prefetch_bytes``: the
-    user's storm.offload options when given, else the plan picks them: a copy queue of one
-    block or of everything offloaded; a prefetch window of one block when no kept block
-    follows the offloaded ones, else none (prefetch then runs as far ahead as the room the
-    planner's hooks report as backward reaches each block). Offloaded tensors go raw or
-    compressed, whichever costs less (raw on ties); ``codec``, the user's storm.offload option
-    when given, allows only the one it means (compressed for a frame codec). ``offload``: only
-    plans that offload (True) or that do not (False); None where there is none (every offload
-    more than the store took). ``kept_extra``: what a kept block's backward holds beyond a
-    recomputed one's; ``start_extra``: what backward's start holds beyond a block's (moments).
-    Plans that recompute blocks with their inputs offloaded (unless ``inputs_offloaded`` is False)
-    come after those that do not, and are chosen only where they cost less or peak lower."""
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """What choose() chooses a plan for: the trace, the budget its predicted peak must fit (of
+    saves, and with ``grads`` of parameter gradients too) and what else the planner knows or was
+    given. One object rather than a dozen parameters, so that a knob or a measurement added to
+    the planner is one field here, read where it matters, and a seam (the Planner's ``chooser=``)
+    keeps its signature.
+
+    - ``held_bytes``, ``prefetch_bytes``: the user's storm.offload options where given, else the
+      plan picks them: a copy queue of one block or of everything offloaded; a prefetch window of
+      one block when no kept block follows the offloaded ones, else none (prefetch then runs as
+      far ahead as the room the planner's hooks report as backward reaches each block).
+    - ``offload_margin``: what plans that offload were measured to take beyond their prediction:
+      they are held to the budget less it.
+    - ``codec``: the user's storm.offload option where given: only the plans it allows (compressed
+      for a frame codec); else raw or compressed, whichever costs less (raw on ties).
+    - ``offload``: only plans that offload (True) or that do not (False); None: either.
+    - ``kept_extra``: what a kept block's backward holds beyond a recomputed one's; ``start_extra``:
+      what backward's start holds beyond a block's (moments).
+    - ``inputs_offloaded``: whether plans may recompute blocks with their inputs offloaded."""
+
+    trace: Trace
+    budget: int
+    _: dataclasses.KW_ONLY
+    held_bytes: int | None = None
+    prefetch_bytes: int | None = None
+    offload_margin: int = 0
+    grads: bool = False
+    codec: str | None = None
+    offload: bool | None = None
+    kept_extra: int = 0
+    inputs_offloaded: bool = True
+    start_extra: int = 0
+
+    def predicted_peak(self, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int, *,
+                       inputs_offloaded: int = 0, prefetch: int = 0) -> int:
+        """model.predicted_peak of a plan's shape, with what the scenario says a step holds
+        besides it (gradients, kept_extra, start_extra)."""
+        return max(self.moments(offloaded, recomputed, in_flight_bytes, inputs_offloaded=inputs_offloaded,
+                                prefetch=prefetch))
+
+    def moments(self, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int, *,
+                inputs_offloaded: int = 0, prefetch: int = 0) -> list[int]:
+        """model.moments of a plan's shape, likewise."""
+        return moments(self.trace, offloaded, recomputed, in_flight_bytes, grads=self.grads,
+                       kept_extra=self.kept_extra, inputs_offloaded=inputs_offloaded, start_extra=self.start_extra,
+                       prefetch=prefetch)
+
+
+def choose(scenario: Scenario) -> Plan | None:
+    """The plan of least predicted cost whose predicted peak is at most the scenario's budget
+    (less its ``offload_margin`` for plans that offload); the least-peak plan, fits=False, when
+    none is; None where there is no plan of the kind asked (every offload more than the store
+    took). Plans that recompute blocks with their inputs offloaded come after those that do not,
+    and are chosen only where they cost less or peak lower."""
+    s, trace = scenario, scenario.trace
     n = len(trace.blocks)
     best: Plan | None = None
     lowest: Plan | None = None
@@ -245,20 +285,19 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     for b in trace.blocks:
         forward_ms.append(forward_ms[-1] + b.forward_ms)
     shapes = [(k, 0) for k in range(n + 1)]
-    shapes += [(k, m) for k in range(n) for m in range(1, n - k + 1)] if inputs_offloaded else []
+    shapes += [(k, m) for k in range(n) for m in range(1, n - k + 1)] if s.inputs_offloaded else []
     for k, m in shapes:
-        if offload is not None and offload != (k + m > 0):
+        if s.offload is not None and s.offload != (k + m > 0):
             continue
         # none made with inputs offloaded that can neither fit at a cost below the best's (as rounded;
         # recomputing the m blocks costs at least their forward) nor, while none fits, peak below the lowest's
         if m and best is not None and forward_ms[k + m] - forward_ms[k] - 1e-3 >= best.predicted_cost_ms:
             continue
         if m and lowest is not None:
-            over = _least_peak(trace, k, m, grads, start_extra) - (budget - offload_margin)
+            over = _least_peak(s, k, m) - (s.budget - s.offload_margin)
             if over > 0 and (best is not None or over >= lowest_over):
                 continue
-        for plan, room in _plans(trace, k, m, budget, held_bytes, prefetch_bytes, offload_margin, grads, codec,
-                                 kept_extra, start_extra):
+        for plan, room in _plans(s, k, m):
             if plan.fits and (best is None or plan.predicted_cost_ms < best.predicted_cost_ms):
                 best = plan
             if lowest is None or plan.predicted_peak - room < lowest_over:
@@ -266,26 +305,27 @@ def choose(trace: Trace, budget: int, held_bytes: int | None = None, prefetch_by
     return best or lowest
 
 
-def _least_peak(trace: Trace, k: int, m: int, grads: bool, start_extra: int) -> int:
+def _least_peak(s: Scenario, k: int, m: int) -> int:
     """No plan that offloads blocks[:k] and the inputs of the next m peaks lower: each later
     block keeps the less of its saves and its inputs, nothing is in flight, nothing beside."""
-    rest = {j for j in range(k + m, len(trace.blocks)) if trace.blocks[j].saved_bytes >= trace.blocks[j].input_bytes}
-    return predicted_peak(trace, k, set(range(k, k + m)) | rest, 0, grads, 0, m, start_extra)
+    blocks = s.trace.blocks
+    rest = {j for j in range(k + m, len(blocks)) if blocks[j].saved_bytes >= blocks[j].input_bytes}
+    return predicted_peak(s.trace, k, set(range(k, k + m)) | rest, 0, grads=s.grads, inputs_offloaded=m,
+                          start_extra=s.start_extra)
 
 
-def _plans(trace: Trace, k: int, m: int, budget: int, held_bytes: int | None, prefetch_bytes: int | None,
-           offload_margin: int, grads: bool, codec: str | None, kept_extra: int,
-           start_extra: int) -> list[tuple[Plan, int]]:
+def _plans(s: Scenario, k: int, m: int) -> list[tuple[Plan, int]]:
     """choose()'s plans that offload blocks[:k] and the inputs of the next m blocks, recomputed,
     per codec and copy queue to consider; each with the budget it is held to."""
+    trace = s.trace
     blocks, n = trace.blocks, len(trace.blocks)
     # the largest block's offloaded bytes: its saves, or a recomputed block's inputs
     block = max([b.saved_bytes for b in blocks[:k]] + [fetched_inputs(b) for b in blocks[k:k + m]], default=0)
-    allowed = (False, True) if codec is None else (codec in FRAME_CODECS,)
+    allowed = (False, True) if s.codec is None else (s.codec in FRAME_CODECS,)
     # compressed where allowed and the link would carry fewer bytes (else it is raw by another name)
     frameable = any(b.frame_bytes < b.framed_bytes for b in blocks[:k])
     offloading = [off for compressed in sorted({c and frameable for c in allowed})
-                  for off in Offloading.of(trace, k, held_bytes, compressed, m)]
+                  for off in Offloading.of(trace, k, s.held_bytes, compressed, m)]
     # the step offloads every save before block k + m (budget None where that is every block: the
     # early saves after it go too, as wiring.py limits it there); the inputs' bytes may count a
     # tensor twice, but the hooks come off after block k + m - 1 anyway
@@ -295,26 +335,27 @@ def _plans(trace: Trace, k: int, m: int, budget: int, held_bytes: int | None, pr
     for off in offloading:
         if trace.store_bytes is not None and off.sent > trace.store_bytes:
             continue  # more than the store took: the rest would stay on the device
-        room = budget - (offload_margin if off.sent else 0)
-        if prefetch_bytes is not None or not off.sent:
-            window = prefetch_bytes if off.sent else 0  # nothing offloaded: nothing to fetch
-            recomputed, peak, cost = _recompute_until(trace, k, m, room, off, window, grads, kept_extra,
-                                                      start_extra)
+        room = s.budget - (s.offload_margin if off.sent else 0)
+        if s.prefetch_bytes is not None or not off.sent:
+            window = s.prefetch_bytes if off.sent else 0  # nothing offloaded: nothing to fetch
+            recomputed, peak, cost = _recompute_until(s, k, m, room, off, window)
         else:  # no window while kept blocks follow: backward frees them before it needs the offloaded ones
             window = 0
-            recomputed, peak, cost = _recompute_until(trace, k, m, room, off, 0, grads, kept_extra, start_extra)
+            recomputed, peak, cost = _recompute_until(s, k, m, room, off, 0)
             if all(i in recomputed for i in range(k, n)):
                 window = block
-                recomputed, peak, cost = _recompute_until(trace, k, m, room, off, block, grads, kept_extra,
-                                                          start_extra)
-        plan = Plan(k, frozenset(recomputed), offload_budget, off.held, window, peak, round(cost, 3), peak <= room,
-                    off.leftover + off.frames + window, off.compressed, inputs_offloaded=m)
+                recomputed, peak, cost = _recompute_until(s, k, m, room, off, block)
+        plan = Plan(offloaded=k, recomputed=frozenset(recomputed), offload_budget=offload_budget,
+                    max_held_bytes=off.held, prefetch_bytes=window, predicted_peak=peak,
+                    predicted_cost_ms=round(cost, 3), fits=peak <= room,
+                    in_flight_bytes=off.leftover + off.frames + window, compressed=off.compressed,
+                    inputs_offloaded=m)
         out.append((plan, room))
     return out
 
 
-def _recompute_until(trace: Trace, k: int, m: int, budget: int, off: Offloading, window: int,
-                     grads: bool, kept_extra: int = 0, start_extra: int = 0) -> tuple[set[int], int, float]:
+def _recompute_until(s: Scenario, k: int, m: int, budget: int, off: Offloading,
+                     window: int) -> tuple[set[int], int, float]:
     """Blocks past the first k + m (the next m of which are recomputed with their inputs
     offloaded) to recompute until the predicted peak fits; with the peak and cost reached (the
     m blocks are in the set). Recomputing block j lowers what every later moment holds (the start of
@@ -329,13 +370,13 @@ def _recompute_until(trace: Trace, k: int, m: int, budget: int, off: Offloading,
     choices made unneeded (like blocks traced a little apart, as noise makes them:
     tests/planner/test_planner_model.py); those go after, the dearest first, while the peak
     still fits."""
-    blocks, n = trace.blocks, len(trace.blocks)
+    blocks, n, kept_extra = s.trace.blocks, len(s.trace.blocks), s.kept_extra
     in_flight = off.leftover + off.frames + window
     inputs = set(range(k, k + m))  # recomputed with their inputs offloaded
     gain = [b.saved_bytes - b.input_bytes for b in blocks]
     order = sorted((j for j in range(k + m, n) if gain[j] > 0), key=lambda j: (blocks[j].forward_ms / gain[j], j))
     # block i's, for i < n (every block past k + m kept, so each with kept_extra), then backward's start
-    held_at = moments(trace, k, inputs, in_flight, grads, kept_extra, m, start_extra, window)
+    held_at = s.moments(k, inputs, in_flight, inputs_offloaded=m, prefetch=window)
     recomputed: set[int] = set()
     for i, held in enumerate(held_at):
         lowered = held - sum(gain[j] for j in recomputed if j < i) - kept_extra * (i in recomputed)
@@ -345,11 +386,10 @@ def _recompute_until(trace: Trace, k: int, m: int, budget: int, off: Offloading,
             if j <= i and j not in recomputed and (j < i or kept_extra):
                 recomputed.add(j)
                 lowered -= gain[j] if j < i else kept_extra
-    peak = predicted_peak(trace, k, inputs | recomputed, in_flight, grads, kept_extra, m, start_extra, window)
+    peak = s.predicted_peak(k, inputs | recomputed, in_flight, inputs_offloaded=m, prefetch=window)
     if peak <= budget:
         for j in sorted(recomputed, key=lambda j: (-blocks[j].forward_ms, -j)):
-            without = predicted_peak(trace, k, inputs | (recomputed - {j}), in_flight, grads, kept_extra, m,
-                                     start_extra, window)
+            without = s.predicted_peak(k, inputs | (recomputed - {j}), in_flight, inputs_offloaded=m, prefetch=window)
             if without <= budget:
                 recomputed.discard(j)
                 peak = without

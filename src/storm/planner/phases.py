@@ -1,0 +1,352 @@
+"""The planner's phases, one object each: ``begin(planner)`` sets up a step and returns its
+storm.offload context; ``end(planner)``, once the step has run, reads it and returns the phase of
+the next step (itself, to run again). A phase holds what its step needs to be read (a tracer,
+clock marks, a peak being measured); what outlives the step is the planner's TraceState.
+
+    TraceOffload -> TraceCompute -> [TraceCompute without the hand-over: peak=, reentrant form]
+        -> the plan (Planner.make_plan) -> Measure -> CheckHost -> Try -> Settled
+
+each step of which is taken only where it has something to do (a plan that cannot fit is not
+measured, one that offloads nothing has no host check, a trial needs an alternative); a step over
+its target or with dearer packs makes the plan again, and a trial decided may start the form
+trial. Steps unlike the traced one make the Planner trace again from a new TraceState.
+docs/planner.md tells what each phase measures and why.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+from typing import Any, Protocol
+
+from torch import nn
+
+from ..hooks import Offload
+from .measure import MAX_CHECKS, PeakMemory, dearer_packs, packs_ms_per_tensor, widened_margin
+from .model import Plan, Trace, moments
+from .state import TraceState
+from .trace import ComputeTrace, Frames, OffloadTrace
+from .trial import Clock, Trial
+from .wiring import BlockHooks
+
+log = logging.getLogger("storm")
+
+MiB = 1 << 20
+
+
+class Phase(enum.Enum):
+    """What the planner's next step does: each phase object's ``kind``."""
+
+    TRACE_OFFLOAD = "trace-offload"            # everything offloaded, raw (trace.OffloadTrace)
+    TRACE_COMPUTE = "trace-compute"            # every block recomputed, nothing offloaded (trace.ComputeTrace)
+    TRACE_COMPUTE_KEPT = "trace-compute-kept"  # again without the hand-over: kept_extra (peak=, reentrant form)
+    MEASURE = "measure"        # the plan, its peak measured against the target (CUDA): a margin where over
+    CHECK_HOST = "check-host"  # the plan, offloading: its packs' host time is yet to be read
+    TRY = "try"                # the plan or its alternative, in alternation (trial.Trial)
+    SETTLED = "settled"        # the plan, that no step will measure or change until the inputs' shapes do
+
+
+class Driver(Protocol):
+    """What the phases work with: driver.Planner's parts, this trace's state, and its planning
+    (driver.py imports this module, not the other way round)."""
+
+    hooks: BlockHooks
+    memory: PeakMemory
+    clock: Clock
+    options: dict[str, Any]
+    frames_of: Frames
+    model: nn.Module | None
+    reentrant: bool
+    peak: int | None
+    host_check_tolerance: float
+    traced_again: bool  # a compute trace that paid first calls was repeated: once a planner
+    state: TraceState
+
+    @property
+    def plan(self) -> Plan | None: ...
+
+    @property
+    def trace(self) -> Trace | None: ...
+
+    @property
+    def target(self) -> int | None: ...
+
+    def make_plan(self) -> StepPhase: ...
+
+    def apply(self, plan: Plan) -> None: ...
+
+    def other_form(self, plan: Plan) -> Plan | None: ...
+
+    def step_peak(self, plan: Plan) -> int: ...
+
+
+class StepPhase(abc.ABC):
+    """A phase: what a step does, and what the step read decides next."""
+
+    kind: Phase
+
+    @abc.abstractmethod
+    def begin(self, planner: Driver) -> Offload:
+        """Set the step up; its storm.offload context."""
+
+    def end(self, planner: Driver) -> StepPhase:
+        """Read the step just begun (run or not); the next step's phase."""
+        return self
+
+
+class TraceOffload(StepPhase):
+    """Everything offloaded, raw: what each block saves (trace.OffloadTrace). Again where the
+    step did not run every block once per forward."""
+
+    kind = Phase.TRACE_OFFLOAD
+
+    def begin(self, planner: Driver) -> Offload:
+        self.tracer = OffloadTrace(planner.hooks, planner.options, planner.frames_of, planner.model)
+        return self.tracer.ctx
+
+    def end(self, planner: Driver) -> StepPhase:
+        trace = self.tracer.collect()
+        if trace is None:
+            return self
+        planner.state.trace, planner.state.signature = trace, self.tracer.signature
+        return TraceCompute(hand_over=True)
+
+
+class TraceCompute(StepPhase):
+    """Every block recomputed, nothing offloaded: what recomputing each costs (trace.ComputeTrace)
+    and what a step holds besides its saves (CUDA). With peak=, where the reentrant form is the
+    planner's, a second one without the hand-over (``hand_over`` False) measures what a kept
+    block's backward holds beyond them (Planner.kept_extra). Then the plan."""
+
+    def __init__(self, hand_over: bool):
+        self.hand_over = hand_over
+        self.kind = Phase.TRACE_COMPUTE if hand_over else Phase.TRACE_COMPUTE_KEPT
+
+    def begin(self, planner: Driver) -> Offload:
+        self.tracer = ComputeTrace(planner.hooks, planner.clock, planner.options, self.hand_over)
+        self.peak = StepPeak(planner.memory, planner.hooks)
+        return self.tracer.ctx
+
+    def end(self, planner: Driver) -> StepPhase:
+        state = planner.state
+        assert state.trace is not None  # the offload trace's
+        if not self.tracer.collect(state.trace, may_repeat=not planner.traced_again):
+            planner.traced_again |= self.tracer.first_calls
+            return self
+        measured = self.peak.measured is not None
+        if measured:  # what the model leaves out: activations' gradients, temporaries
+            besides, start_extra = self.besides(state.trace)
+            if self.hand_over:
+                state.besides, state.start_extra = besides, start_extra
+            else:
+                state.kept_besides = besides
+        if self.hand_over and planner.reentrant and planner.peak is not None and measured:
+            return TraceCompute(hand_over=False)
+        return planner.make_plan()
+
+    def besides(self, trace: Trace) -> tuple[int, int]:
+        """From the step's measured peak (every block recomputed): what a block's backward holds
+        besides the model's moments, and what backward's start holds beyond that. A language
+        model's loss and head hold the logits' gradients there, which can outweigh any block's
+        temporaries: one figure for the whole step would put them at every block's backward,
+        where offloading recomputed blocks' inputs (which lowers only backward's start) would
+        seem to gain nothing."""
+        peak = self.peak
+        assert peak.measured is not None
+        held = moments(trace, 0, set(range(len(trace.blocks))), 0, grads=True)
+        if peak.parts is None:  # backward never reached the blocks' hook: one figure
+            return max(0, peak.measured - max(held)), 0
+        start, blocks = peak.parts
+        besides = max(0, blocks - max(held[:-1]))
+        return besides, start - held[-1] - besides
+
+
+class Settled(StepPhase):
+    """The plan, that no step measures, tries or changes until the inputs' shapes change."""
+
+    kind = Phase.SETTLED
+
+    def begin(self, planner: Driver) -> Offload:
+        return plan_context(planner)
+
+
+class Checked(StepPhase):
+    """A step of the plan that is read: its packs' host time, where it is the planned step
+    HOST_CHECK_STEP that offloads (TraceState.count_host_step): dearer than the offload trace's
+    (measure.dearer_packs), it becomes the trace's and the plan is made again; once per trace.
+    ``alternative``: the plan to try against this one once its steps are read (Try)."""
+
+    def __init__(self, alternative: Plan | None):
+        self.alternative = alternative
+
+    def begin(self, planner: Driver) -> Offload:
+        self.ctx = plan_context(planner)
+        self.host_read = planner.state.count_host_step()
+        return self.ctx
+
+    def end(self, planner: Driver) -> StepPhase:
+        replanned = self.read(planner)
+        if self.host_read:
+            replanned = self.check_host(planner) or replanned
+        return replanned or after_checks(planner, self.alternative)
+
+    def read(self, planner: Driver) -> StepPhase | None:
+        """What else the step measured; the phase of a plan made again, or None."""
+        return None
+
+    def check_host(self, planner: Driver) -> StepPhase | None:
+        """The step's packs' host time per tensor against the trace's; the phase of a plan made
+        again with it, or None."""
+        measured = packs_ms_per_tensor(self.ctx.stats)
+        state, trace = planner.state, planner.state.trace
+        assert trace is not None
+        if measured is None or state.stale:
+            return None
+        if not dearer_packs(measured, trace.host_ms_per_tensor, planner.host_check_tolerance):
+            return None
+        log.info("storm.plan: a planned step took %.0f us of host time per offloaded tensor against %.0f traced; "
+                 "planning with it", measured * 1e3, trace.host_ms_per_tensor * 1e3)
+        state.traced_host_ms_per_tensor = trace.host_ms_per_tensor
+        trace.host_ms_per_tensor = measured
+        return planner.make_plan()
+
+
+class CheckHost(Checked):
+    """The plan, offloading, until its packs' host time has been read."""
+
+    kind = Phase.CHECK_HOST
+
+
+class Measure(Checked):
+    """The plan's first step (and each corrected plan's), its peak measured against the target
+    (CUDA): over it, what the step took beyond the plan's prediction becomes the margin of plans
+    of its kind (measure.widened_margin) and the plan is made again, up to MAX_CHECKS steps."""
+
+    kind = Phase.MEASURE
+
+    def begin(self, planner: Driver) -> Offload:
+        ctx = super().begin(planner)
+        self.peak = StepPeak(planner.memory, planner.hooks)
+        return ctx
+
+    def read(self, planner: Driver) -> StepPhase | None:
+        state = planner.state
+        state.checks += 1
+        state.measured_peak = measured = self.peak.measured
+        target = planner.target
+        # None: no backward. A step unlike the traced one measured another step than planned
+        if measured is None or target is None or measured <= target or state.stale:
+            return None
+        if state.checks >= MAX_CHECKS:
+            log.warning("storm.plan: a planned step peaked %.1f MiB over its target of %.1f MiB after %d "
+                        "corrections; keeping this plan", (measured - target) / MiB, target / MiB, state.checks)
+            return None
+        assert state.plan is not None and state.besides is not None  # a target needs both
+        beyond = measured - state.besides - planner.step_peak(state.plan)
+        kind = state.plan.offloads
+        state.margins[kind] = widened_margin(state.margins[kind], beyond, target)
+        return planner.make_plan()
+
+
+class Try(StepPhase):
+    """The plan and an alternative (of the other kind, offloading or not, or in the other
+    recompute form) in alternation (trial.Trial), each step timed forward and backward on the
+    compute stream (host-bound gaps included; CPU: the host clock), the alternative's first step
+    measured against its target too; until the trial is decided."""
+
+    kind = Phase.TRY
+
+    def __init__(self, trial: Trial):
+        self.trial = trial
+
+    def begin(self, planner: Driver) -> Offload:
+        plan = self.trial.next_plan()
+        if plan is not planner.plan:
+            planner.apply(plan)
+        ctx = plan_context(planner)
+        clock = planner.clock
+        self.turn, self.marks = self.trial.turn, [clock.mark()]
+        marks = self.marks
+        planner.hooks.at_backward_end(lambda: marks.append(clock.mark()))
+        self.peak = StepPeak(planner.memory, planner.hooks) if self.turn == 1 else None
+        return ctx
+
+    def end(self, planner: Driver) -> StepPhase:
+        trial = self.trial
+        trial.turn += 1
+        if len(self.marks) < 2 or planner.state.stale:  # no backward, or a step unlike the traced one
+            return self
+        trial.ms[self.turn % 2].append(planner.clock.elapsed_ms(*self.marks))
+        measured = self.peak.measured if self.peak is not None else None
+        target = planner.target
+        if measured is not None and target is not None and measured > target:
+            trial.over = measured
+            return self.decide(planner)
+        return self.decide(planner) if trial.decided else self
+
+    def decide(self, planner: Driver) -> StepPhase:
+        """Keep the plan of the two whose steps took less (the alternative only if it stayed within
+        its target); then the form trial, where it has not run yet (Planner.other_form)."""
+        trial = self.trial
+        planner.state.trials.append(trial)
+        keep = trial.plans[1] if trial.over is None and trial.gain_ms > 0 else trial.plans[0]
+        trial.kept = keep
+        if keep is not planner.plan:
+            planner.apply(keep)
+        log.info("storm.plan: %s", trial.describe())
+        return after_checks(planner, planner.other_form(keep))
+
+
+def after_checks(planner: Driver, alternative: Plan | None) -> StepPhase:
+    """What follows the plan in force once no step of it is to be measured: its packs' host time
+    read where due, then its trial against ``alternative``, else settled."""
+    if planner.state.host_check_due():
+        return CheckHost(alternative)
+    if alternative is not None:
+        assert planner.plan is not None
+        return Try(Trial((planner.plan, alternative)))
+    return Settled()
+
+
+def plan_context(planner: Driver) -> Offload:
+    """The storm.offload context of a step of the plan in force: its offload budget, copy queue
+    and prefetch window; where frames were weighed, the plan says which codec (a daemon's codec
+    setting could frame a raw plan's tensors); a codec of the user's comes first, as choose() knew."""
+    p, trace = planner.plan, planner.trace
+    assert p is not None and trace is not None
+    framing = p.compressed or any(b.framed for b in trace.blocks)
+    codec = {"codec": "ancf_exp" if p.compressed else "raw"} if framing else {}
+    return Offload(**{"max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes, **codec,
+                      **planner.options}, budget=p.offload_budget)
+
+
+class StepPeak:
+    """A step's peak memory, reset now and read as backward reaches the blocks and when the
+    step's backward ends (before the optimizer and whatever else the caller does between steps):
+    ``measured``, and apart (``parts``) until backward reached the blocks (forward, the loss's and
+    the head's backward) and from there. Both None where backward never reached the blocks or
+    peaks cannot be measured; ``parts`` None too for a memory= without restart()."""
+
+    def __init__(self, memory: PeakMemory, hooks: BlockHooks):
+        self.measured: int | None = None
+        self.parts: tuple[int, int] | None = None
+        if not memory.available:
+            return
+        memory.start()
+        start: list[int | None] = []
+
+        def reached() -> None:
+            start.append(memory.peak())
+            memory.restart()
+
+        def read() -> None:
+            blocks = memory.peak()
+            if start and start[0] is not None and blocks is not None:
+                self.parts = (start[0], blocks)
+                self.measured = max(start[0], blocks)
+            else:
+                self.measured = blocks
+
+        # a memory= of a user's without restart(): one figure
+        hooks.at_backward_end(read, reached if getattr(memory, "restart", None) is not None else None)

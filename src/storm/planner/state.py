@@ -1,0 +1,57 @@
+"""What the planner knows and has decided since it began its last trace: the trace, what a step
+holds besides its saves, the plan, the margins its measured steps left, the host check's count,
+the trials decided. One object, so that tracing again (the inputs' shapes changed) starts from a
+new one rather than resetting each field, and what a later phase adds (say, per-plan measured
+peaks) is forgotten with the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .measure import HOST_CHECK_STEP
+from .model import Plan, Trace
+from .trial import Trial
+
+
+@dataclasses.dataclass
+class TraceState:
+    """One trace's course, from its offload trace until it no longer holds (``stale``)."""
+
+    trace: Trace | None = None  # the offload trace's, filled in by the compute trace; None until traced
+    signature: tuple = ()       # block 0's inputs' shapes and dtypes in each forward of the offload trace
+    plan: Plan | None = None    # the plan in force (in a trial, the last step's); None until planned
+    # what a step holds besides its saves (activations' gradients, temporaries) at a recomputed or
+    # offloaded block's backward, measured on CUDA in the compute trace; None before it (or off CUDA)
+    besides: int | None = None
+    start_extra: int = 0  # and what backward's start holds beyond that (start_extra in model.moments)
+    kept_besides: int | None = None  # the same where each block's saves stay to their nodes' ends
+    # measured peak beyond predicted, for plans that (do not) offload
+    margins: dict[bool, int] = dataclasses.field(default_factory=lambda: {False: 0, True: 0})
+    checks: int = 0                    # planned steps measured against their target
+    measured_peak: int | None = None   # the last measured planned step's peak above its start
+    offloading_steps: int = 0          # planned steps that offloaded, counted towards the host check
+    traced_host_ms_per_tensor: float | None = None  # the trace's, where a planned step measured more
+    trials: list[Trial] = dataclasses.field(default_factory=list)  # decided, in order
+    stale: bool = False  # the last step ran unlike the traced one: the next step traces again
+
+    @property
+    def kept_extra(self) -> int:
+        """What a kept block's backward holds beyond a recomputed one's (Planner.kept_extra)."""
+        if self.besides is None or self.kept_besides is None:
+            return 0
+        return max(0, self.kept_besides - self.besides)
+
+    def host_check_due(self) -> bool:
+        """A planned step that offloads is yet to have its packs' host time read (phases.Checked);
+        not after a trial, whose step times decided."""
+        return (self.plan is not None and self.plan.offloads and self.traced_host_ms_per_tensor is None
+                and self.offloading_steps < HOST_CHECK_STEP and not self.trials)
+
+    def count_host_step(self) -> bool:
+        """A planned step begins: where the host check is due, it counts towards it. Whether it is
+        the step to read (the HOST_CHECK_STEP-th: the first warms up)."""
+        if not self.host_check_due():
+            return False
+        self.offloading_steps += 1
+        return self.offloading_steps == HOST_CHECK_STEP
