@@ -5,6 +5,7 @@ correct the plan, kept_extra, and a planned step's dearer packs replacing the tr
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -203,13 +204,58 @@ class AlwaysOver(ScriptedMemory):
         return super().peak() + (10**12 if self.planner.plan else 0)
 
 
-def test_a_step_that_stays_over_after_the_last_correction_is_kept_with_a_warning(caplog):
+def test_a_plan_chosen_again_after_its_step_went_over_gives_way_to_the_least_measured(caplog):
     model, idx, planner, _ = scripted_planner(AlwaysOver(), budget=0.9)
     with caplog.at_level(logging.WARNING, logger="storm"):
         for _ in range(8):
             grads_of(model, idx, planner.step())
+    # the fixed chooser's second plan, measured over too, is chosen again: of the two, the least measured stays
+    assert planner.settled and planner.checks == 2
+    assert any("the one of least measured peak is kept" in r.getMessage() for r in caplog.records)
+    overs = [over for _, over in planner.state.measured.values()]
+    assert len(overs) == 2 and planner.plan.measured_over == min(overs)  # the fixed chooser's two plans
+    planner.close()
+
+
+class KeepingCostsMore(ScriptedMemory):
+    """Each block whose saves or inputs a plan keeps on the device adds ``cost`` to its step's
+    peak beyond what the model predicts (as where a kept tensor's storage is larger than the
+    trace saw): the plan the model predicts lowest here, every block recomputed and nothing
+    offloaded, measures highest."""
+
+    def __init__(self, cost: int) -> None:
+        super().__init__(extra=0)
+        self.cost = cost
+
+    def peak(self) -> int:
+        p = self.planner.plan
+        kept = len(self.planner.trace.blocks) - p.offloaded - p.inputs_offloaded if p is not None else 0
+        return super().peak() + self.cost * kept
+
+
+def test_where_no_plan_fits_the_lowest_are_measured_in_turn_and_the_least_measured_is_kept(caplog):
+    """A peak below anything a plan reaches: the planner measures the plans of least peak in turn
+    (each measured one ranks by its measure, not its prediction) and keeps the least measured,
+    not the least predicted, which measures worst here."""
+    memory = KeepingCostsMore(cost=50 * MiB)
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    planner = memory.planner = storm.Planner(model.blocks, peak="1MiB", memory=memory, form_trial=False,
+                                             host_check_tolerance=float("inf"), mode="embedded", min_bytes=0)
+    with caplog.at_level(logging.WARNING, logger="storm"):
+        for _ in range(12):
+            got = grads_of(model, idx, planner.step())
+            assert all(same_bits(a, b) for a, b in zip(ref, got))
     assert planner.settled and planner.checks == 4
-    assert any("after 4 corrections; keeping this plan" in r.getMessage() for r in caplog.records)
+    measured = [plan for plan, _ in planner.state.measured.values()]
+    assert len(measured) == 4 and not any(p.fits for p in measured)
+    lowest_predicted = choose(dataclasses.replace(planner.scenario(), measured={}))
+    assert measured[0].shape == lowest_predicted.shape  # the model's lowest, measured first
+    kept = planner.plan
+    assert kept.measured_over == min(p.measured_over for p in measured)
+    assert kept.inputs_offloaded + kept.offloaded > 0 == lowest_predicted.inputs_offloaded + lowest_predicted.offloaded
+    assert any("keeping the plan of least measured peak" in r.getMessage() for r in caplog.records)
+    assert "none fits, so this one, of least measured peak, is kept" in planner.explain()
     planner.close()
 
 

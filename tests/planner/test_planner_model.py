@@ -3,6 +3,8 @@ Offloading.of() on small made-up traces, no model run."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from planner_fakes import MiB, framed, shared_inputs, trace
@@ -345,3 +347,21 @@ def test_inputs_are_never_offloaded_where_a_plan_of_the_other_options_is_as_chea
         old, p = choose(Scenario(t, budget, inputs_offloaded=False)), choose(Scenario(t, budget))
         assert old.fits and p.fits
         assert p == old or (p.inputs_offloaded and p.predicted_cost_ms < old.predicted_cost_ms)
+
+
+def test_a_measured_plan_fits_and_ranks_by_its_measure_not_its_prediction():
+    t = trace()
+    s = Scenario(t, 400 * MiB)
+    cheapest = choose(s)
+    assert cheapest.fits and cheapest.measured_over is None
+    # measured over its target: the next cheapest that fits instead
+    other = choose(dataclasses.replace(s, measured={cheapest.shape: 1}))
+    assert other.fits and other.shape != cheapest.shape
+    # where none is predicted to fit, the lowest predicted, measured under its target, fits
+    tight = dataclasses.replace(s, budget=MiB)
+    lowest = choose(tight)
+    assert not lowest.fits
+    measured = choose(dataclasses.replace(tight, measured={lowest.shape: -1}))
+    assert measured.shape == lowest.shape and measured.fits and measured.measured_over == -1
+    # and measured far over, another plan is the least peak
+    assert choose(dataclasses.replace(tight, measured={lowest.shape: 1 << 40})).shape != lowest.shape

@@ -151,6 +151,11 @@ class Planner:
         return self.state.traced_host_ms_per_tensor
 
     @property
+    def measured_plans(self) -> int:
+        """Plans whose step was measured against its target since the last trace."""
+        return len(self.state.measured)
+
+    @property
     def trials(self) -> list[Trial]:
         """This trace's trials, decided, in order."""
         return self.state.trials
@@ -230,11 +235,15 @@ class Planner:
         ``peak``; with ``budget``, the besides plus the plan's predicted saves and gradients at
         its peak plus what of the budget its saves leave unused. None before the compute trace
         and where peaks cannot be measured (not CUDA)."""
-        if self.besides is None or self.plan is None:
+        return None if self.plan is None else self.target_of(self.plan)
+
+    def target_of(self, plan: Plan) -> int | None:
+        """The target (Planner.target) a step of ``plan`` is measured against."""
+        if self.besides is None:
             return None
         if self.peak is not None:
             return self.peak
-        return self.besides + self.step_peak(self.plan) + max(0, self.saved_budget - self.plan.predicted_peak)
+        return self.besides + self.step_peak(plan) + max(0, self.saved_budget - plan.predicted_peak)
 
     def scenario(self) -> Scenario:
         """What plans are chosen for now: the saved budget less the margin every plan leaves (and
@@ -247,14 +256,16 @@ class Planner:
                         prefetch_bytes=self.options.get("prefetch_bytes"),
                         offload_margin=state.margins[True] - state.margins[False], grads=grads,
                         codec=self.options.get("codec"), kept_extra=self.kept_extra,
-                        start_extra=self.start_extra if grads else 0)
+                        start_extra=self.start_extra if grads else 0,
+                        measured={shape: over for shape, (_, over) in state.measured.items()})
 
     def _choose(self, scenario: Scenario) -> Plan | None:
         plan = self._chooser(scenario)
         return plan and dataclasses.replace(plan, reentrant=self.reentrant)
 
     def make_plan(self) -> StepPhase:
-        """Put the plan of least predicted cost in force (where none fits, the one of least peak);
+        """Put the plan of least predicted cost that fits in force (a measured plan fits by its
+        measured peak; where none fits, the one of least peak, measured or predicted);
         the phase that follows: its first step measured where it can be (Measure), else what
         follows that (phases.after_checks). The model's costs are approximate (offloading's host
         time most): where a plan of the other kind fits too, it is the alternative both are tried
@@ -262,16 +273,29 @@ class Planner:
         recompute form (other_form). Against a plan that offloads nothing, one that offloads only
         recomputed blocks' inputs is no such plan: it recomputes as a plan that fits without
         offloading can, and adds the copies."""
-        scenario = self.scenario()
+        scenario, state = self.scenario(), self.state
         plan = self._choose(scenario)
         assert plan is not None  # choose() has a plan of either kind
+        if plan.shape in state.measured:  # as measured (a chooser= of a user's may not have looked)
+            plan = state.measured[plan.shape][0]
+        # each plan is measured once, while checks are left: where none fits, the plans of least
+        # peak are so measured in turn (each measured one ranks by its measure), and the least
+        # measured kept once no check is left
+        to_measure = self.target_of(plan) is not None and state.checks < MAX_CHECKS and plan.shape not in state.measured
+        least = state.least_measured()
+        if not plan.fits and not to_measure and least is not None and plan.shape not in state.measured:
+            plan = least
         self.state.plan = plan
-        if not plan.fits:
-            log.warning("storm.plan: no plan keeps the %s under %.1f MiB; the lowest predicted is %.1f MiB",
-                        "saved activations" if self.peak is None else "saves and gradients, from peak=,",
-                        scenario.budget / MiB, plan.predicted_peak / MiB)
-        # a plan that cannot fit is not measured: no margin would make it
-        to_measure = plan.fits and self.target is not None and self.checks < MAX_CHECKS
+        if not plan.fits and not to_measure:
+            budget = scenario.budget / MiB
+            held = "saved activations" if self.peak is None else "saves and gradients, from peak=,"
+            if plan.measured_over is None:
+                log.warning("storm.plan: no plan keeps the %s under %.1f MiB; the lowest predicted is %.1f MiB",
+                            held, budget, plan.predicted_peak / MiB)
+            else:
+                log.warning("storm.plan: no plan keeps the %s under %.1f MiB; of the %d measured, the one of least "
+                            "measured peak is kept, %.1f MiB over its target", held, budget, len(state.measured),
+                            plan.measured_over / MiB)
         alternative = None
         if plan.fits and not self.trials:
             other = self._choose(dataclasses.replace(scenario, offload=not plan.offloads))

@@ -68,6 +68,9 @@ class Explained(Protocol):
     @property
     def margins(self) -> dict[bool, int]: ...
 
+    @property
+    def measured_plans(self) -> int: ...
+
 
 def explain(planner: Explained) -> str:
     """Whether the plan is settled, per block what was measured and what the plan does with it,
@@ -115,7 +118,19 @@ def explain(planner: Explained) -> str:
                      f"more while a kept block's backward runs); margins {margins[False] / MiB:.1f} "
                      f"MiB, plus {margins[True] / MiB:.1f} MiB for plans that offload, after "
                      f"{planner.checks} measured steps")
+        lines.append(_measured(planner, p))
     return "\n".join(lines)
+
+
+def _measured(planner: Explained, p: Plan) -> str:
+    """What the plans measured this trace decided: each fits and ranks by its measured peak."""
+    if p.measured_over is None:
+        return f"plans measured: {planner.measured_plans}, ranked by their measured peaks; this one not yet"
+    where = f"{abs(p.measured_over) / MiB:.1f} MiB {'over' if p.measured_over > 0 else 'under'} its target"
+    if p.fits:
+        return f"plans measured: {planner.measured_plans}, ranked by their measured peaks; this one {where}"
+    return (f"plans measured: {planner.measured_plans}, ranked by their measured peaks; none fits, so this one, "
+            f"of least measured peak, is kept: {where}")
 
 
 def _standing(planner: Explained) -> str:

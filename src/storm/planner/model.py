@@ -15,6 +15,7 @@ peak fits a budget. docs/planner.md ("How a plan is chosen") explains the model 
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 from ..mover import FRAME_CODECS
 
@@ -86,6 +87,16 @@ class Plan:
     compressed: bool = False       # offloaded tensors go in frames where they can (codec "ancf_exp")
     reentrant: bool = True         # recomputed blocks in Recompute's reentrant form, else torch's non-reentrant
     inputs_offloaded: int = 0      # blocks[offloaded:offloaded + this] (in recomputed) have their inputs offloaded
+    # bytes a step of this plan was measured over its target (negative: under); None: not measured.
+    # What was learned of the plan, not what it is: plans compare equal without it
+    measured_over: int | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def shape(self) -> tuple:
+        """What a step of the plan does, as far as its memory goes: the key its measured peak is
+        known by (Scenario.measured). Not the recompute form, which the planner sets after choose()."""
+        return (self.offloaded, self.inputs_offloaded, self.recomputed, self.compressed, self.max_held_bytes,
+                self.prefetch_bytes)
 
     @property
     def offloads(self) -> bool:
@@ -240,7 +251,11 @@ class Scenario:
     - ``offload``: only plans that offload (True) or that do not (False); None: either.
     - ``kept_extra``: what a kept block's backward holds beyond a recomputed one's; ``start_extra``:
       what backward's start holds beyond a block's (moments).
-    - ``inputs_offloaded``: whether plans may recompute blocks with their inputs offloaded."""
+    - ``inputs_offloaded``: whether plans may recompute blocks with their inputs offloaded.
+    - ``measured``: per Plan.shape of this trace's measured plans, the bytes its step went over
+      its target (negative: under). A measured plan fits and ranks by that, not by the
+      prediction: the model's terms come from one traced step, and a plan's own step is the
+      better witness of its peak."""
 
     trace: Trace
     budget: int
@@ -254,6 +269,7 @@ class Scenario:
     kept_extra: int = 0
     inputs_offloaded: bool = True
     start_extra: int = 0
+    measured: Mapping[tuple, int] = dataclasses.field(default_factory=dict)
 
     def predicted_peak(self, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int, *,
                        inputs_offloaded: int = 0, prefetch: int = 0) -> int:
@@ -271,16 +287,19 @@ class Scenario:
 
 
 def choose(scenario: Scenario) -> Plan | None:
-    """The plan of least predicted cost whose predicted peak is at most the scenario's budget
-    (less its ``offload_margin`` for plans that offload); the least-peak plan, fits=False, when
-    none is; None where there is no plan of the kind asked (every offload more than the store
-    took). Plans that recompute blocks with their inputs offloaded come after those that do not,
-    and are chosen only where they cost less or peak lower."""
+    """The plan of least predicted cost whose peak is at most the scenario's budget (less its
+    ``offload_margin`` for plans that offload), where measured its measured peak, else its
+    predicted one; the least-peak plan, fits=False, when none is, of the same figures (a
+    measured plan's step over its target, an unmeasured one's prediction over the budget); None
+    where there is no plan of the kind asked (every offload more than the store took). Plans
+    that recompute blocks with their inputs offloaded come after those that do not, and are
+    chosen only where they cost less or peak lower."""
     s, trace = scenario, scenario.trace
     n = len(trace.blocks)
     best: Plan | None = None
     lowest: Plan | None = None
-    lowest_over = 0  # its predicted peak, margin included, over the budget
+    lowest_over = 0  # its peak over the budget: measured, else predicted with the margin
+    measured_shapes = {(shape[0], shape[1]) for shape in s.measured}
     forward_ms = [0.0]  # of blocks[:i], at i
     for b in trace.blocks:
         forward_ms.append(forward_ms[-1] + b.forward_ms)
@@ -293,15 +312,15 @@ def choose(scenario: Scenario) -> Plan | None:
         # recomputing the m blocks costs at least their forward) nor, while none fits, peak below the lowest's
         if m and best is not None and forward_ms[k + m] - forward_ms[k] - 1e-3 >= best.predicted_cost_ms:
             continue
-        if m and lowest is not None:
+        if m and lowest is not None and (k, m) not in measured_shapes:  # a measured one may beat its bound
             over = _least_peak(s, k, m) - (s.budget - s.offload_margin)
             if over > 0 and (best is not None or over >= lowest_over):
                 continue
-        for plan, room in _plans(s, k, m):
+        for plan, over in _plans(s, k, m):
             if plan.fits and (best is None or plan.predicted_cost_ms < best.predicted_cost_ms):
                 best = plan
-            if lowest is None or plan.predicted_peak - room < lowest_over:
-                lowest, lowest_over = plan, plan.predicted_peak - room
+            if lowest is None or over < lowest_over:
+                lowest, lowest_over = plan, over
     return best or lowest
 
 
@@ -316,7 +335,8 @@ def _least_peak(s: Scenario, k: int, m: int) -> int:
 
 def _plans(s: Scenario, k: int, m: int) -> list[tuple[Plan, int]]:
     """choose()'s plans that offload blocks[:k] and the inputs of the next m blocks, recomputed,
-    per codec and copy queue to consider; each with the budget it is held to."""
+    per codec and copy queue to consider; each with its peak over the budget it is held to
+    (measured, where the scenario has measured it: the plan then fits by that)."""
     trace = s.trace
     blocks, n = trace.blocks, len(trace.blocks)
     # the largest block's offloaded bytes: its saves, or a recomputed block's inputs
@@ -350,7 +370,11 @@ def _plans(s: Scenario, k: int, m: int) -> list[tuple[Plan, int]]:
                     predicted_cost_ms=round(cost, 3), fits=peak <= room,
                     in_flight_bytes=off.leftover + off.frames + window, compressed=off.compressed,
                     inputs_offloaded=m)
-        out.append((plan, room))
+        over = s.measured.get(plan.shape)
+        if over is None:
+            out.append((plan, peak - room))
+        else:
+            out.append((dataclasses.replace(plan, fits=over <= 0, measured_over=over), over))
     return out
 
 

@@ -16,6 +16,7 @@ docs/planner.md tells what each phase measures and why.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 import logging
 from typing import Any, Protocol
@@ -219,9 +220,11 @@ class CheckHost(Checked):
 
 
 class Measure(Checked):
-    """The plan's first step (and each corrected plan's), its peak measured against the target
-    (CUDA): over it, what the step took beyond the plan's prediction becomes the margin of plans
-    of its kind (measure.widened_margin) and the plan is made again, up to MAX_CHECKS steps."""
+    """The first step of a plan not measured before, its peak measured against the target (CUDA)
+    and kept (TraceState.measured: the plan ranks by it from then on). Over the target, where
+    the plan was predicted to fit, what the step took beyond the prediction becomes the margin of
+    plans of its kind (measure.widened_margin); either way the plan is made again, up to
+    MAX_CHECKS steps, after which the plan of least measured peak stays."""
 
     kind = Phase.MEASURE
 
@@ -234,18 +237,29 @@ class Measure(Checked):
         state = planner.state
         state.checks += 1
         state.measured_peak = measured = self.peak.measured
-        target = planner.target
+        target, plan = planner.target, state.plan
         # None: no backward. A step unlike the traced one measured another step than planned
-        if measured is None or target is None or measured <= target or state.stale:
+        if measured is None or target is None or state.stale:
+            return None
+        assert plan is not None and state.besides is not None  # a target needs both
+        over = measured - target
+        # the plan in force as measured (the same steps: its hooks stay)
+        state.plan = dataclasses.replace(plan, fits=over <= 0, measured_over=over)
+        state.measured[plan.shape] = (state.plan, over)
+        if over <= 0:
             return None
         if state.checks >= MAX_CHECKS:
+            kept = state.least_measured()
+            assert kept is not None
             log.warning("storm.plan: a planned step peaked %.1f MiB over its target of %.1f MiB after %d "
-                        "corrections; keeping this plan", (measured - target) / MiB, target / MiB, state.checks)
+                        "measured steps; keeping the plan of least measured peak, %.1f MiB over", over / MiB,
+                        target / MiB, state.checks, max(0, kept.measured_over or 0) / MiB)
+            if kept.shape != plan.shape:
+                planner.apply(kept)
             return None
-        assert state.plan is not None and state.besides is not None  # a target needs both
-        beyond = measured - state.besides - planner.step_peak(state.plan)
-        kind = state.plan.offloads
-        state.margins[kind] = widened_margin(state.margins[kind], beyond, target)
+        if plan.fits:  # predicted to: what the step took beyond its prediction: a margin for plans of its kind
+            beyond = measured - state.besides - planner.step_peak(plan)
+            state.margins[plan.offloads] = widened_margin(state.margins[plan.offloads], beyond, target)
         return planner.make_plan()
 
 
@@ -275,11 +289,16 @@ class Try(StepPhase):
     def end(self, planner: Driver) -> StepPhase:
         trial = self.trial
         trial.turn += 1
-        if len(self.marks) < 2 or planner.state.stale:  # no backward, or a step unlike the traced one
+        state = planner.state
+        if len(self.marks) < 2 or state.stale:  # no backward, or a step unlike the traced one
             return self
         trial.ms[self.turn % 2].append(planner.clock.elapsed_ms(*self.marks))
         measured = self.peak.measured if self.peak is not None else None
         target = planner.target
+        plan = trial.plans[1]  # the alternative: its first step is the one measured
+        if measured is not None and target is not None and plan.reentrant == planner.reentrant:
+            over = measured - target  # in the form the planner measures: its plans rank by this too
+            state.measured.setdefault(plan.shape, (dataclasses.replace(plan, fits=over <= 0, measured_over=over), over))
         if measured is not None and target is not None and measured > target:
             trial.over = measured
             return self.decide(planner)

@@ -33,6 +33,9 @@ class TraceState:
     offloading_steps: int = 0          # planned steps that offloaded, counted towards the host check
     traced_host_ms_per_tensor: float | None = None  # the trace's, where a planned step measured more
     trials: list[Trial] = dataclasses.field(default_factory=list)  # decided, in order
+    # per Plan.shape, the plan measured (in the planner's recompute form) and its step's peak over
+    # its target (negative: under), in the order measured
+    measured: dict[tuple, tuple[Plan, int]] = dataclasses.field(default_factory=dict)
     stale: bool = False  # the last step ran unlike the traced one: the next step traces again
 
     @property
@@ -41,6 +44,13 @@ class TraceState:
         if self.besides is None or self.kept_besides is None:
             return 0
         return max(0, self.kept_besides - self.besides)
+
+    def least_measured(self) -> Plan | None:
+        """Of the plans measured, the one whose step went least over its target (the first
+        measured on ties); None before any."""
+        if not self.measured:
+            return None
+        return min(self.measured.values(), key=lambda measured: measured[1])[0]
 
     def host_check_due(self) -> bool:
         """A planned step that offloads is yet to have its packs' host time read (phases.Checked);
