@@ -323,9 +323,14 @@ class Trainer:
         self.model, self.x = w.build(device, ckpt=(method == "checkpoint"))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
         self.handle = storm.enable(self.model, **opts) if method == "enable" else None
-        self.planner = storm.plan(w.blocks(self.model), **opts) if method == "plan" else \
-            self.handle and self.handle.planner
+        self._plan = storm.plan(w.blocks(self.model), **opts) if method == "plan" else None
         self.last: storm.Offload | None = None
+
+    @property
+    def planner(self) -> storm.Planner | None:
+        """storm.plan's, or the handle's, read each time: storm.enable makes its planner again where
+        the first forward runs the model's block lists otherwise than found (storm/blocks.py)."""
+        return self.handle.planner if self.handle is not None else self._plan
 
     def warm(self, steps: int) -> None:
         """``steps`` steps, and as many more (up to 50) as storm.plan needs to settle: it traces

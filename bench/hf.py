@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from storm.enabled import find_blocks
+from storm.blocks import find_blocks
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,8 @@ class HF:
     """A model of architecture ``arch`` (ARCHS) at these sizes, trained on random tokens: its loss
     (a language model's head and cross-entropy included) computed by ``forward``, inside the
     method's context. ``ckpt``: Hugging Face's own non-reentrant gradient checkpointing of every
-    layer (both of T5's block lists). Its blocks are those storm.enable finds (find_blocks)."""
+    layer (both of T5's block lists). Its blocks are those storm.enable finds (find_blocks): T5's
+    two lists planned as one."""
 
     name: str
     arch: str
@@ -132,9 +133,9 @@ class HF:
 
     @staticmethod
     def blocks(model: nn.Module) -> list[nn.Module]:
-        """The blocks storm.enable plans over: of the model's lists of repeated layers, the one with
-        the most parameters (T5: the decoder's, whose layers also cross-attend)."""
-        return find_blocks(model)[1]
+        """The blocks storm.enable plans over: those of every list of repeated layers that
+        find_blocks finds, in the order forward runs them (T5: the encoder's, then the decoder's)."""
+        return find_blocks(model).blocks
 
     def forward(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if self.spec.inputs == "seq2seq":
@@ -146,14 +147,6 @@ class HF:
     @staticmethod
     def objective(loss: torch.Tensor) -> torch.Tensor:
         return loss
-
-
-def block_lists(model: nn.Module) -> dict[str, int]:
-    """Every list of two or more layers of one class in ``model`` (what find_blocks chooses among),
-    by name: its parameters' count."""
-    return {name: sum(p.numel() for p in m.parameters()) for name, m in model.named_modules()
-            if isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and len(m) >= 2
-            and len({type(c) for c in m.children()}) == 1}
 
 
 def tiny(arch: str, **sizes: int) -> HF:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from hf import ARCHS, HF, block_lists
+from hf import ARCHS, HF
 
 from common import (
     GiB,
@@ -59,6 +59,7 @@ from common import (
     run,
     write,
 )
+from storm.blocks import block_lists
 from stormd.wire.sizes import parse_size
 from summary import peak_bytes, ratio_interval
 

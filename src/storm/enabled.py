@@ -1,7 +1,7 @@
 """``storm.enable``: STORM on for every training forward of a model, in one line.
 
     handle = storm.enable(model)                  # storm.offload around each forward
-    handle = storm.enable(model, budget=0.5)      # or storm.plan on the model's repeated blocks
+    handle = storm.enable(model, budget=0.5)      # or storm.plan on the model's repeated blocks (blocks.py)
     ...                                           # train as before: loss = model(x); loss.backward()
     handle.disable()                              # hooks off, blocks' own forwards back
 
@@ -31,16 +31,18 @@ are unwrapped first, so the hooks sit on the model that the wrapper calls.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import threading
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from .blocks import CallOrder, Found, find_blocks, unwrap
 from .compiled import compiled, probe_compiling, warn_whole_graph
 from .hooks import Offload
 from .planner import Planner, plan
@@ -48,59 +50,32 @@ from .planner.options import plan_options
 
 log = logging.getLogger("storm")
 
-# Containers of a model's layers: HF and GPT-style models keep them in a ModuleList,
-# torchtitan in a ModuleDict (keys for pipeline stages), small GPTs in an nn.Sequential.
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 # id(model) -> its handle, while enabled. Weak: a handle lives as long as its model's hooks or its
 # caller hold it, and it holds its model, so an id here is never a dead model's.
 _enabled: "weakref.WeakValueDictionary[int, Enabled]" = weakref.WeakValueDictionary()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside DDP-style wrappers: while ``.module`` is a module that holds every
-    parameter of its wrapper, that module."""
-    while isinstance(inner := getattr(model, "module", None), nn.Module) and inner is not model:
-        if {id(p) for p in model.parameters()} != {id(p) for p in inner.parameters()}:
-            break  # a model with a submodule called "module", not a wrapper
-        model = inner
-    return model
-
-
-def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
-    """The model's repeated blocks and where they are: of the ModuleLists, ModuleDicts and
-    Sequentials that hold two or more modules of one class, the one with the most parameters
-    (then the most modules; then the outermost). Raises ValueError naming what it looked for."""
-    best: tuple[tuple[int, int], str, list[nn.Module]] | None = None
-    for name, m in unwrap(model).named_modules():
-        if not isinstance(m, _CONTAINERS):
-            continue
-        children = list(m.children())
-        if len(children) < 2 or len({type(c) for c in children}) != 1:
-            continue
-        size = (sum(p.numel() for p in m.parameters()), len(children))
-        if best is None or size > best[0]:
-            best = (size, name, children)
-    if best is None:
-        raise ValueError(
-            f"storm.enable found no repeated blocks in {type(model).__name__}: it looks for an nn.ModuleList, "
-            f"nn.ModuleDict or nn.Sequential of two or more modules of one class (model.model.layers in a Hugging "
-            f"Face model, model.layers or model.transformer.h in GPT-style ones) and found none; pass blocks= "
-            f"(the model's repeated layers, in the order its forward runs them)")
-    return best[1], best[2]
+_LEFT_SHOWN = 4  # lists left out that explain() names, the largest first
 
 
 class Enabled:
     """STORM on one model, from ``storm.enable``. ``model`` is the unwrapped model that carries
-    the hooks, ``blocks`` what a plan decides for (None without one), ``planner`` the
-    storm.plan (None: every step offloads as ``storm.offload(**options)`` does), ``last`` the
-    context of the last step that ran (``.stats``, ``.report()``)."""
+    the hooks; ``found`` the block lists a plan covers (blocks.Found: found by find_blocks, or
+    given as blocks=; None without a plan), ``blocks`` and ``where`` its blocks and the lists'
+    names; ``planner`` the storm.plan (None: every step offloads as ``storm.offload(**options)``
+    does). Where the first forward runs the lists found otherwise than planned (in another order,
+    or one between another's blocks), ``found`` and ``planner`` are replaced once, before the
+    next step, by those of the lists as they ran. ``last`` is the context of the last step that
+    ran (``.stats``, ``.report()``)."""
 
-    def __init__(self, model: nn.Module, blocks: list[nn.Module] | None, where: str, planner: Planner | None,
+    def __init__(self, model: nn.Module, found: Found | None, planning: Callable[[list[nn.Module]], Planner] | None,
                  options: dict[str, Any], on_forward: bool):
         self.model = model
-        self.blocks = blocks
-        self.where = where  # the blocks' qualified name in the model ("": the model itself; "blocks=": given)
-        self.planner = planner
+        self.found = found
+        self._planning = planning  # a planner of the blocks it is given, on the plan's options
+        self.planner = planning(found.blocks) if planning is not None and found is not None else None
+        # Lists found come in registration order, which forward need not follow, and a plan needs each
+        # block run once, in order, in every forward: the first forward says how they run (_check_order)
+        self._order = CallOrder(found) if found is not None and self.planner is not None and len(found.lists) > 1 \
+            else None
         self.last: Offload | None = None
         self._options = options
         self._on_forward = on_forward  # steps begin at the model's forward, else where begin() is called
@@ -109,15 +84,27 @@ class Enabled:
         self._threads = threading.local()
         self._open = 0  # begin()s not yet ended, all threads together
         self._open_lock = threading.Lock()
+        # the forward hook, always called, gets no output where the forward raised
+        ended = torch.compiler.disable(lambda m, args, out: self._end(out, out is not None))
         self._hooks = [model.register_forward_pre_hook(torch.compiler.disable(lambda m, args: self.begin())),
-                       model.register_forward_hook(torch.compiler.disable(lambda m, args, out: self._end(out)),
-                                                   always_call=True)
-                       ] if on_forward else []
+                       model.register_forward_hook(ended, always_call=True)] if on_forward else []
         self._told_joined = False  # a forward joined the step before it: said once
-        if planner is None:  # a plan probes its blocks itself (planner/wiring.py)
+        if self.planner is None:  # a plan probes its blocks itself (planner/wiring.py)
             if compiled(model):
                 _warn_offload_whole_graph()
             self._hooks.append(model.register_forward_pre_hook(probe_compiling(_warn_offload_whole_graph)))
+
+    @property
+    def blocks(self) -> list[nn.Module] | None:
+        """What a plan decides for, in the order forward runs them (None without a plan)."""
+        return self.found.blocks if self.found is not None else None
+
+    @property
+    def where(self) -> str:
+        """The planned lists' qualified names in the model, joined by " + " in the order forward runs
+        them ("encoder.block + decoder.block"); "" for the model itself or without a plan;
+        "blocks=" for blocks given."""
+        return self.found.where if self.found is not None else ""
 
     def begin(self) -> None:
         """A step begins: the next storm.offload context (the plan's, with a planner) is entered,
@@ -135,8 +122,12 @@ class Enabled:
             if ctx is not None:
                 ctx.resume().__enter__()
             else:
+                if self._order is not None:
+                    self._check_order()
                 ctx = self.planner.step() if self.planner is not None else Offload(**self._options)
                 ctx.__enter__()
+            if self._order is not None:
+                self._order.started()
         except BaseException:
             with self._open_lock:
                 self._open -= 1
@@ -144,14 +135,36 @@ class Enabled:
         scopes.append(ctx)
         self.last = ctx
 
+    def _check_order(self) -> None:
+        """Before a step, once a forward has ended normally: the lists found as it ran them
+        (Found.as_ran: CLIP registers its text model first and runs its vision model first). Where
+        that differs from the plan's, the plan has traced nothing (the planner traces again until
+        its blocks run once each, in order), so it is made again on the lists as they ran."""
+        assert self._order is not None and self.found is not None and self._planning is not None
+        assert self.planner is not None
+        if self._order.first is None:
+            return
+        ran = self.found.as_ran(self._order.first)
+        self._order.remove()
+        self._order = None
+        if ran.lists != self.found.lists:
+            planned = self.found.where
+            self.planner.close()
+            self.found = ran
+            self.planner = self._planning(ran.blocks)
+            log.warning("storm.enable: the first forward of %s ran its block lists otherwise than planned (%s): the "
+                        "plan starts again on %s, as they ran (explain() says why a list is left out)",
+                        type(self.model).__name__, planned, ran.where)
+
     def end(self) -> None:
         """The step's forward has ended: this thread's context is exited (saved tensors stay in the
         store until backward). Without an open step in this thread, nothing."""
-        self._end(None)
+        self._end(None, True)
 
-    def _end(self, out: Any) -> None:
+    def _end(self, out: Any, normally: bool) -> None:
         """end(); ``out``, the forward's output (from the forward hook), is watched: a forward that
-        begins before backward reaches it goes on with this step (_awaiting_backward)."""
+        begins before backward reaches it goes on with this step (_awaiting_backward). ``normally``:
+        the forward did not raise (the forward hook gets no output where it did)."""
         scopes = self._scopes()
         if not scopes:
             return
@@ -161,6 +174,8 @@ class Enabled:
             ctx.__exit__(None, None, None)
             if out is not None and not scopes:
                 self._threads.awaiting = _Awaiting(ctx, out)
+            if self._order is not None and not scopes:
+                self._order.ended(normally)
 
     def _awaiting_backward(self) -> Offload | None:
         """This thread's last step, where its forward's output is alive and no backward has reached
@@ -188,21 +203,38 @@ class Enabled:
     def explain(self) -> str:
         """What was enabled and how its steps are marked, and the plan's explanation or the last
         step's report; after ``disable()`` too, as they were then."""
-        what = "storm.offload"
+        what, found = "storm.offload", ""
         if self.planner is not None:
-            assert self.blocks is not None  # a plan is made on blocks (__init__)
-            what = (f"storm.plan on {len(self.blocks)} blocks at {self.where or '(the model)'} "
-                    f"({type(self.blocks[0]).__name__})")
+            assert self.found is not None  # a plan is made on blocks (__init__)
+            classes = ", ".join(dict.fromkeys(type(b).__name__ for b in self.found.blocks))
+            what = f"storm.plan on {len(self.found.blocks)} blocks at {self.where or '(the model)'} ({classes})"
+            found = self._found_lines()
         model = type(self.model).__name__
         steps = (f"on every forward of {model} with grad enabled (those before one backward: one step)"
                  if self._on_forward else
                  f"in {model}, on the steps that begin() and end() mark (a framework's callback: Lightning's "
                  f"batch hooks), with grad enabled")
         state = "" if _enabled.get(id(self.model)) is self else " (disabled; as it was then)"
-        head = f"storm.enable{state}: {what} {steps}"
+        head = f"storm.enable{state}: {what} {steps}{found}"
         if self.planner is not None:
             return f"{head}\n{self.planner.explain()}"
         return f"{head}\n{self.last.report()}" if self.last is not None else f"{head}; no step yet"
+
+    def _found_lines(self) -> str:
+        """Lines on the lists found, where there is more to say than the head's names: several lists
+        planned as one, and the lists left out and why (the largest few: a model may have dozens)."""
+        assert self.found is not None
+        lines = ""
+        if len(self.found.lists) > 1:
+            order = "registration order, until the first forward shows how it runs them" \
+                if self._order is not None else "the order forward runs them"
+            lists = " + ".join(f"{name} ({n})" for name, n in self.found.lists)
+            lines += f"\nblocks: {lists}, planned as one sequence in {order}"
+        for name, n, why in self.found.left[:_LEFT_SHOWN]:
+            lines += f"\nleft out: {name or '(the model)'} ({n} modules): {why}"
+        if len(self.found.left) > _LEFT_SHOWN:
+            lines += f"\nleft out: {len(self.found.left) - _LEFT_SHOWN} more lists (handle.found.left names each)"
+        return lines
 
     def disable(self) -> None:
         """Remove every hook STORM put on the model, close the planner (the blocks' own forwards
@@ -213,6 +245,9 @@ class Enabled:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._order is not None:
+            self._order.remove()
+            self._order = None
         if self.planner is not None:
             self.planner.close()
         if _enabled.get(id(self.model)) is self:
@@ -293,7 +328,8 @@ def enable(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None, budge
     one of them (``storm.plan``'s: the GPU memory a step's saves may take, bytes or a fraction
     of a step's; or the step's peak above its start, CUDA), each forward is a step of
     ``storm.plan(blocks, budget= or peak=, **options)``, where ``blocks`` are the model's
-    repeated layers, found by ``find_blocks`` unless given. ``options``: storm.offload's
+    repeated layers: those of every block list ``find_blocks`` finds (blocks.py), as one
+    sequence in the order forward runs them, unless given. ``options``: storm.offload's
     (``budget`` excepted, which is the plan's here), and with a plan ``reentrant`` and
     ``clock``. ``on_forward=False`` puts no step hooks on the model: the caller marks each step with
     ``begin()`` (before forward) and ``end()`` (before backward), as the Lightning callback does.
@@ -314,13 +350,16 @@ def enable(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None, budge
                            f"handle first (nested STORM hooks would take each other's saves): the one storm.enable "
                            f"returned, a StormCallback's .handle, or storm.enabled.handle_of(the "
                            f"{type(other).__name__})")
-    planner = None
+    found, planning = None, None
     if budget is None and peak is None:
         options = _offload_options(blocks, options)
-        where, found = "", None
     else:
-        where, found = ("blocks=", list(blocks)) if blocks is not None else find_blocks(model)
-        planner = plan(found, budget, peak=peak, model=model, **options)
-    handle = Enabled(model, found, where, planner, options, on_forward)
+        if blocks is not None:
+            given = list(blocks)
+            found = Found((("blocks=", len(given)),), given)
+        else:
+            found = find_blocks(model)
+        planning = functools.partial(plan, budget=budget, peak=peak, model=model, **options)
+    handle = Enabled(model, found, planning, options, on_forward)
     _enabled[id(model)] = handle
     return handle

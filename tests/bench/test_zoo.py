@@ -14,6 +14,7 @@ import torch
 
 import storm
 from helpers import bench_module, run_bench
+from storm.blocks import block_lists
 from storm.examples.models import same_bits
 
 common = bench_module("common")
@@ -24,11 +25,11 @@ CPU = torch.device("cpu")
 STORM = {"mode": "embedded", "min_bytes": 0, "pool_size": "64MiB"}
 STEPS = 6  # an offload trace, a compute trace, then planned steps (trials of two recompute forms among them)
 
-# where storm.enable's find_blocks finds each architecture's blocks: the list with the most parameters
-# (T5's decoder, whose blocks cross-attend too: its encoder's blocks are left to what the plan does not
-# decide, and saved as usual)
+# where storm.enable's find_blocks finds each architecture's blocks: its one list of layers, or T5's two
+# (the encoder's, then the decoder's, whose blocks cross-attend too), planned as one sequence
 BLOCKS_AT = {"llama": "model.layers", "mistral": "model.layers", "gemma2": "model.layers", "phi3": "model.layers",
-             "gpt-neox": "gpt_neox.layers", "mixtral": "model.layers", "t5": "decoder.block", "bert": "encoder.layer"}
+             "gpt-neox": "gpt_neox.layers", "mixtral": "model.layers", "t5": "encoder.block + decoder.block",
+             "bert": "encoder.layer"}
 
 
 def train(w, enable: bool, blocks=None) -> tuple[list[tuple[torch.Tensor, dict[str, torch.Tensor]]], object]:
@@ -78,8 +79,28 @@ def test_every_zoo_architecture_trains_bit_exact_through_a_plan(arch):
         handle.disable()
 
 
-def test_t5s_two_block_lists_planned_as_one_train_bit_exact():
-    """What a T5 user passes to plan the encoder's blocks too (find_blocks takes the decoder's alone)."""
+def test_t5s_two_block_lists_are_found_and_planned_as_one_bit_exact():
+    """storm.enable(model, budget=0.5) on T5, no blocks= given: the encoder's and the decoder's
+    lists, in the order forward runs them, and explain() names both."""
+    w = hf.tiny("t5")
+    plain, _ = train(w, enable=False)
+    planned, handle = train(w, enable=True)
+    try:
+        assert differences(plain, planned) == []
+        model = handle.model
+        assert handle.found.lists == (("encoder.block", w.layers), ("decoder.block", w.layers))
+        assert handle.blocks == [*model.encoder.block, *model.decoder.block] and handle.found.left == ()
+        assert handle.planner.plan is not None and handle.planner.blocks == handle.blocks
+        assert (f"storm.plan on {2 * w.layers} blocks at encoder.block + decoder.block (T5Block) on every forward "
+                f"of T5ForConditionalGeneration") in handle.explain()
+        assert (f"\nblocks: encoder.block ({w.layers}) + decoder.block ({w.layers}), planned as one sequence in the "
+                f"order forward runs them\n") in handle.explain()
+    finally:
+        handle.disable()
+
+
+def test_t5s_lists_given_as_blocks_train_bit_exact_as_before():
+    """What a T5 user passed before both lists were found: the same blocks, named as given."""
     w = hf.tiny("t5")
     plain, _ = train(w, enable=False)
     planned, handle = train(w, enable=True, blocks=lambda m: [*m.encoder.block, *m.decoder.block])
@@ -117,8 +138,8 @@ def test_t5_has_two_block_lists_and_checkpointing_covers_both():
     w = hf.tiny("t5")
     model, ids = w.build(CPU, ckpt=True)
     assert ids.shape == (2, w.batch, w.seq)  # input_ids and the decoder's labels
-    assert set(hf.block_lists(model)) == {"encoder.block", "decoder.block"}
-    assert hf.HF.blocks(model) == list(model.decoder.block)
+    assert set(block_lists(model)) == {"encoder.block", "decoder.block"}
+    assert hf.HF.blocks(model) == [*model.encoder.block, *model.decoder.block]
     assert all(b.gradient_checkpointing for b in [*model.encoder.block, *model.decoder.block])
 
 

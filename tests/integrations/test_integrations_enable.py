@@ -15,7 +15,7 @@ from torch import nn
 
 import storm
 from integrations_clock import SETTLE_STEPS, StillClock
-from storm.enabled import find_blocks
+from storm.blocks import find_blocks
 from storm.examples.models import GPT, GPTBlock, same_bits
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers installed")
@@ -120,12 +120,14 @@ def hooks_of(model: nn.Module) -> list:
     (Titan, "layers", "Experts", 3),
 ])
 def test_enable_finds_the_models_repeated_blocks(make, where, cls, n):
+    """One list each, as before lists of several kinds and models of several lists were found."""
     model = make()
-    found_where, blocks = find_blocks(model)
-    assert (found_where, type(blocks[0]).__name__, len(blocks)) == (where, cls, n)
-    assert all(b is m for b, m in zip(blocks, model.get_submodule(where).children()))
+    found = find_blocks(model)
+    assert (found.lists, found.where, found.left) == (((where, n),), where, ())
+    assert {type(b).__name__ for b in found.blocks} == {cls}
+    assert found.blocks == list(model.get_submodule(where).children())
     handle = storm.enable(model, budget=0.5, mode="embedded", min_bytes=0)
-    assert handle.blocks == blocks and handle.planner.blocks == blocks
+    assert handle.blocks == found.blocks and handle.planner.blocks == found.blocks and handle.where == where
     handle.disable()
 
 

@@ -55,7 +55,7 @@ class Down(nn.Module):
 class Up(nn.Module):
     def __init__(self, c: int):
         super().__init__()
-        self.conv = nn.Conv2d(2 * c, c, 1)  # fewer parameters than a Down: storm.enable takes the encoder's
+        self.conv = nn.Conv2d(2 * c, c, 1)  # under a quarter of the Downs: storm.enable plans the encoder alone
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
         x = nn.functional.interpolate(x, scale_factor=2.0)
@@ -86,7 +86,8 @@ class UNet(nn.Module):
 
 class Seq2Seq(nn.Module):
     """An encoder-decoder transformer: embeddings, an encoder, a decoder whose layers (larger than
-    the encoder's, for their cross-attention) are the blocks, and a head."""
+    the encoder's, for their cross-attention) are the blocks, given as blocks= (storm.enable would
+    plan the encoder's layers too), and a head."""
 
     def __init__(self, d: int = 32, vocab: int = 64):
         super().__init__()
@@ -124,18 +125,18 @@ def named(line: str) -> dict[str, int]:
     return {name: int(kib) for name, kib in re.findall(r"([\w.]+(?: \(own code\))?) (\d+) KiB", saved)}
 
 
-@pytest.mark.parametrize("make, x, before, after", [
-    (ResNet, torch.randn(2, 3, 16, 16), {"conv1", "bn1", "relu", "maxpool"}, {"fc"}),
-    (UNet, torch.randn(2, 3, 32, 32), {"inc"}, {"decoder.up1", "decoder.up2", "head", "UNet (own code)"}),
-    (Seq2Seq, torch.randint(0, 64, (2, 16)), {"encoder", "src_embed", "tgt_embed"}, {"head"}),
+@pytest.mark.parametrize("make, x, before, after, blocks", [
+    (ResNet, torch.randn(2, 3, 16, 16), {"conv1", "bn1", "relu", "maxpool"}, {"fc"}, None),
+    (UNet, torch.randn(2, 3, 32, 32), {"inc"}, {"decoder.up1", "decoder.up2", "head", "UNet (own code)"}, None),
+    (Seq2Seq, torch.randint(0, 64, (2, 16)), {"encoder", "src_embed", "tgt_embed"}, {"head"}, "decoder.layers"),
 ], ids=["resnet", "unet", "seq2seq"])
-def test_explain_names_the_modules_that_saved_outside_the_blocks(make, x, before, after):
+def test_explain_names_the_modules_that_saved_outside_the_blocks(make, x, before, after, blocks):
     """Each save outside the blocks counts for the outermost module that holds no block, by the
     model's own name for it (a UNet's decoder modules, a transformer's encoder), and what the
     model's forward saved outside any module as its own code; no words of a language model's."""
     torch.manual_seed(0)
     model = make()
-    handle = planned(model, x)
+    handle = planned(model, x, **({"blocks": model.get_submodule(blocks)} if blocks else {}))
     t, text = handle.planner.trace, handle.explain()
     for word in ("embeddings", "final norm", "logits", "loss"):
         assert word not in text, text
