@@ -117,7 +117,7 @@ def main() -> int:
                   "peak_GiB": round(max(max(r["fwd"]), max(r["bwd"])) / GiB, 3)}
         print(f"{m:55s} {out[m]['step_ms']:8.1f} ms  fwd {out[m]['forward_peak_GiB']:.3f}  "
               f"bwd {out[m]['backward_peak_GiB']:.3f} GiB", flush=True)
-    room = storm.session_for("auto", None, None)._room  # what the storm rows' profile found
+    room = storm.session_for("auto", None, None).copy_queue.room  # what the storm rows' profile found
     found = room and {"floor_MiB": room.floor / MiB, "saves_MiB": [b / MiB for b in room._saves],
                       "unpacks_MiB": [b / MiB for b in room._unpacks]}
     write(args.out, {"model": MODEL.name, "rows": out, "room": found}, device)

@@ -95,7 +95,7 @@ def test_a_tensor_still_being_computed_is_put_once_complete_bit_exact(daemon):
         assert node(daemon.endpoint)["keys"] == 0  # the PUT waits for the tensor, not stormd
     torch.cuda.synchronize()
     session = session_for("daemon", daemon.endpoint, None)
-    session.drain(0)  # the put has finished: unpack must fetch from the store
+    session.copy_queue.drain(0)  # the put has finished: unpack must fetch from the store
     assert node(daemon.endpoint)["keys"] == 1
     saved = z.grad_fn._saved_self
     assert saved.data_ptr() != y.data_ptr()

@@ -55,7 +55,7 @@ def head_heavy_step(ctx_options: dict, n: int = 6) -> tuple[torch.Tensor, torch.
         h = x
         for _ in range(n):
             h = h.tanh()
-            limits.append(ctx._session._held_limit(ctx._step))
+            limits.append(ctx._session.copy_queue.limit(ctx._step))
         loss = h.sum()
     loss.backward()
     return x, x.grad, limits
@@ -66,6 +66,7 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
     next follows its room: the queue limit is the floor less what the next save holds, and forward's
     end drains to what backward's first unpack leaves; a step of other saves profiles again."""
     session = storm.session_for("embedded", None, None)
+    queue = session.copy_queue
     one = 64 * 64 * 4
     besides = [0, 0, 0, 4 * one, 10 * one, 12 * one]  # a head: the step holds more at its last saves
     at_unpack = 3 * one
@@ -73,8 +74,8 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
     def reader(device: torch.device) -> int:
         step = current[0]
         if step.fetching:  # backward: what is held besides the queue and the window, and those
-            return at_unpack - one + session._held_bytes + session.prefetch.nbytes  # the unpacked save counts
-        return besides[len(step.order) - 1] + session._held_bytes  # the save just made counts as held besides
+            return at_unpack - one + queue.nbytes + session.prefetch.nbytes  # the unpacked save counts
+        return besides[len(step.order) - 1] + queue.nbytes  # the save just made counts as held besides
 
     current: list[Step] = []
     real_new_step = session.new_step
@@ -84,48 +85,49 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
         return current[0]
 
     drained: list[int] = []
-    real_drain = session.drain
+    real_drain = queue.drain
 
     def drain(limit: int) -> None:
         drained.append(limit)
         real_drain(limit)
 
-    monkeypatch.setattr(session, "memory", reader)
+    monkeypatch.setattr(queue, "memory", reader)
     monkeypatch.setattr(session, "new_step", new_step)
-    monkeypatch.setattr(session, "drain", drain)
-    monkeypatch.setattr(session, "_room", None)
-    monkeypatch.setattr(session, "_profiling", None)
+    monkeypatch.setattr(queue, "drain", drain)
+    monkeypatch.setattr(queue, "room", None)
+    monkeypatch.setattr(queue, "profiling", None)
     held = 64 * one
 
     _, _, first = head_heavy_step({"max_held_bytes": held})
     assert first == [held] * 6  # profiling: the user's limit
-    assert session._room is None and session._profiling is not None and len(session._profiling.saves) == 6
+    assert queue.room is None and queue.profiling is not None and len(queue.profiling.saves) == 6
 
     drained.clear()
     _, _, second = head_heavy_step({"max_held_bytes": held})
     floor = 12 * one
-    assert session._room is not None and session._room.floor == floor
+    assert queue.room is not None and queue.room.floor == floor
     # forward's end: what backward's start leaves, beside the last save, which it unpacks first
     assert second == [floor - b for b in besides[1:]] + [floor - at_unpack + one]
     assert drained[-1] == floor - at_unpack + one
 
     drained.clear()
     _, _, other = head_heavy_step({"max_held_bytes": held}, n=7)  # a seventh save: not the profile's
-    assert other[-1] == held and session._room is None
+    assert other[-1] == held and queue.room is None
 
 
 def test_a_full_offload_step_with_a_room_computes_the_same_gradients(monkeypatch):
     """The room changes when copies are waited for, never what is saved or restored."""
     session = storm.session_for("embedded", None, None)
-    monkeypatch.setattr(session, "memory", lambda device: session._held_bytes + session.prefetch.nbytes + MiB)
-    monkeypatch.setattr(session, "_room", None)
-    monkeypatch.setattr(session, "_profiling", None)
+    queue = session.copy_queue
+    monkeypatch.setattr(queue, "memory", lambda device: queue.nbytes + session.prefetch.nbytes + MiB)
+    monkeypatch.setattr(queue, "room", None)
+    monkeypatch.setattr(queue, "profiling", None)
     grads = []
     for _ in range(3):
         torch.manual_seed(0)
         x, grad, _ = head_heavy_step({})
         grads.append(grad)
-    assert session._room is not None
+    assert queue.room is not None
     torch.manual_seed(0)
     x = torch.randn(64, 64, requires_grad=True)
     h = x

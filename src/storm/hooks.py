@@ -245,7 +245,7 @@ class Offload(contextlib.ContextDecorator):
         the host, usually ahead of the GPU, must not hold on to bytes the plan counted as gone."""
         limit = bytes_option("drain's limit", limit)
         if self._session is not None:
-            self._session.drain(limit)
+            self._session.copy_queue.drain(limit)
 
     def allow_prefetch(self, nbytes: int | str) -> None:
         """Backward has room for ``nbytes`` now (bytes, or a size such as '128MiB'): as many

@@ -33,13 +33,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .backend import Backend, close_backends, open_backend
 from .copies.base import Copy, PutRequest, Route
+from .copy_queue import CopyQueue
 from .errors import StormError, StormInPlaceError, StormUnavailable
 from .gpu import allocated, consume, pack_range, record_ready, unpack_range, wait_on_compute
 from .mover import Mover, Stores, next_key
 from .options import mode_option, pool_size_option, socket_option
 from .policy import Keep, Policy, Refusals
 from .prefetch import Prefetcher
-from .room import Profile, Reader, Room
 from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of, kind_of
 
 MARK_BYTES = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
@@ -48,8 +48,8 @@ _steps = itertools.count(1)  # for the whole process, as keys are (mover.next_ke
 
 class ClientSession:
     """The per-step state machine: new_step, save (pack), end_step, load (unpack), synchronize,
-    close. Which saves stay is policy.py's to say, what comes back ahead prefetch.py's, and the
-    counters are stats.py's."""
+    close. Which saves stay is policy.py's to say, the saves that wait for their copy are the copy
+    queue's (copy_queue.py), what comes back ahead prefetch.py's, and the counters are stats.py's."""
 
     def __init__(self, backend: Backend, reopen: Callable[[], Backend] | None = None):
         """``reopen``: the store to move on to when the current one's daemon stops (mode auto; None: a save
@@ -57,22 +57,16 @@ class ClientSession:
         self._stores = Stores(backend, reopen)
         self.dropped: collections.deque[Stored] = collections.deque()  # handles autograd let go of
         self._lock = threading.RLock()
-        self._held: collections.deque[Stored] = collections.deque()
-        self._held_bytes = 0
+        self.copy_queue = CopyQueue(self.poll, self._lock)
         self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
         self.prefetch = Prefetcher(self._fetch, self._restored)
         self._awaited: dict[int, torch.Tensor] = {}   # fetched bytes that more handles will unpack
         # (copies out of the store: Copy objects or CUDA events, key to free once they are done)
         self._reading: collections.deque[tuple[list[Any], int]] = collections.deque()
         self.last_candidate_bytes: int | None = None
-        self.last_past_budget_bytes = 0  # saved past the budget in the last step that had one
         self._refusals = Refusals()
         self._raw_kinds: set[tuple[Any, ...]] = set()  # Stored.kind whose frame overflowed: stored raw
         self.closed = False  # by close_all(): the store's bytes are gone, and saves have nowhere to go
-        # full offload: the room a profiled step found (room.py), and the step profiling now
-        self._room: Room | None = None
-        self._profiling: Profile | None = None
-        self.memory: Reader = _allocated  # what the allocator holds on a device, None where unknown
 
     @property
     def backend(self) -> Backend:
@@ -110,12 +104,7 @@ class ClientSession:
         if self._stores.gone():
             self._retire()
         step = Step(next(_steps), limit, options)
-        if limit == float("inf"):
-            if self._profiling is not None and self._profiling.saves:
-                self._room, self._profiling = Room(self._profiling), None
-            step.room = self._room
-            if step.room is None:
-                step.profile = self._profiling = Profile()
+        self.copy_queue.start_step(step)
         return step
 
     def _retire(self) -> None:
@@ -133,16 +122,9 @@ class ClientSession:
         if not step.budget_reached:  # saves past the budget are not counted
             self.last_candidate_bytes = step.candidate_bytes
         self.poll()
-        if step.room is not None:
-            if len(step.order) == len(step.room.sizes):  # empty the queue as far as backward's start needs
-                self.drain(step.room.queue(len(step.order)))
-            else:  # fewer saves than the profile's: the next step profiles again
-                step.room = self._room = None
-        if step.budget_reached:
-            self.drain(step.options.max_held_bytes)
-            self.last_past_budget_bytes = step.past_budget_bytes
-            if step.order and step.order[0].device.type == "cuda":
-                step.level = allocated(step.order[0].device)
+        self.copy_queue.end_step(step)
+        if step.budget_reached and step.order and step.order[0].device.type == "cuda":
+            step.level = allocated(step.order[0].device)
 
     # --- saving -------------------------------------------------------------
 
@@ -193,20 +175,9 @@ class ClientSession:
                 if step.past_budget_bytes - step.marked_bytes >= MARK_BYTES:
                     marker = Marker(t, step, step.past_budget_bytes - step.marked_bytes)
                     step.marked_bytes = step.past_budget_bytes
-                    self.drain(self._held_limit(step))  # it polls: nothing else does past the budget
+                    self.copy_queue.drain(self.copy_queue.limit(step))  # it polls: nothing else does past the budget
                     return marker
         return Kept(t)
-
-    def _held_limit(self, step: Step) -> int:
-        """Bytes that may wait for their copy. Forward's peak is at its end, and past the budget
-        every save stays: until as many as in the last step have come, the copies may run
-        behind by that much more without raising the peak, and forward need not wait for the
-        link (a budget that fits in forward's link time then costs forward nothing). A
-        full-offload step with a room holds no more than fits under its floor."""
-        held = step.options.max_held_bytes
-        if step.budget_bytes == float("inf"):
-            return held if step.room is None else min(held, step.room.queue(len(step.order)))
-        return held + max(0, self.last_past_budget_bytes - step.past_budget_bytes)
 
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int, step: Step,
                  compiled: bool) -> Handle:
@@ -224,36 +195,16 @@ class ClientSession:
                 stored.version = None
             step.order.append(stored)
             step.by_storage[storage._cdata] = stored
-            self._follow_room(step, t.device, nbytes)
+            self.copy_queue.follow_room(step, t.device, nbytes)
             handle = self._handle(stored, t)
             stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)
             stored.copy_in = self.mover.put(stored.request)
-            self._held.append(stored)
-            self._held_bytes += nbytes
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
-            # over the limit, the oldest copy is waited for (the queue may stay over by part of a
-            # save, and the link has the rest while the next op computes); with a room, until the
-            # queue is within it: its limit falls where the step's own memory rises
-            limit = self._held_limit(step)
-            over = self._held_bytes > limit
-            if step.room is None:
-                limit = self._held_bytes - self._held[0].nbytes
+            drain_to = self.copy_queue.add(stored, step)
         step.stats.pack_s += time.perf_counter() - t0
-        if over:  # bound what waits on the mover; wait outside the lock
-            self.drain(limit)
+        if drain_to is not None:  # bound what waits on the mover; wait outside the lock
+            self.copy_queue.drain(drain_to)
         return handle
-
-    def _follow_room(self, step: Step, device: torch.device, nbytes: int) -> None:
-        """A full-offload step's save of ``nbytes`` was just made: where a room leads the step, the
-        save must be the profile's (else the next step profiles again); where the step profiles,
-        read what is held besides the copy queue (under the lock)."""
-        if step.room is not None and not step.room.matches(len(step.order), nbytes):
-            step.room = self._room = None
-        elif step.profile is not None:
-            held = self.memory(device)
-            if held is not None:
-                step.profile.sizes.append(nbytes)
-                step.profile.saves.append(held - self._held_bytes)
 
     def _codec(self, step: Step, kind: tuple[Any, ...], compiled: bool) -> str:
         """The codec setting a save of ``kind`` takes to the current store (its route decides the codec)."""
@@ -292,13 +243,8 @@ class ClientSession:
 
     def poll(self) -> None:
         """Let go of tensors whose copy finished, and free keys nobody holds any more."""
-        held = self._held
-        try:
-            copied = held[0].copy_in.done()
-        except IndexError:  # nothing held (tested without the lock: another thread may empty it)
-            copied = False
-        if not (copied or self.dropped or self._reading):
-            return  # the common case
+        if not (self.copy_queue.copied() is not None or self.dropped or self._reading):
+            return  # the common case (looked at without the lock)
         with self._lock:
             frees = self._reads_done() + self._copies_in_done() + self._handles_dropped()
         self._stores.free(frees)
@@ -314,9 +260,8 @@ class ClientSession:
         """Release the held tensors whose copy into the store has finished, oldest first; a frame that
         overflowed is stored again raw, and a tensor whose store's daemon stopped before it was
         released is stored again in the store that replaces it. Returns the keys to free."""
-        frees, held = [], self._held
-        while held and held[0].copy_in.done():
-            stored = held[0]
+        frees = []
+        while (stored := self.copy_queue.copied()) is not None:
             landed = stored.copy_in.error() is None
             if stored.tensor is not None and self._stores.lost(stored.key) is not None and self._move_on():
                 frees.extend(self._put_again(stored, landed))
@@ -324,7 +269,7 @@ class ClientSession:
             if landed and stored.copy_in.result().incomplete():
                 frees.extend(self._put_again(stored, landed, raw=True))
                 break
-            frees.extend(self._release(held.popleft()))
+            frees.extend(self._release(self.copy_queue.pop()))
         return frees
 
     def _handles_dropped(self) -> list[int]:
@@ -364,8 +309,7 @@ class ClientSession:
         return [old] if landed else []
 
     def _release(self, stored: Stored) -> list[int]:
-        """The copy of ``stored`` finished: let its tensor go. Returns keys to free."""
-        self._held_bytes -= stored.nbytes
+        """The copy of ``stored`` finished, and it left the copy queue: let its tensor go. Returns keys to free."""
         stored.request = None
         if stored.state == State.FREED:  # its put was cancelled (poll): nothing of it reached the store
             return []
@@ -418,7 +362,7 @@ class ClientSession:
         while True:
             self.poll()  # after a wait, it may start copies again: tensors whose frame overflowed
             with self._lock:
-                pending = [s.copy_in for s in self._held] + [r for reads, _ in self._reading for r in reads]
+                pending = self.copy_queue.copies() + [r for reads, _ in self._reading for r in reads]
             if not pending:
                 return
             for copy in pending:
@@ -450,7 +394,7 @@ class ClientSession:
             copy.wait()
             self.poll()
         with self._lock:
-            self._unpacked(stored)
+            self.copy_queue.unpacked(stored, self.prefetch.nbytes)
             if stored.state in (State.HELD, State.KEPT):
                 if stored.version is not None and stored.tensor._version != stored.version:
                     stored.state = State.MODIFIED
@@ -490,18 +434,6 @@ class ClientSession:
                     self._awaited[stored.key] = base  # another view of it is still to come
         return handle.view_of(base.untyped_storage())
 
-    def _unpacked(self, stored: Stored) -> None:
-        """Backward unpacks an offloaded save (its copy done or not): a profiling step reads what is
-        held besides the copy queue and the prefetch window, and this save, which is needed now
-        (held, fetched ahead or about to be fetched) (under the lock)."""
-        step = stored.step
-        step.unpacked += 1
-        if step.profile is not None and step.profile.saves:
-            held = self.memory(stored.device)
-            if held is not None:
-                step.profile.unpack_sizes.append(stored.nbytes)
-                step.profile.unpacks.append(held - self._held_bytes - self.prefetch.nbytes + stored.nbytes)
-
     def _passed(self, marker: Marker) -> None:
         """Backward reached a marker past the budget: the offloaded tensors may come back as far
         as the room it has made (Prefetcher.room_made)."""
@@ -514,18 +446,6 @@ class ClientSession:
             if not step.paced:
                 step.prefetch_room = self.prefetch.room_made(step, marker)
             self.prefetch.ahead(step, marker.index)
-
-    def drain(self, limit: int) -> None:
-        """Let go of saved tensors whose copy has finished, then wait, oldest first, until at most
-        ``limit`` bytes of them wait for their copy."""
-        self.poll()
-        while True:
-            with self._lock:
-                if self._held_bytes <= limit or not self._held:
-                    break
-                oldest = self._held[0].copy_in
-            oldest.wait()
-            self.poll()
 
     def allow_prefetch(self, step: Step, nbytes: int) -> None:
         """Backward has room for ``nbytes`` now (a caller that knows the model's blocks, such as
@@ -591,8 +511,3 @@ def close_all() -> None:
 
 
 atexit.register(close_all)
-
-
-def _allocated(device: torch.device) -> int | None:
-    """The caching allocator's bytes on a CUDA device now; None elsewhere (nothing to profile)."""
-    return allocated(device) if device.type == "cuda" else None

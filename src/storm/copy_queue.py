@@ -1,0 +1,151 @@
+"""The copy queue: offloaded saves still on the device, waiting for their copy into the store.
+
+A save's tensor stays alive until its put has landed, so the queue's bytes sit on the device
+beside what the step holds anyway. Saving waits on the oldest copy once the queue is over its
+step's limit (``limit``: ``max_held_bytes``, more past a budget, less under a room), and
+``drain`` waits until it is within one. A full-offload step takes its limits from room.py: one
+step profiles what the allocator holds besides the queue (and, in backward, besides the prefetch
+window), and the steps after it, while their saves come in the profile's sizes, follow the Room
+it gives; that Room paces the step's prefetch window too (Step.window).
+
+What becomes of a save whose copy is done (released, stored again, forgotten) is the session's
+(storm/session.py): it calls every method here under its lock, except ``drain``, which takes
+the lock itself to wait outside it, and ``copied`` in poll's look without the lock.
+"""
+
+from __future__ import annotations
+
+import collections
+from contextlib import AbstractContextManager
+from typing import Any, Callable
+
+import torch
+
+from .copies.base import Copy
+from .gpu import allocated
+from .room import Profile, Reader, Room
+from .saved import Step, Stored
+
+
+class CopyQueue:
+    """``poll``: the session's (let go of saves whose copy finished, free keys nobody holds), run
+    as ``drain`` waits; ``lock``: the session's, which guards the queue with the rest of its state."""
+
+    def __init__(self, poll: Callable[[], None], lock: AbstractContextManager[Any]):
+        self._poll = poll
+        self._lock = lock
+        self._saves: collections.deque[Stored] = collections.deque()  # oldest first: copies finish about in order
+        self.nbytes = 0  # the bytes of those saves
+        self.last_past_budget_bytes = 0  # saved past the budget in the last step that had one
+        # full offload: the room a profiled step found (room.py), and the step profiling now
+        self.room: Room | None = None
+        self.profiling: Profile | None = None
+        self.memory: Reader = _allocated  # what the allocator holds on a device, None where unknown
+
+    def start_step(self, step: Step) -> None:
+        """A full-offload step follows the room a profiled step found; with none yet, it is the one
+        profiled (the step after a profile with saves makes its room)."""
+        if step.budget_bytes != float("inf"):
+            return
+        if self.profiling is not None and self.profiling.saves:
+            self.room, self.profiling = Room(self.profiling), None
+        step.room = self.room
+        if step.room is None:
+            step.profile = self.profiling = Profile()
+
+    def follow_room(self, step: Step, device: torch.device, nbytes: int) -> None:
+        """A full-offload step's save of ``nbytes`` was just made, before its put: where a room leads
+        the step, the save must be the profile's (else the next step profiles again); where the step
+        profiles, read what is held besides the queue."""
+        if step.room is not None and not step.room.matches(len(step.order), nbytes):
+            step.room = self.room = None
+        elif step.profile is not None:
+            held = self.memory(device)
+            if held is not None:
+                step.profile.sizes.append(nbytes)
+                step.profile.saves.append(held - self.nbytes)
+
+    def add(self, stored: Stored, step: Step) -> int | None:
+        """``stored``, saved in ``step``, waits for its put, just begun. Returns what to drain the
+        queue to (outside the lock) when it is over the step's limit, else None: the oldest copy
+        is waited for (the queue may stay over by part of a save, and the link has the rest while
+        the next op computes); with a room, until the queue is within it: its limit falls where
+        the step's own memory rises."""
+        self._saves.append(stored)
+        self.nbytes += stored.nbytes
+        limit = self.limit(step)
+        if self.nbytes <= limit:
+            return None
+        return limit if step.room is not None else self.nbytes - self._saves[0].nbytes
+
+    def limit(self, step: Step) -> int:
+        """Bytes that may wait for their copy. Forward's peak is at its end, and past the budget
+        every save stays: until as many as in the last step have come, the copies may run
+        behind by that much more without raising the peak, and forward need not wait for the
+        link (a budget that fits in forward's link time then costs forward nothing). A
+        full-offload step with a room holds no more than fits under its floor."""
+        most = step.options.max_held_bytes
+        if step.budget_bytes == float("inf"):
+            return most if step.room is None else min(most, step.room.queue(len(step.order)))
+        return most + max(0, self.last_past_budget_bytes - step.past_budget_bytes)
+
+    def copied(self) -> Stored | None:
+        """The oldest save if its copy has finished, else None."""
+        try:
+            oldest = self._saves[0]
+            done = oldest.copy_in.done()
+        except IndexError:  # empty (poll looks without the lock: another thread may empty it)
+            return None
+        return oldest if done else None
+
+    def pop(self) -> Stored:
+        """The oldest save, out of the queue: its copy has finished (``copied``)."""
+        stored = self._saves.popleft()
+        self.nbytes -= stored.nbytes
+        return stored
+
+    def copies(self) -> list[Copy]:
+        """The puts the saves in the queue wait for, oldest first."""
+        return [s.copy_in for s in self._saves]
+
+    def drain(self, limit: int) -> None:
+        """Let go of saved tensors whose copy has finished, then wait, oldest first, until at most
+        ``limit`` bytes of them wait for their copy."""
+        self._poll()
+        while True:
+            with self._lock:
+                if self.nbytes <= limit or not self._saves:
+                    break
+                oldest = self._saves[0].copy_in
+            oldest.wait()
+            self._poll()
+
+    def end_step(self, step: Step) -> None:
+        """Forward is over: under a room, drain to what backward's first unpack leaves (a step of
+        fewer saves than the profile's lets the room go: the next step profiles again); past a
+        budget, to ``max_held_bytes``."""
+        if step.room is not None:
+            if len(step.order) == len(step.room.sizes):
+                self.drain(step.room.queue(len(step.order)))
+            else:
+                step.room = self.room = None
+        if step.budget_reached:
+            self.drain(step.options.max_held_bytes)
+            self.last_past_budget_bytes = step.past_budget_bytes
+
+    def unpacked(self, stored: Stored, prefetched: int) -> None:
+        """Backward unpacks an offloaded save (its copy done or not), with ``prefetched`` bytes
+        fetched ahead: a profiling step reads what is held besides the queue and the prefetch
+        window, and this save, which is needed now (held, fetched ahead or about to be fetched)."""
+        step = stored.step
+        step.unpacked += 1  # the room's place in backward (Step.window)
+        if step.profile is not None and step.profile.saves:
+            held = self.memory(stored.device)
+            if held is not None:
+                step.profile.unpack_sizes.append(stored.nbytes)
+                step.profile.unpacks.append(held - self.nbytes - prefetched + stored.nbytes)
+
+
+def _allocated(device: torch.device) -> int | None:
+    """The caching allocator's bytes on a CUDA device now; None elsewhere (nothing to profile)."""
+    return allocated(device) if device.type == "cuda" else None

@@ -1,0 +1,81 @@
+"""storm/copy_queue.py: the CopyQueue on fake saves whose copies finish when waited for: what saving
+drains to, the limit past a budget, and drain waiting oldest first. Full offload's room is
+tests/test_room.py's."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from storm.copy_queue import CopyQueue
+from storm.saved import Step, StepOptions, Stored
+
+
+class Put:
+    """A put that finishes when waited for, saying so in ``waited``."""
+
+    def __init__(self, key: int, waited: list[int]):
+        self.key, self.waited, self.finished = key, waited, False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self) -> None:
+        self.finished = True
+        self.waited.append(self.key)
+
+
+def queue_and_waits() -> tuple[CopyQueue, list[int]]:
+    """A queue whose poll lets go of the saves whose copy finished, oldest first, as the session's does."""
+    def poll() -> None:
+        while queue.copied() is not None:
+            queue.pop()
+
+    queue = CopyQueue(poll, threading.RLock())
+    return queue, []
+
+
+def save(queue: CopyQueue, step: Step, nbytes: int, waited: list[int]) -> tuple[Stored, int | None]:
+    """An offloaded save of ``nbytes``, its put begun, added to the queue; and what add says to drain to."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    stored = Stored(len(step.order) + 1, step, t, StorageWeakRef(t.untyped_storage()), nbytes)
+    step.order.append(stored)
+    stored.copy_in = Put(stored.key, waited)
+    return stored, queue.add(stored, step)
+
+
+def test_over_its_limit_a_save_drains_the_queue_by_its_oldest_copy():
+    queue, waited = queue_and_waits()
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=100))
+    assert save(queue, step, 60, waited)[1] is None
+    assert save(queue, step, 60, waited)[1] == 60  # over by less than one save: the oldest's wait is enough
+    assert queue.nbytes == 120 and waited == []
+
+
+def test_drain_waits_oldest_first_until_the_queue_is_within_the_limit():
+    queue, waited = queue_and_waits()
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30))
+    saves = [save(queue, step, 10, waited)[0] for _ in range(3)]
+    queue.drain(15)
+    assert waited == [1, 2] and queue.nbytes == 10 and queue.copies() == [saves[2].copy_in]
+    assert queue.copied() is None  # the last one's copy has not finished
+    queue.drain(0)
+    assert waited == [1, 2, 3] and queue.nbytes == 0 and queue.copies() == []
+
+
+def test_past_a_budget_copies_may_run_behind_by_what_the_last_step_saved_past_its_own():
+    queue, waited = queue_and_waits()
+    options = StepOptions(max_held_bytes=100)
+    first = Step(1, 1000, options)
+    queue.start_step(first)
+    assert first.room is None and first.profile is None  # a budget: no room, no profile
+    first.budget_reached, first.past_budget_bytes = True, 50
+    queue.end_step(first)
+    second = Step(2, 1000, options)
+    assert queue.limit(second) == 100 + 50
+    second.past_budget_bytes = 20
+    assert queue.limit(second) == 100 + 30
+    second.past_budget_bytes = 80
+    assert queue.limit(second) == 100
