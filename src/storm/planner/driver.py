@@ -17,7 +17,7 @@ from torch import nn
 from ..compiled import compiled
 from ..hooks import Offload
 from . import explain as explaining
-from .measure import HOST_CHECK_TOLERANCE, MAX_CHECKS, CudaPeakMemory, PeakMemory, frames_of
+from .measure import HOST_CHECK_TOLERANCE, CudaPeakMemory, PeakMemory, checks_for, frames_of
 from .model import Plan, Scenario, Trace, choose, predicted_peak
 from .options import plan_options
 from .phases import Measure, Phase, StepPhase, TraceOffload, Try, after_checks
@@ -278,10 +278,11 @@ class Planner:
         assert plan is not None  # choose() has a plan of either kind
         if plan.shape in state.measured:  # as measured (a chooser= of a user's may not have looked)
             plan = state.measured[plan.shape][0]
-        # each plan is measured once, while checks are left: where none fits, the plans of least
-        # peak are so measured in turn (each measured one ranks by its measure), and the least
-        # measured kept once no check is left
-        to_measure = self.target_of(plan) is not None and state.checks < MAX_CHECKS and plan.shape not in state.measured
+        # each plan is measured once, while checks are left (measure.checks_for): where none fits,
+        # the plans of least peak are so measured in turn (each measured one ranks by its measure),
+        # and the least measured kept once no check is left
+        to_measure = (self.target_of(plan) is not None and state.checks < checks_for(plan.fits)
+                      and plan.shape not in state.measured)
         least = state.least_measured()
         if not plan.fits and not to_measure and least is not None and plan.shape not in state.measured:
             plan = least

@@ -20,8 +20,18 @@ MiB = 1 << 20
 GiB = 1 << 30
 FRAME_DEVICE_BYTES = 64 * MiB  # large enough that the codec's kernels, not their launches, set its device time
 MAX_CHECKS = 4  # planned steps measured after a trace: the first plan and up to three corrections
+# where no plan is predicted to fit, as many planned steps measure the plans of least peak in turn: their
+# copy queue and prefetch window move a peak the model misjudges, so that the four lowest can be variants
+# of one plan measured alike while a plan that offloads a block's inputs fewer measures lower
+MAX_SEARCH = 8
 HOST_CHECK_STEP = 2  # the planned step that offloads whose host time per tensor is checked (the first warms up)
 HOST_CHECK_TOLERANCE = 1.5  # measured over traced by more than this: plan with the measured (not noise)
+
+
+def checks_for(plan_fits: bool) -> int:
+    """How many planned steps a trace may measure: MAX_CHECKS, or MAX_SEARCH where the plan in
+    question was predicted not to fit."""
+    return MAX_CHECKS if plan_fits else MAX_SEARCH
 
 
 class PeakMemory(Protocol):

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from ..hooks import Offload
-from .measure import MAX_CHECKS, PeakMemory, dearer_packs, packs_ms_per_tensor, widened_margin
+from .measure import PeakMemory, checks_for, dearer_packs, packs_ms_per_tensor, widened_margin
 from .model import Plan, Trace, moments
 from .state import TraceState
 from .trace import ComputeTrace, Frames, OffloadTrace
@@ -224,7 +224,7 @@ class Measure(Checked):
     and kept (TraceState.measured: the plan ranks by it from then on). Over the target, where
     the plan was predicted to fit, what the step took beyond the prediction becomes the margin of
     plans of its kind (measure.widened_margin); either way the plan is made again, up to
-    MAX_CHECKS steps, after which the plan of least measured peak stays."""
+    measure.checks_for steps, after which the plan of least measured peak stays."""
 
     kind = Phase.MEASURE
 
@@ -248,7 +248,7 @@ class Measure(Checked):
         state.measured[plan.shape] = (state.plan, over)
         if over <= 0:
             return None
-        if state.checks >= MAX_CHECKS:
+        if state.checks >= checks_for(plan.fits):
             kept = state.least_measured()
             assert kept is not None
             log.warning("storm.plan: a planned step peaked %.1f MiB over its target of %.1f MiB after %d "
