@@ -79,3 +79,14 @@ def test_past_a_budget_copies_may_run_behind_by_what_the_last_step_saved_past_it
     assert queue.limit(second) == 100 + 30
     second.past_budget_bytes = 80
     assert queue.limit(second) == 100
+
+
+def test_a_look_without_the_lock_at_a_save_another_thread_just_released_finds_no_finished_copy():
+    """poll looks at the oldest save without the session's lock: another thread may pop it and
+    release it (its copy_in set to None) between that look's two reads. The look says no copy has
+    finished, where it raised AttributeError; the locked pass that follows sees the queue as it is."""
+    queue, waited = queue_and_waits()
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30))
+    stored, _ = save(queue, step, 10, waited)
+    stored.copy_in = None  # what the other thread's _release leaves, seen before it pops the queue here
+    assert queue.copied() is None

@@ -93,10 +93,12 @@ class CopyQueue:
         """The oldest save if its copy has finished, else None."""
         try:
             oldest = self._saves[0]
-            done = oldest.copy_in.done()
         except IndexError:  # empty (poll looks without the lock: another thread may empty it)
             return None
-        return oldest if done else None
+        # read once: without the lock, another thread may pop and release this save (its copy_in
+        # set to None) since the look above; the locked pass that follows sees the queue as it is
+        copy = oldest.copy_in
+        return oldest if copy is not None and copy.done() else None
 
     def pop(self) -> Stored:
         """The oldest save, out of the queue: its copy has finished (``copied``)."""
