@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import logging
 import os
@@ -362,6 +363,19 @@ class Trainer:
         del self.model, self.x, self.opt, self.last
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+            empty_host_cache()
+
+
+def empty_host_cache() -> None:
+    """Give back the page-locked host memory torch's host caching allocator keeps after its tensors
+    are freed: save_on_cpu's and torchtune's copies are such tensors, and a row that offloads a long
+    sequence's saves would otherwise leave its pages cached beside the next row's, until the host
+    runs out (the zoo's t5-long cell was killed so). torch.accelerator.empty_host_cache where this
+    torch has it, else the CUDA binding it wraps."""
+    gc.collect()  # tensors kept alive only by reference cycles (a closed trainer's graph) go first
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def alternate(trainers: Sequence[Trainer], rounds: int, steps: int, order: random.Random) -> list[list[list[float]]]:
