@@ -47,3 +47,22 @@ def test_explain_names_the_blocks_recomputed_with_their_inputs_offloaded_and_wha
     assert "after the blocks: 2.0 MiB saved (storm.plan's model= names the modules that saved it); kept on the " \
            "device" in lines
     planner.close()
+
+
+@pytest.mark.parametrize("fwd_ms, options, held, window", [
+    (10.0, {}, "one block's offloaded bytes, of the two queues weighed",
+     "none beyond the room the planner's hooks report"),
+    (1.0, {}, "all the step sends, of the two queues weighed", "none beyond the room the planner's hooks report"),
+    (10.0, {"max_held_bytes": 7 * MiB, "prefetch_bytes": 3 * MiB}, "as given", "as given"),
+])
+def test_explain_says_why_the_copy_queue_and_prefetch_window_are_what_they_are(fwd_ms, options, held, window):
+    model, _ = gpt()
+    planner = storm.plan(model.blocks, budget=500 * MiB, mode="embedded", **options)
+    t = trace(fwd_ms=fwd_ms)  # the plan offloads the first blocks and keeps the rest
+    planner.trace = t
+    planner.plan = p = choose(Scenario(t, 500 * MiB, held_bytes=options.get("max_held_bytes"),
+                                       prefetch_bytes=options.get("prefetch_bytes")))
+    assert p.offloaded and len(p.recomputed) < len(t.blocks) - p.offloaded  # kept blocks follow the offloaded
+    line = next(line for line in planner.explain().splitlines() if line.startswith("copies: "))
+    assert f"(max_held_bytes: {held}" in line and f"(prefetch_bytes: {window}" in line
+    planner.close()

@@ -97,7 +97,7 @@ def explain(planner: Explained) -> str:
     lines += _outside(t, p)
     if p.inputs_offloaded:
         lines.append(_inputs_offloaded(t, p))
-    lines.append(_copies(p, planner.options))
+    lines.append(_copies(t, p, planner.options))
     if p.recomputed:
         lines.append(_recompute_form(planner, p))
     if t.store_bytes is not None:
@@ -184,15 +184,30 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / MiB:.1f} MiB" if nbytes >= MiB or not nbytes else f"{max(1, round(nbytes / 1024))} KiB"
 
 
-def _copies(p: Plan, options: dict[str, Any]) -> str:
-    """What the plan lets wait for the link, and fetch ahead, in storm.offload's options' terms."""
+def _copies(t: Trace, p: Plan, options: dict[str, Any]) -> str:
+    """What the plan lets wait for the link, and fetch ahead, in storm.offload's options' terms,
+    and why those sizes (choose()'s knobs, where not given)."""
     if not p.offloads:
         return "nothing is offloaded: every save stays on the device" + (
             " or, in a recomputed block, is rebuilt in backward" if p.recomputed else "")
-    given = {k: ", as given" if k in options else "" for k in ("max_held_bytes", "prefetch_bytes")}
+    k, m = p.offloaded, p.inputs_offloaded
+    block = max([b.saved_bytes for b in t.blocks[:k]] + [fetched_inputs(b) for b in t.blocks[k:k + m]], default=0)
+    if "max_held_bytes" in options:
+        held = "as given"
+    elif p.max_held_bytes <= block:
+        held = "one block's offloaded bytes, of the two queues weighed: forward waits for the link past one block"
+    else:
+        held = "all the step sends, of the two queues weighed: the link is predicted to keep up without waits"
+    if "prefetch_bytes" in options:
+        window = "as given"
+    elif p.prefetch_bytes:
+        window = "one block: no kept block follows the offloaded ones to free room before they are needed"
+    else:
+        window = ("none beyond the room the planner's hooks report as backward reaches each block: kept blocks "
+                  "after the offloaded ones free theirs first")
     return (f"copies: at most {_size(p.max_held_bytes)} of saves wait for their copy to the host, forward waiting "
-            f"past that (max_held_bytes{given['max_held_bytes']}); backward fetches up to {_size(p.prefetch_bytes)} "
-            f"ahead of its need (prefetch_bytes{given['prefetch_bytes']})")
+            f"past that (max_held_bytes: {held}); backward fetches up to {_size(p.prefetch_bytes)} "
+            f"ahead of its need (prefetch_bytes: {window})")
 
 
 def _recompute_form(planner: Explained, p: Plan) -> str:
