@@ -31,6 +31,7 @@ import storm
 from stormd.launch import start_stormd
 
 GiB = 1 << 30
+MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -402,7 +403,14 @@ def plan_summary(pl: storm.Planner) -> dict:
             "target_GiB": pl.target and round(pl.target / GiB, 3),
             "besides_GiB": pl.besides and round(pl.besides / GiB, 3), "kept_extra_GiB": round(pl.kept_extra / GiB, 3),
             "start_extra_GiB": round(pl.start_extra / GiB, 3),
-            "trial": "; ".join(t.describe() for t in pl.trials) or None}
+            "trial": "; ".join(t.describe() for t in pl.trials) or None,
+            # the plans whose step the planner measured, in order, and what each went over (under) its target:
+            # where no plan fits, the search's course
+            "measured": [{"offloaded_blocks": m.offloaded, "inputs_offloaded_blocks": m.inputs_offloaded,
+                          "recomputed": len(m.recomputed), "compressed": m.compressed,
+                          "max_held_MiB": round(m.max_held_bytes / MiB, 1),
+                          "prefetch_MiB": round(m.prefetch_bytes / MiB, 1), "over_MiB": round(over / MiB, 1)}
+                         for m, over in pl.state.measured.values()]}
 
 
 def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opts: dict, device: torch.device,
