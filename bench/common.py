@@ -409,8 +409,9 @@ def plan_summary(pl: storm.Planner) -> dict:
             "measured": [{"offloaded_blocks": m.offloaded, "inputs_offloaded_blocks": m.inputs_offloaded,
                           "recomputed": len(m.recomputed), "compressed": m.compressed,
                           "max_held_MiB": round(m.max_held_bytes / MiB, 1),
-                          "prefetch_MiB": round(m.prefetch_bytes / MiB, 1), "over_MiB": round(over / MiB, 1)}
-                         for m, over in pl.state.measured.values()]}
+                          "prefetch_MiB": round(m.prefetch_bytes / MiB, 1),
+                          "over_MiB": round(m.measured_over / MiB, 1)}
+                         for m in pl.state.measured.values()]}
 
 
 def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opts: dict, device: torch.device,

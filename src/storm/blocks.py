@@ -55,8 +55,7 @@ class Found:
         starts = [0]
         for _, n in self.lists:
             starts.append(starts[-1] + n)
-        size = [sum(p.numel() for b in self.blocks[starts[i]:starts[i + 1]] for p in b.parameters())
-                for i in range(len(self.lists))]
+        size = [sum(map(_params, self.blocks[starts[i]:starts[i + 1]])) for i in range(len(self.lists))]
         kept: list[int] = []
         left: list[tuple[str, int, str]] = []  # before those find_blocks left out, which are smaller
         for i in sorted(range(len(self.lists)), key=lambda i: -size[i]):

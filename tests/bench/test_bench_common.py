@@ -3,12 +3,15 @@ their stormd, which says BYE for the benchmark's own sessions first."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from types import SimpleNamespace
 
 import torch
 
 import storm
 from helpers import bench_module, bench_result
+from storm.planner import Plan
 
 common = bench_module("common")
 
@@ -75,17 +78,14 @@ def test_stop_says_bye_so_a_session_holding_keys_does_not_wait_out_the_drain_dea
 def test_a_plans_summary_carries_the_plans_the_planner_measured_and_by_how_much_each_went_over():
     """Where no plan fits, the planner measures plans in turn: the row keeps that course, the
     plans in the order measured and each one's step over (under) its target."""
-    from types import SimpleNamespace
-
-    from storm.planner import Plan
-
     def plan(offloaded: int, inputs: int) -> Plan:
         return Plan(offloaded=offloaded, recomputed=frozenset(range(offloaded, 4)), offload_budget=None,
                     max_held_bytes=32 << 20, prefetch_bytes=0, predicted_peak=1 << 30, predicted_cost_ms=1.0,
                     fits=False, inputs_offloaded=inputs)
 
     first, second = plan(0, 4), plan(1, 2)
-    measured = {first.shape: (first, 96 << 20), second.shape: (second, -(1 << 20))}
+    measured = {p.shape: dataclasses.replace(p, measured_over=over) for p, over in ((first, 96 << 20),
+                                                                                    (second, -(1 << 20)))}
     pl = SimpleNamespace(plan=second, settled=True, target=1 << 30, besides=1 << 20, kept_extra=0, start_extra=0,
                          trials=[], state=SimpleNamespace(measured=measured))
     rows = common.plan_summary(pl)["measured"]

@@ -213,7 +213,7 @@ def test_a_plan_chosen_again_after_its_step_went_over_gives_way_to_the_least_mea
     # the fixed chooser's second plan, measured over too, is chosen again: of the two, the least measured stays
     assert planner.settled and planner.checks == 2
     assert any("the one of least measured peak is kept" in r.getMessage() for r in caplog.records)
-    overs = [over for _, over in planner.state.measured.values()]
+    overs = [p.measured_over for p in planner.state.measured.values()]
     assert len(overs) == 2 and planner.plan.measured_over == min(overs)  # the fixed chooser's two plans
     planner.close()
 
@@ -248,7 +248,7 @@ def test_where_no_plan_fits_the_lowest_are_measured_in_turn_and_the_least_measur
             got = grads_of(model, idx, planner.step())
             assert all(same_bits(a, b) for a, b in zip(ref, got))
     assert planner.settled and planner.checks == MAX_SEARCH > MAX_CHECKS  # a deeper search than corrections'
-    measured = [plan for plan, _ in planner.state.measured.values()]
+    measured = list(planner.state.measured.values())
     assert len(measured) == MAX_SEARCH and not any(p.fits for p in measured)
     lowest_predicted = choose(dataclasses.replace(planner.scenario(), measured={}))
     assert measured[0].shape == lowest_predicted.shape  # the model's lowest, measured first

@@ -257,7 +257,7 @@ class Planner:
                         offload_margin=state.margins[True] - state.margins[False], grads=grads,
                         codec=self.options.get("codec"), kept_extra=self.kept_extra,
                         start_extra=self.start_extra if grads else 0,
-                        measured={shape: over for shape, (_, over) in state.measured.items()})
+                        measured={shape: p.measured_over for shape, p in state.measured.items()})
 
     def _choose(self, scenario: Scenario) -> Plan | None:
         plan = self._chooser(scenario)
@@ -276,16 +276,14 @@ class Planner:
         scenario, state = self.scenario(), self.state
         plan = self._choose(scenario)
         assert plan is not None  # choose() has a plan of either kind
-        if plan.shape in state.measured:  # as measured (a chooser= of a user's may not have looked)
-            plan = state.measured[plan.shape][0]
+        plan = state.measured.get(plan.shape, plan)  # as measured (a chooser= of a user's may not have looked)
         # each plan is measured once, while checks are left (measure.checks_for): where none fits,
         # the plans of least peak are so measured in turn (each measured one ranks by its measure),
         # and the least measured kept once no check is left
         to_measure = (self.target_of(plan) is not None and state.checks < checks_for(plan.fits)
                       and plan.shape not in state.measured)
-        least = state.least_measured()
-        if not plan.fits and not to_measure and least is not None and plan.shape not in state.measured:
-            plan = least
+        if not plan.fits and not to_measure and plan.measured_over is None:
+            plan = state.least_measured() or plan
         self.state.plan = plan
         if not plan.fits and not to_measure:
             budget = scenario.budget / MiB

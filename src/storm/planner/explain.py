@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ..mover import FRAME_MIN_BYTES
-from .model import Offloading, Plan, Trace, after_kept, fetched_inputs
+from .model import Offloading, Plan, Trace, after_kept, fetched_inputs, offloaded_per_block
 from .trial import Trial
 
 MiB = 1 << 20
@@ -190,11 +190,9 @@ def _copies(t: Trace, p: Plan, options: dict[str, Any]) -> str:
     if not p.offloads:
         return "nothing is offloaded: every save stays on the device" + (
             " or, in a recomputed block, is rebuilt in backward" if p.recomputed else "")
-    k, m = p.offloaded, p.inputs_offloaded
-    block = max([b.saved_bytes for b in t.blocks[:k]] + [fetched_inputs(b) for b in t.blocks[k:k + m]], default=0)
     if "max_held_bytes" in options:
         held = "as given"
-    elif p.max_held_bytes <= block:
+    elif p.max_held_bytes <= max(offloaded_per_block(t, p.offloaded, p.inputs_offloaded), default=0):
         held = "one block's offloaded bytes, of the two queues weighed: forward waits for the link past one block"
     else:
         held = "all the step sends, of the two queues weighed: the link is predicted to keep up without waits"

@@ -119,6 +119,15 @@ def fetched_inputs(b: BlockTrace) -> int:
     return b.input_bytes - b.shared_input_bytes
 
 
+def offloaded_per_block(trace: Trace, offloaded: int, inputs_offloaded: int = 0) -> list[int]:
+    """What each offloading block sends: the saves of blocks[:offloaded], the fetched inputs of the
+    next ``inputs_offloaded`` (recomputed); one block's worth of these is the plans' smaller copy
+    queue (Offloading.of) and their prefetch window where one is given (_plans)."""
+    blocks = trace.blocks
+    return ([b.saved_bytes for b in blocks[:offloaded]]
+            + [fetched_inputs(b) for b in blocks[offloaded:offloaded + inputs_offloaded]])
+
+
 def after_kept(trace: Trace, offloaded: int, inputs_offloaded: int = 0) -> int:
     """What of the saves after the blocks, and between them, stays on the device: of those after,
     all but the early ones where every block offloads its saves or inputs, else all; those between
@@ -193,8 +202,7 @@ class Offloading:
         """Per copy queue size to consider (``held``, or: one block's offloaded bytes, and
         everything sent)."""
         blocks = trace.blocks
-        # per offloading block, what it sends: its saves, or a recomputed block's inputs
-        per_block = [b.saved_bytes for b in blocks[:k]] + [fetched_inputs(b) for b in blocks[k:k + m]]
+        per_block = offloaded_per_block(trace, k, m)
         sent = (trace.before_bytes * (k + m > 0) + sum(per_block) + trace.between_bytes + trace.after_bytes
                 - after_kept(trace, k, m))
         if not sent:
@@ -340,7 +348,7 @@ def _plans(s: Scenario, k: int, m: int) -> list[tuple[Plan, int]]:
     trace = s.trace
     blocks, n = trace.blocks, len(trace.blocks)
     # the largest block's offloaded bytes: its saves, or a recomputed block's inputs
-    block = max([b.saved_bytes for b in blocks[:k]] + [fetched_inputs(b) for b in blocks[k:k + m]], default=0)
+    block = max(offloaded_per_block(trace, k, m), default=0)
     allowed = (False, True) if s.codec is None else (s.codec in FRAME_CODECS,)
     # compressed where allowed and the link would carry fewer bytes (else it is raw by another name)
     frameable = any(b.frame_bytes < b.framed_bytes for b in blocks[:k])

@@ -16,7 +16,6 @@ docs/planner.md tells what each phase measures and why.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import enum
 import logging
 from typing import Any, Protocol
@@ -243,9 +242,7 @@ class Measure(Checked):
             return None
         assert plan is not None and state.besides is not None  # a target needs both
         over = measured - target
-        # the plan in force as measured (the same steps: its hooks stay)
-        state.plan = dataclasses.replace(plan, fits=over <= 0, measured_over=over)
-        state.measured[plan.shape] = (state.plan, over)
+        state.plan = state.record(plan, over)  # the plan in force, as measured (the same steps: its hooks stay)
         if over <= 0:
             return None
         if state.checks >= checks_for(plan.fits):
@@ -253,7 +250,7 @@ class Measure(Checked):
             assert kept is not None
             log.warning("storm.plan: a planned step peaked %.1f MiB over its target of %.1f MiB after %d "
                         "measured steps; keeping the plan of least measured peak, %.1f MiB over", over / MiB,
-                        target / MiB, state.checks, max(0, kept.measured_over or 0) / MiB)
+                        target / MiB, state.checks, max(0, kept.measured_over) / MiB)
             if kept.shape != plan.shape:
                 planner.apply(kept)
             return None
@@ -297,8 +294,7 @@ class Try(StepPhase):
         target = planner.target
         plan = trial.plans[1]  # the alternative: its first step is the one measured
         if measured is not None and target is not None and plan.reentrant == planner.reentrant:
-            over = measured - target  # in the form the planner measures: its plans rank by this too
-            state.measured.setdefault(plan.shape, (dataclasses.replace(plan, fits=over <= 0, measured_over=over), over))
+            state.record(plan, measured - target)  # in the form the planner measures: its plans rank by this too
         if measured is not None and target is not None and measured > target:
             trial.over = measured
             return self.decide(planner)

@@ -33,9 +33,9 @@ class TraceState:
     offloading_steps: int = 0          # planned steps that offloaded, counted towards the host check
     traced_host_ms_per_tensor: float | None = None  # the trace's, where a planned step measured more
     trials: list[Trial] = dataclasses.field(default_factory=list)  # decided, in order
-    # per Plan.shape, the plan measured (in the planner's recompute form) and its step's peak over
-    # its target (negative: under), in the order measured
-    measured: dict[tuple, tuple[Plan, int]] = dataclasses.field(default_factory=dict)
+    # per Plan.shape, the plan measured (in the planner's recompute form), its step's peak over its
+    # target in its measured_over, in the order measured
+    measured: dict[tuple, Plan] = dataclasses.field(default_factory=dict)
     stale: bool = False  # the last step ran unlike the traced one: the next step traces again
 
     @property
@@ -45,12 +45,16 @@ class TraceState:
             return 0
         return max(0, self.kept_besides - self.besides)
 
+    def record(self, plan: Plan, over: int) -> Plan:
+        """A step of ``plan`` went ``over`` bytes over its target (negative: under): the plan as
+        measured, which fits and ranks by that from now on. A plan measured before keeps its first
+        measure (a trial's alternative may be one)."""
+        return self.measured.setdefault(plan.shape, dataclasses.replace(plan, fits=over <= 0, measured_over=over))
+
     def least_measured(self) -> Plan | None:
         """Of the plans measured, the one whose step went least over its target (the first
         measured on ties); None before any."""
-        if not self.measured:
-            return None
-        return min(self.measured.values(), key=lambda measured: measured[1])[0]
+        return min(self.measured.values(), key=lambda p: p.measured_over, default=None)
 
     def host_check_due(self) -> bool:
         """A planned step that offloads is yet to have its packs' host time read (phases.Checked);
