@@ -1,19 +1,47 @@
-"""DDP (or FSDP2) ranks of one node sharing one stormd: identical losses and gradients, and throughput per rank.
+"""DDP (or FSDP2) ranks of one node with no offload, an embedded store each, and one shared stormd.
 
-    python bench/ddp.py --nproc 2 --out bench/results/ddp-DATE.json        # 2 GPUs (one per rank)
-    python bench/ddp.py --nproc 2 --wrapper fsdp2 --out bench/results/fsdp2-DATE.json
-    python bench/ddp.py --nproc 2 --tiny --device cpu --out /tmp/ddp.json   # gloo on CPU, a smoke run
+In one run: bit-identical steps, step times against the link's floor, and what the daemon buys.
 
-Starts one stormd, then runs torchrun twice: with one rank and with --nproc ranks. Each rank
-trains W1 (bench/common.py, --batch per rank) for --steps steps without offload, then the
-same steps from the same initial state under storm.offload(mode="daemon") through that one
-daemon. Every step's loss and a hash of every gradient (after DDP's all-reduce) must be
-bit-identical between the two (FSDP2: this rank's shards of the gradients); the JSON has both
-step times per rank (median after --warmup), per-rank throughput with --nproc ranks against the
-single-rank run, and offload's cost (step time with offload over step time without) against the
-single rank's, which leaves out what DDP itself costs each rank. Each rank also measures
-its pinned link (GB/s each way) alone, ranks taking turns, and with every rank copying at once:
-full offload is link-bound, so what the ranks' links lose together bounds what offload can keep.
+    python bench/ddp.py --ranks 1 2 4 --models W1 W3 \\
+        --out bench/results/ddp-<device>-<date>-<commit>.json               # a node of 4 GPUs
+    python bench/ddp.py --ranks 1 2 --wrapper fsdp2 --out bench/results/fsdp2-<device>-<date>-<commit>.json
+    python bench/ddp.py --ranks 1 2 --tiny --device cpu --pool-size 64MiB --out /tmp/ddp.json  # gloo, a smoke run
+
+Starts one stormd (pool: --daemon-pool-size, default --pool-size times the most ranks), then runs
+torchrun once per rank count of --ranks (default: every power of two up to the CUDA devices; 1 and 2
+on CPU). One process holds an embedded session and a daemon session side by side (storm keeps one
+per mode and endpoint), so every rank runs all three rows in the same launch: for each model of
+--models (bench/common.py's W1 and W3, --tiny their smoke sizes) it builds the model once, then runs
+--rounds rounds; each round runs --steps steps of each row in turn ("none": no offload; "embedded":
+storm.offload(mode="embedded", pool_size=--pool-size); "daemon": storm.offload(mode="daemon")), the
+row order rotating by round, each row from the same initial parameters with the same inputs.
+
+Per rank count and model the JSON has, per row and rank: the median step (forward and backward, the
+first --warmup steps of each row in each round left out), identical_steps (steps whose loss and
+gradient hashes, after DDP's all-reduce, equal no offload's same step in the same round; for "none",
+round 0's), and from the offload context's stats of its last step: offloaded_bytes (what the step
+sent to the store), to_host_bytes and to_device_bytes (what landed there and what backward fetched:
+less where backward took a save back before its copy began, copies_dropped), and the link floor:
+offloaded_bytes out and back over the rank's pinned link measured with all ranks copying at once
+(link_together_GBps, to host and to device), floor_ms, and step_over_floor; and daemon_over_embedded
+(per rank, and their median).
+
+What the daemon buys, per rank count:
+  page_locked: host memory page-locked for CUDA copies (cudaHostRegister); nothing is on CPU.
+    embedded: the bytes each rank's own registrations cover (its pool's cuda_ranges, read after the
+    steps), summed over ranks; daemon: the daemon's pool, which it registers once at start (its log
+    says so, with the seconds it took), plus per rank what the rank registered of it itself (the
+    same pages; nonzero only where a rank copies into the pool itself, e.g. frames). pool_bytes:
+    the pools' sizes (the daemon's as its HELLO announced it); peak_bytes: their high-water marks
+    (the daemon's node-wide, since it started: rank counts run in increasing order).
+    proc_status_kB: VmLck and VmPin of each process, where the kernel counts the pins.
+  startup_s: embedded, per rank: creating its store (pool mapping and session) and page-locking its
+    pool, which the bench does up front, timed, as the first CUDA copy would; all ranks at once.
+    daemon: from starting stormd until it answers (pool reserved, CUDA contexts, page-lock), the
+    page-lock alone (the daemon's log), and per rank the connect (HELLO, the pool mapped).
+
+--profile DIR writes per rank, model and row a torch.profiler key_averages table of two more steps,
+and runs stormd under cProfile (its stats in DIR/stormd-cprofile.txt; start_s then includes it).
 """
 
 from __future__ import annotations
@@ -25,12 +53,15 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before torch init
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import pstats  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -38,52 +69,119 @@ import xxhash  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import storm  # noqa: E402
-from common import TINY, W1, Workload, start_daemon, write  # noqa: E402
+from common import Llama, Workload, method_context, start_daemon, stop_daemon, synchronize, workloads, write  # noqa: E402
+from stormd.launch import die_with_parent, wait_until_serving  # noqa: E402
+from stormd.wire.cuda import register_pool  # noqa: E402
+from stormd.wire.sizes import format_size, parse_size  # noqa: E402
+
+ROWS = ("none", "embedded", "daemon")
+TINY_OF = {"W1": "tiny", "W2": "tiny", "W3": "W3-tiny", "W3L": "W3-tiny"}  # --tiny: each model's smoke size
 
 
-def wrap(model: torch.nn.Module, wrapper: str, device: torch.device) -> torch.nn.Module:
+# Pure helpers
+
+def default_ranks(cuda_devices: int) -> list[int]:
+    """Every power of two up to the CUDA devices; 1 and 2 without any (gloo ranks on CPU)."""
+    return [1 << i for i in range(cuda_devices.bit_length())] if cuda_devices else [1, 2]
+
+
+def floor_ms(to_host: int, to_device: int, link: list[float]) -> float:
+    """The least time a step's offload takes on the link: ``to_host`` bytes at link[0] GB/s, then
+    ``to_device`` at link[1] (forward sends, backward fetches: one after the other)."""
+    return (to_host / link[0] + to_device / link[1]) / 1e6
+
+
+def budget(text: str | None) -> str | float | None:
+    """--budget: a fraction (0.25) or bytes (2GiB), as storm.offload takes it."""
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return text
+
+
+def per_rank(rows: list[dict]) -> dict:
+    """One dict of lists from one dict per rank (the same keys)."""
+    return {k: [r[k] for r in rows] for k in rows[0]}
+
+
+def ratio(a: float, b: float) -> float | None:
+    """a / b to three places; None where b is 0."""
+    return round(a / b, 3) if b else None
+
+
+def locked_kib(pid: int | str = "self") -> dict[str, int]:
+    """VmLck and VmPin (kB) of /proc/<pid>/status: mlock'd and long-term pinned pages, as far as the
+    kernel counts them (a driver's pins need not show)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = (line.split(":", 1) for line in lines if ":" in line)
+    return {k: int(v.split()[0]) for k, v in fields if k in ("VmLck", "VmPin")}
+
+
+def daemon_page_lock_s(log: str) -> float | None:
+    """The seconds stormd's log says page-locking its pool took; None where it did not (no CUDA)."""
+    line = next((line for line in log.splitlines() if "pool page-locked" in line), None)
+    found = re.search(r'seconds"?[=:]\s*([0-9.]+)', line) if line else None
+    return float(found.group(1)) if found else None
+
+
+def summarize_launch(ranks: list[dict], daemon: dict) -> dict:
+    """One launch's JSON from its ranks' own (worker's) and the daemon's figures."""
+    models = {}
+    for name in ranks[0]["models"]:
+        rows = {row: per_rank([r["models"][name]["rows"][row] for r in ranks]) for row in ROWS}
+        for row in rows.values():
+            row["steps"] = row["steps"][0]  # the same on every rank
+            row["step_ms_median"] = round(statistics.median(row["step_ms"]), 2)
+        each = [ratio(d, e) for d, e in zip(rows["daemon"]["step_ms"], rows["embedded"]["step_ms"])]
+        models[name] = {"workload": ranks[0]["models"][name]["workload"], "rows": rows,
+                        "daemon_over_embedded": {"median": round(statistics.median(each), 3), "per_rank": each}}
+    emb, dae = per_rank([r["pools"]["embedded"] for r in ranks]), per_rank([r["pools"]["daemon"] for r in ranks])
+    start = per_rank([r["startup_s"] for r in ranks])
+    return {"ranks": len(ranks), "link_alone_GBps": [r["link_alone_GBps"] for r in ranks],
+            "link_together_GBps": [r["link_together_GBps"] for r in ranks], "models": models,
+            "page_locked": {
+                "embedded": {"bytes": sum(emb["page_locked_bytes"]), "per_rank": emb["page_locked_bytes"],
+                             "pool_bytes": sum(emb["pool_bytes"]), "peak_bytes": sum(emb["peak_bytes"])},
+                "daemon": {"bytes": daemon["page_locked_bytes"], "ranks_own_bytes": dae["page_locked_bytes"],
+                           "pool_bytes": dae["pool_bytes"][0], "peak_bytes": max(dae["peak_bytes"])}},
+            "startup_s": {
+                "embedded": {"per_rank": [round(c + p, 3) for c, p in zip(start["create"], start["page_lock"])],
+                             "create": start["create"], "page_lock": start["page_lock"]},
+                "daemon": {"start": daemon["start_s"], "page_lock": daemon["page_lock_s"],
+                           "connect_per_rank": start["connect"]}},
+            "proc_status_kB": [r["proc_status_kB"] for r in ranks]}
+
+
+def passed(run: dict) -> bool:
+    """Every step of every row identical, and the offload rows offloaded something."""
+    return all(s == row["steps"] for m in run["models"].values() for row in m["rows"].values()
+               for s in row["identical_steps"]) \
+        and all(b > 0 for m in run["models"].values() for r in ("embedded", "daemon")
+                for b in m["rows"][r]["offloaded_bytes"])
+
+
+# One rank
+
+def wrap(model: torch.nn.Module, w: Workload | Llama, wrapper: str, device: torch.device) -> torch.nn.Module:
     """DDP around the model, or FSDP2: each block sharded, then the rest (torch.distributed.fsdp.fully_shard)."""
     if wrapper == "ddp":
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     from torch.distributed.fsdp import fully_shard
-    for block in model.blocks:
+    for block in w.blocks(model):
         fully_shard(block)
     return fully_shard(model)
 
 
-def train(w: Workload, device: torch.device, steps: int, offload: dict | None,
-          wrapper: str = "ddp") -> tuple[list[str], list[float], int]:
-    """Per step: a hash of the loss and all gradients as the optimizer sees them, and the step time;
-    and how many tensors were offloaded in all."""
-    model, _ = w.build(device)
-    ddp = wrap(model, wrapper, device)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
-    rank = dist.get_rank()
-    hashes, times, offloaded = [], [], 0
-    for step in range(steps):
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(w.batch, w.seq, w.d, generator=g).to(device, model.blocks[0].ln1.weight.dtype)
-        start_together(device)
-        t0 = time.perf_counter()
-        if offload is None:
-            y = ddp(x)
-        else:
-            with storm.offload(**offload) as ctx:
-                y = ddp(x)
-            offloaded += ctx.stats.offloaded
-        loss = y.float().pow(2).mean()
-        loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        h = xxhash.xxh3_64()
-        for t in [loss.detach(), *(p.grad for p in model.parameters())]:
-            t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: this rank's shard
-            h.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
-        hashes.append(h.hexdigest())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return hashes, times, offloaded
+def inputs(w: Workload | Llama, step: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Step ``step``'s input on this rank, the same for every row and round: tokens for a Llama, else
+    activations of W1's shape."""
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    if isinstance(w, Llama):
+        return torch.randint(0, w.vocab, (w.batch, w.seq), generator=g).to(device)
+    return torch.randn(w.batch, w.seq, w.d, generator=g).to(device, dtype)
 
 
 def start_together(device: torch.device) -> None:
@@ -91,8 +189,91 @@ def start_together(device: torch.device) -> None:
     ranks different times; without this, the first rank to finish waits for the others in DDP's
     all-reduce inside its timed step, and the skew counts as step time."""
     dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
+
+
+def step(w: Workload | Llama, net: torch.nn.Module, model: torch.nn.Module, x: torch.Tensor, opts: dict | None,
+         opt: torch.optim.Optimizer, device: torch.device) -> tuple[float, str, storm.OffloadStats | None]:
+    """One training step: its seconds (forward and backward), a hash of its loss and of every
+    gradient as the optimizer sees it, and the offload's stats (None without)."""
+    start_together(device)
+    t0 = time.perf_counter()
+    with method_context("storm" if opts else "none", opts or {}) as ctx:
+        y = w.forward(net, x)
+    loss = w.objective(y)
+    loss.backward()
+    synchronize(device)
+    seconds = time.perf_counter() - t0
+    if opts:
+        ctx.synchronize()  # its counters settled
+    h = xxhash.xxh3_64()
+    for t in [loss.detach(), *(p.grad for p in model.parameters())]:
+        t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: this rank's shard
+        h.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return seconds, h.hexdigest(), ctx.stats if opts else None
+
+
+def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict | None], device: torch.device,
+              link: list[float]) -> dict:
+    """--rounds rounds of --steps steps of each row on ``w``, built once: each row's figures on this rank."""
+    model, _ = w.build(device)
+    net = wrap(model, w, a.wrapper, device)
+    state = [*model.parameters(), *model.buffers()]
+    initial = [t.detach().clone() for t in state]
+    xs = [inputs(w, s, device, next(model.parameters()).dtype) for s in range(a.steps)]
+    times: dict[str, list[float]] = {r: [] for r in opts}
+    hashes: dict[str, list[list[str]]] = {r: [] for r in opts}
+    last: dict[str, storm.OffloadStats] = {}
+
+    def row_steps(name: str, steps: int = a.steps) -> list[tuple[float, str, storm.OffloadStats | None]]:
+        with torch.no_grad():  # each row from the same parameters; SGD keeps no state to reset
+            for t, t0 in zip(state, initial):
+                t.copy_(t0)
+        opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+        return [step(w, net, model, x, opts[name], opt, device) for x in xs[:steps]]
+
+    for r in range(a.rounds):
+        # rotated each round (the same order on every rank: DDP's collectives must match), so that
+        # no row always runs after the same one
+        for name in ROWS[r % len(ROWS):] + ROWS[:r % len(ROWS)]:
+            done = row_steps(name)
+            times[name] += [s for s, _, _ in done[a.warmup:]]
+            hashes[name].append([h for _, h, _ in done])
+            if done[-1][2] is not None:
+                last[name] = done[-1][2]
+    if a.profile:
+        profile_rows(w, a.profile, row_steps, device)
+    rows = {}
+    for name in ROWS:
+        ref = hashes["none"] if name != "none" else [hashes["none"][0]] * a.rounds
+        row = {"step_ms": round(statistics.median(times[name]) * 1e3, 2), "steps": a.rounds * a.steps,
+               "identical_steps": sum(h == g for hs, gs in zip(hashes[name], ref) for h, g in zip(hs, gs))}
+        if name in last:
+            st = last[name]
+            # the floor moves every offloaded byte out and back (raw, the rows' codec); what did move can
+            # be less: a save that backward takes back before its copy began never crosses (copies_dropped)
+            floor = floor_ms(st.offloaded_bytes, st.offloaded_bytes, link)
+            row.update(offloaded_bytes=st.offloaded_bytes, to_host_bytes=st.stored_bytes,
+                       to_device_bytes=st.fetched_bytes, offloaded_tensors=st.offloaded,
+                       copies_dropped=st.copies_dropped, kept=dict(st.kept), floor_ms=round(floor, 3),
+                       step_over_floor=ratio(row["step_ms"], floor))
+        rows[name] = row
+    return {"workload": dataclasses.asdict(w), "rows": rows}
+
+
+def profile_rows(w: Workload | Llama, folder: str, row_steps: Callable[[str, int], object],
+                 device: torch.device) -> None:
+    """A torch.profiler table of each row's first two steps, per rank, into ``folder`` (--profile)."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + \
+        ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    for name in ROWS:
+        with torch.profiler.profile(activities=activities) as prof:
+            row_steps(name, 2)
+        out = Path(folder) / f"ranks{dist.get_world_size()}-{w.name}-{name}-rank{dist.get_rank()}.txt"
+        out.write_text(prof.key_averages().table(sort_by=key, row_limit=40))
 
 
 def link_alone_and_together(device: torch.device) -> dict[str, list[float]]:
@@ -107,6 +288,34 @@ def link_alone_and_together(device: torch.device) -> dict[str, list[float]]:
     return {"link_alone_GBps": [round(v, 1) for v in alone], "link_together_GBps": [round(v, 1) for v in together]}
 
 
+def open_sessions(a: argparse.Namespace, device: torch.device) -> tuple[dict, dict]:
+    """This rank's embedded and daemon sessions, which every storm.offload of the row then reuses,
+    all ranks at once: the seconds each took to open (the embedded pool page-locked here, as its
+    first CUDA copy would do it)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    embedded = storm.session_for("embedded", None, a.pool_size)
+    t1 = time.perf_counter()
+    if device.type == "cuda":
+        register_pool(embedded.backend.pool)
+    t2 = time.perf_counter()
+    dist.barrier()
+    t3 = time.perf_counter()
+    daemon = storm.session_for("daemon", a.socket, None)
+    t4 = time.perf_counter()
+    return ({"create": round(t1 - t0, 3), "page_lock": round(t2 - t1, 3), "connect": round(t4 - t3, 3)},
+            {"embedded": embedded, "daemon": daemon})
+
+
+def pool_stats(session: object) -> dict[str, int]:
+    """A session's pool: its size, its store's high-water mark, and what this process page-locked of it."""
+    session.synchronize()
+    node = session.mover.request("STATS").result(timeout=10)["node"]
+    pool = session.backend.pool
+    return {"pool_bytes": pool.size, "peak_bytes": node["peak"],
+            "page_locked_bytes": sum(n for _, n in pool.cuda_ranges)}
+
+
 def worker(a: argparse.Namespace) -> None:
     torch.use_deterministic_algorithms(True)
     cuda = a.device == "cuda"
@@ -115,93 +324,135 @@ def worker(a: argparse.Namespace) -> None:
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    w = TINY if a.tiny else dataclasses.replace(W1, batch=a.batch)
     link = link_alone_and_together(device)
-    plain, t_plain, _ = train(w, device, a.steps, None, a.wrapper)
-    opts = {"mode": a.mode, "min_bytes": 0 if a.tiny else 1 << 20, "budget": budget(a.budget)} \
-        | ({"socket": a.socket} if a.mode == "daemon" else {"pool_size": a.pool_size})
-    offloaded, t_off, tensors = train(w, device, a.steps, opts, a.wrapper)
-    med = lambda ts: round(statistics.median(ts[a.warmup:]) * 1e3, 2)  # noqa: E731
-    row = {"rank": rank, "steps": a.steps, "identical_steps": sum(p == o for p, o in zip(plain, offloaded)),
-           "offloaded_tensors_per_step": tensors / a.steps,
-           "step_ms_no_offload": med(t_plain), "step_ms_offload": med(t_off),
-           "offload_cost": round(med(t_off) / med(t_plain), 3),
-           "samples_per_s_offload": round(w.batch / (med(t_off) / 1e3), 2), **link}
+    startup, sessions = open_sessions(a, device)
+    common = {"min_bytes": 0 if a.tiny else 1 << 20, "budget": budget(a.budget)}
+    opts = {"none": None, "embedded": {"mode": "embedded", "pool_size": a.pool_size, **common},
+            "daemon": {"mode": "daemon", "socket": a.socket, **common}}
+    models = {}
+    for w in chosen(a):
+        models[w.name] = run_model(w, a, opts, device, link["link_together_GBps"])
+        if cuda:  # the model's memory, gone with run_model's frame, back before the next one's
+            torch.cuda.empty_cache()
+    row = {"rank": rank, **link, "startup_s": startup, "models": models,
+           "pools": {mode: pool_stats(s) for mode, s in sessions.items()}, "proc_status_kB": locked_kib()}
     rows: list = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if rank == 0:
-        Path(a.result).write_text(json.dumps({"workload": dataclasses.asdict(w), "ranks": rows}))
+        Path(a.result).write_text(json.dumps(rows))
     dist.destroy_process_group()
 
 
-def budget(text: str | None) -> str | float | None:
-    """--budget: a fraction (0.25) or bytes (2GiB), as storm.offload takes it."""
-    try:
-        return float(text) if text is not None else None
-    except ValueError:
-        return text
+def chosen(a: argparse.Namespace) -> list[Workload | Llama]:
+    """--models, at their smoke sizes with --tiny, else at --batch where given."""
+    return workloads([TINY_OF.get(m, m) for m in a.models] if a.tiny else a.models, None if a.tiny else a.batch)
 
 
-def launch(a: argparse.Namespace, nproc: int, endpoint: str, tmp: str) -> dict:
-    result = Path(tmp) / f"ranks-{nproc}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
-           "--worker", "--socket", endpoint, "--result", str(result), "--steps", str(a.steps),
-           "--warmup", str(a.warmup), "--batch", str(a.batch), "--device", a.device, "--wrapper", a.wrapper,
-           "--mode", a.mode, "--pool-size", a.pool_size] \
-        + (["--tiny"] if a.tiny else []) \
-        + (["--budget", a.budget] if a.budget is not None else [])
-    subprocess.run(cmd, check=True)
+# The node: one stormd, a torchrun per rank count
+
+def start(workdir: Path, pool_size: str, profile: Path | None) -> tuple[subprocess.Popen, str, Path]:
+    """A stormd logging to a file, under cProfile with --profile: the process, its endpoint and its log."""
+    log = workdir / "stormd.log"
+    if profile is None:
+        return (*start_daemon(workdir, pool_size, log=log), log)
+    # stormd.launch.popen_stormd runs `python -m stormd` and takes no interpreter options
+    sock, parent = workdir / "run" / "stormd.sock", os.getpid()
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "cProfile", "-o", str(profile / "stormd.prof"), "-m", "stormd",
+                                 "--socket", str(sock), "--pool-size", pool_size, "--no-metrics"],
+                                stdout=f, stderr=subprocess.STDOUT, preexec_fn=lambda: die_with_parent(parent))
+    wait_until_serving(proc, sock, log=log)
+    return proc, f"ipc://{sock}", log
+
+
+def launch(a: argparse.Namespace, nproc: int, endpoint: str, tmp: str) -> list[dict]:
+    """torchrun with ``nproc`` ranks of this script: each rank's figures."""
+    args, result = Path(tmp) / f"args-{nproc}.json", Path(tmp) / f"ranks-{nproc}.json"
+    args.write_text(json.dumps({**vars(a), "socket": endpoint, "result": str(result)}))
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                    __file__, "--worker", str(args)], check=True)
     return json.loads(result.read_text())
+
+
+def table(results: dict) -> str:
+    """The runs in a few lines: per rank count, model and row, medians over ranks."""
+    lines = [f"{'ranks':>5} {'model':<8} {'row':<9} {'step_ms':>9} {'identical':>9} {'floor_ms':>9} "
+             f"{'step/floor':>10} {'daemon/emb':>10}"]
+    for n, run in results["runs"].items():
+        for name, m in run["models"].items():
+            for row, r in m["rows"].items():
+                floor = f"{statistics.median(r['floor_ms']):9.2f} {statistics.median(r['step_over_floor']):10.2f}" \
+                    if "floor_ms" in r else " " * 20
+                extra = f" {m['daemon_over_embedded']['median']:10.3f}" if row == "daemon" else ""
+                lines.append(f"{n:>5} {name:<8} {row:<9} {r['step_ms_median']:9.2f} "
+                             f"{min(r['identical_steps']):>4}/{r['steps']:<4} {floor}{extra}")
+        pl, su = run["page_locked"], run["startup_s"]
+        lines.append(f"{n:>5} page-locked GiB: embedded {pl['embedded']['bytes'] / 2**30:.2f}, daemon "
+                     f"{pl['daemon']['bytes'] / 2**30:.2f}; start-up s: embedded per rank (max) "
+                     f"{max(su['embedded']['per_rank']):.2f}, daemon {su['daemon']['start']:.2f} + connect (max) "
+                     f"{max(su['daemon']['connect_per_rank']):.3f}")
+    return "\n".join(lines)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--batch", type=int, default=4, help="W1's batch per rank")
-    p.add_argument("--pool-size", default="8GiB", help="every rank page-locks all of it: about 1 s per GiB "
-                   "(the daemon's pool; with --mode embedded, each rank's)")
-    p.add_argument("--mode", choices=["daemon", "embedded"], default="daemon",
-                   help="ranks share one stormd, or each offloads to its own embedded store")
+    p.add_argument("--ranks", type=int, nargs="+", help="rank counts, one torchrun each (default: every power "
+                   "of two up to the CUDA devices; 1 2 on CPU)")
+    p.add_argument("--models", nargs="+", default=["W1", "W3"], help="bench/common.py's workloads (W1, W3, ...)")
+    p.add_argument("--tiny", action="store_true", help="each model's smoke size (tiny, W3-tiny): CPU runs")
+    p.add_argument("--steps", type=int, default=6, help="steps per row per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="steps of each row in each round left out of its median")
+    p.add_argument("--batch", type=int, help="batch per rank (default: the workload's)")
+    p.add_argument("--pool-size", default="16GiB", help="each rank's embedded pool (page-locked: about 1 s per GiB)")
+    p.add_argument("--daemon-pool-size", help="the daemon's pool (default: --pool-size times the most ranks)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true", help="a tiny model instead of W1 (smoke runs on CPU)")
     p.add_argument("--wrapper", choices=["ddp", "fsdp2"], default="ddp",
                    help="DistributedDataParallel, or FSDP2 (fully_shard per block, then the model)")
     p.add_argument("--budget", default=None, help="storm.offload(budget=...): a fraction (0.25) or bytes (2GiB); "
                    "default: offload all")
+    p.add_argument("--profile", help="a folder for torch.profiler tables per rank and stormd's cProfile stats")
     p.add_argument("--out")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--socket", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        worker(a)
+        worker(argparse.Namespace(**json.loads(Path(a.worker).read_text())))
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        daemon, endpoint = start_daemon(Path(tmp), a.pool_size) if a.mode == "daemon" else (None, "")
-        try:
-            single, multi = launch(a, 1, endpoint, tmp), launch(a, a.nproc, endpoint, tmp)
-        finally:
-            if daemon is not None:
-                daemon.terminate()
-                daemon.wait(30)
-    base, cost = single["ranks"][0]["samples_per_s_offload"], single["ranks"][0]["offload_cost"]
-    for r in multi["ranks"]:
-        r["throughput_vs_single_rank"] = round(r["samples_per_s_offload"] / base, 3)
-        # DDP alone already slows each rank (gradient all-reduce, a shared host): what
-        # offload adds on top of that, against what it adds to one rank
-        r["offload_cost_vs_single_rank"] = round(r["offload_cost"] / cost, 3)
-    results = {"wrapper": a.wrapper, "mode": a.mode, "single_rank": single, f"{a.nproc}_ranks": multi,
+    a.ranks = sorted(set(a.ranks or default_ranks(torch.cuda.device_count() if a.device == "cuda" else 0)))
+    pool = a.daemon_pool_size or format_size(parse_size(a.pool_size) * a.ranks[-1])
+    profile = Path(a.profile).resolve() if a.profile else None
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
+        a.profile = str(profile)
+    results = {"wrapper": a.wrapper, "rows": list(ROWS), "models": a.models, "tiny": a.tiny, "steps": a.steps,
+               "rounds": a.rounds, "warmup": a.warmup, "pool_size": a.pool_size, "daemon_pool_size": pool,
                # without peer access NCCL's all-reduce goes through host memory, over the links offload uses
                "peer_access": a.device == "cuda" and torch.cuda.device_count() > 1
-               and torch.cuda.can_device_access_peer(0, 1)}
-    ok = all(r["identical_steps"] == r["steps"] and r["offloaded_tensors_per_step"] > 0
-             for run in (single, multi) for r in run["ranks"])
-    print(json.dumps(results, indent=1))
+               and torch.cuda.can_device_access_peer(0, 1), "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        proc, endpoint, log = start(Path(tmp), pool, profile)
+        started = time.perf_counter() - t0
+        try:
+            ranks = {n: launch(a, n, endpoint, tmp) for n in a.ranks}
+            daemon_locked = locked_kib(proc.pid)
+        finally:
+            stop_daemon(proc)
+        lock_s = daemon_page_lock_s(log.read_text())
+        if profile is not None:
+            (profile / "stormd.log").write_text(log.read_text())
+            with (profile / "stormd-cprofile.txt").open("w") as f:
+                pstats.Stats(str(profile / "stormd.prof"), stream=f).sort_stats("tottime").print_stats(40)
+    results["daemon"] = {"start_s": round(started, 3), "page_lock_s": lock_s, "proc_status_kB": daemon_locked}
+    for n, rows in ranks.items():
+        pool_bytes = rows[0]["pools"]["daemon"]["pool_bytes"]
+        results["runs"][str(n)] = summarize_launch(rows, {"start_s": round(started, 3), "page_lock_s": lock_s,
+                                                          "page_locked_bytes": pool_bytes if lock_s is not None else 0})
+    ok = all(passed(run) for run in results["runs"].values())
+    print(table(results))
     if a.out:
         write(a.out, results, a.device)
-    print("OK" if ok else "FAILED: a step differed with offload")
+    print("OK" if ok else "FAILED: a step differed between rows, or an offload row offloaded nothing")
     return 0 if ok else 1
 
 

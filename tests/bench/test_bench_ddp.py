@@ -1,5 +1,7 @@
-"""bench/ddp.py on CPU (gloo, the tiny workload): ranks through one stormd get every step's loss and
-gradients bit-identical to the same steps without offload, and the JSON says so per rank."""
+"""bench/ddp.py on CPU (gloo, the tiny workloads): ranks with no offload, an embedded store each and
+one shared stormd, in one launch, get every step's loss and gradients bit-identical across the rows,
+and the JSON has each row's figures per rank, the link floor, and what each mode page-locks and
+takes to start."""
 
 from __future__ import annotations
 
@@ -10,19 +12,85 @@ from helpers import bench_module, bench_result, run_bench
 ddp = bench_module("ddp")
 
 
-@pytest.mark.slow  # torchrun twice, a daemon: tens of seconds on 2 cores
-def test_two_cpu_ranks_through_one_daemon_step_bit_identically(tmp_path):
+@pytest.mark.slow  # a daemon, torchrun twice, two tiny models in three rows: tens of seconds on 2 cores
+def test_one_and_two_cpu_ranks_step_bit_identically_in_every_row(tmp_path):
     out = tmp_path / "ddp.json"
-    r = run_bench("ddp.py", "--nproc", "2", "--tiny", "--device", "cpu", "--steps", "3", "--warmup", "1",
-                  "--pool-size", "64MiB", "--out", str(out), timeout=300)
+    r = run_bench("ddp.py", "--ranks", "1", "2", "--models", "W1", "W3", "--tiny", "--device", "cpu",
+                  "--steps", "2", "--warmup", "1", "--rounds", "2", "--pool-size", "64MiB", "--out", str(out),
+                  timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = bench_result(out)
     assert result["meta"]["device"] == "cpu" and result["wrapper"] == "ddp" and not result["peer_access"]
-    assert len(result["single_rank"]["ranks"]) == 1 and len(result["2_ranks"]["ranks"]) == 2
-    for rank in [*result["single_rank"]["ranks"], *result["2_ranks"]["ranks"]]:
-        assert rank["identical_steps"] == rank["steps"] == 3 and rank["offloaded_tensors_per_step"] > 0
-    for rank in result["2_ranks"]["ranks"]:
-        assert rank["throughput_vs_single_rank"] > 0 and rank["offload_cost_vs_single_rank"] > 0
+    assert result["rows"] == ["none", "embedded", "daemon"] and set(result["runs"]) == {"1", "2"}
+    assert result["daemon"]["start_s"] > 0 and result["daemon"]["page_lock_s"] is None  # no CUDA: nothing locked
+    for n, run in result["runs"].items():
+        ranks = int(n)
+        assert run["ranks"] == ranks and len(run["link_together_GBps"]) == ranks
+        assert set(run["models"]) == {"tiny", "W3-tiny"}
+        for model in run["models"].values():
+            for name, row in model["rows"].items():
+                assert row["steps"] == 4 and row["identical_steps"] == [4] * ranks, (n, name, row)
+                assert len(row["step_ms"]) == ranks and row["step_ms_median"] > 0
+            for name in ("embedded", "daemon"):
+                row = model["rows"][name]
+                assert all(b > 0 for b in row["offloaded_bytes"]) and all(f > 0 for f in row["floor_ms"])
+                assert all(s > 0 for s in row["step_over_floor"]) and len(row["to_host_bytes"]) == ranks
+            assert len(model["daemon_over_embedded"]["per_rank"]) == ranks
+            assert model["daemon_over_embedded"]["median"] > 0
+        locked, start = run["page_locked"], run["startup_s"]
+        assert locked["embedded"]["bytes"] == 0 and locked["embedded"]["per_rank"] == [0] * ranks
+        assert locked["embedded"]["pool_bytes"] == ranks * 64 << 20
+        assert locked["daemon"]["bytes"] == 0 and locked["daemon"]["pool_bytes"] == 128 << 20  # 64MiB x 2 ranks
+        assert locked["daemon"]["peak_bytes"] > 0 and locked["embedded"]["peak_bytes"] > 0
+        assert len(start["embedded"]["per_rank"]) == ranks and all(s >= 0 for s in start["embedded"]["create"])
+        assert start["daemon"]["start"] > 0 and len(start["daemon"]["connect_per_rank"]) == ranks
+
+
+def test_rank_counts_are_powers_of_two_up_to_the_gpus_or_one_and_two_on_cpu():
+    assert ddp.default_ranks(0) == [1, 2]
+    assert ddp.default_ranks(1) == [1]
+    assert ddp.default_ranks(3) == [1, 2]
+    assert ddp.default_ranks(8) == [1, 2, 4, 8]
+
+
+def test_the_floor_sends_out_at_the_first_speed_and_back_at_the_second():
+    assert ddp.floor_ms(2_000_000_000, 1_000_000_000, [20.0, 10.0]) == pytest.approx(200.0)
+
+
+def test_the_daemons_page_lock_seconds_come_from_its_log_in_either_format():
+    text = 'ts=x level=info logger=stormd msg="pool page-locked for CUDA copies" seconds=1.667 devices=2\n'
+    assert ddp.daemon_page_lock_s(text) == 1.667
+    assert ddp.daemon_page_lock_s('{"msg": "pool page-locked for CUDA copies", "seconds": 2.5}') == 2.5
+    assert ddp.daemon_page_lock_s('msg="stormd ready" pool_bytes=1') is None
+
+
+def test_a_launch_fails_where_a_step_differed_or_nothing_was_offloaded():
+    row = {"steps": 2, "identical_steps": [2, 2], "offloaded_bytes": [1, 1]}
+    run = {"models": {"W1": {"rows": {"none": {"steps": 2, "identical_steps": [2, 2]},
+                                      "embedded": row, "daemon": dict(row)}}}}
+    assert ddp.passed(run)
+    run["models"]["W1"]["rows"]["daemon"]["identical_steps"] = [2, 1]
+    assert not ddp.passed(run)
+    run["models"]["W1"]["rows"]["daemon"] = {**row, "offloaded_bytes": [1, 0]}
+    assert not ddp.passed(run)
+
+
+def test_daemon_over_embedded_is_each_ranks_step_ratio_and_their_median():
+    def rank(embedded_ms: float, daemon_ms: float) -> dict:
+        rows = {"none": {"step_ms": 1.0, "steps": 2, "identical_steps": 2},
+                "embedded": {"step_ms": embedded_ms, "steps": 2, "identical_steps": 2},
+                "daemon": {"step_ms": daemon_ms, "steps": 2, "identical_steps": 2}}
+        pool = {"pool_bytes": 8, "peak_bytes": 4, "page_locked_bytes": 8}
+        return {"link_alone_GBps": [1, 1], "link_together_GBps": [1, 1], "proc_status_kB": {},
+                "models": {"W1": {"workload": {}, "rows": rows}}, "pools": {"embedded": pool, "daemon": pool},
+                "startup_s": {"create": 0.5, "page_lock": 1.0, "connect": 0.1}}
+
+    run = ddp.summarize_launch([rank(10.0, 12.0), rank(10.0, 11.0)],
+                               {"start_s": 3.0, "page_lock_s": 2.0, "page_locked_bytes": 8})
+    assert run["models"]["W1"]["daemon_over_embedded"] == {"median": 1.15, "per_rank": [1.2, 1.1]}
+    assert run["models"]["W1"]["rows"]["daemon"]["step_ms"] == [12.0, 11.0]
+    assert run["page_locked"]["embedded"]["bytes"] == 16 and run["page_locked"]["daemon"]["bytes"] == 8
+    assert run["startup_s"]["embedded"]["per_rank"] == [1.5, 1.5] and run["startup_s"]["daemon"]["start"] == 3.0
 
 
 def test_a_budget_is_a_fraction_or_bytes_or_none():
