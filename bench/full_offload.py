@@ -9,13 +9,17 @@ Two diagnostic variants switch parts of STORM's room (storm/room.py) off for the
 queue), "storm,room=off" neither. Per row, the median step and the step's peak above its start,
 split into forward's peak and backward's (the peak statistics are reset as forward ends); rows
 run in alternation, --rounds rounds of --steps steps each, after a warm-up, so that the ratios
-compare like with like. Without CUDA it exits 2.
+compare like with like. With --peaks, one more step of each row runs under the allocator's
+record (torch.cuda.memory._record_memory_history) and the JSON says what was alive at that
+step's peak, grouped by the innermost frame outside torch, and in which phase the peak fell.
+Without CUDA it exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import sys
 import time
@@ -85,6 +89,67 @@ def step(model: torch.nn.Module, ids: torch.Tensor, method: str, device: torch.d
     return time.perf_counter() - t0, fwd, bwd
 
 
+def alive_at_peak(method: str, model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> dict:
+    """One step of ``method`` under the allocator's record: where its peak fell (forward or
+    backward, the event's index) and the bytes alive there, by the innermost frame outside torch."""
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        step(model, ids, method, device)
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    raw = [[e["action"], e["addr"], e["size"], e.get("stream"), where(e.get("frames", []))] for e in trace]
+    alive: dict[int, dict] = {}
+    now = peak = peak_at = 0
+    at_peak: list[dict] = []
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            alive[e["addr"]] = e
+            now += e["size"]
+        elif e["action"] == "free_completed" and e["addr"] in alive:
+            now -= alive.pop(e["addr"])["size"]
+        if now > peak:
+            peak, peak_at, at_peak = now, i, list(alive.values())
+    groups: dict[str, int] = {}
+    for e in at_peak:
+        groups[where(e.get("frames", []))] = groups.get(where(e.get("frames", [])), 0) + e["size"]
+    backward = any("backward" in f.get("name", "") for f in trace[peak_at].get("frames", []))
+    top = sorted(groups.items(), key=lambda kv: -kv[1])[:20]
+    return {"peak_MiB": round(peak / MiB, 1), "event": peak_at, "events": len(trace), "in_backward": backward,
+            "alive_MiB": {k: round(v / MiB, 1) for k, v in top}, "trace": raw}
+
+
+def profiled(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> dict:
+    """A fresh store's first two full-offload steps (the profile, then the first to follow its room)
+    under the allocator's record, started here: STORM reads it and leaves it running. The record's
+    events, the profile's readings, marks and rises, and the room's limits."""
+    storm.close_all()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        for _ in range(2):
+            step(model, ids, "storm", device)
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    room = storm.session_for("auto", None, None).copy_queue.room
+    p = room.profile if room is not None else None
+    return {"events": [[e["action"], e["addr"], e["size"], e.get("stream"), where(e.get("frames", []))] for e in trace],
+            "profile": p and {k: getattr(p, k) for k in ("sizes", "saves", "unpack_sizes", "unpacks", "marks",
+                                                          "rises")},
+            "room": room and {"floor": room.floor, "saves": room._saves, "between": room._between}}
+
+
+def where(frames: list[dict]) -> str:
+    """An allocation's place: the innermost frame outside torch's own files, with the torch frame it called."""
+    inner = "?"
+    for f in frames:
+        name = f.get("filename", "")
+        if "/torch/" not in name or "/storm/" in name:
+            return f"{name.rsplit('/', 2)[-2:]!s}:{f.get('line')} {f.get('name')} <- {inner}"
+        inner = f.get("name", "?")
+    return inner
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -94,6 +159,7 @@ def main() -> int:
         "none", "torchtune", "save_on_cpu", "storm", "storm,max_held_bytes=64MiB",
         "storm,prefetch_bytes=64MiB", "storm,max_held_bytes=64MiB,prefetch_bytes=64MiB",
         "storm,max_held_bytes=16MiB,prefetch_bytes=16MiB"])
+    ap.add_argument("--peaks", action="store_true", help="what was alive at each row's peak (one recorded step)")
     args = ap.parse_args()
     device = cuda_device("full_offload.py")
     if device is None:
@@ -117,10 +183,15 @@ def main() -> int:
                   "peak_GiB": round(max(max(r["fwd"]), max(r["bwd"])) / GiB, 3)}
         print(f"{m:55s} {out[m]['step_ms']:8.1f} ms  fwd {out[m]['forward_peak_GiB']:.3f}  "
               f"bwd {out[m]['backward_peak_GiB']:.3f} GiB", flush=True)
+    peaks = {m: alive_at_peak(m, model, ids, device) for m in args.methods} if args.peaks else None
+    record = profiled(model, ids, device) if args.peaks else None
+    if peaks:
+        print(json.dumps({m: {k: v for k, v in p.items() if k != "trace"} for m, p in peaks.items()}, indent=1))
     room = storm.session_for("auto", None, None).copy_queue.room  # what the storm rows' profile found
     found = room and {"floor_MiB": room.floor / MiB, "saves_MiB": [b / MiB for b in room._saves],
-                      "unpacks_MiB": [b / MiB for b in room._unpacks]}
-    write(args.out, {"model": MODEL.name, "rows": out, "room": found}, device)
+                      "between_MiB": [b / MiB for b in room._between]}
+    write(args.out, {"model": MODEL.name, "rows": out, "room": found, "peaks": peaks,
+                          "profiled": record}, device)
     return 0
 
 

@@ -91,6 +91,7 @@ CELLS = {w.name: w for w in [
 
 # The methods a user picks, as the rows name them; each one's peak is a cap for storm.enable(peak=)
 OTHERS = ("none", "checkpoint", "save_on_cpu", "torchtune", "torchtune-checkpoint", "storm-enable")
+FULL = ("torchtune", "storm-enable")  # --full-only: full offload against torchtune, and their duel
 PLAN = "enable-peak"
 
 
@@ -208,9 +209,9 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
         save()
         return cell["rows"][-1]
 
-    for method in OTHERS:
+    for method in FULL if args.full_only else OTHERS:
         add({"label": method, "method": method})
-    cell["caps"] = caps(cell["rows"])
+    cell["caps"] = [] if args.full_only else caps(cell["rows"])
     for c in cell["caps"]:
         c["plan"] = add({"label": plan_label(c["cap_bytes"]), "method": PLAN, "cap_bytes": c["cap_bytes"]})["label"]
     rows, order = cell["rows"], random.Random(0)
@@ -353,6 +354,8 @@ def main() -> int:
     p.add_argument("--min-bytes", type=parse_size, default=1024,
                    help="STORM's min_bytes; the default is torchtune OffloadActivations' min_offload_size")
     p.add_argument("--quick", action="store_true", help="--steps 3 --warmup 1 --rounds 2 --round-steps 2")
+    p.add_argument("--full-only", action="store_true",
+                   help="only torchtune and storm.enable(model) (full offload), and their duel: no caps or plans")
     p.add_argument("--summary", metavar="RESULTS.json", help="measure nothing: the tables and verdicts of a run")
     p.add_argument("--markdown", action="store_true", help="with --summary: docs/results.md's Markdown")
     args = p.parse_args()

@@ -90,3 +90,69 @@ def test_a_look_without_the_lock_at_a_save_another_thread_just_released_finds_no
     stored, _ = save(queue, step, 10, waited)
     stored.copy_in = None  # what the other thread's _release leaves, seen before it pops the queue here
     assert queue.copied() is None
+
+
+def test_a_profiled_unpack_brings_back_the_storage_once_and_leaves_its_mark_in_the_record():
+    """The profile counts a storage's bytes brought back at its first unpack only, and not where it is
+    still on the device (a room's window would otherwise be spent on saves further on); each
+    reading leaves a mark in the allocator's record, which starts at the first."""
+
+    class Record:
+        def __init__(self) -> None:
+            self.started: list[torch.device] = []
+            self.marks = 0
+
+        def start(self, device: torch.device) -> None:
+            self.started.append(device)
+
+        def mark(self, device: torch.device) -> int:
+            self.marks += 1
+            return self.marks
+
+        def finish(self, device: torch.device) -> None:
+            return None
+
+    queue, waited = queue_and_waits()
+    queue.record = record = Record()
+    queue.memory = lambda device: 100
+    step = Step(1, float("inf"), StepOptions())
+    queue.start_step(step)
+    assert step.profile is not None
+    stored, _ = save(queue, step, 10, waited)
+    held, _ = save(queue, step, 20, waited)
+    for s in (stored, held):
+        queue.follow_room(step, s.device, s.nbytes)
+    stored.tensor = None  # its copy is done and let go of: backward fetches it
+    queue.unpacked(held, 0)  # still on the device: nothing to bring back
+    for _ in range(2):
+        queue.unpacked(stored, 0)
+        stored.unpacks += 1  # the session counts a fetched unpack after the reading
+    assert step.profile.unpack_sizes == [0, 10, 0]
+    assert step.profile.marks == [1, 2, 3, 4, 5] and record.started == [stored.device]
+
+
+def test_closing_stops_the_record_of_a_step_still_profiling():
+    """A session closed before the profiled step's room is made stops the allocator's record it started."""
+
+    class Record:
+        def __init__(self) -> None:
+            self.finished = 0
+
+        def start(self, device: torch.device) -> None:
+            pass
+
+        def mark(self, device: torch.device) -> int:
+            return 1
+
+        def finish(self, device: torch.device) -> None:
+            self.finished += 1
+
+    queue, waited = queue_and_waits()
+    queue.record = record = Record()
+    queue.memory = lambda device: 100
+    step = Step(1, float("inf"), StepOptions())
+    queue.start_step(step)
+    stored, _ = save(queue, step, 10, waited)
+    queue.follow_room(step, stored.device, 10)
+    queue.close()
+    assert record.finished == 1

@@ -11,6 +11,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from storm.copies.base import Copy, Landed
 from storm.prefetch import Prefetcher
 from storm.replies import Resolved
+from storm.room import Profile, Room
 from storm.saved import Marker, State, Step, StepOptions, Stored
 
 KIB = 1024
@@ -43,6 +44,25 @@ def test_backward_fetches_the_saves_before_it_newest_first_within_the_window_onc
     p.take(step.order[3])
     p.ahead(step, 3)
     assert fetched == [4, 3, 2] and p.nbytes == 8 * KIB and p.take(step.order[3]) is None
+
+
+def test_a_window_smaller_than_a_save_takes_it_unless_a_full_offload_room_set_the_window():
+    """A user's window of less than one save still fetches one; a room's window is what fits under
+    the step's floor, and a save that does not fit waits for its unpack."""
+    step = step_of([State.OFFLOADED] * 2, window=1 * KIB)
+    step.fetching = True
+    p, fetched = prefetcher()
+    p.ahead(step, 2)
+    assert fetched == [2]
+    step = step_of([State.OFFLOADED] * 2, window=64 * KIB)
+    step.fetching = True
+    step.room = Room(Profile(sizes=[4 * KIB] * 2, saves=[10 * KIB, 24 * KIB], unpack_sizes=[4 * KIB] * 2,
+                             unpacks=[22 * KIB, 20 * KIB]))
+    step.unpacked = 1
+    assert step.window() == 2 * KIB  # beside 22 KiB under a floor of 24
+    p, fetched = prefetcher()
+    p.ahead(step, 2)
+    assert fetched == []
 
 
 def test_room_backward_made_lets_saves_come_back_but_only_whole():

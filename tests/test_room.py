@@ -3,9 +3,11 @@ under the floor a profiled step found, so that neither sits on the step's peak."
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import storm
+from storm import allocator_record
 from storm.examples.models import same_bits
 from storm.room import Profile, Room
 from storm.saved import Step, StepOptions
@@ -29,15 +31,52 @@ def test_the_queue_holds_what_fits_under_the_floor_beside_the_next_save_and_back
 
 def test_the_window_fetches_what_fits_under_the_floor_until_those_bytes_are_unpacked():
     r = room()
-    assert r.window(0, 100) == 0      # the next unpack holds the floor
-    assert r.window(1, 100) == 20     # 8 + 8 fit beside 20, but the unpack after them holds 70: 20 left
-    assert r.window(1, 12) == 12      # never more than the user's window
-    assert r.window(3, 100) == 8      # the last one, beside 70
+    assert r.window(0, 100) == 8      # the first save fits beside forward's end, and its unpack counts it
+    assert r.window(1, 100) == 0      # the unpack just made holds the floor: nothing more until the next
+    assert r.window(2, 100) == 16     # both saves left fit beside the 20 held until their unpacks
+    assert r.window(2, 12) == 12      # never more than the user's window
+    assert r.window(3, 100) == 8      # the last one, beside 20
     assert r.window(4, 100) == 100    # past the profile: nothing more is held
     step = Step(1, float("inf"), StepOptions(prefetch_bytes=100))
     assert step.window() == 100
-    step.room, step.unpacked = r, 1
-    assert step.window() == 20
+    step.room, step.unpacked = r, 2
+    assert step.window() == 16
+
+
+def test_what_the_allocator_record_saw_rise_between_readings_bounds_the_queue_and_the_window():
+    """A save's op allocates a temporary before the next save, and backward's first op allocates
+    its gradients right after its unpack: neither is in a reading, both are in the record's rises."""
+    r = Room(Profile(sizes=[8, 8, 8, 8], saves=[10, 10, 50, 80], unpack_sizes=[8, 8, 8, 8],
+                     unpacks=[90, 20, 20, 70], rises=[60, 0, 0, 0, 30, 0, 0, 0]))
+    assert r.floor == 120                                   # backward's first op: 90 + 30
+    assert [r.queue(made) for made in (1, 2, 3)] == [120 - 62, 120 - 50, 120 - 80]  # 10 - 8 + 60 after the first
+    assert r.queue(4) == min(120 - 72, 120 - 90 + 8)       # forward's end, then backward's first unpack
+    assert r.window(1, 100) == 0                            # 120 held after the first unpack
+    assert r.window(0, 100) == 8
+    unmeasured = Room(Profile(sizes=[8], saves=[10], unpack_sizes=[8], unpacks=[20], rises=[5]))
+    assert unmeasured.floor == 20  # rises of another count than the readings': none is counted
+
+
+def test_rises_replay_the_step_own_memory_between_marks():
+    """The record's events between marks: allocations on the marks' stream count, those on others
+    (STORM's copies) and their frees do not, nor does a mark's own free."""
+    own, copy = 7, 9
+
+    mark = allocator_record.MARK_BYTES
+
+    def ev(action: str, addr: int, size: int = mark, stream: int = own) -> dict:
+        return {"action": action, "addr": addr, "size": size, "stream": stream}
+
+    events = [ev("alloc", 1, 100), ev("alloc", 500, 512), ev("free_requested", 500, 512),  # not a mark: its size
+              ev("alloc", 500), ev("free_requested", 500),  # mark 500
+              ev("alloc", 2, 40), ev("alloc", 3, 1000, copy), ev("alloc", 4, 30), ev("free_requested", 2, 40),
+              ev("alloc", 6, 500, copy), ev("free_requested", 6, 500, copy),  # a frame: the copies' own
+              ev("alloc", 500), ev("free_requested", 500),  # mark 500 again
+              ev("free_requested", 3, 1000, copy), ev("alloc", 7, 50), ev("free_requested", 1, 100),
+              ev("alloc", 5, 20), ev("free_completed", 4, 30)]
+    assert allocator_record.rises(events, [500, 500]) == [70, 50]  # 40 + 30 before a free; then 50
+    assert allocator_record.rises(events, [500, 600]) is None  # a mark the record lost
+    assert allocator_record.rises(events, []) == []
 
 
 def test_a_room_follows_only_the_saves_it_was_profiled_on():
@@ -61,10 +100,39 @@ def head_heavy_step(ctx_options: dict, n: int = 6) -> tuple[torch.Tensor, torch.
     return x, x.grad, limits
 
 
-def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_the_floor(monkeypatch):
+class RisingRecord:
+    """An allocator record (a fake: the CPU has none) where backward's first op, right after its
+    unpack, allocates ``rise`` bytes and frees them before the next unpack."""
+
+    def __init__(self, saves: int, rise: int):
+        self.saves, self.rise, self.events, self.marks = saves, rise, [], 0
+
+    def start(self, device: torch.device) -> None:
+        self.events.clear()
+        self.marks = 0
+
+    def mark(self, device: torch.device) -> int:
+        self.marks += 1
+        address = 1000 + self.marks
+        size = allocator_record.MARK_BYTES
+        self.events += [{"action": "alloc", "addr": address, "size": size, "stream": 0},
+                        {"action": "free_requested", "addr": address, "size": size, "stream": 0}]
+        if self.marks == self.saves + 1:
+            self.events += [{"action": "alloc", "addr": 1, "size": self.rise, "stream": 0},
+                            {"action": "free_requested", "addr": 1, "size": self.rise, "stream": 0}]
+        return address
+
+    def finish(self, device: torch.device) -> list[dict]:
+        return self.events
+
+
+@pytest.mark.parametrize("rise", [0, 15])
+def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_the_floor(monkeypatch, rise):
     """With the allocator read (a fake one here: the CPU has none), the first step profiles; the
     next follows its room: the queue limit is the floor less what the next save holds, and forward's
-    end drains to what backward's first unpack leaves; a step of other saves profiles again."""
+    end drains to what backward's first unpack leaves; a step of other saves profiles again. Where
+    the allocator's record saw backward's first op rise above its unpack's reading, the floor is
+    that rise's top."""
     session = storm.session_for("embedded", None, None)
     queue = session.copy_queue
     one = 64 * 64 * 4
@@ -96,6 +164,8 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
     monkeypatch.setattr(queue, "drain", drain)
     monkeypatch.setattr(queue, "room", None)
     monkeypatch.setattr(queue, "profiling", None)
+    if rise:
+        monkeypatch.setattr(queue, "record", RisingRecord(6, rise * one))
     held = 64 * one
 
     _, _, first = head_heavy_step({"max_held_bytes": held})
@@ -104,11 +174,14 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
 
     drained.clear()
     _, _, second = head_heavy_step({"max_held_bytes": held})
-    floor = 12 * one
+    floor = max(12, 3 + rise) * one
     assert queue.room is not None and queue.room.floor == floor
-    # forward's end: what backward's start leaves, beside the last save, which it unpacks first
-    assert second == [floor - b for b in besides[1:]] + [floor - at_unpack + one]
-    assert drained[-1] == floor - at_unpack + one
+    # forward's end: what the step holds until backward's start (the last save waiting in the queue by
+    # then) and what backward's first unpack leaves beside that save, which it unpacks first
+    end = min(floor - (besides[-1] - one), floor - at_unpack + one)
+    assert end == (one if not rise else 7 * one)
+    assert second == [floor - b for b in besides[1:]] + [end]
+    assert drained[-1] == end
 
     drained.clear()
     _, _, other = head_heavy_step({"max_held_bytes": held}, n=7)  # a seventh save: not the profile's

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from .allocator_record import AllocatorRecord, Record, rises
 from .copies.base import Copy
 from .gpu import allocated
 from .room import Profile, Reader, Room
@@ -41,10 +42,13 @@ class CopyQueue:
         self.room: Room | None = None
         self.profiling: Profile | None = None
         self.memory: Reader = _allocated  # what the allocator holds on a device, None where unknown
+        self.record: Record = AllocatorRecord()  # the allocator's history while a step profiles
 
     def start_step(self, step: Step) -> None:
         """A full-offload step follows the room a profiled step found; with none yet, it is the one
         profiled (the step after a profile with saves makes its room)."""
+        if self.profiling is not None:
+            self._read_record(self.profiling)
         if step.budget_bytes != float("inf"):
             return
         if self.profiling is not None and self.profiling.saves:
@@ -64,6 +68,7 @@ class CopyQueue:
             if held is not None:
                 step.profile.sizes.append(nbytes)
                 step.profile.saves.append(held - self.nbytes)
+                self._mark(step.profile, device)
 
     def add(self, stored: Stored, step: Step) -> int | None:
         """``stored``, saved in ``step``, waits for its put, just begun. Returns what to drain the
@@ -128,7 +133,7 @@ class CopyQueue:
         budget, to ``max_held_bytes``."""
         if step.room is not None:
             if len(step.order) == len(step.room.sizes):
-                self.drain(step.room.queue(len(step.order)))
+                self.drain(self.limit(step))
             else:
                 step.room = self.room = None
         if step.budget_reached:
@@ -144,8 +149,33 @@ class CopyQueue:
         if step.profile is not None and step.profile.saves:
             held = self.memory(stored.device)
             if held is not None:
-                step.profile.unpack_sizes.append(stored.nbytes)
+                # the bytes this unpack brings back: none where the storage is still on the device
+                # (its copy not yet let go of) or an earlier unpack brought it
+                brought = stored.nbytes if stored.tensor is None and not stored.unpacks else 0
+                step.profile.unpack_sizes.append(brought)
                 step.profile.unpacks.append(held - self.nbytes - prefetched + stored.nbytes)
+                self._mark(step.profile, stored.device)
+
+    def close(self) -> None:
+        """The session closes: a profile's record, if one runs, stops."""
+        if self.profiling is not None:
+            self._read_record(self.profiling)
+
+    def _mark(self, profile: Profile, device: torch.device) -> None:
+        """A reading was just made: leave its mark in the allocator's record (started at the first)."""
+        if profile.device is None:
+            profile.device = device
+            self.record.start(device)
+        mark = self.record.mark(device)
+        if mark is not None:
+            profile.marks.append(mark)
+
+    def _read_record(self, profile: Profile) -> None:
+        """The profiled step has ended: how far its memory rose after each reading, where the record
+        kept a mark of each."""
+        events = self.record.finish(profile.device) if profile.device is not None else None
+        if events is not None and len(profile.marks) == len(profile.saves) + len(profile.unpacks):
+            profile.rises = rises(events, profile.marks) or []
 
 
 def _allocated(device: torch.device) -> int | None:

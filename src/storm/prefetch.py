@@ -65,8 +65,9 @@ class Prefetcher:
                 step.cursor -= 1
                 continue  # not in the store, already unpacked, on its way, or here
             # the room is memory backward has made (storm.plan's is its peak's slack): a fetch
-            # must fit in it; only a window smaller than one tensor may take that tensor
-            if self.nbytes + s.nbytes > limit and (self.nbytes or not window):
+            # must fit in it; only a window smaller than one tensor may take that tensor, unless
+            # a full-offload room set it: then it is what fits under the step's floor
+            if self.nbytes + s.nbytes > limit and (self.nbytes or not window or step.room is not None):
                 return
             step.cursor -= 1
             self.copies[s.key] = self.fetch(s)

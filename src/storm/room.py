@@ -10,12 +10,15 @@ loss hold its logits several times over, at forward's end and backward's start, 
 queue or window there puts its bytes on the step's peak.
 
 So one step (the profile) reads what the allocator holds less the queue at each offloaded
-save, and less the window at each unpack of an offloaded save. Its highest reading is the
-floor no queue or window can go under. The steps after it, while their saves come in the
-same sizes, let the queue hold only what fits under that floor before the next save, drain
-it to what fits under backward's first reading as forward ends, and let the window fetch
-only what fits under the floor until those fetched bytes are unpacked. Where the step's own
-memory is low the user's limits hold as before.
+save, and less the window at each unpack of an offloaded save, and the allocator's own record
+of that step (allocator_record.py) says how far the step's memory rose between two readings:
+an op's outputs and temporaries, such as a loss's gradients right after backward's first
+unpack, come and go between them. The highest the step held is the floor no queue or window
+can go under. The steps after it, while their saves come in the same sizes, let the queue hold
+only what fits under that floor until the next save, drain it as forward ends to what fits
+until backward's first unpack, and let the window fetch only what fits under the floor until
+those fetched bytes are unpacked. Where the step's own memory is low the user's limits hold
+as before.
 """
 
 from __future__ import annotations
@@ -31,23 +34,42 @@ Reader = Callable[[torch.device], "int | None"]  # bytes the allocator holds on 
 @dataclasses.dataclass
 class Profile:
     """What one step read: per offloaded save, its bytes and what was held besides the copy
-    queue as it was saved; per unpack of an offloaded save (in backward's order), what was held
-    besides the queue and the window, and the unpacked storage's bytes."""
+    queue as it was saved (the save counted); per unpack of an offloaded save (in backward's
+    order), what was held besides the queue and the window (the unpacked storage counted), and
+    the bytes it brought back (the storage's, or none where an earlier unpack brought it), on
+    ``device``. ``marks``: each reading's mark in the allocator's record
+    (allocator_record.py), saves' then unpacks', where one is kept; ``rises``: how far the step's
+    own memory rose above each reading before the next, read from that record once the step
+    has ended (empty: not known, none is counted)."""
 
     sizes: list[int] = dataclasses.field(default_factory=list)
     saves: list[int] = dataclasses.field(default_factory=list)
     unpack_sizes: list[int] = dataclasses.field(default_factory=list)
     unpacks: list[int] = dataclasses.field(default_factory=list)
+    device: torch.device | None = None  # where the readings were made
+    marks: list[int] = dataclasses.field(default_factory=list)
+    rises: list[int] = dataclasses.field(default_factory=list)
 
 
 class Room:
-    """The limits a profile gives the steps after it."""
+    """The limits a profile gives the steps after it. Each reading bounds what is held from it
+    to the next reading, with the rise the allocator's record saw in between: after a save,
+    what was held less that save (it waits in the queue now); after an unpack, what was held,
+    the unpacked storage with it."""
 
     def __init__(self, profile: Profile):
+        self.profile = profile  # what it was made from (bench/full_offload.py shows it)
         self.sizes = profile.sizes
-        self.floor = max(profile.saves + profile.unpacks, default=0)
-        self._saves = profile.saves
-        self._unpacks = profile.unpacks
+        n = len(profile.saves)
+        rises = profile.rises if len(profile.rises) == n + len(profile.unpacks) else [0] * (n + len(profile.unpacks))
+        # held besides the queue from each save until the next reading
+        after = [held - size + rise for held, size, rise in zip(profile.saves, profile.sizes, rises)]
+        # held while the queue waits for each save: at it, and since the save before
+        self._saves = [max(held, before) for held, before in zip(profile.saves, [0, *after])]
+        self._first_unpack = profile.unpacks[0] if profile.unpacks else None
+        # held from forward's last save until backward's first unpack, then from each unpack to the next
+        self._between = after[-1:] + [held + rise for held, rise in zip(profile.unpacks, rises[n:])]
+        self.floor = max(self._saves + self._between, default=0)
         self._unpack_sizes = profile.unpack_sizes
 
     def matches(self, made: int, nbytes: int) -> bool:
@@ -56,25 +78,29 @@ class Room:
 
     def queue(self, made: int) -> int:
         """Bytes that may wait for their copy once ``made`` saves are made: what fits under the
-        floor beside what the step holds at the next save, or, after the last, at backward's
-        first unpack; that unpack's reading counts the save it unpacks, the last one made (backward
-        takes them in reverse): whether that one waits or is fetched back, it is there, so it may
-        wait on top (a language model's log-softmax, which would otherwise go out and straight back)."""
+        floor beside what the step holds until the next save, or, after the last, until backward's
+        first unpack, and at it; that unpack's reading counts the save it unpacks, the last one
+        made (backward takes them in reverse): whether that one waits or is fetched back, it is
+        there, so it may wait on top (a language model's log-softmax, which would otherwise go
+        out and straight back)."""
         if made < len(self._saves):
             return max(0, self.floor - self._saves[made])
-        if not self._unpacks:
+        if not self._between:
             return 0
-        return max(0, self.floor - self._unpacks[0]) + self.sizes[-1]
+        room = self.floor - self._between[0]
+        if self._first_unpack is not None:
+            room = min(room, self.floor - self._first_unpack + self.sizes[-1])
+        return max(0, room)
 
     def window(self, unpacked: int, limit: int) -> int:
         """Bytes backward may fetch ahead once ``unpacked`` offloaded saves are unpacked, at most
-        ``limit``: fetched bytes stay until their own unpack, so as many as fit under the floor
-        beside what the step holds at each unpack until those bytes are unpacked."""
-        if unpacked >= len(self._unpacks):  # past the profile's last unpack nothing more is held
+        ``limit``: a fetched save is held from now until its own unpack, where it counts as held,
+        so as many as fit under the floor beside what the step holds until then."""
+        if unpacked >= len(self._unpack_sizes):  # past the profile's last unpack nothing more is held
             return limit
         window, covered, held = 0, 0, 0
-        for rest, size in zip(self._unpacks[unpacked:], self._unpack_sizes[unpacked:]):
-            held = max(held, rest)
+        for before, size in zip(self._between[unpacked:], self._unpack_sizes[unpacked:]):
+            held = max(held, before)
             cap = min(limit, self.floor - held)
             if cap <= window:
                 break

@@ -477,6 +477,7 @@ class ClientSession:
 
     def close(self) -> None:
         self.closed = True
+        self.copy_queue.close()
         self._stores.close()
 
 

@@ -214,7 +214,8 @@ def fake_duel(calls):
     return dueling
 
 
-ARGS = argparse.Namespace(steps=1, warmup=0, rounds=3, round_steps=1, min_bytes=1024, pool_size="1GiB")
+ARGS = argparse.Namespace(steps=1, warmup=0, rounds=3, round_steps=1, min_bytes=1024, pool_size="1GiB",
+                          full_only=False)
 
 
 def test_a_cell_caps_the_plan_at_every_other_peak_and_between_and_duels_the_best_other(tmp_path):
@@ -242,6 +243,16 @@ def test_a_cell_caps_the_plan_at_every_other_peak_and_between_and_duels_the_best
     assert v["per_cap"]["holds"] and v["least_cap"]["holds"] and v["least_cap"]["x_checkpoint"] == 0.909
     assert v["predicted_peak"]["holds"] and not v["full_offload"]["holds"]  # 0.909x torchtune: not 0.65x
     assert cell["complete"] and len(saves) >= len(cell["rows"])
+
+
+def test_full_only_measures_full_offload_and_torchtune_and_their_duel_alone():
+    fake, duels = FakeRun(), []
+    cell = {}
+    zoo.measure_cell(hf.tiny("llama"), cell, argparse.Namespace(**{**vars(ARGS), "full_only": True}), CPU,
+                     lambda: None, measure_row=fake, dueling=fake_duel(duels))
+    assert [r["label"] for r in cell["rows"]] == ["torchtune", "storm-enable"] and cell["caps"] == []
+    assert duels == [[("enable", None), ("torchtune", None)]]
+    assert cell["verdicts"]["full_offload"]["x_torchtune"] == 0.909 and cell["complete"]
 
 
 def test_resuming_a_cut_off_cell_keeps_its_rows_and_duels():

@@ -1,0 +1,115 @@
+"""The caching allocator's own record of a step, read for how high its memory rose between
+STORM's readings.
+
+Full offload's room (room.py) reads what the allocator holds at each offloaded save and at each
+unpack. An op's outputs and temporaries come and go between two readings: a language model's
+loss allocates logits-sized gradients right after backward's first unpacks, and no reading
+sees them. So while one step profiles, the allocator records its history
+(torch.cuda.memory._record_memory_history, without stack traces: each event is its address,
+size and stream), each reading leaves a mark in that record (an allocation of a size of its
+own, freed at once, whose address says which event it was), and the record, replayed, gives
+per reading how far the step's own memory rose above it before the next.
+
+The step's own memory is what its ops allocate on the streams the readings are made on (the
+training thread's, and backward's): allocations on other streams are STORM's copies (fetched
+buffers, frames) that the room paces itself, and are left out with their frees. A fetched
+buffer unpacked into the step's memory is then left out too when it is freed, so a rise errs
+high until the next reading. Where someone else records already, their record is read and left
+running.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+# The record's ring, in events, each held in host memory while it runs: a profiled step with more
+# events than this loses its first marks, and its room then goes by the readings alone
+MAX_EVENTS = 1 << 18
+# A mark's bytes: the allocator reuses a freed block for the next request of its size class, so a
+# mark's address alone is shared with the step's own small tensors; an odd multiple of the
+# allocator's 512-byte rounding that no tensor of the step is likely to have tells them apart
+MARK_BYTES = 37 * 512
+
+
+class Record(Protocol):
+    """Where a step's memory history comes from (a fake one in tests)."""
+
+    def start(self, device: torch.device) -> None: ...
+
+    def mark(self, device: torch.device) -> int | None: ...
+
+    def finish(self, device: torch.device) -> list[dict[str, Any]] | None: ...
+
+
+class AllocatorRecord:
+    """torch's CUDA caching allocator's history: ``start`` records it (unless it is recorded
+    already), ``mark`` leaves a mark and returns its address, ``finish`` returns the events of
+    ``device`` and stops what ``start`` began. Elsewhere than CUDA nothing is recorded (None)."""
+
+    def __init__(self) -> None:
+        self._started = False
+
+    def start(self, device: torch.device) -> None:
+        if device.type != "cuda" or self._started or torch._C._cuda_isHistoryEnabled():
+            return
+        torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=MAX_EVENTS)
+        self._started = True
+
+    def mark(self, device: torch.device) -> int | None:
+        if device.type != "cuda" or not torch._C._cuda_isHistoryEnabled():
+            return None
+        return torch.empty(MARK_BYTES, dtype=torch.uint8, device=device).data_ptr()
+
+    def finish(self, device: torch.device) -> list[dict[str, Any]] | None:
+        if device.type != "cuda" or not torch._C._cuda_isHistoryEnabled():
+            return None
+        try:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return torch.cuda.memory._snapshot()["device_traces"][index]
+        finally:
+            if self._started:
+                torch.cuda.memory._record_memory_history(None)
+                self._started = False
+
+
+def rises(events: list[dict[str, Any]], marks: list[int]) -> list[int] | None:
+    """Per mark, in order: the most the step's own memory rose above its level at the mark before
+    the next mark (the last: before the record ends), 0 where it only fell. None where a mark is
+    not in the record (its ring wrapped, or the record began after it)."""
+    at: list[int] = []
+    i = 0
+    for address in marks:
+        while i < len(events) and not (events[i]["action"] == "alloc" and events[i]["addr"] == address
+                                       and events[i]["size"] == MARK_BYTES):
+            i += 1
+        if i == len(events):
+            return None
+        at.append(i)
+        i += 1
+    if not at:
+        return []
+    own = {events[i]["stream"] for i in at}  # the streams the readings were made on
+    others: set[int] = set()  # live allocations on other streams: STORM's copies
+    out: list[int] = []
+    for mark, start, end in zip(marks, at, at[1:] + [len(events)]):
+        level = high = 0
+        pending: int | None = mark
+        for e in events[start + 1:end]:
+            action, address = e["action"], e["addr"]
+            if action == "alloc":
+                if e["stream"] in own:
+                    level += e["size"]
+                else:
+                    others.add(address)
+            elif action == "free_requested":
+                if address == pending:  # the mark, freed at once: it never counted
+                    pending = None
+                elif address in others:
+                    others.discard(address)
+                else:
+                    level -= e["size"]
+            high = max(high, level)
+        out.append(high)
+    return out

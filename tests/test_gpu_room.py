@@ -1,0 +1,69 @@
+"""Full offload's room on CUDA (storm/room.py, storm/allocator_record.py): the allocator's record of
+the profiled step puts neither the copy queue nor the prefetch window on a head's backward peak."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import storm
+
+pytestmark = pytest.mark.gpu
+
+
+def head_model() -> nn.Module:
+    """Blocks of a small width, then a wide head whose loss's backward allocates its gradients,
+    several times the logits, right after it unpacks its log-softmax output."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(6):
+        layers += [nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)]
+    return nn.Sequential(*layers, nn.Linear(1024, 32768)).cuda()
+
+
+def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, context) -> int:
+    """One step under ``context`` (None: none); its peak above its start."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    if context is None:
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+    else:
+        with context:
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+    loss.backward()
+    del loss
+    torch.cuda.synchronize()
+    for p in model.parameters():
+        p.grad = None
+    return torch.cuda.max_memory_allocated() - base
+
+
+def test_full_offload_peaks_no_higher_than_save_on_cpu_once_profiled():
+    model = head_model()
+    x = torch.randn(4096, 1024, device="cuda")
+    y = torch.randint(0, 32768, (4096,), device="cuda")
+    floor = step(model, x, y, torch.autograd.graph.save_on_cpu(pin_memory=True))
+    assert not torch._C._cuda_isHistoryEnabled()
+    peaks = [step(model, x, y, storm.offload(mode="embedded", min_bytes=0)) for _ in range(4)]
+    assert not torch._C._cuda_isHistoryEnabled()  # the profiled step's record is stopped once read
+    session = storm.session_for("embedded", None, None)
+    room = session.copy_queue.room
+    assert room is not None and room.floor > 0
+    # the first step profiles (its queue and window are the user's); the steps after it follow the room
+    assert max(peaks[1:]) <= floor + (4 << 20), (peaks, floor)
+
+
+def test_a_record_the_user_started_is_read_and_left_running():
+    model = head_model()
+    x = torch.randn(1024, 1024, device="cuda")
+    y = torch.randint(0, 32768, (1024,), device="cuda")
+    torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=1 << 20)
+    try:
+        for _ in range(3):
+            step(model, x, y, storm.offload(mode="embedded", min_bytes=0))
+        assert torch._C._cuda_isHistoryEnabled()
+        assert storm.session_for("embedded", None, None).copy_queue.room is not None
+    finally:
+        torch.cuda.memory._record_memory_history(None)
