@@ -113,7 +113,7 @@ class CopyQueue:
 
     def copies(self) -> list[Copy]:
         """The puts the saves in the queue wait for, oldest first."""
-        return [s.copy_in for s in self._saves]
+        return [s.copy_in for s in self._saves if s.copy_in is not None]
 
     def drain(self, limit: int) -> None:
         """Let go of saved tensors whose copy has finished, then wait, oldest first, until at most
@@ -124,7 +124,8 @@ class CopyQueue:
                 if self.nbytes <= limit or not self._saves:
                     break
                 oldest = self._saves[0].copy_in
-            oldest.wait()
+            if oldest is not None:  # None: let go of since the look; the poll takes it out
+                oldest.wait()
             self._poll()
 
     def end_step(self, step: Step) -> None:
@@ -145,6 +146,8 @@ class CopyQueue:
         fetched ahead: a profiling step reads what is held besides the queue and the prefetch
         window, and this save, which is needed now (held, fetched ahead or about to be fetched)."""
         step = stored.step
+        if step is None:  # freed with its graph: nothing to count
+            return
         step.unpacked += 1  # the room's place in backward (Step.window)
         if step.profile is not None and step.profile.saves:
             held = self.memory(stored.device)
