@@ -11,7 +11,8 @@ split into forward's peak and backward's (the peak statistics are reset as forwa
 run in alternation, --rounds rounds of --steps steps each, after a warm-up, so that the ratios
 compare like with like. With --peaks, one more step of each row runs under the allocator's
 record (torch.cuda.memory._record_memory_history) and the JSON says what was alive at that
-step's peak, grouped by the innermost frame outside torch, and in which phase the peak fell.
+step's peak, grouped by the innermost frame outside torch, and the profiled step's record with
+its readings and rises (storm/allocator_record.py). --cell trains a zoo cell (bench/zoo.py) instead.
 Without CUDA it exits 2.
 """
 
@@ -26,13 +27,16 @@ import time
 from typing import Iterator
 
 import torch
+from hf import HF
+from zoo import CELLS
 
 import storm
 from common import GiB, Llama, cuda_device, torchtune_offload, write
 from storm.room import Room
 
 # a decoder of another shape than W3 (issue 51's: 12 layers, hidden 2560, 8,192 tokens a step)
-MODEL = Llama("L12-2560", layers=12, hidden=2560, mlp=6912, heads=20, kv_heads=4, vocab=32000, batch=4, seq=2048)
+MODEL: Llama | HF = Llama("L12-2560", layers=12, hidden=2560, mlp=6912, heads=20, kv_heads=4, vocab=32000, batch=4,
+                          seq=2048)
 MiB = 1 << 20
 
 
@@ -160,7 +164,11 @@ def main() -> int:
         "storm,prefetch_bytes=64MiB", "storm,max_held_bytes=64MiB,prefetch_bytes=64MiB",
         "storm,max_held_bytes=16MiB,prefetch_bytes=16MiB"])
     ap.add_argument("--peaks", action="store_true", help="what was alive at each row's peak (one recorded step)")
+    ap.add_argument("--cell", choices=list(CELLS), help="a cell of bench/zoo.py instead of the 12-layer Llama")
     args = ap.parse_args()
+    if args.cell:
+        global MODEL  # the workload every row of this run trains
+        MODEL = CELLS[args.cell]
     device = cuda_device("full_offload.py")
     if device is None:
         return 2
