@@ -252,9 +252,11 @@ def device_name(device: torch.device | str | None = None) -> str:
 
 # A stormd for one run
 
-def start_daemon(workdir: Path, pool_size: str, *flags: str, log: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """A stormd for this benchmark (stormd.launch.start_stormd): the process and its endpoint."""
-    return start_stormd(workdir, pool_size, *flags, log=log)
+def start_daemon(workdir: Path, pool_size: str, *flags: str, log: Path | None = None,
+                 python_args: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+    """A stormd for this benchmark (stormd.launch.start_stormd; ``python_args`` before ``-m stormd``, such
+    as a profiler's): the process and its endpoint."""
+    return start_stormd(workdir, pool_size, *flags, log=log, python_args=python_args)
 
 
 def stop_daemon(proc: subprocess.Popen) -> None:

@@ -21,7 +21,7 @@ first --warmup steps of each row in each round left out), identical_steps (steps
 gradient hashes, after DDP's all-reduce, equal no offload's same step in the same round; for "none",
 round 0's), and from the offload context's stats of its last step: offloaded_bytes (what the step
 sent to the store), to_host_bytes and to_device_bytes (what landed there and what backward fetched:
-less where backward took a save back before its copy began, copies_dropped), and the link floor:
+less where backward took a save back before its copy began: copies_dropped of dropped_bytes), and the link floor:
 offloaded_bytes out and back over the rank's pinned link measured with all ranks copying at once
 (link_together_GBps, to host and to device), floor_ms, and step_over_floor; and daemon_over_embedded
 (per rank, and their median).
@@ -29,16 +29,17 @@ offloaded_bytes out and back over the rank's pinned link measured with all ranks
 What the daemon buys, per rank count:
   page_locked: host memory page-locked for CUDA copies (cudaHostRegister); nothing is on CPU.
     embedded: the bytes each rank's own registrations cover (its pool's cuda_ranges, read after the
-    steps), summed over ranks; daemon: the daemon's pool, which it registers once at start (its log
-    says so, with the seconds it took), plus per rank what the rank registered of it itself (the
-    same pages; nonzero only where a rank copies into the pool itself, e.g. frames). pool_bytes:
+    steps), summed over ranks; daemon: what the daemon registered of its pool, once at start (its
+    STATUS says how many bytes, and the seconds it took), plus per rank what the rank registered of it
+    itself (the same pages; nonzero only where a rank copies into the pool itself, e.g. frames). pool_bytes:
     the pools' sizes (the daemon's as its HELLO announced it); peak_bytes: their high-water marks
     (the daemon's node-wide, since it started: rank counts run in increasing order).
     proc_status_kB: VmLck and VmPin of each process, where the kernel counts the pins.
   startup_s: embedded, per rank: creating its store (pool mapping and session) and page-locking its
     pool, which the bench does up front, timed, as the first CUDA copy would; all ranks at once.
-    daemon: from starting stormd until it answers (pool reserved, CUDA contexts, page-lock), the
-    page-lock alone (the daemon's log), and per rank the connect (HELLO, the pool mapped).
+    daemon: from its process's start until it serves, as its STATUS says (interpreter and imports, pool
+    reserved, CUDA contexts, page-lock), the page-lock alone, and per rank the connect (HELLO, the pool
+    mapped).
 
 --profile DIR writes per rank, model and row a torch.profiler key_averages table of two more steps,
 and runs stormd under cProfile (its stats in DIR/stormd-cprofile.txt; start_s then includes it).
@@ -54,7 +55,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import pstats  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -70,7 +70,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import storm  # noqa: E402
 from common import Llama, Workload, method_context, start_daemon, stop_daemon, synchronize, workloads, write  # noqa: E402
-from stormd.launch import die_with_parent, wait_until_serving  # noqa: E402
+from stormd.ctl import request  # noqa: E402
 from stormd.wire.cuda import register_pool  # noqa: E402
 from stormd.wire.sizes import format_size, parse_size  # noqa: E402
 
@@ -118,13 +118,6 @@ def locked_kib(pid: int | str = "self") -> dict[str, int]:
         return {}
     fields = (line.split(":", 1) for line in lines if ":" in line)
     return {k: int(v.split()[0]) for k, v in fields if k in ("VmLck", "VmPin")}
-
-
-def daemon_page_lock_s(log: str) -> float | None:
-    """The seconds stormd's log says page-locking its pool took; None where it did not (no CUDA)."""
-    line = next((line for line in log.splitlines() if "pool page-locked" in line), None)
-    found = re.search(r'seconds"?[=:]\s*([0-9.]+)', line) if line else None
-    return float(found.group(1)) if found else None
 
 
 def summarize_launch(ranks: list[dict], daemon: dict) -> dict:
@@ -253,12 +246,13 @@ def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict |
         if name in last:
             st = last[name]
             # the floor moves every offloaded byte out and back (raw, the rows' codec); what did move can
-            # be less: a save that backward takes back before its copy began never crosses (copies_dropped)
+            # be less: a save that backward takes back before its copy began never crosses (copies_dropped,
+            # dropped_bytes)
             floor = floor_ms(st.offloaded_bytes, st.offloaded_bytes, link)
             row.update(offloaded_bytes=st.offloaded_bytes, to_host_bytes=st.stored_bytes,
                        to_device_bytes=st.fetched_bytes, offloaded_tensors=st.offloaded,
-                       copies_dropped=st.copies_dropped, kept=dict(st.kept), floor_ms=round(floor, 3),
-                       step_over_floor=ratio(row["step_ms"], floor))
+                       copies_dropped=st.copies_dropped, dropped_bytes=st.dropped_bytes, kept=dict(st.kept),
+                       floor_ms=round(floor, 3), step_over_floor=ratio(row["step_ms"], floor))
         rows[name] = row
     return {"workload": dataclasses.asdict(w), "rows": rows}
 
@@ -312,8 +306,7 @@ def pool_stats(session: object) -> dict[str, int]:
     session.synchronize()
     node = session.mover.request("STATS").result(timeout=10)["node"]
     pool = session.backend.pool
-    return {"pool_bytes": pool.size, "peak_bytes": node["peak"],
-            "page_locked_bytes": sum(n for _, n in pool.cuda_ranges)}
+    return {"pool_bytes": pool.size, "peak_bytes": node["peak"], "page_locked_bytes": pool.page_locked_bytes}
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -350,19 +343,15 @@ def chosen(a: argparse.Namespace) -> list[Workload | Llama]:
 
 # The node: one stormd, a torchrun per rank count
 
-def start(workdir: Path, pool_size: str, profile: Path | None) -> tuple[subprocess.Popen, str, Path]:
-    """A stormd logging to a file, under cProfile with --profile: the process, its endpoint and its log."""
-    log = workdir / "stormd.log"
-    if profile is None:
-        return (*start_daemon(workdir, pool_size, log=log), log)
-    # stormd.launch.popen_stormd runs `python -m stormd` and takes no interpreter options
-    sock, parent = workdir / "run" / "stormd.sock", os.getpid()
-    with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "cProfile", "-o", str(profile / "stormd.prof"), "-m", "stormd",
-                                 "--socket", str(sock), "--pool-size", pool_size, "--no-metrics"],
-                                stdout=f, stderr=subprocess.STDOUT, preexec_fn=lambda: die_with_parent(parent))
-    wait_until_serving(proc, sock, log=log)
-    return proc, f"ipc://{sock}", log
+def start(workdir: Path, pool_size: str, profile: Path | None) -> tuple[subprocess.Popen, str, dict]:
+    """A stormd logging to workdir/stormd.log, under cProfile with --profile: the process, its
+    endpoint, and what its STATUS says of its start: the seconds from its process start to serving,
+    the bytes it page-locked and the seconds that took (None where it locked none)."""
+    profiler = ["-m", "cProfile", "-o", str(profile / "stormd.prof")] if profile is not None else []
+    proc, endpoint = start_daemon(workdir, pool_size, log=workdir / "stormd.log", python_args=profiler)
+    status = request(endpoint, "STATUS", timeout=30)
+    return proc, endpoint, {"start_s": status["startup_s"], "page_lock_s": status["page_lock_s"],
+                            "page_locked_bytes": status["node"]["page_locked_bytes"]}
 
 
 def launch(a: argparse.Namespace, nproc: int, endpoint: str, tmp: str) -> list[dict]:
@@ -430,24 +419,19 @@ def main() -> int:
                "peer_access": a.device == "cuda" and torch.cuda.device_count() > 1
                and torch.cuda.can_device_access_peer(0, 1), "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        proc, endpoint, log = start(Path(tmp), pool, profile)
-        started = time.perf_counter() - t0
+        proc, endpoint, daemon = start(Path(tmp), pool, profile)
         try:
             ranks = {n: launch(a, n, endpoint, tmp) for n in a.ranks}
             daemon_locked = locked_kib(proc.pid)
         finally:
             stop_daemon(proc)
-        lock_s = daemon_page_lock_s(log.read_text())
         if profile is not None:
-            (profile / "stormd.log").write_text(log.read_text())
+            (profile / "stormd.log").write_text((Path(tmp) / "stormd.log").read_text())
             with (profile / "stormd-cprofile.txt").open("w") as f:
                 pstats.Stats(str(profile / "stormd.prof"), stream=f).sort_stats("tottime").print_stats(40)
-    results["daemon"] = {"start_s": round(started, 3), "page_lock_s": lock_s, "proc_status_kB": daemon_locked}
+    results["daemon"] = {**daemon, "proc_status_kB": daemon_locked}
     for n, rows in ranks.items():
-        pool_bytes = rows[0]["pools"]["daemon"]["pool_bytes"]
-        results["runs"][str(n)] = summarize_launch(rows, {"start_s": round(started, 3), "page_lock_s": lock_s,
-                                                          "page_locked_bytes": pool_bytes if lock_s is not None else 0})
+        results["runs"][str(n)] = summarize_launch(rows, daemon)
     ok = all(passed(run) for run in results["runs"].values())
     print(table(results))
     if a.out:

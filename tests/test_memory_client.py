@@ -74,6 +74,7 @@ def test_saves_backward_took_before_the_mover_reached_them_take_no_pool_space():
             assert ctx.stats.offloaded == 4
             loss.backward()
             assert ctx.stats.copies_dropped == 4
+            assert ctx.stats.dropped_bytes == ctx.stats.offloaded_bytes > 0  # every save dropped, in bytes
             node = store.node_stats()
             assert (node["keys"], node["used"]) == (0, 0), \
                 f"after step {step}: the store holds {node['keys']} keys of {node['used']} bytes"

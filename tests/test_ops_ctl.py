@@ -41,16 +41,32 @@ def test_a_wide_terminal_gets_rich_table():
     assert "trainer-rank-0" in text and "…" not in text
 
 
+# a STATUS reply as a stormd of before its start-up and page-lock figures sent it
+OLDER_STATUS = {"server": "stormd 1", "draining": False, "uptime_s": 3.0,
+                "node": {"clients": 1, "used": 1 << 20, "capacity": 1 << 30, "peak": 2 << 20, "keys": 1,
+                         "fragmentation": 0.0, "free_extents": 1, "errors": {"POOL_FULL": 2}},
+                "traffic": {"puts": 1, "bytes_in": 1 << 20, "gets": 0, "bytes_out": 0}}
+
+
 def test_a_client_without_a_name_shows_a_dash_and_status_prints_plain_when_piped():
     report = ctl.clients_report({"clients": [{**CLIENT, "name": ""}]}, "ipc:///s")
     assert report.rows[0][1] == "-"
-    status = {"server": "stormd 1", "draining": False, "uptime_s": 3.0,
-              "node": {"clients": 1, "used": 1 << 20, "capacity": 1 << 30, "peak": 2 << 20, "keys": 1,
-                       "fragmentation": 0.0, "free_extents": 1, "errors": {"POOL_FULL": 2}},
-              "traffic": {"puts": 1, "bytes_in": 1 << 20, "gets": 0, "bytes_out": 0}}
-    text = printed(ctl.status_report(status, "ipc:///s"), terminal=False, width=20)
+    text = printed(ctl.status_report(OLDER_STATUS, "ipc:///s"), terminal=False, width=20)
     assert "pool used      1.0 MiB of 1GiB (0.1%), peak 2.0 MiB" in text
     assert "errors         POOL_FULL 2" in text
+
+
+def test_status_prints_the_start_up_and_the_page_locked_pool_where_stormd_says_them():
+    cuda = {**OLDER_STATUS, "startup_s": 4.25, "page_lock_s": 1.5,
+            "node": {**OLDER_STATUS["node"], "page_locked_bytes": 1 << 30}}
+    text = printed(ctl.status_report(cuda, "ipc:///s"), terminal=False, width=20)
+    assert "started in     4.25 s (process start to serving)" in text
+    assert "page-locked    1024.0 MiB at start, in 1.50 s" in text
+    cpu = {**cuda, "page_lock_s": None, "node": {**cuda["node"], "page_locked_bytes": 0}}
+    text = printed(ctl.status_report(cpu, "ipc:///s"), terminal=False, width=20)
+    assert "page-locked    0.0 MiB (stormd makes no CUDA copies)" in text
+    text = printed(ctl.status_report(OLDER_STATUS, "ipc:///s"), terminal=False, width=20)
+    assert "started in" not in text and "page-locked" not in text  # an older stormd says neither
 
 
 @pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf"])

@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from test_daemon import read_extent, store
@@ -157,6 +158,10 @@ def test_metrics_endpoint_counts_exactly_the_traffic_sent(tmp_path):
         assert m[("stormd_bytes_out_total", ())] == 1000 + 2048
         assert m[("stormd_clients", ())] == 1 and m[("stormd_keys", ())] == 4
         assert m[("stormd_pool_capacity_bytes", ())] == 1 << 20
+        status = RawClient(d.endpoint).call("STATUS")  # an admin verb: no session
+        assert m[("stormd_startup_seconds", ())] == status["startup_s"] > 0
+        assert m[("stormd_pool_page_locked_bytes", ())] == status["node"]["page_locked_bytes"]
+        assert m[("stormd_pool_page_lock_seconds", ())] == (status["page_lock_s"] or 0)
         assert sum(sizes) <= m[("stormd_pool_used_bytes", ())] <= sum(sizes) + 4 * 256  # extents are aligned
         errors = {dict(k[1])["code"]: v for k, v in m.items() if k[0] == "stormd_errors_total"}
         assert errors == {**{code: 0 for code in ALL_ERROR_CODES}, "NOT_FOUND": 3, "BAD_MESSAGE": 1,
@@ -210,6 +215,34 @@ def test_stormctl_status_stats_ping_and_drain(tmp_path):
         assert d.proc.wait(5) == 0
         gone = ctl(d, "ping", "--timeout", "0.3")
         assert gone.returncode == 1 and f"no stormd answered at {d.endpoint}" in gone.stderr
+    finally:
+        stop_daemon(d)
+
+
+CLOCK_TICK_S = 0.01  # the resolution of a process's start time in /proc (USER_HZ, 100 on Linux)
+
+
+def test_status_and_stormctl_say_how_long_stormd_took_to_serve_and_what_it_page_locked(tmp_path):
+    """Issue 54: what the daemon buys, from the daemon itself (STATUS), not from its log."""
+    before = time.monotonic()
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics")
+    waited = time.monotonic() - before
+    try:
+        status = json.loads(ctl(d, "--json", "status").stdout)
+        # from its process's start to serving: after this test's Popen, before its socket answered
+        assert 0 < status["startup_s"] <= waited + CLOCK_TICK_S, (status["startup_s"], waited)
+        assert f"startup_s={status['startup_s']}" in wait_for_log(d, r"stormd ready.*").group(0)
+        if torch.cuda.is_available():  # cuda_ipc (on by default): stormd locks its whole pool at start
+            assert status["node"]["page_locked_bytes"] == 1 << 20 and status["page_lock_s"] >= 0
+        else:  # no GPU in sight: stormd copies no CUDA memory and locks nothing
+            assert status["node"]["page_locked_bytes"] == 0 and status["page_lock_s"] is None
+        stats = RawClient(d.endpoint)  # STATS, which clients ask, carries the pool's figure too
+        stats.hello()
+        assert stats.call("STATS")["node"]["page_locked_bytes"] == status["node"]["page_locked_bytes"]
+        table = ctl(d, "status").stdout
+        assert re.search(rf"started in +{status['startup_s']:.2f} s \(process start to serving\)", table), table
+        locked = "1.0 MiB at start, in " if torch.cuda.is_available() else "0.0 MiB (stormd makes no CUDA copies)"
+        assert re.search(rf"page-locked +{re.escape(locked)}", table), table
     finally:
         stop_daemon(d)
 

@@ -4,6 +4,8 @@ of the test's own (SpillIO) failed."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from test_faults_spill import FailingDisk
 
@@ -65,4 +67,26 @@ def test_failed_spill_writes_and_reads_are_exported_with_every_node_counter(spil
             assert metrics.registry.get_sample_value(metric) == node[field], metric
     finally:
         store.close()
+        pool.close()
+
+
+def test_the_page_locked_pool_and_the_start_up_are_gauges():
+    """Issue 54: what the daemon page-locked (what register_pool recorded of the pool), how long that
+    took (0: stormd makes no CUDA copies, nothing locked) and how long its start took (NaN until it serves)."""
+    pool = SharedPool.anonymous(64 * KIB)
+    service = Service(pool)
+    metrics = Metrics(service)
+    try:
+        def gauge(name: str) -> float | None:
+            return metrics.registry.get_sample_value(name)
+
+        assert gauge("stormd_pool_page_locked_bytes") == 0 and gauge("stormd_pool_page_lock_seconds") == 0
+        assert math.isnan(gauge("stormd_startup_seconds"))
+        service.startup_s = 2.5
+        pool.cuda_ranges.append((0, 64 * KIB))  # as a cudaHostRegister of the whole pool records it
+        assert gauge("stormd_startup_seconds") == 2.5
+        assert gauge("stormd_pool_page_locked_bytes") == 64 * KIB == service.node_stats()["page_locked_bytes"]
+    finally:
+        pool.cuda_ranges.clear()
+        service.store.close()
         pool.close()

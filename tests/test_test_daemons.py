@@ -7,6 +7,7 @@ without metrics."""
 from __future__ import annotations
 
 import os
+import pstats
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from test_ops_daemon import wait_for_log
 
 from conftest import start_daemon, stop_daemon, stop_process
+from helpers import RawClient
 from stormd.launch import start_stormd
 from stormd.wire.endpoint import socket_is_live
 
@@ -91,3 +93,20 @@ def test_a_daemon_that_exits_before_answering_is_reported_with_its_output(tmp_pa
     log = tmp_path / "stormd.log"
     with pytest.raises(RuntimeError, match=r"stormd exited with \d+: (?s:.*)pool-size"):
         start_stormd(tmp_path, "not-a-size", log=log)
+
+
+def test_python_args_run_stormd_under_a_profiler_that_writes_its_stats_when_stormd_drains(tmp_path):
+    """What bench/ddp.py --profile starts: ``python -m cProfile -o FILE -m stormd ...``, a job's daemon
+    like any other (socket, no metrics, dying with its parent), whose profile is there once it exits."""
+    prof, log = tmp_path / "stormd.prof", tmp_path / "stormd.log"
+    proc, endpoint = start_stormd(tmp_path, "1MiB", log=log, python_args=["-m", "cProfile", "-o", str(prof)])
+    try:
+        assert RawClient(endpoint, timeout_ms=int(DEADLINE_S * 1000)).call("PING")["ok"]
+        assert "metrics=off" in log.read_text(), log.read_text()
+        proc.terminate()  # a drain: stormd returns from main, and cProfile writes its file
+        assert proc.wait(DEADLINE_S) == 0, log.read_text()
+    finally:
+        stop_process(proc)
+    profiled = pstats.Stats(str(prof)).stats  # (file, line, function) -> its figures
+    assert any(path.endswith(os.path.join("stormd", "main.py")) and name == "_serve"
+               for path, _, name in profiled), sorted(profiled)[:20]

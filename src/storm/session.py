@@ -284,7 +284,7 @@ class ClientSession:
             if stored.state == State.HELD:  # backward took it from its tensor, or its graph went
                 if not stored.copy_in.cancel():
                     continue  # its copy has begun: freed once it is done (_release)
-                stored.step.stats.record(stored.layer, copies_dropped=1)
+                stored.step.stats.record(stored.layer, copies_dropped=1, dropped_bytes=stored.nbytes)
             frees.extend(self._forget(stored))
         return frees
 

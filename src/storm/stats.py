@@ -20,6 +20,7 @@ class Counters:
     fetch_wait_s: float = 0.0      # time unpack waited for bytes that were not there yet
     frame_overflows: int = 0       # CUDA tensors whose frame had too many escapes: stored again, raw
     copies_dropped: int = 0        # offloaded saves backward took from their tensor before the mover began their copy
+    dropped_bytes: int = 0         # their bytes, in offloaded_bytes but never copied to host or back
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """``stormctl``: ask a running stormd how it is doing, or tell it to drain.
 
-    stormctl status            # pool, clients, traffic, errors
+    stormctl status            # pool, page-locked memory, start-up, clients, traffic, errors
     stormctl stats             # one row per connected client
     stormctl ping              # round-trip time
     stormctl drain             # refuse new tensors, exit once clients hold none
@@ -127,6 +127,7 @@ def status_report(reply: dict[str, Any], endpoint: str) -> Report:
     state = "draining" if reply["draining"] else "serving"
     rows = [
         ["server", reply["server"]], ["state", state], ["uptime", f"{reply['uptime_s']:.0f} s"],
+        *start_rows(reply),
         ["clients", str(node["clients"])],
         ["pool used", (f"{_mib(node['used'])} of {format_size(node['capacity'])} "
                        f"({100 * node['used'] / node['capacity']:.1f}%), peak {_mib(node['peak'])}")],
@@ -137,6 +138,19 @@ def status_report(reply: dict[str, Any], endpoint: str) -> Report:
         ["errors", ", ".join(f"{k} {v}" for k, v in sorted(node["errors"].items())) or "none"],
     ]
     return Report(f"stormd at {endpoint}", ["what", "value"], rows, header=False)
+
+
+def start_rows(reply: dict[str, Any]) -> list[list[str]]:
+    """What stormd's start took and what it page-locked; an older stormd of the same protocol says
+    neither, and its rows are left out."""
+    rows = []
+    if reply.get("startup_s") is not None:
+        rows.append(["started in", f"{reply['startup_s']:.2f} s (process start to serving)"])
+    if "page_locked_bytes" in reply["node"]:
+        lock_s = reply.get("page_lock_s")
+        how = f"at start, in {lock_s:.2f} s" if lock_s is not None else "(stormd makes no CUDA copies)"
+        rows.append(["page-locked", f"{_mib(reply['node']['page_locked_bytes'])} {how}"])
+    return rows
 
 
 def clients_report(reply: dict[str, Any], endpoint: str) -> Report:

@@ -1,5 +1,6 @@
-"""Start a stormd child process for this job: ``python -m stormd`` dying with the process that
-started it, serving no metrics unless asked, and waited for until its socket answers.
+"""Start a stormd child process for this job: ``python -m stormd`` (under a profiler where asked),
+dying with the process that started it, serving no metrics unless asked, and waited for until its
+socket answers.
 
 Tests, benchmarks and any program that runs its own daemon for one job start it here. It knows
 the daemon only by its command line and its socket, not by its internals.
@@ -35,15 +36,17 @@ def die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def popen_stormd(args: Sequence[str], **popen: object) -> subprocess.Popen:
-    """``python -m stormd *args``, dying with this process (die_with_parent). It serves
+def popen_stormd(args: Sequence[str], python_args: Sequence[str] = (), **popen: object) -> subprocess.Popen:
+    """``python *python_args -m stormd *args``, dying with this process (die_with_parent). It serves
     no metrics unless ``args`` asks (--metrics; --metrics-port 0 for any free port), whatever a
-    config file or $STORMD_METRICS says: the default port belongs to the node's real stormd."""
+    config file or $STORMD_METRICS says: the default port belongs to the node's real stormd.
+    ``python_args``: the interpreter's own options, or a module that runs stormd in turn, such as a
+    profiler (``-m cProfile -o FILE``: written when stormd exits, a drain included)."""
     args = list(args)
     if not METRICS_FLAGS & {a.split("=")[0] for a in args}:
         args.append("--no-metrics")
     parent = os.getpid()
-    return subprocess.Popen([sys.executable, "-m", "stormd", *args],
+    return subprocess.Popen([sys.executable, *python_args, "-m", "stormd", *args],
                             preexec_fn=lambda: die_with_parent(parent), **popen)
 
 
@@ -65,13 +68,14 @@ def wait_until_serving(proc: subprocess.Popen, socket: Path, timeout: float = ST
 
 
 def start_stormd(workdir: Path, pool_size: str, *flags: str, log: Path | None = None,
-                 timeout: float = START_TIMEOUT_S, **popen: object) -> tuple[subprocess.Popen, str]:
-    """A stormd (popen_stormd) with its socket under ``workdir`` and a pool of ``pool_size``;
-    returns the process and its endpoint once it answers. ``log``: a file for its output
-    (default: this process's)."""
+                 timeout: float = START_TIMEOUT_S, python_args: Sequence[str] = (),
+                 **popen: object) -> tuple[subprocess.Popen, str]:
+    """A stormd (popen_stormd, ``python_args`` included) with its socket under ``workdir`` and a pool
+    of ``pool_size``; returns the process and its endpoint once it answers. ``log``: a file for its
+    output (default: this process's)."""
     sock = workdir / "run" / "stormd.sock"
     if log is not None:
         popen = {"stdout": log.open("w"), "stderr": subprocess.STDOUT, **popen}
-    proc = popen_stormd(["--socket", str(sock), "--pool-size", pool_size, *flags], **popen)
+    proc = popen_stormd(["--socket", str(sock), "--pool-size", pool_size, *flags], python_args, **popen)
     wait_until_serving(proc, sock, timeout, log)
     return proc, f"ipc://{sock}"

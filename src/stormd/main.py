@@ -18,8 +18,11 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 import zmq
 
@@ -55,6 +58,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[DaemonConfig, bool]:
         p.error(str(e))
 
 
+def seconds_since_start() -> float | None:
+    """Seconds since this process started, the interpreter's start and imports included (torch's, for
+    the CUDA copier, is much of a daemon's start): /proc/self/stat's start time, in clock ticks since
+    boot, against CLOCK_BOOTTIME, to the tick. None where there is no such file to read."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+    except OSError:
+        return None
+    ticks = int(stat.rpartition(")")[2].split()[19])  # field 22; the split starts at field 3, after the name
+    return round(time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"), 3)
+
+
 def status_line(service: Service) -> str:
     node = service.store.node_stats()
     used = f"pool {format_size(node['used'])} of {format_size(node['capacity'])} used, {node['keys']} tensors"
@@ -79,8 +94,9 @@ async def run(config: DaemonConfig, notifier: Notifier | None = None) -> None:
         server.bind()
         http, metrics_url = await _start_metrics(metrics, config) if metrics else (None, "off")
         try:
+            service.startup_s = seconds_since_start()
             log.info("stormd ready", extra={"socket": config.socket, "pool_bytes": pool.size, "pool": pool.path,
-                                            "metrics": metrics_url})
+                                            "metrics": metrics_url, "startup_s": service.startup_s})
             await _serve(server, service, config, notifier, error_log)
         finally:
             if http is not None:

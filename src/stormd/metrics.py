@@ -92,6 +92,12 @@ class _ServiceCollector:
         yield _gauge("stormd_pool_used_bytes", "Bytes of the pool in extents now", node["used"])
         yield _gauge("stormd_pool_peak_used_bytes", "Most bytes of the pool in extents at once", node["peak"])
         yield _gauge("stormd_pool_fragmentation", "1 - largest free extent / free bytes", node["fragmentation"])
+        yield _gauge("stormd_pool_page_locked_bytes", "Bytes of the pool stormd page-locked for CUDA copies (0: none)",
+                     s.pool.page_locked_bytes)
+        yield _gauge("stormd_pool_page_lock_seconds", "Seconds page-locking the pool took at start (0: none locked)",
+                     s.page_lock_s or 0.0)
+        yield _gauge("stormd_startup_seconds", "Seconds from the process's start to serving (NaN before it serves)",
+                     math.nan if s.startup_s is None else s.startup_s)
         yield _gauge("stormd_pool_free_extents", "Free extents of the pool", node["free_extents"])
         yield _gauge("stormd_pool_largest_free_bytes", "The largest free extent of the pool", node["largest_free"])
         yield _gauge("stormd_spill_capacity_bytes", "Size of the spill file (0: spill off)", node["spill_capacity"])

@@ -82,6 +82,9 @@ class Service:
         self.errors: dict[str, int] = {}
         self.traffic = Traffic()
         self.started = time.time()
+        # seconds from the daemon's process start to serving, set once it serves (stormd/main.py); the
+        # embedded store has no start of its own to report
+        self.startup_s: float | None = None
         # The daemon logs error replies (rate-limited); the embedded store in a
         # training process passes none, so storm.offload() stays silent.
         self.error_log = error_log
@@ -265,7 +268,14 @@ class Service:
 
     def node_stats(self) -> dict[str, Any]:
         return {**self.store.node_stats(), "clients": len(self.sessions), "errors": dict(self.errors),
-                "cuda_segments": self.cuda.open_segments() if self.cuda is not None else 0}
+                "cuda_segments": self.cuda.open_segments() if self.cuda is not None else 0,
+                "page_locked_bytes": self.pool.page_locked_bytes}
+
+    @property
+    def page_lock_s(self) -> float | None:
+        """Seconds the daemon took to page-lock its pool at start; None where it page-locked none
+        (no CUDA copies of its own: clients page-lock what they copy themselves)."""
+        return self.cuda.page_lock_s if self.cuda is not None else None
 
     def start_draining(self, reason: str) -> None:
         """Refuse new PUTs and HELLOs from now on; GETs, FREEs and BYEs are still answered."""
@@ -287,7 +297,8 @@ class Service:
         if req.op == "CLIENTS":
             return self._clients(req.id)
         return ok(req.id, server=SERVER_NAME, version=PROTOCOL_VERSION, uptime_s=round(time.time() - self.started, 3),
-                  draining=self.draining, traffic=vars(self.traffic).copy(), node=self.node_stats())
+                  startup_s=self.startup_s, page_lock_s=self.page_lock_s, draining=self.draining,
+                  traffic=vars(self.traffic).copy(), node=self.node_stats())
 
     def _clients(self, rid: int) -> dict[str, Any]:
         """One row per session, those holding the most bytes first, as many as fit in

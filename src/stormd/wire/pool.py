@@ -99,6 +99,11 @@ class SharedPool:
             raise PoolError(f"cannot map {reserve} bytes of address space for the pool: {e.strerror}") from None
         return cls(mapping, size, None, owner=False)
 
+    @property
+    def page_locked_bytes(self) -> int:
+        """The bytes of the pool this process has page-locked for CUDA copies (0: none)."""
+        return sum(n for _, n in self.cuda_ranges)
+
     def grow(self, size: int) -> None:
         """Extend the pool in place to ``size`` bytes, within the address space it reserved."""
         if not self.size <= size <= self.reserved:

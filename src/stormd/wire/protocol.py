@@ -56,6 +56,9 @@ STATS  -> session:{...} node:{...}
                 spill_capacity spilled_bytes spilled_total read_back_total read_back_on_get
                 prefetched spill_write_errors spill_read_errors plan_hits plan_misses clients errors
                 cuda_segments (clients' GPU memory segments the daemon has open through CUDA IPC)
+                page_locked_bytes (bytes of the pool the store's process page-locked for CUDA
+                copies: stormd's at start where it copies CUDA memory itself, else 0; the
+                embedded store's, what its training process locked for its own copies)
 PING   -> time:float draining?:{reason:str since:float}
                             (session and token optional; refreshes the heartbeat. ``draining``
                              while the daemon drains: ``reason`` the signal or "DRAIN request",
@@ -84,11 +87,19 @@ Admin verbs (``stormctl``), without session or token: whoever can open the
 socket (mode 0600, the daemon's user) may run them.
 
 STATUS -> server:str version:int uptime_s:float draining:bool traffic:{...} node:{...}
+          startup_s:float|nil   (seconds from the daemon's process start to serving; nil where unknown)
+          page_lock_s:float|nil (seconds page-locking the pool took at start; nil: the daemon
+                                 page-locked none, node.page_locked_bytes 0)
 CLIENTS -> clients:[{session pid host connected_s idle_s keys puts gets bytes_in bytes_out ...}] total:int
                             (those holding the most bytes first, as many as fit in a message of
                              MAX_MESSAGE_BYTES; total counts every session)
 DRAIN  -> as STATUS         (refuse PUT and HELLO from now on; the daemon exits when
                              clients hold nothing more or its drain deadline passes)
+
+A reply may carry keys a client does not know, and a client reads the ones it knows by name, so
+a key added to a reply needs no new PROTOCOL_VERSION (STATUS' startup_s and page_lock_s and STATS'
+page_locked_bytes came so); readers of a newer key take its absence as an older daemon's. A
+request's fields are checked exactly, so a field added there does.
 
 ``nbytes`` counts the bytes of the whole storage the tensor views; ``shape``,
 ``strides`` (in elements) and ``storage_offset`` place the saved view in it: at most
