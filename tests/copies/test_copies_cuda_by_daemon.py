@@ -69,6 +69,19 @@ def test_a_put_of_a_tensor_still_being_made_is_sent_by_the_worker_once_it_is_rea
     assert put.result().nbytes == 4096 and ready.synchronized and [op for op, _ in store.sent] == ["PUT"]
 
 
+def test_the_worker_sends_the_next_put_without_waiting_for_a_reply(worker):
+    """Puts of tensors still being made go out one after the other as each is ready: none waits for
+    the reply to the one before, which lands later, on whichever thread the reply comes."""
+    store = FakeStore(cuda_devices=frozenset({"GPU-served"}), later=True)
+    copies = handler(store, worker)
+    copies.serves(GPU)
+    puts = [copies.put(request(FakeEvent(fired=False))) for _ in range(3)]
+    worker.submit(lambda: None).result(timeout=120)  # the worker has had its turn at all three
+    assert [op for op, _ in store.sent] == ["PUT"] * 3 and not any(p.future.done() for p in puts)
+    store.answer()
+    assert all(p.result().nbytes == 4096 and p.error() is None for p in puts)
+
+
 def test_a_refused_put_is_its_copys_error(worker):
     store = FakeStore(cuda_devices=frozenset({"GPU-served"}), refuse="POOL_FULL")
     copies = handler(store, worker)

@@ -112,6 +112,33 @@ class Copy:
         return cls(out, cancellable=cancellable)
 
     @classmethod
+    def sent_on(cls, worker: Executor, backend: Backend, op: str, send: Callable[[], Future | Resolved],
+                finish: Callable[[dict[str, Any]], Landed]) -> "Copy":
+        """An ``op`` request to ``backend`` that ``send()`` makes on ``worker`` (which waits there first
+        for what it needs), landed by ``finish`` from its reply as from_reply's: the worker does not
+        wait for the reply, so the requests it sends one after the other are in flight together."""
+        out: Future = Future()
+
+        def land(reply: Future | Resolved) -> None:
+            try:
+                out.set_result(finish(reply.result()))
+            except Exception as e:  # noqa: BLE001 - the copy holds it
+                out.set_exception(detached(e))
+
+        def run() -> None:
+            if not out.set_running_or_notify_cancel():
+                return
+            try:
+                reply = send()
+            except BaseException as e:  # noqa: BLE001 - the copy holds it; the worker goes on
+                out.set_exception(detached(e))
+                return
+            reply.add_done_callback(land)
+
+        worker.submit(run)
+        return cls(out, late=f"{backend.name} did not answer {op} within {REQUEST_TIMEOUT:g} s")
+
+    @classmethod
     def from_reply(cls, backend: Backend, op: str, reply: Future | Resolved,
                    finish: Callable[[dict[str, Any]], Landed]) -> "Copy":
         """Landed by ``finish`` from a store's reply's fields, on whichever thread the reply lands

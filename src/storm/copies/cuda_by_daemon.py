@@ -6,16 +6,17 @@ IPC handle, with an interprocess ready event; stormd queues the copy on its
 own streams and records the request's interprocess done event, which the Copy
 holds, read off the reply without the worker. stormd seals the key itself once
 its copy has finished, so no SEAL is sent. A PUT whose tensor the GPU has not
-finished yet is sent by the worker once it has: stormd's copy stream never
-waits on another process's event, since such waits held back the copies of
-every client behind it. The mover exports the tensor's memory when it routes
-the save (``export``): memory that cannot be exported (expandable_segments)
-raises NotExportable there, and the save takes cuda_to_pool instead.
+finished yet is sent by the worker once it has (the worker waits for the GPU,
+not for the reply): stormd's copy stream never waits on another process's
+event, since such waits held back the copies of every client behind it. The
+mover exports the tensor's memory when it routes the save (``export``): memory
+that cannot be exported (expandable_segments) raises NotExportable there, and
+the save takes cuda_to_pool instead.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any, Callable
 
 import torch
@@ -25,7 +26,8 @@ from stormd.wire.cuda import device_uuid
 from ..backend import Backend
 from ..errors import StormIntegrityError
 from ..gpu import DeviceStreams, IpcEvent, export, ipc_event
-from .base import Copy, CopyHandler, Landed, PutRequest, wait_reply
+from ..replies import Resolved
+from .base import Copy, CopyHandler, Landed, PutRequest
 
 
 class CudaByDaemon(CopyHandler):
@@ -67,21 +69,21 @@ class CudaByDaemon(CopyHandler):
         cuda = {"handle": handle, "offset": offset, "device": self._uuids[device.index], "ready": req.ready.wire,
                 "done": done.wire}
         landed = Landed(nbytes=fields["nbytes"], event=done)
+        def send() -> Future | Resolved:
+            return self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta, cuda=cuda)
+
         if not req.ready.query():
             # stormd's copy stream would wait on this process's event, and such waits held its copies back
-            # (module docstring): the worker sends the PUT once the tensor is complete
-            return Copy.on(self.worker, self._put_when_ready, req, fields, cuda, landed)
-        reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta, cuda=cuda)
-        return Copy.from_reply(self.backend, "PUT", reply, lambda _: landed)  # stormd has queued the copy
+            # (module docstring): the worker sends the PUT once the tensor is complete, and goes on to the
+            # next without waiting for the reply
+            def when_ready() -> Future | Resolved:
+                req.ready.synchronize()  # the runtime lets go of the GIL while it waits
+                return send()
+            return Copy.sent_on(self.worker, self.backend, "PUT", when_ready, lambda _: landed)
+        return Copy.from_reply(self.backend, "PUT", send(), lambda _: landed)  # stormd has queued the copy
 
     def settle(self, key: int, landed: Landed) -> None:
         """Nothing: stormd seals what it copies, once its copy has finished."""
-
-    def _put_when_ready(self, req: PutRequest, fields: dict[str, Any], cuda: dict[str, Any], landed: Landed) -> Landed:
-        req.ready.synchronize()  # the runtime lets go of the GIL while it waits
-        wait_reply(self.backend, "PUT", self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta,
-                                                             cuda=cuda))
-        return landed  # stormd has queued the copy; its ``done`` event fires when it is over
 
     def get(self, key: int, nbytes: int, device: torch.device, verify: bool = True) -> Copy:
         """stormd copies the stored bytes into a buffer this process allocated (after the put, which
