@@ -24,6 +24,7 @@ from .errors import (
 from .hooks import Offload, offload
 from .planner import Planner, plan
 from .policy import Keep
+from .sac import checkpoint_policy
 from .session import close_all, session_for
 from .stats import OffloadStats
 
@@ -55,6 +56,6 @@ def stats(mode: str = "auto", socket: str | None = None) -> dict[str, Any]:
     return {"store": session.describe(), "session": reply["session"], "node": reply["node"]}
 
 
-__all__ = ["offload", "Offload", "plan", "Planner", "enable", "Enabled", "partitioner", "OffloadStats", "Keep", "stats",
-           "close_all", "StormError", "StormUnavailable", "StormUntrusted", "StormInPlaceError", "StormIntegrityError",
-           "StormRequestError", "__version__"]
+__all__ = ["offload", "Offload", "plan", "Planner", "enable", "Enabled", "partitioner", "checkpoint_policy",
+           "OffloadStats", "Keep", "stats", "close_all", "StormError", "StormUnavailable", "StormUntrusted",
+           "StormInPlaceError", "StormIntegrityError", "StormRequestError", "__version__"]
