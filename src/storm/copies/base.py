@@ -119,12 +119,6 @@ class Copy:
         wait for the reply, so the requests it sends one after the other are in flight together."""
         out: Future = Future()
 
-        def land(reply: Future | Resolved) -> None:
-            try:
-                out.set_result(finish(reply.result()))
-            except Exception as e:  # noqa: BLE001 - the copy holds it
-                out.set_exception(detached(e))
-
         def run() -> None:
             if not out.set_running_or_notify_cancel():
                 return
@@ -133,10 +127,10 @@ class Copy:
             except BaseException as e:  # noqa: BLE001 - the copy holds it; the worker goes on
                 out.set_exception(detached(e))
                 return
-            reply.add_done_callback(land)
+            reply.add_done_callback(_landing(out, finish))
 
         worker.submit(run)
-        return cls(out, late=f"{backend.name} did not answer {op} within {REQUEST_TIMEOUT:g} s")
+        return cls(out, late=_late(backend, op))
 
     @classmethod
     def from_reply(cls, backend: Backend, op: str, reply: Future | Resolved,
@@ -148,15 +142,8 @@ class Copy:
         if isinstance(reply, Resolved):
             return cls.now(lambda: finish(reply.result()))
         out: Future = Future()
-
-        def landed(r: Future) -> None:
-            try:
-                out.set_result(finish(r.result()))
-            except Exception as e:  # noqa: BLE001 - the copy holds it
-                out.set_exception(detached(e))
-
-        reply.add_done_callback(landed)
-        return cls(out, late=f"{backend.name} did not answer {op} within {REQUEST_TIMEOUT:g} s")
+        reply.add_done_callback(_landing(out, finish))
+        return cls(out, late=_late(backend, op))
 
     def _exception(self) -> BaseException | None:
         try:
@@ -214,6 +201,22 @@ class CopyHandler(abc.ABC):
         store what it must hear, if anything: each handler seals what it copies."""
 
 
+def _landing(out: Future, finish: Callable[[dict[str, Any]], Landed]) -> Callable[[Future | Resolved], None]:
+    """A reply's done-callback that lands ``out`` by ``finish`` from the reply's fields, or holds the
+    error (the store's, or finish's) detached."""
+    def land(reply: Future | Resolved) -> None:
+        try:
+            out.set_result(finish(reply.result()))
+        except Exception as e:  # noqa: BLE001 - the copy holds it
+            out.set_exception(detached(e))
+    return land
+
+
+def _late(backend: Backend, op: str) -> str:
+    """What a copy says when ``backend`` has not answered its ``op`` within REQUEST_TIMEOUT."""
+    return f"{backend.name} did not answer {op} within {REQUEST_TIMEOUT:g} s"
+
+
 def detached(e: BaseException) -> BaseException:
     """``e``, to hold, without its traceback, whose frames are cleared too. Held with its traceback,
     the frames link through ``f_back`` to the callers' (the pack hook's, the model's forward with
@@ -237,7 +240,7 @@ def wait_reply(backend: Backend, op: str, reply: Future | Resolved) -> dict[str,
     try:
         return reply.result(REQUEST_TIMEOUT)
     except TimeoutError:
-        raise StormUnavailable(f"{backend.name} did not answer {op} within {REQUEST_TIMEOUT:g} s") from None
+        raise StormUnavailable(_late(backend, op)) from None
 
 
 def fetched_fields(backend: Backend, key: int, nbytes: int, fields: dict[str, Any]) -> dict[str, Any]:
