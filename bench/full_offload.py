@@ -19,12 +19,13 @@ Without CUDA it exits 2.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import statistics
 import sys
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from hf import HF
@@ -93,16 +94,27 @@ def step(model: torch.nn.Module, ids: torch.Tensor, method: str, device: torch.d
     return time.perf_counter() - t0, fwd, bwd
 
 
-def alive_at_peak(method: str, model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> dict:
-    """One step of ``method`` under the allocator's record: where its peak fell (forward or
-    backward, the event's index) and the bytes alive there, by the innermost frame outside torch."""
+def recorded(run: Callable[[], object]) -> list[dict]:
+    """The allocator's record (with Python frames) of what ``run()`` allocates and frees on this device."""
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     try:
-        step(model, ids, method, device)
-        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        run()
+        return torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    raw = [[e["action"], e["addr"], e["size"], e.get("stream"), where(e.get("frames", []))] for e in trace]
+
+
+def compact(trace: list[dict]) -> list[list]:
+    """A record's events as [action, address, bytes, stream, where], for the JSON."""
+    return [[e["action"], e["addr"], e["size"], e.get("stream"), where(e.get("frames", []))] for e in trace]
+
+
+def alive_at_peak(method: str, model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> dict:
+    """One step of ``method`` under the allocator's record: where its peak fell (the event's index)
+    and the bytes alive there, by the innermost frame outside torch. A block counts from its
+    allocation to its free's request, as the allocator's allocated bytes do (a block used on
+    another stream completes its free later, once that stream's work is done)."""
+    trace = recorded(lambda: step(model, ids, method, device))
     alive: dict[int, dict] = {}
     now = peak = peak_at = 0
     at_peak: list[dict] = []
@@ -110,17 +122,15 @@ def alive_at_peak(method: str, model: torch.nn.Module, ids: torch.Tensor, device
         if e["action"] == "alloc":
             alive[e["addr"]] = e
             now += e["size"]
-        elif e["action"] == "free_completed" and e["addr"] in alive:
+        elif e["action"] == "free_requested" and e["addr"] in alive:
             now -= alive.pop(e["addr"])["size"]
         if now > peak:
             peak, peak_at, at_peak = now, i, list(alive.values())
-    groups: dict[str, int] = {}
+    groups: collections.Counter[str] = collections.Counter()
     for e in at_peak:
-        groups[where(e.get("frames", []))] = groups.get(where(e.get("frames", [])), 0) + e["size"]
-    backward = any("backward" in f.get("name", "") for f in trace[peak_at].get("frames", []))
-    top = sorted(groups.items(), key=lambda kv: -kv[1])[:20]
-    return {"peak_MiB": round(peak / MiB, 1), "event": peak_at, "events": len(trace), "in_backward": backward,
-            "alive_MiB": {k: round(v / MiB, 1) for k, v in top}, "trace": raw}
+        groups[where(e.get("frames", []))] += e["size"]
+    return {"peak_MiB": round(peak / MiB, 1), "event": peak_at, "events": len(trace),
+            "alive_MiB": {k: round(v / MiB, 1) for k, v in groups.most_common(20)}, "trace": compact(trace)}
 
 
 def profiled(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> dict:
@@ -128,16 +138,10 @@ def profiled(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) ->
     under the allocator's record, started here: STORM reads it and leaves it running. The record's
     events, the profile's readings, marks and rises, and the room's limits."""
     storm.close_all()
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-    try:
-        for _ in range(2):
-            step(model, ids, "storm", device)
-        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+    trace = recorded(lambda: [step(model, ids, "storm", device) for _ in range(2)])
     room = storm.session_for("auto", None, None).copy_queue.room
     p = room.profile if room is not None else None
-    return {"events": [[e["action"], e["addr"], e["size"], e.get("stream"), where(e.get("frames", []))] for e in trace],
+    return {"events": compact(trace),
             "profile": p and {k: getattr(p, k) for k in ("sizes", "saves", "unpack_sizes", "unpacks", "marks",
                                                           "rises")},
             "room": room and {"floor": room.floor, "saves": room._saves, "between": room._between}}
