@@ -156,3 +156,36 @@ def test_closing_stops_the_record_of_a_step_still_profiling():
     queue.follow_room(step, stored.device, 10)
     queue.close()
     assert record.finished == 1
+
+
+def test_the_profiled_step_record_is_read_once_though_budget_steps_come_between():
+    """A budget step after the profiled one reads the record (so it stops); the full-offload step
+    after it makes the room from what was read, without reading (a user's record: snapshotting) again."""
+    from storm import allocator_record
+
+    class Record:
+        def __init__(self) -> None:
+            self.finished = 0
+
+        def start(self, device: torch.device) -> None:
+            pass
+
+        def mark(self, device: torch.device) -> int:
+            return 7
+
+        def finish(self, device: torch.device) -> list[dict]:
+            self.finished += 1
+            return [{"action": "alloc", "addr": 7, "size": allocator_record.MARK_BYTES, "stream": 0}]
+
+    queue, waited = queue_and_waits()
+    queue.record = record = Record()
+    queue.memory = lambda device: 100
+    step = Step(1, float("inf"), StepOptions())
+    queue.start_step(step)
+    stored, _ = save(queue, step, 10, waited)
+    queue.follow_room(step, stored.device, 10)
+    queue.start_step(Step(2, 1 << 20, StepOptions()))  # a budget: the room waits, the record is read
+    assert record.finished == 1 and step.profile.rises == [0]
+    after = Step(3, float("inf"), StepOptions())
+    queue.start_step(after)
+    assert record.finished == 1 and after.room is not None

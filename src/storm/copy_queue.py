@@ -47,7 +47,7 @@ class CopyQueue:
     def start_step(self, step: Step) -> None:
         """A full-offload step follows the room a profiled step found; with none yet, it is the one
         profiled (the step after a profile with saves makes its room)."""
-        if self.profiling is not None:
+        if self.profiling is not None and not self.profiling.rises:  # read once: past budget steps it waits
             self._read_record(self.profiling)
         if step.budget_bytes != float("inf"):
             return
