@@ -23,8 +23,11 @@ round 0's), and from the offload context's stats of its last step: offloaded_byt
 sent to the store), to_host_bytes and to_device_bytes (what landed there and what backward fetched:
 less where backward took a save back before its copy began: copies_dropped of dropped_bytes), and the link floor:
 offloaded_bytes out and back over the rank's pinned link measured with all ranks copying at once
-(link_together_GBps, to host and to device), floor_ms, and step_over_floor; and daemon_over_embedded
-(per rank, and their median).
+(link_together_GBps, to host and to device), floor_ms, and step_over_floor; pack_ms and fetch_wait_ms
+(the training thread's time offloading saves, and waiting for fetched bytes); daemon_over_embedded
+(per rank, and their median); and for the daemon row, daemon_loop: the share of the rows' wall time
+its event loop, which answers every rank in turn, spent answering (busy_fraction), the host time a
+request took there (us_per_request), and requests_per_step, every rank's, from its STATUS.
 
 What the daemon buys, per rank count:
   page_locked: host memory page-locked for CUDA copies (cudaHostRegister); nothing is on CPU.
@@ -52,6 +55,7 @@ import os
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before torch initialises CUDA
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import pstats  # noqa: E402
@@ -61,7 +65,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Callable  # noqa: E402
+from typing import Callable, Iterator  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -127,6 +131,8 @@ def summarize_launch(ranks: list[dict], daemon: dict) -> dict:
         rows = {row: per_rank([r["models"][name]["rows"][row] for r in ranks]) for row in ROWS}
         for row in rows.values():
             row["steps"] = row["steps"][0]  # the same on every rank
+            if "daemon_loop" in row:
+                row["daemon_loop"] = row["daemon_loop"][0]  # node-wide, read by rank 0
             row["step_ms_median"] = round(statistics.median(row["step_ms"]), 2)
         each = [ratio(d, e) for d, e in zip(rows["daemon"]["step_ms"], rows["embedded"]["step_ms"])]
         models[name] = {"workload": ranks[0]["models"][name]["workload"], "rows": rows,
@@ -219,6 +225,7 @@ def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict |
     times: dict[str, list[float]] = {r: [] for r in opts}
     hashes: dict[str, list[list[str]]] = {r: [] for r in opts}
     last: dict[str, storm.OffloadStats] = {}
+    loop = {"requests": 0, "busy_s": 0.0, "wall_s": 0.0}  # the daemon's event loop over its rows (rank 0 reads it)
 
     def row_steps(name: str, steps: int = a.steps) -> list[tuple[float, str, storm.OffloadStats | None]]:
         with torch.no_grad():  # each row from the same parameters; SGD keeps no state to reset
@@ -231,7 +238,11 @@ def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict |
         # rotated each round (the same order on every rank: DDP's collectives must match), so that
         # no row always runs after the same one
         for name in ROWS[r % len(ROWS):] + ROWS[:r % len(ROWS)]:
-            done = row_steps(name)
+            if name == "daemon" and dist.get_rank() == 0:
+                with daemon_load(a.socket, loop):
+                    done = row_steps(name)
+            else:
+                done = row_steps(name)
             times[name] += [s for s, _, _ in done[a.warmup:]]
             hashes[name].append([h for _, h, _ in done])
             if done[-1][2] is not None:
@@ -243,6 +254,8 @@ def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict |
         ref = hashes["none"] if name != "none" else [hashes["none"][0]] * a.rounds
         row = {"step_ms": round(statistics.median(times[name]) * 1e3, 2), "steps": a.rounds * a.steps,
                "identical_steps": sum(h == g for hs, gs in zip(hashes[name], ref) for h, g in zip(hs, gs))}
+        if name == "daemon":
+            row["daemon_loop"] = loop_figures(loop, a.rounds * a.steps) if dist.get_rank() == 0 else None
         if name in last:
             st = last[name]
             # the floor moves every offloaded byte out and back (raw, the rows' codec); what did move can
@@ -252,9 +265,30 @@ def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict |
             row.update(offloaded_bytes=st.offloaded_bytes, to_host_bytes=st.stored_bytes,
                        to_device_bytes=st.fetched_bytes, offloaded_tensors=st.offloaded,
                        copies_dropped=st.copies_dropped, dropped_bytes=st.dropped_bytes, kept=dict(st.kept),
+                       pack_ms=round(st.pack_s * 1e3, 2), fetch_wait_ms=round(st.fetch_wait_s * 1e3, 2),
                        floor_ms=round(floor, 3), step_over_floor=ratio(row["step_ms"], floor))
         rows[name] = row
     return {"workload": dataclasses.asdict(w), "rows": rows}
+
+
+@contextlib.contextmanager
+def daemon_load(socket: str, into: dict) -> Iterator[None]:
+    """Add to ``into`` what the daemon's event loop answered, and the seconds it spent at it, while
+    the block ran (its STATUS before and after; every rank's requests count, the loop serves them all)."""
+    before, t0 = request(socket, "STATUS", timeout=30)["traffic"], time.perf_counter()
+    yield
+    wall, after = time.perf_counter() - t0, request(socket, "STATUS", timeout=30)["traffic"]
+    into["requests"] += after["requests"] - before["requests"] - 1  # the first STATUS itself
+    into["busy_s"] += after["busy_s"] - before["busy_s"]
+    into["wall_s"] += wall
+
+
+def loop_figures(loop: dict, steps: int) -> dict:
+    """The daemon's load over its rows, node-wide: the share of the rows' wall time its loop spent
+    answering, the host time a request took there, and requests per step (all ranks')."""
+    return {"busy_fraction": round(loop["busy_s"] / loop["wall_s"], 3) if loop["wall_s"] else None,
+            "us_per_request": round(1e6 * loop["busy_s"] / loop["requests"], 1) if loop["requests"] else None,
+            "requests_per_step": round(loop["requests"] / steps, 1)}
 
 
 def profile_rows(w: Workload | Llama, folder: str, row_steps: Callable[[str, int], object],
@@ -366,13 +400,17 @@ def launch(a: argparse.Namespace, nproc: int, endpoint: str, tmp: str) -> list[d
 def table(results: dict) -> str:
     """The runs in a few lines: per rank count, model and row, medians over ranks."""
     lines = [f"{'ranks':>5} {'model':<8} {'row':<9} {'step_ms':>9} {'identical':>9} {'floor_ms':>9} "
-             f"{'step/floor':>10} {'daemon/emb':>10}"]
+             f"{'step/floor':>10} {'daemon/emb':>10} {'pack_ms':>8} {'wait_ms':>8} {'loop busy':>9} {'us/req':>7}"]
     for n, run in results["runs"].items():
         for name, m in run["models"].items():
             for row, r in m["rows"].items():
                 floor = f"{statistics.median(r['floor_ms']):9.2f} {statistics.median(r['step_over_floor']):10.2f}" \
                     if "floor_ms" in r else " " * 20
-                extra = f" {m['daemon_over_embedded']['median']:10.3f}" if row == "daemon" else ""
+                extra = f" {m['daemon_over_embedded']['median']:10.3f}" if row == "daemon" else " " * 11
+                if "pack_ms" in r:
+                    extra += f" {statistics.median(r['pack_ms']):8.2f} {statistics.median(r['fetch_wait_ms']):8.2f}"
+                if r.get("daemon_loop"):
+                    extra += f" {r['daemon_loop']['busy_fraction']:9.3f} {r['daemon_loop']['us_per_request']:7.1f}"
                 lines.append(f"{n:>5} {name:<8} {row:<9} {r['step_ms_median']:9.2f} "
                              f"{min(r['identical_steps']):>4}/{r['steps']:<4} {floor}{extra}")
         pl, su = run["page_locked"], run["startup_s"]

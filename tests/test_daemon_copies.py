@@ -257,3 +257,40 @@ def test_a_cuda_failure_while_releasing_costs_one_reply_not_the_daemon(pool):
     r = call(service, a, "PING")
     assert r["error"] == ErrorCode.INTERNAL and "cudaEventQuery" in r["message"], r
     assert call(service, a, "PUT", **put_fields(2, 4096))["ok"]  # CPU tensors are still served
+
+
+class CountingRuntime:
+    """The few runtime calls a Mark makes, counted: events are integers."""
+
+    cudaEventDisableTiming = 2
+
+    def __init__(self) -> None:
+        self.created = self.records = 0
+
+    def cudaEventCreateWithFlags(self, flags):
+        self.created += 1
+        return 0, self.created
+
+    def cudaEventRecord(self, event, stream):
+        self.records += 1
+        return (0,)
+
+
+def test_a_mark_takes_a_spare_event_and_gives_it_back_once_nothing_holds_it(monkeypatch):
+    """The daemon records one of its own events per copy: made once and reused, not created and
+    destroyed per request (a host cost on the loop every rank waits on)."""
+    from stormd import copier
+    from stormd.wire import cuda as binding
+
+    fake = CountingRuntime()
+    monkeypatch.setattr(binding, "rt", fake)
+    spare: list = []
+    first = copier.Mark("stream", spare)
+    event = first.event
+    assert fake.created == 1 and fake.records == 1 and spare == []
+    del first  # nothing holds it: its event is a spare again
+    assert spare == [event]
+    second = copier.Mark("stream", spare)
+    assert second.event == event and fake.created == 1 and fake.records == 2 and spare == []
+    held = copier.Mark("stream", spare)  # none spare while the second is held: a new one
+    assert held.event != event and fake.created == 2

@@ -69,6 +69,13 @@ def test_status_prints_the_start_up_and_the_page_locked_pool_where_stormd_says_t
     assert "started in" not in text and "page-locked" not in text  # an older stormd says neither
 
 
+def test_status_prints_how_loaded_the_event_loop_has_been():
+    busy = {**OLDER_STATUS, "uptime_s": 10.0, "traffic": {**OLDER_STATUS["traffic"], "requests": 4000, "busy_s": 0.5}}
+    text = printed(ctl.status_report(busy, "ipc:///s"), terminal=False, width=20)
+    assert "answering      4000 requests in 0.5 s, 125 µs each (5.0% of uptime)" in text
+    assert "answering" not in printed(ctl.status_report(OLDER_STATUS, "ipc:///s"), terminal=False, width=20)
+
+
 @pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf"])
 def test_a_timeout_that_is_no_positive_finite_number_is_a_usage_error(timeout, capsys):
     """argparse refuses it (exit 2) naming --timeout: -1 polled forever, nan and inf crashed."""

@@ -168,6 +168,11 @@ def test_metrics_endpoint_counts_exactly_the_traffic_sent(tmp_path):
                           "DUPLICATE_KEY": 1}
         count = {dict(k[1])["op"]: v for k, v in m.items() if k[0] == "stormd_request_duration_seconds_count"}
         assert count["HELLO"] == 1 and count["PUT"] == 5 and count["SEAL"] == 4 and count["GET"] == 5
+        # the loop's load: every request answered, the STATUS just sent among them, and the seconds spent
+        # (a STATUS is counted once answered: the reply does not count itself)
+        after = RawClient(d.endpoint).call("STATUS")["traffic"]
+        assert status["traffic"]["requests"] == sum(count.values()) == after["requests"] - 1, (status, count)
+        assert 0 < m[("stormd_busy_seconds_total", ())] <= status["traffic"]["busy_s"] <= after["busy_s"]
         assert count["invalid"] == 1 and count["FREE"] == 0
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(url.replace("/metrics", "/other"), timeout=5)

@@ -63,21 +63,28 @@ def open_copier(pool: SharedPool) -> "CudaCopier | None":
 
 
 class Mark:
-    """An event of the daemon's own, recorded after a copy: ``finished()`` never blocks."""
+    """An event of the daemon's own, recorded after a copy: ``finished()`` never blocks. Its event
+    comes from ``free``, the spare events of the stream's device, and goes back there once nothing
+    holds the mark: a copy per request made creating and destroying one a cost of every request.
+    Recording a spare again is safe: nothing queries it any more."""
 
-    __slots__ = ("event",)
+    __slots__ = ("event", "free")
 
-    def __init__(self, stream: Any):
+    def __init__(self, stream: Any, free: list):
         rt = binding.rt
-        err, self.event = rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming)
-        check(err, "cudaEventCreate")
+        if free:
+            self.event = free.pop()
+        else:
+            err, self.event = rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming)
+            check(err, "cudaEventCreate")
+        self.free = free
         check(rt.cudaEventRecord(self.event, stream)[0], "cudaEventRecord")
 
     def finished(self) -> bool:
         return fired(self.event)
 
     def __del__(self) -> None:
-        binding.rt.cudaEventDestroy(self.event)  # safe while pending: CUDA releases it once it completes
+        self.free.append(self.event)
 
 
 @dataclass
@@ -116,6 +123,7 @@ class CudaCopier:
             err, context = drv.cuCtxGetCurrent()
             check(err, "cuCtxGetCurrent")
             self._contexts.append(context)
+        self._bound = -1  # the device whose context _use bound last: every request names one, mostly the same
         self._use(0)
         locking = time.monotonic()
         register_pool(pool)
@@ -125,6 +133,7 @@ class CudaCopier:
             "seconds": self.page_lock_s, "bytes": pool.page_locked_bytes, "devices": len(self.uuids),
             "contexts_s": round(locking - started, 3)})
         self._sessions: dict[int, _SessionCuda] = {}
+        self._spare_events: dict[int, list] = {device: [] for device in range(len(self.uuids))}  # for Marks
         self._to_host = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
         self._to_device = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
 
@@ -185,6 +194,9 @@ class CudaCopier:
     def close(self) -> None:
         for session in list(self._sessions):
             self.close_session(session)
+        for spare in self._spare_events.values():  # a mark still held by nobody's copy returns none after this
+            while spare:
+                binding.rt.cudaEventDestroy(spare.pop())  # safe while pending: CUDA releases it once it completes
         unregister_pool(self.pool)
 
     # --- internals -------------------------------------------------------------
@@ -204,8 +216,11 @@ class CudaCopier:
         return index
 
     def _use(self, device: int) -> None:
-        """Bind ``device``'s primary context to this thread: the runtime calls that follow run there."""
-        check(binding.drv.cuCtxSetCurrent(self._contexts[device])[0], "cuCtxSetCurrent")
+        """Bind ``device``'s primary context to this thread: the runtime calls that follow run there.
+        Nothing else in the daemon binds one, so a device bound already needs no call."""
+        if device != self._bound:
+            check(binding.drv.cuCtxSetCurrent(self._contexts[device])[0], "cuCtxSetCurrent")
+            self._bound = device
 
     def _range(self, s: _SessionCuda, device: int, cuda: dict[str, Any], nbytes: int) -> int:
         """The daemon's address of the client's [offset, offset + nbytes) in its segment."""
@@ -291,7 +306,7 @@ class CudaCopier:
             rt.cudaGetLastError()
             raise ProtocolError(ErrorCode.BAD_HANDLE, "the ready event cannot be waited on from this GPU")
         check(rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream)[0], "cudaMemcpyAsync")
-        mark = Mark(stream)
+        mark = Mark(stream, self._spare_events[device])
         s.busy[key] = s.segments[cuda["handle"]].last = mark
         if int(rt.cudaEventRecord(done, stream)[0]) != 0:
             # the copy stands (busy guards its extent); the client learns of it only through its error reply

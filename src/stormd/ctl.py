@@ -135,9 +135,21 @@ def status_report(reply: dict[str, Any], endpoint: str) -> Report:
         ["fragmentation", f"{node['fragmentation']:.3f} ({node['free_extents']} free extents)"],
         ["stored (PUT)", f"{traffic['puts']} tensors, {_mib(traffic['bytes_in'])}"],
         ["fetched (GET)", f"{traffic['gets']} tensors, {_mib(traffic['bytes_out'])}"],
+        *busy_rows(reply),
         ["errors", ", ".join(f"{k} {v}" for k, v in sorted(node["errors"].items())) or "none"],
     ]
     return Report(f"stormd at {endpoint}", ["what", "value"], rows, header=False)
+
+
+def busy_rows(reply: dict[str, Any]) -> list[list[str]]:
+    """How loaded the event loop, which answers every client in turn, has been since start; an
+    older stormd of the same protocol does not say, and the row is left out."""
+    t = reply["traffic"]
+    if "busy_s" not in t:
+        return []
+    per = f", {1e6 * t['busy_s'] / t['requests']:.0f} µs each" if t["requests"] else ""
+    return [["answering", f"{t['requests']} requests in {t['busy_s']:.1f} s{per} "
+                          f"({100 * t['busy_s'] / max(reply['uptime_s'], 1e-9):.1f}% of uptime)"]]
 
 
 def start_rows(reply: dict[str, Any]) -> list[list[str]]:

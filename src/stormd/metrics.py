@@ -84,6 +84,7 @@ class _ServiceCollector:
         yield _counter("stormd_gets", "Tensors handed back (successful GETs)", t.gets)
         yield _counter("stormd_bytes_in", "Bytes of the tensors clients stored", t.bytes_in)
         yield _counter("stormd_bytes_out", "Bytes handed back to clients", t.bytes_out)
+        yield _counter("stormd_busy_seconds", "Seconds the event loop spent answering requests", t.busy_s)
         yield _counter("stormd_stored_bytes", "Bytes the pool took for the tensors stored (after the codec)",
                        t.stored_bytes)
         yield _gauge("stormd_compression_ratio", "bytes_in / stored_bytes since start (NaN before the first PUT)",

@@ -50,6 +50,8 @@ class Traffic:
     bytes_in: int = 0        # bytes of the tensors clients stored (PUT), before encoding
     bytes_out: int = 0       # bytes handed back (GET), as stored
     stored_bytes: int = 0    # what the pool holds for bytes_in: less when clients encode
+    requests: int = 0        # requests answered (the server counts them)
+    busy_s: float = 0.0      # seconds spent answering them: the event loop's load, which every client waits on
 
 
 class ErrorSink(Protocol):

@@ -37,6 +37,10 @@ def test_one_and_two_cpu_ranks_step_bit_identically_in_every_row(tmp_path):
                 row = model["rows"][name]
                 assert all(b > 0 for b in row["offloaded_bytes"]) and all(f > 0 for f in row["floor_ms"])
                 assert all(s > 0 for s in row["step_over_floor"]) and len(row["to_host_bytes"]) == ranks
+                assert all(p > 0 for p in row["pack_ms"]) and len(row["fetch_wait_ms"]) == ranks
+            loop = model["rows"]["daemon"]["daemon_loop"]  # every rank's requests, read off the daemon once
+            assert 0 < loop["busy_fraction"] < 1 and loop["us_per_request"] > 0, loop
+            assert loop["requests_per_step"] >= ranks, loop
             assert len(model["daemon_over_embedded"]["per_rank"]) == ranks
             assert model["daemon_over_embedded"]["median"] > 0
         locked, start = run["page_locked"], run["startup_s"]
@@ -86,6 +90,13 @@ def test_daemon_over_embedded_is_each_ranks_step_ratio_and_their_median():
     assert run["models"]["W1"]["rows"]["daemon"]["step_ms"] == [12.0, 11.0]
     assert run["page_locked"]["embedded"]["bytes"] == 16 and run["page_locked"]["daemon"]["bytes"] == 8
     assert run["startup_s"]["embedded"]["per_rank"] == [1.5, 1.5] and run["startup_s"]["daemon"]["start"] == 3.0
+
+
+def test_the_daemons_load_is_its_loops_share_of_the_rows_wall_time_and_host_time_a_request():
+    loop = {"requests": 0, "busy_s": 0.0, "wall_s": 0.0}
+    figures = ddp.loop_figures({"requests": 400, "busy_s": 0.02, "wall_s": 0.1}, steps=4)
+    assert figures == {"busy_fraction": 0.2, "us_per_request": 50.0, "requests_per_step": 100.0}
+    assert ddp.loop_figures(loop, steps=4) == {"busy_fraction": None, "us_per_request": None, "requests_per_step": 0.0}
 
 
 def test_a_budget_is_a_fraction_or_bytes_or_none():
