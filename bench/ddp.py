@@ -466,7 +466,9 @@ def main() -> int:
         if profile is not None:
             (profile / "stormd.log").write_text((Path(tmp) / "stormd.log").read_text())
             with (profile / "stormd-cprofile.txt").open("w") as f:
-                pstats.Stats(str(profile / "stormd.prof"), stream=f).sort_stats("tottime").print_stats(40)
+                stats = pstats.Stats(str(profile / "stormd.prof"), stream=f)
+                stats.sort_stats("tottime").print_stats(40)
+                stats.sort_stats("cumulative").print_stats("stormd", 40)  # where a request's time goes
     results["daemon"] = {**daemon, "proc_status_kB": daemon_locked}
     for n, rows in ranks.items():
         results["runs"][str(n)] = summarize_launch(rows, daemon)

@@ -385,7 +385,7 @@ def test_a_key_is_freed_only_once_the_copy_out_of_it_is_done(monkeypatch):
     store = ctx._session.backend.service.store
     assert ctx.stats.fetched == 6 and store.node_stats()["keys"] == 6
     copies_done.set()
-    ctx._session.poll()
+    ctx.synchronize()  # polls, and sends the FREE the keys gathered for (mover.FREE_BATCH)
     assert store.node_stats()["keys"] == 0
 
 

@@ -158,3 +158,37 @@ def test_movers_made_at_once_leave_the_default_thread_count_as_it_was(monkeypatc
         assert len(movers) == 2 and later == [2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_frees_gather_into_one_request_sent_before_the_next_put_request_or_close(monkeypatch):
+    """Backward lets go of saves one at a time: a FREE each was a third of a daemon's requests. Keys
+    gather until FREE_BATCH, and whatever gathered goes before another request (STATS counts them
+    freed), a PUT (which must find the pool without them) and at close."""
+    monkeypatch.setattr(moving, "FREE_BATCH", 4)
+    backend = RecordingBackend()
+    backend.alive = True
+    m = moving.Mover(backend)
+    try:
+        m.free([1, 2])
+        m.free([3])
+        assert backend.sent == []
+        m.free([4, 5])  # five gathered: one FREE
+        assert backend.sent == [("FREE", {"keys": [1, 2, 3, 4, 5]})]
+        m.free([6])
+        m.request("STATS").result(timeout=10)
+        assert backend.sent[1:] == [("FREE", {"keys": [6]}), ("STATS", {})]
+        m.flush_frees()  # nothing gathered: nothing sent
+        m.free([7])
+    finally:
+        m.close()
+    assert backend.sent[3:] == [("FREE", {"keys": [7]})]
+
+
+def test_a_store_that_is_gone_is_sent_no_free():
+    """It freed its keys as it went."""
+    backend = RecordingBackend()
+    backend.alive = False
+    m = moving.Mover(backend)
+    m.free(list(range(moving.FREE_BATCH)))
+    m.close()
+    assert backend.sent == []

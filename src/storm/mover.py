@@ -47,6 +47,10 @@ from .replies import Resolved
 # Smaller CUDA tensors are copied raw: a frame's kernel launches cost the training thread
 # the same host time at any size, while what it saves on the link shrinks with the size.
 FRAME_MIN_BYTES = 4 << 20
+# Keys a Mover gathers before it sends a FREE: backward lets go of saves one at a time, and a FREE
+# each made a third of a daemon's requests, each a turn of the loop every rank waits on. Fewer
+# wait, whatever their number, until the next PUT, request or synchronize.
+FREE_BATCH = 16
 FRAME_CODECS = ("auto", "ancf_exp")  # codec settings that put CUDA tensors in frames
 log = logging.getLogger("storm")
 _threads_lock = threading.Lock()  # torch's default intra-op thread count is the process's, not a Mover's
@@ -88,6 +92,8 @@ class Mover:
             Route.DAEMON: self._daemon,
         }
         self._unexportable: set[int] = set()  # GPUs whose memory CUDA IPC could not name: their saves go OWN
+        self._frees: list[int] = []  # keys let go of and not yet sent (FREE_BATCH)
+        self._frees_lock = threading.Lock()
 
     def _streams_for(self, device: torch.device, into_pool: bool = True) -> DeviceStreams:
         """``into_pool``: this process copies into the pool, which it then page-locks (not stormd)."""
@@ -120,6 +126,7 @@ class Mover:
         return Route.DAEMON, "raw", ipc
 
     def put(self, req: PutRequest) -> Copy:
+        self.flush_frees()  # a PUT never finds the pool holding what was let go of before it
         return self._handlers[req.route].put(req)
 
     def get(self, route: Route, key: int, nbytes: int, device: torch.device, verify: bool = True) -> Copy:
@@ -134,15 +141,32 @@ class Mover:
 
     def request(self, op: str, **fields: Any) -> Future:
         """A request queued behind the copies already submitted (so STATS sees earlier FREEs)."""
+        self.flush_frees()
         return self._worker.submit(lambda: wait_reply(self.backend, op, self.backend.request(op, **fields)))
 
     def free(self, keys: list[int]) -> None:
-        """Sent from the calling thread, like PUT, so a step's PUTs never overtake the FREEs of the
+        """FREE ``keys``, once FREE_BATCH have gathered or at the next PUT, request or flush_frees.
+        Sent from the calling thread, like PUT, so a step's PUTs never overtake the FREEs of the
         step before (through the mover's queue they could, and find the pool still full)."""
-        if keys:
-            self.backend.request("FREE", keys=keys).add_done_callback(log_failure)
+        with self._frees_lock:
+            self._frees.extend(keys)
+            if len(self._frees) < FREE_BATCH:
+                return
+        self.flush_frees()
+
+    def flush_frees(self) -> None:
+        """Send the FREE of every key gathered."""
+        if not self._frees:  # the common case, looked at without the lock
+            return
+        with self._frees_lock:
+            keys, self._frees = self._frees, []
+            # sent under the lock: two FREEs from two threads reach the store in the order taken; a
+            # store that is gone freed them as it went
+            if keys and self.backend.alive:
+                self.backend.request("FREE", keys=keys).add_done_callback(log_failure)
 
     def close(self) -> None:
+        self.flush_frees()
         self._worker.shutdown(wait=True)
 
 
@@ -245,6 +269,11 @@ class Stores:
                 by_store.setdefault(id(where), (where, []))[1].append(key)
         for mover, some in by_store.values():
             mover.free(some)
+
+    def flush_frees(self) -> None:
+        """Send every Mover's gathered FREEs."""
+        for m in self._movers():
+            m.flush_frees()
 
     def close(self) -> None:
         """Close every Mover, and the connections of daemons that stopped (open_backend let go of them)."""

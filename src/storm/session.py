@@ -364,6 +364,7 @@ class ClientSession:
             with self._lock:
                 pending = self.copy_queue.copies() + [r for reads, _ in self._reading for r in reads]
             if not pending:
+                self._stores.flush_frees()  # what the step let go of is freed in the store too
                 return
             for copy in pending:
                 copy.wait()
@@ -471,6 +472,7 @@ class ClientSession:
     def _backward_ended(self, step: Step) -> None:
         step.flush_queued = False
         self.poll()
+        self._stores.flush_frees()  # the keys gathered for a FREE (mover.FREE_BATCH) go now too
 
     def _fetch(self, stored: Stored) -> Copy:
         return self._stores.get(stored.route, stored.key, stored.nbytes, stored.device, stored.step.options.verify)
