@@ -348,6 +348,7 @@ def worker(a: argparse.Namespace) -> None:
     cuda = a.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    a.socket = a.sockets[local % len(a.sockets)]  # --daemons
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -375,7 +376,7 @@ def chosen(a: argparse.Namespace) -> list[Workload | Llama]:
     return workloads([TINY_OF.get(m, m) for m in a.models] if a.tiny else a.models, None if a.tiny else a.batch)
 
 
-# The node: one stormd, a torchrun per rank count
+# The node: its stormd (one, or --daemons), a torchrun per rank count
 
 def start(workdir: Path, pool_size: str, profile: Path | None) -> tuple[subprocess.Popen, str, dict]:
     """A stormd logging to workdir/stormd.log, under cProfile with --profile: the process, its
@@ -388,10 +389,27 @@ def start(workdir: Path, pool_size: str, profile: Path | None) -> tuple[subproce
                             "page_locked_bytes": status["node"]["page_locked_bytes"]}
 
 
-def launch(a: argparse.Namespace, nproc: int, endpoint: str, tmp: str) -> list[dict]:
-    """torchrun with ``nproc`` ranks of this script: each rank's figures."""
+def start_all(workdir: Path, pool_size: str, count: int, profile: Path | None
+              ) -> tuple[list[subprocess.Popen], list[str], dict]:
+    """``count`` stormd (--daemons), each with its share of ``pool_size``, the first under cProfile with
+    --profile: the processes, their endpoints and their start's figures together (the bytes
+    page-locked summed, the longest start and page-lock)."""
+    share = format_size(parse_size(pool_size) // count)
+    started = []
+    for i in range(count):
+        (workdir / f"d{i}").mkdir()
+        started.append(start(workdir / f"d{i}", share, profile if i == 0 else None))
+    figures = [f for _, _, f in started]
+    return [p for p, _, _ in started], [e for _, e, _ in started], {
+        "start_s": max(f["start_s"] for f in figures),
+        "page_lock_s": None if figures[0]["page_lock_s"] is None else max(f["page_lock_s"] for f in figures),
+        "page_locked_bytes": sum(f["page_locked_bytes"] for f in figures)}
+
+
+def launch(a: argparse.Namespace, nproc: int, endpoints: list[str], tmp: str) -> list[dict]:
+    """torchrun with ``nproc`` ranks of this script: each rank's figures. Rank r uses endpoints[r % len]."""
     args, result = Path(tmp) / f"args-{nproc}.json", Path(tmp) / f"ranks-{nproc}.json"
-    args.write_text(json.dumps({**vars(a), "socket": endpoint, "result": str(result)}))
+    args.write_text(json.dumps({**vars(a), "sockets": endpoints, "result": str(result)}))
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                     __file__, "--worker", str(args)], check=True)
     return json.loads(result.read_text())
@@ -438,6 +456,9 @@ def main() -> int:
                    help="DistributedDataParallel, or FSDP2 (fully_shard per block, then the model)")
     p.add_argument("--budget", default=None, help="storm.offload(budget=...): a fraction (0.25) or bytes (2GiB); "
                    "default: offload all")
+    p.add_argument("--daemons", type=int, default=1,
+                   help="stormd processes, each with its share of the pool; rank r uses daemon r %% N (more than "
+                        "one: what a daemon loop per GPU would buy; daemon_loop is then the first daemon's)")
     p.add_argument("--profile", help="a folder for torch.profiler tables per rank and stormd's cProfile stats")
     p.add_argument("--out")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -457,19 +478,20 @@ def main() -> int:
                "peer_access": a.device == "cuda" and torch.cuda.device_count() > 1
                and torch.cuda.can_device_access_peer(0, 1), "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        proc, endpoint, daemon = start(Path(tmp), pool, profile)
+        procs, endpoints, daemon = start_all(Path(tmp), pool, a.daemons, profile)
         try:
-            ranks = {n: launch(a, n, endpoint, tmp) for n in a.ranks}
-            daemon_locked = locked_kib(proc.pid)
+            ranks = {n: launch(a, n, endpoints, tmp) for n in a.ranks}
+            daemon_locked = locked_kib(procs[0].pid)
         finally:
-            stop_daemon(proc)
+            for proc in procs:
+                stop_daemon(proc)
         if profile is not None:
-            (profile / "stormd.log").write_text((Path(tmp) / "stormd.log").read_text())
+            (profile / "stormd.log").write_text((Path(tmp) / "d0" / "stormd.log").read_text())
             with (profile / "stormd-cprofile.txt").open("w") as f:
                 stats = pstats.Stats(str(profile / "stormd.prof"), stream=f)
                 stats.sort_stats("tottime").print_stats(40)
                 stats.sort_stats("cumulative").print_stats("stormd", 40)  # where a request's time goes
-    results["daemon"] = {**daemon, "proc_status_kB": daemon_locked}
+    results["daemon"] = {**daemon, "daemons": a.daemons, "proc_status_kB": daemon_locked}
     for n, rows in ranks.items():
         results["runs"][str(n)] = summarize_launch(rows, daemon)
     ok = all(passed(run) for run in results["runs"].values())

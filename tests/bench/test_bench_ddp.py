@@ -52,6 +52,21 @@ def test_one_and_two_cpu_ranks_step_bit_identically_in_every_row(tmp_path):
         assert start["daemon"]["start"] > 0 and len(start["daemon"]["connect_per_rank"]) == ranks
 
 
+@pytest.mark.slow  # two daemons, torchrun once
+def test_with_a_daemon_per_rank_each_rank_has_its_own_and_its_share_of_the_pool(tmp_path):
+    out = tmp_path / "ddp.json"
+    r = run_bench("ddp.py", "--ranks", "2", "--models", "W1", "--tiny", "--device", "cpu", "--daemons", "2",
+                  "--steps", "2", "--warmup", "1", "--rounds", "1", "--pool-size", "64MiB", "--out", str(out),
+                  timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = bench_result(out)
+    assert result["daemon"]["daemons"] == 2
+    run = result["runs"]["2"]
+    assert run["models"]["tiny"]["rows"]["daemon"]["identical_steps"] == [2, 2]
+    # each daemon's pool is half of 64 MiB x 2 ranks; the rank's HELLO says its own daemon's
+    assert run["page_locked"]["daemon"]["pool_bytes"] == 64 << 20
+
+
 def test_rank_counts_are_powers_of_two_up_to_the_gpus_or_one_and_two_on_cpu():
     assert ddp.default_ranks(0) == [1, 2]
     assert ddp.default_ranks(1) == [1]
