@@ -12,14 +12,18 @@ from helpers import bench_module, bench_result, run_bench
 ddp = bench_module("ddp")
 
 
+def tiny_cpu_run(tmp_path, *args: str) -> dict:
+    """bench/ddp.py's JSON from a run of the tiny workloads on CPU: 2 steps a row, 64 MiB pools."""
+    out = tmp_path / "ddp.json"
+    r = run_bench("ddp.py", "--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--pool-size", "64MiB",
+                  "--out", str(out), *args, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return bench_result(out)
+
+
 @pytest.mark.slow  # a daemon, torchrun twice, two tiny models in three rows: tens of seconds on 2 cores
 def test_one_and_two_cpu_ranks_step_bit_identically_in_every_row(tmp_path):
-    out = tmp_path / "ddp.json"
-    r = run_bench("ddp.py", "--ranks", "1", "2", "--models", "W1", "W3", "--tiny", "--device", "cpu",
-                  "--steps", "2", "--warmup", "1", "--rounds", "2", "--pool-size", "64MiB", "--out", str(out),
-                  timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    result = bench_result(out)
+    result = tiny_cpu_run(tmp_path, "--ranks", "1", "2", "--models", "W1", "W3", "--rounds", "2")
     assert result["meta"]["device"] == "cpu" and result["wrapper"] == "ddp" and not result["peer_access"]
     assert result["rows"] == ["none", "embedded", "daemon"] and set(result["runs"]) == {"1", "2"}
     # the daemon's STATUS: no CUDA, nothing page-locked
@@ -54,12 +58,7 @@ def test_one_and_two_cpu_ranks_step_bit_identically_in_every_row(tmp_path):
 
 @pytest.mark.slow  # two daemons, torchrun once
 def test_with_a_daemon_per_rank_each_rank_has_its_own_and_its_share_of_the_pool(tmp_path):
-    out = tmp_path / "ddp.json"
-    r = run_bench("ddp.py", "--ranks", "2", "--models", "W1", "--tiny", "--device", "cpu", "--daemons", "2",
-                  "--steps", "2", "--warmup", "1", "--rounds", "1", "--pool-size", "64MiB", "--out", str(out),
-                  timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    result = bench_result(out)
+    result = tiny_cpu_run(tmp_path, "--ranks", "2", "--models", "W1", "--rounds", "1", "--daemons", "2")
     assert result["daemon"]["daemons"] == 2
     run = result["runs"]["2"]
     assert run["models"]["tiny"]["rows"]["daemon"]["identical_steps"] == [2, 2]
