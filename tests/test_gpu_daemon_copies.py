@@ -22,7 +22,7 @@ from helpers import RawClient, put_fields
 from storm.copies.base import Route
 from storm.examples.models import same_bits
 from storm.gpu import export, ipc_event
-from storm.session import session_for
+from storm.registry import session_for
 from stormd.wire.cuda import device_uuid
 from stormd.wire.protocol import ErrorCode
 

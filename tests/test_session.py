@@ -1,8 +1,7 @@
-"""storm/session.py's process-wide sessions: one per backend, whichever threads ask for it."""
+"""storm/session.py: a session closed under its saves, and one whose store is lost moving on to the one in its place."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -12,39 +11,6 @@ import storm
 import storm.session as session_mod
 from storm.embedded import EmbeddedStore
 from storm.policy import Policy
-
-
-def test_threads_that_begin_together_share_one_session(monkeypatch):
-    """Each session starts a Mover (a worker thread) of its own: the first construction is held open
-    so that, unguarded, every thread builds one."""
-    built = []
-    real = session_mod.ClientSession
-
-    class Slow(real):
-        def __init__(self, backend, **options):
-            built.append(self)
-            time.sleep(0.5)  # the others reach session_for meanwhile
-            super().__init__(backend, **options)
-
-    monkeypatch.setattr(session_mod, "ClientSession", Slow)
-    monkeypatch.setattr(session_mod, "_sessions", {})
-    got: list = []
-    start = threading.Barrier(4)
-
-    def first_step() -> None:
-        start.wait()
-        got.append(session_mod.session_for("embedded", None, "1MiB"))
-
-    threads = [threading.Thread(target=first_step) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    try:
-        assert len(got) == 4 and len(built) == 1 and all(s is built[0] for s in got), (len(got), len(built))
-    finally:
-        for s in built:
-            s.close()
 
 
 def test_close_all_before_backward_is_storm_unavailable_saying_what_happened():

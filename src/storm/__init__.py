@@ -24,8 +24,8 @@ from .errors import (
 from .hooks import Offload, offload
 from .planner import Planner, plan
 from .policy import Keep
+from .registry import close_all, session_for
 from .sac import checkpoint_policy
-from .session import close_all, session_for
 from .stats import OffloadStats
 
 __version__ = "0.1.0"

@@ -46,8 +46,9 @@ from stormd.wire.sizes import parse_size
 from .compiled import LateSaves
 from .options import bytes_option, mode_option, pool_size_option, socket_option
 from .policy import DEFAULT_MIN_BYTES, Policy
+from .registry import session_for
 from .saved import DEFAULT_MAX_HELD_BYTES, DEFAULT_PREFETCH_BYTES, Step, StepOptions, Stored
-from .session import ClientSession, session_for
+from .session import ClientSession
 from .stats import OffloadStats
 
 

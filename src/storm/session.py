@@ -19,7 +19,6 @@ backward raises its StormDaemonLost. With ``mode='daemon'`` a save raises it.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import dataclasses
 import itertools
@@ -31,13 +30,12 @@ from typing import Any, Callable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .backend import Backend, close_backends, open_backend
+from .backend import Backend
 from .copies.base import Copy, PutRequest, Route
 from .copy_queue import CopyQueue
 from .errors import StormError, StormInPlaceError, StormUnavailable
 from .gpu import allocated, consume, pack_range, record_ready, unpack_range, wait_on_compute
 from .mover import Mover, Stores, next_key
-from .options import mode_option, pool_size_option, socket_option
 from .policy import Keep, Policy, Refusals
 from .prefetch import Prefetcher
 from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of, kind_of
@@ -481,36 +479,3 @@ class ClientSession:
         self.closed = True
         self.copy_queue.close()
         self._stores.close()
-
-
-_sessions: dict[tuple, ClientSession] = {}  # (mode, endpoint, pool size) -> its session
-# Threads that begin their first steps together must share one session: each would build a Mover of its own.
-_sessions_lock = threading.Lock()
-
-
-def session_for(mode: str, socket: str | None, pool_size: str | int | None) -> ClientSession:
-    """The process's session for this mode, endpoint and pool size, reused by every step: over the store
-    open_backend gives now (the one before, a daemon that stopped, stays the session's for what it holds)."""
-    mode = mode_option(mode)
-    endpoint, size = socket_option(mode, socket), pool_size_option(pool_size)
-    backend = open_backend(mode, endpoint, size)
-    key = (mode, endpoint if mode != "embedded" else None, size if mode != "daemon" else None)
-    with _sessions_lock:
-        s = _sessions.get(key)
-        if s is None:
-            reopen = (lambda: open_backend(mode, endpoint, size)) if mode == "auto" else None
-            s = _sessions[key] = ClientSession(backend, reopen=reopen)
-        s.use(backend)
-        return s
-
-
-def close_all() -> None:
-    """Finish the copies in flight and close every session and backend of this process."""
-    with _sessions_lock:
-        for s in _sessions.values():
-            s.close()
-        _sessions.clear()
-    close_backends()
-
-
-atexit.register(close_all)

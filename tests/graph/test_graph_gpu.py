@@ -51,7 +51,7 @@ def step(model: torch.nn.Module, idx: torch.Tensor) -> tuple[list[torch.Tensor],
 BIT_EXACT = """
 import copy, torch, storm
 from storm.examples.models import GPT, same_bits
-from storm.session import session_for
+from storm.registry import session_for
 torch.use_deterministic_algorithms(True)
 torch._inductor.config.fx_graph_cache = False
 torch._functorch.config.enable_autograd_cache = False

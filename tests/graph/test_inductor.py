@@ -13,7 +13,7 @@ import torch
 
 import storm
 from storm.examples.models import GPT
-from storm.session import session_for
+from storm.registry import session_for
 
 pytestmark = pytest.mark.slow  # inductor compiles the model's graphs at the first step
 

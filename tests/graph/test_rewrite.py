@@ -14,7 +14,7 @@ from torch._inductor.fx_passes.post_grad import reorder_for_locality
 
 import storm
 from storm.graph.rewrite import GraphOptions, Partitioner, Save, _choose, _last_use, _root
-from storm.session import session_for
+from storm.registry import session_for
 
 KiB, MiB = 1 << 10, 1 << 20
 SAVE, RELEASED, LOAD = torch.ops.storm.save.default, torch.ops.storm.released.default, torch.ops.storm.load.default

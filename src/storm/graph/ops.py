@@ -21,8 +21,9 @@ import torch
 
 from ..errors import StormError
 from ..policy import Policy
+from ..registry import session_for
 from ..saved import Handle, Kept, Step, copy_of
-from ..session import ClientSession, session_for
+from ..session import ClientSession
 
 ANY_SIZE = Policy(min_bytes=0)  # the rewrite chose the saves by size already
 
