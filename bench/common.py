@@ -104,12 +104,9 @@ TINY = Workload("tiny", layers=2, d=64, heads=2, batch=2, seq=32)
 
 
 @dataclass(frozen=True)
-class Llama:
-    """Issue 40's workload: a Hugging Face LlamaForCausalLM built from a config (random weights, no
-    hub access), trained on random tokens given as both input_ids and labels, so its loss (logits
-    and cross-entropy included) runs inside the method's context. Its blocks are the decoder layers;
-    ``ckpt`` is Hugging Face's own non-reentrant gradient checkpointing, of the first ``ckpt_blocks``
-    layers only where that is set."""
+class Shape:
+    """A transformer's sizes and a step's tokens (``batch`` sequences of ``seq``), as the Hugging Face
+    workloads here (Llama, hf.HF) are built from."""
 
     name: str
     layers: int
@@ -120,6 +117,16 @@ class Llama:
     vocab: int
     batch: int
     seq: int
+
+
+@dataclass(frozen=True)
+class Llama(Shape):
+    """Issue 40's workload: a Hugging Face LlamaForCausalLM built from a config (random weights, no
+    hub access), trained on random tokens given as both input_ids and labels, so its loss (logits
+    and cross-entropy included) runs inside the method's context. Its blocks are the decoder layers;
+    ``ckpt`` is Hugging Face's own non-reentrant gradient checkpointing, of the first ``ckpt_blocks``
+    layers only where that is set."""
+
     attn: str = "sdpa"
     ckpt_blocks: int | None = None
 

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from common import Shape
 from storm.blocks import find_blocks
 
 
@@ -78,23 +79,14 @@ ARCHS = {
 
 
 @dataclass(frozen=True)
-class HF:
+class HF(Shape):
     """A model of architecture ``arch`` (ARCHS) at these sizes, trained on random tokens: its loss
     (a language model's head and cross-entropy included) computed by ``forward``, inside the
     method's context. ``ckpt``: Hugging Face's own non-reentrant gradient checkpointing of every
     layer (both of T5's block lists). Its blocks are those storm.enable finds (find_blocks): T5's
     two lists planned as one."""
 
-    name: str
     arch: str
-    layers: int
-    hidden: int
-    mlp: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    batch: int
-    seq: int
     window: int = 4096    # sliding window (Mistral, Gemma 2)
     experts: int = 8      # Mixtral
     dtype: str = "bfloat16"
@@ -151,6 +143,6 @@ class HF:
 
 def tiny(arch: str, **sizes: int) -> HF:
     """``arch`` at a size that trains in milliseconds on the CPU, in float32: a test's."""
-    base = HF(f"{arch}-tiny", arch, layers=2, hidden=32, mlp=64, heads=4, kv_heads=2, vocab=128, batch=2, seq=16,
+    base = HF(f"{arch}-tiny", arch=arch, layers=2, hidden=32, mlp=64, heads=4, kv_heads=2, vocab=128, batch=2, seq=16,
               window=8, experts=4, dtype="float32")
     return dataclasses.replace(base, **sizes)

@@ -68,7 +68,8 @@ MiB = 1 << 20
 
 def pair(arch: str, wide: tuple[int, int], long: tuple[int, int], **sizes: int) -> list[HF]:
     """``arch``'s two cells: (batch, seq) of the wide shape and of the long one."""
-    return [HF(f"{arch}-{shape}", arch, batch=b, seq=s, **sizes) for shape, (b, s) in (("wide", wide), ("long", long))]
+    return [HF(f"{arch}-{shape}", arch=arch, batch=b, seq=s, **sizes)
+            for shape, (b, s) in (("wide", wide), ("long", long))]
 
 
 # Sizes for an 80 GB H100: no offload's peak of order 10 to 20 GiB above the start (estimated on the CPU
