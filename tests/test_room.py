@@ -43,6 +43,16 @@ def test_the_window_fetches_what_fits_under_the_floor_until_those_bytes_are_unpa
     assert step.window() == 16
 
 
+def test_a_step_report_says_what_its_room_lets_the_queue_and_the_window_hold():
+    r = Room(Profile(sizes=[8 * MiB] * 4, saves=[10 * MiB, 10 * MiB, 50 * MiB, 80 * MiB], unpack_sizes=[8 * MiB] * 4,
+                     unpacks=[90 * MiB, 20 * MiB, 20 * MiB, 70 * MiB]))
+    text = r.describe(queue_limit=64 * MiB, window_limit=256 * MiB)
+    assert "reached 90.0 MiB" in text
+    assert "at most 64.0 MiB during forward" in text  # the room's 80 MiB, within max_held_bytes
+    assert "8.0 MiB as it ends, the window 8.0 MiB at backward's first unpack" in text
+    assert "(max_held_bytes 64 MiB, prefetch_bytes 256 MiB)" in text
+
+
 def test_what_the_allocator_record_saw_rise_between_readings_bounds_the_queue_and_the_window():
     """A save's op allocates a temporary before the next save, and backward's first op allocates
     its gradients right after its unpack: neither is in a reading, both are in the record's rises."""
@@ -85,9 +95,10 @@ def test_a_room_follows_only_the_saves_it_was_profiled_on():
     assert not r.matches(2, 16) and not r.matches(5, 8)
 
 
-def head_heavy_step(ctx_options: dict, n: int = 6) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def head_heavy_step(ctx_options: dict, n: int = 6, reports: list[str] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """A chain of ``n`` saves of one size; returns the input, its gradient and the copy queue's
-    limit after each save."""
+    limit after each save (and appends the step's report() to ``reports``)."""
     limits = []
     with storm.offload(mode="embedded", min_bytes=0, **ctx_options) as ctx:
         x = torch.randn(64, 64, requires_grad=True)
@@ -97,6 +108,8 @@ def head_heavy_step(ctx_options: dict, n: int = 6) -> tuple[torch.Tensor, torch.
             limits.append(ctx._session.copy_queue.limit(ctx._step))
         loss = h.sum()
     loss.backward()
+    if reports is not None:
+        reports.append(ctx.report())
     return x, x.grad, limits
 
 
@@ -168,12 +181,15 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
         monkeypatch.setattr(queue, "record", RisingRecord(6, rise * one))
     held = 64 * one
 
-    _, _, first = head_heavy_step({"max_held_bytes": held})
+    reports: list[str] = []
+    _, _, first = head_heavy_step({"max_held_bytes": held}, reports=reports)
     assert first == [held] * 6  # profiling: the user's limit
+    assert reports[-1].splitlines()[-1].startswith("copy queue and prefetch window: this step read its memory")
     assert queue.room is None and queue.profiling is not None and len(queue.profiling.saves) == 6
 
     drained.clear()
-    _, _, second = head_heavy_step({"max_held_bytes": held})
+    _, _, second = head_heavy_step({"max_held_bytes": held}, reports=reports)
+    assert "within the room a profiled step found" in reports[-1].splitlines()[-1], reports[-1]
     floor = max(12, 3 + rise) * one
     assert queue.room is not None and queue.room.floor == floor
     # forward's end: what the step holds until backward's start (the last save waiting in the queue by

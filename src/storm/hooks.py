@@ -196,7 +196,8 @@ class Offload(contextlib.ContextDecorator):
 
     def report(self) -> str:
         """A table per layer (layers are named with ``modules=``): tensors and bytes offloaded,
-        compression ratio, what stayed, fetch wait; and the total."""
+        compression ratio, what stayed, fetch wait; and the total. A full-offload step adds how its
+        copy queue and prefetch window were bounded (room.py)."""
         st = self.stats
         rows = [(name, c) for name, c in st.layers.items()] + [("total", st)]
         width = max(len(n) for n, _ in rows)
@@ -206,6 +207,12 @@ class Offload(contextlib.ContextDecorator):
             ratio = c.offloaded_bytes / c.stored_bytes if c.stored_bytes else float("nan")
             lines.append(f"{name:<{width}}  {c.saved:>6} {c.offloaded:>9} {c.offloaded_bytes / 2**20:>9.2f} "
                          f"{ratio:>6.2f} {sum(c.kept.values()):>5} {c.fetch_wait_s * 1e3:>13.2f}")
+        step = self._step
+        if step is not None and step.room is not None:
+            lines.append(step.room.describe(step.options.max_held_bytes, step.options.prefetch_bytes))
+        elif step is not None and step.profile is not None and step.profile.saves:  # readings made: a GPU's
+            lines.append("copy queue and prefetch window: this step read its memory (the allocator's record), "
+                         "so the steps after it hold them under the highest it reached")
         return "\n".join(lines)
 
     def stop_offloading(self) -> bool:

@@ -92,6 +92,19 @@ class Room:
             room = min(room, self.floor - self._first_unpack + self.sizes[-1])
         return max(0, room)
 
+    def describe(self, queue_limit: int, window_limit: int) -> str:
+        """What the room lets a step hold, within the step's ``max_held_bytes`` and ``prefetch_bytes``
+        (``queue_limit``, ``window_limit``), for report(): the floor, the most the copy queue may
+        hold in forward and as forward ends, and the window at backward's first unpack."""
+        mib = 1 << 20
+        forward = max((self.queue(made) for made in range(1, len(self._saves))), default=0)
+        return (f"copy queue and prefetch window: within the room a profiled step found (its own memory reached "
+                f"{self.floor / mib:.1f} MiB with the copy queue and window left out): the queue holds at most "
+                f"{min(queue_limit, forward) / mib:.1f} MiB during forward and "
+                f"{min(queue_limit, self.queue(len(self._saves))) / mib:.1f} MiB as it ends, the window "
+                f"{self.window(0, window_limit) / mib:.1f} MiB at backward's first unpack (max_held_bytes "
+                f"{queue_limit / mib:.0f} MiB, prefetch_bytes {window_limit / mib:.0f} MiB)")
+
     def window(self, unpacked: int, limit: int) -> int:
         """Bytes backward may fetch ahead once ``unpacked`` offloaded saves are unpacked, at most
         ``limit``: a fetched save is held from now until its own unpack, where it counts as held,
