@@ -133,7 +133,7 @@ class CopyQueue:
         fewer saves than the profile's lets the room go: the next step profiles again); past a
         budget, to ``max_held_bytes``."""
         if step.room is not None:
-            if len(step.order) == len(step.room.sizes):
+            if step.room.complete(len(step.order)):
                 self.drain(self.limit(step))
             else:
                 step.room = self.room = None

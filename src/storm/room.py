@@ -59,7 +59,6 @@ class Room:
 
     def __init__(self, profile: Profile):
         self.profile = profile  # what it was made from (bench/full_offload.py shows it)
-        self.sizes = profile.sizes
         n = len(profile.saves)
         rises = profile.rises if len(profile.rises) == n + len(profile.unpacks) else [0] * (n + len(profile.unpacks))
         # held besides the queue from each save until the next reading
@@ -74,7 +73,12 @@ class Room:
 
     def matches(self, made: int, nbytes: int) -> bool:
         """Whether a step's ``made``-th offloaded save (1 = its first), of ``nbytes``, is the profile's."""
-        return made <= len(self.sizes) and self.sizes[made - 1] == nbytes
+        sizes = self.profile.sizes
+        return made <= len(sizes) and sizes[made - 1] == nbytes
+
+    def complete(self, made: int) -> bool:
+        """Whether a forward that made ``made`` offloaded saves made all of the profile's."""
+        return made == len(self.profile.sizes)
 
     def queue(self, made: int) -> int:
         """Bytes that may wait for their copy once ``made`` saves are made: what fits under the
@@ -89,7 +93,7 @@ class Room:
             return 0
         room = self.floor - self._between[0]
         if self._first_unpack is not None:
-            room = min(room, self.floor - self._first_unpack + self.sizes[-1])
+            room = min(room, self.floor - self._first_unpack + self.profile.sizes[-1])
         return max(0, room)
 
     def describe(self, queue_limit: int, window_limit: int) -> str:
