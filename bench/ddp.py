@@ -24,7 +24,8 @@ sent to the store), to_host_bytes and to_device_bytes (what landed there and wha
 less where backward took a save back before its copy began: copies_dropped of dropped_bytes), and the link floor:
 offloaded_bytes out and back over the rank's pinned link measured with all ranks copying at once
 (link_together_GBps, to host and to device), floor_ms, and step_over_floor; pack_ms and fetch_wait_ms
-(the training thread's time offloading saves, and waiting for fetched bytes); daemon_over_embedded
+(the training thread's time offloading saves, and waiting for fetched bytes); peak_bytes (CUDA: the
+most the GPU held above the row's start, over its rounds); daemon_over_embedded
 (per rank, and their median); and for the daemon row, daemon_loop: the share of the rows' wall time
 its event loop, which answers every rank in turn, spent answering (busy_fraction), the host time a
 request took there (us_per_request), and requests_per_step, every rank's, from its STATUS.
@@ -43,6 +44,10 @@ What the daemon buys, per rank count:
     daemon: from its process's start until it serves, as its STATUS says (interpreter and imports, pool
     reserved, CUDA contexts, page-lock), the page-lock alone, and per rank the connect (HELLO, the pool
     mapped).
+
+--spill starts stormd with spill to disk: with a daemon pool smaller than what the ranks offload
+(--daemon-pool-size), the daemon row still offloads it all, where each embedded store, its pool
+--pool-size, keeps on the GPU what does not fit (kept "pool full", and its peak_bytes).
 
 --profile DIR writes per rank, model and row a torch.profiler key_averages table of two more steps,
 and runs stormd under cProfile (its stats in DIR/stormd-cprofile.txt; start_s then includes it).
@@ -227,12 +232,20 @@ def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict |
     last: dict[str, storm.OffloadStats] = {}
     loop = {"requests": 0, "busy_s": 0.0, "wall_s": 0.0}  # the daemon's event loop over its rows (rank 0 reads it)
 
+    peaks: dict[str, int] = {}  # per row: the most the GPU held above the row's start, over its rounds
+
     def row_steps(name: str, steps: int = a.steps) -> list[tuple[float, str, storm.OffloadStats | None]]:
         with torch.no_grad():  # each row from the same parameters; SGD keeps no state to reset
             for t, t0 in zip(state, initial):
                 t.copy_(t0)
         opt = torch.optim.SGD(net.parameters(), lr=1e-4)
-        return [step(w, net, model, x, opts[name], opt, device) for x in xs[:steps]]
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            at_start = torch.cuda.memory_allocated(device)
+        done = [step(w, net, model, x, opts[name], opt, device) for x in xs[:steps]]
+        if device.type == "cuda":
+            peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated(device) - at_start)
+        return done
 
     for r in range(a.rounds):
         # rotated each round (the same order on every rank: DDP's collectives must match), so that
@@ -247,6 +260,7 @@ def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict |
             hashes[name].append([h for _, h, _ in done])
             if done[-1][2] is not None:
                 last[name] = done[-1][2]
+    measured = dict(peaks)  # the rounds' (the profiled steps below are not rows' steps)
     if a.profile:
         profile_rows(w, a.profile, row_steps, device)
     rows = {}
@@ -254,6 +268,8 @@ def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict |
         ref = hashes["none"] if name != "none" else [hashes["none"][0]] * a.rounds
         row = {"step_ms": round(statistics.median(times[name]) * 1e3, 2), "steps": a.rounds * a.steps,
                "identical_steps": sum(h == g for hs, gs in zip(hashes[name], ref) for h, g in zip(hs, gs))}
+        if name in measured:
+            row["peak_bytes"] = measured[name]
         if name == "daemon":
             row["daemon_loop"] = loop_figures(loop, a.rounds * a.steps) if dist.get_rank() == 0 else None
         if name in last:
@@ -378,18 +394,24 @@ def chosen(a: argparse.Namespace) -> list[Workload | Llama]:
 
 # The node: its stormd (one, or --daemons), a torchrun per rank count
 
-def start(workdir: Path, pool_size: str, profile: Path | None) -> tuple[subprocess.Popen, str, dict]:
-    """A stormd logging to workdir/stormd.log, under cProfile with --profile: the process, its
-    endpoint, and what its STATUS says of its start: the seconds from its process start to serving,
-    the bytes it page-locked and the seconds that took (None where it locked none)."""
+def start(workdir: Path, pool_size: str, profile: Path | None, spill: bool = False
+          ) -> tuple[subprocess.Popen, str, dict]:
+    """A stormd logging to workdir/stormd.log, under cProfile with --profile, spilling to
+    workdir/spill with --spill: the process, its endpoint, and what its STATUS says of its start:
+    the seconds from its process start to serving, the bytes it page-locked and the seconds that
+    took (None where it locked none)."""
     profiler = ["-m", "cProfile", "-o", str(profile / "stormd.prof")] if profile is not None else []
-    proc, endpoint = start_daemon(workdir, pool_size, log=workdir / "stormd.log", python_args=profiler)
+    flags: tuple[str, ...] = ()
+    if spill:
+        (workdir / "spill").mkdir()
+        flags = ("--spill", "--spill-dir", str(workdir / "spill"))
+    proc, endpoint = start_daemon(workdir, pool_size, *flags, log=workdir / "stormd.log", python_args=profiler)
     status = request(endpoint, "STATUS", timeout=30)
     return proc, endpoint, {"start_s": status["startup_s"], "page_lock_s": status["page_lock_s"],
                             "page_locked_bytes": status["node"]["page_locked_bytes"]}
 
 
-def start_all(workdir: Path, pool_size: str, count: int, profile: Path | None
+def start_all(workdir: Path, pool_size: str, count: int, profile: Path | None, spill: bool = False
               ) -> tuple[list[subprocess.Popen], list[str], dict]:
     """``count`` stormd (--daemons), each with its share of ``pool_size``, the first under cProfile with
     --profile: the processes, their endpoints and their start's figures together (the bytes
@@ -398,7 +420,7 @@ def start_all(workdir: Path, pool_size: str, count: int, profile: Path | None
     started = []
     for i in range(count):
         (workdir / f"d{i}").mkdir()
-        started.append(start(workdir / f"d{i}", share, profile if i == 0 else None))
+        started.append(start(workdir / f"d{i}", share, profile if i == 0 else None, spill))
     figures = [f for _, _, f in started]
     return [p for p, _, _ in started], [e for _, e, _ in started], {
         "start_s": max(f["start_s"] for f in figures),
@@ -427,6 +449,8 @@ def table(results: dict) -> str:
                 extra = f" {m['daemon_over_embedded']['median']:10.3f}" if row == "daemon" else " " * 11
                 if "pack_ms" in r:
                     extra += f" {statistics.median(r['pack_ms']):8.2f} {statistics.median(r['fetch_wait_ms']):8.2f}"
+                if "peak_bytes" in r:
+                    extra += f" peak GiB {max(r['peak_bytes']) / 2**30:.2f}"
                 if r.get("daemon_loop"):
                     extra += f" {r['daemon_loop']['busy_fraction']:9.3f} {r['daemon_loop']['us_per_request']:7.1f}"
                 lines.append(f"{n:>5} {name:<8} {row:<9} {r['step_ms_median']:9.2f} "
@@ -459,6 +483,9 @@ def main() -> int:
     p.add_argument("--daemons", type=int, default=1,
                    help="stormd processes, each with its share of the pool; rank r uses daemon r %% N (more than "
                         "one: what a daemon loop per GPU would buy; daemon_loop is then the first daemon's)")
+    p.add_argument("--spill", action="store_true",
+                   help="stormd spills to disk when its pool is full (the embedded stores have no spill: what does "
+                        "not fit their pools stays on the GPU, rows' kept and peak_bytes say how much)")
     p.add_argument("--profile", help="a folder for torch.profiler tables per rank and stormd's cProfile stats")
     p.add_argument("--out")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -478,10 +505,12 @@ def main() -> int:
                "peer_access": a.device == "cuda" and torch.cuda.device_count() > 1
                and torch.cuda.can_device_access_peer(0, 1), "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        procs, endpoints, daemon = start_all(Path(tmp), pool, a.daemons, profile)
+        procs, endpoints, daemon = start_all(Path(tmp), pool, a.daemons, profile, a.spill)
         try:
             ranks = {n: launch(a, n, endpoints, tmp) for n in a.ranks}
             daemon_locked = locked_kib(procs[0].pid)
+            nodes = [request(e, "STATUS", timeout=30)["node"] for e in endpoints]
+            spill = {"on": all(n["spill"] for n in nodes), "written_bytes": sum(n["spilled_total"] for n in nodes)}
         finally:
             for proc in procs:
                 stop_daemon(proc)
@@ -491,7 +520,7 @@ def main() -> int:
                 stats = pstats.Stats(str(profile / "stormd.prof"), stream=f)
                 stats.sort_stats("tottime").print_stats(40)
                 stats.sort_stats("cumulative").print_stats("stormd", 40)  # where a request's time goes
-    results["daemon"] = {**daemon, "daemons": a.daemons, "proc_status_kB": daemon_locked}
+    results["daemon"] = {**daemon, "daemons": a.daemons, "spill": spill, "proc_status_kB": daemon_locked}
     for n, rows in ranks.items():
         results["runs"][str(n)] = summarize_launch(rows, daemon)
     ok = all(passed(run) for run in results["runs"].values())

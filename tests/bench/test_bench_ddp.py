@@ -29,6 +29,7 @@ def test_one_and_two_cpu_ranks_step_bit_identically_in_every_row(tmp_path):
     # the daemon's STATUS: no CUDA, nothing page-locked
     daemon = result["daemon"]
     assert daemon["start_s"] > 0 and daemon["page_lock_s"] is None and daemon["page_locked_bytes"] == 0
+    assert daemon["spill"] == {"on": False, "written_bytes": 0}
     for n, run in result["runs"].items():
         ranks = int(n)
         assert run["ranks"] == ranks and len(run["link_together_GBps"]) == ranks
@@ -57,9 +58,10 @@ def test_one_and_two_cpu_ranks_step_bit_identically_in_every_row(tmp_path):
 
 
 @pytest.mark.slow  # two daemons, torchrun once
-def test_with_a_daemon_per_rank_each_rank_has_its_own_and_its_share_of_the_pool(tmp_path):
-    result = tiny_cpu_run(tmp_path, "--ranks", "2", "--models", "W1", "--rounds", "1", "--daemons", "2")
+def test_with_a_daemon_per_rank_each_rank_has_its_own_and_its_share_of_the_pool_and_spill(tmp_path):
+    result = tiny_cpu_run(tmp_path, "--ranks", "2", "--models", "W1", "--rounds", "1", "--daemons", "2", "--spill")
     assert result["daemon"]["daemons"] == 2
+    assert result["daemon"]["spill"] == {"on": True, "written_bytes": 0}  # both spill; the tiny steps fit the pools
     run = result["runs"]["2"]
     assert run["models"]["tiny"]["rows"]["daemon"]["identical_steps"] == [2, 2]
     # each daemon's pool is half of 64 MiB x 2 ranks; the rank's HELLO says its own daemon's
