@@ -166,3 +166,52 @@ async def test_the_server_decodes_requests_within_the_largest_valid_requests_lim
     r = await c.call("PING", **{f"f{i}": i for i in range(100)})
     assert r["error"] == ErrorCode.BAD_MESSAGE and "map_len" in r["message"], r
     assert (await c.call("PING"))["ok"]  # and it serves on
+
+
+class _Enough(BaseException):
+    """Ends a serve() loop from inside an answer (answers catch Exception)."""
+
+
+@pytest.mark.asyncio
+async def test_a_steady_stream_of_requests_still_gives_the_loops_other_tasks_a_turn(monkeypatch):
+    """An await of a receive that finds a request queued does not yield, so under a load that never
+    lets the queue empty the reaper, the reply backlogs and a drain would wait for a quiet moment:
+    the server yields after every ANSWERED_IN_TURN answers."""
+    import stormd.server as server_module
+
+    pool = SharedPool.anonymous(1 << 20)
+    srv = Server(Service(pool), DaemonConfig(socket="ipc:///unused"))
+    answered = 0
+
+    class Endless:  # a socket with a request always queued: the synchronous one
+        def recv_multipart(self, flags: int = 0) -> list[bytes]:
+            return [b"peer", b"request"]
+
+    class AsyncEndless:  # and the asyncio one
+        async def recv_multipart(self) -> list[bytes]:
+            return [b"peer", b"request"]
+
+    def answer(frames: list[bytes]) -> None:
+        nonlocal answered
+        answered += 1
+        if answered == 10 * server_module.ANSWERED_IN_TURN:
+            raise _Enough
+
+    srv._sock, srv._sync = AsyncEndless(), Endless()
+    monkeypatch.setattr(srv, "_answer", answer)
+    monkeypatch.setattr(srv, "close", lambda: None)
+    turns: list[int] = []
+
+    async def other_task() -> None:
+        while True:
+            turns.append(answered)
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(other_task())
+    await asyncio.sleep(0)  # it runs once before serving starts
+    with pytest.raises(_Enough):
+        await srv.serve()
+    other.cancel()
+    pool.close()
+    assert turns[0] == 0 and len(turns) >= 9, turns
+    assert all(b - a <= server_module.ANSWERED_IN_TURN for a, b in zip(turns, turns[1:])), turns

@@ -64,27 +64,27 @@ def open_copier(pool: SharedPool) -> "CudaCopier | None":
 
 class Mark:
     """An event of the daemon's own, recorded after a copy: ``finished()`` never blocks. Its event
-    comes from ``free``, the spare events of the stream's device, and goes back there once nothing
-    holds the mark: a copy per request made creating and destroying one a cost of every request.
-    Recording a spare again is safe: nothing queries it any more."""
+    comes from ``spares``, the spare events of the stream's device, and goes back there once
+    nothing holds the mark: a copy per request made creating and destroying one a cost of every
+    request. Recording a spare again is safe: nothing queries it any more."""
 
-    __slots__ = ("event", "free")
+    __slots__ = ("event", "spares")
 
-    def __init__(self, stream: Any, free: list):
+    def __init__(self, stream: Any, spares: list):
         rt = binding.rt
-        if free:
-            self.event = free.pop()
+        if spares:
+            self.event = spares.pop()
         else:
             err, self.event = rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming)
             check(err, "cudaEventCreate")
-        self.free = free
+        self.spares = spares
         check(rt.cudaEventRecord(self.event, stream)[0], "cudaEventRecord")
 
     def finished(self) -> bool:
         return fired(self.event)
 
     def __del__(self) -> None:
-        self.free.append(self.event)
+        self.spares.append(self.event)
 
 
 @dataclass
