@@ -49,8 +49,10 @@ What the daemon buys, per rank count:
 (--daemon-pool-size), the daemon row still offloads it all, where each embedded store, its pool
 --pool-size, keeps on the GPU what does not fit (kept "pool full", and its peak_bytes).
 
---profile DIR writes per rank, model and row a torch.profiler key_averages table of two more steps,
-and runs stormd under cProfile (its stats in DIR/stormd-cprofile.txt; start_s then includes it).
+--profile DIR writes per rank, model and row a torch.profiler key_averages table of two more steps
+and the training thread's cProfile of two after them, and runs stormd under cProfile (its stats in
+DIR/stormd-cprofile.txt; start_s then includes it). That is many files: a lent GPU machine returns
+few, so pack the folder into one (tar) before it comes back.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before torch init
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import cProfile  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import pstats  # noqa: E402
@@ -309,15 +312,25 @@ def loop_figures(loop: dict, steps: int) -> dict:
 
 def profile_rows(w: Workload | Llama, folder: str, row_steps: Callable[[str, int], object],
                  device: torch.device) -> None:
-    """A torch.profiler table of each row's first two steps, per rank, into ``folder`` (--profile)."""
+    """Into ``folder`` (--profile), per rank and row: a torch.profiler table of two steps, and where
+    the training thread's host time went in two more (cProfile: STORM's functions by cumulative
+    time, then the most time of their own)."""
     activities = [torch.profiler.ProfilerActivity.CPU] + \
         ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     for name in ROWS:
+        out = Path(folder) / f"ranks{dist.get_world_size()}-{w.name}-{name}-rank{dist.get_rank()}"
         with torch.profiler.profile(activities=activities) as prof:
             row_steps(name, 2)
-        out = Path(folder) / f"ranks{dist.get_world_size()}-{w.name}-{name}-rank{dist.get_rank()}.txt"
-        out.write_text(prof.key_averages().table(sort_by=key, row_limit=40))
+        out.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40))
+        host = cProfile.Profile()
+        host.enable()
+        row_steps(name, 2)
+        host.disable()
+        with out.with_suffix(".cprofile.txt").open("w") as f:
+            stats = pstats.Stats(host, stream=f)
+            stats.sort_stats("cumulative").print_stats("storm", 30)
+            stats.sort_stats("tottime").print_stats(20)
 
 
 def link_alone_and_together(device: torch.device) -> dict[str, list[float]]:
