@@ -92,28 +92,34 @@ def test_a_look_without_the_lock_at_a_save_another_thread_just_released_finds_no
     assert queue.copied() is None
 
 
+class ScriptedRecord:
+    """An allocator record (a fake: the CPU has none): the devices it was started on, marks numbered
+    from 1, how often it was read (finish), and ``events`` as what each read returns."""
+
+    def __init__(self, events: list[dict] | None = None) -> None:
+        self.events = events
+        self.started: list[torch.device] = []
+        self.marks = self.finished = 0
+
+    def start(self, device: torch.device) -> None:
+        self.started.append(device)
+
+    def mark(self, device: torch.device) -> int:
+        self.marks += 1
+        return self.marks
+
+    def finish(self, device: torch.device) -> list[dict] | None:
+        self.finished += 1
+        return self.events
+
+
 def test_a_profiled_unpack_brings_back_the_storage_once_and_leaves_its_mark_in_the_record():
     """The profile counts a storage's bytes brought back at its first unpack only, and not where it is
     still on the device (a room's window would otherwise be spent on saves further on); each
     reading leaves a mark in the allocator's record, which starts at the first."""
 
-    class Record:
-        def __init__(self) -> None:
-            self.started: list[torch.device] = []
-            self.marks = 0
-
-        def start(self, device: torch.device) -> None:
-            self.started.append(device)
-
-        def mark(self, device: torch.device) -> int:
-            self.marks += 1
-            return self.marks
-
-        def finish(self, device: torch.device) -> None:
-            return None
-
     queue, waited = queue_and_waits()
-    queue.record = record = Record()
+    queue.record = record = ScriptedRecord()
     queue.memory = lambda device: 100
     step = Step(1, float("inf"), StepOptions())
     queue.start_step(step)
@@ -134,21 +140,8 @@ def test_a_profiled_unpack_brings_back_the_storage_once_and_leaves_its_mark_in_t
 def test_closing_stops_the_record_of_a_step_still_profiling():
     """A session closed before the profiled step's room is made stops the allocator's record it started."""
 
-    class Record:
-        def __init__(self) -> None:
-            self.finished = 0
-
-        def start(self, device: torch.device) -> None:
-            pass
-
-        def mark(self, device: torch.device) -> int:
-            return 1
-
-        def finish(self, device: torch.device) -> None:
-            self.finished += 1
-
     queue, waited = queue_and_waits()
-    queue.record = record = Record()
+    queue.record = record = ScriptedRecord()
     queue.memory = lambda device: 100
     step = Step(1, float("inf"), StepOptions())
     queue.start_step(step)
@@ -163,22 +156,10 @@ def test_the_profiled_step_record_is_read_once_though_budget_steps_come_between(
     after it makes the room from what was read, without reading (a user's record: snapshotting) again."""
     from storm import allocator_record
 
-    class Record:
-        def __init__(self) -> None:
-            self.finished = 0
-
-        def start(self, device: torch.device) -> None:
-            pass
-
-        def mark(self, device: torch.device) -> int:
-            return 7
-
-        def finish(self, device: torch.device) -> list[dict]:
-            self.finished += 1
-            return [{"action": "alloc", "addr": 7, "size": allocator_record.MARK_BYTES, "stream": 0}]
-
     queue, waited = queue_and_waits()
-    queue.record = record = Record()
+    # the one save's mark (the first: 1), as the record saw it
+    queue.record = record = ScriptedRecord([{"action": "alloc", "addr": 1, "size": allocator_record.MARK_BYTES,
+                                             "stream": 0}])
     queue.memory = lambda device: 100
     step = Step(1, float("inf"), StepOptions())
     queue.start_step(step)
