@@ -59,33 +59,32 @@ def main() -> int:
     rt.cudaEventRecord(ipc, stream)
     torch.cuda.synchronize()
     s, d, n, kind = src.data_ptr(), dst.data_ptr(), 256, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
-    n_calls = a.calls
     figures = {"bindings": {
-        "cudaEventQuery": per_call_us(lambda: rt.cudaEventQuery(event), n_calls),
-        "cudaEventQuery (interprocess event)": per_call_us(lambda: rt.cudaEventQuery(ipc), n_calls),
-        "cudaEventRecord": per_call_us(lambda: rt.cudaEventRecord(event, stream), n_calls),
-        "cudaStreamWaitEvent": per_call_us(lambda: rt.cudaStreamWaitEvent(stream, event, 0), n_calls),
+        "cudaEventQuery": per_call_us(lambda: rt.cudaEventQuery(event), a.calls),
+        "cudaEventQuery (interprocess event)": per_call_us(lambda: rt.cudaEventQuery(ipc), a.calls),
+        "cudaEventRecord": per_call_us(lambda: rt.cudaEventRecord(event, stream), a.calls),
+        "cudaStreamWaitEvent": per_call_us(lambda: rt.cudaStreamWaitEvent(stream, event, 0), a.calls),
         "cudaMemcpyAsync 256 B to pinned host": per_call_us(lambda: rt.cudaMemcpyAsync(d, s, n, kind, stream),
-                                                            n_calls // 4),
-        "cuCtxSetCurrent": per_call_us(lambda: drv.cuCtxSetCurrent(context), n_calls),
-        "int(err) of a reply": per_call_us(lambda: int(rt.cudaEventQuery(event)[0]), n_calls),
+                                                            a.calls // 4),
+        "cuCtxSetCurrent": per_call_us(lambda: drv.cuCtxSetCurrent(context), a.calls),
+        "int(err) of a reply": per_call_us(lambda: int(rt.cudaEventQuery(event)[0]), a.calls),
     }}
     torch.cuda.synchronize()
     lib = libcudart()
     ev, st = ctypes.c_void_p(int(event)), ctypes.c_void_p(int(stream))
     figures["ctypes"] = {
-        "cudaEventQuery": per_call_us(lambda: lib.cudaEventQuery(ev), n_calls),
-        "cudaEventRecord": per_call_us(lambda: lib.cudaEventRecord(ev, st), n_calls),
+        "cudaEventQuery": per_call_us(lambda: lib.cudaEventQuery(ev), a.calls),
+        "cudaEventRecord": per_call_us(lambda: lib.cudaEventRecord(ev, st), a.calls),
         "cudaMemcpyAsync 256 B to pinned host": per_call_us(
             lambda: lib.cudaMemcpyAsync(ctypes.c_void_p(d), ctypes.c_void_p(s), ctypes.c_size_t(n), 2, st),
-            n_calls // 4),
+            a.calls // 4),
     }
     torch.cuda.synchronize()
     for lib_name, calls in figures.items():
         for call, us in calls.items():
             print(f"{lib_name:>9}  {call:<40} {us:8.3f} us")
     if a.out:
-        write(a.out, {"calls": n_calls, "us_per_call": figures})
+        write(a.out, {"calls": a.calls, "us_per_call": figures})
     return 0
 
 
