@@ -14,7 +14,8 @@ per mode and endpoint), so every rank runs all three rows in the same launch: fo
 --models (bench/common.py's W1 and W3, --tiny their smoke sizes) it builds the model once, then runs
 --rounds rounds; each round runs --steps steps of each row in turn ("none": no offload; "embedded":
 storm.offload(mode="embedded", pool_size=--pool-size); "daemon": storm.offload(mode="daemon")), the
-row order rotating by round, each row from the same initial parameters with the same inputs.
+row order rotating by round, each row from the same initial parameters with the same inputs. The
+JSON is rewritten after each rank count; --resume keeps those --out holds and runs the others.
 
 Per rank count and model the JSON has, per row and rank: the median step (forward and backward, the
 first --warmup steps of each row in each round left out), identical_steps (steps whose loss and
@@ -501,6 +502,8 @@ def main() -> int:
                         "not fit their pools stays on the GPU, rows' kept and peak_bytes say how much)")
     p.add_argument("--profile", help="a folder for torch.profiler tables per rank and stormd's cProfile stats")
     p.add_argument("--out")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rank counts --out holds already and run the others (a run across time limits)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
@@ -517,10 +520,19 @@ def main() -> int:
                # without peer access NCCL's all-reduce goes through host memory, over the links offload uses
                "peer_access": a.device == "cuda" and torch.cuda.device_count() > 1
                and torch.cuda.can_device_access_peer(0, 1), "runs": {}}
+    prior = json.loads(Path(a.out).read_text()) if a.resume and a.out and Path(a.out).exists() else {}
+    if prior:
+        # rank counts measured by that run are kept as they were; each call starts its own stormd
+        results["runs"], results["resumed_from"] = prior["runs"], prior["meta"]
     with tempfile.TemporaryDirectory() as tmp:
         procs, endpoints, daemon = start_all(Path(tmp), pool, a.daemons, profile, a.spill)
         try:
-            ranks = {n: launch(a, n, endpoints, tmp) for n in a.ranks}
+            for n in (n for n in a.ranks if str(n) not in results["runs"]):
+                results["runs"][str(n)] = summarize_launch(launch(a, n, endpoints, tmp), daemon)
+                results["runs"] = dict(sorted(results["runs"].items(), key=lambda kv: int(kv[0])))
+                results["daemon"] = {**daemon, "daemons": a.daemons}
+                if a.out:
+                    write(a.out, results, a.device)  # what is done survives a time limit: --resume goes on
             daemon_locked = locked_kib(procs[0].pid)
             nodes = [request(e, "STATUS", timeout=30)["node"] for e in endpoints]
             spill = {"on": all(n["spill"] for n in nodes), "written_bytes": sum(n["spilled_total"] for n in nodes)}
@@ -534,8 +546,6 @@ def main() -> int:
                 stats.sort_stats("tottime").print_stats(40)
                 stats.sort_stats("cumulative").print_stats("stormd", 40)  # where a request's time goes
     results["daemon"] = {**daemon, "daemons": a.daemons, "spill": spill, "proc_status_kB": daemon_locked}
-    for n, rows in ranks.items():
-        results["runs"][str(n)] = summarize_launch(rows, daemon)
     ok = all(passed(run) for run in results["runs"].values())
     print(table(results))
     if a.out:

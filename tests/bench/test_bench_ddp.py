@@ -21,9 +21,15 @@ def tiny_cpu_run(tmp_path, *args: str) -> dict:
     return bench_result(out)
 
 
-@pytest.mark.slow  # a daemon, torchrun twice, two tiny models in three rows: tens of seconds on 2 cores
+@pytest.mark.slow  # two daemons, torchrun twice, two tiny models in three rows: tens of seconds on 2 cores
 def test_one_and_two_cpu_ranks_step_bit_identically_in_every_row(tmp_path):
-    result = tiny_cpu_run(tmp_path, "--ranks", "1", "2", "--models", "W1", "W3", "--rounds", "2")
+    # a run across two calls (a time limit after the first rank count, whose daemon had the run's pool):
+    # --resume keeps the rank count the JSON holds and runs the other
+    first = tiny_cpu_run(tmp_path, "--ranks", "1", "--models", "W1", "W3", "--rounds", "2",
+                         "--daemon-pool-size", "128MiB")
+    result = tiny_cpu_run(tmp_path, "--ranks", "1", "2", "--models", "W1", "W3", "--rounds", "2", "--resume")
+    assert result["resumed_from"] == first["meta"] and result["runs"]["1"] == first["runs"]["1"]
+    assert list(result["runs"]) == ["1", "2"]
     assert result["meta"]["device"] == "cpu" and result["wrapper"] == "ddp" and not result["peer_access"]
     assert result["rows"] == ["none", "embedded", "daemon"] and set(result["runs"]) == {"1", "2"}
     # the daemon's STATUS: no CUDA, nothing page-locked
