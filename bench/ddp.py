@@ -50,7 +50,7 @@ What the daemon buys, per rank count:
 (--daemon-pool-size), the daemon row still offloads it all, where each embedded store, its pool
 --pool-size, keeps on the GPU what does not fit (kept "pool full", and its peak_bytes).
 
---profile DIR writes per rank, model and row a torch.profiler key_averages table of two more steps
+--profile DIR writes per rank, model and row a torch.profiler key_averages table and trace of two more steps
 and the training thread's cProfile of two after them, and runs stormd under cProfile (its stats in
 DIR/stormd-cprofile.txt; start_s then includes it). That is many files: a lent GPU machine returns
 few, so pack the folder into one (tar) before it comes back.
@@ -231,6 +231,11 @@ def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict |
     state = [*model.parameters(), *model.buffers()]
     initial = [t.detach().clone() for t in state]
     xs = [inputs(w, s, device, next(model.parameters()).dtype) for s in range(a.steps)]
+    # DDP lays its gradient buckets out again after the first backward, in the order gradients came;
+    # with more than two ranks the all-reduce's order of addition follows the buckets, so every row's
+    # steps would differ from those of the row that ran first. One backward before the rows settles them
+    w.objective(w.forward(net, xs[0])).backward()
+    model.zero_grad(set_to_none=True)
     times: dict[str, list[float]] = {r: [] for r in opts}
     hashes: dict[str, list[list[str]]] = {r: [] for r in opts}
     last: dict[str, storm.OffloadStats] = {}
@@ -313,7 +318,7 @@ def loop_figures(loop: dict, steps: int) -> dict:
 
 def profile_rows(w: Workload | Llama, folder: str, row_steps: Callable[[str, int], object],
                  device: torch.device) -> None:
-    """Into ``folder`` (--profile), per rank and row: a torch.profiler table of two steps, and where
+    """Into ``folder`` (--profile), per rank and row: a torch.profiler table and trace of two steps, and where
     the training thread's host time went in two more (cProfile: STORM's functions by cumulative
     time, then the most time of their own)."""
     activities = [torch.profiler.ProfilerActivity.CPU] + \
@@ -324,6 +329,7 @@ def profile_rows(w: Workload | Llama, folder: str, row_steps: Callable[[str, int
         with torch.profiler.profile(activities=activities) as prof:
             row_steps(name, 2)
         out.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40))
+        prof.export_chrome_trace(f"{out}.trace.json.gz")  # the timeline: where the compute stream waited
         host = cProfile.Profile()
         host.enable()
         row_steps(name, 2)

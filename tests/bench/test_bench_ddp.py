@@ -65,19 +65,22 @@ def test_one_and_two_cpu_ranks_step_bit_identically_in_every_row(tmp_path):
 
 @pytest.mark.slow  # two daemons, torchrun once
 def test_with_a_daemon_per_rank_each_rank_has_its_own_and_its_share_of_the_pool_spill_and_profiles(tmp_path):
-    result = tiny_cpu_run(tmp_path, "--ranks", "2", "--models", "W1", "--rounds", "1", "--daemons", "2", "--spill",
+    # four ranks: the all-reduce's order of addition then follows DDP's buckets, which the first
+    # backward lays out again; every row steps identically all the same
+    result = tiny_cpu_run(tmp_path, "--ranks", "4", "--models", "W1", "--rounds", "2", "--daemons", "2", "--spill",
                           "--profile", str(tmp_path / "profile"))
     assert result["daemon"]["daemons"] == 2
     # --profile: per rank and row, torch.profiler's table and the training thread's cProfile; the first daemon's
     made = {p.name for p in (tmp_path / "profile").iterdir()}
-    assert {f"ranks2-tiny-{row}-rank{r}{kind}" for row in ("none", "embedded", "daemon") for r in (0, 1)
-            for kind in (".txt", ".cprofile.txt")} | {"stormd-cprofile.txt"} <= made, made
-    assert "storm/session.py" in (tmp_path / "profile" / "ranks2-tiny-daemon-rank0.cprofile.txt").read_text()
+    assert {f"ranks4-tiny-{row}-rank{r}{kind}" for row in ("none", "embedded", "daemon") for r in range(4)
+            for kind in (".txt", ".cprofile.txt", ".trace.json.gz")} | {"stormd-cprofile.txt"} <= made, made
+    assert "storm/session.py" in (tmp_path / "profile" / "ranks4-tiny-daemon-rank0.cprofile.txt").read_text()
     assert result["daemon"]["spill"] == {"on": True, "written_bytes": 0}  # both spill; the tiny steps fit the pools
-    run = result["runs"]["2"]
-    assert run["models"]["tiny"]["rows"]["daemon"]["identical_steps"] == [2, 2]
-    # each daemon's pool is half of 64 MiB x 2 ranks; the rank's HELLO says its own daemon's
-    assert run["page_locked"]["daemon"]["pool_bytes"] == 64 << 20
+    run = result["runs"]["4"]
+    for row in run["models"]["tiny"]["rows"].values():
+        assert row["identical_steps"] == [4] * 4, row
+    # each daemon's pool is half of 64 MiB x 4 ranks; the rank's HELLO says its own daemon's
+    assert run["page_locked"]["daemon"]["pool_bytes"] == 128 << 20
 
 
 def test_rank_counts_are_powers_of_two_up_to_the_gpus_or_one_and_two_on_cpu():
