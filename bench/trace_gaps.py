@@ -1,0 +1,99 @@
+"""Where a step's compute stream sat idle, and why: from the torch.profiler traces bench/ddp.py --profile writes.
+
+    python bench/trace_gaps.py DIR/ranks2-W1-embedded-rank0.trace.json.gz DIR/ranks2-W1-daemon-rank0.trace.json.gz \\
+        [--forward DistributedDataParallel.forward] [--out bench/results/trace-gaps-<device>-<date>-<commit>.json]
+
+A step runs from its forward's host annotation (--forward) to the host's next cudaDeviceSynchronize
+(bench/ddp.py synchronizes at the end of each step). The compute stream is the one that ran the most
+kernels. Every idle stretch between two of its operations in the step is one of:
+  host: the operation after it was launched only after the stretch began; the host was late
+        (its Python, a wait on a reply, a lock), and the GPU had nothing queued;
+  wait: it was launched before; the stream waited on an event (a copy not yet landed, another stream).
+each counted in forward or backward by when that operation was launched (before or after the
+forward annotation ended). A step whose backward idles mostly "wait" is bound by its copies; mostly
+"host", by the host's work on its path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import sys
+from pathlib import Path
+
+from common import write
+
+GPU_OPS = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CALLS = ("cuda_runtime", "cuda_driver")
+
+
+def load(path: str | Path) -> list[dict]:
+    """A chrome trace's events (plain or gzipped JSON)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def steps(events: list[dict], forward: str) -> list[dict]:
+    """Per step: its span on the GPU, the compute stream's busy time, and its idle time split into
+    forward/backward and host/wait (module docstring), all in ms."""
+    starts = sorted((e for e in events if e.get("name") == forward and e.get("ph") == "X"), key=lambda e: e["ts"])
+    # an annotation nested in another of the same name (a module calling itself) is not a new step
+    starts = [e for i, e in enumerate(starts) if i == 0 or e["ts"] >= starts[i - 1]["ts"] + starts[i - 1]["dur"]]
+    syncs = sorted(e["ts"] for e in events if e.get("cat") in HOST_CALLS and e["name"] == "cudaDeviceSynchronize")
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in HOST_CALLS and "correlation" in e.get("args", {})}
+    gpu = [e for e in events if e.get("cat") in GPU_OPS]
+    kernels = collections.Counter(e["args"]["stream"] for e in gpu if e["cat"] == "kernel")
+    if not kernels:
+        return []
+    compute = kernels.most_common(1)[0][0]
+    stream = sorted((e for e in gpu if e["args"]["stream"] == compute), key=lambda e: e["ts"])
+    out = []
+    for start in starts:
+        ends = [t for t in syncs if t > start["ts"]]
+        if not ends:
+            break
+        forward_end = start["ts"] + start["dur"]
+        ops = [e for e in stream if start["ts"] <= launches.get(e["args"].get("correlation"), -1) < ends[0]]
+        if not ops:
+            continue
+        idle = {phase: {"host": 0.0, "wait": 0.0} for phase in ("forward", "backward")}
+        for before, after in zip(ops, ops[1:]):
+            gap = after["ts"] - (before["ts"] + before["dur"])
+            if gap <= 0:
+                continue
+            launched = launches[after["args"]["correlation"]]
+            phase = "forward" if launched < forward_end else "backward"
+            idle[phase]["host" if launched > before["ts"] + before["dur"] else "wait"] += gap
+        last = max(e["ts"] + e["dur"] for e in ops)
+        out.append({"step_ms": round((last - start["ts"]) / 1e3, 2),
+                    "busy_ms": round(sum(e["dur"] for e in ops) / 1e3, 2),
+                    "idle_ms": {p: {k: round(v / 1e3, 2) for k, v in d.items()} for p, d in idle.items()}})
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--forward", default="DistributedDataParallel.forward",
+                   help="the host annotation that opens each step's forward")
+    p.add_argument("--source", help="the run the traces come from (its JSON), kept in --out")
+    p.add_argument("--out")
+    a = p.parse_args()
+    results = {"forward": a.forward, "source": a.source, "traces": {}}
+    for path in a.traces:
+        found = results["traces"][Path(path).name] = steps(load(path), a.forward)
+        for i, s in enumerate(found):
+            f, b = s["idle_ms"]["forward"], s["idle_ms"]["backward"]
+            print(f"{Path(path).name} step {i}: {s['step_ms']} ms, compute busy {s['busy_ms']} ms; idle forward "
+                  f"host {f['host']} wait {f['wait']}, backward host {b['host']} wait {b['wait']}")
+    if a.out:
+        write(a.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

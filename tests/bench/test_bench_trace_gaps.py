@@ -1,0 +1,52 @@
+"""bench/trace_gaps.py: a step's compute-stream idle time, split by phase and by whether the host
+launched the next operation late (host) or early, so that the stream waited (wait)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+from helpers import bench_module
+
+trace_gaps = bench_module("trace_gaps")
+
+
+def kernel(ts: float, dur: float, correlation: int, stream: int = 7) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur,
+            "args": {"stream": stream, "correlation": correlation}}
+
+
+def launch(ts: float, correlation: int, name: str = "cudaLaunchKernel") -> dict:
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": 1, "args": {"correlation": correlation}}
+
+
+def events() -> list[dict]:
+    """One step: forward annotated over [0, 100) us, four kernels on the compute stream, one elsewhere."""
+    return [
+        {"ph": "X", "cat": "user_annotation", "name": "DistributedDataParallel.forward", "ts": 0, "dur": 100},
+        launch(5, 1), kernel(10, 10, 1),
+        launch(40, 2), kernel(50, 10, 2),      # launched after the stream went idle at 20: forward, host, 30 us
+        launch(120, 3), kernel(200, 10, 3),    # launched in backward after the idle began at 60: host, 140 us
+        launch(150, 4), kernel(300, 10, 4),    # launched before the idle began at 210: the stream waited, 90 us
+        launch(160, 5), kernel(170, 500, 5, stream=9),  # another stream: not the compute stream's
+        launch(400, 6, "cudaDeviceSynchronize"),
+        launch(410, 7), kernel(420, 10, 7),    # after the step's end: not its
+    ]
+
+
+def test_idle_time_is_split_by_phase_and_by_who_was_late(tmp_path):
+    (step,) = trace_gaps.steps(events(), "DistributedDataParallel.forward")
+    assert step == {"step_ms": 0.31, "busy_ms": 0.04,
+                    "idle_ms": {"forward": {"host": 0.03, "wait": 0.0}, "backward": {"host": 0.14, "wait": 0.09}}}
+
+
+def test_a_gzipped_trace_reads_as_a_plain_one(tmp_path):
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events()}, f)
+    assert trace_gaps.load(path) == events()
+
+
+def test_a_trace_without_kernels_or_steps_has_no_steps():
+    assert trace_gaps.steps([launch(1, 1)], "DistributedDataParallel.forward") == []
+    assert trace_gaps.steps([kernel(1, 1, 1)], "DistributedDataParallel.forward") == []
