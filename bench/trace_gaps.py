@@ -11,7 +11,11 @@ kernels. Every idle stretch between two of its operations in the step is one of:
   wait: it was launched before; the stream waited on an event (a copy not yet landed, another stream).
 each counted in forward or backward by when that operation was launched (before or after the
 forward annotation ended). A step whose backward idles mostly "wait" is bound by its copies; mostly
-"host", by the host's work on its path.
+"host", by the host's work on its path. Over the whole trace it also sums the host time of
+backward's nodes (``*Backward0``), the part of it outside every operation recorded inside them (an
+unpack hook's Python, and its waits for replies, locks or the GIL), and the host time of a few
+operations every node runs (aten::mm, aten::empty, kernel launches): slower there, the thread
+was short of CPU.
 """
 
 from __future__ import annotations
@@ -75,6 +79,35 @@ def steps(events: list[dict], forward: str) -> list[dict]:
     return out
 
 
+def backward_host(events: list[dict]) -> dict:
+    """The host side of backward's nodes over the whole trace: the time of the ``*Backward0`` operations,
+    the part of it outside every operation recorded inside them (an unpack hook's Python and its waits),
+    and the host time of the operations most nodes run (in ms)."""
+    ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", *HOST_CALLS)),
+                 key=lambda e: e["ts"])
+    by_thread: dict = collections.defaultdict(list)
+    for e in ops:
+        by_thread[e["tid"]].append(e)
+    total = outside = 0.0
+    for e in ops:
+        if e["cat"] != "cpu_op" or not e["name"].endswith("Backward0") or e["name"].startswith("autograd::"):
+            continue
+        end = e["ts"] + e["dur"]
+        covered, reached = 0.0, e["ts"]
+        for inner in by_thread[e["tid"]]:  # the thread's operations inside it, in start order
+            if inner is e or not e["ts"] <= inner["ts"] < end:
+                continue
+            lo, hi = max(inner["ts"], reached), min(inner["ts"] + inner["dur"], end)
+            if hi > lo:
+                covered += hi - lo
+                reached = hi
+        total += e["dur"]
+        outside += e["dur"] - covered
+    common = ("aten::mm", "aten::empty", "cudaLaunchKernel", "cuLaunchKernelEx")
+    host = {name: round(sum(e["dur"] for e in ops if e["name"] == name) / 1e3, 2) for name in common}
+    return {"nodes_ms": round(total / 1e3, 2), "outside_ops_ms": round(outside / 1e3, 2), "ops_ms": host}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("traces", nargs="+")
@@ -85,7 +118,12 @@ def main() -> int:
     a = p.parse_args()
     results = {"forward": a.forward, "source": a.source, "traces": {}}
     for path in a.traces:
-        found = results["traces"][Path(path).name] = steps(load(path), a.forward)
+        events = load(path)
+        found = steps(events, a.forward)
+        nodes = backward_host(events)
+        results["traces"][Path(path).name] = {"steps": found, "backward_host": nodes}
+        print(f"{Path(path).name}: backward's nodes {nodes['nodes_ms']} ms on the host, {nodes['outside_ops_ms']} ms "
+              f"of it outside their operations; {nodes['ops_ms']}")
         for i, s in enumerate(found):
             f, b = s["idle_ms"]["forward"], s["idle_ms"]["backward"]
             print(f"{Path(path).name} step {i}: {s['step_ms']} ms, compute busy {s['busy_ms']} ms; idle forward "

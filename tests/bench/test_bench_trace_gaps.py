@@ -50,3 +50,15 @@ def test_a_gzipped_trace_reads_as_a_plain_one(tmp_path):
 def test_a_trace_without_kernels_or_steps_has_no_steps():
     assert trace_gaps.steps([launch(1, 1)], "DistributedDataParallel.forward") == []
     assert trace_gaps.steps([kernel(1, 1, 1)], "DistributedDataParallel.forward") == []
+
+
+def test_backward_host_time_outside_the_operations_inside_its_nodes():
+    node = {"ph": "X", "cat": "cpu_op", "name": "AddmmBackward0", "ts": 1000, "dur": 100, "tid": 2}
+    inside = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1010, "dur": 30, "tid": 2},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "ts": 1020, "dur": 5, "tid": 2},  # within mm
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1060, "dur": 10, "tid": 2,
+               "args": {}},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1010, "dur": 500, "tid": 3}]  # another thread
+    found = trace_gaps.backward_host([node, *inside])
+    assert found["nodes_ms"] == 0.1 and found["outside_ops_ms"] == 0.06  # 100 us less mm's 30 and the launch's 10
+    assert found["ops_ms"] == {"aten::mm": 0.53, "aten::empty": 0.01, "cudaLaunchKernel": 0.01, "cuLaunchKernelEx": 0.0}
