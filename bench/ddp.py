@@ -51,6 +51,7 @@ What the daemon buys, per rank count:
 --pool-size, keeps on the GPU what does not fit (kept "pool full", and its peak_bytes).
 
 --profile DIR writes per rank, model and row a torch.profiler key_averages table and trace of two more steps
+(read at the end by bench/trace_gaps.py into the JSON's "profile": where the compute stream idled)
 and the training thread's cProfile of two after them, and runs stormd under cProfile (its stats in
 DIR/stormd-cprofile.txt; start_s then includes it). That is many files: a lent GPU machine returns
 few, so pack the folder into one (tar) before it comes back.
@@ -82,6 +83,7 @@ import xxhash  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import storm  # noqa: E402
+import trace_gaps  # noqa: E402
 from common import Llama, Workload, method_context, start_daemon, stop_daemon, synchronize, workloads, write  # noqa: E402
 from stormd.ctl import request  # noqa: E402
 from stormd.wire.cuda import register_pool  # noqa: E402
@@ -340,6 +342,15 @@ def profile_rows(w: Workload | Llama, folder: str, row_steps: Callable[[str, int
             stats.sort_stats("tottime").print_stats(20)
 
 
+def read_traces(folder: Path) -> dict[str, dict]:
+    """Per trace --profile wrote, bench/trace_gaps.py's reading of it: where each step's compute stream
+    idled (DDP's forward opens a step) and the host time of backward's nodes. In the JSON, so that
+    a lent machine, which returns few files, need not send the traces back."""
+    return {path.name: {"steps": trace_gaps.steps(events, "DistributedDataParallel.forward"),
+                        "backward_host": trace_gaps.backward_host(events)}
+            for path in sorted(folder.glob("*.trace.json.gz")) for events in [trace_gaps.load(path)]}
+
+
 def link_alone_and_together(device: torch.device) -> dict[str, list[float]]:
     """This rank's pinned GB/s (to host, to device): alone (ranks take turns), then all at once."""
     alone = None
@@ -551,6 +562,7 @@ def main() -> int:
                 stats = pstats.Stats(str(profile / "stormd.prof"), stream=f)
                 stats.sort_stats("tottime").print_stats(40)
                 stats.sort_stats("cumulative").print_stats("stormd", 40)  # where a request's time goes
+            results["profile"] = read_traces(profile)
     results["daemon"] = {**daemon, "daemons": a.daemons, "spill": spill, "proc_status_kB": daemon_locked}
     ok = all(passed(run) for run in results["runs"].values())
     print(table(results))

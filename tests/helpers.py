@@ -121,13 +121,14 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 PROVENANCE = {"device", "torch", "date", "commit", "command"}  # what every benchmark's JSON "meta" holds
 
 
-BENCH_SHARED = ("common", "summary")  # the bench/ modules that scripts import by name, each after those before it
+# the bench/ modules that scripts import by name, each after those before it
+BENCH_SHARED = ("common", "summary", "trace_gaps")
 
 
 def bench_module(name: str) -> ModuleType:
     """bench/<name>.py imported as the module ``name``, for tests of a script's functions. A script
-    run as ``python bench/<name>.py`` has bench/ on its path and imports its siblings ``common`` and
-    ``summary`` by name; here those are loaded the same way first, so no test edits sys.path."""
+    run as ``python bench/<name>.py`` has bench/ on its path and imports its siblings (BENCH_SHARED)
+    by name; here those are loaded the same way first, so no test edits sys.path."""
     for shared in BENCH_SHARED[:BENCH_SHARED.index(name) if name in BENCH_SHARED else None]:
         bench_module(shared)
     if name not in sys.modules:

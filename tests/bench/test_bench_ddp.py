@@ -75,6 +75,10 @@ def test_with_a_daemon_per_rank_each_rank_has_its_own_and_its_share_of_the_pool_
     assert {f"ranks4-tiny-{row}-rank{r}{kind}" for row in ("none", "embedded", "daemon") for r in range(4)
             for kind in (".txt", ".cprofile.txt", ".trace.json.gz")} | {"stormd-cprofile.txt"} <= made, made
     assert "storm/session.py" in (tmp_path / "profile" / "ranks4-tiny-daemon-rank0.cprofile.txt").read_text()
+    # each trace read into the JSON (bench/trace_gaps.py): on CPU no stream, but backward's nodes on the host
+    read = result["profile"]["ranks4-tiny-daemon-rank0.trace.json.gz"]
+    assert read["steps"] == [] and read["backward_host"]["nodes_ms"] > 0, read
+    assert len(result["profile"]) == 3 * 4
     assert result["daemon"]["spill"] == {"on": True, "written_bytes": 0}  # both spill; the tiny steps fit the pools
     run = result["runs"]["4"]
     for row in run["models"]["tiny"]["rows"].values():
