@@ -35,13 +35,8 @@ class RawClient:
 
     def send_frames(self, *frames: bytes) -> dict:
         self.sock.send_multipart(list(frames))
-        return self.recv()
-
-    def recv(self) -> dict:
-        """The next reply, past the probes (the daemon asking whether this socket is still there,
-        which it does whenever some client socket disconnects), which clients drop."""
         while (reply := unpack(self.sock.recv())).get("probe"):
-            pass
+            pass  # the daemon asking whether this socket is still there, which clients drop
         return reply
 
     def call(self, op: str, **fields) -> dict:

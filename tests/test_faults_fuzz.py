@@ -275,7 +275,7 @@ def test_100k_hostile_messages_each_get_an_error_and_nothing_leaks(tmp_path):
                 return  # the spare examples (there for draws that overran) are not needed
             for frames, _, _ in batch:
                 fz.sock.send_multipart(frames)
-            replies = [fz.recv() for _ in batch]  # all of them, so a failure leaves none behind
+            replies = [unpack(fz.sock.recv()) for _ in batch]  # all of them, so a failure leaves none behind
             for (frames, codes, msg), reply in zip(batch, replies):
                 assert reply["ok"] is False and reply["error"] in codes, (plan, frames, reply)
                 assert reply["id"] == (expected_id(msg) if len(frames) == 1 else 0), (plan, frames, reply)

@@ -46,9 +46,6 @@ BACKLOG_RETRY = 0.001  # seconds between retries of replies a client has not mad
 # What the daemon sends a client socket, unasked, to learn whether it is still connected: an id no
 # request has, which clients drop as they drop any reply they are not waiting for.
 PROBE = pack(notice())
-# Seconds after a client socket's disconnect at which every client socket is probed (one whose route
-# is not yet let go of at the first probe is found at a later one)
-DISCONNECT_PROBES = (0.0, 0.01, 0.04, 0.1, 0.25, 0.5, 1.0)
 # A HELLO that finds the daemon full looks for sessions of closed sockets at most this often: every
 # look costs a send per client socket, and a HELLO loop must not turn into a send storm.
 PROBE_INTERVAL = 0.1
@@ -105,7 +102,6 @@ class Server:
         self._backlog: dict[bytes, _Backlog] = {}  # by peer
         self._flusher: asyncio.Task | None = None
         self._probed = -PROBE_INTERVAL  # time.monotonic() of the last look for closed client sockets
-        self._monitor: zmq.asyncio.Socket | None = None  # bind() makes it: the socket's disconnects
 
     def bind(self) -> None:
         path = ipc_path(self.config.socket)
@@ -140,13 +136,11 @@ class Server:
         self._sock = sock
         # for what never waits (NOBLOCK receives and sends), which asyncio's futures only slow down
         self._sync = zmq.Socket.shadow(sock.underlying)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # _end_sessions_on_disconnect
 
     async def serve(self) -> None:
         """Answer requests until cancelled; then release the socket."""
         assert self._sock is not None, "bind() first"
         reaper = asyncio.create_task(self._reap_silent_clients())
-        watcher = asyncio.create_task(self._end_sessions_on_disconnect())
         try:
             while True:
                 frames = await self._sock.recv_multipart()
@@ -164,7 +158,6 @@ class Server:
                     frames = self._next_queued()
         finally:
             reaper.cancel()
-            watcher.cancel()
             self.close()
 
     def _next_queued(self) -> list[bytes] | None:
@@ -229,36 +222,15 @@ class Server:
         return True
 
     def _end_sessions_of_closed_sockets(self) -> None:
-        """A crash loop would fill max_sessions with the sessions of closed sockets before their
-        disconnects are seen: a HELLO that finds the daemon full probes first (_probe_peers)."""
+        """A process that crashes after HELLO leaves its sessions open until client_timeout, and a
+        crash loop would fill max_sessions with them: a socket that is gone is one ZeroMQ cannot
+        route to (ROUTER_MANDATORY), which a probe finds now."""
         now = time.monotonic()
         if now - self._probed < PROBE_INTERVAL:
             return
         self._probed = now
-        self._probe_peers()
-
-    def _probe_peers(self) -> None:
-        """End the sessions of every client socket that is gone: one ZeroMQ cannot route to
-        (ROUTER_MANDATORY), which a probe finds now."""
         for peer in self.service.sessions.peers():
             self._try_send(peer, PROBE)  # a full pipe (alive, or stopped: heartbeats end that) is left alone
-
-    async def _end_sessions_on_disconnect(self) -> None:
-        """A process that exits or is killed without BYE would hold its sessions, and the pool's
-        extents they own, until client_timeout of silence; its socket closes at once, though, and
-        ZeroMQ's monitor says so (not whose: a ROUTER learns of no disconnect by peer, see bind).
-        Each disconnect probes every client socket: the closed one's sessions end now. The socket's
-        thread lets go of a closed connection's route a moment after the event, so the probe is
-        repeated after DISCONNECT_PROBES' delays."""
-        assert self._monitor is not None, "bind() first"
-        while True:
-            await self._monitor.recv_multipart()
-            for delay in DISCONNECT_PROBES:
-                await asyncio.sleep(delay)
-                try:
-                    self._probe_peers()
-                except Exception:  # ending a gone peer's sessions failed: the reaper's timeout still ends them
-                    log.exception("ending the sessions of a closed client socket failed")
 
     def _peer_gone(self, peer: bytes, why: str) -> None:
         backlog = self._backlog.pop(peer, None)
@@ -322,9 +294,6 @@ class Server:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-            self._monitor = None
         if self._sock is not None:
             self._tell_stopping(self._sock)
             self._sock.close(linger=STOP_LINGER_MS)
