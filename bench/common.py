@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch._functorch.config
+import xxhash
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -322,6 +323,16 @@ def train_step(w: Workload | Llama | Variant, model: nn.Module, x: torch.Tensor,
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def step_digest(loss: torch.Tensor, model: nn.Module) -> str:
+    """A hash of a step's loss and every gradient of ``model``, byte for byte, as the optimizer sees
+    them (FSDP2: this rank's shards): two steps are bit-identical where their digests are equal."""
+    h = xxhash.xxh3_64()
+    for t in [loss.detach(), *(p.grad for p in model.parameters())]:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        h.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
+    return h.hexdigest()
 
 
 class Trainer:

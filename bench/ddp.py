@@ -79,12 +79,21 @@ from typing import Callable, Iterator  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import xxhash  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import storm  # noqa: E402
 import trace_gaps  # noqa: E402
-from common import Llama, Workload, method_context, start_daemon, stop_daemon, synchronize, workloads, write  # noqa: E402
+from common import (  # noqa: E402
+    Llama,
+    Workload,
+    method_context,
+    start_daemon,
+    step_digest,
+    stop_daemon,
+    synchronize,
+    workloads,
+    write,
+)
 from stormd.ctl import request  # noqa: E402
 from stormd.wire.cuda import register_pool  # noqa: E402
 from stormd.wire.sizes import format_size, parse_size  # noqa: E402
@@ -216,13 +225,10 @@ def step(w: Workload | Llama, net: torch.nn.Module, model: torch.nn.Module, x: t
     seconds = time.perf_counter() - t0
     if opts:
         ctx.synchronize()  # its counters settled
-    h = xxhash.xxh3_64()
-    for t in [loss.detach(), *(p.grad for p in model.parameters())]:
-        t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: this rank's shard
-        h.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
+    digest = step_digest(loss, model)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return seconds, h.hexdigest(), ctx.stats if opts else None
+    return seconds, digest, ctx.stats if opts else None
 
 
 def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict | None], device: torch.device,

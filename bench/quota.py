@@ -28,13 +28,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-import xxhash
 
 import storm
-from common import start_daemon, stop_daemon, synchronize, workloads, write
+from common import start_daemon, step_digest, stop_daemon, synchronize, workloads, write
 from stormd.wire.sizes import parse_size
 
-ROUTINE_KEEPS = ("parameter", "below min_bytes")  # kept by choice; any other reason is the store's refusal
+STORE_REFUSALS = (storm.Keep.POOL_FULL, storm.Keep.QUOTA, storm.Keep.STORE_ERROR)  # what the store said no to
 
 
 def offload(socket: str) -> storm.Offload:
@@ -43,7 +42,7 @@ def offload(socket: str) -> storm.Offload:
 
 def refused(stats: storm.OffloadStats) -> dict[str, int]:
     """The saves the store refused, by reason (pool full, over quota)."""
-    return {k: v for k, v in stats.kept.items() if k not in ROUTINE_KEEPS}
+    return {k: v for k, v in stats.kept.items() if k in STORE_REFUSALS}
 
 
 def holder(a: argparse.Namespace) -> None:
@@ -82,10 +81,7 @@ def trainer_steps(w: object, device: torch.device, steps: int, socket: str | Non
         loss = w.objective(y)
         loss.backward()
         synchronize(device)
-        h = xxhash.xxh3_64()
-        for t in [loss.detach(), *(p.grad for p in model.parameters())]:
-            h.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
-        row: dict = {"hash": h.hexdigest()}
+        row: dict = {"hash": step_digest(loss, model)}
         if socket is not None:
             ctx.synchronize()
             row.update(offloaded_bytes=ctx.stats.offloaded_bytes, refused=refused(ctx.stats))
