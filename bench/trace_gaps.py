@@ -21,6 +21,7 @@ was short of CPU.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -88,14 +89,17 @@ def backward_host(events: list[dict]) -> dict:
     by_thread: dict = collections.defaultdict(list)
     for e in ops:
         by_thread[e["tid"]].append(e)
+    starts = {tid: [e["ts"] for e in thread] for tid, thread in by_thread.items()}  # for bisect
     total = outside = 0.0
     for e in ops:
         if e["cat"] != "cpu_op" or not e["name"].endswith("Backward0") or e["name"].startswith("autograd::"):
             continue
         end = e["ts"] + e["dur"]
         covered, reached = 0.0, e["ts"]
-        for inner in by_thread[e["tid"]]:  # the thread's operations inside it, in start order
-            if inner is e or not e["ts"] <= inner["ts"] < end:
+        at = starts[e["tid"]]
+        # the thread's operations that start inside it, in start order
+        for inner in by_thread[e["tid"]][bisect.bisect_left(at, e["ts"]):bisect.bisect_left(at, end)]:
+            if inner is e:
                 continue
             lo, hi = max(inner["ts"], reached), min(inner["ts"] + inner["dur"], end)
             if hi > lo:
@@ -104,7 +108,11 @@ def backward_host(events: list[dict]) -> dict:
         total += e["dur"]
         outside += e["dur"] - covered
     common = ("aten::mm", "aten::empty", "cudaLaunchKernel", "cuLaunchKernelEx")
-    host = {name: round(sum(e["dur"] for e in ops if e["name"] == name) / 1e3, 2) for name in common}
+    spent = collections.Counter()
+    for e in ops:
+        if e["name"] in common:
+            spent[e["name"]] += e["dur"]
+    host = {name: round(spent[name] / 1e3, 2) for name in common}
     return {"nodes_ms": round(total / 1e3, 2), "outside_ops_ms": round(outside / 1e3, 2), "ops_ms": host}
 
 
