@@ -172,24 +172,56 @@ class _Enough(BaseException):
     """Ends a serve() loop from inside an answer (answers catch Exception)."""
 
 
+class FakeSocket:
+    """The synchronous socket serve() reads: ``queued`` requests, EVENTS from them, and a pipe's read
+    end for ZeroMQ's descriptor (``signal`` makes it readable, as a message's arrival does). As in
+    ZeroMQ, every operation on the socket takes the descriptor's signal, whatever it was for."""
+
+    def __init__(self, endless: bool = False):
+        self.endless = endless
+        self.queued: list[list[bytes]] = []
+        self.sent: list[bytes] = []
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+
+    def _take_signal(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._r, 64)
+
+    def getsockopt(self, option: int) -> int:
+        if option == zmq.FD:
+            return self._r
+        assert option == zmq.EVENTS, option
+        self._take_signal()
+        return int(zmq.POLLIN) if self.endless or self.queued else 0
+
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        self._take_signal()
+        return [b"peer", b"request"] if self.endless else self.queued.pop(0)
+
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        self._take_signal()
+        self.sent.append(frame)
+
+    def signal(self) -> None:
+        os.write(self._w, b"x")
+
+    def close(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
 @pytest.mark.asyncio
 async def test_a_steady_stream_of_requests_still_gives_the_loops_other_tasks_a_turn(monkeypatch):
-    """An await of a receive that finds a request queued does not yield, so under a load that never
-    lets the queue empty the reaper, the reply backlogs and a drain would wait for a quiet moment:
-    the server yields after every ANSWERED_IN_TURN answers."""
+    """Requests already queued are answered without an await, so under a load that never lets the
+    queue empty the reaper, the reply backlogs and a drain would wait for a quiet moment: the
+    server yields after every ANSWERED_IN_TURN answers."""
     import stormd.server as server_module
 
     pool = SharedPool.anonymous(1 << 20)
     srv = Server(Service(pool), DaemonConfig(socket="ipc:///unused"))
     answered = 0
-
-    class Endless:  # a socket with a request always queued: the synchronous one
-        def recv_multipart(self, flags: int = 0) -> list[bytes]:
-            return [b"peer", b"request"]
-
-    class AsyncEndless:  # and the asyncio one
-        async def recv_multipart(self) -> list[bytes]:
-            return [b"peer", b"request"]
+    sock = FakeSocket(endless=True)  # a request always queued
 
     def answer(frames: list[bytes]) -> None:
         nonlocal answered
@@ -197,7 +229,7 @@ async def test_a_steady_stream_of_requests_still_gives_the_loops_other_tasks_a_t
         if answered == 10 * server_module.ANSWERED_IN_TURN:
             raise _Enough
 
-    srv._sock, srv._sync = AsyncEndless(), Endless()
+    srv._sock, srv._sync = object(), sock
     monkeypatch.setattr(srv, "_answer", answer)
     monkeypatch.setattr(srv, "close", lambda: None)
     turns: list[int] = []
@@ -215,3 +247,41 @@ async def test_a_steady_stream_of_requests_still_gives_the_loops_other_tasks_a_t
     pool.close()
     assert turns[0] == 0 and len(turns) >= 9, turns
     assert all(b - a <= server_module.ANSWERED_IN_TURN for a, b in zip(turns, turns[1:])), turns
+    sock.close()
+
+
+@pytest.mark.asyncio
+async def test_a_request_whose_signal_a_send_took_is_still_answered(monkeypatch):
+    """serve() sleeps until ZeroMQ's descriptor turns readable, but any operation on the socket (a
+    reply sent from another task: the backlog flusher) reads the descriptor's signal of a request
+    that arrived meanwhile, which then stays queued with the descriptor quiet. Every send wakes
+    serve() to look at EVENTS again, so that request is answered without waiting for the next."""
+    pool = SharedPool.anonymous(1 << 20)
+    srv = Server(Service(pool), DaemonConfig(socket="ipc:///unused"))
+    sock = FakeSocket()
+    answers: list[list[bytes]] = []
+    srv._sock, srv._sync = object(), sock
+    monkeypatch.setattr(srv, "_answer", answers.append)
+    monkeypatch.setattr(srv, "close", lambda: None)
+    serving_task = asyncio.create_task(srv.serve())
+    await asyncio.sleep(0.05)  # asleep: nothing queued
+
+    sock.queued.append([b"peer", b"first"])  # a request arrives and signals
+    sock.signal()
+    await asyncio.wait_for(_until(lambda: len(answers) == 1), 5)
+
+    sock.queued.append([b"peer", b"second"])  # another arrives, and a send takes its signal
+    sock.signal()
+    assert srv._try_send(b"other", b"reply")
+    await asyncio.wait_for(_until(lambda: len(answers) == 2), 5)
+    assert answers == [[b"peer", b"first"], [b"peer", b"second"]]
+    serving_task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await serving_task
+    sock.close()
+    pool.close()
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.005)

@@ -39,8 +39,9 @@ from .wire.protocol import OPS, ErrorCode, ProtocolError, notice, pack, unpack_r
 log = logging.getLogger("stormd")
 
 _NOBLOCK, _MORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
-# Requests answered back to back before the loop's other tasks get a turn: an await of a receive
-# that finds one queued does not yield, so under a steady load they would wait for a quiet moment
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+# Requests answered back to back before the loop's other tasks get a turn: serve takes the requests
+# already queued without an await, so under a steady load they would wait for a quiet moment
 ANSWERED_IN_TURN = 64
 BACKLOG_RETRY = 0.001  # seconds between retries of replies a client has not made room for
 # What the daemon sends a client socket, unasked, to learn whether it is still connected: an id no
@@ -101,6 +102,9 @@ class Server:
         self._auth = None  # the ZAP authenticator of a tcp:// (CURVE) socket
         self._backlog: dict[bytes, _Backlog] = {}  # by peer
         self._flusher: asyncio.Task | None = None
+        # set when ZeroMQ's descriptor turns readable, and by every send, which may take that
+        # signal while a request waits (serve looks at EVENTS again)
+        self._readable = asyncio.Event()
         self._probed = -PROBE_INTERVAL  # time.monotonic() of the last look for closed client sockets
 
     def bind(self) -> None:
@@ -141,31 +145,40 @@ class Server:
         """Answer requests until cancelled; then release the socket."""
         assert self._sock is not None, "bind() first"
         reaper = asyncio.create_task(self._reap_silent_clients())
+        loop = asyncio.get_running_loop()
+        fd = self._sync.getsockopt(zmq.FD)
+        # Requests are taken through the synchronous socket, woken by the loop watching ZeroMQ's
+        # descriptor: an await of the asyncio socket's receive costs the loop more host time than
+        # answering a request does, and with one rank every request waits for it in turn. The
+        # descriptor signals any change of the socket's state, not a message, so EVENTS decides.
+        loop.add_reader(fd, self._readable.set)
         try:
+            answered = 0
             while True:
-                frames = await self._sock.recv_multipart()
-                # then the requests already queued, through the synchronous socket: an await costs
-                # the loop more host time than answering a request does, and ranks send many at once
-                answered = 0
-                while frames is not None:
-                    try:
-                        self._answer(frames)
-                    except Exception:  # a bug in one answer (or in ending a gone peer's sessions) costs that alone
-                        log.exception("answering a request failed; serving on")
-                    answered += 1
-                    if answered % ANSWERED_IN_TURN == 0:
-                        await asyncio.sleep(0)  # the loop's other tasks (the reaper, backlogs, a drain) get a turn
-                    frames = self._next_queued()
+                frames = self._next_queued()
+                if frames is None:
+                    self._readable.clear()
+                    # read after clear: a request that arrives after this read sets it again
+                    if not self._sync.getsockopt(_EVENTS) & _POLLIN:
+                        await self._readable.wait()
+                    continue
+                try:
+                    self._answer(frames)
+                except Exception:  # a bug in one answer (or in ending a gone peer's sessions) costs that alone
+                    log.exception("answering a request failed; serving on")
+                answered += 1
+                if answered % ANSWERED_IN_TURN == 0:
+                    await asyncio.sleep(0)  # the loop's other tasks (the reaper, backlogs, a drain) get a turn
         finally:
+            loop.remove_reader(fd)
             reaper.cancel()
             self.close()
 
     def _next_queued(self) -> list[bytes] | None:
         """The next request ZeroMQ has already received, or None."""
-        try:
-            return self._sync.recv_multipart(_NOBLOCK)
-        except zmq.Again:
+        if not self._sync.getsockopt(_EVENTS) & _POLLIN:
             return None
+        return self._sync.recv_multipart(_NOBLOCK)
 
     def _answer(self, frames: list[bytes]) -> None:
         started = time.perf_counter()
@@ -219,6 +232,8 @@ class Server:
                 self._peer_gone(peer, "its socket is gone")
             else:  # nothing else is expected; one lost reply (its client times out) beats a daemon down for all
                 log.error("reply to a client could not be sent", extra={"error": repr(err)})
+        finally:
+            self._readable.set()  # the send may have taken the descriptor's signal of a request (serve)
         return True
 
     def _end_sessions_of_closed_sockets(self) -> None:
