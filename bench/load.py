@@ -49,7 +49,8 @@ def client(endpoint: str, seed: int, steps: int, start: Any) -> dict[str, Any]:
     def call(op: str, **fields: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
         sock.send(pack({"op": op, "id": next(ids), **auth, **fields}))
-        r = unpack(sock.recv())
+        while (r := unpack(sock.recv())).get("probe"):
+            pass  # the daemon asking whether this socket is still there (another client left): dropped
         if op in latencies:
             latencies[op].append(time.perf_counter() - t0)
         if not r["ok"]:

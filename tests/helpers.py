@@ -20,6 +20,7 @@ from torch import nn
 
 import storm
 from storm.examples.models import same_bits
+from stormd.server import PROBE
 from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
 
 
@@ -35,9 +36,18 @@ class RawClient:
 
     def send_frames(self, *frames: bytes) -> dict:
         self.sock.send_multipart(list(frames))
-        while (reply := unpack(self.sock.recv())).get("probe"):
-            pass  # the daemon asking whether this socket is still there, which clients drop
-        return reply
+        return self.recv()
+
+    def recv(self) -> dict:
+        """The next reply, past the probes (the daemon asking whether this socket is still there,
+        which it does whenever some client socket disconnects), which clients drop."""
+        return unpack(self.recv_frame())
+
+    def recv_frame(self) -> bytes:
+        """recv()'s reply as its frame came."""
+        while (frame := self.sock.recv()) == PROBE:
+            pass
+        return frame
 
     def call(self, op: str, **fields) -> dict:
         msg = {"op": op, "id": next(self.ids), **self.auth, **fields}

@@ -34,6 +34,7 @@ ITERATIONS = 50
 # one kill may wait longer where a loaded machine stalls a process, and then up to WAIT_S.
 DETECT_BOUND = CLIENT_TIMEOUT + reap_interval(CLIENT_TIMEOUT) + 0.5
 WAIT_S = 60.0  # what the test waits for another process at most: a loaded machine meets it
+DISCONNECTS = 2500
 
 # The victim: raw protocol (no torch, so it starts fast), 16 requests always in flight, cycling
 # PUT -> write -> SEAL -> GET -> read and verify, freeing keys 64 behind. It is started ahead of
@@ -66,6 +67,8 @@ VICTIM = textwrap.dedent("""
         put(next(keys))
     while True:
         r = unpack(s.recv())
+        if r.get("probe"):
+            continue  # the daemon asking whether this socket is still there: dropped
         op, key = ops.pop(r["id"])
         assert r["ok"], r
         if op == "PUT":
@@ -219,3 +222,52 @@ def test_client_killed_mid_stream_50_times_is_reclaimed_and_others_unharmed(tmp_
         stop_daemon(d)
     print(f"\ndetected in max {max(detect_times):.3f} s, median {sorted(detect_times)[len(detect_times) // 2]:.3f} s "
           f"(bound {DETECT_BOUND:.3f} s); bystander round trips {bystander.round_trips}")
+
+
+def test_a_killed_client_is_reclaimed_at_its_disconnect_long_before_client_timeout(tmp_path):
+    # client_timeout far beyond the deadline: only the closed socket can end the session in time
+    d = start_daemon(tmp_path, "--pool-size", "64MiB", "--client-timeout", "120", "--no-metrics")
+    admin = RawClient(d.endpoint, timeout_ms=int(WAIT_S * 1000))
+    victim = spawn_victim(d.endpoint, 0)
+    try:
+        victim.stdin.write("go\n")
+        victim.stdin.flush()
+        ready, _, _ = select.select([victim.stdout], [], [], WAIT_S)
+        assert ready, f"the victim did not answer 50 requests within {WAIT_S:g} s"
+        session = int(victim.stdout.readline())
+        assert admin.call("STATUS")["node"]["used"] > 0  # it holds extents
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        deadline = time.monotonic() + 30  # generous for a loaded machine, a quarter of client_timeout
+        while session in sessions_of(admin):
+            assert time.monotonic() < deadline, "the killed client's session outlived its socket by 30 s"
+            time.sleep(0.05)
+        node = admin.call("STATUS")["node"]
+        assert (node["used"], node["keys"], node["clients"]) == (0, 0, 0), node
+        assert "its socket is gone" in d.output()
+    finally:
+        victim.kill()
+        victim.wait()
+        stop_daemon(d)
+
+
+def test_thousands_of_disconnects_at_once_hold_nothing_up(tmp_path):
+    """Every disconnect is a monitor event that ZeroMQ's I/O thread queues for the daemon, and that
+    thread blocks, with every client's I/O, once the queue is full: the daemon reads the events as
+    they come (probing on its own schedule) and still serves, and stops cleanly after them."""
+    d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics")
+    try:
+        live = RawClient(d.endpoint, timeout_ms=int(WAIT_S * 1000))
+        live.hello()
+        for _ in range(DISCONNECTS):  # more than the monitor's queue holds (its two high-water marks)
+            c = RawClient(d.endpoint, timeout_ms=int(WAIT_S * 1000))
+            assert c.call("STATUS")["ok"]
+            c.sock.close(linger=0)
+        assert live.call("PING")["ok"]
+        assert RawClient(d.endpoint, timeout_ms=int(WAIT_S * 1000)).call("STATUS")["node"]["clients"] == 1
+    finally:
+        d.proc.terminate()
+        try:
+            assert d.proc.wait(WAIT_S) == 0, d.output()
+        finally:
+            stop_daemon(d)

@@ -95,7 +95,8 @@ def open_parent():
 def test_a_client_of_another_uid_is_refused(open_parent):
     d = start_daemon(open_parent, "--pool-size", "1MiB", "--no-metrics")
     try:
-        pool = RawClient(d.endpoint).hello()["pool"]["path"]
+        owner = RawClient(d.endpoint)  # held: a client socket that closes ends its session at once
+        pool = owner.hello()["pool"]["path"]
         assert stat.S_IMODE(d.socket.parent.stat().st_mode) == 0o700
         assert stat.S_IMODE(d.socket.stat().st_mode) == 0o600
         assert stat.S_IMODE(os.stat(pool).st_mode) == 0o600

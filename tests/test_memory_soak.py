@@ -7,7 +7,7 @@ import torch
 from conftest import start_daemon, stop_daemon
 from helpers import RawClient, put_fields
 from stormd.wire.pool import SharedPool
-from stormd.wire.protocol import pack, unpack
+from stormd.wire.protocol import pack
 
 STEPS = 10_000
 SIZES = (1000, 4096, 3000)  # small on purpose: the test is about bookkeeping, not bandwidth
@@ -27,7 +27,7 @@ def batch(c: RawClient, requests: list[tuple[str, dict]]) -> list[dict]:
     for op, fields in requests:
         ids.append(next(c.ids))
         c.sock.send(pack({"op": op, "id": ids[-1], **c.auth, **fields}))
-    replies = {r["id"]: r for r in (unpack(c.sock.recv()) for _ in ids)}
+    replies = {r["id"]: r for r in (c.recv() for _ in ids)}
     out = [replies[i] for i in ids]
     assert all(r["ok"] for r in out), out
     return out

@@ -87,7 +87,7 @@ def test_sigterm_drains_gets_are_answered_puts_refused_then_exit_0(tmp_path):
         # A GET in flight when SIGTERM arrives: sent, not yet read.
         c.sock.send(pack({"op": "GET", "id": 100, **c.auth, "key": 1}))
         d.proc.send_signal(signal.SIGTERM)
-        r = unpack(c.sock.recv())
+        r = c.recv()
         assert r["ok"] and r["id"] == 100 and read_extent(pool, r["offset"], 1000) == data[1]
         wait_for_log(d, r'msg="draining.*reason=SIGTERM')
         put = c.call("PUT", **put_fields(9, 100))
@@ -351,7 +351,7 @@ def test_stormctl_stats_with_thousands_of_sessions_prints_what_fits_and_counts_t
         c = RawClient(d.endpoint, timeout_ms=60_000)
         for i in range(n):  # pipelined: all sent, then all read
             c.sock.send(pack({"op": "HELLO", "id": i + 1, "version": PROTOCOL_VERSION, "pid": i + 1, "host": "h" * 64}))
-        assert all(unpack(c.sock.recv())["ok"] for _ in range(n))
+        assert all(c.recv()["ok"] for _ in range(n))
         out = ctl(d, "--timeout", "60", "stats")
         assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
         shown = json.loads(ctl(d, "--timeout", "60", "--json", "stats").stdout)

@@ -47,6 +47,9 @@ BACKLOG_RETRY = 0.001  # seconds between retries of replies a client has not mad
 # What the daemon sends a client socket, unasked, to learn whether it is still connected: an id no
 # request has, which clients drop as they drop any reply they are not waiting for.
 PROBE = pack(notice())
+# Seconds after a client socket's disconnect at which every client socket is probed (one whose route
+# is not yet let go of at the first probe is found at a later one)
+DISCONNECT_PROBES = (0.0, 0.01, 0.04, 0.1, 0.25, 0.5, 1.0)
 # A HELLO that finds the daemon full looks for sessions of closed sockets at most this often: every
 # look costs a send per client socket, and a HELLO loop must not turn into a send storm.
 PROBE_INTERVAL = 0.1
@@ -106,6 +109,8 @@ class Server:
         # signal while a request waits (serve looks at EVENTS again)
         self._readable = asyncio.Event()
         self._probed = -PROBE_INTERVAL  # time.monotonic() of the last look for closed client sockets
+        self._monitor: zmq.asyncio.Socket | None = None  # bind() makes it: the socket's disconnects
+        self._disconnects = 0  # disconnects the monitor has reported
 
     def bind(self) -> None:
         path = ipc_path(self.config.socket)
@@ -140,11 +145,13 @@ class Server:
         self._sock = sock
         # for what never waits (NOBLOCK receives and sends), which asyncio's futures only slow down
         self._sync = zmq.Socket.shadow(sock.underlying)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # _end_sessions_on_disconnect
 
     async def serve(self) -> None:
         """Answer requests until cancelled; then release the socket."""
         assert self._sock is not None, "bind() first"
         reaper = asyncio.create_task(self._reap_silent_clients())
+        watcher = asyncio.create_task(self._end_sessions_on_disconnect())
         loop = asyncio.get_running_loop()
         fd = self._sync.getsockopt(zmq.FD)
         # Requests are taken through the synchronous socket, woken by the loop watching ZeroMQ's
@@ -172,6 +179,7 @@ class Server:
         finally:
             loop.remove_reader(fd)
             reaper.cancel()
+            watcher.cancel()
             self.close()
 
     def _next_queued(self) -> list[bytes] | None:
@@ -237,15 +245,55 @@ class Server:
         return True
 
     def _end_sessions_of_closed_sockets(self) -> None:
-        """A process that crashes after HELLO leaves its sessions open until client_timeout, and a
-        crash loop would fill max_sessions with them: a socket that is gone is one ZeroMQ cannot
-        route to (ROUTER_MANDATORY), which a probe finds now."""
+        """A crash loop would fill max_sessions with the sessions of closed sockets before their
+        disconnects are seen: a HELLO that finds the daemon full probes first (_probe_peers)."""
         now = time.monotonic()
         if now - self._probed < PROBE_INTERVAL:
             return
         self._probed = now
+        self._probe_peers()
+
+    def _probe_peers(self) -> None:
+        """End the sessions of every client socket that is gone: one ZeroMQ cannot route to
+        (ROUTER_MANDATORY), which a probe finds now."""
         for peer in self.service.sessions.peers():
             self._try_send(peer, PROBE)  # a full pipe (alive, or stopped: heartbeats end that) is left alone
+
+    async def _end_sessions_on_disconnect(self) -> None:
+        """A process that exits or is killed without BYE would hold its sessions, and the pool's
+        extents they own, until client_timeout of silence; its socket closes at once, though, and
+        ZeroMQ's monitor says so (not whose: a ROUTER learns of no disconnect by peer, see bind).
+        Each disconnect probes every client socket: the closed one's sessions end now. The socket's
+        thread lets go of a closed connection's route a moment after the event, so the probes go
+        on at DISCONNECT_PROBES' delays after the latest disconnect. Events are read as they come:
+        ZeroMQ's thread blocks on a monitor whose queue is full, and with it every client's I/O."""
+        assert self._monitor is not None, "bind() first"
+        prober: asyncio.Task | None = None
+        try:
+            while True:
+                await self._monitor.recv_multipart()
+                self._disconnects += 1
+                if prober is None or prober.done():
+                    prober = asyncio.create_task(self._probe_after_disconnects())
+        finally:
+            if prober is not None:
+                prober.cancel()
+
+    async def _probe_after_disconnects(self) -> None:
+        """Probe every client socket at DISCONNECT_PROBES' delays, the schedule starting again at
+        each disconnect seen meanwhile, until a whole schedule passes without one."""
+        seen = -1
+        while seen != self._disconnects:
+            seen = self._disconnects
+            start = time.monotonic()
+            for delay in DISCONNECT_PROBES:
+                await asyncio.sleep(max(0.0, start + delay - time.monotonic()))
+                try:
+                    self._probe_peers()
+                except Exception:  # ending a gone peer's sessions failed: the reaper's timeout still ends them
+                    log.exception("ending the sessions of a closed client socket failed")
+                if seen != self._disconnects:
+                    break  # another disconnect: its schedule from the start
 
     def _peer_gone(self, peer: bytes, why: str) -> None:
         backlog = self._backlog.pop(peer, None)
@@ -309,6 +357,13 @@ class Server:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        if self._monitor is not None:
+            # first: closed while still monitored, ZeroMQ's thread would block on the events of the
+            # connections closing now, and the context's term with it
+            if self._sock is not None:
+                self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._sock is not None:
             self._tell_stopping(self._sock)
             self._sock.close(linger=STOP_LINGER_MS)

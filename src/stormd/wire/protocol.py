@@ -79,7 +79,8 @@ CUDA (the ``cuda`` field of PUT and GET; stormd/copier.py copies):
 
 Unasked messages: id 0, ok true and probe true, so a client drops them as it drops any reply it
 waits for none of (``notice``). PROBE has nothing else: the daemon sends it to learn whether a
-client's socket is still there. STOPPING, sent to every client socket holding a session as the
+client's socket is still there, to every client socket holding a session whenever one disconnects
+(and before a HELLO that finds it full). STOPPING, sent to every client socket holding a session as the
 daemon stops after a drain, has stopping:true and the PING reply's ``draining``: the client
 knows at once that it is gone, and why, rather than after a silence.
 
