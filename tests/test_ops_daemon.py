@@ -101,9 +101,10 @@ def test_sigterm_drains_gets_are_answered_puts_refused_then_exit_0(tmp_path):
             assert r["ok"] and read_extent(pool, r["offset"], len(data[k])) == data[k]
         assert c.call("FREE", keys=[1, 2])["freed"] == 2
         assert d.proc.poll() is None  # key 3 is still held
-        t0 = time.monotonic()
         assert c.call("BYE")["freed"] == 1
-        assert d.proc.wait(5) == 0 and time.monotonic() - t0 < 2
+        # the last release ends the drain: it exits within half its 30 s deadline however loaded the
+        # machine (alone it takes a fraction of a second; under the suite's load it has taken 2.2 s)
+        assert d.proc.wait(15) == 0
         assert 'msg="drained: no client holds a tensor; stopping"' in d.output()
         assert not d.socket.exists() and not os.path.exists(pool)
     finally:
