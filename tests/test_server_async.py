@@ -285,3 +285,31 @@ async def test_a_request_whose_signal_a_send_took_is_still_answered(monkeypatch)
 async def _until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.005)
+
+
+@pytest.mark.asyncio
+async def test_a_storm_of_disconnects_probes_at_most_every_probe_interval(monkeypatch):
+    """Each probe sends to every client socket: while disconnects keep coming, the probes that follow
+    them come PROBE_INTERVAL apart, not once per disconnect, and the last a whole schedule after the
+    last disconnect (a route let go of late is still found)."""
+    import stormd.server as server_module
+
+    pool = SharedPool.anonymous(1 << 20)
+    srv = Server(Service(pool), DaemonConfig(socket="ipc:///unused"))
+    probes: list[float] = []
+    monkeypatch.setattr(srv, "_probe_peers", lambda: probes.append(asyncio.get_running_loop().time()))
+    loop = asyncio.get_running_loop()
+    srv._disconnects = 1
+    prober = asyncio.create_task(srv._probe_after_disconnects())
+    storm_end = loop.time() + 0.6
+    while loop.time() < storm_end:  # a disconnect every 5 ms
+        srv._disconnects += 1
+        await asyncio.sleep(0.005)
+    last_disconnect = loop.time()
+    await asyncio.wait_for(prober, 30)
+    pool.close()
+    # the first schedule's quick probes, up to the first disconnect seen after one: then PROBE_INTERVAL apart
+    after_first = probes[1:]
+    gaps = [b - a for a, b in zip(after_first, after_first[1:])]
+    assert gaps and min(gaps) >= server_module.PROBE_INTERVAL * 0.99, probes
+    assert probes[-1] - last_disconnect >= server_module.DISCONNECT_PROBES[-1] - 0.01, (probes, last_disconnect)

@@ -53,6 +53,7 @@ DISCONNECT_PROBES = (0.0, 0.01, 0.04, 0.1, 0.25, 0.5, 1.0)
 # A HELLO that finds the daemon full looks for sessions of closed sockets at most this often: every
 # look costs a send per client socket, and a HELLO loop must not turn into a send storm.
 PROBE_INTERVAL = 0.1
+_AFTER_A_STORM = next(i for i, delay in enumerate(DISCONNECT_PROBES) if delay >= PROBE_INTERVAL)
 # How long the last messages queued as the daemon stops (the STOPPING notices) may take to reach
 # their clients: bounded, so a client that reads nothing cannot hold the exit up.
 STOP_LINGER_MS = 1000
@@ -280,20 +281,19 @@ class Server:
                 prober.cancel()
 
     async def _probe_after_disconnects(self) -> None:
-        """Probe every client socket at DISCONNECT_PROBES' delays, the schedule starting again at
-        each disconnect seen meanwhile, until a whole schedule passes without one."""
-        seen = -1
-        while seen != self._disconnects:
-            seen = self._disconnects
-            start = time.monotonic()
-            for delay in DISCONNECT_PROBES:
-                await asyncio.sleep(max(0.0, start + delay - time.monotonic()))
-                try:
-                    self._probe_peers()
-                except Exception:  # ending a gone peer's sessions failed: the reaper's timeout still ends them
-                    log.exception("ending the sessions of a closed client socket failed")
-                if seen != self._disconnects:
-                    break  # another disconnect: its schedule from the start
+        """Probe every client socket at DISCONNECT_PROBES' delays after a disconnect. One seen
+        meanwhile starts the schedule again from its first delay of at least PROBE_INTERVAL: a storm
+        of disconnects probes every PROBE_INTERVAL, and the last probe comes a second after the last."""
+        seen, start, step = self._disconnects, time.monotonic(), 0
+        while step < len(DISCONNECT_PROBES):
+            await asyncio.sleep(max(0.0, start + DISCONNECT_PROBES[step] - time.monotonic()))
+            try:
+                self._probe_peers()
+            except Exception:  # ending a gone peer's sessions failed: the reaper's timeout still ends them
+                log.exception("ending the sessions of a closed client socket failed")
+            step += 1
+            if seen != self._disconnects:
+                seen, start, step = self._disconnects, time.monotonic(), _AFTER_A_STORM
 
     def _peer_gone(self, peer: bytes, why: str) -> None:
         backlog = self._backlog.pop(peer, None)
