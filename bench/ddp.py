@@ -18,18 +18,20 @@ row order rotating by round, each row from the same initial parameters with the 
 JSON is rewritten after each rank count; --resume keeps those --out holds and runs the others.
 
 Per rank count and model the JSON has, per row and rank: the median step (forward and backward, the
-first --warmup steps of each row in each round left out), identical_steps (steps whose loss and
-gradient hashes, after DDP's all-reduce, equal no offload's same step in the same round; for "none",
-round 0's), and from the offload context's stats of its last step: offloaded_bytes (what the step
-sent to the store), to_host_bytes and to_device_bytes (what landed there and what backward fetched:
-less where backward took a save back before its copy began: copies_dropped of dropped_bytes), and the link floor:
-offloaded_bytes out and back over the rank's pinned link measured with all ranks copying at once
-(link_together_GBps, to host and to device), floor_ms, and step_over_floor; pack_ms and fetch_wait_ms
-(the training thread's time offloading saves, and waiting for fetched bytes); peak_bytes (CUDA: the
-most the GPU held above the row's start, over its rounds); daemon_over_embedded
-(per rank, and their median); and for the daemon row, daemon_loop: the share of the rows' wall time
-its event loop, which answers every rank in turn, spent answering (busy_fraction), the host time a
-request took there (us_per_request), and requests_per_step, every rank's, from its STATUS.
+first --warmup steps of each row in each round left out) and each round's (round_ms),
+identical_steps (steps whose loss and gradient hashes, after DDP's all-reduce, equal no offload's
+same step in the same round; for "none", round 0's), and from the offload context's stats of its
+last step: offloaded_bytes (what the step sent to the store), to_host_bytes and to_device_bytes
+(what landed there and what backward fetched: less where backward took a save back before its copy
+began: copies_dropped of dropped_bytes), and the link floor: offloaded_bytes out and back over the
+rank's pinned link measured with all ranks copying at once (link_together_GBps, to host and to
+device), floor_ms, and step_over_floor; pack_ms and fetch_wait_ms (the training thread's time
+offloading saves, and waiting for fetched bytes); peak_bytes (CUDA: the most the GPU held above the
+row's start, over its rounds); daemon_over_embedded (per rank, their median, and per round from the
+ranks' round medians: its spread within the launch); and for the daemon row, daemon_loop: the share
+of the rows' wall time its event loop, which answers every rank in turn, spent answering
+(busy_fraction), the host time a request took there (us_per_request), and requests_per_step, every
+rank's, from its STATUS.
 
 What the daemon buys, per rank count:
   page_locked: host memory page-locked for CUDA copies (cudaHostRegister); nothing is on CPU.
@@ -155,8 +157,12 @@ def summarize_launch(ranks: list[dict], daemon: dict) -> dict:
                 row["daemon_loop"] = row["daemon_loop"][0]  # node-wide, read by rank 0
             row["step_ms_median"] = round(statistics.median(row["step_ms"]), 2)
         each = [ratio(d, e) for d, e in zip(rows["daemon"]["step_ms"], rows["embedded"]["step_ms"])]
+        # per round, the ranks' medians: how far the ratio moves within one launch
+        by_round = [ratio(statistics.median(d), statistics.median(e)) for d, e in
+                    zip(zip(*rows["daemon"]["round_ms"]), zip(*rows["embedded"]["round_ms"]))]
         models[name] = {"workload": ranks[0]["models"][name]["workload"], "rows": rows,
-                        "daemon_over_embedded": {"median": round(statistics.median(each), 3), "per_rank": each}}
+                        "daemon_over_embedded": {"median": round(statistics.median(each), 3), "per_rank": each,
+                                                 "per_round": by_round}}
     emb, dae = per_rank([r["pools"]["embedded"] for r in ranks]), per_rank([r["pools"]["daemon"] for r in ranks])
     start = per_rank([r["startup_s"] for r in ranks])
     return {"ranks": len(ranks), "link_alone_GBps": [r["link_alone_GBps"] for r in ranks],
@@ -245,6 +251,7 @@ def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict |
     w.objective(w.forward(net, xs[0])).backward()
     model.zero_grad(set_to_none=True)
     times: dict[str, list[float]] = {r: [] for r in opts}
+    round_medians: dict[str, list[float]] = {r: [] for r in opts}
     hashes: dict[str, list[list[str]]] = {r: [] for r in opts}
     last: dict[str, storm.OffloadStats] = {}
     loop = {"requests": 0, "busy_s": 0.0, "wall_s": 0.0}  # the daemon's event loop over its rows (rank 0 reads it)
@@ -274,6 +281,7 @@ def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict |
             else:
                 done = row_steps(name)
             times[name] += [s for s, _, _ in done[a.warmup:]]
+            round_medians[name].append(statistics.median(s for s, _, _ in done[a.warmup:]))
             hashes[name].append([h for _, h, _ in done])
             if done[-1][2] is not None:
                 last[name] = done[-1][2]
@@ -283,7 +291,8 @@ def run_model(w: Workload | Llama, a: argparse.Namespace, opts: dict[str, dict |
     rows = {}
     for name in ROWS:
         ref = hashes["none"] if name != "none" else [hashes["none"][0]] * a.rounds
-        row = {"step_ms": round(statistics.median(times[name]) * 1e3, 2), "steps": a.rounds * a.steps,
+        row = {"step_ms": round(statistics.median(times[name]) * 1e3, 2),
+               "round_ms": [round(m * 1e3, 2) for m in round_medians[name]], "steps": a.rounds * a.steps,
                "identical_steps": sum(h == g for hs, gs in zip(hashes[name], ref) for h, g in zip(hs, gs))}
         if name in measured:
             row["peak_bytes"] = measured[name]
@@ -492,6 +501,9 @@ def table(results: dict) -> str:
                     extra += f" {r['daemon_loop']['busy_fraction']:9.3f} {r['daemon_loop']['us_per_request']:7.1f}"
                 lines.append(f"{n:>5} {name:<8} {row:<9} {r['step_ms_median']:9.2f} "
                              f"{min(r['identical_steps']):>4}/{r['steps']:<4} {floor}{extra}")
+            by_round = m["daemon_over_embedded"].get("per_round")  # absent from a JSON before it was kept
+            if by_round:
+                lines.append(f"{n:>5} {name:<8} daemon/emb by round: {', '.join(f'{x:.3f}' for x in by_round)}")
         pl, su = run["page_locked"], run["startup_s"]
         lines.append(f"{n:>5} page-locked GiB: embedded {pl['embedded']['bytes'] / 2**30:.2f}, daemon "
                      f"{pl['daemon']['bytes'] / 2**30:.2f}; start-up s: embedded per rank (max) "

@@ -44,6 +44,7 @@ def test_one_and_two_cpu_ranks_step_bit_identically_in_every_row(tmp_path):
             for name, row in model["rows"].items():
                 assert row["steps"] == 4 and row["identical_steps"] == [4] * ranks, (n, name, row)
                 assert len(row["step_ms"]) == ranks and row["step_ms_median"] > 0
+                assert len(row["round_ms"]) == ranks and all(len(r) == 2 and min(r) > 0 for r in row["round_ms"])
             for name in ("embedded", "daemon"):
                 row = model["rows"][name]
                 assert all(b > 0 for b in row["offloaded_bytes"]) and all(f > 0 for f in row["floor_ms"])
@@ -54,6 +55,7 @@ def test_one_and_two_cpu_ranks_step_bit_identically_in_every_row(tmp_path):
             assert loop["requests_per_step"] >= ranks, loop
             assert len(model["daemon_over_embedded"]["per_rank"]) == ranks
             assert model["daemon_over_embedded"]["median"] > 0
+            assert len(model["daemon_over_embedded"]["per_round"]) == 2  # --rounds 2
         locked, start = run["page_locked"], run["startup_s"]
         assert locked["embedded"]["bytes"] == 0 and locked["embedded"]["per_rank"] == [0] * ranks
         assert locked["embedded"]["pool_bytes"] == ranks * 64 << 20
@@ -109,19 +111,21 @@ def test_a_launch_fails_where_a_step_differed_or_nothing_was_offloaded():
     assert not ddp.passed(run)
 
 
-def test_daemon_over_embedded_is_each_ranks_step_ratio_and_their_median():
-    def rank(embedded_ms: float, daemon_ms: float) -> dict:
-        rows = {"none": {"step_ms": 1.0, "steps": 2, "identical_steps": 2},
-                "embedded": {"step_ms": embedded_ms, "steps": 2, "identical_steps": 2},
-                "daemon": {"step_ms": daemon_ms, "steps": 2, "identical_steps": 2}}
+def test_daemon_over_embedded_is_each_ranks_step_ratio_their_median_and_each_rounds():
+    def rank(embedded_ms: float, daemon_ms: float, daemon_rounds: list[float]) -> dict:
+        rows = {"none": {"step_ms": 1.0, "round_ms": [1.0, 1.0], "steps": 2, "identical_steps": 2},
+                "embedded": {"step_ms": embedded_ms, "round_ms": [10.0, 10.0], "steps": 2, "identical_steps": 2},
+                "daemon": {"step_ms": daemon_ms, "round_ms": daemon_rounds, "steps": 2, "identical_steps": 2}}
         pool = {"pool_bytes": 8, "peak_bytes": 4, "page_locked_bytes": 8}
         return {"link_alone_GBps": [1, 1], "link_together_GBps": [1, 1], "proc_status_kB": {},
                 "models": {"W1": {"workload": {}, "rows": rows}}, "pools": {"embedded": pool, "daemon": pool},
                 "startup_s": {"create": 0.5, "page_lock": 1.0, "connect": 0.1}}
 
-    run = ddp.summarize_launch([rank(10.0, 12.0), rank(10.0, 11.0)],
+    run = ddp.summarize_launch([rank(10.0, 12.0, [13.0, 11.0]), rank(10.0, 11.0, [12.0, 10.0])],
                                {"start_s": 3.0, "page_lock_s": 2.0, "page_locked_bytes": 8})
-    assert run["models"]["W1"]["daemon_over_embedded"] == {"median": 1.15, "per_rank": [1.2, 1.1]}
+    # per round: the ranks' medians, 12.5 and 10.5 against 10
+    assert run["models"]["W1"]["daemon_over_embedded"] == {"median": 1.15, "per_rank": [1.2, 1.1],
+                                                           "per_round": [1.25, 1.05]}
     assert run["models"]["W1"]["rows"]["daemon"]["step_ms"] == [12.0, 11.0]
     assert run["page_locked"]["embedded"]["bytes"] == 16 and run["page_locked"]["daemon"]["bytes"] == 8
     assert run["startup_s"]["embedded"]["per_rank"] == [1.5, 1.5] and run["startup_s"]["daemon"]["start"] == 3.0
