@@ -108,7 +108,7 @@ class DaemonConnection:
         self._closed = threading.Event()
         self._auth: dict[str, Any] = {}
         self._ctx = zmq.Context()
-        self._thread = threading.Thread(target=self._run, name="storm-io", daemon=True)
+        self._thread: threading.Thread | None = threading.Thread(target=self._run, name="storm-io", daemon=True)
         self._thread.start()
         try:
             # STORM_CLIENT_NAME picks this process's quota and priority in stormd's `clients` setting
@@ -249,7 +249,7 @@ class DaemonConnection:
         if isinstance(draining, dict):
             self._draining(draining.get("reason"), draining.get("since"))
             self._stopping = self._stopping or reply.get("stopping") is True
-        fut = self._pending.pop(reply.get("id"), None)
+        fut = self._pending.pop(reply.get("id", 0), None)  # 0: no request's (a probe, a notice)
         if fut is None:
             return
         error = reply.get("error")

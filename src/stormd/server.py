@@ -25,10 +25,11 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, cast
 
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from .auth import secure_server
 from .config import DaemonConfig
@@ -103,7 +104,7 @@ class Server:
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._sync: zmq.Socket  # bind() makes it: self._sock without asyncio's futures
-        self._auth = None  # the ZAP authenticator of a tcp:// (CURVE) socket
+        self._auth: AsyncioAuthenticator | None = None  # the ZAP authenticator of a tcp:// (CURVE) socket
         self._backlog: dict[bytes, _Backlog] = {}  # by peer
         self._flusher: asyncio.Task | None = None
         # set when ZeroMQ's descriptor turns readable, and by every send, which may take that
@@ -154,7 +155,7 @@ class Server:
         reaper = asyncio.create_task(self._reap_silent_clients())
         watcher = asyncio.create_task(self._end_sessions_on_disconnect())
         loop = asyncio.get_running_loop()
-        fd = self._sync.getsockopt(zmq.FD)
+        fd = cast(int, self._sync.getsockopt(zmq.FD))
         # Requests are taken through the synchronous socket, woken by the loop watching ZeroMQ's
         # descriptor: an await of the asyncio socket's receive costs the loop more host time than
         # answering a request does, and with one rank every request waits for it in turn. The
@@ -167,7 +168,7 @@ class Server:
                 if frames is None:
                     self._readable.clear()
                     # read after clear: a request that arrives after this read sets it again
-                    if not self._sync.getsockopt(_EVENTS) & _POLLIN:
+                    if not self._events() & _POLLIN:
                         await self._readable.wait()
                     continue
                 try:
@@ -185,9 +186,13 @@ class Server:
 
     def _next_queued(self) -> list[bytes] | None:
         """The next request ZeroMQ has already received, or None."""
-        if not self._sync.getsockopt(_EVENTS) & _POLLIN:
+        if not self._events() & _POLLIN:
             return None
         return self._sync.recv_multipart(_NOBLOCK)
+
+    def _events(self) -> int:
+        """The socket's EVENTS (POLLIN: a request is waiting), which takes the descriptor's signal."""
+        return cast(int, self._sync.getsockopt(_EVENTS))
 
     def _answer(self, frames: list[bytes]) -> None:
         started = time.perf_counter()
