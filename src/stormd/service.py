@@ -135,7 +135,7 @@ class Service:
             e = self.store.put(s.id, f)
             if "cuda" in f:
                 try:
-                    self._copier().to_host(s.id, e.key, f["cuda"], self.pool.address(e.offset, e.nbytes), e.nbytes)
+                    self._copier().to_host(s.id, e.key, f["cuda"], self._address(e), e.nbytes)
                 except BaseException:
                     self._free(s.id, [e.key])  # a PUT that fails stores nothing
                     raise
@@ -154,7 +154,7 @@ class Service:
             self._seal_copied(s.id, f["key"])
             e = self.store.get(s.id, f["key"])
             if "cuda" in f:
-                self._copier().to_device(s.id, e.key, f["cuda"], self.pool.address(e.offset, e.nbytes), e.nbytes)
+                self._copier().to_device(s.id, e.key, f["cuda"], self._address(e), e.nbytes)
             self.traffic.gets += 1
             self.traffic.bytes_out += e.nbytes
             return ok(req.id, **e.describe())
@@ -188,6 +188,11 @@ class Service:
                                                    "copy CUDA tensors into the pool in the client (leave out 'cuda')")
         return self.cuda
 
+    def _address(self, e: Entry) -> int:
+        """Where ``e``'s bytes are in the pool's mapping: an entry a PUT or GET has just placed is there."""
+        assert e.offset is not None, f"key {e.key} has no place in the pool"
+        return self.pool.address(e.offset, e.nbytes)
+
     def _free(self, session: int, keys: list[int]) -> int:
         """Free ``keys`` now, except those a CUDA copy may still read or write: those are freed by
         settle_copies once it has finished, so no other PUT gets their extent before that."""
@@ -204,7 +209,7 @@ class Service:
         it still run (a GET must not wait for those); COPY_IN_FLIGHT if it has not."""
         queue = self._unsealed.get(session)
         e = queue.get(key) if queue is not None else None
-        if e is not None and not self._seal_if_copied(session, queue, key, e):
+        if queue is not None and e is not None and not self._seal_if_copied(session, queue, key, e):
             raise ProtocolError(ErrorCode.COPY_IN_FLIGHT, f"key {key}: the daemon's copy into it has not finished; "
                                                           f"GET it once the PUT's done event has fired")
 
@@ -213,7 +218,7 @@ class Service:
         finished; False while the copy runs. An entry freed meanwhile (or freed and stored anew)
         just leaves the queue."""
         if self.store.find(session, key) is e:
-            if self.cuda.busy(session, [key]):
+            if self._copier().busy(session, [key]):  # only the daemon's CUDA copies leave a key unsealed
                 return False
             self.store.seal(session, key, None)
         del queue[key]
@@ -241,7 +246,7 @@ class Service:
         waiting, self._deferred_frees = self._deferred_frees, []
         self._seal_finished(unsealed)
         for session, keys in waiting:
-            still = self.cuda.busy(session, keys)
+            still = self._copier().busy(session, keys)  # only the daemon's CUDA copies defer a FREE
             stored = set(self.store.keys(session))
             self.store.free(session, keys=[k for k in keys if k not in still and k in stored])
             if still:
