@@ -149,6 +149,21 @@ def test_an_error_the_store_did_not_send_holds_where_it_was_raised_as_a_note():
     assert "in broken" in err.__notes__[0]
 
 
+def test_on_python_3_10_the_note_is_kept_without_add_note(monkeypatch):
+    """Python 3.10, which storm supports, has no BaseException.add_note: detached() must not call it."""
+    monkeypatch.setattr(base.sys, "version_info", (3, 10, 13, "final", 0))
+
+    class NoNotes(KeyError):  # stands for 3.10's exceptions: calling add_note fails the test
+        def add_note(self, note: str) -> None:
+            raise AssertionError("add_note called on Python 3.10")
+
+    def broken(fields):
+        raise NoNotes("offset")
+    err = from_reply(Resolved({"ok": True}), broken).error()
+    assert isinstance(err, NoNotes) and err.__traceback__ is None
+    assert len(err.__notes__) == 1 and "in broken" in err.__notes__[0]
+
+
 @pytest.mark.parametrize("round", range(20))
 @pytest.mark.parametrize("made_by", ["worker", "reply"])
 def test_threads_that_read_one_copy_together_all_see_it_landed(round, made_by):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import enum
 import logging
+import sys
 import traceback
 from concurrent.futures import CancelledError, Executor, Future
 from dataclasses import dataclass
@@ -224,7 +225,11 @@ def detached(e: BaseException) -> BaseException:
     request (the tensor's storage). tests/copies/test_copies_base.py holds this. An error the store
     did not send keeps its traceback as a note."""
     if not isinstance(e, StormRequestError):
-        e.add_note("".join(traceback.format_tb(e.__traceback__)).rstrip())
+        note = "".join(traceback.format_tb(e.__traceback__)).rstrip()
+        if sys.version_info >= (3, 11):
+            e.add_note(note)
+        else:  # what add_note does (PEP 678), which Python 3.10 has not: its tracebacks leave it out
+            e.__notes__ = [*getattr(e, "__notes__", ()), note]  # type: ignore[attr-defined]  # 3.10's typeshed
     traceback.clear_frames(e.__traceback__)
     return e.with_traceback(None)
 
