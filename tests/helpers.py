@@ -20,7 +20,6 @@ from torch import nn
 
 import storm
 from storm.examples.models import same_bits
-from stormd.server import PROBE
 from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
 
 
@@ -39,13 +38,13 @@ class RawClient:
         return self.recv()
 
     def recv(self) -> dict:
-        """The next reply, past the probes (the daemon asking whether this socket is still there,
-        which it does whenever some client socket disconnects), which clients drop."""
+        """The next reply, past the daemon's unasked messages (probe: true; a probe asks whether this
+        socket is still there, whenever some client socket disconnects; STOPPING), which clients drop."""
         return unpack(self.recv_frame())
 
     def recv_frame(self) -> bytes:
         """recv()'s reply as its frame came."""
-        while (frame := self.sock.recv()) == PROBE:
+        while unpack(frame := self.sock.recv()).get("probe"):
             pass
         return frame
 
