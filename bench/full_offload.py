@@ -142,9 +142,10 @@ def profiled(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) ->
     room = storm.session_for("auto", None, None).copy_queue.room
     p = room.profile if room is not None else None
     return {"events": compact(trace),
-            "profile": p and {k: getattr(p, k) for k in ("sizes", "saves", "unpack_sizes", "unpacks", "marks",
-                                                          "rises")},
-            "room": room and {"floor": room.floor, "saves": room._saves, "between": room._between}}
+            "profile": p and {k: getattr(p, k) for k in ("sizes", "saves", "unpack_sizes", "unpacks", "unpack_saves",
+                                                          "marks", "rises")},
+            "room": room and {"floor": room.floor, "kept": room.kept, "kept_unpacks": room.kept_unpacks,
+                              "saves": room._saves, "between": room._between}}
 
 
 def where(frames: list[dict]) -> str:

@@ -127,14 +127,20 @@ def test_a_profiled_unpack_brings_back_the_storage_once_and_leaves_its_mark_in_t
     stored, _ = save(queue, step, 10, waited)
     held, _ = save(queue, step, 20, waited)
     for s in (stored, held):
-        queue.follow_room(step, s.device, s.nbytes)
+        queue.follow_room(step, s.tensor.untyped_storage(), s.nbytes)
     stored.tensor = None  # its copy is done and let go of: backward fetches it
     queue.unpacked(held, 0)  # still on the device: nothing to bring back
     for _ in range(2):
         queue.unpacked(stored, 0)
         stored.unpacks += 1  # the session counts a fetched unpack after the reading
     assert step.profile.unpack_sizes == [0, 10, 0]
+    assert step.profile.unpack_saves == [1, 0, 0]  # which save each unpack took, by its place in forward
     assert step.profile.marks == [1, 2, 3, 4, 5] and record.started == [stored.device]
+    # each reading left out the saves in the queue (whose copies are not done): at an unpack, the one
+    # still on the device; at a save, that save too
+    address = held.tensor.untyped_storage().data_ptr()
+    assert step.profile.left_out[2:] == [[address]] * 3
+    assert address in step.profile.left_out[1]
 
 
 def test_closing_stops_the_record_of_a_step_still_profiling():
@@ -146,7 +152,7 @@ def test_closing_stops_the_record_of_a_step_still_profiling():
     step = Step(1, float("inf"), StepOptions())
     queue.start_step(step)
     stored, _ = save(queue, step, 10, waited)
-    queue.follow_room(step, stored.device, 10)
+    queue.follow_room(step, stored.tensor.untyped_storage(), 10)
     queue.close()
     assert record.finished == 1
 
@@ -164,7 +170,7 @@ def test_the_profiled_step_record_is_read_once_though_budget_steps_come_between(
     step = Step(1, float("inf"), StepOptions())
     queue.start_step(step)
     stored, _ = save(queue, step, 10, waited)
-    queue.follow_room(step, stored.device, 10)
+    queue.follow_room(step, stored.tensor.untyped_storage(), 10)
     queue.start_step(Step(2, 1 << 20, StepOptions()))  # a budget: the room waits, the record is read
     assert record.finished == 1 and step.profile.rises == [0]
     after = Step(3, float("inf"), StepOptions())

@@ -67,3 +67,36 @@ def test_a_record_the_user_started_is_read_and_left_running():
         assert storm.session_for("embedded", None, None).copy_queue.room is not None
     finally:
         torch.cuda.memory._record_memory_history(None)
+
+
+def test_the_steps_after_the_profile_keep_the_loss_saves_backward_takes_first_bit_exact():
+    """The head's log-softmax, logits-sized, is forward's last save and backward's first unpack:
+    once profiled, it stays on the device where it fits under the floor instead of going out and
+    straight back; the peak stays within save_on_cpu's and the gradients are the same bits."""
+    model = head_model()
+    x = torch.randn(4096, 1024, device="cuda")
+    y = torch.randint(0, 32768, (4096,), device="cuda")
+    floor = step(model, x, y, torch.autograd.graph.save_on_cpu(pin_memory=True))
+
+    def grads(context) -> list[torch.Tensor]:
+        loss = nn.functional.cross_entropy(model(x).float(), y) if context is None else None
+        if context is not None:
+            with context:
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        out = [p.grad.clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = None
+        return out
+
+    reference = grads(None)
+    contexts = [storm.offload(mode="embedded", min_bytes=0) for _ in range(4)]
+    peaks = [step(model, x, y, ctx) for ctx in contexts[:3]]
+    kept = [ctx.stats.kept.get(storm.Keep.ROOM, 0) for ctx in contexts[:3]]
+    sent = [ctx.stats.offloaded_bytes for ctx in contexts[:3]]
+    assert kept[0] == 0 and kept[1] >= 1 and kept[2] == kept[1], kept
+    logits = 4096 * 32768 * 4
+    assert sent[1] <= sent[0] - logits, sent  # the log-softmax no longer goes out
+    assert max(peaks[1:]) <= floor + (4 << 20), (peaks, floor)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(grads(contexts[3]), reference))

@@ -3,6 +3,8 @@ under the floor a profiled step found, so that neither sits on the step's peak."
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -89,16 +91,86 @@ def test_rises_replay_the_step_own_memory_between_marks():
     assert allocator_record.rises(events, []) == []
 
 
+def test_a_queued_save_freed_before_the_next_mark_is_not_counted_off_twice():
+    """A reading leaves out the saves in the copy queue: one of them freed once its copy is done,
+    before the next mark, does not lower the level, so what the step allocates after it (a loss's
+    gradients once its logits-sized save went out) is a rise."""
+    mark = allocator_record.MARK_BYTES
+
+    def ev(action: str, addr: int, size: int = mark) -> dict:
+        return {"action": action, "addr": addr, "size": size, "stream": 7}
+
+    events = [ev("alloc", 500), ev("free_requested", 500),
+              ev("free_requested", 10, 1000),  # the queued save, copied: its block goes
+              ev("alloc", 11, 1000),           # the loss's gradient, as large
+              ev("alloc", 500), ev("free_requested", 500),
+              ev("alloc", 10, 64), ev("free_requested", 10, 64), ev("alloc", 12, 32)]  # a new block at its address
+    assert allocator_record.rises(events, [500, 500]) == [0, 64]  # counted off twice: no rise seen
+    assert allocator_record.rises(events, [500, 500], [[10], [10]]) == [1000, 64]
+
+
+def lm_room(rises: dict[int, int] | None = None, order: list[int] | None = None) -> Room:
+    """A language model's step (in MiB): forward's last two saves are its loss's, a log-softmax of 40
+    and then a target of 1, which backward unpacks first; right after the log-softmax's unpack,
+    backward allocates its gradients (39), the step's highest. ``rises``: by reading (0-4 the
+    saves', 5-9 the unpacks')."""
+    every = [0] * 10
+    for k, rise in (rises or {6: 39}).items():
+        every[k] = rise
+    return Room(Profile(sizes=[8, 8, 8, 40, 1], saves=[10, 20, 30, 80, 41],
+                        unpack_sizes=[1, 40, 8, 8, 8], unpacks=[41, 81, 40, 30, 20],
+                        unpack_saves=[4, 3, 2, 1, 0] if order is None else order, rises=every))
+
+
+def test_the_room_keeps_the_last_saves_that_fit_under_the_floor_until_backward_unpacks_them():
+    r = lm_room()
+    assert r.floor == 81 + 39
+    # both loss saves stay: 80 - 40 + 41 held from the target's save to its unpack, 41 + 40 at it,
+    # and 120 at the log-softmax's; a third (8) would put 128 there
+    assert (r.kept, r.kept_unpacks) == (2, 2)
+    assert r.keeps(4, 40) and r.keeps(5, 1) and not r.keeps(3, 8) and not r.keeps(5, 2)
+    assert r.queue(3) == 120 - 80    # the log-softmax's reading, which counts it
+    assert r.queue(4) == 120 - 81    # the target's reading, and the log-softmax kept beside it
+    assert r.queue(5) == 0           # the log-softmax's unpack and its gradients hold the floor
+    # a loss's op rising 50 over the target's save before backward begins: the target alone fits
+    assert (lm_room(rises={4: 50, 6: 39}).kept, lm_room(rises={4: 50, 6: 39}).kept_unpacks) == (1, 1)
+    assert lm_room(rises={4: 80, 6: 39}).kept == 0  # 40 + 80, the floor, and the target on top: over
+
+
+def test_only_saves_whose_unpacks_come_before_any_other_are_kept():
+    assert lm_room(order=[3, 4, 2, 1, 0]).kept == 2  # both loss saves first, in either order
+    assert lm_room(order=[3, 2, 4, 1, 0]).kept == 0  # another save's unpack between theirs: 128 with three
+    assert lm_room(order=[]).kept == 0               # which save each unpack took is not known
+
+
+def test_the_kept_count_is_the_most_that_fits_as_every_count_would_be_checked():
+    """The search checks a few counts (each more save kept holds more); against checking every count."""
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 12)
+        sizes = [rng.randint(1, 20) for _ in range(n)]
+        order = list(range(n - 1, -1, -1))
+        if rng.random() < 0.3:
+            i = rng.randrange(n)
+            order.insert(rng.randrange(len(order) + 1), order[i])  # a storage unpacked twice
+        profile = Profile(sizes=sizes, saves=[rng.randint(s, 100) for s in sizes],
+                          unpack_sizes=[sizes[s] for s in order], unpacks=[rng.randint(1, 100) for _ in order],
+                          unpack_saves=order, rises=[rng.randint(0, 30) for _ in range(n + len(order))])
+        r = Room(profile)
+        fitting = [kept for kept, first in r._tails() if max(sum(r._readings(kept, first), [])) <= r.floor]
+        assert r.kept == max(fitting, default=0), profile
+
+
 def test_a_room_follows_only_the_saves_it_was_profiled_on():
     r = room()
     assert r.matches(1, 8) and r.matches(4, 8)
     assert not r.matches(2, 16) and not r.matches(5, 8)
 
 
-def head_heavy_step(ctx_options: dict, n: int = 6, reports: list[str] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def head_heavy_step(ctx_options: dict, n: int = 6, reports: list[str] | None = None,
+                    stats: list | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """A chain of ``n`` saves of one size; returns the input, its gradient and the copy queue's
-    limit after each save (and appends the step's report() to ``reports``)."""
+    limit after each save (and appends the step's report() to ``reports``, its stats to ``stats``)."""
     limits = []
     with storm.offload(mode="embedded", min_bytes=0, **ctx_options) as ctx:
         x = torch.randn(64, 64, requires_grad=True)
@@ -110,15 +182,18 @@ def head_heavy_step(ctx_options: dict, n: int = 6, reports: list[str] | None = N
     loss.backward()
     if reports is not None:
         reports.append(ctx.report())
+    if stats is not None:
+        stats.append(ctx.stats)
     return x, x.grad, limits
 
 
 class RisingRecord:
-    """An allocator record (a fake: the CPU has none) where backward's first op, right after its
-    unpack, allocates ``rise`` bytes and frees them before the next unpack."""
+    """An allocator record (a fake: the CPU has none) where the step allocates ``rises[k]`` bytes
+    right after its ``k``-th reading (1 = the first save's) and frees them before the next: after
+    the last save, a loss's op; after the one after it, backward's first op."""
 
-    def __init__(self, saves: int, rise: int):
-        self.saves, self.rise, self.events, self.marks = saves, rise, [], 0
+    def __init__(self, rises: dict[int, int]):
+        self.rises, self.events, self.marks = rises, [], 0
 
     def start(self, device: torch.device) -> None:
         self.events.clear()
@@ -130,22 +205,25 @@ class RisingRecord:
         size = allocator_record.MARK_BYTES
         self.events += [{"action": "alloc", "addr": address, "size": size, "stream": 0},
                         {"action": "free_requested", "addr": address, "size": size, "stream": 0}]
-        if self.marks == self.saves + 1:
-            self.events += [{"action": "alloc", "addr": 1, "size": self.rise, "stream": 0},
-                            {"action": "free_requested", "addr": 1, "size": self.rise, "stream": 0}]
+        rise = self.rises.get(self.marks, 0)
+        if rise:
+            self.events += [{"action": "alloc", "addr": 1, "size": rise, "stream": 0},
+                            {"action": "free_requested", "addr": 1, "size": rise, "stream": 0}]
         return address
 
     def finish(self, device: torch.device) -> list[dict]:
         return self.events
 
 
-@pytest.mark.parametrize("rise", [0, 15])
-def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_the_floor(monkeypatch, rise):
+@pytest.mark.parametrize("rises, floor, kept", [({}, 12, 1), ({7: 15}, 18, 1), ({6: 5}, 16, 0)])
+def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_the_floor(monkeypatch, rises,
+                                                                                          floor, kept):
     """With the allocator read (a fake one here: the CPU has none), the first step profiles; the
     next follows its room: the queue limit is the floor less what the next save holds, and forward's
     end drains to what backward's first unpack leaves; a step of other saves profiles again. Where
-    the allocator's record saw backward's first op rise above its unpack's reading, the floor is
-    that rise's top."""
+    the allocator's record saw the step rise above a reading, the floor is that rise's top. The
+    last save, which backward unpacks first, stays on the device where it fits under the floor
+    until then: not where a loss's op rises on top of it before backward begins."""
     session = storm.session_for("embedded", None, None)
     queue = session.copy_queue
     one = 64 * 64 * 4
@@ -177,26 +255,31 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
     monkeypatch.setattr(queue, "drain", drain)
     monkeypatch.setattr(queue, "room", None)
     monkeypatch.setattr(queue, "profiling", None)
-    if rise:
-        monkeypatch.setattr(queue, "record", RisingRecord(6, rise * one))
+    monkeypatch.setattr(queue, "record", RisingRecord({k: rise * one for k, rise in rises.items()}))
     held = 64 * one
 
     reports: list[str] = []
-    _, _, first = head_heavy_step({"max_held_bytes": held}, reports=reports)
+    stats: list = []
+    _, _, first = head_heavy_step({"max_held_bytes": held}, reports=reports, stats=stats)
     assert first == [held] * 6  # profiling: the user's limit
     assert reports[-1].splitlines()[-1].startswith("copy queue and prefetch window: this step read its memory")
     assert queue.room is None and queue.profiling is not None and len(queue.profiling.saves) == 6
+    assert queue.profiling.unpack_saves == [5, 4, 3, 2, 1, 0]  # backward unpacks the chain in reverse
+    assert storm.Keep.ROOM not in stats[-1].kept
 
     drained.clear()
-    _, _, second = head_heavy_step({"max_held_bytes": held}, reports=reports)
+    _, _, second = head_heavy_step({"max_held_bytes": held}, reports=reports, stats=stats)
     assert "within the room a profiled step found" in reports[-1].splitlines()[-1], reports[-1]
-    floor = max(12, 3 + rise) * one
-    assert queue.room is not None and queue.room.floor == floor
-    # forward's end: what the step holds until backward's start (the last save waiting in the queue by
-    # then) and what backward's first unpack leaves beside that save, which it unpacks first
-    end = min(floor - (besides[-1] - one), floor - at_unpack + one)
-    assert end == (one if not rise else 7 * one)
-    assert second == [floor - b for b in besides[1:]] + [end]
+    assert f"forward's last {kept} saves" in reports[-1].splitlines()[-1]
+    assert queue.room is not None and queue.room.floor == floor * one and queue.room.kept == kept
+    assert stats[-1].kept.get(storm.Keep.ROOM, 0) == kept and stats[-1].offloaded == 6 - kept
+    # forward's end: what the step holds until backward's start, beside the kept save while it
+    # waits for its unpack, and what backward's first unpack of an offloaded save leaves beside it
+    if kept:
+        end = 0  # the kept save holds the floor's last bytes until backward unpacks it
+    else:
+        end = min(floor * one - (besides[-1] - one + rises.get(6, 0) * one), floor * one - at_unpack + one)
+    assert second == [floor * one - b for b in besides[1:]] + [end]
     assert drained[-1] == end
 
     drained.clear()

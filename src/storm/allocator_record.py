@@ -14,13 +14,16 @@ The step's own memory is what its ops allocate on the streams the readings are m
 training thread's, and backward's): allocations on other streams are STORM's copies (fetched
 buffers, frames) that the room paces itself, and are left out with their frees. A fetched
 buffer unpacked into the step's memory is then left out too when it is freed, so a rise errs
-high until the next reading. Where someone else records already, their record is read and left
-running.
+high until the next reading. A reading leaves out the saves waiting in the copy queue: when one
+of them is freed (its copy done) before the next reading, its free is left out too, or the rise
+would count its bytes off twice, and a loss's gradients allocated after a logits-sized save went
+out would read as no rise at all. Where someone else records already, their record is read and
+left running.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Collection, Protocol
 
 import torch
 
@@ -74,10 +77,13 @@ class AllocatorRecord:
                 self._started = False
 
 
-def rises(events: list[dict[str, Any]], marks: list[int]) -> list[int] | None:
+def rises(events: list[dict[str, Any]], marks: list[int],
+          left_out: list[Collection[int]] | None = None) -> list[int] | None:
     """Per mark, in order: the most the step's own memory rose above its level at the mark before
-    the next mark (the last: before the record ends), 0 where it only fell. None where a mark is
-    not in the record (its ring wrapped, or the record began after it)."""
+    the next mark (the last: before the record ends), 0 where it only fell. ``left_out``: per mark,
+    the addresses of the blocks its reading did not count (the copy queue's saves), whose frees
+    before the next mark are not counted either. None where a mark is not in the record (its ring
+    wrapped, or the record began after it)."""
     at: list[int] = []
     i = 0
     for address in marks:
@@ -93,12 +99,14 @@ def rises(events: list[dict[str, Any]], marks: list[int]) -> list[int] | None:
     own = {events[i]["stream"] for i in at}  # the streams the readings were made on
     others: set[int] = set()  # live allocations on other streams: STORM's copies
     out: list[int] = []
-    for mark, start, end in zip(marks, at, at[1:] + [len(events)]):
+    for k, (mark, start, end) in enumerate(zip(marks, at, at[1:] + [len(events)])):
         level = high = 0
         pending: int | None = mark
+        uncounted = set(left_out[k]) if left_out is not None else set()
         for e in events[start + 1:end]:
             action, address = e["action"], e["addr"]
             if action == "alloc":
+                uncounted.discard(address)  # the reading's block at this address was freed before
                 if e["stream"] in own:
                     level += e["size"]
                 else:
@@ -108,6 +116,8 @@ def rises(events: list[dict[str, Any]], marks: list[int]) -> list[int] | None:
                     pending = None
                 elif address in others:
                     others.discard(address)
+                elif address in uncounted:  # its block is free now: a later one at its address counts
+                    uncounted.discard(address)
                 else:
                     level -= e["size"]
             high = max(high, level)

@@ -56,19 +56,33 @@ class CopyQueue:
         step.room = self.room
         if step.room is None:
             step.profile = self.profiling = Profile()
+        else:  # backward's first unpacks are those of the saves it keeps: the room's place starts past them
+            step.unpacked = step.room.kept_unpacks
 
-    def follow_room(self, step: Step, device: torch.device, nbytes: int) -> None:
+    def keeps(self, step: Step, storage: torch.UntypedStorage, nbytes: int) -> bool:
+        """Whether a full-offload step's save of ``storage`` (``nbytes``) stays on the device: its
+        room keeps forward's last saves, and every save of a storage it kept."""
+        if step.room is None:
+            return False
+        if storage._cdata in step.kept_by_room:
+            return True
+        if not step.room.keeps(step.made + 1, nbytes):
+            return False
+        step.kept_by_room.add(storage._cdata)
+        return True
+
+    def follow_room(self, step: Step, storage: torch.UntypedStorage, nbytes: int) -> None:
         """A full-offload step's save of ``nbytes`` was just made, before its put: where a room leads
         the step, the save must be the profile's (else the next step profiles again); where the step
         profiles, read what is held besides the queue."""
-        if step.room is not None and not step.room.matches(len(step.order), nbytes):
+        if step.room is not None and not step.room.matches(step.made, nbytes):
             step.room = self.room = None
         elif step.profile is not None:
-            held = self.memory(device)
+            held = self.memory(storage.device)
             if held is not None:
                 step.profile.sizes.append(nbytes)
                 step.profile.saves.append(held - self.nbytes)
-                self._mark(step.profile, device)
+                self._mark(step.profile, storage.device, [storage.data_ptr()])
 
     def add(self, stored: Stored, step: Step) -> int | None:
         """``stored``, saved in ``step``, waits for its put, just begun. Returns what to drain the
@@ -91,7 +105,7 @@ class CopyQueue:
         full-offload step with a room holds no more than fits under its floor."""
         most = step.options.max_held_bytes
         if step.budget_bytes == float("inf"):
-            return most if step.room is None else min(most, step.room.queue(len(step.order)))
+            return most if step.room is None else min(most, step.room.queue(step.made))
         return most + max(0, self.last_past_budget_bytes - step.past_budget_bytes)
 
     def copied(self) -> Stored | None:
@@ -133,7 +147,7 @@ class CopyQueue:
         fewer saves than the profile's lets the room go: the next step profiles again); past a
         budget, to ``max_held_bytes``."""
         if step.room is not None:
-            if step.room.complete(len(step.order)):
+            if step.room.complete(step.made):
                 self.drain(self.limit(step))
             else:
                 step.room = self.room = None
@@ -157,6 +171,7 @@ class CopyQueue:
                 brought = stored.nbytes if stored.tensor is None and not stored.unpacks else 0
                 step.profile.unpack_sizes.append(brought)
                 step.profile.unpacks.append(held - self.nbytes - prefetched + stored.nbytes)
+                step.profile.unpack_saves.append(stored.index)
                 self._mark(step.profile, stored.device)
 
     def close(self) -> None:
@@ -164,21 +179,25 @@ class CopyQueue:
         if self.profiling is not None:
             self._read_record(self.profiling)
 
-    def _mark(self, profile: Profile, device: torch.device) -> None:
-        """A reading was just made: leave its mark in the allocator's record (started at the first)."""
+    def _mark(self, profile: Profile, device: torch.device, saving: list[int] | None = None) -> None:
+        """A reading was just made, leaving out the queue's saves (and the one ``saving``, the
+        address of a save about to join it): leave its mark in the allocator's record (started at
+        the first), with what the reading left out."""
         if profile.device is None:
             profile.device = device
             self.record.start(device)
         mark = self.record.mark(device)
         if mark is not None:
             profile.marks.append(mark)
+            queued = [s.tensor.untyped_storage().data_ptr() for s in self._saves if s.tensor is not None]
+            profile.left_out.append(queued + (saving or []))
 
     def _read_record(self, profile: Profile) -> None:
         """The profiled step has ended: how far its memory rose after each reading, where the record
         kept a mark of each."""
         events = self.record.finish(profile.device) if profile.device is not None else None
         if events is not None and len(profile.marks) == len(profile.saves) + len(profile.unpacks):
-            profile.rises = rises(events, profile.marks) or []
+            profile.rises = rises(events, profile.marks, profile.left_out) or []
 
 
 def _allocated(device: torch.device) -> int | None:

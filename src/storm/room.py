@@ -35,19 +35,22 @@ Reader = Callable[[torch.device], "int | None"]  # bytes the allocator holds on 
 class Profile:
     """What one step read: per offloaded save, its bytes and what was held besides the copy
     queue as it was saved (the save counted); per unpack of an offloaded save (in backward's
-    order), what was held besides the queue and the window (the unpacked storage counted), and
-    the bytes it brought back (the storage's, or none where an earlier unpack brought it), on
-    ``device``. ``marks``: each reading's mark in the allocator's record
-    (allocator_record.py), saves' then unpacks', where one is kept; ``rises``: how far the step's
-    own memory rose above each reading before the next, read from that record once the step
-    has ended (empty: not known, none is counted)."""
+    order), what was held besides the queue and the window (the unpacked storage counted), the
+    bytes it brought back (the storage's, or none where an earlier unpack brought it) and which
+    save it unpacked (its place in ``sizes``), on ``device``. ``marks``: each reading's mark in
+    the allocator's record (allocator_record.py), saves' then unpacks', where one is kept, and
+    ``left_out``: per reading, the addresses of the saves it did not count (those in the queue);
+    ``rises``: how far the step's own memory rose above each reading before the next, read from
+    that record once the step has ended (empty: not known, none is counted)."""
 
     sizes: list[int] = dataclasses.field(default_factory=list)
     saves: list[int] = dataclasses.field(default_factory=list)
     unpack_sizes: list[int] = dataclasses.field(default_factory=list)
     unpacks: list[int] = dataclasses.field(default_factory=list)
+    unpack_saves: list[int] = dataclasses.field(default_factory=list)
     device: torch.device | None = None  # where the readings were made
     marks: list[int] = dataclasses.field(default_factory=list)
+    left_out: list[list[int]] = dataclasses.field(default_factory=list)
     rises: list[int] = dataclasses.field(default_factory=list)
 
 
@@ -55,59 +58,139 @@ class Room:
     """The limits a profile gives the steps after it. Each reading bounds what is held from it
     to the next reading, with the rise the allocator's record saw in between: after a save,
     what was held less that save (it waits in the queue now); after an unpack, what was held,
-    the unpacked storage with it."""
+    the unpacked storage with it.
+
+    Forward's last saves are backward's first unpacks: a language model's log-softmax goes out
+    at forward's end and comes straight back, with nothing to compute under either copy. The
+    room keeps on the device as many of the last saves (``kept``) as fit under the floor at
+    every reading from their save to their unpack, their bytes added to each; the steps after
+    the profile keep them instead of copying them (``keeps``), and the queue and the window
+    fit beside them."""
 
     def __init__(self, profile: Profile):
         self.profile = profile  # what it was made from (bench/full_offload.py shows it)
         n = len(profile.saves)
         rises = profile.rises if len(profile.rises) == n + len(profile.unpacks) else [0] * (n + len(profile.unpacks))
         # held besides the queue from each save until the next reading
-        after = [held - size + rise for held, size, rise in zip(profile.saves, profile.sizes, rises)]
-        # held while the queue waits for each save: at it, and since the save before
-        self._saves = [max(held, before) for held, before in zip(profile.saves, [0, *after])]
-        self._first_unpack = profile.unpacks[0] if profile.unpacks else None
-        # held from forward's last save until backward's first unpack, then from each unpack to the next
-        self._between = after[-1:] + [held + rise for held, rise in zip(profile.unpacks, rises[n:])]
-        self.floor = max(self._saves + self._between, default=0)
+        self._after = [held - size + rise for held, size, rise in zip(profile.saves, profile.sizes, rises)]
+        # held from each unpack until the next (the unpacked storage counted)
+        self._unpacked = [held + rise for held, rise in zip(profile.unpacks, rises[n:])]
+        saves, between = self._readings(0, 0)
+        self.floor = max(saves + between, default=0)
+        self.kept, self.kept_unpacks = self._tail()
+        self._saves, self._between = self._readings(self.kept, self.kept_unpacks)
         self._unpack_sizes = profile.unpack_sizes
 
+    def _tails(self) -> list[tuple[int, int]]:
+        """Each count of last saves that backward unpacks before any other (all of them, each at
+        least once), with how many of its first unpacks are theirs, fewest saves first."""
+        n, m, order = len(self.profile.sizes), len(self.profile.unpacks), self.profile.unpack_saves
+        if len(order) != m or any(not 0 <= save < n for save in order):
+            return []
+        first_at, last_at = [m] * n, [-1] * n
+        for u, save in enumerate(order):
+            first_at[save] = min(first_at[save], u)
+            last_at[save] = u
+        earliest = [m] * (n + 1)  # earliest[i]: the first unpack of any of the first i saves
+        for i in range(n):
+            earliest[i + 1] = min(earliest[i], first_at[i])
+        tails, latest = [], -1
+        for kept in range(1, n + 1):
+            save = n - kept
+            if last_at[save] < 0:  # never unpacked: keeping it buys nothing
+                break
+            latest = max(latest, last_at[save])
+            if latest < earliest[save]:
+                tails.append((kept, latest + 1))
+        return tails
+
+    def _readings(self, kept: int, first: int) -> tuple[list[int], list[int]]:
+        """What is held at each save while the queue waits (at it and since the save before), and
+        from forward's last save until backward's first unpack, then from each unpack to the next,
+        with the last ``kept`` saves on the device from their save to their first unpack, which
+        is among backward's ``first`` unpacks."""
+        sizes, n = self.profile.sizes, len(self.profile.saves)
+        extra = [0] * n  # kept bytes held after each save besides what its reading counted
+        for j in range(n - kept, n):
+            extra[j] = extra[j - 1] + sizes[j] if j > n - kept else sizes[j]
+        after = [a + e for a, e in zip(self._after, extra)]
+        before = [0, *after]
+        saves = [max(held + (extra[j - 1] if j > n - kept else 0), before[j])
+                 for j, held in enumerate(self.profile.saves)]
+        between = after[-1:] + list(self._unpacked)
+        if kept:
+            order = self.profile.unpack_saves
+            waiting = sum(sizes[n - kept:])
+            seen: set[int] = set()
+            for u in range(first):  # the kept saves not yet unpacked are held beside this reading
+                if order[u] not in seen:  # the reading counts the storage it unpacks
+                    seen.add(order[u])
+                    waiting -= sizes[order[u]]
+                between[1 + u] += waiting
+        return saves, between
+
+    def _tail(self) -> tuple[int, int]:
+        """The most of the last saves that fit under the floor on the device until their unpacks,
+        and how many of backward's first unpacks are theirs. Each more save kept adds its bytes
+        to the same readings and to more, so the counts that fit are the fewest ones."""
+        tails, best = self._tails(), (0, 0)
+        low, high = 0, len(tails)
+        while low < high:
+            middle = (low + high) // 2
+            saves, between = self._readings(*tails[middle])
+            if max(saves + between) <= self.floor:
+                best, low = tails[middle], middle + 1
+            else:
+                high = middle
+        return best
+
     def matches(self, made: int, nbytes: int) -> bool:
-        """Whether a step's ``made``-th offloaded save (1 = its first), of ``nbytes``, is the profile's."""
+        """Whether a step's ``made``-th offloaded or kept save (1 = its first), of ``nbytes``, is the profile's."""
         sizes = self.profile.sizes
         return made <= len(sizes) and sizes[made - 1] == nbytes
 
+    def keeps(self, made: int, nbytes: int) -> bool:
+        """Whether a step's ``made``-th save, of ``nbytes``, stays on the device: one of the last
+        ``kept``, the profile's."""
+        return made > len(self.profile.sizes) - self.kept and self.matches(made, nbytes)
+
     def complete(self, made: int) -> bool:
-        """Whether a forward that made ``made`` offloaded saves made all of the profile's."""
+        """Whether a forward that made ``made`` offloaded or kept saves made all of the profile's."""
         return made == len(self.profile.sizes)
 
     def queue(self, made: int) -> int:
         """Bytes that may wait for their copy once ``made`` saves are made: what fits under the
         floor beside what the step holds until the next save, or, after the last, until backward's
-        first unpack, and at it; that unpack's reading counts the save it unpacks, the last one
-        made (backward takes them in reverse): whether that one waits or is fetched back, it is
-        there, so it may wait on top (a language model's log-softmax, which would otherwise go
-        out and straight back)."""
+        first unpack of an offloaded save, and at it; that unpack's reading counts the save it
+        unpacks, the last one offloaded (backward takes them in reverse): whether that one waits
+        or is fetched back, it is there, so it may wait on top."""
         if made < len(self._saves):
             return max(0, self.floor - self._saves[made])
         if not self._between:
             return 0
-        room = self.floor - self._between[0]
-        if self._first_unpack is not None:
-            room = min(room, self.floor - self._first_unpack + self.profile.sizes[-1])
+        room = self.floor - max(self._between[:1 + self.kept_unpacks])
+        unpacks, order = self.profile.unpacks, self.profile.unpack_saves
+        first = self.kept_unpacks
+        if first < len(unpacks):
+            last = order[first] if len(order) == len(unpacks) else len(self.profile.sizes) - 1
+            room = min(room, self.floor - unpacks[first] + self.profile.sizes[last])
         return max(0, room)
 
     def describe(self, queue_limit: int, window_limit: int) -> str:
         """What the room lets a step hold, within the step's ``max_held_bytes`` and ``prefetch_bytes``
-        (``queue_limit``, ``window_limit``), for report(): the floor, the most the copy queue may
-        hold in forward and as forward ends, and the window at backward's first unpack."""
+        (``queue_limit``, ``window_limit``), for report(): the floor, the saves it keeps, the most the
+        copy queue may hold in forward and as forward ends, and the window at backward's first
+        unpack of an offloaded save."""
         mib = 1 << 20
         forward = max((self.queue(made) for made in range(1, len(self._saves))), default=0)
+        kept = sum(self.profile.sizes[len(self.profile.sizes) - self.kept:])
         return (f"copy queue and prefetch window: within the room a profiled step found (its own memory reached "
-                f"{self.floor / mib:.1f} MiB with the copy queue and window left out): the queue holds at most "
+                f"{self.floor / mib:.1f} MiB with the copy queue and window left out): forward's last "
+                f"{self.kept} saves ({kept / mib:.1f} MiB) stay on the device for backward, the queue holds at most "
                 f"{min(queue_limit, forward) / mib:.1f} MiB during forward and "
                 f"{min(queue_limit, self.queue(len(self._saves))) / mib:.1f} MiB as it ends, the window "
-                f"{self.window(0, window_limit) / mib:.1f} MiB at backward's first unpack (max_held_bytes "
-                f"{queue_limit / mib:.0f} MiB, prefetch_bytes {window_limit / mib:.0f} MiB)")
+                f"{self.window(self.kept_unpacks, window_limit) / mib:.1f} MiB at backward's first unpack "
+                f"(max_held_bytes {queue_limit / mib:.0f} MiB, prefetch_bytes {window_limit / mib:.0f} MiB)")
 
     def window(self, unpacked: int, limit: int) -> int:
         """Bytes backward may fetch ahead once ``unpacked`` offloaded saves are unpacked, at most

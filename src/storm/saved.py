@@ -72,9 +72,15 @@ class Step:
         self.flush_queued = False         # a poll is queued for the end of the running backward
         self.order: list[Stored] = []
         self.by_storage: dict[int, Stored] = {}
+        self.kept_by_room: set[int] = set()  # storages a room keeps on the device (by _cdata)
         self.cursor = 1 << 62  # order[cursor:] has been considered for prefetch
         self.stats = OffloadStats()
         self.modules: list[str] | None = None  # with named layers: the modules running now, innermost last
+
+    @property
+    def made(self) -> int:
+        """The saves a room follows so far: those offloaded, and those it kept."""
+        return len(self.order) + len(self.kept_by_room)
 
     def window(self) -> int:
         """How far ahead backward may fetch now: the prefetch window, within the room where there is one."""

@@ -148,6 +148,9 @@ class ClientSession:
                 step.stats.record(step.layer, saved=1, deduplicated=1)
                 return self._handle(stored, t)
         step.candidate_bytes += nbytes
+        if self.copy_queue.keeps(step, storage, nbytes):
+            step.stats.record_kept(step.layer, Keep.ROOM, nbytes)
+            return Kept(t)
         if step.stats.offloaded_bytes + nbytes > step.budget_bytes:
             step.budget_reached = True
             step.stats.record_kept(step.layer, Keep.BUDGET, nbytes)
@@ -193,7 +196,7 @@ class ClientSession:
                 stored.version = None
             step.order.append(stored)
             step.by_storage[storage._cdata] = stored
-            self.copy_queue.follow_room(step, t.device, nbytes)
+            self.copy_queue.follow_room(step, storage, nbytes)
             handle = self._handle(stored, t)
             stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)
             stored.copy_in = self.mover.put(stored.request)
