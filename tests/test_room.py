@@ -244,10 +244,12 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
         return current[0]
 
     drained: list[int] = []
+    made: list[int] = []  # the saves the room followed when each drain came
     real_drain = queue.drain
 
     def drain(limit: int) -> None:
         drained.append(limit)
+        made.append(current[0].made)
         real_drain(limit)
 
     monkeypatch.setattr(queue, "memory", reader)
@@ -280,7 +282,9 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
     else:
         end = min(floor * one - (besides[-1] - one + rises.get(6, 0) * one), floor * one - at_unpack + one)
     assert second == [floor * one - b for b in besides[1:]] + [end]
-    assert drained[-1] == end
+    # the last save drains the queue to the room's limit (a put's own drain, or a kept save's, which
+    # has no put), and forward's end again
+    assert list(zip(made, drained)).count((6, end)) == 2
 
     drained.clear()
     _, _, other = head_heavy_step({"max_held_bytes": held}, n=7)  # a seventh save: not the profile's

@@ -148,8 +148,7 @@ class ClientSession:
                 step.stats.record(step.layer, saved=1, deduplicated=1)
                 return self._handle(stored, t)
         step.candidate_bytes += nbytes
-        if self.copy_queue.keeps(step, storage, nbytes):
-            step.stats.record_kept(step.layer, Keep.ROOM, nbytes)
+        if step.room is not None and self._kept_by_room(step, storage, nbytes):
             return Kept(t)
         if step.stats.offloaded_bytes + nbytes > step.budget_bytes:
             step.budget_reached = True
@@ -163,6 +162,18 @@ class ClientSession:
             raise loss.error()
         with pack_range(t.device):
             return self._offload(t, storage, nbytes, step, compiled)
+
+    def _kept_by_room(self, step: Step, storage: torch.UntypedStorage, nbytes: int) -> bool:
+        """Whether a full-offload step's room keeps this save on the device (forward's last saves):
+        then the queue drains to what fits beside it, since the room's limit falls at each such
+        save and no put of its own would drain the queue."""
+        with self._lock:
+            if not self.copy_queue.keeps(step, storage, nbytes):
+                return False
+            limit = self.copy_queue.limit(step)
+        step.stats.record_kept(step.layer, Keep.ROOM, nbytes)
+        self.copy_queue.drain(limit)
+        return True
 
     def save_past_budget(self, t: torch.Tensor, step: Step) -> Kept:
         """pack once the budget is reached: the tensor stays, for about a microsecond. About every
