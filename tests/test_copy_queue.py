@@ -130,10 +130,14 @@ def test_a_profiled_unpack_brings_back_the_storage_once_and_leaves_its_mark_in_t
         queue.follow_room(step, s.tensor.untyped_storage(), s.nbytes)
     stored.tensor = None  # its copy is done and let go of: backward fetches it
     queue.unpacked(held, 0)  # still on the device: nothing to bring back
-    for _ in range(2):
-        queue.unpacked(stored, 0)
+    for restored in (False, True):
+        queue.unpacked(stored, 0, restored=restored)
         stored.unpacks += 1  # the session counts a fetched unpack after the reading
     assert step.profile.unpack_sizes == [0, 10, 0]
+    # what is held counts a storage an earlier unpack brought back and that is still alive: its second
+    # unpack's reading does not count it again
+    held_now = 100 - queue.nbytes
+    assert step.profile.unpacks[1:] == [held_now + 10, held_now]
     assert step.profile.unpack_saves == [1, 0, 0]  # which save each unpack took, by its place in forward
     assert step.profile.marks == [1, 2, 3, 4, 5] and record.started == [stored.device]
     # each reading left out the saves in the queue (whose copies are not done): at an unpack, the one

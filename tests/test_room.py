@@ -312,3 +312,27 @@ def test_a_full_offload_step_with_a_room_computes_the_same_gradients(monkeypatch
     h.sum().backward()
     assert all(same_bits(g, x.grad) for g in grads)
 
+
+
+def test_a_profiled_unpack_of_a_storage_brought_back_already_is_read_as_held(monkeypatch):
+    """A storage two saves share (a * a) is fetched at its first unpack and still alive at its second:
+    the profile's reading there must not count it on top of what the allocator holds."""
+    session = storm.session_for("embedded", None, None)
+    queue = session.copy_queue
+    seen: list[bool] = []
+    real_unpacked = queue.unpacked
+
+    def unpacked(stored, prefetched: int, restored: bool = False) -> None:
+        seen.append(restored)
+        real_unpacked(stored, prefetched, restored)
+
+    monkeypatch.setattr(queue, "unpacked", unpacked)
+    x = torch.randn(256, 256, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        a = x.tanh()
+        b = (a * a).sum()
+    session.synchronize()  # the copy is in: backward fetches the storage back
+    session.poll()
+    b.backward()
+    assert ctx.stats.offloaded == 1 and ctx.stats.deduplicated == 2  # tanh's output, saved by tanh and twice by mul
+    assert seen == [False, True, True], seen  # fetched by mul's first unpack, alive at its second and at tanh's

@@ -155,10 +155,12 @@ class CopyQueue:
             self.drain(step.options.max_held_bytes)
             self.last_past_budget_bytes = step.past_budget_bytes
 
-    def unpacked(self, stored: Stored, prefetched: int) -> None:
+    def unpacked(self, stored: Stored, prefetched: int, restored: bool = False) -> None:
         """Backward unpacks an offloaded save (its copy done or not), with ``prefetched`` bytes
         fetched ahead: a profiling step reads what is held besides the queue and the prefetch
-        window, and this save, which is needed now (held, fetched ahead or about to be fetched)."""
+        window, and this save, which is needed now (held, fetched ahead or about to be fetched).
+        ``restored``: an earlier unpack brought its storage back and it is still alive, so what
+        is held counts it already (a storage two ops saved, unpacked by each)."""
         step = stored.step
         if step is None:  # freed with its graph: nothing to count
             return
@@ -170,7 +172,7 @@ class CopyQueue:
                 # (its copy not yet let go of) or an earlier unpack brought it
                 brought = stored.nbytes if stored.tensor is None and not stored.unpacks else 0
                 step.profile.unpack_sizes.append(brought)
-                step.profile.unpacks.append(held - self.nbytes - prefetched + stored.nbytes)
+                step.profile.unpacks.append(held - self.nbytes - prefetched + (0 if restored else stored.nbytes))
                 step.profile.unpack_saves.append(stored.index)
                 self._mark(step.profile, stored.device)
 

@@ -407,7 +407,9 @@ class ClientSession:
             copy.wait()
             self.poll()
         with self._lock:
-            self.copy_queue.unpacked(stored, self.prefetch.nbytes)
+            ref = self._restored.get(stored.key)
+            base = ref() if ref is not None else None  # brought back by an earlier unpack, still alive
+            self.copy_queue.unpacked(stored, self.prefetch.nbytes, restored=base is not None)
             if stored.state in (State.HELD, State.KEPT):
                 if stored.version is not None and stored.tensor._version != stored.version:
                     stored.state = State.MODIFIED
@@ -420,8 +422,6 @@ class ClientSession:
             if stored.state == State.FREED:
                 raise StormError(f"saved {stored.describe()} was already freed (its graph was released)")
             stored.unpacks += 1
-            ref = self._restored.get(stored.key)
-            base = ref() if ref is not None else None
             if stored.unpacks >= stored.handles:
                 self._awaited.pop(stored.key, None)  # every save of it has been unpacked once
             fetch = None
