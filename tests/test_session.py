@@ -86,3 +86,28 @@ def test_a_tensor_the_lost_daemon_held_fails_with_its_loss_once_its_store_is_let
     finally:
         session.close()
         second.close()
+
+
+def test_a_storage_every_layer_saves_again_does_not_stop_prefetch_where_its_last_layer_unpacks_it():
+    """A model's rotary tables are made once, before the first layer, and saved again by every layer:
+    the last layer's backward unpacks them first. Prefetch goes on from that save's place in forward,
+    not from where the storage was first saved: it used to jump there, fetch the first layer's saves
+    and nothing more for the rest of backward."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+    one = 64 * 64 * 4
+    with storm.offload(mode="embedded", min_bytes=0, prefetch_bytes=2 * one) as ctx:  # two saves ahead
+        table = x.sin()  # made once; every layer's product saves it
+        h = x
+        for _ in range(6):
+            h = (h * table).tanh()
+        loss = h.sum()
+    session = ctx._session
+    session.synchronize()  # every copy in: backward fetches each save back, ahead or on demand
+    session.poll()
+    loss.backward()
+    stats = ctx.stats
+    assert stats.offloaded == 7 and stats.fetched == 7  # the table and each layer's tanh, each fetched once
+    # all come ahead of their unpack but backward's first and the table's (needed long after it was
+    # first saved); before, prefetch stopped where the last layer unpacked the table: 2 of 7
+    assert stats.prefetch_hits == 5, stats

@@ -172,13 +172,17 @@ class Stored:
 
 
 class Handle:
-    """What autograd holds in place of a saved tensor (the session counts it in its Stored's refs)."""
+    """What autograd holds in place of a saved tensor (the session counts it in its Stored's refs).
+    ``index``: where this save came in its step's saving order (the offloaded saves before it), which
+    a storage saved again later (a model's rotary tables, saved by every layer) does not share with
+    its Stored: backward unpacks it there, and prefetch goes on from there."""
 
-    __slots__ = ("stored", "dtype", "shape", "strides", "storage_offset", "_dropped", "__weakref__")
+    __slots__ = ("stored", "index", "dtype", "shape", "strides", "storage_offset", "_dropped", "__weakref__")
 
-    def __init__(self, dropped: collections.deque[Stored], stored: Stored, t: torch.Tensor):
+    def __init__(self, dropped: collections.deque[Stored], stored: Stored, t: torch.Tensor, index: int):
         self._dropped = dropped  # the session's: where a dropped handle's Stored goes, to be freed at its next poll
         self.stored = stored
+        self.index = index
         self.dtype = t.dtype
         self.shape = tuple(t.shape)
         self.strides = t.stride()

@@ -146,7 +146,7 @@ class ClientSession:
                                                  else stored.tensor is not None):  # compiled: not let go
             with self._lock:
                 step.stats.record(step.layer, saved=1, deduplicated=1)
-                return self._handle(stored, t)
+                return self._handle(stored, t, len(step.order))
         step.candidate_bytes += nbytes
         if step.room is not None and self._kept_by_room(step, storage, nbytes):
             return Kept(t)
@@ -208,7 +208,7 @@ class ClientSession:
             step.order.append(stored)
             step.by_storage[storage._cdata] = stored
             self.copy_queue.follow_room(step, storage, nbytes)
-            handle = self._handle(stored, t)
+            handle = self._handle(stored, t, stored.index)
             stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)
             stored.copy_in = self.mover.put(stored.request)
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
@@ -222,11 +222,12 @@ class ClientSession:
         """The codec setting a save of ``kind`` takes to the current store (its route decides the codec)."""
         return "raw" if compiled or kind in self._raw_kinds else step.options.codec or self.backend.codec
 
-    def _handle(self, stored: Stored, t: torch.Tensor) -> Handle:
-        """A new Handle onto ``stored`` for a save of ``t`` (under the lock: the session alone counts them)."""
+    def _handle(self, stored: Stored, t: torch.Tensor, index: int) -> Handle:
+        """A new Handle onto ``stored`` for a save of ``t`` that came after ``index`` offloaded saves of
+        its step (under the lock: the session alone counts them)."""
         stored.refs += 1
         stored.handles += 1
-        return Handle(self.dropped, stored, t)
+        return Handle(self.dropped, stored, t, index)
 
     def let_go(self, handle: Handle | Kept) -> Handle | Kept:
         """A compiled graph frees or reuses the saved tensor's memory after this call (storm/graph):
@@ -431,7 +432,7 @@ class ClientSession:
                     stats.record(stored.layer, prefetch_hits=1)
                 else:
                     fetch = self._fetch(stored)
-            self.prefetch.ahead(stored.step, stored.index)
+            self.prefetch.ahead(stored.step, handle.index)
         if base is None:
             t0 = time.perf_counter()
             landed = fetch.result()  # raises what the fetch raised
