@@ -4,12 +4,14 @@ under the floor a profiled step found, so that neither sits on the step's peak."
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
 
 import storm
 from storm import allocator_record
+from storm.copy_queue import CopyQueue
 from storm.examples.models import same_bits
 from storm.room import Profile, Room
 from storm.saved import Step, StepOptions
@@ -159,6 +161,28 @@ def test_the_kept_count_is_the_most_that_fits_as_every_count_would_be_checked():
         r = Room(profile)
         fitting = [kept for kept, first in r._tails() if max(sum(r._readings(kept, first), [])) <= r.floor]
         assert r.kept == max(fitting, default=0), profile
+
+
+def test_a_compiled_graph_save_is_never_kept_and_its_step_follows_a_room_that_keeps_none():
+    """A compiled graph reuses a save's memory once it lets go of it: a kept save would be a copy
+    beside what the profile measured. Its step follows the same profile with nothing kept, from
+    backward's first unpack."""
+    queue = CopyQueue(lambda: None, threading.Lock())
+    queue.room = lm_room()
+    assert queue.room.kept == 2
+    step = Step(1, float("inf"), StepOptions())
+    queue.start_step(step)
+    assert step.room is queue.room and step.unpacked == 2
+    storage = torch.empty(4).untyped_storage()
+    assert not queue.keeps(step, storage, 40, compiled=True)
+    assert step.room is queue.room and (step.room.kept, step.room.kept_unpacks, step.unpacked) == (0, 0, 0)
+    assert step.room.floor == lm_room().floor and step.room.queue(5) == Room(lm_room().profile, keep=False).queue(5)
+    eager = Step(2, float("inf"), StepOptions())
+    queue.room = lm_room()
+    queue.start_step(eager)
+    eager.order += [object()] * 3  # three saves offloaded: the fourth and fifth are the room's to keep
+    assert queue.keeps(eager, storage, 40) and queue.keeps(eager, storage, 40)  # the storage again: kept
+    assert eager.made == 4
 
 
 def test_a_room_follows_only_the_saves_it_was_profiled_on():

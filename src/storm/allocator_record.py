@@ -23,7 +23,7 @@ left running.
 
 from __future__ import annotations
 
-from typing import Any, Collection, Protocol
+from typing import Any, Collection, Protocol, Sequence
 
 import torch
 
@@ -78,7 +78,7 @@ class AllocatorRecord:
 
 
 def rises(events: list[dict[str, Any]], marks: list[int],
-          left_out: list[Collection[int]] | None = None) -> list[int] | None:
+          left_out: Sequence[Collection[int]] | None = None) -> list[int] | None:
     """Per mark, in order: the most the step's own memory rose above its level at the mark before
     the next mark (the last: before the record ends), 0 where it only fell. ``left_out``: per mark,
     the addresses of the blocks its reading did not count (the copy queue's saves), whose frees

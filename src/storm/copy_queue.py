@@ -59,10 +59,18 @@ class CopyQueue:
         else:  # backward's first unpacks are those of the saves it keeps: the room's place starts past them
             step.unpacked = step.room.kept_unpacks
 
-    def keeps(self, step: Step, storage: torch.UntypedStorage, nbytes: int) -> bool:
+    def keeps(self, step: Step, storage: torch.UntypedStorage, nbytes: int, compiled: bool = False) -> bool:
         """Whether a full-offload step's save of ``storage`` (``nbytes``) stays on the device: its
-        room keeps forward's last saves, and every save of a storage it kept."""
+        room keeps forward's last saves, and every save of a storage it kept. A compiled graph's
+        save never does (``compiled``): the graph reuses its memory once it lets go of it, so a
+        kept save would be a copy beside what the profile measured; its step follows a room that
+        keeps none."""
         if step.room is None:
+            return False
+        if compiled:
+            if step.room.kept:
+                step.room = self.room = Room(step.room.profile, keep=False)
+                step.unpacked = 0
             return False
         if storage._cdata in step.kept_by_room:
             return True

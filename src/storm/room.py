@@ -65,9 +65,10 @@ class Room:
     room keeps on the device as many of the last saves (``kept``) as fit under the floor at
     every reading from their save to their unpack, their bytes added to each; the steps after
     the profile keep them instead of copying them (``keeps``), and the queue and the window
-    fit beside them."""
+    fit beside them. ``keep=False``: none is kept (a compiled graph's saves, whose memory the
+    graph reuses once it lets go of them)."""
 
-    def __init__(self, profile: Profile):
+    def __init__(self, profile: Profile, keep: bool = True):
         self.profile = profile  # what it was made from (bench/full_offload.py shows it)
         n = len(profile.saves)
         rises = profile.rises if len(profile.rises) == n + len(profile.unpacks) else [0] * (n + len(profile.unpacks))
@@ -77,7 +78,7 @@ class Room:
         self._unpacked = [held + rise for held, rise in zip(profile.unpacks, rises[n:])]
         saves, between = self._readings(0, 0)
         self.floor = max(saves + between, default=0)
-        self.kept, self.kept_unpacks = self._tail()
+        self.kept, self.kept_unpacks = self._tail() if keep else (0, 0)
         self._saves, self._between = self._readings(self.kept, self.kept_unpacks)
         self._unpack_sizes = profile.unpack_sizes
 

@@ -148,7 +148,7 @@ class ClientSession:
                 step.stats.record(step.layer, saved=1, deduplicated=1)
                 return self._handle(stored, t, len(step.order))
         step.candidate_bytes += nbytes
-        if step.room is not None and self._kept_by_room(step, storage, nbytes):
+        if step.room is not None and self._kept_by_room(step, storage, nbytes, compiled):
             return Kept(t)
         if step.stats.offloaded_bytes + nbytes > step.budget_bytes:
             step.budget_reached = True
@@ -163,12 +163,12 @@ class ClientSession:
         with pack_range(t.device):
             return self._offload(t, storage, nbytes, step, compiled)
 
-    def _kept_by_room(self, step: Step, storage: torch.UntypedStorage, nbytes: int) -> bool:
+    def _kept_by_room(self, step: Step, storage: torch.UntypedStorage, nbytes: int, compiled: bool) -> bool:
         """Whether a full-offload step's room keeps this save on the device (forward's last saves):
         then the queue drains to what fits beside it, since the room's limit falls at each such
         save and no put of its own would drain the queue."""
         with self._lock:
-            if not self.copy_queue.keeps(step, storage, nbytes):
+            if not self.copy_queue.keeps(step, storage, nbytes, compiled):
                 return False
             limit = self.copy_queue.limit(step)
         step.stats.record_kept(step.layer, Keep.ROOM, nbytes)
