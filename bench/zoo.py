@@ -195,7 +195,8 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
                  measure_row: Callable[..., dict] = run, dueling: Callable[..., dict] = duel) -> dict:
     """One cell's rows, caps, plan rows and duels into ``cell`` (rows already there, from a run
     cut off, are kept), ``save()`` after each; then its verdicts."""
-    storm_opts = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size}
+    storm_opts = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size,
+                  **({"codec": args.codec} if args.codec else {})}
     done = {r["label"]: r for r in cell.get("rows", [])}
     cell.update(workload=dataclasses.asdict(w), why=w.spec.why, rows=[])
     start = time.perf_counter()
@@ -355,6 +356,8 @@ def main() -> int:
     p.add_argument("--min-bytes", type=parse_size, default=1024,
                    help="STORM's min_bytes; the default is torchtune OffloadActivations' min_offload_size")
     p.add_argument("--quick", action="store_true", help="--steps 3 --warmup 1 --rounds 2 --round-steps 2")
+    p.add_argument("--codec", help="STORM's codec for its rows (e.g. auto: where the link bounds full offload, "
+                                   "fewer bytes are the way under it); unset: storm's default. Its own --out file")
     p.add_argument("--full-only", action="store_true",
                    help="only torchtune and storm.enable(model) (full offload), and their duel: no caps or plans")
     p.add_argument("--summary", metavar="RESULTS.json", help="measure nothing: the tables and verdicts of a run")

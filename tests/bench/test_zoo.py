@@ -215,7 +215,7 @@ def fake_duel(calls):
 
 
 ARGS = argparse.Namespace(steps=1, warmup=0, rounds=3, round_steps=1, min_bytes=1024, pool_size="1GiB",
-                          full_only=False)
+                          full_only=False, codec=None)
 
 
 def test_a_cell_caps_the_plan_at_every_other_peak_and_between_and_duels_the_best_other(tmp_path):
@@ -253,6 +253,17 @@ def test_full_only_measures_full_offload_and_torchtune_and_their_duel_alone():
     assert [r["label"] for r in cell["rows"]] == ["torchtune", "storm-enable"] and cell["caps"] == []
     assert duels == [[("enable", None), ("torchtune", None)]]
     assert cell["verdicts"]["full_offload"]["x_torchtune"] == 0.909 and cell["complete"]
+
+
+def test_a_codec_given_goes_to_every_storm_row_and_none_leaves_storms_default():
+    fake = FakeRun()
+    zoo.measure_cell(hf.tiny("llama"), {}, argparse.Namespace(**{**vars(ARGS), "full_only": True, "codec": "auto"}),
+                     CPU, lambda: None, measure_row=fake, dueling=fake_duel([]))
+    assert [opts.get("codec") for _, method, opts in fake.calls if method == "enable"] == ["auto"]
+    fake = FakeRun()
+    zoo.measure_cell(hf.tiny("llama"), {}, argparse.Namespace(**{**vars(ARGS), "full_only": True}), CPU,
+                     lambda: None, measure_row=fake, dueling=fake_duel([]))
+    assert all("codec" not in opts for _, method, opts in fake.calls if method == "enable")
 
 
 def test_resuming_a_cut_off_cell_keeps_its_rows_and_duels():
