@@ -11,8 +11,10 @@ split into forward's peak and backward's (the peak statistics are reset as forwa
 run in alternation, --rounds rounds of --steps steps each, after a warm-up, so that the ratios
 compare like with like. With --peaks, one more step of each row runs under the allocator's
 record (torch.cuda.memory._record_memory_history) and the JSON says what was alive at that
-step's peak, grouped by the innermost frame outside torch, and the profiled step's record with
-its readings and rises (storm/allocator_record.py). --cell trains a zoo cell (bench/zoo.py) instead.
+step's peak, grouped by the innermost frame outside torch (and each block of 32 MiB or more, with
+when and on which stream it was allocated), and the profiled step's record with
+its readings and rises (storm/allocator_record.py), the allocator's events themselves only with
+--traces (megabytes). --cell trains a zoo cell (bench/zoo.py) instead.
 Without CUDA it exits 2.
 """
 
@@ -39,6 +41,7 @@ from storm.room import Room
 MODEL: Llama | HF = Llama("L12-2560", layers=12, hidden=2560, mlp=6912, heads=20, kv_heads=4, vocab=32000, batch=4,
                           seq=2048)
 MiB = 1 << 20
+LARGE = 32 * MiB  # blocks alive at a peak listed one by one (when each was allocated, on which stream)
 
 
 @contextlib.contextmanager
@@ -115,22 +118,25 @@ def alive_at_peak(method: str, model: torch.nn.Module, ids: torch.Tensor, device
     allocation to its free's request, as the allocator's allocated bytes do (a block used on
     another stream completes its free later, once that stream's work is done)."""
     trace = recorded(lambda: step(model, ids, method, device))
-    alive: dict[int, dict] = {}
+    alive: dict[int, tuple[int, dict]] = {}  # address: (the allocation's index, its event)
     now = peak = peak_at = 0
-    at_peak: list[dict] = []
+    at_peak: list[tuple[int, dict]] = []
     for i, e in enumerate(trace):
         if e["action"] == "alloc":
-            alive[e["addr"]] = e
+            alive[e["addr"]] = (i, e)
             now += e["size"]
         elif e["action"] == "free_requested" and e["addr"] in alive:
-            now -= alive.pop(e["addr"])["size"]
+            now -= alive.pop(e["addr"])[1]["size"]
         if now > peak:
             peak, peak_at, at_peak = now, i, list(alive.values())
     groups: collections.Counter[str] = collections.Counter()
-    for e in at_peak:
+    for _, e in at_peak:
         groups[where(e.get("frames", []))] += e["size"]
+    large = [{"event": i, "MiB": round(e["size"] / MiB, 1), "stream": e.get("stream"),
+              "where": where(e.get("frames", []))} for i, e in at_peak if e["size"] >= LARGE]
     return {"peak_MiB": round(peak / MiB, 1), "event": peak_at, "events": len(trace),
-            "alive_MiB": {k: round(v / MiB, 1) for k, v in groups.most_common(20)}, "trace": compact(trace)}
+            "alive_MiB": {k: round(v / MiB, 1) for k, v in groups.most_common(20)}, "large_blocks": large,
+            "trace": compact(trace)}
 
 
 def profiled(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> dict:
@@ -169,6 +175,7 @@ def main() -> int:
         "storm,prefetch_bytes=64MiB", "storm,max_held_bytes=64MiB,prefetch_bytes=64MiB",
         "storm,max_held_bytes=16MiB,prefetch_bytes=16MiB"])
     ap.add_argument("--peaks", action="store_true", help="what was alive at each row's peak (one recorded step)")
+    ap.add_argument("--traces", action="store_true", help="with --peaks, the allocator's events too (megabytes)")
     ap.add_argument("--cell", choices=list(CELLS), help="a cell of bench/zoo.py instead of the 12-layer Llama")
     args = ap.parse_args()
     if args.cell:
@@ -200,6 +207,10 @@ def main() -> int:
     record = profiled(model, ids, device) if args.peaks else None
     if peaks:
         print(json.dumps({m: {k: v for k, v in p.items() if k != "trace"} for m, p in peaks.items()}, indent=1))
+        if not args.traces:  # the summaries above stay; the events are for --traces
+            for p in peaks.values():
+                p.pop("trace")
+            record.pop("events")
     room = storm.session_for("auto", None, None).copy_queue.room  # what the storm rows' profile found
     found = room and {"floor_MiB": room.floor / MiB, "saves_MiB": [b / MiB for b in room._saves],
                       "between_MiB": [b / MiB for b in room._between]}
