@@ -61,7 +61,8 @@ class CopyQueue:
 
     def keeps(self, step: Step, storage: torch.UntypedStorage, nbytes: int, compiled: bool = False) -> bool:
         """Whether a full-offload step's save of ``storage`` (``nbytes``) stays on the device: its
-        room keeps forward's last saves, and every save of a storage it kept. A compiled graph's
+        room keeps forward's last saves, and every save of a storage it kept (a kept storage is the
+        step's from then on, counted in ``Step.made``). A compiled graph's
         save never does (``compiled``): the graph reuses its memory once it lets go of it, so a
         kept save would be a copy beside what the profile measured; its step follows a room that
         keeps none."""
