@@ -3,6 +3,8 @@ the profiled step puts neither the copy queue nor the prefetch window on a head'
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -79,17 +81,15 @@ def test_the_steps_after_the_profile_keep_the_loss_saves_backward_takes_first_bi
     floor = step(model, x, y, torch.autograd.graph.save_on_cpu(pin_memory=True))
 
     def grads(context) -> list[torch.Tensor]:
-        loss = nn.functional.cross_entropy(model(x).float(), y) if context is None else None
-        if context is not None:
-            with context:
-                loss = nn.functional.cross_entropy(model(x).float(), y)
+        with context:
+            loss = nn.functional.cross_entropy(model(x).float(), y)
         loss.backward()
         out = [p.grad.clone() for p in model.parameters()]
         for p in model.parameters():
             p.grad = None
         return out
 
-    reference = grads(None)
+    reference = grads(contextlib.nullcontext())
     contexts = [storm.offload(mode="embedded", min_bytes=0) for _ in range(4)]
     peaks = [step(model, x, y, ctx) for ctx in contexts[:3]]
     kept = [ctx.stats.kept.get(storm.Keep.ROOM, 0) for ctx in contexts[:3]]

@@ -337,7 +337,6 @@ def test_a_full_offload_step_with_a_room_computes_the_same_gradients(monkeypatch
     assert all(same_bits(g, x.grad) for g in grads)
 
 
-
 def test_a_profiled_unpack_of_a_storage_brought_back_already_is_read_as_held(monkeypatch):
     """A storage two saves share (a * a) is fetched at its first unpack and still alive at its second:
     the profile's reading there must not count it on top of what the allocator holds."""
