@@ -128,6 +128,7 @@ def test_a_profiled_unpack_brings_back_the_storage_once_and_leaves_its_mark_in_t
     held, _ = save(queue, step, 20, waited)
     for s in (stored, held):
         queue.follow_room(step, s.tensor.untyped_storage(), s.nbytes)
+    assert step.profile.addresses == [s.tensor.untyped_storage().data_ptr() for s in (stored, held)]
     stored.tensor = None  # its copy is done and let go of: backward fetches it
     queue.unpacked(held, 0)  # still on the device: nothing to bring back
     for restored in (False, True):
@@ -177,6 +178,7 @@ def test_the_profiled_step_record_is_read_once_though_budget_steps_come_between(
     queue.follow_room(step, stored.tensor.untyped_storage(), 10)
     queue.start_step(Step(2, 1 << 20, StepOptions()))  # a budget: the room waits, the record is read
     assert record.finished == 1 and step.profile.rises == [0]
+    assert step.profile.frees == [[]] and step.profile.counted == [range(0)]  # its block predates the record
     after = Step(3, float("inf"), StepOptions())
     queue.start_step(after)
     assert record.finished == 1 and after.room is not None

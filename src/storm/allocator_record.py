@@ -23,6 +23,7 @@ left running.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Collection, Protocol, Sequence
 
 import torch
@@ -77,13 +78,29 @@ class AllocatorRecord:
                 self._started = False
 
 
-def rises(events: list[dict[str, Any]], marks: list[int],
-          left_out: Sequence[Collection[int]] | None = None) -> list[int] | None:
-    """Per mark, in order: the most the step's own memory rose above its level at the mark before
-    the next mark (the last: before the record ends), 0 where it only fell. ``left_out``: per mark,
-    the addresses of the blocks its reading did not count (the copy queue's saves), whose frees
-    before the next mark are not counted either. None where a mark is not in the record (its ring
-    wrapped, or the record began after it)."""
+@dataclasses.dataclass
+class Replay:
+    """What the record says of a profiled step, per mark (each reading's): ``rises``, the most the
+    step's own memory rose above the reading before the next mark (the last: before the record
+    ends), 0 where it only fell; ``frees``, the saves whose blocks the reading counted and that
+    were freed before the next mark, in order, each with the most the memory rose above the
+    reading from that free until the next such free or the next mark (a kept save, never freed,
+    would be on top there); ``counted``, per save, the marks whose readings counted its block
+    (after its copy left the queue, while the step still held it: until the interval that freed
+    it)."""
+
+    rises: list[int]
+    frees: list[list[tuple[int, int]]]
+    counted: list[range]
+
+
+def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Collection[int]] | None = None,
+           addresses: Sequence[int] = ()) -> Replay | None:
+    """Replays the record between ``marks``. ``left_out``: per mark, the addresses of the blocks
+    its reading did not count (the copy queue's saves), whose frees before the next mark are not
+    counted either. ``addresses``: per save, its block's address; the first marks are the saves'
+    readings, one each, in order. None where a mark is not in the record (its ring wrapped, or
+    the record began after it)."""
     at: list[int] = []
     i = 0
     for address in marks:
@@ -95,23 +112,39 @@ def rises(events: list[dict[str, Any]], marks: list[int],
         at.append(i)
         i += 1
     if not at:
-        return []
+        return Replay([], [], [range(0) for _ in addresses])
     own = {events[i]["stream"] for i in at}  # the streams the readings were made on
     others: set[int] = set()  # live allocations on other streams: STORM's copies
+    live: set[int] = set()  # the step's own blocks allocated since the record began, not yet freed
+    saved: dict[int, int] = {}  # address -> the save whose block it is, from its reading until its free
+    first = [len(marks)] * len(addresses)  # per save, the first mark whose reading counted it
+    freed = [len(marks)] * len(addresses)  # per save, the mark after the free of its block
     out: list[int] = []
+    frees: list[list[tuple[int, int]]] = []
     for k, (mark, start, end) in enumerate(zip(marks, at, at[1:] + [len(events)])):
+        if k < len(addresses) and addresses[k] in live:  # a block from before the record: never counted
+            saved[addresses[k]] = k
+        uncounted = set(left_out[k]) if left_out is not None else set()
+        for address, save in saved.items():
+            if address not in uncounted and first[save] == len(marks):
+                first[save] = k
         level = high = 0
         pending: int | None = mark
-        uncounted = set(left_out[k]) if left_out is not None else set()
+        split: list[tuple[int, int]] = []  # the frees of counted saves, with the high since each
         for e in events[start + 1:end]:
             action, address = e["action"], e["addr"]
             if action == "alloc":
                 uncounted.discard(address)  # the reading's block at this address was freed before
                 if e["stream"] in own:
                     level += e["size"]
+                    live.add(address)
                 else:
                     others.add(address)
             elif action == "free_requested":
+                live.discard(address)
+                save = saved.pop(address, -1)
+                if save >= 0:
+                    freed[save] = k + 1
                 if address == pending:  # the mark, freed at once: it never counted
                     pending = None
                 elif address in others:
@@ -120,6 +153,11 @@ def rises(events: list[dict[str, Any]], marks: list[int],
                     uncounted.discard(address)
                 else:
                     level -= e["size"]
+                    if save >= 0:
+                        split.append((save, level))
             high = max(high, level)
+            if split:
+                split[-1] = (split[-1][0], max(split[-1][1], level))
         out.append(high)
-    return out
+        frees.append(split)
+    return Replay(out, frees, [range(min(f, e), e) for f, e in zip(first, freed)])

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from .allocator_record import AllocatorRecord, Record, rises
+from .allocator_record import AllocatorRecord, Record, replay
 from .copies.base import Copy
 from .gpu import allocated
 from .room import Profile, Reader, Room
@@ -90,6 +90,7 @@ class CopyQueue:
             held = self.memory(storage.device)
             if held is not None:
                 step.profile.sizes.append(nbytes)
+                step.profile.addresses.append(storage.data_ptr())
                 step.profile.saves.append(held - self.nbytes)
                 self._mark(step.profile, storage.device, [storage.data_ptr()])
 
@@ -208,7 +209,9 @@ class CopyQueue:
         kept a mark of each."""
         events = self.record.finish(profile.device) if profile.device is not None else None
         if events is not None and len(profile.marks) == len(profile.saves) + len(profile.unpacks):
-            profile.rises = rises(events, profile.marks, profile.left_out) or []
+            found = replay(events, profile.marks, profile.left_out, profile.addresses)
+            if found is not None:
+                profile.rises, profile.frees, profile.counted = found.rises, found.frees, found.counted
 
 
 def _allocated(device: torch.device) -> int | None:

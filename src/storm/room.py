@@ -24,6 +24,7 @@ as before.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable
 
 import torch
@@ -40,8 +41,11 @@ class Profile:
     save it unpacked (its place in ``sizes``), on ``device``. ``marks``: each reading's mark in
     the allocator's record (allocator_record.py), saves' then unpacks', where one is kept, and
     ``left_out``: per reading, the addresses of the saves it did not count (those in the queue);
-    ``rises``: how far the step's own memory rose above each reading before the next, read from
-    that record once the step has ended (empty: not known, none is counted)."""
+    ``addresses``: per save, its storage's. Read from that record once the step has ended
+    (allocator_record.Replay; empty: not known): ``rises``, how far the step's own memory rose
+    above each reading before the next; ``frees``, the saves freed after a reading counted them,
+    each with how far it rose after that free; ``counted``, per save, the readings that counted
+    it (its copy done, the step still holding it)."""
 
     sizes: list[int] = dataclasses.field(default_factory=list)
     saves: list[int] = dataclasses.field(default_factory=list)
@@ -51,7 +55,10 @@ class Profile:
     device: torch.device | None = None  # where the readings were made
     marks: list[int] = dataclasses.field(default_factory=list)
     left_out: list[list[int]] = dataclasses.field(default_factory=list)
+    addresses: list[int] = dataclasses.field(default_factory=list)
     rises: list[int] = dataclasses.field(default_factory=list)
+    frees: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
+    counted: list[range] = dataclasses.field(default_factory=list)
 
 
 class Room:
@@ -70,16 +77,18 @@ class Room:
 
     def __init__(self, profile: Profile, keep: bool = True):
         self.profile = profile  # what it was made from (bench/full_offload.py shows it)
-        n = len(profile.saves)
-        rises = profile.rises if len(profile.rises) == n + len(profile.unpacks) else [0] * (n + len(profile.unpacks))
-        # held besides the queue from each save until the next reading
-        self._after = [held - size + rise for held, size, rise in zip(profile.saves, profile.sizes, rises)]
-        # held from each unpack until the next (the unpacked storage counted)
-        self._unpacked = [held + rise for held, rise in zip(profile.unpacks, rises[n:])]
-        saves, between = self._readings(0, 0)
+        n, readings = len(profile.saves), len(profile.saves) + len(profile.unpacks)
+        measured = len(profile.rises) == readings  # else none is counted
+        self._rises = profile.rises if measured else [0] * readings
+        self._frees = profile.frees if measured and len(profile.frees) == readings else [[] for _ in range(readings)]
+        self._counted = profile.counted if len(profile.counted) == n else [range(0)] * n
+        self._first_unpack: dict[int, int] = {}  # per save backward unpacks, its first unpack
+        for u, save in enumerate(profile.unpack_saves):
+            self._first_unpack.setdefault(save, u)
+        saves, between = self._readings(0)
         self.floor = max(saves + between, default=0)
         self.kept, self.kept_unpacks = self._tail() if keep else (0, 0)
-        self._saves, self._between = self._readings(self.kept, self.kept_unpacks)
+        self._saves, self._between = self._readings(self.kept)
         self._unpack_sizes = profile.unpack_sizes
 
     def _tails(self) -> list[tuple[int, int]]:
@@ -105,30 +114,44 @@ class Room:
                 tails.append((kept, latest + 1))
         return tails
 
-    def _readings(self, kept: int, first: int) -> tuple[list[int], list[int]]:
+    def _readings(self, kept: int) -> tuple[list[int], list[int]]:
         """What is held at each save while the queue waits (at it and since the save before), and
         from forward's last save until backward's first unpack, then from each unpack to the next,
-        with the last ``kept`` saves on the device from their save to their first unpack, which
-        is among backward's ``first`` unpacks."""
-        sizes, n = self.profile.sizes, len(self.profile.saves)
-        extra = [0] * n  # kept bytes held after each save besides what its reading counted
-        for j in range(n - kept, n):
-            extra[j] = extra[j - 1] + sizes[j] if j > n - kept else sizes[j]
-        after = [a + e for a, e in zip(self._after, extra)]
+        with the last ``kept`` saves on the device from their save to their first unpack (whose
+        reading counts the storage it unpacks). A reading that counted a kept save already (its
+        copy done, the step still holding it) does not count it twice."""
+        p, n = self.profile, len(self.profile.saves)
+        sizes = p.sizes
+        extra = [0] * (n + len(p.unpacks) + 1)  # per reading, saves' then unpacks': kept bytes it did not count
+        for i in range(n - kept, n):
+            until = n + self._first_unpack[i]
+            counted = range(max(self._counted[i].start, i + 1), min(self._counted[i].stop, until))
+            for start, stop, size in ((i, until, sizes[i]), (counted.start, counted.stop, -sizes[i])):
+                if start < stop:
+                    extra[start] += size
+                    extra[stop] -= size
+        held = list(itertools.accumulate(extra[:-1]))
+        rises = self._kept_rises(kept)
+        after = [at - size + h + rise for at, size, h, rise in zip(p.saves, sizes, held, rises)]
         before = [0, *after]
-        saves = [max(held + (extra[j - 1] if j > n - kept else 0), before[j])
-                 for j, held in enumerate(self.profile.saves)]
-        between = after[-1:] + list(self._unpacked)
-        if kept:
-            order = self.profile.unpack_saves
-            waiting = sum(sizes[n - kept:])
-            seen: set[int] = set()
-            for u in range(first):  # the kept saves not yet unpacked are held beside this reading
-                if order[u] not in seen:  # the reading counts the storage it unpacks
-                    seen.add(order[u])
-                    waiting -= sizes[order[u]]
-                between[1 + u] += waiting
+        saves = [max(at + held[j] - (sizes[j] if j >= n - kept else 0), before[j]) for j, at in enumerate(p.saves)]
+        between = after[-1:] + [at + h + rise for at, h, rise in zip(p.unpacks, held[n:], rises[n:])]
         return saves, between
+
+    def _kept_rises(self, kept: int) -> list[int]:
+        """How far the step's memory rises after each reading with the last ``kept`` saves kept:
+        where the profiled step freed one of them while its reading counted it (its copy done),
+        a kept one is never freed before its unpack, so its bytes stay on top of what came after."""
+        n, sizes = len(self.profile.saves), self.profile.sizes
+        rises = list(self._rises)
+        for k, frees in enumerate(self._frees):
+            on_top = 0
+            for save, high in frees:
+                if save >= n - kept and k < n + self._first_unpack[save]:
+                    on_top += sizes[save]
+                if on_top:
+                    rises[k] = max(rises[k], high + on_top)
+        return rises
 
     def _tail(self) -> tuple[int, int]:
         """The most of the last saves that fit under the floor on the device until their unpacks,
@@ -138,7 +161,7 @@ class Room:
         low, high = 0, len(tails)
         while low < high:
             middle = (low + high) // 2
-            saves, between = self._readings(*tails[middle])
+            saves, between = self._readings(tails[middle][0])
             if max(saves + between) <= self.floor:
                 best, low = tails[middle], middle + 1
             else:
