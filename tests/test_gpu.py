@@ -116,11 +116,14 @@ def test_fetched_bytes_are_freed_once_backward_has_used_them():
 def test_saves_the_store_refused_leave_the_device_with_their_step(store, request):
     """A refused put fails on the training thread (the embedded store answers at once; stormd's
     copies are read off the reply there): kept with its traceback, the error held the frames
-    that saved the tensor, and every refused save outlived its step."""
+    that saved the tensor, and every refused save outlived its step. A budget above the step's
+    saves offers every save to the store: full offload's room (room.py) would keep forward's
+    last saves on the device from the second step, and fewer would be refused."""
     layers, x, base = trained_mlp(4)
     # a step saves 128 MiB: most of it is refused
     opts = ({"mode": "embedded", "pool_size": "16MiB"} if store == "embedded"
             else {"mode": "daemon", "socket": request.getfixturevalue("small_daemon").endpoint})
+    opts["budget"] = "1GiB"
     gc.disable()
     try:
         for _ in range(3):
@@ -327,7 +330,9 @@ def test_bf16_saves_go_through_frames_bit_exact_and_smaller(cuda_opts):
 
 def test_a_frame_that_overflows_is_stored_raw_and_its_kind_stays_raw(cuda_opts):
     """Random 16-bit patterns (NaN payloads included) have far more escapes than a frame has slots:
-    the tensor is stored again, raw, while still held; the next step stores that kind raw at once."""
+    the tensor is stored again, raw, while still held; the next step stores that kind raw at once.
+    A budget above the step's one save sends it to the store in every step: full offload's room
+    (room.py) would keep it on the device from the second step, as forward's last save."""
     n = 1 << 22
     noise = torch.randint(-(2**15), 2**15, (n,), device="cuda", dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
 
@@ -342,7 +347,7 @@ def test_a_frame_that_overflows_is_stored_raw_and_its_kind_stays_raw(cuda_opts):
         ctx.synchronize()  # through stormd the copy may still run: its outcome is counted once done
         return w.grad, ctx.stats
 
-    ancf = {**cuda_opts, "codec": "ancf_exp"}
+    ancf = {**cuda_opts, "codec": "ancf_exp", "budget": "1GiB"}
     grads, stats = zip(*[step(o) for o in (None, ancf, ancf)])
     assert same_bits(grads[0], grads[1]) and same_bits(grads[0], grads[2])
     first, second = stats[1], stats[2]

@@ -85,10 +85,11 @@ class Room:
         self._first_unpack: dict[int, int] = {}  # per save backward unpacks, its first unpack
         for u, save in enumerate(profile.unpack_saves):
             self._first_unpack.setdefault(save, u)
-        saves, between = self._readings(0)
-        self.floor = max(saves + between, default=0)
+        self._saves, self._between = self._readings(0)
+        self.floor = max(self._saves + self._between, default=0)
         self.kept, self.kept_unpacks = self._tail() if keep else (0, 0)
-        self._saves, self._between = self._readings(self.kept)
+        if self.kept:
+            self._saves, self._between = self._readings(self.kept)
         self._unpack_sizes = profile.unpack_sizes
 
     def _tails(self) -> list[tuple[int, int]]:
