@@ -150,7 +150,7 @@ def profiled(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) ->
     return {"events": compact(trace),
             "profile": p and {k: getattr(p, k) for k in ("sizes", "saves", "unpack_sizes", "unpacks", "unpack_saves",
                                                           "marks", "rises")},
-            "room": room and {"floor": room.floor, "kept": room.kept, "kept_unpacks": room.kept_unpacks,
+            "room": room and {"floor": room.floor, "kept": room.kept,
                               "saves": room._saves, "between": room._between}}
 
 

@@ -145,10 +145,10 @@ def test_a_kept_save_that_the_profile_counted_after_its_copy_is_not_counted_twic
     replayed = [[]] * 4 + [[(2, -40)]] + [[]] * 6
     counted = [range(0)] * 2 + [range(4, 5)] + [range(0)] * 2
     r = Room(profile(replayed, counted))
-    assert r.floor == 81 + 39 and (r.kept, r.kept_unpacks) == (3, 4)
-    assert Room(profile([], [])).kept == 0  # not replayed: 82 + 40 + 1 at the last save's reading
+    assert r.floor == 81 + 39 and r.kept == 3
+    assert Room(profile([], [])).kept == 2  # not replayed: the two small saves; 82 + 40 + 1 with the log-softmax
     after_free = [[]] * 4 + [[(2, 5)]] + [[]] * 6  # 5 allocated once it was freed: 45 on top of 83
-    assert Room(profile(after_free, counted)).kept == 0
+    assert Room(profile(after_free, counted)).kept == 2
 
 
 def lm_room(rises: dict[int, int] | None = None, order: list[int] | None = None) -> Room:
@@ -169,20 +169,36 @@ def test_the_room_keeps_the_last_saves_that_fit_under_the_floor_until_backward_u
     assert r.floor == 81 + 39
     # both loss saves stay: 80 - 40 + 41 held from the target's save to its unpack, 41 + 40 at it,
     # and 120 at the log-softmax's; a third (8) would put 128 there
-    assert (r.kept, r.kept_unpacks) == (2, 2)
+    assert r.kept == 2
     assert r.keeps(4, 40) and r.keeps(5, 1) and not r.keeps(3, 8) and not r.keeps(5, 2)
     assert r.queue(3) == 120 - 80    # the log-softmax's reading, which counts it
     assert r.queue(4) == 120 - 81    # the target's reading, and the log-softmax kept beside it
     assert r.queue(5) == 0           # the log-softmax's unpack and its gradients hold the floor
     # a loss's op rising 50 over the target's save before backward begins: the target alone fits
-    assert (lm_room(rises={4: 50, 6: 39}).kept, lm_room(rises={4: 50, 6: 39}).kept_unpacks) == (1, 1)
+    assert lm_room(rises={4: 50, 6: 39}).kept == 1
     assert lm_room(rises={4: 80, 6: 39}).kept == 0  # 40 + 80, the floor, and the target on top: over
 
 
-def test_only_saves_whose_unpacks_come_before_any_other_are_kept():
+def test_kept_saves_are_held_until_their_first_unpacks_wherever_backward_takes_them():
     assert lm_room(order=[3, 4, 2, 1, 0]).kept == 2  # both loss saves first, in either order
-    assert lm_room(order=[3, 2, 4, 1, 0]).kept == 0  # another save's unpack between theirs: 128 with three
+    # the log-softmax's gradients (39, at backward's second unpack) come before the target's
+    # unpack: the target kept on top of them is 121
+    assert lm_room(order=[3, 2, 4, 1, 0]).kept == 0
     assert lm_room(order=[]).kept == 0               # which save each unpack took is not known
+
+
+def test_a_save_of_another_storage_unpacked_between_the_kept_ones_is_fetched_in_its_place():
+    """T5's labels are a view of the storage of its input ids, which the encoder's embedding saved
+    first: the loss's backward unpacks that early save between its own. The loss's saves are kept
+    all the same; the steps after the profile count their unpacks of offloaded saves from the
+    early save's place."""
+    r = Room(Profile(sizes=[8, 8, 40, 1], saves=[10, 20, 80, 41], unpack_sizes=[40, 8, 1, 0, 8],
+                     unpacks=[81, 82, 82, 81, 30], unpack_saves=[2, 0, 3, 2, 1], rises=[0] * 7 + [39, 0]))
+    assert r.floor == 81 + 39 and r.kept == 2  # with the block's save (8) too, 128 at the gradients
+    # forward's end: the queue fits beside what is held until the early save's unpack, the first
+    # of an offloaded save (the log-softmax's unpack, the target kept beside it: 82); the window
+    # there fetches the early save, and past the profile's unpacks the limit holds
+    assert r.queue(4) == 120 - 82 and r.window(0, 100) == 8 and r.window(2, 100) == 100
 
 
 def test_the_kept_count_is_the_most_that_fits_as_every_count_would_be_checked():
@@ -207,7 +223,7 @@ def test_the_kept_count_is_the_most_that_fits_as_every_count_would_be_checked():
             if counted:
                 profile.frees[counted[-1]].append((i, rng.randint(-20, 20)))
         r = Room(profile)
-        fitting = [kept for kept, _ in r._tails() if max(sum(r._readings(kept), [])) <= r.floor]
+        fitting = [kept for kept in range(1, r._tails() + 1) if max(sum(r._readings(kept), [])) <= r.floor]
         assert r.kept == max(fitting, default=0), profile
 
 
@@ -220,10 +236,10 @@ def test_a_compiled_graph_save_is_never_kept_and_its_step_follows_a_room_that_ke
     assert queue.room.kept == 2
     step = Step(1, float("inf"), StepOptions())
     queue.start_step(step)
-    assert step.room is queue.room and step.unpacked == 2
+    assert step.room is queue.room and step.unpacked == 0
     storage = torch.empty(4).untyped_storage()
     assert not queue.keeps(step, storage, 40, compiled=True)
-    assert step.room is queue.room and (step.room.kept, step.room.kept_unpacks, step.unpacked) == (0, 0, 0)
+    assert step.room is queue.room and (step.room.kept, step.unpacked) == (0, 0)
     assert step.room.floor == lm_room().floor and step.room.queue(5) == Room(lm_room().profile, keep=False).queue(5)
     eager = Step(2, float("inf"), StepOptions())
     queue.room = lm_room()

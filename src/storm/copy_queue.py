@@ -56,8 +56,6 @@ class CopyQueue:
         step.room = self.room
         if step.room is None:
             step.profile = self.profiling = Profile()
-        else:  # backward's first unpacks are those of the saves it keeps: the room's place starts past them
-            step.unpacked = step.room.kept_unpacks
 
     def keeps(self, step: Step, storage: torch.UntypedStorage, nbytes: int, compiled: bool = False) -> bool:
         """Whether a full-offload step's save of ``storage`` (``nbytes``) stays on the device: its
@@ -71,7 +69,6 @@ class CopyQueue:
         if compiled:
             if step.room.kept:
                 step.room = self.room = Room(step.room.profile, keep=False)
-                step.unpacked = 0
             return False
         if storage._cdata in step.kept_by_room:
             return True

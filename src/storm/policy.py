@@ -30,7 +30,7 @@ class Keep:
     POOL_FULL = "pool full"        # the store had no room: the tensor stays, the step goes on
     QUOTA = "over quota"           # this client's share of the daemon's pool is used up
     STORE_ERROR = "store error"    # the store refused or went away: the tensor stays
-    ROOM = "fits for backward"     # full offload: forward's last saves, unpacked first, fit under the step's floor
+    ROOM = "fits for backward"     # full offload: forward's last saves fit under the step's floor until their unpacks
 
 
 @dataclass(frozen=True)

@@ -70,9 +70,12 @@ class Room:
     Forward's last saves are backward's first unpacks: a language model's log-softmax goes out
     at forward's end and comes straight back, with nothing to compute under either copy. The
     room keeps on the device as many of the last saves (``kept``) as fit under the floor at
-    every reading from their save to their unpack, their bytes added to each; the steps after
-    the profile keep them instead of copying them (``keeps``), and the queue and the window
-    fit beside them. ``keep=False``: none is kept (a compiled graph's saves, whose memory the
+    every reading from their save to their first unpack, their bytes added to each; the steps
+    after the profile keep them instead of copying them (``keeps``), and the queue and the window
+    fit beside them. An earlier save that backward unpacks between theirs (T5's labels share the
+    storage of its input ids, saved first) is fetched at its place: the steps after the profile
+    count their unpacks of offloaded saves, and ``window`` reads that count at its place among
+    the profile's unpacks. ``keep=False``: none is kept (a compiled graph's saves, whose memory the
     graph reuses once it lets go of them)."""
 
     def __init__(self, profile: Profile, keep: bool = True):
@@ -87,32 +90,26 @@ class Room:
             self._first_unpack.setdefault(save, u)
         self._saves, self._between = self._readings(0)
         self.floor = max(self._saves + self._between, default=0)
-        self.kept, self.kept_unpacks = self._tail() if keep else (0, 0)
+        self.kept = self._tail() if keep else 0
         if self.kept:
             self._saves, self._between = self._readings(self.kept)
-        self._unpack_sizes = profile.unpack_sizes
+        # the profile's place of each unpack of a save not kept, in backward's order: the steps after
+        # it count only those (a kept save's unpacks fetch nothing, wherever they come)
+        kept = range(n - self.kept, n)
+        self._places = [u for u, save in enumerate(profile.unpack_saves) if save not in kept] if self.kept \
+            else list(range(len(profile.unpacks)))
+        self._unpack_sizes = [0 if u < len(profile.unpack_saves) and profile.unpack_saves[u] in kept else size
+                              for u, size in enumerate(profile.unpack_sizes)]
 
-    def _tails(self) -> list[tuple[int, int]]:
-        """Each count of last saves that backward unpacks before any other (all of them, each at
-        least once), with how many of its first unpacks are theirs, fewest saves first."""
-        n, m, order = len(self.profile.sizes), len(self.profile.unpacks), self.profile.unpack_saves
-        if len(order) != m or any(not 0 <= save < n for save in order):
-            return []
-        first_at, last_at = [m] * n, [-1] * n
-        for u, save in enumerate(order):
-            first_at[save] = min(first_at[save], u)
-            last_at[save] = u
-        earliest = [m] * (n + 1)  # earliest[i]: the first unpack of any of the first i saves
-        for i in range(n):
-            earliest[i + 1] = min(earliest[i], first_at[i])
-        tails, latest = [], -1
-        for kept in range(1, n + 1):
-            save = n - kept
-            if last_at[save] < 0:  # never unpacked: keeping it buys nothing
-                break
-            latest = max(latest, last_at[save])
-            if latest < earliest[save]:
-                tails.append((kept, latest + 1))
+    def _tails(self) -> int:
+        """How many of the last saves could be kept: those that backward unpacks (keeping a save
+        never unpacked buys nothing), counted back from forward's last save to the first that is not."""
+        n, order = len(self.profile.sizes), self.profile.unpack_saves
+        if len(order) != len(self.profile.unpacks) or any(not 0 <= save < n for save in order):
+            return 0
+        tails = 0
+        while tails < n and n - 1 - tails in self._first_unpack:
+            tails += 1
         return tails
 
     def _readings(self, kept: int) -> tuple[list[int], list[int]]:
@@ -154,19 +151,18 @@ class Room:
                     rises[k] = max(rises[k], high + on_top)
         return rises
 
-    def _tail(self) -> tuple[int, int]:
-        """The most of the last saves that fit under the floor on the device until their unpacks,
-        and how many of backward's first unpacks are theirs. Each more save kept adds its bytes
-        to the same readings and to more, so the counts that fit are the fewest ones."""
-        tails, best = self._tails(), (0, 0)
-        low, high = 0, len(tails)
-        while low < high:
+    def _tail(self) -> int:
+        """The most of the last saves that fit under the floor on the device until their first
+        unpacks. Each more save kept adds its bytes to the same readings and to more, so the counts
+        that fit are the fewest ones."""
+        best, low, high = 0, 1, self._tails()
+        while low <= high:
             middle = (low + high) // 2
-            saves, between = self._readings(tails[middle][0])
+            saves, between = self._readings(middle)
             if max(saves + between) <= self.floor:
-                best, low = tails[middle], middle + 1
+                best, low = middle, middle + 1
             else:
-                high = middle
+                high = middle - 1
         return best
 
     def matches(self, made: int, nbytes: int) -> bool:
@@ -193,12 +189,14 @@ class Room:
             return max(0, self.floor - self._saves[made])
         if not self._between:
             return 0
-        room = self.floor - max(self._between[:1 + self.kept_unpacks])
         unpacks, order = self.profile.unpacks, self.profile.unpack_saves
-        first = self.kept_unpacks
+        first = self._places[0] if self._places else len(unpacks)
+        room = self.floor - max(self._between[:1 + first])
         if first < len(unpacks):
-            last = order[first] if len(order) == len(unpacks) else len(self.profile.sizes) - 1
-            room = min(room, self.floor - unpacks[first] + self.profile.sizes[last])
+            n, sizes = len(self.profile.sizes), self.profile.sizes
+            last = order[first] if len(order) == len(unpacks) else n - 1
+            kept = sum(sizes[i] for i in range(n - self.kept, n) if self._first_unpack[i] > first)
+            room = min(room, self.floor - unpacks[first] - kept + sizes[last])
         return max(0, room)
 
     def describe(self, queue_limit: int, window_limit: int) -> str:
@@ -214,17 +212,18 @@ class Room:
                 f"{self.kept} saves ({kept / mib:.1f} MiB) stay on the device for backward, the queue holds at most "
                 f"{min(queue_limit, forward) / mib:.1f} MiB during forward and "
                 f"{min(queue_limit, self.queue(len(self._saves))) / mib:.1f} MiB as it ends, the window "
-                f"{self.window(self.kept_unpacks, window_limit) / mib:.1f} MiB at backward's first unpack "
+                f"{self.window(0, window_limit) / mib:.1f} MiB at backward's first unpack "
                 f"(max_held_bytes {queue_limit / mib:.0f} MiB, prefetch_bytes {window_limit / mib:.0f} MiB)")
 
     def window(self, unpacked: int, limit: int) -> int:
         """Bytes backward may fetch ahead once ``unpacked`` offloaded saves are unpacked, at most
         ``limit``: a fetched save is held from now until its own unpack, where it counts as held,
         so as many as fit under the floor beside what the step holds until then."""
-        if unpacked >= len(self._unpack_sizes):  # past the profile's last unpack nothing more is held
+        if unpacked >= len(self._places):  # past the profile's last unpack nothing more is held
             return limit
+        place = self._places[unpacked]
         window, covered, held = 0, 0, 0
-        for before, size in zip(self._between[unpacked:], self._unpack_sizes[unpacked:]):
+        for before, size in zip(self._between[place:], self._unpack_sizes[place:]):
             held = max(held, before)
             cap = min(limit, self.floor - held)
             if cap <= window:

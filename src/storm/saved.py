@@ -61,7 +61,7 @@ class Step:
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
         self.prefetch_room = 0            # room backward has made: prefetch may run this far past its window
         self.fetching = False             # backward has unpacked an offloaded save: the window is open
-        self.unpacked = 0                 # a room's place in backward: its kept saves' unpacks, then each offloaded one
+        self.unpacked = 0                 # unpacks of offloaded saves so far (a room's place in backward)
         self.room: Room | None = None     # full offload: the limits an earlier step's profile gives (room.py)
         self.profile: Profile | None = None  # full offload without a room: what this step reads for one
         self.paced = False                # the caller sets prefetch_room (allow_prefetch), not the markers
