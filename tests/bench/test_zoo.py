@@ -111,6 +111,50 @@ def test_t5s_lists_given_as_blocks_train_bit_exact_as_before():
         handle.disable()
 
 
+def test_t5s_full_offload_keeps_its_loss_saves_though_an_early_save_comes_back_between_them():
+    """T5's labels are a view of the storage of its input ids, which the encoder's embedding saved
+    first: backward unpacks that early save between the loss's own. With the allocator read (a
+    fake here: a constant beside the queue and the window, and gradients that grow over
+    backward's first unpacks), the steps after the profile keep the loss's
+    last saves on the device, fetch the early one at its place, and train bit-exact."""
+    w = hf.tiny("t5")
+    plain = []
+    for enable in (False, True):
+        model, ids = w.build(CPU)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        handle = storm.enable(model, **STORM) if enable else None
+        if handle is not None:
+            session = storm.session_for(STORM["mode"], None, STORM["pool_size"])
+            queue = session.copy_queue
+            allocator = queue.memory
+
+            def reader(device: torch.device) -> int:
+                gradients = (4 << 10) * min(handle.last._step.unpacked, 10)  # growing as backward goes on
+                return (1 << 30) + gradients + queue.nbytes + session.prefetch.nbytes
+
+            queue.memory = reader
+        steps, kept = [], []
+        try:
+            for _ in range(4):
+                loss = w.objective(w.forward(model, ids))
+                loss.backward()
+                steps.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                      if p.grad is not None}))
+                if handle is not None:
+                    kept.append(handle.last.stats.kept.get(storm.Keep.ROOM, 0))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            if handle is not None:
+                handle.disable()
+                queue.memory, queue.room = allocator, None
+        if not enable:
+            plain = steps
+    assert kept[0] == 0 and min(kept[1:]) >= 2, kept  # the profile's step, then the room's
+    assert differences(plain, steps) == []
+
+
 def test_the_comparison_sees_a_single_bit():
     """The bit-exact test above would catch a real difference: one bit of one gradient at one step."""
     steps, _ = train(hf.tiny("llama"), enable=False)
