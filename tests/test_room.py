@@ -322,7 +322,7 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
         step = current[0]
         if step.fetching:  # backward: what is held besides the queue and the window, and those
             return at_unpack - one + queue.nbytes + session.prefetch.nbytes  # the unpacked save counts
-        return besides[len(step.order) - 1] + queue.nbytes  # the save just made counts as held besides
+        return besides[min(len(step.order), len(besides)) - 1] + queue.nbytes  # the save just made counts
 
     current: list[Step] = []
     real_new_step = session.new_step
@@ -376,7 +376,59 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
 
     drained.clear()
     _, _, other = head_heavy_step({"max_held_bytes": held}, n=7)  # a seventh save: not the profile's
-    assert other[-1] == held and queue.room is None
+    assert other[-1] == held  # past the room's saves, the user's limit
+    head_heavy_step({"max_held_bytes": held}, n=7, reports=reports)  # the step after it profiles
+    assert reports[-1].splitlines()[-1].startswith("copy queue and prefetch window: this step read its memory")
+
+
+def kind_step(width: int, n: int = 4) -> str:
+    """A full-offload step of ``n`` saves of ``width`` x ``width`` floats; the last line of its report."""
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        h = torch.randn(width, width, requires_grad=True)
+        for _ in range(n):
+            h = h.tanh()
+        loss = h.sum()
+    loss.backward()
+    return ctx.report().splitlines()[-1]
+
+
+@pytest.fixture
+def fresh_queue():
+    """A new session's copy queue, whose memory reads as constant beside the queue and the window."""
+    storm.close_all()
+    session = storm.session_for("embedded", None, None)
+    queue = session.copy_queue
+    queue.memory = lambda device: queue.nbytes + session.prefetch.nbytes + MiB
+    yield queue
+    storm.close_all()
+
+
+PROFILES = "copy queue and prefetch window: this step read its memory"
+FOLLOWS = "copy queue and prefetch window: within"
+
+
+def test_steps_of_two_kinds_in_turn_each_follow_their_own_room(fresh_queue):
+    """Two models trained in turn (or batches of two shapes): the first step of each kind profiles,
+    from its first save where the room it found is the other's; after that each follows its own."""
+    lines = [kind_step(width) for width in (64, 32, 64, 32, 64, 32)]
+    assert [line.startswith(PROFILES) for line in lines] == [True, True, False, False, False, False]
+    assert all(line.startswith(FOLLOWS) for line in lines[2:])
+    assert fresh_queue.room is not None and fresh_queue.room.profile.sizes == [32 * 32 * 4] * 4
+
+
+def test_a_process_profiles_a_bounded_number_of_kinds_of_step(fresh_queue, monkeypatch, caplog):
+    """Each profiled step runs under the allocator's record: steps whose saves never come in the same
+    sizes again would profile every other step. Past MAX_PROFILES a new kind keeps the user's
+    limits, said once; the kinds profiled before still follow their rooms."""
+    import logging
+
+    from storm import copy_queue
+    monkeypatch.setattr(copy_queue, "MAX_PROFILES", 2)
+    with caplog.at_level(logging.INFO, logger="storm"):
+        lines = [kind_step(width) for width in (64, 32, 16, 16, 64, 16)]
+    assert [line.startswith(PROFILES) for line in lines] == [True, True, False, False, False, False]
+    assert [line.startswith(FOLLOWS) for line in lines] == [False, False, False, False, True, False]
+    assert sum("kinds of step profiled" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_full_offload_step_with_a_room_computes_the_same_gradients(monkeypatch):

@@ -6,7 +6,11 @@ step's limit (``limit``: ``max_held_bytes``, more past a budget, less under a ro
 ``drain`` waits until it is within one. A full-offload step takes its limits from room.py: one
 step profiles what the allocator holds besides the queue (and, in backward, besides the prefetch
 window), and the steps after it, while their saves come in the profile's sizes, follow the Room
-it gives; that Room paces the step's prefetch window too (Step.window).
+it gives; that Room paces the step's prefetch window too (Step.window). Steps of several kinds
+(two models trained in turn, batches of a few shapes) each follow their own: the queue keeps a
+room per profile (the last MAX_ROOMS followed), and a step whose first save matches none of them
+profiles from there. Each profiled step runs under the allocator's record, so a process profiles
+at most MAX_PROFILES steps that gave a room; past them, steps of a new kind keep the user's limits.
 
 What becomes of a save whose copy is done (released, stored again, forgotten) is the session's
 (storm/session.py): it calls every method here under its lock, except ``drain``, which takes
@@ -16,6 +20,7 @@ the lock itself to wait outside it, and ``copied`` in poll's look without the lo
 from __future__ import annotations
 
 import collections
+import logging
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
@@ -26,6 +31,11 @@ from .copies.base import Copy
 from .gpu import allocated
 from .room import Profile, Reader, Room
 from .saved import Step, Stored
+
+MAX_ROOMS = 8  # rooms kept, one per kind of step, the least recently followed dropped first
+MAX_PROFILES = 32  # profiled steps that gave a room: each ran under the allocator's record
+
+log = logging.getLogger("storm")
 
 
 class CopyQueue:
@@ -38,24 +48,65 @@ class CopyQueue:
         self._saves: collections.deque[Stored] = collections.deque()  # oldest first: copies finish about in order
         self.nbytes = 0  # the bytes of those saves
         self.last_past_budget_bytes = 0  # saved past the budget in the last step that had one
-        # full offload: the room a profiled step found (room.py), and the step profiling now
+        # full offload: the room a step follows now (room.py), the others that profiled steps found,
+        # the least recently followed first, and the step profiling now
         self.room: Room | None = None
+        self._rooms: collections.OrderedDict[tuple[int, ...], Room] = collections.OrderedDict()
+        self._profiled = 0  # profiles that gave a room
+        self._profile_next = False  # a step left its room past its first save: the next one profiles
         self.profiling: Profile | None = None
         self.memory: Reader = _allocated  # what the allocator holds on a device, None where unknown
         self.record: Record = AllocatorRecord()  # the allocator's history while a step profiles
 
     def start_step(self, step: Step) -> None:
-        """A full-offload step follows the room a profiled step found; with none yet, it is the one
-        profiled (the step after a profile with saves makes its room)."""
+        """A full-offload step follows the room it followed last (one a profiled step found); with
+        none yet, it is the one profiled (the step after a profile with saves makes its room)."""
         if self.profiling is not None and not self.profiling.rises:  # read once: past budget steps it waits
             self._read_record(self.profiling)
         if step.budget_bytes != float("inf"):
             return
         if self.profiling is not None and self.profiling.saves:
-            self.room, self.profiling = Room(self.profiling), None
+            self._follow(Room(self.profiling))
+            self._profiled += 1
+        self.profiling = None
+        if (self.room is None or self._profile_next) and self._profiled < MAX_PROFILES:
+            self.room = None
+            self._profile(step)
         step.room = self.room
-        if step.room is None:
-            step.profile = self.profiling = Profile()
+
+    def _follow(self, room: Room) -> None:
+        """``room`` is the one steps follow now, the most recently followed of those kept."""
+        key = tuple(room.profile.sizes)
+        self._rooms[key] = self.room = room
+        self._rooms.move_to_end(key)
+        while len(self._rooms) > MAX_ROOMS:
+            self._rooms.popitem(last=False)
+
+    def _profile(self, step: Step) -> None:
+        """``step`` profiles from its next save, unless this process has profiled its share."""
+        self._profile_next = False
+        if self._profiled >= MAX_PROFILES:
+            if self._profiled == MAX_PROFILES:
+                self._profiled += 1  # said once
+                log.info("full offload: %d kinds of step profiled, and their saves' sizes still change; steps "
+                         "of a new kind keep max_held_bytes and prefetch_bytes as given", MAX_PROFILES)
+            return
+        step.profile = self.profiling = Profile()
+
+    def _leave(self, step: Step, nbytes: int) -> None:
+        """A step's save of ``nbytes`` is not its room's (or the step has none): at its first save
+        (nothing kept yet), it follows another room whose first save is of that size, else it
+        profiles from this save; past it, it goes on without a room and the next step profiles."""
+        step.room = None
+        if step.made != 1 or step.kept_by_room:
+            self._profile_next = True
+            return
+        for room in reversed(self._rooms.values()):
+            if room.matches(1, nbytes):
+                self._follow(room)
+                step.room = room
+                return
+        self._profile(step)
 
     def keeps(self, step: Step, storage: torch.UntypedStorage, nbytes: int, compiled: bool = False) -> bool:
         """Whether a full-offload step's save of ``storage`` (``nbytes``) stays on the device: its
@@ -68,7 +119,8 @@ class CopyQueue:
             return False
         if compiled:
             if step.room.kept:
-                step.room = self.room = Room(step.room.profile, keep=False)
+                self._follow(Room(step.room.profile, keep=False))
+                step.room = self.room
             return False
         if storage._cdata in step.kept_by_room:
             return True
@@ -81,9 +133,11 @@ class CopyQueue:
         """A full-offload step's save of ``nbytes`` was just made, before its put: where a room leads
         the step, the save must be the profile's (else the next step profiles again); where the step
         profiles, read what is held besides the queue."""
-        if step.room is not None and not step.room.matches(step.made, nbytes):
-            step.room = self.room = None
-        elif step.profile is not None:
+        if step.room is not None and not step.room.matches(step.made, nbytes) \
+                or step.room is None and step.profile is None and step.made == 1 and self._rooms \
+                and step.budget_bytes == float("inf"):
+            self._leave(step, nbytes)  # not its room's save, or a step that neither follows nor profiles
+        if step.profile is not None:
             held = self.memory(storage.device)
             if held is not None:
                 step.profile.sizes.append(nbytes)
@@ -157,7 +211,7 @@ class CopyQueue:
             if step.room.complete(step.made):
                 self.drain(self.limit(step))
             else:
-                step.room = self.room = None
+                step.room, self._profile_next = None, True
         if step.budget_reached:
             self.drain(step.options.max_held_bytes)
             self.last_past_budget_bytes = step.past_budget_bytes
