@@ -131,8 +131,8 @@ class CopyQueue:
 
     def follow_room(self, step: Step, storage: torch.UntypedStorage, nbytes: int) -> None:
         """A full-offload step's save of ``nbytes`` was just made, before its put: where a room leads
-        the step, the save must be the profile's (else the next step profiles again); where the step
-        profiles, read what is held besides the queue."""
+        the step, the save must be the profile's (else ``_leave``: another room, or a profile); where
+        the step profiles, read what is held besides the queue."""
         if step.room is not None and not step.room.matches(step.made, nbytes) \
                 or step.room is None and step.profile is None and step.made == 1 and self._rooms \
                 and step.budget_bytes == float("inf"):
