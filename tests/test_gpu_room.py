@@ -14,6 +14,15 @@ import storm
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def fresh_session():
+    """Each test's first full-offload step profiles: a session's rooms outlive a test, and a step
+    follows one whose saves come in its sizes (another test's model of the same shapes)."""
+    storm.close_all()
+    yield
+    storm.close_all()
+
+
 def head_model() -> nn.Module:
     """Blocks of a small width, then a wide head whose loss's backward allocates its gradients,
     several times the logits, right after it unpacks its log-softmax output."""
