@@ -249,6 +249,27 @@ def test_a_compiled_graph_save_is_never_kept_and_its_step_follows_a_room_that_ke
     assert eager.made == 4
 
 
+def test_a_step_that_may_go_on_past_its_room_keeps_none_of_its_last_saves():
+    """Two forwards before one backward, after steps of one: the first forward's saves are the
+    one-forward room's, so their last would be kept and then sit beside the second forward's.
+    While a room of such longer steps is known too, a step keeps none of the shorter room's."""
+    queue = CopyQueue(lambda: None, threading.Lock())
+    short = lm_room()
+    longer = Room(Profile(sizes=[*short.profile.sizes, 8, 8], saves=[*short.profile.saves, 20, 20]))
+
+    def keeps_fourth() -> bool:
+        step = Step(1, float("inf"), StepOptions())
+        queue.start_step(step)
+        step.order += [object()] * 3  # three saves offloaded: the fourth is the short room's to keep
+        return step.room is short and queue.keeps(step, torch.empty(4).untyped_storage(), 40)
+
+    queue.follow(short)
+    assert keeps_fourth()
+    queue.follow(longer)
+    queue.follow(short)  # both kinds known, the short one followed last
+    assert not keeps_fourth()
+
+
 def test_a_room_follows_only_the_saves_it_was_profiled_on():
     r = room()
     assert r.matches(1, 8) and r.matches(4, 8)

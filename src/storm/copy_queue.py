@@ -66,7 +66,7 @@ class CopyQueue:
         if step.budget_bytes != float("inf"):
             return
         if self.profiling is not None and self.profiling.saves:
-            self._follow(Room(self.profiling))
+            self.follow(Room(self.profiling))
             self._profiled += 1
         self.profiling = None
         if (self.room is None or self._profile_next) and self._profiled < MAX_PROFILES:
@@ -74,8 +74,9 @@ class CopyQueue:
             self._profile(step)
         step.room = self.room
 
-    def _follow(self, room: Room) -> None:
-        """``room`` is the one steps follow now, the most recently followed of those kept."""
+    def follow(self, room: Room) -> None:
+        """Steps follow ``room`` from now (a profiled step's), kept with the others as the most
+        recently followed."""
         key = tuple(room.profile.sizes)
         self._rooms[key] = self.room = room
         self._rooms.move_to_end(key)
@@ -103,7 +104,7 @@ class CopyQueue:
             return
         for room in reversed(self._rooms.values()):
             if room.matches(1, nbytes):
-                self._follow(room)
+                self.follow(room)
                 step.room = room
                 return
         self._profile(step)
@@ -119,15 +120,23 @@ class CopyQueue:
             return False
         if compiled:
             if step.room.kept:
-                self._follow(Room(step.room.profile, keep=False))
+                self.follow(Room(step.room.profile, keep=False))
                 step.room = self.room
             return False
         if storage._cdata in step.kept_by_room:
             return True
-        if not step.room.keeps(step.made + 1, nbytes):
+        if not step.room.keeps(step.made + 1, nbytes) or self._goes_on(step.room, step.made + 1):
             return False
         step.kept_by_room.add(storage._cdata)
         return True
+
+    def _goes_on(self, room: Room, made: int) -> bool:
+        """Whether another kind of step makes the first ``made`` saves of ``room``'s and more (two
+        forwards before a backward, after steps of one): a step following ``room`` may be one of
+        those, whose saves after these would sit beside the ones kept."""
+        n, sizes = len(room.profile.sizes), room.profile.sizes[:made]
+        return any(len(other.profile.sizes) > n and other.profile.sizes[:made] == sizes
+                   for other in self._rooms.values())
 
     def follow_room(self, step: Step, storage: torch.UntypedStorage, nbytes: int) -> None:
         """A full-offload step's save of ``nbytes`` was just made, before its put: where a room leads
