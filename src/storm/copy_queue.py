@@ -69,9 +69,8 @@ class CopyQueue:
             self.follow(Room(self.profiling))
             self._profiled += 1
         self.profiling = None
-        if (self.room is None or self._profile_next) and self._profiled < MAX_PROFILES:
+        if (self.room is None or self._profile_next) and self._profile(step):
             self.room = None
-            self._profile(step)
         step.room = self.room
 
     def follow(self, room: Room) -> None:
@@ -83,16 +82,17 @@ class CopyQueue:
         while len(self._rooms) > MAX_ROOMS:
             self._rooms.popitem(last=False)
 
-    def _profile(self, step: Step) -> None:
-        """``step`` profiles from its next save, unless this process has profiled its share."""
+    def _profile(self, step: Step) -> bool:
+        """Whether ``step`` profiles from its next save: unless this process has profiled its share."""
         self._profile_next = False
         if self._profiled >= MAX_PROFILES:
             if self._profiled == MAX_PROFILES:
                 self._profiled += 1  # said once
                 log.info("full offload: %d kinds of step profiled, and their saves' sizes still change; steps "
                          "of a new kind keep max_held_bytes and prefetch_bytes as given", MAX_PROFILES)
-            return
+            return False
         step.profile = self.profiling = Profile()
+        return True
 
     def _leave(self, step: Step, nbytes: int) -> None:
         """A step's save of ``nbytes`` is not its room's (or the step has none): at its first save
@@ -149,10 +149,11 @@ class CopyQueue:
         if step.profile is not None:
             held = self.memory(storage.device)
             if held is not None:
+                address = storage.data_ptr()
                 step.profile.sizes.append(nbytes)
-                step.profile.addresses.append(storage.data_ptr())
+                step.profile.addresses.append(address)
                 step.profile.saves.append(held - self.nbytes)
-                self._mark(step.profile, storage.device, [storage.data_ptr()])
+                self._mark(step.profile, storage.device, [address])
 
     def add(self, stored: Stored, step: Step) -> int | None:
         """``stored``, saved in ``step``, waits for its put, just begun. Returns what to drain the

@@ -95,11 +95,9 @@ class Room:
             self._saves, self._between = self._readings(self.kept)
         # the profile's place of each unpack of a save not kept, in backward's order: the steps after
         # it count only those (a kept save's unpacks fetch nothing, wherever they come)
-        kept = range(n - self.kept, n)
-        self._places = [u for u, save in enumerate(profile.unpack_saves) if save not in kept] if self.kept \
-            else list(range(len(profile.unpacks)))
-        self._unpack_sizes = [0 if u < len(profile.unpack_saves) and profile.unpack_saves[u] in kept else size
-                              for u, size in enumerate(profile.unpack_sizes)]
+        of_kept = {u for u, save in enumerate(profile.unpack_saves) if save >= n - self.kept} if self.kept else set()
+        self._places = [u for u in range(len(profile.unpacks)) if u not in of_kept]
+        self._unpack_sizes = [0 if u in of_kept else size for u, size in enumerate(profile.unpack_sizes)]
 
     def _tails(self) -> int:
         """How many of the last saves could be kept: those that backward unpacks (keeping a save
