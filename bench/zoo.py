@@ -349,7 +349,8 @@ def main() -> int:
     p.add_argument("--resume", action="store_true",
                    help="keep what --out holds: skip its complete cells, keep a cut-off cell's rows and duels")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3,
+                   help="steps before the timed ones: full offload's first three profile and try its room")
     p.add_argument("--rounds", type=int, default=5, help="rounds of each duel")
     p.add_argument("--round-steps", type=int, default=3, help="steps of each method per round")
     p.add_argument("--pool-size", default="32GiB")

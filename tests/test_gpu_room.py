@@ -99,13 +99,14 @@ def test_the_steps_after_the_profile_keep_the_loss_saves_backward_takes_first_bi
         return out
 
     reference = grads(contextlib.nullcontext())
-    contexts = [storm.offload(mode="embedded", min_bytes=0) for _ in range(4)]
-    peaks = [step(model, x, y, ctx) for ctx in contexts[:3]]
-    kept = [ctx.stats.kept.get(storm.Keep.ROOM, 0) for ctx in contexts[:3]]
-    sent = [ctx.stats.offloaded_bytes for ctx in contexts[:3]]
-    assert kept[0] == 0 and kept[1] >= 1 and kept[2] == kept[1], kept
+    contexts = [storm.offload(mode="embedded", min_bytes=0) for _ in range(5)]
+    peaks = [step(model, x, y, ctx) for ctx in contexts[:4]]
+    kept = [ctx.stats.kept.get(storm.Keep.ROOM, 0) for ctx in contexts[:4]]
+    sent = [ctx.stats.offloaded_bytes for ctx in contexts[:4]]
+    # the profile, the room tried keeping saves, then keeping none; keeping peaks no higher: it stays
+    assert kept[0] == 0 and kept[1] >= 1 and kept[2] == 0 and kept[3] == kept[1], kept
     logits = 4096 * 32768 * 4
     assert sent[1] <= sent[0] - logits, sent  # the log-softmax no longer goes out
     assert max(peaks[1:]) <= floor + (4 << 20), (peaks, floor)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-               for a, b in zip(grads(contexts[3]), reference))
+               for a, b in zip(grads(contexts[4]), reference))

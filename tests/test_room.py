@@ -270,6 +270,65 @@ def test_a_step_that_may_go_on_past_its_room_keeps_none_of_its_last_saves():
     assert not keeps_fourth()
 
 
+class PeakRecord:
+    """An allocator record (a fake: the CPU has none) of trial steps: each read (finish) returns the
+    events since the step's mark, where the step rises by the next of ``rises`` and falls back;
+    None: no record."""
+
+    def __init__(self, rises: list[int | None]):
+        self.rises, self.started, self.address = list(rises), 0, 0
+
+    def start(self, device: torch.device) -> None:
+        self.started += 1
+
+    def mark(self, device: torch.device) -> int:
+        self.address += 1
+        return self.address
+
+    def finish(self, device: torch.device) -> list[dict] | None:
+        rise = self.rises.pop(0)
+        if rise is None:
+            return None
+        size = allocator_record.MARK_BYTES
+        return [{"action": "alloc", "addr": self.address, "size": size, "stream": 0},
+                {"action": "free_requested", "addr": self.address, "size": size, "stream": 0},
+                {"action": "alloc", "addr": 7, "size": rise, "stream": 1},
+                {"action": "free_requested", "addr": 7, "size": rise, "stream": 1}]
+
+
+@pytest.mark.parametrize("rises, keeps", [([90, 50], False), ([50, 50], True), ([None], True), ([50, None], True)])
+def test_a_room_that_keeps_saves_is_tried_against_keeping_none_and_the_lower_peak_is_followed(rises, keeps, caplog):
+    """The room's kept saves come from a model of the step: the step after the profile follows it,
+    the next one the same profile keeping none, each step's peak read from the allocator's record
+    from its first save; then the steps follow the one that peaked lower (the keeping one where
+    even, or where a peak could not be read)."""
+    import logging
+
+    queue = CopyQueue(lambda: None, threading.Lock())
+    queue.memory = lambda device: 100
+    queue.record = record = PeakRecord(rises)
+    queue.profiling = lm_room().profile
+    storage = torch.empty(2).untyped_storage()
+
+    def step(number: int) -> Step:
+        s = Step(number, float("inf"), StepOptions())
+        queue.start_step(s)
+        s.order.append(object())  # its first save, offloaded
+        queue.follow_room(s, storage, 8)
+        return s
+
+    with caplog.at_level(logging.INFO, logger="storm"):
+        tried = [step(n) for n in range(1, 2 + len(rises))]
+    assert tried[0].room.kept == 2 and queue.trial is None
+    assert [s.room.kept for s in tried[1:len(rises)]] == [0] * (len(rises) - 1)  # the second tries none kept
+    assert tried[-1].room.kept == (2 if keeps else 0)
+    assert record.started == len(rises) and record.rises == []
+    assert any("keeping none" in r.getMessage() for r in caplog.records) == (not keeps)
+    later = Step(len(rises) + 2, float("inf"), StepOptions())
+    queue.start_step(later)
+    assert later.room is tried[-1].room and record.started == len(rises)  # no more steps measured
+
+
 def test_a_room_follows_only_the_saves_it_was_profiled_on():
     r = room()
     assert r.matches(1, 8) and r.matches(4, 8)

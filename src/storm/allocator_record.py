@@ -161,3 +161,26 @@ def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Co
         out.append(high)
         frees.append(split)
     return Replay(out, frees, [range(min(f, e), e) for f, e in zip(first, freed)])
+
+
+def peak(events: list[dict[str, Any]], mark: int) -> int | None:
+    """The most the allocator held above what it held at ``mark`` (a reading's), on every stream
+    (STORM's copies count: they are on the device as much as the step's own tensors), from there
+    until the record ends: a step's peak, read from its first save. None where the mark is not
+    in the record."""
+    at = next((i for i, e in enumerate(events) if e["action"] == "alloc" and e["addr"] == mark
+               and e["size"] == MARK_BYTES), None)
+    if at is None:
+        return None
+    level = high = 0
+    pending: int | None = mark
+    for e in events[at + 1:]:
+        if e["action"] == "alloc":
+            level += e["size"]
+            high = max(high, level)
+        elif e["action"] == "free_requested":
+            if e["addr"] == pending:  # the mark, freed at once: it never counted
+                pending = None
+            else:
+                level -= e["size"]
+    return high

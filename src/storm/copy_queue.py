@@ -12,6 +12,14 @@ room per profile (the last MAX_ROOMS followed), and a step whose first save matc
 profiles from there. Each profiled step runs under the allocator's record, so a process profiles
 at most MAX_PROFILES steps that gave a room; past them, steps of a new kind keep the user's limits.
 
+A room that keeps forward's last saves on the device says they fit under the floor; the room is
+a model of the step, and a model can be wrong on a model it was never tried on (an
+encoder-decoder's saves, whose memory the step reuses otherwise). So it is tried (``Trial``): the
+step after the profile follows it, the next one follows the same profile keeping none, each
+under the allocator's record from its first save, and the steps after them follow the one whose
+step peaked lower (the keeping one where they are even). Where no peak could be read (no record,
+or a step that left its room), the room's own choice holds.
+
 What becomes of a save whose copy is done (released, stored again, forgotten) is the session's
 (storm/session.py): it calls every method here under its lock, except ``drain``, which takes
 the lock itself to wait outside it, and ``copied`` in poll's look without the lock.
@@ -20,12 +28,14 @@ the lock itself to wait outside it, and ``copied`` in poll's look without the lo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 import torch
 
+from . import allocator_record
 from .allocator_record import AllocatorRecord, Record, replay
 from .copies.base import Copy
 from .gpu import allocated
@@ -36,6 +46,39 @@ MAX_ROOMS = 8  # rooms kept, one per kind of step, the least recently followed d
 MAX_PROFILES = 32  # profiled steps that gave a room: each ran under the allocator's record
 
 log = logging.getLogger("storm")
+
+
+@dataclasses.dataclass
+class Trial:
+    """A room that keeps saves (``keeping``) against the same profile keeping none (``bare``): one
+    step follows each, in that order, and ``peaks`` are theirs (None: not read)."""
+
+    keeping: Room
+    bare: Room
+    peaks: list[int | None] = dataclasses.field(default_factory=list)
+
+    def next(self) -> Room | None:
+        """The room the next step tries, or None once the trial is over (``choice``)."""
+        if None in self.peaks or len(self.peaks) == 2:
+            return None
+        return self.bare if self.peaks else self.keeping
+
+    def choice(self) -> Room:
+        """The room whose step peaked lower, the keeping one where even or not read."""
+        kept, bare = (self.peaks + [None, None])[:2]
+        return self.bare if kept is not None and bare is not None and kept > bare else self.keeping
+
+
+@dataclasses.dataclass
+class Measure:
+    """A trial step's peak being read: the step, the room it tries, and at its first save the
+    device, what the allocator held and the mark left in its record."""
+
+    step: Step
+    room: Room
+    device: torch.device | None = None
+    start: int = 0
+    mark: int | None = None
 
 
 class CopyQueue:
@@ -55,6 +98,8 @@ class CopyQueue:
         self._profiled = 0  # profiles that gave a room
         self._profile_next = False  # a step left its room past its first save: the next one profiles
         self.profiling: Profile | None = None
+        self.trial: Trial | None = None  # a room that keeps saves, tried against keeping none
+        self._measure: Measure | None = None  # the trial step being measured
         self.memory: Reader = _allocated  # what the allocator holds on a device, None where unknown
         self.record: Record = AllocatorRecord()  # the allocator's history while a step profiles
 
@@ -63,15 +108,50 @@ class CopyQueue:
         none yet, it is the one profiled (the step after a profile with saves makes its room)."""
         if self.profiling is not None and not self.profiling.rises:  # read once: past budget steps it waits
             self._read_record(self.profiling)
+        if self._measure is not None:
+            self._read_peak(self._measure)
         if step.budget_bytes != float("inf"):
             return
         if self.profiling is not None and self.profiling.saves:
-            self.follow(Room(self.profiling))
+            room = Room(self.profiling)
             self._profiled += 1
+            self.trial = Trial(room, Room(room.profile, keep=False)) if room.kept else None
+            self.follow(room)
         self.profiling = None
+        if self.trial is not None:
+            self._try(step, self.trial)
         if (self.room is None or self._profile_next) and self._profile(step):
-            self.room = None
+            self.room = self._measure = None
         step.room = self.room
+
+    def _try(self, step: Step, trial: Trial) -> None:
+        """``step`` follows the trial's next room, its peak measured from its first save; once both
+        are measured, the steps follow the one that peaked lower."""
+        room = trial.next()
+        if room is not None:
+            self.follow(room)
+            self._measure = Measure(step, room)
+            return
+        chosen = trial.choice()
+        kept, bare = (trial.peaks + [None, None])[:2]
+        if chosen is trial.bare and kept is not None and bare is not None:
+            mib = 1 << 20
+            log.info("full offload: keeping forward's last %d saves on the device peaked at %.1f MiB, keeping "
+                     "none at %.1f MiB: the steps keep none", trial.keeping.kept, kept / mib, bare / mib)
+        self.follow(chosen)
+        self.trial = None
+
+    def _read_peak(self, measure: Measure) -> None:
+        """A trial step has ended: its peak, where its record has it and it followed the room it tried."""
+        self._measure = None
+        peak = None
+        if measure.device is not None and measure.mark is not None:
+            events = self.record.finish(measure.device)
+            high = allocator_record.peak(events, measure.mark) if events is not None else None
+            if high is not None and measure.step.room is measure.room:
+                peak = measure.start + high
+        if self.trial is not None:
+            self.trial.peaks.append(peak)
 
     def follow(self, room: Room) -> None:
         """Steps follow ``room`` from now (a profiled step's), kept with the others as the most
@@ -146,6 +226,12 @@ class CopyQueue:
                 or step.room is None and step.profile is None and step.made == 1 and self._rooms \
                 and step.budget_bytes == float("inf"):
             self._leave(step, nbytes)  # not its room's save, or a step that neither follows nor profiles
+        measure = self._measure
+        if measure is not None and measure.step is step and step.made == 1 and step.room is measure.room:
+            held = self.memory(storage.device)
+            if held is not None:
+                self.record.start(storage.device)
+                measure.device, measure.start, measure.mark = storage.device, held, self.record.mark(storage.device)
         if step.profile is not None:
             held = self.memory(storage.device)
             if held is not None:
@@ -248,9 +334,11 @@ class CopyQueue:
                 self._mark(step.profile, stored.device)
 
     def close(self) -> None:
-        """The session closes: a profile's record, if one runs, stops."""
+        """The session closes: a profile's or a trial step's record, if one runs, stops."""
         if self.profiling is not None:
             self._read_record(self.profiling)
+        if self._measure is not None:
+            self._read_peak(self._measure)
 
     def _mark(self, profile: Profile, device: torch.device, saving: list[int] | None = None) -> None:
         """A reading was just made, leaving out the queue's saves (and the one ``saving``, the
