@@ -10,6 +10,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from storm.copy_queue import CopyQueue
+from storm.rooms import Rooms
 from storm.saved import Step, StepOptions, Stored
 
 
@@ -69,7 +70,7 @@ def test_past_a_budget_copies_may_run_behind_by_what_the_last_step_saved_past_it
     queue, waited = queue_and_waits()
     options = StepOptions(max_held_bytes=100)
     first = Step(1, 1000, options)
-    queue.start_step(first)
+    Rooms(queue).start_step(first)
     assert first.room is None and first.profile is None  # a budget: no room, no profile
     first.budget_reached, first.past_budget_bytes = True, 50
     queue.end_step(first)
@@ -119,20 +120,21 @@ def test_a_profiled_unpack_brings_back_the_storage_once_and_leaves_its_mark_in_t
     reading leaves a mark in the allocator's record, which starts at the first."""
 
     queue, waited = queue_and_waits()
-    queue.record = record = ScriptedRecord()
-    queue.memory = lambda device: 100
+    rooms = Rooms(queue)
+    rooms.record = record = ScriptedRecord()
+    rooms.memory = lambda device: 100
     step = Step(1, float("inf"), StepOptions())
-    queue.start_step(step)
+    rooms.start_step(step)
     assert step.profile is not None
     stored, _ = save(queue, step, 10, waited)
     held, _ = save(queue, step, 20, waited)
     for s in (stored, held):
-        queue.follow_room(step, s.tensor.untyped_storage(), s.nbytes)
+        rooms.follow_room(step, s.tensor.untyped_storage(), s.nbytes)
     assert step.profile.addresses == [s.tensor.untyped_storage().data_ptr() for s in (stored, held)]
     stored.tensor = None  # its copy is done and let go of: backward fetches it
-    queue.unpacked(held, 0)  # still on the device: nothing to bring back
+    rooms.unpacked(held, 0)  # still on the device: nothing to bring back
     for restored in (False, True):
-        queue.unpacked(stored, 0, restored=restored)
+        rooms.unpacked(stored, 0, restored=restored)
         stored.unpacks += 1  # the session counts a fetched unpack after the reading
     assert step.profile.unpack_sizes == [0, 10, 0]
     # what is held counts a storage an earlier unpack brought back and that is still alive: its second
@@ -152,13 +154,14 @@ def test_closing_stops_the_record_of_a_step_still_profiling():
     """A session closed before the profiled step's room is made stops the allocator's record it started."""
 
     queue, waited = queue_and_waits()
-    queue.record = record = ScriptedRecord()
-    queue.memory = lambda device: 100
+    rooms = Rooms(queue)
+    rooms.record = record = ScriptedRecord()
+    rooms.memory = lambda device: 100
     step = Step(1, float("inf"), StepOptions())
-    queue.start_step(step)
+    rooms.start_step(step)
     stored, _ = save(queue, step, 10, waited)
-    queue.follow_room(step, stored.tensor.untyped_storage(), 10)
-    queue.close()
+    rooms.follow_room(step, stored.tensor.untyped_storage(), 10)
+    rooms.close()
     assert record.finished == 1
 
 
@@ -168,17 +171,18 @@ def test_the_profiled_step_record_is_read_once_though_budget_steps_come_between(
     from storm import allocator_record
 
     queue, waited = queue_and_waits()
+    rooms = Rooms(queue)
     # the one save's mark (the first: 1), as the record saw it
-    queue.record = record = ScriptedRecord([{"action": "alloc", "addr": 1, "size": allocator_record.MARK_BYTES,
+    rooms.record = record = ScriptedRecord([{"action": "alloc", "addr": 1, "size": allocator_record.MARK_BYTES,
                                              "stream": 0}])
-    queue.memory = lambda device: 100
+    rooms.memory = lambda device: 100
     step = Step(1, float("inf"), StepOptions())
-    queue.start_step(step)
+    rooms.start_step(step)
     stored, _ = save(queue, step, 10, waited)
-    queue.follow_room(step, stored.tensor.untyped_storage(), 10)
-    queue.start_step(Step(2, 1 << 20, StepOptions()))  # a budget: the room waits, the record is read
+    rooms.follow_room(step, stored.tensor.untyped_storage(), 10)
+    rooms.start_step(Step(2, 1 << 20, StepOptions()))  # a budget: the room waits, the record is read
     assert record.finished == 1 and step.profile.rises == [0]
     assert step.profile.frees == [[]] and step.profile.counted == [range(0)]  # its block predates the record
     after = Step(3, float("inf"), StepOptions())
-    queue.start_step(after)
+    rooms.start_step(after)
     assert record.finished == 1 and after.room is not None

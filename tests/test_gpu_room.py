@@ -60,7 +60,7 @@ def test_full_offload_peaks_no_higher_than_save_on_cpu_once_profiled():
     peaks = [step(model, x, y, storm.offload(mode="embedded", min_bytes=0)) for _ in range(4)]
     assert not torch._C._cuda_isHistoryEnabled()  # the profiled step's record is stopped once read
     session = storm.session_for("embedded", None, None)
-    room = session.copy_queue.room
+    room = session.rooms.room
     assert room is not None and room.floor > 0
     # the first step profiles (its queue and window are the user's); the steps after it follow the room
     assert max(peaks[1:]) <= floor + (4 << 20), (peaks, floor)
@@ -75,7 +75,7 @@ def test_a_record_the_user_started_is_read_and_left_running():
         for _ in range(3):
             step(model, x, y, storm.offload(mode="embedded", min_bytes=0))
         assert torch._C._cuda_isHistoryEnabled()
-        assert storm.session_for("embedded", None, None).copy_queue.room is not None
+        assert storm.session_for("embedded", None, None).rooms.room is not None
     finally:
         torch.cuda.memory._record_memory_history(None)
 

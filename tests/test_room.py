@@ -14,6 +14,7 @@ from storm import allocator_record
 from storm.copy_queue import CopyQueue
 from storm.examples.models import same_bits
 from storm.room import Profile, Room
+from storm.rooms import Rooms
 from storm.saved import Step, StepOptions
 
 MiB = 1 << 20
@@ -231,21 +232,21 @@ def test_a_compiled_graph_save_is_never_kept_and_its_step_follows_a_room_that_ke
     """A compiled graph reuses a save's memory once it lets go of it: a kept save would be a copy
     beside what the profile measured. Its step follows the same profile with nothing kept, from
     backward's first unpack."""
-    queue = CopyQueue(lambda: None, threading.Lock())
-    queue.room = lm_room()
-    assert queue.room.kept == 2
+    rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
+    rooms.room = lm_room()
+    assert rooms.room.kept == 2
     step = Step(1, float("inf"), StepOptions())
-    queue.start_step(step)
-    assert step.room is queue.room and step.unpacked == 0
+    rooms.start_step(step)
+    assert step.room is rooms.room and step.unpacked == 0
     storage = torch.empty(4).untyped_storage()
-    assert not queue.keeps(step, storage, 40, compiled=True)
-    assert step.room is queue.room and (step.room.kept, step.unpacked) == (0, 0)
+    assert not rooms.keeps(step, storage, 40, compiled=True)
+    assert step.room is rooms.room and (step.room.kept, step.unpacked) == (0, 0)
     assert step.room.floor == lm_room().floor and step.room.queue(5) == Room(lm_room().profile, keep=False).queue(5)
     eager = Step(2, float("inf"), StepOptions())
-    queue.room = lm_room()
-    queue.start_step(eager)
+    rooms.room = lm_room()
+    rooms.start_step(eager)
     eager.order += [object()] * 3  # three saves offloaded: the fourth and fifth are the room's to keep
-    assert queue.keeps(eager, storage, 40) and queue.keeps(eager, storage, 40)  # the storage again: kept
+    assert rooms.keeps(eager, storage, 40) and rooms.keeps(eager, storage, 40)  # the storage again: kept
     assert eager.made == 4
 
 
@@ -253,20 +254,20 @@ def test_a_step_that_may_go_on_past_its_room_keeps_none_of_its_last_saves():
     """Two forwards before one backward, after steps of one: the first forward's saves are the
     one-forward room's, so their last would be kept and then sit beside the second forward's.
     While a room of such longer steps is known too, a step keeps none of the shorter room's."""
-    queue = CopyQueue(lambda: None, threading.Lock())
+    rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
     short = lm_room()
     longer = Room(Profile(sizes=[*short.profile.sizes, 8, 8], saves=[*short.profile.saves, 20, 20]))
 
     def keeps_fourth() -> bool:
         step = Step(1, float("inf"), StepOptions())
-        queue.start_step(step)
+        rooms.start_step(step)
         step.order += [object()] * 3  # three saves offloaded: the fourth is the short room's to keep
-        return step.room is short and queue.keeps(step, torch.empty(4).untyped_storage(), 40)
+        return step.room is short and rooms.keeps(step, torch.empty(4).untyped_storage(), 40)
 
-    queue.follow(short)
+    rooms.follow(short)
     assert keeps_fourth()
-    queue.follow(longer)
-    queue.follow(short)  # both kinds known, the short one followed last
+    rooms.follow(longer)
+    rooms.follow(short)  # both kinds known, the short one followed last
     assert not keeps_fourth()
 
 
@@ -304,28 +305,28 @@ def test_a_room_that_keeps_saves_is_tried_against_keeping_none_and_the_lower_pea
     even, or where a peak could not be read)."""
     import logging
 
-    queue = CopyQueue(lambda: None, threading.Lock())
-    queue.memory = lambda device: 100
-    queue.record = record = PeakRecord(rises)
-    queue.profiling = lm_room().profile
+    rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
+    rooms.memory = lambda device: 100
+    rooms.record = record = PeakRecord(rises)
+    rooms.profiling = lm_room().profile
     storage = torch.empty(2).untyped_storage()
 
     def step(number: int) -> Step:
         s = Step(number, float("inf"), StepOptions())
-        queue.start_step(s)
+        rooms.start_step(s)
         s.order.append(object())  # its first save, offloaded
-        queue.follow_room(s, storage, 8)
+        rooms.follow_room(s, storage, 8)
         return s
 
     with caplog.at_level(logging.INFO, logger="storm"):
         tried = [step(n) for n in range(1, 2 + len(rises))]
-    assert tried[0].room.kept == 2 and queue.trial is None
+    assert tried[0].room.kept == 2 and rooms.trial is None
     assert [s.room.kept for s in tried[1:len(rises)]] == [0] * (len(rises) - 1)  # the second tries none kept
     assert tried[-1].room.kept == (2 if keeps else 0)
     assert record.started == len(rises) and record.rises == []
     assert any("keeping none" in r.getMessage() for r in caplog.records) == (not keeps)
     later = Step(len(rises) + 2, float("inf"), StepOptions())
-    queue.start_step(later)
+    rooms.start_step(later)
     assert later.room is tried[-1].room and record.started == len(rises)  # no more steps measured
 
 
@@ -393,7 +394,7 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
     last save, which backward unpacks first, stays on the device where it fits under the floor
     until then: not where a loss's op rises on top of it before backward begins."""
     session = storm.session_for("embedded", None, None)
-    queue = session.copy_queue
+    queue, rooms = session.copy_queue, session.rooms
     one = 64 * 64 * 4
     besides = [0, 0, 0, 4 * one, 10 * one, 12 * one]  # a head: the step holds more at its last saves
     at_unpack = 3 * one
@@ -420,12 +421,12 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
         made.append(current[0].made)
         real_drain(limit)
 
-    monkeypatch.setattr(queue, "memory", reader)
+    monkeypatch.setattr(rooms, "memory", reader)
     monkeypatch.setattr(session, "new_step", new_step)
     monkeypatch.setattr(queue, "drain", drain)
-    monkeypatch.setattr(queue, "room", None)
-    monkeypatch.setattr(queue, "profiling", None)
-    monkeypatch.setattr(queue, "record", RisingRecord({k: rise * one for k, rise in rises.items()}))
+    monkeypatch.setattr(rooms, "room", None)
+    monkeypatch.setattr(rooms, "profiling", None)
+    monkeypatch.setattr(rooms, "record", RisingRecord({k: rise * one for k, rise in rises.items()}))
     held = 64 * one
 
     reports: list[str] = []
@@ -433,15 +434,15 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
     _, _, first = head_heavy_step({"max_held_bytes": held}, reports=reports, stats=stats)
     assert first == [held] * 6  # profiling: the user's limit
     assert reports[-1].splitlines()[-1].startswith("copy queue and prefetch window: this step read its memory")
-    assert queue.room is None and queue.profiling is not None and len(queue.profiling.saves) == 6
-    assert queue.profiling.unpack_saves == [5, 4, 3, 2, 1, 0]  # backward unpacks the chain in reverse
+    assert rooms.room is None and rooms.profiling is not None and len(rooms.profiling.saves) == 6
+    assert rooms.profiling.unpack_saves == [5, 4, 3, 2, 1, 0]  # backward unpacks the chain in reverse
     assert storm.Keep.ROOM not in stats[-1].kept
 
     drained.clear()
     _, _, second = head_heavy_step({"max_held_bytes": held}, reports=reports, stats=stats)
     assert "within the room a profiled step found" in reports[-1].splitlines()[-1], reports[-1]
     assert f"forward's last {kept} saves" in reports[-1].splitlines()[-1]
-    assert queue.room is not None and queue.room.floor == floor * one and queue.room.kept == kept
+    assert rooms.room is not None and rooms.room.floor == floor * one and rooms.room.kept == kept
     assert stats[-1].kept.get(storm.Keep.ROOM, 0) == kept and stats[-1].offloaded == 6 - kept
     # forward's end: what the step holds until backward's start, beside the kept save while it
     # waits for its unpack, and what backward's first unpack of an offloaded save leaves beside it
@@ -473,13 +474,13 @@ def kind_step(width: int, n: int = 4) -> str:
 
 
 @pytest.fixture
-def fresh_queue():
-    """A new session's copy queue, whose memory reads as constant beside the queue and the window."""
+def fresh_rooms():
+    """A new session's rooms, whose memory reads as constant beside the queue and the window."""
     storm.close_all()
     session = storm.session_for("embedded", None, None)
-    queue = session.copy_queue
-    queue.memory = lambda device: queue.nbytes + session.prefetch.nbytes + MiB
-    yield queue
+    queue, rooms = session.copy_queue, session.rooms
+    rooms.memory = lambda device: queue.nbytes + session.prefetch.nbytes + MiB
+    yield rooms
     storm.close_all()
 
 
@@ -487,23 +488,23 @@ PROFILES = "copy queue and prefetch window: this step read its memory"
 FOLLOWS = "copy queue and prefetch window: within"
 
 
-def test_steps_of_two_kinds_in_turn_each_follow_their_own_room(fresh_queue):
+def test_steps_of_two_kinds_in_turn_each_follow_their_own_room(fresh_rooms):
     """Two models trained in turn (or batches of two shapes): the first step of each kind profiles,
     from its first save where the room it found is the other's; after that each follows its own."""
     lines = [kind_step(width) for width in (64, 32, 64, 32, 64, 32)]
     assert [line.startswith(PROFILES) for line in lines] == [True, True, False, False, False, False]
     assert all(line.startswith(FOLLOWS) for line in lines[2:])
-    assert fresh_queue.room is not None and fresh_queue.room.profile.sizes == [32 * 32 * 4] * 4
+    assert fresh_rooms.room is not None and fresh_rooms.room.profile.sizes == [32 * 32 * 4] * 4
 
 
-def test_a_process_profiles_a_bounded_number_of_kinds_of_step(fresh_queue, monkeypatch, caplog):
+def test_a_process_profiles_a_bounded_number_of_kinds_of_step(fresh_rooms, monkeypatch, caplog):
     """Each profiled step runs under the allocator's record: steps whose saves never come in the same
     sizes again would profile every other step. Past MAX_PROFILES a new kind keeps the user's
     limits, said once; the kinds profiled before still follow their rooms."""
     import logging
 
-    from storm import copy_queue
-    monkeypatch.setattr(copy_queue, "MAX_PROFILES", 2)
+    from storm import rooms
+    monkeypatch.setattr(rooms, "MAX_PROFILES", 2)
     with caplog.at_level(logging.INFO, logger="storm"):
         lines = [kind_step(width) for width in (64, 32, 16, 16, 64, 16)]
     assert [line.startswith(PROFILES) for line in lines] == [True, True, False, False, False, False]
@@ -514,16 +515,16 @@ def test_a_process_profiles_a_bounded_number_of_kinds_of_step(fresh_queue, monke
 def test_a_full_offload_step_with_a_room_computes_the_same_gradients(monkeypatch):
     """The room changes when copies are waited for, never what is saved or restored."""
     session = storm.session_for("embedded", None, None)
-    queue = session.copy_queue
-    monkeypatch.setattr(queue, "memory", lambda device: queue.nbytes + session.prefetch.nbytes + MiB)
-    monkeypatch.setattr(queue, "room", None)
-    monkeypatch.setattr(queue, "profiling", None)
+    queue, rooms = session.copy_queue, session.rooms
+    monkeypatch.setattr(rooms, "memory", lambda device: queue.nbytes + session.prefetch.nbytes + MiB)
+    monkeypatch.setattr(rooms, "room", None)
+    monkeypatch.setattr(rooms, "profiling", None)
     grads = []
     for _ in range(3):
         torch.manual_seed(0)
         x, grad, _ = head_heavy_step({})
         grads.append(grad)
-    assert queue.room is not None
+    assert rooms.room is not None
     torch.manual_seed(0)
     x = torch.randn(64, 64, requires_grad=True)
     h = x
@@ -537,15 +538,15 @@ def test_a_profiled_unpack_of_a_storage_brought_back_already_is_read_as_held(mon
     """A storage two saves share (a * a) is fetched at its first unpack and still alive at its second:
     the profile's reading there must not count it on top of what the allocator holds."""
     session = storm.session_for("embedded", None, None)
-    queue = session.copy_queue
+    rooms = session.rooms
     seen: list[bool] = []
-    real_unpacked = queue.unpacked
+    real_unpacked = rooms.unpacked
 
     def unpacked(stored, prefetched: int, restored: bool = False) -> None:
         seen.append(restored)
         real_unpacked(stored, prefetched, restored)
 
-    monkeypatch.setattr(queue, "unpacked", unpacked)
+    monkeypatch.setattr(rooms, "unpacked", unpacked)
     x = torch.randn(256, 256, requires_grad=True)
     with storm.offload(mode="embedded", min_bytes=0) as ctx:
         a = x.tanh()

@@ -2,23 +2,8 @@
 
 A save's tensor stays alive until its put has landed, so the queue's bytes sit on the device
 beside what the step holds anyway. Saving waits on the oldest copy once the queue is over its
-step's limit (``limit``: ``max_held_bytes``, more past a budget, less under a room), and
-``drain`` waits until it is within one. A full-offload step takes its limits from room.py: one
-step profiles what the allocator holds besides the queue (and, in backward, besides the prefetch
-window), and the steps after it, while their saves come in the profile's sizes, follow the Room
-it gives; that Room paces the step's prefetch window too (Step.window). Steps of several kinds
-(two models trained in turn, batches of a few shapes) each follow their own: the queue keeps a
-room per profile (the last MAX_ROOMS followed), and a step whose first save matches none of them
-profiles from there. Each profiled step runs under the allocator's record, so a process profiles
-at most MAX_PROFILES steps that gave a room; past them, steps of a new kind keep the user's limits.
-
-A room that keeps forward's last saves on the device says they fit under the floor; the room is
-a model of the step, and a model can be wrong on a model it was never tried on (an
-encoder-decoder's saves, whose memory the step reuses otherwise). So it is tried (``Trial``): the
-step after the profile follows it, the next one follows the same profile keeping none, each
-under the allocator's record from its first save, and the steps after them follow the one whose
-step peaked lower (the keeping one where they are even). Where no peak could be read (no record,
-or a step that left its room), the room's own choice holds.
+step's limit (``limit``: ``max_held_bytes``, more past a budget, less under a full-offload step's
+room, which rooms.py chooses), and ``drain`` waits until it is within one.
 
 What becomes of a save whose copy is done (released, stored again, forgotten) is the session's
 (storm/session.py): it calls every method here under its lock, except ``drain``, which takes
@@ -28,57 +13,11 @@ the lock itself to wait outside it, and ``copied`` in poll's look without the lo
 from __future__ import annotations
 
 import collections
-import dataclasses
-import logging
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
-import torch
-
-from . import allocator_record
-from .allocator_record import AllocatorRecord, Record, replay
 from .copies.base import Copy
-from .gpu import allocated
-from .room import Profile, Reader, Room
 from .saved import Step, Stored
-
-MAX_ROOMS = 8  # rooms kept, one per kind of step, the least recently followed dropped first
-MAX_PROFILES = 32  # profiled steps that gave a room: each ran under the allocator's record
-
-log = logging.getLogger("storm")
-
-
-@dataclasses.dataclass
-class Trial:
-    """A room that keeps saves (``keeping``) against the same profile keeping none (``bare``): one
-    step follows each, in that order, and ``peaks`` are theirs (None: not read)."""
-
-    keeping: Room
-    bare: Room
-    peaks: list[int | None] = dataclasses.field(default_factory=list)
-
-    def next(self) -> Room | None:
-        """The room the next step tries, or None once the trial is over (``choice``)."""
-        if None in self.peaks or len(self.peaks) == 2:
-            return None
-        return self.bare if self.peaks else self.keeping
-
-    def choice(self) -> Room:
-        """The room whose step peaked lower, the keeping one where even or not read."""
-        kept, bare = (self.peaks + [None, None])[:2]
-        return self.bare if kept is not None and bare is not None and kept > bare else self.keeping
-
-
-@dataclasses.dataclass
-class Measure:
-    """A trial step's peak being read: the step, the room it tries, and at its first save the
-    device, what the allocator held and the mark left in its record."""
-
-    step: Step
-    room: Room
-    device: torch.device | None = None
-    start: int = 0
-    mark: int | None = None
 
 
 class CopyQueue:
@@ -91,155 +30,6 @@ class CopyQueue:
         self._saves: collections.deque[Stored] = collections.deque()  # oldest first: copies finish about in order
         self.nbytes = 0  # the bytes of those saves
         self.last_past_budget_bytes = 0  # saved past the budget in the last step that had one
-        # full offload: the room a step follows now (room.py), the others that profiled steps found,
-        # the least recently followed first, and the step profiling now
-        self.room: Room | None = None
-        self._rooms: collections.OrderedDict[tuple[int, ...], Room] = collections.OrderedDict()
-        self._profiled = 0  # profiles that gave a room
-        self._profile_next = False  # a step left its room past its first save: the next one profiles
-        self.profiling: Profile | None = None
-        self.trial: Trial | None = None  # a room that keeps saves, tried against keeping none
-        self._measure: Measure | None = None  # the trial step being measured
-        self.memory: Reader = _allocated  # what the allocator holds on a device, None where unknown
-        self.record: Record = AllocatorRecord()  # the allocator's history while a step profiles
-
-    def start_step(self, step: Step) -> None:
-        """A full-offload step follows the room it followed last (one a profiled step found); with
-        none yet, it is the one profiled (the step after a profile with saves makes its room)."""
-        if self.profiling is not None and not self.profiling.rises:  # read once: past budget steps it waits
-            self._read_record(self.profiling)
-        if self._measure is not None:
-            self._read_peak(self._measure)
-        if step.budget_bytes != float("inf"):
-            return
-        if self.profiling is not None and self.profiling.saves:
-            room = Room(self.profiling)
-            self._profiled += 1
-            self.trial = Trial(room, Room(room.profile, keep=False)) if room.kept else None
-            self.follow(room)
-        self.profiling = None
-        if self.trial is not None:
-            self._try(step, self.trial)
-        if (self.room is None or self._profile_next) and self._profile(step):
-            self.room = self._measure = None
-        step.room = self.room
-
-    def _try(self, step: Step, trial: Trial) -> None:
-        """``step`` follows the trial's next room, its peak measured from its first save; once both
-        are measured, the steps follow the one that peaked lower."""
-        room = trial.next()
-        if room is not None:
-            self.follow(room)
-            self._measure = Measure(step, room)
-            return
-        chosen = trial.choice()
-        kept, bare = (trial.peaks + [None, None])[:2]
-        if chosen is trial.bare and kept is not None and bare is not None:
-            mib = 1 << 20
-            log.info("full offload: keeping forward's last %d saves on the device peaked at %.1f MiB, keeping "
-                     "none at %.1f MiB: the steps keep none", trial.keeping.kept, kept / mib, bare / mib)
-        self.follow(chosen)
-        self.trial = None
-
-    def _read_peak(self, measure: Measure) -> None:
-        """A trial step has ended: its peak, where its record has it and it followed the room it tried."""
-        self._measure = None
-        peak = None
-        if measure.device is not None and measure.mark is not None:
-            events = self.record.finish(measure.device)
-            high = allocator_record.peak(events, measure.mark) if events is not None else None
-            if high is not None and measure.step.room is measure.room:
-                peak = measure.start + high
-        if self.trial is not None:
-            self.trial.peaks.append(peak)
-
-    def follow(self, room: Room) -> None:
-        """Steps follow ``room`` from now (a profiled step's), kept with the others as the most
-        recently followed."""
-        key = tuple(room.profile.sizes)
-        self._rooms[key] = self.room = room
-        self._rooms.move_to_end(key)
-        while len(self._rooms) > MAX_ROOMS:
-            self._rooms.popitem(last=False)
-
-    def _profile(self, step: Step) -> bool:
-        """Whether ``step`` profiles from its next save: unless this process has profiled its share."""
-        self._profile_next = False
-        if self._profiled >= MAX_PROFILES:
-            if self._profiled == MAX_PROFILES:
-                self._profiled += 1  # said once
-                log.info("full offload: %d kinds of step profiled, and their saves' sizes still change; steps "
-                         "of a new kind keep max_held_bytes and prefetch_bytes as given", MAX_PROFILES)
-            return False
-        step.profile = self.profiling = Profile()
-        return True
-
-    def _leave(self, step: Step, nbytes: int) -> None:
-        """A step's save of ``nbytes`` is not its room's (or the step has none): at its first save
-        (nothing kept yet), it follows another room whose first save is of that size, else it
-        profiles from this save; past it, it goes on without a room and the next step profiles."""
-        step.room = None
-        if step.made != 1 or step.kept_by_room:
-            self._profile_next = True
-            return
-        for room in reversed(self._rooms.values()):
-            if room.matches(1, nbytes):
-                self.follow(room)
-                step.room = room
-                return
-        self._profile(step)
-
-    def keeps(self, step: Step, storage: torch.UntypedStorage, nbytes: int, compiled: bool = False) -> bool:
-        """Whether a full-offload step's save of ``storage`` (``nbytes``) stays on the device: its
-        room keeps forward's last saves, and every save of a storage it kept (a kept storage is the
-        step's from then on, counted in ``Step.made``). A compiled graph's
-        save never does (``compiled``): the graph reuses its memory once it lets go of it, so a
-        kept save would be a copy beside what the profile measured; its step follows a room that
-        keeps none."""
-        if step.room is None:
-            return False
-        if compiled:
-            if step.room.kept:
-                self.follow(Room(step.room.profile, keep=False))
-                step.room = self.room
-            return False
-        if storage._cdata in step.kept_by_room:
-            return True
-        if not step.room.keeps(step.made + 1, nbytes) or self._goes_on(step.room, step.made + 1):
-            return False
-        step.kept_by_room.add(storage._cdata)
-        return True
-
-    def _goes_on(self, room: Room, made: int) -> bool:
-        """Whether another kind of step makes the first ``made`` saves of ``room``'s and more (two
-        forwards before a backward, after steps of one): a step following ``room`` may be one of
-        those, whose saves after these would sit beside the ones kept."""
-        n, sizes = len(room.profile.sizes), room.profile.sizes[:made]
-        return any(len(other.profile.sizes) > n and other.profile.sizes[:made] == sizes
-                   for other in self._rooms.values())
-
-    def follow_room(self, step: Step, storage: torch.UntypedStorage, nbytes: int) -> None:
-        """A full-offload step's save of ``nbytes`` was just made, before its put: where a room leads
-        the step, the save must be the profile's (else ``_leave``: another room, or a profile); where
-        the step profiles, read what is held besides the queue."""
-        if step.room is not None and not step.room.matches(step.made, nbytes) \
-                or step.room is None and step.profile is None and step.made == 1 and self._rooms \
-                and step.budget_bytes == float("inf"):
-            self._leave(step, nbytes)  # not its room's save, or a step that neither follows nor profiles
-        measure = self._measure
-        if measure is not None and measure.step is step and step.made == 1 and step.room is measure.room:
-            held = self.memory(storage.device)
-            if held is not None:
-                self.record.start(storage.device)
-                measure.device, measure.start, measure.mark = storage.device, held, self.record.mark(storage.device)
-        if step.profile is not None:
-            held = self.memory(storage.device)
-            if held is not None:
-                address = storage.data_ptr()
-                step.profile.sizes.append(nbytes)
-                step.profile.addresses.append(address)
-                step.profile.saves.append(held - self.nbytes)
-                self._mark(step.profile, storage.device, [address])
 
     def add(self, stored: Stored, step: Step) -> int | None:
         """``stored``, saved in ``step``, waits for its put, just begun. Returns what to drain the
@@ -300,69 +90,14 @@ class CopyQueue:
             self._poll()
 
     def end_step(self, step: Step) -> None:
-        """Forward is over: under a room, drain to what backward's first unpack leaves (a step of
-        fewer saves than the profile's lets the room go: the next step profiles again); past a
+        """Forward is over: under a room, drain to what backward's first unpack leaves; past a
         budget, to ``max_held_bytes``."""
         if step.room is not None:
-            if step.room.complete(step.made):
-                self.drain(self.limit(step))
-            else:
-                step.room, self._profile_next = None, True
+            self.drain(self.limit(step))
         if step.budget_reached:
             self.drain(step.options.max_held_bytes)
             self.last_past_budget_bytes = step.past_budget_bytes
 
-    def unpacked(self, stored: Stored, prefetched: int, restored: bool = False) -> None:
-        """Backward unpacks an offloaded save (its copy done or not), with ``prefetched`` bytes
-        fetched ahead: a profiling step reads what is held besides the queue and the prefetch
-        window, and this save, which is needed now (held, fetched ahead or about to be fetched).
-        ``restored``: an earlier unpack brought its storage back and it is still alive, so what
-        is held counts it already (a storage two ops saved, unpacked by each)."""
-        step = stored.step
-        if step is None:  # freed with its graph: nothing to count
-            return
-        step.unpacked += 1  # the room's place in backward (Step.window)
-        if step.profile is not None and step.profile.saves:
-            held = self.memory(stored.device)
-            if held is not None:
-                # the bytes this unpack brings back: none where the storage is still on the device
-                # (its copy not yet let go of) or an earlier unpack brought it
-                brought = stored.nbytes if stored.tensor is None and not stored.unpacks else 0
-                step.profile.unpack_sizes.append(brought)
-                step.profile.unpacks.append(held - self.nbytes - prefetched + (0 if restored else stored.nbytes))
-                step.profile.unpack_saves.append(stored.index)
-                self._mark(step.profile, stored.device)
-
-    def close(self) -> None:
-        """The session closes: a profile's or a trial step's record, if one runs, stops."""
-        if self.profiling is not None:
-            self._read_record(self.profiling)
-        if self._measure is not None:
-            self._read_peak(self._measure)
-
-    def _mark(self, profile: Profile, device: torch.device, saving: list[int] | None = None) -> None:
-        """A reading was just made, leaving out the queue's saves (and the one ``saving``, the
-        address of a save about to join it): leave its mark in the allocator's record (started at
-        the first), with what the reading left out."""
-        if profile.device is None:
-            profile.device = device
-            self.record.start(device)
-        mark = self.record.mark(device)
-        if mark is not None:
-            profile.marks.append(mark)
-            queued = [s.tensor.untyped_storage().data_ptr() for s in self._saves if s.tensor is not None]
-            profile.left_out.append(queued + (saving or []))
-
-    def _read_record(self, profile: Profile) -> None:
-        """The profiled step has ended: how far its memory rose after each reading, where the record
-        kept a mark of each."""
-        events = self.record.finish(profile.device) if profile.device is not None else None
-        if events is not None and len(profile.marks) == len(profile.saves) + len(profile.unpacks):
-            found = replay(events, profile.marks, profile.left_out, profile.addresses)
-            if found is not None:
-                profile.rises, profile.frees, profile.counted = found.rises, found.frees, found.counted
-
-
-def _allocated(device: torch.device) -> int | None:
-    """The caching allocator's bytes on a CUDA device now; None elsewhere (nothing to profile)."""
-    return allocated(device) if device.type == "cuda" else None
+    def addresses(self) -> list[int]:
+        """The device addresses of the saves waiting whose tensors are still held."""
+        return [s.tensor.untyped_storage().data_ptr() for s in self._saves if s.tensor is not None]

@@ -38,6 +38,7 @@ from .gpu import allocated, consume, pack_range, record_ready, unpack_range, wai
 from .mover import Mover, Stores, next_key
 from .policy import Keep, Policy, Refusals
 from .prefetch import Prefetcher
+from .rooms import Rooms
 from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of, kind_of
 
 MARK_BYTES = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
@@ -47,7 +48,8 @@ _steps = itertools.count(1)  # for the whole process, as keys are (mover.next_ke
 class ClientSession:
     """The per-step state machine: new_step, save (pack), end_step, load (unpack), synchronize,
     close. Which saves stay is policy.py's to say, the saves that wait for their copy are the copy
-    queue's (copy_queue.py), what comes back ahead prefetch.py's, and the counters are stats.py's."""
+    queue's (copy_queue.py), full offload's limits rooms.py's, what comes back ahead prefetch.py's,
+    and the counters are stats.py's."""
 
     def __init__(self, backend: Backend, reopen: Callable[[], Backend] | None = None):
         """``reopen``: the store to move on to when the current one's daemon stops (mode auto; None: a save
@@ -56,6 +58,7 @@ class ClientSession:
         self.dropped: collections.deque[Stored] = collections.deque()  # handles autograd let go of
         self._lock = threading.RLock()
         self.copy_queue = CopyQueue(self.poll, self._lock)
+        self.rooms = Rooms(self.copy_queue)  # full offload's limits (rooms.py)
         self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
         self.prefetch = Prefetcher(self._fetch, self._restored)
         self._awaited: dict[int, torch.Tensor] = {}   # fetched bytes that more handles will unpack
@@ -102,7 +105,7 @@ class ClientSession:
         if self._stores.gone():
             self._retire()
         step = Step(next(_steps), limit, options)
-        self.copy_queue.start_step(step)
+        self.rooms.start_step(step)
         return step
 
     def _retire(self) -> None:
@@ -120,6 +123,7 @@ class ClientSession:
         if not step.budget_reached:  # saves past the budget are not counted
             self.last_candidate_bytes = step.candidate_bytes
         self.poll()
+        self.rooms.end_step(step)
         self.copy_queue.end_step(step)
         if step.budget_reached and step.order and step.order[0].device.type == "cuda":
             step.level = allocated(step.order[0].device)
@@ -168,7 +172,7 @@ class ClientSession:
         then the queue drains to what fits beside it, since the room's limit falls at each such
         save and no put of its own would drain the queue."""
         with self._lock:
-            if not self.copy_queue.keeps(step, storage, nbytes, compiled):
+            if not self.rooms.keeps(step, storage, nbytes, compiled):
                 return False
             limit = self.copy_queue.limit(step)
         step.stats.record_kept(step.layer, Keep.ROOM, nbytes)
@@ -207,7 +211,7 @@ class ClientSession:
                 stored.version = None
             step.order.append(stored)
             step.by_storage[storage._cdata] = stored
-            self.copy_queue.follow_room(step, storage, nbytes)
+            self.rooms.follow_room(step, storage, nbytes)
             handle = self._handle(stored, t, stored.index)
             stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)
             stored.copy_in = self.mover.put(stored.request)
@@ -410,7 +414,7 @@ class ClientSession:
         with self._lock:
             ref = self._restored.get(stored.key)
             base = ref() if ref is not None else None  # brought back by an earlier unpack, still alive
-            self.copy_queue.unpacked(stored, self.prefetch.nbytes, restored=base is not None)
+            self.rooms.unpacked(stored, self.prefetch.nbytes, restored=base is not None)
             if stored.state in (State.HELD, State.KEPT):
                 if stored.version is not None and stored.tensor._version != stored.version:
                     stored.state = State.MODIFIED
@@ -492,5 +496,5 @@ class ClientSession:
 
     def close(self) -> None:
         self.closed = True
-        self.copy_queue.close()
+        self.rooms.close()
         self._stores.close()

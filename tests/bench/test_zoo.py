@@ -126,14 +126,14 @@ def test_t5s_full_offload_keeps_its_loss_saves_though_an_early_save_comes_back_b
         handle = storm.enable(model, **STORM) if enable else None
         if handle is not None:
             session = storm.session_for(STORM["mode"], None, STORM["pool_size"])
-            queue = session.copy_queue
-            allocator = queue.memory
+            queue, rooms = session.copy_queue, session.rooms
+            allocator = rooms.memory
 
             def reader(device: torch.device) -> int:
                 gradients = (4 << 10) * min(handle.last._step.unpacked, 10)  # growing as backward goes on
                 return (1 << 30) + gradients + queue.nbytes + session.prefetch.nbytes
 
-            queue.memory = reader
+            rooms.memory = reader
         steps, kept = [], []
         try:
             for _ in range(4):
@@ -148,7 +148,7 @@ def test_t5s_full_offload_keeps_its_loss_saves_though_an_early_save_comes_back_b
         finally:
             if handle is not None:
                 handle.disable()
-                queue.memory, queue.room = allocator, None
+                rooms.memory, rooms.room = allocator, None
         if not enable:
             plain = steps
     assert kept[0] == 0 and min(kept[1:]) >= 2, kept  # the profile's step, then the room's
