@@ -94,6 +94,24 @@ def test_rises_replay_the_step_own_memory_between_marks():
     assert allocator_record.replay(events, []).rises == []
 
 
+def test_a_step_peak_counts_every_stream_from_its_mark_to_the_record_end():
+    """A trial step's peak: the allocator's bytes above its first save's mark, STORM's copies
+    counted too (they are on the device as much as the step's tensors), a block from before the
+    mark freed below it, the mark's own free not at all."""
+    mark = allocator_record.MARK_BYTES
+
+    def ev(action: str, addr: int, size: int = mark, stream: int = 7) -> dict:
+        return {"action": action, "addr": addr, "size": size, "stream": stream}
+
+    events = [ev("alloc", 1, 100),  # before the mark: its free falls below the reading
+              ev("alloc", 500), ev("free_requested", 500),
+              ev("alloc", 2, 40), ev("alloc", 3, 1000, stream=9), ev("free_requested", 3, 1000, stream=9),
+              ev("free_requested", 1, 100), ev("alloc", 4, 1050), ev("free_completed", 4, 1050)]
+    assert allocator_record.peak(events, 500) == 1040  # 40 and the copy's 1000; later 40 - 100 + 1050
+    assert allocator_record.peak(events, 600) is None  # a mark the record lost
+    assert allocator_record.peak(events[:3], 500) == 0
+
+
 def test_a_queued_save_freed_before_the_next_mark_is_not_counted_off_twice():
     """A reading leaves out the saves in the copy queue: one of them freed once its copy is done,
     before the next mark, does not lower the level, so what the step allocates after it (a loss's
@@ -328,6 +346,26 @@ def test_a_room_that_keeps_saves_is_tried_against_keeping_none_and_the_lower_pea
     later = Step(len(rises) + 2, float("inf"), StepOptions())
     rooms.start_step(later)
     assert later.room is tried[-1].room and record.started == len(rises)  # no more steps measured
+
+
+def test_a_trial_step_that_leaves_its_room_gives_no_peak_and_the_keeping_room_holds():
+    """A trial step whose first save is not its room's (another kind of step) follows another room:
+    its peak is not the tried room's, so the trial ends on the room's own choice."""
+    rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
+    rooms.memory = lambda device: 100
+    rooms.record = record = PeakRecord([10])
+    other = Room(Profile(sizes=[16, 16], saves=[10, 20]))
+    rooms.follow(other)
+    rooms.profiling = lm_room().profile
+    first = Step(1, float("inf"), StepOptions())
+    rooms.start_step(first)
+    assert first.room is rooms.trial.keeping
+    first.order.append(object())
+    rooms.follow_room(first, torch.empty(2).untyped_storage(), 16)  # not the profile's first size
+    assert first.room is other and record.started == 0  # the other kind's room; nothing measured
+    after = Step(2, float("inf"), StepOptions())
+    rooms.start_step(after)
+    assert rooms.trial is None and rooms.room.kept == 2
 
 
 def test_a_room_follows_only_the_saves_it_was_profiled_on():
