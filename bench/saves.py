@@ -1,0 +1,129 @@
+"""What a zoo cell's forward saves for backward, by kind, and how few bytes a lossless codec of
+each kind could send: the measurement a codec for a link-bound model is chosen from.
+
+One training forward of a bench/zoo.py cell (random weights, train mode) under
+torch.autograd.graph.saved_tensors_hooks; each storage autograd saves is counted once, its
+parameters left out (an offloader never moves those). Each save falls in one kind:
+
+- ``mask``: two values at most, one of them 0 (dropout's mask: bool on CUDA, the input's dtype
+  on the CPU, where dropout saves its scaled noise); a bit each is enough;
+- ``upcast``: float32 whose low 16 bits are all 0, a bfloat16 value widened (a loss's or a
+  norm's ``.float()``): its high half holds it all;
+- ``float32``, ``bfloat16``, ``float16``: the rest, by dtype; ``other``: integers and the like.
+
+Per kind: the bytes, their share, and a bound on what an exponent codec sends (sign and exponent
+coded at their empirical entropy per tensor, the mantissa's bits sent as they are: what a codec
+of the ancf_exp family can reach, not what one does). The bound for all saves, as a fraction of
+their bytes, says whether such codecs can shrink a link-bound step's bytes as far as it needs.
+
+    python bench/saves.py --cell t5-wide --batch 1 --out bench/results/saves-t5-cpu-<date>-<commit>.json
+
+On the CPU, use --batch (and --layers) to fit; shares per kind do not depend on the batch, but
+dropout's masks are the input's dtype there and bool on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections import defaultdict
+
+import torch
+from hf import HF
+from zoo import CELLS
+
+from common import write
+
+MiB = 1 << 20
+MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+FIELD = {torch.float32: (torch.int32, 23), torch.bfloat16: (torch.int16, 7), torch.float16: (torch.int16, 10)}
+
+
+def kind(t: torch.Tensor) -> str:
+    """The kind of a saved tensor (module docstring)."""
+    if t.dtype == torch.bool:
+        return "mask"
+    if not t.dtype.is_floating_point or t.numel() == 0:
+        return "other"
+    top = t.abs().amax()
+    if bool(((t == 0) | (t.abs() == top)).all()):
+        return "mask"
+    if t.dtype == torch.float32 and not bool((t.contiguous().view(torch.int32) & 0xFFFF).any()):
+        return "upcast"
+    return str(t.dtype).removeprefix("torch.") if t.dtype in MANTISSA else "other"
+
+
+def bound_bits(t: torch.Tensor, k: str) -> float:
+    """Bits an exponent codec of the ancf_exp family sends at best for ``t`` (module docstring)."""
+    n = t.numel()
+    if k == "mask":
+        return float(n)
+    if k == "other" or t.dtype not in FIELD:
+        return float(t.numel() * t.element_size() * 8)
+    as_int, shift = FIELD[t.dtype]
+    mantissa = MANTISSA[t.dtype] - (16 if k == "upcast" else 0)
+    top = (t.contiguous().view(as_int).to(torch.int64) >> shift) & ((1 << (t.element_size() * 8 - shift)) - 1)
+    counts = torch.bincount(top.flatten()).double()
+    p = counts[counts > 0] / n
+    entropy = float(-(p * p.log2()).sum())
+    return n * (entropy + mantissa)
+
+
+def saves(w: HF, device: torch.device) -> dict:
+    """One forward of ``w``: per kind, the bytes saved and the exponent codec's bound."""
+    model, ids = w.build(device)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in params and key not in seen:
+            seen[key] = t.detach()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = w.forward(model, ids)
+    del loss
+    rows: dict[str, dict[str, float]] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "bound_bytes": 0.0})
+    for t in seen.values():
+        k = kind(t)
+        r = rows[k]
+        r["tensors"] += 1
+        r["bytes"] += t.untyped_storage().nbytes()
+        r["bound_bytes"] += bound_bits(t, k) / 8
+    total = sum(r["bytes"] for r in rows.values())
+    bound = sum(r["bound_bytes"] for r in rows.values())
+    return {"saved_MiB": round(total / MiB, 1), "bound_x": round(bound / total, 3) if total else None,
+            "kinds": {k: {"tensors": r["tensors"], "MiB": round(r["bytes"] / MiB, 1),
+                          "share": round(r["bytes"] / total, 3), "bound_x": round(r["bound_bytes"] / r["bytes"], 3)}
+                      for k, r in sorted(rows.items(), key=lambda kv: -kv[1]["bytes"])}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cell", nargs="+", default=["t5-wide", "bert-wide"], choices=list(CELLS))
+    ap.add_argument("--batch", type=int, help="the cell's batch instead of its own (the CPU's memory)")
+    ap.add_argument("--layers", type=int, help="the cell's layers instead of its own")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", help="results JSON")
+    args = ap.parse_args()
+    out = {}
+    for name in args.cell:
+        w = CELLS[name]
+        changes = {k: v for k, v in (("batch", args.batch), ("layers", args.layers)) if v is not None}
+        w = dataclasses.replace(w, **changes)
+        out[name] = {"batch": w.batch, "seq": w.seq, "layers": w.layers, **saves(w, torch.device(args.device))}
+        r = out[name]
+        print(f"{name} (batch {w.batch}, {w.layers} layers): {r['saved_MiB']} MiB saved, exponent-codec bound "
+              f"{r['bound_x']} of the bytes", flush=True)
+        for k, v in r["kinds"].items():
+            print(f"  {k:9s} {v['tensors']:5d} tensors {v['MiB']:10.1f} MiB  share {v['share']:.3f}  "
+                  f"bound {v['bound_x']:.3f}", flush=True)
+    if args.out:
+        write(args.out, {"cells": out}, torch.device(args.device))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
