@@ -355,6 +355,48 @@ def test_a_frame_that_overflows_is_stored_raw_and_its_kind_stays_raw(cuda_opts):
     assert second.offloaded == 1 and second.frame_overflows == 0 and second.stored_bytes == 2 * n
 
 
+def test_dropout_masks_go_through_bit_frames_bit_exact_and_an_eighth_of_their_bytes(cuda_opts):
+    """codec="auto": a bool save of at least 4 MiB (dropout's mask) is packed to a bit an element
+    on the copy stream; the gradients are the same bits, and the store holds an eighth of its bytes.
+    A budget above the step's saves sends each to the store (full offload's room would keep the
+    last ones on the device once it has profiled a step of these sizes)."""
+    x = torch.randn(2048, 4096, device="cuda")
+    w = torch.randn(4096, 4096, device="cuda")
+
+    def step(opts: dict | None):
+        a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+        torch.manual_seed(3)
+        if opts is None:
+            torch.nn.functional.dropout(a @ b, p=0.1).square().sum().backward()
+            return (a.grad, b.grad), None
+        with storm.offload(**opts) as ctx:
+            loss = torch.nn.functional.dropout(a @ b, p=0.1).square().sum()
+        loss.backward()
+        ctx.synchronize()
+        return (a.grad, b.grad), ctx.stats
+
+    (plain, _), (grads, st) = step(None), step({**cuda_opts, "codec": "auto", "budget": "1GiB"})
+    assert all(same_bits(g, p) for g, p in zip(grads, plain))
+    mask = 2048 * 4096  # bytes: a bool each
+    assert st.frame_overflows == 0 and st.fetched > 0
+    assert st.stored_bytes <= st.offloaded_bytes - mask + mask // 8 + 16, (st.stored_bytes, st.offloaded_bytes)
+
+
+def test_a_bool_view_of_other_bytes_is_stored_raw_with_every_byte(cuda_opts):
+    """A bool tensor whose bytes are not all 0 and 1 (a view of uint8) cannot go at a bit an element:
+    its bit frame counts those bytes, and the save is stored again raw; what comes back is every byte."""
+    n = 1 << 23
+    raw = torch.randint(0, 4, (n,), device="cuda", dtype=torch.uint8)
+    cond = raw.view(torch.bool)
+    w = torch.ones(n, device="cuda", requires_grad=True)
+    with storm.offload(**cuda_opts, codec="auto", budget="1GiB") as ctx:
+        y = torch.where(cond, w, 0.0)  # saves the condition
+    ctx.synchronize()
+    back = y.grad_fn._saved_condition  # unpacked through STORM
+    assert torch.equal(back.view(torch.uint8), raw)
+    assert ctx.stats.frame_overflows == 1 and ctx.stats.stored_bytes == n
+
+
 @pytest.mark.parametrize("how", ["eager", "per-block", "whole-graph"])
 def test_offload_warns_once_for_a_model_compiled_as_one_graph_on_cuda(how, caplog, monkeypatch):
     """Issue 40 item 3 for storm.offload, which sees no model: on a lent H200 full offload of W3

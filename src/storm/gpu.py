@@ -18,15 +18,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
 from stormd.wire import cuda as binding
 from stormd.wire.cuda import bindings, check, fired, handle_bytes
 
 from .errors import StormError
+
+if TYPE_CHECKING:
+    from .frames import FrameKind
 
 
 def runtime() -> Any:
@@ -276,23 +278,23 @@ class DeviceStreams:
             self._copy(dst, src.data_ptr(), src.nbytes(), self._to_host, self._d2h)
             return CopyEvent().record(self._d2h)
 
-    def encode(self, src: torch.UntypedStorage, ready: CopyEvent) -> tuple[torch.Tensor, CopyEvent]:
-        """Encode ``src`` (16-bit words) into a new frame (storm.kernels.frame) on the encode stream
-        after ``ready``; returns the frame and the event marking the end of its encoding."""
+    def encode(self, src: torch.UntypedStorage, ready: CopyEvent, kind: FrameKind) -> tuple[torch.Tensor, CopyEvent]:
+        """Encode ``src`` into a new frame of ``kind`` (storm/frames.py) on the encode stream after
+        ``ready``; returns the frame and the event marking the end of its encoding."""
         encode = self._codec_streams()[0]
         with OnDevice(self.device.index):
             stream = encode.stream.cuda_stream
             self._wait(stream, ready)
             with encode:
-                words = torch.empty(0, dtype=torch.int16, device=self.device).set_(src)
-                frame = torch.empty(frame_nbytes(words.numel()), dtype=torch.uint8, device=self.device)
-                encode_frame(words, frame)
+                raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(src)
+                frame = torch.empty(kind.nbytes(raw.numel()), dtype=torch.uint8, device=self.device)
+                kind.encode(raw, frame)
             return frame, CopyEvent().record(stream)
 
-    def to_host_frame(self, dst: int, src: torch.UntypedStorage, ready: CopyEvent) -> CopyEvent:
-        """Encode ``src`` into a frame and queue the frame -> ``dst`` on the device-to-host stream after
-        that; returns the event marking the copy's end."""
-        frame, encoded = self.encode(src, ready)
+    def to_host_frame(self, dst: int, src: torch.UntypedStorage, ready: CopyEvent, kind: FrameKind) -> CopyEvent:
+        """Encode ``src`` into a frame of ``kind`` and queue the frame -> ``dst`` on the device-to-host
+        stream after that; returns the event marking the copy's end."""
+        frame, encoded = self.encode(src, ready, kind)
         with OnDevice(self.device.index):
             self._wait(self._d2h, encoded)
             self._copy(dst, frame.data_ptr(), frame.numel(), self._to_host, self._d2h)
@@ -316,23 +318,26 @@ class DeviceStreams:
             self._copy(out.data_ptr(), src, nbytes, self._to_device, self._h2d)
             return out, CopyEvent().record(self._h2d)
 
-    def decode(self, frame: torch.Tensor, raw_nbytes: int, arrived: CopyEvent) -> tuple[torch.Tensor, CopyEvent]:
-        """Decode ``frame`` (on the device once ``arrived`` fires) into a new buffer of ``raw_nbytes`` on the
-        decode stream; returns that buffer and the event marking the end of its decoding."""
+    def decode(self, frame: torch.Tensor, raw_nbytes: int, arrived: CopyEvent,
+               kind: FrameKind) -> tuple[torch.Tensor, CopyEvent]:
+        """Decode ``frame`` of ``kind`` (on the device once ``arrived`` fires) into a new buffer of
+        ``raw_nbytes`` on the decode stream; returns that buffer and the event marking the end of its
+        decoding."""
         decode = self._codec_streams()[1]
         with OnDevice(self.device.index):
             stream = decode.stream.cuda_stream
             self._wait(stream, arrived)
             with decode:
                 out = torch.empty(raw_nbytes, dtype=torch.uint8, device=self.device)
-                decode_frame(frame, raw_nbytes // 2, out=out.view(torch.int16))
+                kind.decode(frame, out)
             frame.record_stream(decode.stream)
             return out, CopyEvent().record(stream)
 
-    def to_device_frame(self, src: int, nbytes: int, raw_nbytes: int) -> tuple[torch.Tensor, CopyEvent]:
-        """Queue the frame at pinned address ``src`` (``nbytes``) -> the device, then its decoding."""
+    def to_device_frame(self, src: int, nbytes: int, raw_nbytes: int,
+                        kind: FrameKind) -> tuple[torch.Tensor, CopyEvent]:
+        """Queue the frame of ``kind`` at pinned address ``src`` (``nbytes``) -> the device, then its decoding."""
         frame, arrived = self.to_device(src, nbytes)
-        return self.decode(frame, raw_nbytes, arrived)
+        return self.decode(frame, raw_nbytes, arrived, kind)
 
     @staticmethod
     def _wait(stream: int, event: CopyEvent | None) -> None:

@@ -33,7 +33,6 @@ from typing import Any, Callable
 import torch
 
 from stormd.wire.cuda import device_uuid, register_pool
-from stormd.wire.protocol import FRAME_CODEC
 
 from .backend import Backend
 from .copies.base import Copy, CopyHandler, Landed, PutRequest, Route, log_failure, wait_reply
@@ -41,17 +40,14 @@ from .copies.cpu_to_pool import CpuToPool
 from .copies.cuda_by_daemon import CudaByDaemon
 from .copies.cuda_to_pool import CudaToPool
 from .errors import DaemonLoss
+from .frames import frame_codec
 from .gpu import DeviceStreams, NotExportable, export
 from .replies import Resolved
 
-# Smaller CUDA tensors are copied raw: a frame's kernel launches cost the training thread
-# the same host time at any size, while what it saves on the link shrinks with the size.
-FRAME_MIN_BYTES = 4 << 20
 # Keys a Mover gathers before it sends a FREE: backward lets go of saves one at a time, and a FREE
 # each made a third of a daemon's requests, each a turn of the loop every rank waits on. Fewer
 # wait, whatever their number, until the next PUT, request or synchronize.
 FREE_BATCH = 16
-FRAME_CODECS = ("auto", "ancf_exp")  # codec settings that put CUDA tensors in frames
 log = logging.getLogger("storm")
 _threads_lock = threading.Lock()  # torch's default intra-op thread count is the process's, not a Mover's
 # Keys are numbered for the whole process, not per session: Stores finds a key's store by its number,
@@ -62,12 +58,6 @@ _keys = itertools.count(1)
 def next_key() -> int:
     """A key no other save of this process has had."""
     return next(_keys)
-
-
-def frameable(device_type: str, dtype: str, nbytes: int) -> bool:
-    """Whether a frame codec puts a storage of this device type, saved view dtype (its name, as in
-    a PUT's meta) and size in a frame: CUDA bf16 of at least FRAME_MIN_BYTES, whole 16-bit words."""
-    return device_type == "cuda" and dtype == "bfloat16" and nbytes >= FRAME_MIN_BYTES and nbytes % 2 == 0
 
 
 class Mover:
@@ -112,8 +102,9 @@ class Mover:
         frame where a frame codec takes them (this process encodes and copies those), else raw."""
         if not source.is_cuda:
             return Route.HOST, codec, None
-        if codec in FRAME_CODECS and frameable("cuda", dtype, source.nbytes()):
-            return Route.OWN, FRAME_CODEC, None
+        framed = frame_codec(codec, "cuda", dtype, source.nbytes())
+        if framed is not None:
+            return Route.OWN, framed, None
         device = source.device
         if device.index in self._unexportable or not self._daemon.serves(device):
             return Route.OWN, "raw", None

@@ -310,3 +310,21 @@ def test_gpu_launcher_finds_the_kernel_the_jit_would() -> None:
                     assert torch.equal(args[1], x[:n] + k), (x.data_ptr() % 16, k, n)
                 key = (torch.cuda.current_device(), tuple(map(_spec, args)), (("BLOCK", 32),))
                 assert add.compiled[key] is add.fn[(1,)](*args, BLOCK=32), (x.data_ptr() % 16, k, n)
+
+
+@pytest.mark.parametrize("n", [1, 8, 4103, 1 << 22])
+def test_gpu_bit_frames_are_the_cpu_bytes_and_round_trip(gpu_path: str, n: int) -> None:
+    from storm.kernels.bits_frame import bits_frame_nbytes, decode_bits_frame, encode_bits_frame
+    raw = torch.randint(0, 2, (n,), dtype=torch.uint8)
+    raw[n // 2] = 3  # a byte one bit cannot hold: counted in the header on both devices
+    frames = []
+    for device in ("cpu", "cuda"):
+        frame = torch.empty(bits_frame_nbytes(n), dtype=torch.uint8, device=device)
+        encode_bits_frame(raw.to(device), frame)
+        frames.append(frame.cpu())
+    assert torch.equal(frames[0], frames[1])
+    raw[n // 2] = 1
+    frame = torch.empty(bits_frame_nbytes(n), dtype=torch.uint8, device="cuda")
+    encode_bits_frame(raw.cuda(), frame)
+    out = torch.empty(n, dtype=torch.uint8, device="cuda")
+    assert torch.equal(decode_bits_frame(frame, out).cpu(), raw)

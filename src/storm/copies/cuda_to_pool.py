@@ -11,11 +11,12 @@ The pool is page-locked (registered with CUDA) in this process so those
 copies run at link speed. CUDA copies are not checksummed: a host-side hash
 of every byte would cost more than the copy.
 
-Frames: with codec ``auto`` or ``ancf_exp`` the mover sends bf16 tensors of
-at least FRAME_MIN_BYTES here as frames (storm.kernels.frame, whose size is
-known before encoding), encoded on the GPU on a codec stream beside the copy
-stream: fewer bytes over the link and in the pool. A frame whose escapes did
-not fit is reported by ``Copy.incomplete()`` once it has landed; the session
+Frames: where the codec setting takes them (storm/frames.py: bf16 tensors of
+at least FRAME_MIN_BYTES in ancf_exp frames, bool ones in bit frames) the
+mover sends them here as frames, whose size is known before encoding, encoded
+on the GPU on a codec stream beside the copy stream: fewer bytes over the
+link and in the pool. A frame that does not hold its tensor (escapes that did
+not fit) is reported by ``Copy.incomplete()`` once it has landed; the session
 then stores the tensor raw (it still holds it).
 """
 
@@ -26,10 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from storm.kernels.frame import frame_nbytes
-from stormd.wire.protocol import FRAME_CODEC
-
 from ..backend import Backend
+from ..frames import KINDS, FrameKind
 from ..gpu import DeviceStreams
 from ..replies import Resolved
 from .base import Copy, CopyHandler, Landed, PutRequest, fetched_fields, log_failure, wait_reply
@@ -46,12 +45,12 @@ class CudaToPool(CopyHandler):
 
     def put(self, req: PutRequest) -> Copy:
         nbytes = req.source.nbytes()
-        framed = req.codec == FRAME_CODEC
-        fields = ({"nbytes": frame_nbytes(nbytes // 2), "raw_nbytes": nbytes, "codec": FRAME_CODEC} if framed
+        kind = KINDS.get(req.codec)
+        fields = ({"nbytes": kind.nbytes(nbytes), "raw_nbytes": nbytes, "codec": req.codec} if kind is not None
                   else {"nbytes": nbytes, "codec": "raw"})
         reply = self.backend.request("PUT", key=req.key, step=req.step, **fields, **req.meta)
         streams = self.streams(req.source.device)
-        return self._start(reply, self._put, req, reply, streams, fields["nbytes"] if framed else None)
+        return self._start(reply, self._put, req, reply, streams, kind)
 
     def get(self, key: int, nbytes: int, device: torch.device, verify: bool = True) -> Copy:
         reply = self.backend.request("GET", key=key)
@@ -69,14 +68,15 @@ class CudaToPool(CopyHandler):
             return Copy.on(self.worker, fn, *args)
         return Copy.now(fn, *args)
 
-    def _put(self, req: PutRequest, reply: Future | Resolved, streams: DeviceStreams, frame: int | None) -> Landed:
-        """The copy into the extent the PUT reserved. ``frame``: the frame's size, for a put into a
-        frame. Sealed by ``settle`` once the event has fired."""
+    def _put(self, req: PutRequest, reply: Future | Resolved, streams: DeviceStreams, kind: FrameKind | None) -> Landed:
+        """The copy into the extent the PUT reserved. ``kind``: the frame's, for a put into a frame.
+        Sealed by ``settle`` once the event has fired."""
         offset = wait_reply(self.backend, "PUT", reply)["offset"]
         pool = self.backend.pool
-        if frame is not None:
-            return Landed(nbytes=frame, event=streams.to_host_frame(pool.address(offset, frame), req.source, req.ready),
-                          frame=pool.view(offset, 16))
+        if kind is not None:
+            frame = kind.nbytes(req.source.nbytes())
+            return Landed(nbytes=frame, frame=pool.view(offset, 16),
+                          event=streams.to_host_frame(pool.address(offset, frame), req.source, req.ready, kind))
         nbytes = req.source.nbytes()
         return Landed(nbytes=nbytes, event=streams.to_host(pool.address(offset, nbytes), req.source, req.ready))
 
@@ -85,8 +85,9 @@ class CudaToPool(CopyHandler):
         what it has let go of, once that copy's event fired."""
         r = fetched_fields(self.backend, key, nbytes, wait_reply(self.backend, "GET", reply))
         src = self.backend.pool.address(r["offset"], r["nbytes"])
-        if r["codec"] == FRAME_CODEC:
-            out, event = streams.to_device_frame(src, r["nbytes"], nbytes)
+        kind = KINDS.get(r["codec"])
+        if kind is not None:
+            out, event = streams.to_device_frame(src, r["nbytes"], nbytes, kind)
         else:
             out, event = streams.to_device(src, nbytes)
         return Landed(tensor=out, event=event)

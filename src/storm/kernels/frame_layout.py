@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 MAGIC = 0x32465453  # "STF2"
+BITS_MAGIC = 0x31425453  # "STB1": a bit frame (kernels.bits_frame), whose header is this one's
 TABLE = 16          # where the table starts, after the 16-byte header
 HEADER = 32         # header and table
 SAMPLE = 16384      # elements the dictionary is chosen from (strided over the tensor)
@@ -62,6 +63,6 @@ def header(frame: torch.Tensor) -> tuple[int, int, int]:
 
 def complete(frame_header: torch.Tensor) -> bool:
     """Whether a frame holds all its escapes, from its first 16 bytes (uint8, on the CPU: where the
-    frame landed)."""
-    count, _, n = header(frame_header)
-    return count <= escape_slots(n)
+    frame landed); a bit frame has no escape slots: it holds its tensor where it counts none."""
+    count, magic, n = header(frame_header)
+    return count == 0 if magic == BITS_MAGIC else count <= escape_slots(n)

@@ -13,7 +13,7 @@ import torch
 
 from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
 
-from ..mover import FRAME_MIN_BYTES, frameable
+from ..frames import FRAME_MIN_BYTES, KINDS, frame_codec
 from ..stats import OffloadStats
 
 MiB = 1 << 20
@@ -119,10 +119,11 @@ def link_bandwidth(device: torch.device, nbytes: int = 256 * MiB) -> tuple[float
 
 
 def frames_of(saves: Iterable[Any]) -> tuple[int, int, int]:
-    """Of these offloaded storages (session.Stored: device, dtype, nbytes), how many a frame codec
-    puts in frames (mover.frameable, as the mover decides), their bytes, and their frames' bytes."""
-    framed = [s.nbytes for s in saves if frameable(s.device.type, str(s.dtype).removeprefix("torch."), s.nbytes)]
-    return len(framed), sum(framed), sum(frame_nbytes(b // 2) for b in framed)
+    """Of these offloaded storages (session.Stored: device, dtype, nbytes), how many codec ``auto``
+    puts in frames (frames.frame_codec, as the mover decides), their bytes, and their frames' bytes."""
+    framed = [(codec, s.nbytes) for s in saves
+              if (codec := frame_codec("auto", s.device.type, str(s.dtype).removeprefix("torch."), s.nbytes))]
+    return len(framed), sum(b for _, b in framed), sum(KINDS[codec].nbytes(b) for codec, b in framed)
 
 
 def frame_costs(device: torch.device, repeats: int = 5) -> tuple[float, float]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from ..mover import FRAME_CODECS
+from ..frames import FRAME_CODECS
 
 GiB = 1 << 30
 

@@ -135,7 +135,8 @@ from typing import Any, Callable
 import msgpack
 
 # 2: stormd seals what its own CUDA copies fill; clients send no SEAL for it, which a stormd of 1 needs
-PROTOCOL_VERSION = 2
+# 3: a PUT's codec may be BITS_FRAME_CODEC, which a stormd of 2 refuses
+PROTOCOL_VERSION = 3
 # Seconds between a client's PINGs while it has nothing else to send: what keeps an idle client's
 # session alive, so stormd's client_timeout must leave room for a few of them.
 CLIENT_HEARTBEAT = 1.0
@@ -201,10 +202,12 @@ DTYPE_SIZES: dict[str, int] = {
 }
 # storm.kernels' codecs by name (a test keeps the two lists equal; stormd never decodes).
 CODECS = ("raw", "ancf", "ancf_exp", "huff_exp", "zero", "pack", "zstd")
-# What a PUT may say its bytes are: a codec's serialized form, or a frame (storm.kernels.frame:
-# ancf_exp at a size fixed before encoding, which CUDA tensors are stored in).
+# What a PUT may say its bytes are: a codec's serialized form, or a frame, which CUDA tensors are
+# stored in at a size fixed before encoding: ancf_exp's (storm.kernels.frame) for bf16, one bit an
+# element (storm.kernels.bits_frame) for bool.
 FRAME_CODEC = "ancf_exp_frame"
-STORED_CODECS = (*CODECS, FRAME_CODEC)
+BITS_FRAME_CODEC = "bits_frame"
+STORED_CODECS = (*CODECS, FRAME_CODEC, BITS_FRAME_CODEC)
 
 
 class ErrorCode:

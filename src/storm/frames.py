@@ -1,0 +1,54 @@
+"""Which CUDA saves go to the pool in frames, and each kind of frame: its size, fixed before
+encoding (the copy is queued before the encoder has run), its encoder and its decoder.
+
+- ``FRAME_CODEC`` (storm.kernels.frame): codec b on bf16 words, with codec ``auto`` or ``ancf_exp``;
+- ``BITS_FRAME_CODEC`` (storm.kernels.bits_frame): one bit an element of a bool tensor
+  (dropout's masks), with codec ``auto``.
+
+Smaller tensors are copied raw: a frame's kernel launches cost the training thread the same host
+time at any size, while what it saves on the link shrinks with the size.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC
+
+from .kernels.bits_frame import bits_frame_nbytes, decode_bits_frame, encode_bits_frame
+from .kernels.frame import decode_frame, encode_frame, frame_nbytes
+
+FRAME_MIN_BYTES = 4 << 20
+FRAME_CODECS = ("auto", "ancf_exp")  # codec settings that put some CUDA tensors in frames
+
+
+class FrameKind(NamedTuple):
+    """``nbytes``: a frame's size for a storage of that many bytes; ``encode(storage, frame)`` and
+    ``decode(frame, out)``: the storage's bytes (uint8) into a frame of that size, and back."""
+
+    nbytes: Callable[[int], int]
+    encode: Callable[[torch.Tensor, torch.Tensor], None]
+    decode: Callable[[torch.Tensor, torch.Tensor], object]
+
+
+KINDS: dict[str, FrameKind] = {
+    FRAME_CODEC: FrameKind(lambda nbytes: frame_nbytes(nbytes // 2),
+                           lambda raw, frame: encode_frame(raw.view(torch.int16), frame),
+                           lambda frame, out: decode_frame(frame, out.numel() // 2, out=out.view(torch.int16))),
+    BITS_FRAME_CODEC: FrameKind(bits_frame_nbytes, encode_bits_frame, decode_bits_frame),
+}
+# per frame codec, the codec settings and the saved view's dtype (its name, as in a PUT's meta) it takes
+_TAKES = {FRAME_CODEC: (("auto", "ancf_exp"), "bfloat16"), BITS_FRAME_CODEC: (("auto",), "bool")}
+
+
+def frame_codec(setting: str | None, device_type: str, dtype: str, nbytes: int) -> str | None:
+    """The frame a storage goes in under codec ``setting``, of this device type, saved view dtype and
+    size, or None (raw): CUDA, at least FRAME_MIN_BYTES, whole words of the dtype."""
+    if device_type != "cuda" or nbytes < FRAME_MIN_BYTES:
+        return None
+    for codec, (settings, takes) in _TAKES.items():
+        if setting in settings and dtype == takes and nbytes % (2 if takes == "bfloat16" else 1) == 0:
+            return codec
+    return None

@@ -1,0 +1,40 @@
+"""storm/frames.py: which CUDA saves go in which frame, and each kind round-trips its bytes
+(the encoders and decoders the copy streams run, here on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from storm.frames import FRAME_MIN_BYTES, KINDS, frame_codec
+from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC, STORED_CODECS
+
+
+@pytest.mark.parametrize("setting, device, dtype, nbytes, codec", [
+    ("auto", "cuda", "bfloat16", FRAME_MIN_BYTES, FRAME_CODEC),
+    ("ancf_exp", "cuda", "bfloat16", FRAME_MIN_BYTES, FRAME_CODEC),
+    ("auto", "cuda", "bool", FRAME_MIN_BYTES + 1, BITS_FRAME_CODEC),
+    ("ancf_exp", "cuda", "bool", FRAME_MIN_BYTES, None),   # that codec names bf16's frames alone
+    ("auto", "cuda", "bool", FRAME_MIN_BYTES - 1, None),   # small: raw
+    ("auto", "cuda", "bfloat16", FRAME_MIN_BYTES + 1, None),  # not whole words
+    ("auto", "cpu", "bool", FRAME_MIN_BYTES, None),        # CPU tensors: the mover's codecs
+    ("auto", "cuda", "float32", FRAME_MIN_BYTES, None),
+    ("raw", "cuda", "bool", FRAME_MIN_BYTES, None),
+])
+def test_the_codec_setting_and_the_dtype_choose_the_frame(setting, device, dtype, nbytes, codec):
+    assert frame_codec(setting, device, dtype, nbytes) == codec
+
+
+@pytest.mark.parametrize("codec, raw", [
+    (FRAME_CODEC, torch.randn(8192, dtype=torch.bfloat16).view(torch.uint8)),
+    (BITS_FRAME_CODEC, (torch.rand(8197) < 0.5).view(torch.uint8)),
+])
+def test_each_kind_round_trips_a_storage_bytes(codec, raw):
+    assert codec in STORED_CODECS  # what a PUT may say
+    kind = KINDS[codec]
+    frame = torch.empty(kind.nbytes(raw.numel()), dtype=torch.uint8)
+    kind.encode(raw, frame)
+    out = torch.empty_like(raw)
+    kind.decode(frame, out)
+    assert torch.equal(out, raw)
+    assert frame.numel() < raw.numel()
