@@ -1,4 +1,4 @@
-"""storm.kernels.bits_frame: a bool tensor at a bit an element, the bytes other than 0 and 1 counted."""
+"""storm.kernels.bits_frame: a bool tensor at a bit an element, its largest byte in the header."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_bytes_other_than_0_and_1_make_the_frame_incomplete_and_its_decode_refus
     raw = torch.tensor([0, 1, 2, 1, 255, 0, 1, 1, 0], dtype=torch.uint8)
     frame = framed(raw.view(torch.bool))
     assert not complete(frame[:16])
-    with pytest.raises(CorruptEncodedError, match="2 bytes other than 0 and 1"):
+    with pytest.raises(CorruptEncodedError, match="a byte of 255"):
         decode_bits_frame(frame, torch.empty(9, dtype=torch.uint8))
 
 

@@ -316,7 +316,7 @@ def test_gpu_launcher_finds_the_kernel_the_jit_would() -> None:
 def test_gpu_bit_frames_are_the_cpu_bytes_and_round_trip(gpu_path: str, n: int) -> None:
     from storm.kernels.bits_frame import bits_frame_nbytes, decode_bits_frame, encode_bits_frame
     raw = torch.randint(0, 2, (n,), dtype=torch.uint8)
-    raw[n // 2] = 3  # a byte one bit cannot hold: counted in the header on both devices
+    raw[n // 2] = 3  # a byte one bit cannot hold: the header's largest on both devices
     frames = []
     for device in ("cpu", "cuda"):
         frame = torch.empty(bits_frame_nbytes(n), dtype=torch.uint8, device=device)

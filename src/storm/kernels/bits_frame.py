@@ -3,13 +3,14 @@
 A CUDA bool tensor on its way to the host is packed on the device and copied without the host
 waiting, like a frame of kernels.frame: its size is fixed before packing.
 
-    header  16 B           int32 count, int32 magic (frame_layout.BITS_MAGIC), int64 n
+    header  16 B           int32 largest byte, int32 magic (frame_layout.BITS_MAGIC), int64 n
     bits    ceil(n/8) B    element i at bit i % 8 of byte i // 8
 
 A bool's byte is 0 or 1 as torch's ops write it, but a bool view of other bytes may hold any:
-one bit cannot tell those apart, so the header counts the bytes other than 0 and 1, and a frame
-that counts any is incomplete (frame_layout.complete): whoever copied it stores the tensor another
-way (the session stores it raw; it still holds it). The packing runs on the tensor's device with
+one bit cannot tell those apart, so the header holds the largest byte (a reduction, with no
+temporary of the tensor's size), and a frame whose largest byte is over 1 is incomplete
+(frame_layout.complete): whoever copied it stores the tensor another way (the session stores it
+raw; it still holds it). The packing runs on the tensor's device with
 no host wait: on CUDA with Triton one pass (kernels.gpu.bitpack), else torch's ops, whose
 unpacking writes each byte once into the output with no temporary of the output's size.
 """
@@ -38,7 +39,7 @@ def _check(frame: torch.Tensor, n: int) -> None:
 
 def encode_bits_frame(t: torch.Tensor, out: torch.Tensor) -> None:
     """Pack the bytes of ``t`` (bool or uint8, contiguous) into ``out`` (uint8, ``bits_frame_nbytes(t.numel())``,
-    on t's device), counting in its header the bytes other than 0 and 1."""
+    on t's device), with the largest of them in its header."""
     if t.element_size() != 1 or not t.is_contiguous():
         raise ValueError(f"bit frames hold contiguous bytes; got {t.dtype}")
     if out.device != t.device:
@@ -47,7 +48,10 @@ def encode_bits_frame(t: torch.Tensor, out: torch.Tensor) -> None:
     n = v.numel()
     _check(out, n)
     # written by kernels on the stream, not copied from the host: nothing waits for them
-    out[:4].view(torch.int32).copy_(torch.gt(v, 1).sum(dtype=torch.int32).view(1))
+    if n:
+        out[:4].view(torch.int32).copy_(v.amax().view(1))
+    else:
+        out[:4].view(torch.int32).zero_()
     out[4:8].view(torch.int32).fill_(BITS_MAGIC)
     out[8:16].view(torch.int64).fill_(n)
     if n:
@@ -63,10 +67,10 @@ def decode_bits_frame(frame: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     _check(frame, n)
     require(out.is_contiguous() and out.element_size() == 1, f"out must be {n} contiguous bytes")
     if frame.device.type == "cpu":
-        count, magic, held = header(frame)
+        largest, magic, held = header(frame)
         require(magic == BITS_MAGIC, "not a bit frame (bad magic)")
         require(held == n, f"the bit frame holds {held} elements, not {n}")
-        require(count == 0, f"{count} bytes other than 0 and 1 do not fit a bit frame (an incomplete frame)")
+        require(largest <= 1, f"a byte of {largest} does not fit a bit frame (an incomplete frame)")
     bits = frame[HEADER:]
     whole = n // 8
     shifts = torch.arange(8, dtype=torch.uint8, device=frame.device)

@@ -63,6 +63,6 @@ def header(frame: torch.Tensor) -> tuple[int, int, int]:
 
 def complete(frame_header: torch.Tensor) -> bool:
     """Whether a frame holds all its escapes, from its first 16 bytes (uint8, on the CPU: where the
-    frame landed); a bit frame has no escape slots: it holds its tensor where it counts none."""
+    frame landed); a bit frame holds its tensor where its largest byte (the count's place) is 0 or 1."""
     count, magic, n = header(frame_header)
-    return count == 0 if magic == BITS_MAGIC else count <= escape_slots(n)
+    return count <= 1 if magic == BITS_MAGIC else count <= escape_slots(n)
