@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from storm.frames import FRAME_MIN_BYTES, KINDS, frame_codec
-from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC, STORED_CODECS
+from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC, STORED_CODECS, UPCAST_FRAME_CODEC
 
 
 @pytest.mark.parametrize("setting, device, dtype, nbytes, codec", [
@@ -18,7 +18,10 @@ from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC, STORED_CODECS
     ("auto", "cuda", "bool", FRAME_MIN_BYTES - 1, None),   # small: raw
     ("auto", "cuda", "bfloat16", FRAME_MIN_BYTES + 1, None),  # not whole words
     ("auto", "cpu", "bool", FRAME_MIN_BYTES, None),        # CPU tensors: the mover's codecs
-    ("auto", "cuda", "float32", FRAME_MIN_BYTES, None),
+    ("auto", "cuda", "float32", FRAME_MIN_BYTES, UPCAST_FRAME_CODEC),
+    ("ancf_exp", "cuda", "float32", FRAME_MIN_BYTES, None),
+    ("auto", "cuda", "float32", FRAME_MIN_BYTES + 2, None),   # not whole 32-bit words
+    ("auto", "cuda", "float16", FRAME_MIN_BYTES, None),
     ("raw", "cuda", "bool", FRAME_MIN_BYTES, None),
 ])
 def test_the_codec_setting_and_the_dtype_choose_the_frame(setting, device, dtype, nbytes, codec):
@@ -28,6 +31,7 @@ def test_the_codec_setting_and_the_dtype_choose_the_frame(setting, device, dtype
 @pytest.mark.parametrize("codec, raw", [
     (FRAME_CODEC, torch.randn(8192, dtype=torch.bfloat16).view(torch.uint8)),
     (BITS_FRAME_CODEC, (torch.rand(8197) < 0.5).view(torch.uint8)),
+    (UPCAST_FRAME_CODEC, torch.randn(4096, dtype=torch.bfloat16).float().view(torch.uint8)),
 ])
 def test_each_kind_round_trips_a_storage_bytes(codec, raw):
     assert codec in STORED_CODECS  # what a PUT may say

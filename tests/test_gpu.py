@@ -382,6 +382,32 @@ def test_dropout_masks_go_through_bit_frames_bit_exact_and_an_eighth_of_their_by
     assert st.stored_bytes <= st.offloaded_bytes - mask + mask // 8 + 16, (st.stored_bytes, st.offloaded_bytes)
 
 
+def test_float32_upcasts_go_at_their_high_halves_and_other_float32_raw_bit_exact(cuda_opts):
+    """codec="auto": a float32 save widened from bf16 (a norm's .float(), here pow's input) goes at its
+    high halves; a softmax's float32 output makes an incomplete frame and is stored again raw, its
+    kind raw in the next step. The gradients are the same bits in both steps."""
+    x = torch.randn(2048, 4096, device="cuda").to(torch.bfloat16)
+
+    def step(opts: dict | None):
+        a = x.clone().requires_grad_()
+        if opts is None:
+            (a.float().pow(2).sum() + a.float().softmax(-1).square().sum()).backward()
+            return a.grad, None
+        with storm.offload(**opts) as ctx:
+            loss = a.float().pow(2).sum() + a.float().softmax(-1).square().sum()
+        loss.backward()
+        ctx.synchronize()
+        return a.grad, ctx.stats
+
+    auto = {**cuda_opts, "codec": "auto", "budget": "1GiB"}
+    (plain, _), (first, st1), (second, st2) = step(None), step(auto), step(auto)
+    assert same_bits(first, plain) and same_bits(second, plain)
+    wide = 2048 * 4096 * 4
+    assert st1.frame_overflows >= 1 and st2.frame_overflows == 0  # the softmax's, then its kind raw
+    # the upcast (and the softmax's output, raw) and the square's input: at most the upcast's half saved
+    assert st2.stored_bytes <= st2.offloaded_bytes - wide // 2 + 16, (st2.stored_bytes, st2.offloaded_bytes)
+
+
 def test_a_bool_view_of_other_bytes_is_stored_raw_with_every_byte(cuda_opts):
     """A bool tensor whose bytes are not all 0 and 1 (a view of uint8) cannot go at a bit an element:
     its bit frame counts those bytes, and the save is stored again raw; what comes back is every byte."""

@@ -3,7 +3,11 @@ encoding (the copy is queued before the encoder has run), its encoder and its de
 
 - ``FRAME_CODEC`` (storm.kernels.frame): codec b on bf16 words, with codec ``auto`` or ``ancf_exp``;
 - ``BITS_FRAME_CODEC`` (storm.kernels.bits_frame): one bit an element of a bool tensor
-  (dropout's masks), with codec ``auto``.
+  (dropout's masks), with codec ``auto``;
+- ``UPCAST_FRAME_CODEC`` (storm.kernels.upcast_frame): the high halves of float32 words widened
+  from bf16 (a norm's or a loss's ``.float()``), with codec ``auto``. Other float32 tensors (a
+  softmax's output) make incomplete frames: the session stores them raw, and their kind raw from
+  then on, after one copy of their high halves that bought nothing.
 
 Smaller tensors are copied raw: a frame's kernel launches cost the training thread the same host
 time at any size, while what it saves on the link shrinks with the size.
@@ -15,10 +19,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC
+from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC, UPCAST_FRAME_CODEC
 
 from .kernels.bits_frame import bits_frame_nbytes, decode_bits_frame, encode_bits_frame
 from .kernels.frame import decode_frame, encode_frame, frame_nbytes
+from .kernels.upcast_frame import decode_upcast_frame, encode_upcast_frame, upcast_frame_nbytes
 
 FRAME_MIN_BYTES = 4 << 20
 FRAME_CODECS = ("auto", "ancf_exp")  # codec settings that put some CUDA tensors in frames
@@ -38,9 +43,12 @@ KINDS: dict[str, FrameKind] = {
                            lambda raw, frame: encode_frame(raw.view(torch.int16), frame),
                            lambda frame, out: decode_frame(frame, out.numel() // 2, out=out.view(torch.int16))),
     BITS_FRAME_CODEC: FrameKind(bits_frame_nbytes, encode_bits_frame, decode_bits_frame),
+    UPCAST_FRAME_CODEC: FrameKind(upcast_frame_nbytes, encode_upcast_frame, decode_upcast_frame),
 }
-# per frame codec, the codec settings and the saved view's dtype (its name, as in a PUT's meta) it takes
-_TAKES = {FRAME_CODEC: (("auto", "ancf_exp"), "bfloat16"), BITS_FRAME_CODEC: (("auto",), "bool")}
+# per frame codec, the codec settings, the saved view's dtype (its name, as in a PUT's meta) it
+# takes and the bytes its words come in
+_TAKES = {FRAME_CODEC: (("auto", "ancf_exp"), "bfloat16", 2), BITS_FRAME_CODEC: (("auto",), "bool", 1),
+          UPCAST_FRAME_CODEC: (("auto",), "float32", 4)}
 
 
 def frame_codec(setting: str | None, device_type: str, dtype: str, nbytes: int) -> str | None:
@@ -48,7 +56,7 @@ def frame_codec(setting: str | None, device_type: str, dtype: str, nbytes: int) 
     size, or None (raw): CUDA, at least FRAME_MIN_BYTES, whole words of the dtype."""
     if device_type != "cuda" or nbytes < FRAME_MIN_BYTES:
         return None
-    for codec, (settings, takes) in _TAKES.items():
-        if setting in settings and dtype == takes and nbytes % (2 if takes == "bfloat16" else 1) == 0:
+    for codec, (settings, takes, word) in _TAKES.items():
+        if setting in settings and dtype == takes and nbytes % word == 0:
             return codec
     return None

@@ -96,14 +96,15 @@ class FakeStreams:
     def to_host(self, dst: int, src: torch.UntypedStorage, ready: Any) -> FakeEvent:
         return self._queue("to_host", dst, src.nbytes(), ready)
 
-    def to_host_frame(self, dst: int, src: torch.UntypedStorage, ready: Any) -> FakeEvent:
-        return self._queue("to_host_frame", dst, src.nbytes(), ready)
+    def to_host_frame(self, dst: int, src: torch.UntypedStorage, ready: Any, kind: Any) -> FakeEvent:
+        return self._queue("to_host_frame", dst, src.nbytes(), ready, kind)
 
     def to_device(self, src: int, nbytes: int) -> tuple[torch.Tensor, FakeEvent]:
         return torch.empty(nbytes, dtype=torch.uint8), self._queue("to_device", src, nbytes)
 
-    def to_device_frame(self, src: int, nbytes: int, raw_nbytes: int) -> tuple[torch.Tensor, FakeEvent]:
-        return torch.empty(raw_nbytes, dtype=torch.uint8), self._queue("to_device_frame", src, nbytes, raw_nbytes)
+    def to_device_frame(self, src: int, nbytes: int, raw_nbytes: int, kind: Any) -> tuple[torch.Tensor, FakeEvent]:
+        return torch.empty(raw_nbytes, dtype=torch.uint8), self._queue("to_device_frame", src, nbytes, raw_nbytes,
+                                                                        kind)
 
     def destination(self, nbytes: int) -> tuple[torch.Tensor, FakeEvent]:
         return torch.empty(nbytes, dtype=torch.uint8), FakeEvent(wire=b"destination ready")

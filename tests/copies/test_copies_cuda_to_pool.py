@@ -13,8 +13,9 @@ from copies_fakes import FakeEvent, FakeStore, FakeStreams, storage
 from storm.copies.base import PutRequest, Route
 from storm.copies.cuda_to_pool import CudaToPool
 from storm.errors import StormRequestError
+from storm.frames import KINDS
 from storm.kernels.frame import frame_nbytes
-from stormd.wire.protocol import FRAME_CODEC
+from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC, UPCAST_FRAME_CODEC
 
 GPU = torch.device("cuda", 0)  # a name only: the fake streams copy nothing
 
@@ -47,15 +48,19 @@ def test_a_raw_put_is_queued_into_its_extent_after_the_ready_event_and_sealed_on
     assert store.sent[-1] == ("SEAL", {"key": 1})
 
 
-def test_a_framed_put_asks_for_the_frames_size_and_lands_with_its_header(worker):
+@pytest.mark.parametrize("codec, dtype, framed", [(FRAME_CODEC, "bfloat16", frame_nbytes((8 << 20) // 2)),
+                                                  (BITS_FRAME_CODEC, "bool", 16 + (1 << 20)),
+                                                  (UPCAST_FRAME_CODEC, "float32", 16 + (4 << 20))])
+def test_a_framed_put_asks_for_the_frames_size_and_lands_with_its_header(worker, codec, dtype, framed):
     store = FakeStore()
     copies, streams = handler(store, worker)
     raw = 8 << 20
-    put = copies.put(PutRequest(1, 1, storage(raw), {"dtype": "bfloat16"}, Route.OWN, FRAME_CODEC, FakeEvent()))
+    put = copies.put(PutRequest(1, 1, storage(raw), {"dtype": dtype}, Route.OWN, codec, FakeEvent()))
     assert store.sent[-1][1] | {"nbytes": 0} == {"key": 1, "step": 1, "nbytes": 0, "raw_nbytes": raw,
-                                                  "codec": FRAME_CODEC, "dtype": "bfloat16"}
-    assert store.sent[-1][1]["nbytes"] == frame_nbytes(raw // 2) == put.result().nbytes
-    assert streams.queued[0][0] == "to_host_frame" and put.result().frame.numel() == 16
+                                                  "codec": codec, "dtype": dtype}
+    assert store.sent[-1][1]["nbytes"] == framed == put.result().nbytes
+    what, args = streams.queued[0]
+    assert what == "to_host_frame" and args[-1] is KINDS[codec] and put.result().frame.numel() == 16
 
 
 def test_a_reply_not_in_yet_is_waited_for_on_the_worker(worker):
@@ -67,7 +72,7 @@ def test_a_reply_not_in_yet_is_waited_for_on_the_worker(worker):
     assert put.result().nbytes == 4096 and [what for what, _ in streams.queued] == ["to_host"]
 
 
-@pytest.mark.parametrize("codec", ["raw", FRAME_CODEC])
+@pytest.mark.parametrize("codec", ["raw", FRAME_CODEC, BITS_FRAME_CODEC, UPCAST_FRAME_CODEC])
 def test_a_get_is_queued_out_of_its_extent_and_decoded_if_framed(worker, codec):
     """The session fetches a key only once its put's event has fired (it let the tensor go then):
     the copy out waits on nothing."""
@@ -80,6 +85,7 @@ def test_a_get_is_queued_out_of_its_extent_and_decoded_if_framed(worker, codec):
     what, args = streams.queued[-1]
     assert what == ("to_device" if codec == "raw" else "to_device_frame")
     assert args[:2] == (store.pool.address(0, put.result().nbytes), put.result().nbytes)  # waiting on nothing
+    assert codec == "raw" or args[-1] is KINDS[codec]  # decoded as its kind
     assert got.result().tensor.numel() == raw and got.result().event is not None and not got.done()
 
 

@@ -328,3 +328,17 @@ def test_gpu_bit_frames_are_the_cpu_bytes_and_round_trip(gpu_path: str, n: int) 
     encode_bits_frame(raw.cuda(), frame)
     out = torch.empty(n, dtype=torch.uint8, device="cuda")
     assert torch.equal(decode_bits_frame(frame, out).cpu(), raw)
+
+
+def test_gpu_upcast_frames_are_the_cpu_bytes_and_round_trip() -> None:
+    from storm.kernels.upcast_frame import decode_upcast_frame, encode_upcast_frame, upcast_frame_nbytes
+    wide = torch.randn(1 << 20).to(torch.bfloat16).float()
+    frames = []
+    for t in (wide, wide.clone().view(torch.int32).add_(1).view(torch.float32)):  # an upcast, then not
+        for device in ("cpu", "cuda"):
+            frame = torch.empty(upcast_frame_nbytes(t.numel() * 4), dtype=torch.uint8, device=device)
+            encode_upcast_frame(t.to(device), frame)
+            frames.append(frame.cpu())
+    assert torch.equal(frames[0], frames[1]) and torch.equal(frames[2], frames[3])
+    out = torch.empty_like(wide, device="cuda")
+    assert torch.equal(decode_upcast_frame(frames[1].cuda(), out).cpu().view(torch.int32), wide.view(torch.int32))

@@ -17,6 +17,7 @@ import torch
 
 MAGIC = 0x32465453  # "STF2"
 BITS_MAGIC = 0x31425453  # "STB1": a bit frame (kernels.bits_frame), whose header is this one's
+UPCAST_MAGIC = 0x31555453  # "STU1": an upcast frame (kernels.upcast_frame), whose header is this one's
 TABLE = 16          # where the table starts, after the 16-byte header
 HEADER = 32         # header and table
 SAMPLE = 16384      # elements the dictionary is chosen from (strided over the tensor)
@@ -63,6 +64,11 @@ def header(frame: torch.Tensor) -> tuple[int, int, int]:
 
 def complete(frame_header: torch.Tensor) -> bool:
     """Whether a frame holds all its escapes, from its first 16 bytes (uint8, on the CPU: where the
-    frame landed); a bit frame holds its tensor where its largest byte (the count's place) is 0 or 1."""
+    frame landed); a bit frame holds its tensor where its largest byte (the count's place) is 0 or 1,
+    an upcast frame where its flag (there too) is 0."""
     count, magic, n = header(frame_header)
-    return count <= 1 if magic == BITS_MAGIC else count <= escape_slots(n)
+    if magic == BITS_MAGIC:
+        return count <= 1
+    if magic == UPCAST_MAGIC:
+        return count == 0
+    return count <= escape_slots(n)
