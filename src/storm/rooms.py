@@ -107,7 +107,8 @@ class Rooms:
             room = Room(self.profiling)
             self._profiled += 1
             self.trial = Trial(room, Room(room.profile, keep=False)) if room.kept else None
-            self.follow(room)
+            if self.trial is None:
+                self.follow(room)
         self.profiling = None
         if self.trial is not None:
             self._try(step, self.trial)
