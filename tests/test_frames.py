@@ -18,14 +18,22 @@ from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC, STORED_CODECS, U
     ("auto", "cuda", "bool", FRAME_MIN_BYTES - 1, None),   # small: raw
     ("auto", "cuda", "bfloat16", FRAME_MIN_BYTES + 1, None),  # not whole words
     ("auto", "cpu", "bool", FRAME_MIN_BYTES, None),        # CPU tensors: the mover's codecs
-    ("auto", "cuda", "float32", FRAME_MIN_BYTES, UPCAST_FRAME_CODEC),
     ("ancf_exp", "cuda", "float32", FRAME_MIN_BYTES, None),
-    ("auto", "cuda", "float32", FRAME_MIN_BYTES + 2, None),   # not whole 32-bit words
     ("auto", "cuda", "float16", FRAME_MIN_BYTES, None),
     ("raw", "cuda", "bool", FRAME_MIN_BYTES, None),
 ])
 def test_the_codec_setting_and_the_dtype_choose_the_frame(setting, device, dtype, nbytes, codec):
     assert frame_codec(setting, device, dtype, nbytes) == codec
+
+
+@pytest.mark.parametrize("producer, nbytes, codec", [
+    ("ToCopyBackward0", FRAME_MIN_BYTES, UPCAST_FRAME_CODEC),  # .float(): widened, its low halves 0
+    ("SoftmaxBackward0", FRAME_MIN_BYTES, None),  # float32 of its own: its frame would overflow
+    ("", FRAME_MIN_BYTES, None),
+    ("ToCopyBackward0", FRAME_MIN_BYTES + 2, None),  # not whole 32-bit words
+])
+def test_an_upcast_frame_takes_a_conversion_output_alone(producer, nbytes, codec):
+    assert frame_codec("auto", "cuda", "float32", nbytes, producer) == codec
 
 
 @pytest.mark.parametrize("codec, raw", [

@@ -15,7 +15,7 @@ from storm import mover as moving
 from storm.copies.base import Landed, Route
 from storm.gpu import NotExportable
 from storm.replies import resolve
-from stormd.wire.protocol import FRAME_CODEC
+from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC, UPCAST_FRAME_CODEC
 
 
 class Backend:
@@ -89,19 +89,22 @@ class Storage:
 MIB = 1 << 20
 
 
-@pytest.mark.parametrize("uuid, dtype, nbytes, codec, route, stored_as", [
-    ("GPU-served", "float32", MIB, "raw", Route.DAEMON, "raw"),             # stormd copies this GPU's memory
-    ("GPU-served", "bfloat16", 8 * MIB, "auto", Route.OWN, FRAME_CODEC),   # a frame: this process encodes it
-    ("GPU-served", "bfloat16", MIB, "auto", Route.DAEMON, "raw"),          # too small for a frame
-    ("GPU-other", "float32", MIB, "raw", Route.OWN, "raw"),                # stormd does not copy this GPU
+@pytest.mark.parametrize("uuid, dtype, nbytes, codec, route, stored_as, producer", [
+    ("GPU-served", "float32", MIB, "raw", Route.DAEMON, "raw", ""),             # stormd copies this GPU's memory
+    ("GPU-served", "bfloat16", 8 * MIB, "auto", Route.OWN, FRAME_CODEC, ""),   # a frame: this process encodes it
+    ("GPU-served", "bfloat16", MIB, "auto", Route.DAEMON, "raw", ""),          # too small for a frame
+    ("GPU-other", "float32", MIB, "raw", Route.OWN, "raw", ""),                # stormd does not copy this GPU
+    ("GPU-served", "bool", 8 * MIB, "auto", Route.OWN, BITS_FRAME_CODEC, ""),  # a mask: a bit an element
+    ("GPU-served", "float32", 8 * MIB, "auto", Route.OWN, UPCAST_FRAME_CODEC, "ToCopyBackward0"),  # .float()
+    ("GPU-served", "float32", 8 * MIB, "auto", Route.DAEMON, "raw", "SoftmaxBackward0"),  # float32 of its own
 ])
 def test_a_save_is_routed_once_by_medium_codec_and_what_the_daemon_copies(uuid, dtype, nbytes, codec, route,
-                                                                         stored_as):
+                                                                         stored_as, producer):
     m = moving.Mover(CudaBackend(), uuid_of=lambda index: uuid, export=lambda ptr, index: (b"h", ptr - 4096))
     try:
         cpu = torch.empty(16, dtype=torch.uint8).untyped_storage()
         assert m.route(cpu, "uint8", "auto") == (Route.HOST, "auto", None)
-        assert m.route(Storage(nbytes), dtype, codec) == (
+        assert m.route(Storage(nbytes), dtype, codec, producer) == (
             route, stored_as, (b"h", MIB - 4096) if route is Route.DAEMON else None)
     finally:
         m.close()

@@ -111,3 +111,22 @@ def test_a_storage_every_layer_saves_again_does_not_stop_prefetch_where_its_last
     # all come ahead of their unpack but backward's first and the table's (needed long after it was
     # first saved); before, prefetch stopped where the last layer unpacked the table: 2 of 7
     assert stats.prefetch_hits == 5, stats
+
+
+def test_a_save_is_routed_with_the_name_of_the_op_that_made_it(monkeypatch):
+    """The mover chooses an upcast frame for a conversion's output alone (storm/frames.py): the
+    session hands it each save's producer, its grad_fn's name."""
+    session = storm.session_for("embedded", None, None)
+    seen: list[str] = []
+    real = session.mover.route
+
+    def route(source, dtype, codec, producer=""):
+        seen.append(producer)
+        return real(source, dtype, codec, producer)
+
+    monkeypatch.setattr(session.mover, "route", route)
+    x = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0):
+        loss = x.float().pow(2).sum()  # pow saves the conversion's output
+    loss.backward()
+    assert seen == ["ToCopyBackward0"]

@@ -5,9 +5,11 @@ encoding (the copy is queued before the encoder has run), its encoder and its de
 - ``BITS_FRAME_CODEC`` (storm.kernels.bits_frame): one bit an element of a bool tensor
   (dropout's masks), with codec ``auto``;
 - ``UPCAST_FRAME_CODEC`` (storm.kernels.upcast_frame): the high halves of float32 words widened
-  from bf16 (a norm's or a loss's ``.float()``), with codec ``auto``. Other float32 tensors (a
-  softmax's output) make incomplete frames: the session stores them raw, and their kind raw from
-  then on, after one copy of their high halves that bought nothing.
+  from bf16 (a norm's or a loss's ``.float()``), with codec ``auto``, for the output of a dtype
+  conversion (``WIDENING``) alone: other float32 tensors (a softmax's output, a float32 model's
+  activations) would make incomplete frames, each stored again raw after a copy that bought
+  nothing. A conversion from another dtype (float16, an integer) overflows so once, and its kind
+  is stored raw from then on.
 
 Smaller tensors are copied raw: a frame's kernel launches cost the training thread the same host
 time at any size, while what it saves on the link shrinks with the size.
@@ -27,6 +29,7 @@ from .kernels.upcast_frame import decode_upcast_frame, encode_upcast_frame, upca
 
 FRAME_MIN_BYTES = 4 << 20
 FRAME_CODECS = ("auto", "ancf_exp")  # codec settings that put some CUDA tensors in frames
+WIDENING = "ToCopyBackward0"  # the grad_fn of .float() and .to(dtype): what makes an upcast
 
 
 class FrameKind(NamedTuple):
@@ -51,12 +54,13 @@ _TAKES = {FRAME_CODEC: (("auto", "ancf_exp"), "bfloat16", 2), BITS_FRAME_CODEC: 
           UPCAST_FRAME_CODEC: (("auto",), "float32", 4)}
 
 
-def frame_codec(setting: str | None, device_type: str, dtype: str, nbytes: int) -> str | None:
-    """The frame a storage goes in under codec ``setting``, of this device type, saved view dtype and
-    size, or None (raw): CUDA, at least FRAME_MIN_BYTES, whole words of the dtype."""
+def frame_codec(setting: str | None, device_type: str, dtype: str, nbytes: int, producer: str = "") -> str | None:
+    """The frame a storage goes in under codec ``setting``, of this device type, saved view dtype,
+    size and producer (its grad_fn's name), or None (raw): CUDA, at least FRAME_MIN_BYTES, whole
+    words of the dtype; an upcast frame for a conversion's output alone."""
     if device_type != "cuda" or nbytes < FRAME_MIN_BYTES:
         return None
     for codec, (settings, takes, word) in _TAKES.items():
         if setting in settings and dtype == takes and nbytes % word == 0:
-            return codec
+            return None if codec == UPCAST_FRAME_CODEC and producer != WIDENING else codec
     return None

@@ -203,8 +203,9 @@ class ClientSession:
         meta = {"dtype": dtype, "shape": list(t.shape), "strides": list(t.stride()),
                 "storage_offset": t.storage_offset()}
         with self._lock:  # the store, its route and the key together: the session may move on to another store
-            codec = self._codec(step, kind_of(t), compiled)
-            route, codec, ipc = self.mover.route(storage, dtype, codec)  # decided once: it serves the get too
+            kind = kind_of(t)
+            codec = self._codec(step, kind, compiled)
+            route, codec, ipc = self.mover.route(storage, dtype, codec, kind[0])  # decided once: it serves the get too
             ready = record_ready(t.device, interprocess=route is Route.DAEMON) if t.is_cuda else None
             stored = Stored(next_key(), step, t, StorageWeakRef(storage), nbytes, route)
             if compiled:
@@ -318,7 +319,7 @@ class ClientSession:
             req = dataclasses.replace(req, key=stored.key, codec="raw")
         else:
             codec = self._codec(stored.step, stored.kind, stored.version is None)
-            route, codec, ipc = self.mover.route(req.source, req.meta["dtype"], codec)
+            route, codec, ipc = self.mover.route(req.source, req.meta["dtype"], codec, stored.kind[0])
             stored.facts = dataclasses.replace(stored.facts, route=route)
             req = dataclasses.replace(req, key=stored.key, route=route, codec=codec, ipc=ipc)
         stored.request = req
