@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from storm.frames import FRAME_MIN_BYTES, KINDS, frame_codec
-from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC, STORED_CODECS, UPCAST_FRAME_CODEC
+from stormd.wire.protocol import BITS_FRAME_CODEC, FLOAT32_FRAME_CODEC, FRAME_CODEC, STORED_CODECS, UPCAST_FRAME_CODEC
 
 
 @pytest.mark.parametrize("setting, device, dtype, nbytes, codec", [
@@ -28,11 +28,11 @@ def test_the_codec_setting_and_the_dtype_choose_the_frame(setting, device, dtype
 
 @pytest.mark.parametrize("producer, nbytes, codec", [
     ("ToCopyBackward0", FRAME_MIN_BYTES, UPCAST_FRAME_CODEC),  # .float(): widened, its low halves 0
-    ("SoftmaxBackward0", FRAME_MIN_BYTES, None),  # float32 of its own: its frame would overflow
-    ("", FRAME_MIN_BYTES, None),
+    ("SoftmaxBackward0", FRAME_MIN_BYTES, FLOAT32_FRAME_CODEC),  # float32 of its own: its high halves coded
+    ("", FRAME_MIN_BYTES, FLOAT32_FRAME_CODEC),
     ("ToCopyBackward0", FRAME_MIN_BYTES + 2, None),  # not whole 32-bit words
 ])
-def test_an_upcast_frame_takes_a_conversion_output_alone(producer, nbytes, codec):
+def test_an_upcast_frame_takes_a_conversion_output_and_a_float32_frame_the_rest(producer, nbytes, codec):
     assert frame_codec("auto", "cuda", "float32", nbytes, producer) == codec
 
 
@@ -40,6 +40,7 @@ def test_an_upcast_frame_takes_a_conversion_output_alone(producer, nbytes, codec
     (FRAME_CODEC, torch.randn(8192, dtype=torch.bfloat16).view(torch.uint8)),
     (BITS_FRAME_CODEC, (torch.rand(8197) < 0.5).view(torch.uint8)),
     (UPCAST_FRAME_CODEC, torch.randn(4096, dtype=torch.bfloat16).float().view(torch.uint8)),
+    (FLOAT32_FRAME_CODEC, torch.randn(64, 512).softmax(-1).view(torch.uint8)),
 ])
 def test_each_kind_round_trips_a_storage_bytes(codec, raw):
     assert codec in STORED_CODECS  # what a PUT may say

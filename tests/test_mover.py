@@ -15,7 +15,7 @@ from storm import mover as moving
 from storm.copies.base import Landed, Route
 from storm.gpu import NotExportable
 from storm.replies import resolve
-from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC, UPCAST_FRAME_CODEC
+from stormd.wire.protocol import BITS_FRAME_CODEC, FLOAT32_FRAME_CODEC, FRAME_CODEC, UPCAST_FRAME_CODEC
 
 
 class Backend:
@@ -96,7 +96,7 @@ MIB = 1 << 20
     ("GPU-other", "float32", MIB, "raw", Route.OWN, "raw", ""),                # stormd does not copy this GPU
     ("GPU-served", "bool", 8 * MIB, "auto", Route.OWN, BITS_FRAME_CODEC, ""),  # a mask: a bit an element
     ("GPU-served", "float32", 8 * MIB, "auto", Route.OWN, UPCAST_FRAME_CODEC, "ToCopyBackward0"),  # .float()
-    ("GPU-served", "float32", 8 * MIB, "auto", Route.DAEMON, "raw", "SoftmaxBackward0"),  # float32 of its own
+    ("GPU-served", "float32", 8 * MIB, "auto", Route.OWN, FLOAT32_FRAME_CODEC, "SoftmaxBackward0"),  # its own
 ])
 def test_a_save_is_routed_once_by_medium_codec_and_what_the_daemon_copies(uuid, dtype, nbytes, codec, route,
                                                                          stored_as, producer):

@@ -6,10 +6,12 @@ encoding (the copy is queued before the encoder has run), its encoder and its de
   (dropout's masks), with codec ``auto``;
 - ``UPCAST_FRAME_CODEC`` (storm.kernels.upcast_frame): the high halves of float32 words widened
   from bf16 (a norm's or a loss's ``.float()``), with codec ``auto``, for the output of a dtype
-  conversion (``WIDENING``) alone: other float32 tensors (a softmax's output, a float32 model's
-  activations) would make incomplete frames, each stored again raw after a copy that bought
-  nothing. A conversion from another dtype (float16, an integer) overflows so once, and its kind
-  is stored raw from then on.
+  conversion (``WIDENING``) alone: other float32 tensors' low halves are not 0, and an upcast
+  frame of one would be stored again raw after a copy that bought nothing. A conversion from
+  another dtype (float16, an integer) overflows so once, and its kind is stored raw from then on;
+- ``FLOAT32_FRAME_CODEC`` (storm.kernels.float32_frame): codec b on the high halves of the other
+  float32 tensors (a softmax's probabilities, a loss's log-probabilities, a float32 model's
+  activations), the low halves raw, with codec ``auto``.
 
 Smaller tensors are copied raw: a frame's kernel launches cost the training thread the same host
 time at any size, while what it saves on the link shrinks with the size.
@@ -21,9 +23,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC, UPCAST_FRAME_CODEC
+from stormd.wire.protocol import BITS_FRAME_CODEC, FLOAT32_FRAME_CODEC, FRAME_CODEC, UPCAST_FRAME_CODEC
 
 from .kernels.bits_frame import bits_frame_nbytes, decode_bits_frame, encode_bits_frame
+from .kernels.float32_frame import decode_float32_frame, encode_float32_frame, float32_frame_nbytes
 from .kernels.frame import decode_frame, encode_frame, frame_nbytes
 from .kernels.upcast_frame import decode_upcast_frame, encode_upcast_frame, upcast_frame_nbytes
 
@@ -47,20 +50,22 @@ KINDS: dict[str, FrameKind] = {
                            lambda frame, out: decode_frame(frame, out.numel() // 2, out=out.view(torch.int16))),
     BITS_FRAME_CODEC: FrameKind(bits_frame_nbytes, encode_bits_frame, decode_bits_frame),
     UPCAST_FRAME_CODEC: FrameKind(upcast_frame_nbytes, encode_upcast_frame, decode_upcast_frame),
+    FLOAT32_FRAME_CODEC: FrameKind(float32_frame_nbytes, encode_float32_frame, decode_float32_frame),
 }
 # per frame codec, the codec settings, the saved view's dtype (its name, as in a PUT's meta) it
-# takes and the bytes its words come in
+# takes and the bytes its words come in; float32 goes in the first that takes its producer
 _TAKES = {FRAME_CODEC: (("auto", "ancf_exp"), "bfloat16", 2), BITS_FRAME_CODEC: (("auto",), "bool", 1),
-          UPCAST_FRAME_CODEC: (("auto",), "float32", 4)}
+          UPCAST_FRAME_CODEC: (("auto",), "float32", 4), FLOAT32_FRAME_CODEC: (("auto",), "float32", 4)}
 
 
 def frame_codec(setting: str | None, device_type: str, dtype: str, nbytes: int, producer: str = "") -> str | None:
     """The frame a storage goes in under codec ``setting``, of this device type, saved view dtype,
     size and producer (its grad_fn's name), or None (raw): CUDA, at least FRAME_MIN_BYTES, whole
-    words of the dtype; an upcast frame for a conversion's output alone."""
+    words of the dtype; an upcast frame for a conversion's output, a float32 frame for the rest."""
     if device_type != "cuda" or nbytes < FRAME_MIN_BYTES:
         return None
     for codec, (settings, takes, word) in _TAKES.items():
-        if setting in settings and dtype == takes and nbytes % word == 0:
-            return None if codec == UPCAST_FRAME_CODEC and producer != WIDENING else codec
+        if setting in settings and dtype == takes and nbytes % word == 0 \
+                and (codec != UPCAST_FRAME_CODEC or producer == WIDENING):
+            return codec
     return None

@@ -336,8 +336,9 @@ def offload(fn: Callable | None = None, /, **options: Any) -> Any:
     ``codec`` setting, "raw" for the embedded store; for CUDA tensors "auto"
     and "ancf_exp" put bf16 tensors of at least 4 MiB in frames encoded on the
     GPU (storm.kernels.frame), "auto" bool ones in frames of a bit an element
-    (storm.kernels.bits_frame) and float32 ones widened from bf16 at their high halves
-    (storm.kernels.upcast_frame), the rest is stored raw). Options in bytes take an int or a
+    (storm.kernels.bits_frame) and float32 ones at their high halves where a conversion
+    widened them (storm.kernels.upcast_frame), else with those halves compressed
+    (storm.kernels.float32_frame), the rest is stored raw). Options in bytes take an int or a
     size such as "256MiB".
     """
     if fn is None:

@@ -312,8 +312,8 @@ SETTINGS: tuple[Setting, ...] = (
             "how clients encode tensors before storing them: raw, auto (per CPU tensor the best "
             "lossless codec that saves at least 5%) or one codec of storm.kernels; CUDA tensors: "
             "auto and ancf_exp put bf16 tensors of at least 4 MiB in frames encoded on the GPU, "
-            "auto bool ones (dropout's masks) in frames of a bit an element and float32 ones widened "
-            "from bf16 at their high halves; the rest is stored raw"),
+            "auto bool ones (dropout's masks) in frames of a bit an element and float32 ones at or "
+            "with compressed high halves; the rest is stored raw"),
     Setting("cuda_ipc", _Flag(), "copy clients' CUDA tensors in stormd, on its own streams, through CUDA IPC "
             "(where stormd sees a GPU; the pool is page-locked at start-up, about a second per GiB); "
             "off: clients copy them into the pool themselves"),

@@ -15,7 +15,7 @@ from storm.copies.cuda_to_pool import CudaToPool
 from storm.errors import StormRequestError
 from storm.frames import KINDS
 from storm.kernels.frame import frame_nbytes
-from stormd.wire.protocol import BITS_FRAME_CODEC, FRAME_CODEC, UPCAST_FRAME_CODEC
+from stormd.wire.protocol import BITS_FRAME_CODEC, FLOAT32_FRAME_CODEC, FRAME_CODEC, UPCAST_FRAME_CODEC
 
 GPU = torch.device("cuda", 0)  # a name only: the fake streams copy nothing
 
@@ -50,7 +50,9 @@ def test_a_raw_put_is_queued_into_its_extent_after_the_ready_event_and_sealed_on
 
 @pytest.mark.parametrize("codec, dtype, framed", [(FRAME_CODEC, "bfloat16", frame_nbytes((8 << 20) // 2)),
                                                   (BITS_FRAME_CODEC, "bool", 16 + (1 << 20)),
-                                                  (UPCAST_FRAME_CODEC, "float32", 16 + (4 << 20))])
+                                                  (UPCAST_FRAME_CODEC, "float32", 16 + (4 << 20)),
+                                                  (FLOAT32_FRAME_CODEC, "float32",
+                                                   -(-frame_nbytes(2 << 20) // 8) * 8 + (4 << 20))])
 def test_a_framed_put_asks_for_the_frames_size_and_lands_with_its_header(worker, codec, dtype, framed):
     store = FakeStore()
     copies, streams = handler(store, worker)
@@ -72,7 +74,7 @@ def test_a_reply_not_in_yet_is_waited_for_on_the_worker(worker):
     assert put.result().nbytes == 4096 and [what for what, _ in streams.queued] == ["to_host"]
 
 
-@pytest.mark.parametrize("codec", ["raw", FRAME_CODEC, BITS_FRAME_CODEC, UPCAST_FRAME_CODEC])
+@pytest.mark.parametrize("codec", ["raw", FRAME_CODEC, BITS_FRAME_CODEC, UPCAST_FRAME_CODEC, FLOAT32_FRAME_CODEC])
 def test_a_get_is_queued_out_of_its_extent_and_decoded_if_framed(worker, codec):
     """The session fetches a key only once its put's event has fired (it let the tensor go then):
     the copy out waits on nothing."""

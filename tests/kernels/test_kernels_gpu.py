@@ -342,3 +342,16 @@ def test_gpu_upcast_frames_are_the_cpu_bytes_and_round_trip() -> None:
     assert torch.equal(frames[0], frames[1]) and torch.equal(frames[2], frames[3])
     out = torch.empty_like(wide, device="cuda")
     assert torch.equal(decode_upcast_frame(frames[1].cuda(), out).cpu().view(torch.int32), wide.view(torch.int32))
+
+
+def test_gpu_float32_frames_decode_on_either_device_to_every_bit() -> None:
+    """Encoded on the GPU (the frame kernels leave escape slots past the count unwritten, so the
+    bytes are compared through decoding), decoded there and on the CPU."""
+    from storm.kernels.float32_frame import decode_float32_frame, encode_float32_frame, float32_frame_nbytes
+    probs = torch.randn(256, 4096).softmax(-1).reshape(-1)
+    frame = torch.empty(float32_frame_nbytes(probs.numel() * 4), dtype=torch.uint8, device="cuda")
+    encode_float32_frame(probs.cuda(), frame)
+    on_gpu = decode_float32_frame(frame, torch.empty_like(probs, device="cuda")).cpu()
+    on_cpu = decode_float32_frame(frame.cpu(), torch.empty_like(probs))
+    assert torch.equal(on_gpu.view(torch.int32), probs.view(torch.int32))
+    assert torch.equal(on_cpu.view(torch.int32), probs.view(torch.int32))

@@ -13,7 +13,7 @@ of every byte would cost more than the copy.
 
 Frames: where the codec setting takes them (storm/frames.py: bf16 tensors of
 at least FRAME_MIN_BYTES in ancf_exp frames, bool ones in bit frames, float32
-ones a conversion made in upcast frames) the
+ones in upcast or float32 frames) the
 mover sends them here as frames, whose size is known before encoding, encoded
 on the GPU on a codec stream beside the copy stream: fewer bytes over the
 link and in the pool. A frame that does not hold its tensor (escapes that did

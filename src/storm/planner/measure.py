@@ -12,7 +12,6 @@ from typing import Any, Iterable, Protocol
 import torch
 
 from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
-from stormd.wire.protocol import UPCAST_FRAME_CODEC
 
 from ..frames import FRAME_MIN_BYTES, KINDS, frame_codec
 from ..stats import OffloadStats
@@ -122,11 +121,10 @@ def link_bandwidth(device: torch.device, nbytes: int = 256 * MiB) -> tuple[float
 def frames_of(saves: Iterable[Any]) -> tuple[int, int, int]:
     """Of these offloaded storages (session.Stored: device, dtype, nbytes), how many codec ``auto``
     puts in frames (frames.frame_codec, as the mover decides), their bytes, and their frames' bytes.
-    Float32 saves are left out: whether one is an upcast, whose frame holds it, its bytes say, and
-    those are not read here (a softmax's output is stored raw after its frame)."""
+    Float32 saves count at their float32 frames' size, upcasts (.float() of bf16) too: whether
+    one is an upcast its bytes say, and those are not read here."""
     framed = [(codec, s.nbytes) for s in saves
-              if (codec := frame_codec("auto", s.device.type, str(s.dtype).removeprefix("torch."), s.nbytes))
-              and codec != UPCAST_FRAME_CODEC]
+              if (codec := frame_codec("auto", s.device.type, str(s.dtype).removeprefix("torch."), s.nbytes))]
     return len(framed), sum(b for _, b in framed), sum(KINDS[codec].nbytes(b) for codec, b in framed)
 
 

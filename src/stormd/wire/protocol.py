@@ -135,7 +135,7 @@ from typing import Any, Callable
 import msgpack
 
 # 2: stormd seals what its own CUDA copies fill; clients send no SEAL for it, which a stormd of 1 needs
-# 3: a PUT's codec may be BITS_FRAME_CODEC or UPCAST_FRAME_CODEC, which a stormd of 2 refuses
+# 3: a PUT's codec may be BITS_FRAME_CODEC, UPCAST_FRAME_CODEC or FLOAT32_FRAME_CODEC, which a stormd of 2 refuses
 PROTOCOL_VERSION = 3
 # Seconds between a client's PINGs while it has nothing else to send: what keeps an idle client's
 # session alive, so stormd's client_timeout must leave room for a few of them.
@@ -205,11 +205,13 @@ CODECS = ("raw", "ancf", "ancf_exp", "huff_exp", "zero", "pack", "zstd")
 # What a PUT may say its bytes are: a codec's serialized form, or a frame, which CUDA tensors are
 # stored in at a size fixed before encoding: ancf_exp's (storm.kernels.frame) for bf16, one bit an
 # element (storm.kernels.bits_frame) for bool, the high halves (storm.kernels.upcast_frame) for
-# float32 widened from bf16.
+# float32 widened from bf16, ancf_exp's on the high halves (storm.kernels.float32_frame) for other
+# float32.
 FRAME_CODEC = "ancf_exp_frame"
 BITS_FRAME_CODEC = "bits_frame"
 UPCAST_FRAME_CODEC = "upcast_frame"
-STORED_CODECS = (*CODECS, FRAME_CODEC, BITS_FRAME_CODEC, UPCAST_FRAME_CODEC)
+FLOAT32_FRAME_CODEC = "float32_frame"
+STORED_CODECS = (*CODECS, FRAME_CODEC, BITS_FRAME_CODEC, UPCAST_FRAME_CODEC, FLOAT32_FRAME_CODEC)
 
 
 class ErrorCode:
