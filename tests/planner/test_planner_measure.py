@@ -16,18 +16,21 @@ import torch
 import storm
 from planner_fakes import MiB, ScriptedMemory, gpt, grads_of, pack_clock, traced_gpt_planner
 from storm.examples.models import same_bits
+from storm.kernels.bits_frame import bits_frame_nbytes
+from storm.kernels.float32_frame import float32_frame_nbytes
 from storm.kernels.frame import frame_nbytes
 from storm.planner import Phase, Plan, Scenario, choose, frames_of, moments, predicted_peak
 from storm.planner.measure import MAX_CHECKS, MAX_SEARCH
 
 
-def test_the_mover_frames_cuda_bf16_storages_of_at_least_4_mib():
+def test_the_mover_frames_cuda_bf16_bool_and_float32_storages_of_at_least_4_mib():
     cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
     saves = [SimpleNamespace(device=d, dtype=t, nbytes=n) for d, t, n in [
-        (cuda, bf16, 4 * MiB), (cuda, bf16, 64 * MiB),                        # framed
-        (cuda, bf16, 4 * MiB - 2), (cuda, torch.float16, 8 * MiB), (cuda, torch.float32, 8 * MiB),
-        (cpu, bf16, 8 * MiB)]]
-    assert frames_of(saves) == (2, 68 * MiB, frame_nbytes(2 * MiB) + frame_nbytes(32 * MiB))
+        (cuda, bf16, 4 * MiB), (cuda, bf16, 64 * MiB), (cuda, torch.bool, 8 * MiB),  # framed
+        (cuda, torch.float32, 8 * MiB),                                             # framed, as codec auto does
+        (cuda, bf16, 4 * MiB - 2), (cuda, torch.float16, 8 * MiB), (cpu, bf16, 8 * MiB)]]
+    assert frames_of(saves) == (4, 84 * MiB, frame_nbytes(2 * MiB) + frame_nbytes(32 * MiB) + bits_frame_nbytes(8 * MiB)
+                                + float32_frame_nbytes(8 * MiB))
     assert frames_of([]) == (0, 0, 0)
 
 
