@@ -24,7 +24,9 @@ def test_probabilities_and_every_special_pattern_round_trip_every_bit():
     frame = framed(t)
     assert complete(frame[:16]) and frame.numel() < t.numel() * 4
     out = torch.empty_like(t)
+    kept = frame.clone()
     assert torch.equal(decode_float32_frame(frame, out).view(torch.int32), t.view(torch.int32))
+    assert torch.equal(frame[:-t.numel() * 2], kept[:-t.numel() * 2])  # the ancf_exp frame is read alone
 
 
 def test_high_halves_of_no_pattern_overflow_the_frame_and_its_decode_refuses():

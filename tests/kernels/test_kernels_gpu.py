@@ -351,7 +351,7 @@ def test_gpu_float32_frames_decode_on_either_device_to_every_bit() -> None:
     probs = torch.randn(256, 4096).softmax(-1).reshape(-1)
     frame = torch.empty(float32_frame_nbytes(probs.numel() * 4), dtype=torch.uint8, device="cuda")
     encode_float32_frame(probs.cuda(), frame)
+    on_cpu = decode_float32_frame(frame.cpu(), torch.empty_like(probs))  # first: decoding writes the frame
     on_gpu = decode_float32_frame(frame, torch.empty_like(probs, device="cuda")).cpu()
-    on_cpu = decode_float32_frame(frame.cpu(), torch.empty_like(probs))
     assert torch.equal(on_gpu.view(torch.int32), probs.view(torch.int32))
     assert torch.equal(on_cpu.view(torch.int32), probs.view(torch.int32))

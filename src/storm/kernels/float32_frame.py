@@ -11,9 +11,10 @@ halves, mantissa bits of no pattern, follow raw:
     low     2n B                  the low halves, in order
 
 The frame's header is the ancf_exp frame's, so ``frame_layout.complete`` reads it as one: where
-the high halves' escapes did not fit, whoever copied it stores the tensor another way. Encoding
-gathers the high halves into a buffer of half the tensor's bytes for the encoder, and decoding
-decodes them into one; both run on the stream of the copy they serve.
+the high halves' escapes did not fit, whoever copied it stores the tensor another way. The low
+halves' place holds the high halves, gathered for the encoder and decoded for the words, before
+(encoding) or after (decoding) it holds the low halves: no buffer of the tensor's size is made.
+Both run in order on one stream, the copy's they serve.
 """
 from __future__ import annotations
 
@@ -41,22 +42,26 @@ def encode_float32_frame(t: torch.Tensor, out: torch.Tensor) -> None:
             f"a float32 frame of {raw.numel()} bytes is {float32_frame_nbytes(raw.numel())} bytes, got {out.numel()}")
     words = raw.view(torch.int16)
     n, at = words.numel() // 2, _low_at(words.numel() // 2)
-    encode_frame(words[1::2].contiguous(), out[:frame_nbytes(n)])
+    staged = out[at:].view(torch.int16)
+    staged.copy_(words[1::2])
+    encode_frame(staged, out[:frame_nbytes(n)])
     out[frame_nbytes(n):at].zero_()
-    out[at:].view(torch.int16).copy_(words[0::2])
+    staged.copy_(words[0::2])
 
 
 def decode_float32_frame(frame: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The words a float32 frame holds, into ``out`` (contiguous, the frame's bytes), where ``frame``
-    is (the ancf_exp frame's checks: kernels.frame.decode_frame)."""
+    is (the ancf_exp frame's checks: kernels.frame.decode_frame). The frame's low halves' place
+    is written: a fetched frame is read once."""
     raw = out.reshape(-1).view(torch.uint8)
     require(out.is_contiguous() and raw.numel() % 4 == 0, "out must be contiguous 32-bit words")
     require(frame.numel() == float32_frame_nbytes(raw.numel()),
             f"a float32 frame of {raw.numel()} bytes is {float32_frame_nbytes(raw.numel())} bytes, got {frame.numel()}")
     words = raw.view(torch.int16)
     n, at = words.numel() // 2, _low_at(words.numel() // 2)
-    words[1::2].copy_(decode_frame(frame[:frame_nbytes(n)], n))
-    words[0::2].copy_(frame[at:].view(torch.int16))
+    staged = frame[at:].view(torch.int16)
+    words[0::2].copy_(staged)
+    words[1::2].copy_(decode_frame(frame[:frame_nbytes(n)], n, out=staged))
     return out
 
 
