@@ -385,8 +385,8 @@ def test_dropout_masks_go_through_bit_frames_bit_exact_and_an_eighth_of_their_by
 def test_float32_upcasts_go_at_their_high_halves_and_other_float32_in_float32_frames_bit_exact(cuda_opts):
     """codec="auto": a float32 save widened from bf16 (a norm's .float(), here pow's input) goes at its
     high halves; a softmax's float32 output in a float32 frame (not a conversion's output); a
-    conversion from float16, whose low halves are not 0, overflows once and its kind goes raw in
-    the next step. The gradients are the same bits in both steps."""
+    conversion from float16, whose low halves are not 0, overflows its upcast frame once and its
+    kind takes float32 frames in the next step. The gradients are the same bits in both steps."""
     from storm.kernels.float32_frame import float32_frame_nbytes
     from storm.kernels.upcast_frame import upcast_frame_nbytes
     x = torch.randn(2048, 4096, device="cuda").to(torch.bfloat16)
@@ -410,10 +410,10 @@ def test_float32_upcasts_go_at_their_high_halves_and_other_float32_in_float32_fr
     (plain, _), (first, st1), (second, st2) = step(None), step(auto), step(auto)
     assert all(same_bits(g, p) for g, p in zip(first + second, plain + plain))
     wide = 2048 * 4096 * 4
-    assert st1.frame_overflows == 1 and st2.frame_overflows == 0  # float16's widening, then its kind raw
-    # the bf16 upcast at its half, the softmax's output in a float32 frame, float16's widening raw
-    framed = upcast_frame_nbytes(wide) + float32_frame_nbytes(wide)
-    assert st2.stored_bytes == st2.offloaded_bytes - 2 * wide + framed, (st2.stored_bytes, st2.offloaded_bytes)
+    assert st1.frame_overflows == 1 and st2.frame_overflows == 0  # float16's widening, then a float32 frame
+    # the bf16 upcast at its half, the softmax's output and float16's widening in float32 frames
+    framed = upcast_frame_nbytes(wide) + 2 * float32_frame_nbytes(wide)
+    assert st2.stored_bytes == st2.offloaded_bytes - 3 * wide + framed, (st2.stored_bytes, st2.offloaded_bytes)
 
 
 def test_a_bool_view_of_other_bytes_is_stored_raw_with_every_byte(cuda_opts):

@@ -433,7 +433,7 @@ def test_a_corrupted_encoding_is_an_integrity_error_not_a_tensor(verify):
 def test_a_put_whose_frame_overflowed_is_stored_again_raw(monkeypatch):
     """The session's side of frames (CUDA tensors only; simulated here): a put that lands incomplete
     is put again, raw, under a new key while its tensor is still held; the old key is freed, and
-    tensors of its kind are stored raw from then on."""
+    tensors of its kind do not take that codec again (here the CPU's auto: raw from then on)."""
     from storm.copies.base import Copy, Landed
     from storm.mover import Mover
     from storm.replies import Resolved

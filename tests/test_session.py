@@ -120,13 +120,13 @@ def test_a_save_is_routed_with_the_name_of_the_op_that_made_it(monkeypatch):
     seen: list[str] = []
     real = session.mover.route
 
-    def route(source, dtype, codec, producer=""):
-        seen.append(producer)
-        return real(source, dtype, codec, producer)
+    def route(source, dtype, codec, producer="", refused=()):
+        seen.append((producer, refused))
+        return real(source, dtype, codec, producer, refused)
 
     monkeypatch.setattr(session.mover, "route", route)
     x = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
     with storm.offload(mode="embedded", min_bytes=0):
         loss = x.float().pow(2).sum()  # pow saves the conversion's output
     loss.backward()
-    assert seen == ["ToCopyBackward0"]
+    assert seen == [("ToCopyBackward0", frozenset())]  # no frame of its kind overflowed

@@ -8,7 +8,8 @@ encoding (the copy is queued before the encoder has run), its encoder and its de
   from bf16 (a norm's or a loss's ``.float()``), with codec ``auto``, for the output of a dtype
   conversion (``WIDENING``) alone: other float32 tensors' low halves are not 0, and an upcast
   frame of one would be stored again raw after a copy that bought nothing. A conversion from
-  another dtype (float16, an integer) overflows so once, and its kind is stored raw from then on;
+  another dtype (float16, an integer) overflows so once, and its kind takes float32 frames from
+  then on;
 - ``FLOAT32_FRAME_CODEC`` (storm.kernels.float32_frame): codec b on the high halves of the other
   float32 tensors (a softmax's probabilities, a loss's log-probabilities, a float32 model's
   activations), the low halves raw, with codec ``auto``.
@@ -19,7 +20,7 @@ time at any size, while what it saves on the link shrinks with the size.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, Collection, NamedTuple
 
 import torch
 
@@ -58,14 +59,17 @@ _TAKES = {FRAME_CODEC: (("auto", "ancf_exp"), "bfloat16", 2), BITS_FRAME_CODEC: 
           UPCAST_FRAME_CODEC: (("auto",), "float32", 4), FLOAT32_FRAME_CODEC: (("auto",), "float32", 4)}
 
 
-def frame_codec(setting: str | None, device_type: str, dtype: str, nbytes: int, producer: str = "") -> str | None:
+def frame_codec(setting: str | None, device_type: str, dtype: str, nbytes: int, producer: str = "",
+                refused: Collection[str] = ()) -> str | None:
     """The frame a storage goes in under codec ``setting``, of this device type, saved view dtype,
     size and producer (its grad_fn's name), or None (raw): CUDA, at least FRAME_MIN_BYTES, whole
-    words of the dtype; an upcast frame for a conversion's output, a float32 frame for the rest."""
+    words of the dtype; an upcast frame for a conversion's output, a float32 frame for the rest
+    (and for a conversion from float16, whose upcast frame overflowed: ``refused``, the frames
+    that overflowed for saves of its kind, which it does not take again)."""
     if device_type != "cuda" or nbytes < FRAME_MIN_BYTES:
         return None
     for codec, (settings, takes, word) in _TAKES.items():
-        if setting in settings and dtype == takes and nbytes % word == 0 \
+        if setting in settings and dtype == takes and nbytes % word == 0 and codec not in refused \
                 and (codec != UPCAST_FRAME_CODEC or producer == WIDENING):
             return codec
     return None

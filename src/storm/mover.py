@@ -28,7 +28,7 @@ import itertools
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 
@@ -94,16 +94,17 @@ class Mover:
             s = self._streams[device.index] = DeviceStreams(device)
         return s
 
-    def route(self, source: torch.UntypedStorage, dtype: str, codec: str,
-              producer: str = "") -> tuple[Route, str, tuple[bytes, int] | None]:
+    def route(self, source: torch.UntypedStorage, dtype: str, codec: str, producer: str = "",
+              refused: Collection[str] = ()) -> tuple[Route, str, tuple[bytes, int] | None]:
         """A save's route, decided once: which handler copies ``source`` (of the saved view's ``dtype``
         name, made by ``producer``: its grad_fn's name) both ways, the codec it stores it with, given
-        the step's codec setting, and for stormd's
+        the step's codec setting and the codecs whose encoding did not hold a save of its kind
+        (``refused``: not taken again), and for stormd's
         copies the memory's IPC handle and offset. CPU tensors take the codec setting; CUDA tensors a
         frame where a frame codec takes them (this process encodes and copies those), else raw."""
         if not source.is_cuda:
-            return Route.HOST, codec, None
-        framed = frame_codec(codec, "cuda", dtype, source.nbytes(), producer)
+            return Route.HOST, "raw" if codec in refused else codec, None
+        framed = frame_codec(codec, "cuda", dtype, source.nbytes(), producer, refused)
         if framed is not None:
             return Route.OWN, framed, None
         device = source.device

@@ -66,7 +66,9 @@ class ClientSession:
         self._reading: collections.deque[tuple[list[Any], int]] = collections.deque()
         self.last_candidate_bytes: int | None = None
         self._refusals = Refusals()
-        self._raw_kinds: set[tuple[Any, ...]] = set()  # Stored.kind whose frame overflowed: stored raw
+        # Stored.kind -> the codecs whose frame overflowed for it: its saves take the next frame
+        # that takes them, or go raw (mover.route, frames.frame_codec)
+        self._overflowed: dict[tuple[Any, ...], frozenset[str]] = {}
         self.closed = False  # by close_all(): the store's bytes are gone, and saves have nowhere to go
 
     @property
@@ -203,9 +205,7 @@ class ClientSession:
         meta = {"dtype": dtype, "shape": list(t.shape), "strides": list(t.stride()),
                 "storage_offset": t.storage_offset()}
         with self._lock:  # the store, its route and the key together: the session may move on to another store
-            kind = kind_of(t)
-            codec = self._codec(step, kind, compiled)
-            route, codec, ipc = self.mover.route(storage, dtype, codec, kind[0])  # decided once: it serves the get too
+            route, codec, ipc = self._route(storage, dtype, step, kind_of(t), compiled)  # once: it serves the get too
             ready = record_ready(t.device, interprocess=route is Route.DAEMON) if t.is_cuda else None
             stored = Stored(next_key(), step, t, StorageWeakRef(storage), nbytes, route)
             if compiled:
@@ -223,9 +223,12 @@ class ClientSession:
             self.copy_queue.drain(drain_to)
         return handle
 
-    def _codec(self, step: Step, kind: tuple[Any, ...], compiled: bool) -> str:
-        """The codec setting a save of ``kind`` takes to the current store (its route decides the codec)."""
-        return "raw" if compiled or kind in self._raw_kinds else step.options.codec or self.backend.codec
+    def _route(self, source: torch.UntypedStorage, dtype: str, step: Step, kind: tuple[Any, ...],
+               compiled: bool) -> tuple[Route, str, tuple[bytes, int] | None]:
+        """The route and codec of a save of ``kind`` to the current store (mover.route), by the step's
+        codec setting, raw for a compiled graph's save, and past the frames that overflowed for its kind."""
+        codec = "raw" if compiled else step.options.codec or self.backend.codec
+        return self.mover.route(source, dtype, codec, kind[0], self._overflowed.get(kind, frozenset()))
 
     def _handle(self, stored: Stored, t: torch.Tensor, index: int) -> Handle:
         """A new Handle onto ``stored`` for a save of ``t`` that came after ``index`` offloaded saves of
@@ -308,18 +311,18 @@ class ClientSession:
 
     def _put_again(self, stored: Stored, landed: bool, raw: bool = False) -> list[int]:
         """Store ``stored``, still held, again under a new key in the current store: raw when its frame had
-        more escapes than slots (its kind is stored raw from now on), else because the daemon of the
-        store it went to stopped (its route is the current store's). Returns the old key to free,
-        where its put ``landed``."""
+        more escapes than slots (its kind takes another frame or none from now on), else because the
+        daemon of the store it went to stopped (its route is the current store's). Returns the old key
+        to free, where its put ``landed``."""
         old, stored.key = stored.key, next_key()
         req = stored.request
         if raw:
-            self._raw_kinds.add(stored.kind)
+            self._overflowed[stored.kind] = self._overflowed.get(stored.kind, frozenset()) | {req.codec}
             stored.step.stats.record(stored.layer, frame_overflows=1)
             req = dataclasses.replace(req, key=stored.key, codec="raw")
         else:
-            codec = self._codec(stored.step, stored.kind, stored.version is None)
-            route, codec, ipc = self.mover.route(req.source, req.meta["dtype"], codec, stored.kind[0])
+            route, codec, ipc = self._route(req.source, req.meta["dtype"], stored.step, stored.kind,
+                                            stored.version is None)
             stored.facts = dataclasses.replace(stored.facts, route=route)
             req = dataclasses.replace(req, key=stored.key, route=route, codec=codec, ipc=ipc)
         stored.request = req

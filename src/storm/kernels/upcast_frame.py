@@ -6,10 +6,10 @@ or a loss's ``.float()`` makes them) at their high halves, for copy streams.
 
 The flag is 1 where a low half is not 0: one high half cannot hold that word, and the frame is
 incomplete (frame_layout.complete): whoever copied it stores the tensor another way (the session
-stores it raw, and tensors of its kind raw from then on, as it does an overflowing ancf_exp
-frame). The halves are read as strided views of the words: the flag is two reductions and the
-high halves one copy, with no temporary of the tensor's size. Words are little-endian, as on
-every machine torch's CUDA runs on: a word's low half comes first.
+stores it raw, and tensors of its kind in float32 frames from then on: storm/frames.py). The
+halves are read as strided views of the words: the flag is two reductions and the high halves
+one copy, with no temporary of the tensor's size. Words are little-endian, as on every machine
+torch's CUDA runs on: a word's low half comes first.
 """
 from __future__ import annotations
 
