@@ -15,6 +15,9 @@ Per kind: the bytes, their share, and a bound on what an exponent codec sends (s
 coded at their empirical entropy per tensor, the mantissa's bits sent as they are: what a codec
 of the ancf_exp family can reach, not what one does). The bound for all saves, as a fraction of
 their bytes, says whether such codecs can shrink a link-bound step's bytes as far as it needs.
+Beside it, ``auto_x``: what ``codec="auto"`` sends of each kind on CUDA (storm/frames.py), each
+save encoded in the frame it would take, and where that frame overflows in the next one, as a
+step after the first sends (a save's size is the cell's own batch's for the 4 MiB threshold).
 
     python bench/saves.py --cell t5-wide --batch 1 --out bench/results/saves-t5-cpu-<date>-<commit>.json
 
@@ -34,6 +37,8 @@ from hf import HF
 from zoo import CELLS
 
 from common import write
+from storm.frames import KINDS, frame_codec
+from storm.kernels.frame_layout import complete
 
 MiB = 1 << 20
 MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
@@ -70,33 +75,56 @@ def bound_bits(t: torch.Tensor, k: str) -> float:
     return n * (entropy + mantissa)
 
 
-def saves(w: HF, device: torch.device) -> dict:
-    """One forward of ``w``: per kind, the bytes saved and the exponent codec's bound."""
+def sent_by_auto(t: torch.Tensor, producer: str, scale: float) -> int:
+    """The bytes codec auto sends of ``t``'s storage on CUDA in a step after the first: the frame
+    it takes, or the next where that one overflows, or its bytes (frames.frame_codec; the 4 MiB
+    threshold read at ``scale`` times the storage's size)."""
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+    dtype, refused = str(t.dtype).removeprefix("torch."), set()
+    while (codec := frame_codec("auto", "cuda", dtype, int(nbytes * scale), producer, refused)) is not None:
+        frame = torch.empty(KINDS[codec].nbytes(nbytes), dtype=torch.uint8, device=t.device)
+        KINDS[codec].encode(raw, frame)
+        if complete(frame[:16].cpu()):
+            return frame.numel()
+        refused.add(codec)
+    return nbytes
+
+
+def saves(w: HF, device: torch.device, scale: float = 1.0) -> dict:
+    """One forward of ``w``: per kind, the bytes saved, the exponent codec's bound and what codec
+    auto sends (``scale``: the cell's batch over ``w``'s)."""
     model, ids = w.build(device)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
-    seen: dict[int, torch.Tensor] = {}
+    seen: dict[int, tuple[torch.Tensor, str]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage()._cdata
         if key not in params and key not in seen:
-            seen[key] = t.detach()
+            seen[key] = t.detach(), type(t.grad_fn).__name__ if t.grad_fn is not None else ""
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = w.forward(model, ids)
     del loss
-    rows: dict[str, dict[str, float]] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "bound_bytes": 0.0})
-    for t in seen.values():
+    rows: dict[str, dict[str, float]] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "bound_bytes": 0.0,
+                                                             "auto_bytes": 0})
+    for t, producer in seen.values():
         k = kind(t)
         r = rows[k]
         r["tensors"] += 1
         r["bytes"] += t.untyped_storage().nbytes()
         r["bound_bytes"] += bound_bits(t, k) / 8
+        r["auto_bytes"] += sent_by_auto(t, producer, scale)
     total = sum(r["bytes"] for r in rows.values())
     bound = sum(r["bound_bytes"] for r in rows.values())
+    auto = sum(r["auto_bytes"] for r in rows.values())
     return {"saved_MiB": round(total / MiB, 1), "bound_x": round(bound / total, 3) if total else None,
+            "auto_x": round(auto / total, 3) if total else None,
             "kinds": {k: {"tensors": r["tensors"], "MiB": round(r["bytes"] / MiB, 1),
-                          "share": round(r["bytes"] / total, 3), "bound_x": round(r["bound_bytes"] / r["bytes"], 3)}
+                          "share": round(r["bytes"] / total, 3), "bound_x": round(r["bound_bytes"] / r["bytes"], 3),
+                          "auto_x": round(r["auto_bytes"] / r["bytes"], 3)}
                       for k, r in sorted(rows.items(), key=lambda kv: -kv[1]["bytes"])}}
 
 
@@ -110,16 +138,17 @@ def main() -> int:
     args = ap.parse_args()
     out = {}
     for name in args.cell:
-        w = CELLS[name]
+        cell = CELLS[name]
         changes = {k: v for k, v in (("batch", args.batch), ("layers", args.layers)) if v is not None}
-        w = dataclasses.replace(w, **changes)
-        out[name] = {"batch": w.batch, "seq": w.seq, "layers": w.layers, **saves(w, torch.device(args.device))}
+        w = dataclasses.replace(cell, **changes)
+        out[name] = {"batch": w.batch, "seq": w.seq, "layers": w.layers,
+                     **saves(w, torch.device(args.device), cell.batch / w.batch)}
         r = out[name]
         print(f"{name} (batch {w.batch}, {w.layers} layers): {r['saved_MiB']} MiB saved, exponent-codec bound "
-              f"{r['bound_x']} of the bytes", flush=True)
+              f"{r['bound_x']} of the bytes, codec auto sends {r['auto_x']}", flush=True)
         for k, v in r["kinds"].items():
             print(f"  {k:9s} {v['tensors']:5d} tensors {v['MiB']:10.1f} MiB  share {v['share']:.3f}  "
-                  f"bound {v['bound_x']:.3f}", flush=True)
+                  f"bound {v['bound_x']:.3f}  auto {v['auto_x']:.3f}", flush=True)
     if args.out:
         write(args.out, {"cells": out}, torch.device(args.device))
     return 0
