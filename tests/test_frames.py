@@ -60,3 +60,15 @@ def test_a_kind_whose_frame_overflowed_takes_the_next_frame_or_none():
     assert frame_codec(*wide, refused={UPCAST_FRAME_CODEC}) == FLOAT32_FRAME_CODEC
     assert frame_codec(*wide, refused={UPCAST_FRAME_CODEC, FLOAT32_FRAME_CODEC}) is None
     assert frame_codec("auto", "cuda", "bfloat16", FRAME_MIN_BYTES, refused={FRAME_CODEC}) is None
+
+
+@pytest.mark.parametrize("codec", [UPCAST_FRAME_CODEC, FLOAT32_FRAME_CODEC])
+def test_a_32_bit_frame_refuses_another_size_and_bytes_not_in_words(codec):
+    from storm.kernels.container import CorruptEncodedError
+    kind = KINDS[codec]
+    frame = torch.empty(kind.nbytes(64 * 4), dtype=torch.uint8)
+    kind.encode(torch.zeros(64).view(torch.uint8), frame)
+    with pytest.raises(CorruptEncodedError, match="frame of 260 bytes"):
+        kind.decode(frame, torch.empty(65 * 4, dtype=torch.uint8))
+    with pytest.raises(CorruptEncodedError, match="32-bit words"):
+        kind.encode(torch.zeros(6, dtype=torch.uint8), torch.empty(64, dtype=torch.uint8))
