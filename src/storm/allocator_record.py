@@ -104,13 +104,11 @@ def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Co
     at: list[int] = []
     i = 0
     for address in marks:
-        while i < len(events) and not (events[i]["action"] == "alloc" and events[i]["addr"] == address
-                                       and events[i]["size"] == MARK_BYTES):
-            i += 1
-        if i == len(events):
+        found = _mark_at(events, address, i)
+        if found is None:
             return None
-        at.append(i)
-        i += 1
+        at.append(found)
+        i = found + 1
     if not at:
         return Replay([], [], [range(0) for _ in addresses])
     own = {events[i]["stream"] for i in at}  # the streams the readings were made on
@@ -168,8 +166,7 @@ def peak(events: list[dict[str, Any]], mark: int) -> int | None:
     (STORM's copies count: they are on the device as much as the step's own tensors), from there
     until the record ends: a step's peak, read from its first save. None where the mark is not
     in the record."""
-    at = next((i for i, e in enumerate(events) if e["action"] == "alloc" and e["addr"] == mark
-               and e["size"] == MARK_BYTES), None)
+    at = _mark_at(events, mark, 0)
     if at is None:
         return None
     level = high = 0
@@ -184,3 +181,10 @@ def peak(events: list[dict[str, Any]], mark: int) -> int | None:
             else:
                 level -= e["size"]
     return high
+
+
+def _mark_at(events: list[dict[str, Any]], mark: int, start: int) -> int | None:
+    """The index of ``mark``'s allocation in the record, from ``start`` on (an allocation of
+    MARK_BYTES at its address); None where the record does not have it."""
+    return next((i for i in range(start, len(events)) if events[i]["action"] == "alloc"
+                 and events[i]["addr"] == mark and events[i]["size"] == MARK_BYTES), None)

@@ -289,7 +289,6 @@ class Rooms:
                 profile.rises, profile.frees, profile.counted = found.rises, found.frees, found.counted
 
 
-
 def _allocated(device: torch.device) -> int | None:
     """The caching allocator's bytes on a CUDA device now; None elsewhere (nothing to profile)."""
     return allocated(device) if device.type == "cuda" else None
