@@ -298,9 +298,13 @@ def test_recomputed_blocks_under_cuda_autocast_bit_exact():
 def test_the_planner_measures_what_frames_cost_on_the_device():
     """Frames' host time per tensor and device time per GiB, as storm.plan charges them: positive,
     and the device's no faster than an H200's memory allows (encoding reads the raw bytes and
-    decoding writes them: 2 bytes moved per byte framed, at most 4.8 TB/s)."""
+    decoding writes them: 2 bytes moved per byte framed, at most 4.8 TB/s). It draws nothing
+    from the program's generator: a trace measured between a seed and the step would change the
+    step's dropout masks."""
     from storm.planner import frame_costs
+    rng = torch.cuda.get_rng_state()
     host_ms, device_ms_per_GiB = frame_costs(torch.device("cuda"))
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
     assert 0 < host_ms < 50
     assert 2 * 1.074 / 4.8 < device_ms_per_GiB < 100, device_ms_per_GiB
 

@@ -193,7 +193,7 @@ def test_a_given_plan_is_applied_and_backward_progress_drives_prefetch(monkeypat
     planner.close()
 
 
-@pytest.mark.parametrize("given, passed", [({}, "ancf_exp"), ({"codec": "raw"}, "raw")])
+@pytest.mark.parametrize("given, passed", [({}, "auto"), ({"codec": "raw"}, "raw")])
 def test_a_compressed_plan_offloads_with_a_frame_codec_unless_the_user_gave_one(given, passed):
     model, idx = gpt()
     ref = grads_of(copy.deepcopy(model), idx)
@@ -212,7 +212,7 @@ def test_a_raw_plan_says_raw_where_frames_were_weighed():
     that a daemon whose codec setting frames CUDA tensors does not frame them behind its back."""
     model, idx = gpt()
     planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0,
-                            frames_of=lambda saves: (1, 8 * MiB, 6 * MiB), chooser=fixed_plan(2, set()))
+                            frames_of=lambda saves, setting: (1, 8 * MiB, 6 * MiB), chooser=fixed_plan(2, set()))
     for _ in range(3):
         ctx = planner.step()
         grads_of(model, idx, ctx)

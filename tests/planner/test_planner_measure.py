@@ -31,6 +31,7 @@ def test_the_mover_frames_cuda_bf16_bool_and_float32_storages_of_at_least_4_mib(
         (cuda, bf16, 4 * MiB - 2), (cuda, torch.float16, 8 * MiB), (cpu, bf16, 8 * MiB)]]
     assert frames_of(saves) == (4, 84 * MiB, frame_nbytes(2 * MiB) + frame_nbytes(32 * MiB) + bits_frame_nbytes(8 * MiB)
                                 + float32_frame_nbytes(8 * MiB))
+    assert frames_of(saves, "ancf_exp") == (2, 68 * MiB, frame_nbytes(2 * MiB) + frame_nbytes(32 * MiB))  # bf16 alone
     assert frames_of([]) == (0, 0, 0)
 
 

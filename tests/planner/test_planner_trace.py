@@ -55,7 +55,7 @@ def test_cpu_blocks_are_planned_raw_and_explained():
 def test_the_offload_trace_reads_each_blocks_own_storages():
     """What a frame codec would frame is read from the storages each block offloaded: here, as
     if it framed every one."""
-    def every(saves):
+    def every(saves, setting):
         saves = list(saves)
         return len(saves), sum(s.nbytes for s in saves), 0
 

@@ -244,7 +244,7 @@ def _codec(t: Trace, p: Plan, given: bool) -> str:
     framed_bytes, frame_bytes = sum(b.framed_bytes for b in offloaded), sum(b.frame_bytes for b in offloaded)
     if frame_bytes >= framed_bytes:
         return (f"offloaded tensors go raw (codec{given_text}): none would be compressed (compression is for "
-                f"CUDA bf16 and bool tensors of at least {FRAME_MIN_BYTES / MiB:g} MiB)")
+                f"CUDA bf16, bool and float32 tensors of at least {FRAME_MIN_BYTES / MiB:g} MiB)")
     raw, compressed = (Offloading.of(t, p.offloaded, p.max_held_bytes, c, p.inputs_offloaded)[0] for c in (False, True))
     framed = sum(b.framed for b in offloaded)
     return (f"offloaded tensors go {'compressed' if p.compressed else 'raw'} (codec{given_text}): predicted link "

@@ -118,13 +118,13 @@ def link_bandwidth(device: torch.device, nbytes: int = 256 * MiB) -> tuple[float
     return out[0], out[1]
 
 
-def frames_of(saves: Iterable[Any]) -> tuple[int, int, int]:
-    """Of these offloaded storages (session.Stored: device, dtype, nbytes), how many codec ``auto``
-    puts in frames (frames.frame_codec, as the mover decides), their bytes, and their frames' bytes.
-    Float32 saves count at their float32 frames' size, upcasts (.float() of bf16) too: whether
-    one is an upcast its bytes say, and those are not read here."""
+def frames_of(saves: Iterable[Any], setting: str = "auto") -> tuple[int, int, int]:
+    """Of these offloaded storages (session.Stored: device, dtype, nbytes), how many codec ``setting``
+    (a frame codec) puts in frames (frames.frame_codec, as the mover decides), their bytes, and their
+    frames' bytes. Float32 saves count at their float32 frames' size, upcasts (.float() of bf16) too:
+    whether one is an upcast its bytes say, and those are not read here."""
     framed = [(codec, s.nbytes) for s in saves
-              if (codec := frame_codec("auto", s.device.type, str(s.dtype).removeprefix("torch."), s.nbytes))]
+              if (codec := frame_codec(setting, s.device.type, str(s.dtype).removeprefix("torch."), s.nbytes))]
     return len(framed), sum(b for _, b in framed), sum(KINDS[codec].nbytes(b) for codec, b in framed)
 
 
@@ -136,7 +136,11 @@ def frame_costs(device: torch.device, repeats: int = 5) -> tuple[float, float]:
     where nothing is framed."""
     if device.type != "cuda":
         return 0.0, 0.0
-    small, large = (torch.randn(n // 2, dtype=torch.bfloat16, device=device)
+    # a generator of its own: the default one's draws are the program's (its dropout masks), and
+    # a trace measured between a seed and the step it seeds would change what the step draws
+    gen = torch.Generator(device=device)
+    gen.manual_seed(0)
+    small, large = (torch.randn(n // 2, dtype=torch.bfloat16, device=device, generator=gen)
                     for n in (FRAME_MIN_BYTES, FRAME_DEVICE_BYTES))
 
     def code(t: torch.Tensor) -> None:

@@ -84,7 +84,7 @@ class Plan:
     predicted_cost_ms: float       # step time over no offload
     fits: bool
     in_flight_bytes: int = 0       # offloaded bytes (and frames) the peak counts as still on the device
-    compressed: bool = False       # offloaded tensors go in frames where they can (codec "ancf_exp")
+    compressed: bool = False       # offloaded tensors go in frames where they can (codec "auto")
     reentrant: bool = True         # recomputed blocks in Recompute's reentrant form, else torch's non-reentrant
     inputs_offloaded: int = 0      # blocks[offloaded:offloaded + this] (in recomputed) have their inputs offloaded
     # bytes a step of this plan was measured over its target (negative: under); None: not measured.

@@ -331,7 +331,7 @@ def plan_context(planner: Driver) -> Offload:
     p, trace = planner.plan, planner.trace
     assert p is not None and trace is not None
     framing = p.compressed or any(b.framed for b in trace.blocks)
-    codec = {"codec": "ancf_exp" if p.compressed else "raw"} if framing else {}
+    codec = {"codec": "auto" if p.compressed else "raw"} if framing else {}
     return Offload(**{"max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes, **codec,
                       **planner.options}, budget=p.offload_budget)
 

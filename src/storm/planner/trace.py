@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ..frames import FRAME_CODECS
 from ..hooks import Offload
 from ..policy import Keep
 from ..recompute import Recompute
@@ -35,7 +36,7 @@ MiB = 1 << 20
 FIRST_CALL_RATIO = 2.0
 FIRST_CALL_MS = 1.0
 
-Frames = Callable[[Iterable[Any]], tuple[int, int, int]]  # measure.frames_of's signature
+Frames = Callable[[Iterable[Any], str], tuple[int, int, int]]  # measure.frames_of's signature
 
 
 class OffloadTrace:
@@ -46,6 +47,8 @@ class OffloadTrace:
     def __init__(self, hooks: BlockHooks, options: dict[str, Any], frames_of: Frames, model: nn.Module | None = None):
         hooks.recompute(set())
         self.hooks, self.frames_of = hooks, frames_of
+        # the frame codec a compressed plan's steps take: the user's, else auto (phases.plan_context)
+        self.frame_setting = options["codec"] if options.get("codec") in FRAME_CODECS else "auto"
         self.outside = OutsideSaves(hooks.blocks, model)
         self.ctx = ctx = TracedStep(self.outside, **{**options, "codec": "raw"})
         self.signature: tuple = ()  # block 0's inputs' shapes in each forward, which the trace holds for
@@ -109,7 +112,7 @@ class OffloadTrace:
         blocks = []
         for i in range(n):
             spans = [(calls[c * n + i][0][1], calls[c * n + i][1][1]) for c in range(forwards)]
-            framed, framed_bytes, frame_bytes = (sum(f) for f in zip(*(self.frames_of(order[s0:s1])
+            framed, framed_bytes, frame_bytes = (sum(f) for f in zip(*(self.frames_of(order[s0:s1], self.frame_setting)
                                                                       for s0, s1 in spans)))
             storages = self.arg_storages[i]
             shared = [ptr for ptr in storages if ptr in self.shared]
