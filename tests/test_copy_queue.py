@@ -38,13 +38,15 @@ def queue_and_waits() -> tuple[CopyQueue, list[int]]:
     return queue, []
 
 
-def save(queue: CopyQueue, step: Step, nbytes: int, waited: list[int]) -> tuple[Stored, int | None]:
-    """An offloaded save of ``nbytes``, its put begun, added to the queue; and what add says to drain to."""
+def save(queue: CopyQueue, step: Step, nbytes: int, waited: list[int],
+         frame: int = 0) -> tuple[Stored, int | None]:
+    """An offloaded save of ``nbytes``, its put begun (encoded into a frame of ``frame`` bytes where
+    not 0), added to the queue; and what add says to drain to."""
     t = torch.empty(nbytes, dtype=torch.uint8)
     stored = Stored(len(step.order) + 1, step, t, StorageWeakRef(t.untyped_storage()), nbytes)
     step.order.append(stored)
     stored.copy_in = Put(stored.key, waited)
-    return stored, queue.add(stored, step)
+    return stored, queue.add(stored, step, frame)
 
 
 def test_over_its_limit_a_save_drains_the_queue_by_its_oldest_copy():
@@ -53,6 +55,17 @@ def test_over_its_limit_a_save_drains_the_queue_by_its_oldest_copy():
     assert save(queue, step, 60, waited)[1] is None
     assert save(queue, step, 60, waited)[1] == 60  # over by less than one save: the oldest's wait is enough
     assert queue.nbytes == 120 and waited == []
+
+
+def test_a_save_encoded_into_a_frame_holds_its_frame_too_until_its_copy_is_done():
+    """The frame the encoder writes stays on the device beside the save until the copy has read it:
+    the queue's limit bounds both."""
+    queue, waited = queue_and_waits()
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=100))
+    assert save(queue, step, 40, waited, frame=30)[1] is None and queue.nbytes == 70
+    assert save(queue, step, 40, waited, frame=30)[1] == 70  # 140 held: over by what the oldest holds
+    queue.drain(70)
+    assert waited == [1] and queue.nbytes == 70
 
 
 def test_drain_waits_oldest_first_until_the_queue_is_within_the_limit():

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from storm.frames import FRAME_MIN_BYTES, KINDS, frame_codec
+from storm.frames import FRAME_MIN_BYTES, KINDS, frame_bytes, frame_codec
+from storm.kernels.bits_frame import bits_frame_nbytes
+from storm.kernels.frame import frame_nbytes
 from stormd.wire.protocol import BITS_FRAME_CODEC, FLOAT32_FRAME_CODEC, FRAME_CODEC, STORED_CODECS, UPCAST_FRAME_CODEC
 
 
@@ -72,3 +74,11 @@ def test_a_32_bit_frame_refuses_another_size_and_bytes_not_in_words(codec):
         kind.decode(frame, torch.empty(65 * 4, dtype=torch.uint8))
     with pytest.raises(CorruptEncodedError, match="32-bit words"):
         kind.encode(torch.zeros(6, dtype=torch.uint8), torch.empty(64, dtype=torch.uint8))
+
+
+def test_the_device_bytes_of_a_routes_frame():
+    """What encoding a save into its route's frame adds on the device while it waits for its copy:
+    the frame's size for a frame codec, nothing for a codec that makes none on the device."""
+    assert frame_bytes(FRAME_CODEC, 8 << 20) == frame_nbytes(4 << 20)
+    assert frame_bytes(BITS_FRAME_CODEC, 8 << 20) == bits_frame_nbytes(8 << 20)
+    assert frame_bytes("raw", 8 << 20) == frame_bytes("ancf_exp", 8 << 20) == 0  # a CPU codec's

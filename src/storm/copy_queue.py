@@ -1,9 +1,10 @@
 """The copy queue: offloaded saves still on the device, waiting for their copy into the store.
 
 A save's tensor stays alive until its put has landed, so the queue's bytes sit on the device
-beside what the step holds anyway. Saving waits on the oldest copy once the queue is over its
-step's limit (``limit``: ``max_held_bytes``, more past a budget, less under a full-offload step's
-room, which rooms.py chooses), and ``drain`` waits until it is within one.
+beside what the step holds anyway, with the frame it is encoded into where it is one
+(storm/frames.py). Saving waits on the oldest copy once the queue is over its step's limit
+(``limit``: ``max_held_bytes``, more past a budget, less under a full-offload step's room, which
+rooms.py chooses), and ``drain`` waits until it is within one.
 
 What becomes of a save whose copy is done (released, stored again, forgotten) is the session's
 (storm/session.py): it calls every method here under its lock, except ``drain``, which takes
@@ -27,22 +28,25 @@ class CopyQueue:
     def __init__(self, poll: Callable[[], None], lock: AbstractContextManager[Any]):
         self._poll = poll
         self._lock = lock
-        self._saves: collections.deque[Stored] = collections.deque()  # oldest first: copies finish about in order
-        self.nbytes = 0  # the bytes of those saves
+        # oldest first (copies finish about in order), each with the device bytes its wait holds
+        self._saves: collections.deque[tuple[Stored, int]] = collections.deque()
+        self.nbytes = 0  # the device bytes of those saves
         self.last_past_budget_bytes = 0  # saved past the budget in the last step that had one
 
-    def add(self, stored: Stored, step: Step) -> int | None:
-        """``stored``, saved in ``step``, waits for its put, just begun. Returns what to drain the
+    def add(self, stored: Stored, step: Step, frame_nbytes: int = 0) -> int | None:
+        """``stored``, saved in ``step``, waits for its put, just begun, encoded into a frame of
+        ``frame_nbytes`` on the device where it is (0: copied as it is). Returns what to drain the
         queue to (outside the lock) when it is over the step's limit, else None: the oldest copy
         is waited for (the queue may stay over by part of a save, and the link has the rest while
         the next op computes); with a room, until the queue is within it: its limit falls where
         the step's own memory rises."""
-        self._saves.append(stored)
-        self.nbytes += stored.nbytes
+        held = stored.nbytes + frame_nbytes
+        self._saves.append((stored, held))
+        self.nbytes += held
         limit = self.limit(step)
         if self.nbytes <= limit:
             return None
-        return limit if step.room is not None else self.nbytes - self._saves[0].nbytes
+        return limit if step.room is not None else self.nbytes - self._saves[0][1]
 
     def limit(self, step: Step) -> int:
         """Bytes that may wait for their copy. Forward's peak is at its end, and past the budget
@@ -58,7 +62,7 @@ class CopyQueue:
     def copied(self) -> Stored | None:
         """The oldest save if its copy has finished, else None."""
         try:
-            oldest = self._saves[0]
+            oldest = self._saves[0][0]
         except IndexError:  # empty (poll looks without the lock: another thread may empty it)
             return None
         # read once: without the lock, another thread may pop and release this save (its copy_in
@@ -68,13 +72,13 @@ class CopyQueue:
 
     def pop(self) -> Stored:
         """The oldest save, out of the queue: its copy has finished (``copied``)."""
-        stored = self._saves.popleft()
-        self.nbytes -= stored.nbytes
+        stored, held = self._saves.popleft()
+        self.nbytes -= held
         return stored
 
     def copies(self) -> list[Copy]:
         """The puts the saves in the queue wait for, oldest first."""
-        return [s.copy_in for s in self._saves if s.copy_in is not None]
+        return [s.copy_in for s, _ in self._saves if s.copy_in is not None]
 
     def drain(self, limit: int) -> None:
         """Let go of saved tensors whose copy has finished, then wait, oldest first, until at most
@@ -84,7 +88,7 @@ class CopyQueue:
             with self._lock:
                 if self.nbytes <= limit or not self._saves:
                     break
-                oldest = self._saves[0].copy_in
+                oldest = self._saves[0][0].copy_in
             if oldest is not None:  # None: let go of since the look; the poll takes it out
                 oldest.wait()
             self._poll()
@@ -100,4 +104,4 @@ class CopyQueue:
 
     def addresses(self) -> list[int]:
         """The device addresses of the saves waiting whose tensors are still held."""
-        return [s.tensor.untyped_storage().data_ptr() for s in self._saves if s.tensor is not None]
+        return [s.tensor.untyped_storage().data_ptr() for s, _ in self._saves if s.tensor is not None]

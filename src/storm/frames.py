@@ -59,6 +59,13 @@ _TAKES = {FRAME_CODEC: (("auto", "ancf_exp"), "bfloat16", 2), BITS_FRAME_CODEC: 
           UPCAST_FRAME_CODEC: (("auto",), "float32", 4), FLOAT32_FRAME_CODEC: (("auto",), "float32", 4)}
 
 
+def frame_bytes(codec: str, nbytes: int) -> int:
+    """The device bytes of the frame a storage of ``nbytes`` is encoded into under the codec its
+    route gave it (mover.route), 0 for a codec that makes none on the device."""
+    kind = KINDS.get(codec)
+    return 0 if kind is None else kind.nbytes(nbytes)
+
+
 def frame_codec(setting: str | None, device_type: str, dtype: str, nbytes: int, producer: str = "",
                 refused: Collection[str] = ()) -> str | None:
     """The frame a storage goes in under codec ``setting``, of this device type, saved view dtype,

@@ -34,6 +34,7 @@ from .backend import Backend
 from .copies.base import Copy, PutRequest, Route
 from .copy_queue import CopyQueue
 from .errors import StormError, StormInPlaceError, StormUnavailable
+from .frames import frame_bytes
 from .gpu import allocated, consume, pack_range, record_ready, unpack_range, wait_on_compute
 from .mover import Mover, Stores, next_key
 from .policy import Keep, Policy, Refusals
@@ -217,7 +218,7 @@ class ClientSession:
             stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)
             stored.copy_in = self.mover.put(stored.request)
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
-            drain_to = self.copy_queue.add(stored, step)
+            drain_to = self.copy_queue.add(stored, step, frame_bytes(codec, nbytes))
         step.stats.pack_s += time.perf_counter() - t0
         if drain_to is not None:  # bound what waits on the mover; wait outside the lock
             self.copy_queue.drain(drain_to)
