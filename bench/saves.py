@@ -39,6 +39,7 @@ from zoo import CELLS
 from common import write
 from storm.frames import KINDS, frame_codec
 from storm.kernels.frame_layout import complete
+from storm.saved import producer_of
 
 MiB = 1 << 20
 MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
@@ -102,7 +103,7 @@ def saves(w: HF, device: torch.device, scale: float = 1.0) -> dict:
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage()._cdata
         if key not in params and key not in seen:
-            seen[key] = t.detach(), type(t.grad_fn).__name__ if t.grad_fn is not None else ""
+            seen[key] = t.detach(), producer_of(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

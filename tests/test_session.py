@@ -115,7 +115,8 @@ def test_a_storage_every_layer_saves_again_does_not_stop_prefetch_where_its_last
 
 def test_a_save_is_routed_with_the_name_of_the_op_that_made_it(monkeypatch):
     """The mover chooses an upcast frame for a conversion's output alone (storm/frames.py): the
-    session hands it each save's producer, its grad_fn's name."""
+    session hands it each save's producer, its grad_fn's name, or a view's base's: the bytes a
+    view's save stores are its base's."""
     session = storm.session_for("embedded", None, None)
     seen: list[str] = []
     real = session.mover.route
@@ -128,5 +129,6 @@ def test_a_save_is_routed_with_the_name_of_the_op_that_made_it(monkeypatch):
     x = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
     with storm.offload(mode="embedded", min_bytes=0):
         loss = x.float().pow(2).sum()  # pow saves the conversion's output
+        loss = loss + x.float().reshape(-1).pow(3).sum()  # and a view of it
     loss.backward()
-    assert seen == [("ToCopyBackward0", frozenset())]  # no frame of its kind overflowed
+    assert seen == [("ToCopyBackward0", frozenset())] * 2  # no frame of its kind overflowed

@@ -97,9 +97,9 @@ class Mover:
     def route(self, source: torch.UntypedStorage, dtype: str, codec: str, producer: str = "",
               refused: Collection[str] = ()) -> tuple[Route, str, tuple[bytes, int] | None]:
         """A save's route, decided once: which handler copies ``source`` (of the saved view's ``dtype``
-        name, made by ``producer``: its grad_fn's name) both ways, the codec it stores it with, given
-        the step's codec setting and the codecs whose encoding did not hold a save of its kind
-        (``refused``: not taken again), and for stormd's
+        name, its bytes made by ``producer``: saved.producer_of) both ways, the codec it stores it
+        with, given the step's codec setting and the codecs whose encoding did not hold a save of
+        its kind (``refused``: not taken again), and for stormd's
         copies the memory's IPC handle and offset. CPU tensors take the codec setting; CUDA tensors a
         frame where a frame codec takes them (this process encodes and copies those), else raw."""
         if not source.is_cuda:

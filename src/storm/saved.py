@@ -99,9 +99,9 @@ class Step:
 @dataclass(frozen=True)
 class Facts:
     """What an offloaded storage is, fixed when it is saved: its place in the step's saving order
-    (``index``) and layer, its bytes, device, the saved view's shape and dtype, the op that made it,
-    a weak reference to the storage (also the step's dedup key while the step lasts), and the
-    route its copies take (mover.Mover.route)."""
+    (``index``) and layer, its bytes, device, the saved view's shape and dtype, the op that made
+    its bytes (producer_of), a weak reference to the storage (also the step's dedup key while the
+    step lasts), and the route its copies take (mover.Mover.route)."""
 
     index: int
     layer: str | None
@@ -121,7 +121,7 @@ class Facts:
 
 def kind_of(t: torch.Tensor) -> tuple[Any, ...]:
     """The kind of the Stored a save of ``t`` would make (Facts.kind), before it is made."""
-    return _producer(t), tuple(t.shape), t.dtype
+    return producer_of(t), tuple(t.shape), t.dtype
 
 
 class Stored:
@@ -140,7 +140,7 @@ class Stored:
 
     def __init__(self, key: int, step: Step, t: torch.Tensor, weak: StorageWeakRef, nbytes: int,
                  route: Route = Route.HOST):
-        self.facts = Facts(len(step.order), step.layer, nbytes, t.device, tuple(t.shape), t.dtype, _producer(t),
+        self.facts = Facts(len(step.order), step.layer, nbytes, t.device, tuple(t.shape), t.dtype, producer_of(t),
                            weak, route)
         self.key = key
         self.step: Step | None = step
@@ -253,8 +253,11 @@ def copy_of(t: torch.Tensor) -> torch.Tensor:
         t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
 
 
-def _producer(t: torch.Tensor) -> str:
-    return type(t.grad_fn).__name__ if t.grad_fn is not None else "no grad_fn"
+def producer_of(t: torch.Tensor) -> str:
+    """The name of the op that made the bytes a save of ``t`` stores, its storage's: ``t``'s grad_fn,
+    or for a view its base's (a reshape of a ``.float()`` stores the conversion's output)."""
+    made = t._base if t._base is not None else t
+    return type(made.grad_fn).__name__ if made.grad_fn is not None else "no grad_fn"
 
 
 def _description(shape: tuple[int, ...], dtype: torch.dtype, producer: str) -> str:
