@@ -70,9 +70,9 @@ def frame_codec(setting: str | None, device_type: str, dtype: str, nbytes: int, 
                 refused: Collection[str] = ()) -> str | None:
     """The frame a storage goes in under codec ``setting``, of this device type, saved view dtype,
     size and producer (the op that made its bytes: saved.producer_of), or None (raw): CUDA, at
-    least FRAME_MIN_BYTES, whole words of the dtype; an upcast frame for a conversion's output, a float32 frame for the rest
-    (and for a conversion from float16, whose upcast frame overflowed: ``refused``, the frames
-    that overflowed for saves of its kind, which it does not take again)."""
+    least FRAME_MIN_BYTES, whole words of the dtype; an upcast frame for a conversion's output, a
+    float32 frame for the rest (and for a conversion from float16, whose upcast frame overflowed:
+    ``refused``, the frames that overflowed for saves of its kind, which it does not take again)."""
     if device_type != "cuda" or nbytes < FRAME_MIN_BYTES:
         return None
     for codec, (settings, takes, word) in _TAKES.items():
