@@ -132,3 +132,34 @@ def test_a_save_is_routed_with_the_name_of_the_op_that_made_it(monkeypatch):
         loss = loss + x.float().reshape(-1).pow(3).sum()  # and a view of it
     loss.backward()
     assert seen == [("ToCopyBackward0", frozenset())] * 2  # no frame of its kind overflowed
+
+
+def test_a_put_that_raises_leaves_nothing_of_its_save_and_the_next_step_offloads(monkeypatch):
+    """A PUT refused on the training thread (the request raised): the save's error reaches the
+    forward, and neither the step nor a later poll holds a save that never went (a handle made
+    before the put, let go of, had no copy to cancel)."""
+    import gc
+
+    session = storm.session_for("embedded", None, None)
+    real, refused = session.mover.put, []
+
+    def put(req):
+        if not refused:
+            refused.append(req.key)
+            raise RuntimeError("PUT refused")
+        return real(req)
+
+    monkeypatch.setattr(session.mover, "put", put)
+    x = torch.randn(64, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="PUT refused"):
+        with storm.offload(mode="embedded", min_bytes=0) as ctx:
+            x.tanh()
+    assert ctx.saves == () and ctx.stats.offloaded == 0
+    gc.collect()
+    session.poll()  # raised AttributeError on the dead handle's missing copy
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        loss = x.tanh().sum()
+    loss.backward()
+    plain = x.detach().clone().requires_grad_()
+    plain.tanh().sum().backward()
+    assert ctx.stats.offloaded == 1 and torch.equal(x.grad, plain.grad)

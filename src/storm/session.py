@@ -214,9 +214,14 @@ class ClientSession:
             step.order.append(stored)
             step.by_storage[storage._cdata] = stored
             self.rooms.follow_room(step, storage, nbytes)
-            handle = self._handle(stored, t, stored.index)
             stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)
-            stored.copy_in = self.mover.put(stored.request)
+            try:
+                stored.copy_in = self.mover.put(stored.request)
+            except BaseException:  # nothing went: the save is not the step's, and no handle points at it
+                step.order.pop()
+                del step.by_storage[storage._cdata]
+                raise
+            handle = self._handle(stored, t, stored.index)
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
             drain_to = self.copy_queue.add(stored, step, frame_bytes(codec, nbytes))
         step.stats.pack_s += time.perf_counter() - t0
