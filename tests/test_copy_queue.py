@@ -185,17 +185,19 @@ def test_the_profiled_step_record_is_read_once_though_budget_steps_come_between(
 
     queue, waited = queue_and_waits()
     rooms = Rooms(queue)
-    # the one save's mark (the first: 1), as the record saw it
-    rooms.record = record = ScriptedRecord([{"action": "alloc", "addr": 1, "size": allocator_record.MARK_BYTES,
-                                             "stream": 0}])
+    # the one save's mark and its unpack's (1 and 2), as the record saw them
+    rooms.record = record = ScriptedRecord([{"action": "alloc", "addr": mark, "size": allocator_record.MARK_BYTES,
+                                             "stream": 0} for mark in (1, 2)])
     rooms.memory = lambda device: 100
     step = Step(1, float("inf"), StepOptions())
     rooms.start_step(step)
     stored, _ = save(queue, step, 10, waited)
     rooms.follow_room(step, stored.tensor.untyped_storage(), 10)
+    rooms.unpacked(stored, 0)
+    profile = step.profile
     rooms.start_step(Step(2, 1 << 20, StepOptions()))  # a budget: the room waits, the record is read
-    assert record.finished == 1 and step.profile.rises == [0]
-    assert step.profile.frees == [[]] and step.profile.counted == [range(0)]  # its block predates the record
+    assert record.finished == 1 and profile.rises == [0, 0] and step.profile is None  # read: the step's no more
+    assert profile.frees == [[], []] and profile.counted == [range(0)]  # its block predates the record
     after = Step(3, float("inf"), StepOptions())
     rooms.start_step(after)
     assert record.finished == 1 and after.room is not None

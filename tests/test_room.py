@@ -112,6 +112,22 @@ def test_a_step_peak_counts_every_stream_from_its_mark_to_the_record_end():
     assert allocator_record.peak(events[:3], 500) == 0
 
 
+def test_a_record_begun_before_the_step_holds_older_marks_at_the_same_address():
+    """The allocator hands each mark the block the one before freed: where the record began
+    earlier (someone else's, left running), an older step's marks share the address; the step's
+    own are the last ones."""
+    mark = allocator_record.MARK_BYTES
+
+    def ev(action: str, addr: int, size: int = mark) -> dict:
+        return {"action": action, "addr": addr, "size": size, "stream": 7}
+
+    older = [ev("alloc", 500), ev("free_requested", 500), ev("alloc", 1, 900), ev("free_requested", 1, 900)]
+    step = [ev("alloc", 500), ev("free_requested", 500), ev("alloc", 2, 10),
+            ev("alloc", 500), ev("free_requested", 500), ev("alloc", 3, 20)]
+    assert allocator_record.peak(older + step[3:], 500) == 20  # from the older mark: 900
+    assert allocator_record.replay(older + step, [500, 500]).rises == [10, 20]  # [900, 10] from the older marks
+
+
 def test_a_queued_save_freed_before_the_next_mark_is_not_counted_off_twice():
     """A reading leaves out the saves in the copy queue: one of them freed once its copy is done,
     before the next mark, does not lower the level, so what the step allocates after it (a loss's
@@ -334,6 +350,7 @@ def test_a_room_that_keeps_saves_is_tried_against_keeping_none_and_the_lower_pea
         rooms.start_step(s)
         s.order.append(object())  # its first save, offloaded
         rooms.follow_room(s, storage, 8)
+        s.unpacked = 1  # and backward unpacked it
         return s
 
     with caplog.at_level(logging.INFO, logger="storm"):
@@ -346,6 +363,73 @@ def test_a_room_that_keeps_saves_is_tried_against_keeping_none_and_the_lower_pea
     later = Step(len(rises) + 2, float("inf"), StepOptions())
     rooms.start_step(later)
     assert later.room is tried[-1].room and record.started == len(rises)  # no more steps measured
+
+
+@pytest.mark.parametrize("saves, unpacked", [(1, 0), (0, 0)])
+def test_a_trial_step_without_backward_measures_nothing_and_the_next_tries_the_room_again(saves, unpacked):
+    """A trial step abandoned after forward (its peak is forward's alone), or one that made no save
+    (an evaluation's forward), is no measure of the room it tried: the next step tries the same
+    room; past MAX_TRIAL_STEPS such steps the trial ends on the keeping room."""
+    from storm.rooms import MAX_TRIAL_STEPS
+
+    rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
+    rooms.memory = lambda device: 100
+    rooms.record = PeakRecord([10] * (MAX_TRIAL_STEPS + 8))
+    rooms.profiling = lm_room().profile
+    storage = torch.empty(2).untyped_storage()
+
+    def step(number: int, made: int, unpacked: int) -> Step:
+        s = Step(number, float("inf"), StepOptions())
+        rooms.start_step(s)
+        for _ in range(made):
+            s.order.append(object())
+            rooms.follow_room(s, storage, 8)
+        s.unpacked = unpacked
+        return s
+
+    first = step(1, 1, 1)  # the keeping room, measured
+    skipped = step(2, saves, unpacked)
+    assert skipped.room is rooms.trial.bare and rooms.trial.peaks == [110]
+    again = step(3, 1, 1)
+    assert again.room is rooms.trial.bare  # tried again: the skipped step measured nothing
+    step(4, 1, 1)
+    assert rooms.trial is None and first.room.kept == 2
+    # a trial whose steps never run backward ends, on the keeping room
+    rooms.profiling = lm_room().profile
+    steps = [step(10 + n, 1, 0) for n in range(MAX_TRIAL_STEPS + 1)]
+    assert rooms.trial is None and steps[-1].room.kept == 2
+
+
+def test_a_room_that_keeps_every_save_is_measured_from_its_first_kept_save():
+    """Kept saves make no put: a trial step whose room keeps its first save starts the record there."""
+    rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
+    rooms.memory = lambda device: 100
+    rooms.record = record = PeakRecord([10, 10])
+    rooms.profiling = Room(Profile(sizes=[8], saves=[10], unpack_sizes=[8], unpacks=[18],
+                                   unpack_saves=[0], rises=[0, 0])).profile
+    s = Step(1, float("inf"), StepOptions())
+    rooms.start_step(s)
+    assert s.room is rooms.trial.keeping and s.room.kept == 1
+    assert rooms.keeps(s, torch.empty(2).untyped_storage(), 8)
+    assert record.started == 1  # no record without it: the keeping room never measured
+
+
+def test_a_profiled_step_without_backward_gives_no_room_and_the_next_step_profiles():
+    """A profile's unpacks bound backward: a step abandoned after forward (or two forwards before
+    a backward) gives none, so it makes no room; the next full-offload step profiles again, and
+    what the abandoned step does later is not the new profile's."""
+    rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
+    rooms.memory = lambda device: 100
+    storage = torch.empty(2).untyped_storage()
+    first = Step(1, float("inf"), StepOptions())
+    rooms.start_step(first)
+    assert first.profile is not None
+    first.order.append(object())
+    rooms.follow_room(first, storage, 8)
+    second = Step(2, float("inf"), StepOptions())
+    rooms.start_step(second)
+    assert second.room is None and second.profile is not None
+    assert first.profile is None  # detached: its backward adds nothing to a profile
 
 
 def test_a_trial_step_that_leaves_its_room_gives_no_peak_and_the_keeping_room_holds():
@@ -362,6 +446,7 @@ def test_a_trial_step_that_leaves_its_room_gives_no_peak_and_the_keeping_room_ho
     assert first.room is rooms.trial.keeping
     first.order.append(object())
     rooms.follow_room(first, torch.empty(2).untyped_storage(), 16)  # not the profile's first size
+    first.unpacked = 1
     assert first.room is other and record.started == 0  # the other kind's room; nothing measured
     after = Step(2, float("inf"), StepOptions())
     rooms.start_step(after)

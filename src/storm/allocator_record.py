@@ -100,15 +100,18 @@ def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Co
     its reading did not count (the copy queue's saves), whose frees before the next mark are not
     counted either. ``addresses``: per save, its block's address; the first marks are the saves'
     readings, one each, in order. None where a mark is not in the record (its ring wrapped, or
-    the record began after it)."""
+    the record began after it). The marks are the last of their addresses in the record, in
+    order: the allocator hands each mark the block the one before freed, so a record begun
+    earlier (someone else's) holds older marks at the same addresses."""
     at: list[int] = []
-    i = 0
-    for address in marks:
-        found = _mark_at(events, address, i)
+    end = len(events)
+    for address in reversed(marks):
+        found = _mark_before(events, address, end)
         if found is None:
             return None
         at.append(found)
-        i = found + 1
+        end = found
+    at.reverse()
     if not at:
         return Replay([], [], [range(0) for _ in addresses])
     own = {events[i]["stream"] for i in at}  # the streams the readings were made on
@@ -165,8 +168,8 @@ def peak(events: list[dict[str, Any]], mark: int) -> int | None:
     """The most the allocator held above what it held at ``mark`` (a reading's), on every stream
     (STORM's copies count: they are on the device as much as the step's own tensors), from there
     until the record ends: a step's peak, read from its first save. None where the mark is not
-    in the record."""
-    at = _mark_at(events, mark, 0)
+    in the record; the last at its address (replay)."""
+    at = _mark_before(events, mark, len(events))
     if at is None:
         return None
     level = high = 0
@@ -183,8 +186,8 @@ def peak(events: list[dict[str, Any]], mark: int) -> int | None:
     return high
 
 
-def _mark_at(events: list[dict[str, Any]], mark: int, start: int) -> int | None:
-    """The index of ``mark``'s allocation in the record, from ``start`` on (an allocation of
+def _mark_before(events: list[dict[str, Any]], mark: int, end: int) -> int | None:
+    """The index of ``mark``'s last allocation in the record before ``end`` (an allocation of
     MARK_BYTES at its address); None where the record does not have it."""
-    return next((i for i in range(start, len(events)) if events[i]["action"] == "alloc"
+    return next((i for i in range(end - 1, -1, -1) if events[i]["action"] == "alloc"
                  and events[i]["addr"] == mark and events[i]["size"] == MARK_BYTES), None)

@@ -15,8 +15,11 @@ a model of the step, and a model can be wrong on a model it was never tried on (
 raised its peak on the lent H200, for a reason not yet found). So it is tried (``Trial``): the
 step after the profile follows it, the next one follows the same profile keeping none, each
 under the allocator's record from its first save, and the steps after them follow the one whose
-step peaked lower (the keeping one where they are even). Where no peak could be read (no record,
-or a step that left its room), the room's own choice holds.
+step peaked lower (the keeping one where they are even). A trial step that made no save or
+never unpacked one (an evaluation's forward, a step abandoned before backward) is no measure of
+the room: the next step tries the same room, up to MAX_TRIAL_STEPS steps. Where no peak could be
+read (no record, a step that left its room, or too many such steps), the room's own choice holds.
+A profile is made only of a step whose backward ran: a profile without unpacks gives no room.
 
 The session (storm/session.py) calls ``follow_room``, ``keeps`` and ``unpacked`` under its lock,
 ``start_step``, ``end_step`` and ``close`` from the training thread.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import weakref
 
 import torch
 
@@ -39,6 +43,7 @@ from .saved import Step, Stored
 
 MAX_ROOMS = 8  # rooms kept, one per kind of step, the least recently followed dropped first
 MAX_PROFILES = 32  # profiled steps that gave a room: each ran under the allocator's record
+MAX_TRIAL_STEPS = 8  # steps a trial runs, each under the allocator's record, before it gives up
 
 log = logging.getLogger("storm")
 
@@ -51,6 +56,7 @@ class Trial:
     keeping: Room
     bare: Room
     peaks: list[int | None] = dataclasses.field(default_factory=list)
+    steps: int = 0  # steps that tried a room, measured or not
 
     def next(self) -> Room | None:
         """The room the next step tries, or None once the trial is over (``choice``)."""
@@ -89,6 +95,8 @@ class Rooms:
         self._profiled = 0  # profiles that gave a room
         self._profile_next = False  # a step left its room past its first save: the next one profiles
         self.profiling: Profile | None = None
+        # the step whose saves and unpacks ``profiling`` reads (weak: a finished step is freed at once)
+        self._profiled_step: weakref.ref[Step] | None = None
         self.trial: Trial | None = None  # a room that keeps saves, tried against keeping none
         self._measure: Measure | None = None  # the trial step being measured
         self.memory: Reader = _allocated  # what the allocator holds on a device, None where unknown
@@ -99,11 +107,15 @@ class Rooms:
         none yet, it is the one profiled (the step after a profile with saves makes its room)."""
         if self.profiling is not None and not self.profiling.rises:  # read once: past budget steps it waits
             self._read_record(self.profiling)
+        profiled = self._profiled_step() if self._profiled_step is not None else None
+        if profiled is not None:  # what it does from now on is not the profile's
+            profiled.profile = None
+        self._profiled_step = None
         if self._measure is not None:
             self._read_peak(self._measure)
         if step.budget_bytes != float("inf"):
             return
-        if self.profiling is not None and self.profiling.saves:
+        if self.profiling is not None and self.profiling.saves and self.profiling.unpacks:
             room = Room(self.profiling)
             self._profiled += 1
             self.trial = Trial(room, Room(room.profile, keep=False)) if room.kept else None
@@ -134,7 +146,9 @@ class Rooms:
         self.trial = None
 
     def _read_peak(self, measure: Measure) -> None:
-        """A trial step has ended: its peak, where its record has it and it followed the room it tried."""
+        """A trial step has ended: its peak, where its record has it and it followed the room it
+        tried; a step that made no save or unpacked none of those it offloaded measured nothing
+        of the room, and the next step tries it again (up to MAX_TRIAL_STEPS)."""
         self._measure = None
         peak = None
         if measure.device is not None and measure.mark is not None:
@@ -142,8 +156,13 @@ class Rooms:
             high = allocator_record.peak(events, measure.mark) if events is not None else None
             if high is not None and measure.step.room is measure.room:
                 peak = measure.start + high
-        if self.trial is not None:
-            self.trial.peaks.append(peak)
+        trial, step = self.trial, measure.step
+        if trial is None:
+            return
+        trial.steps += 1
+        ran = step.made > 0 and (step.unpacked > 0 or not step.order)  # a room keeping all: backward unseen
+        if ran or trial.steps >= MAX_TRIAL_STEPS:
+            trial.peaks.append(peak if ran else None)
 
     def follow(self, room: Room) -> None:
         """Steps follow ``room`` from now (a profiled step's), kept with the others as the most
@@ -164,6 +183,7 @@ class Rooms:
                          "of a new kind keep max_held_bytes and prefetch_bytes as given", MAX_PROFILES)
             return False
         step.profile = self.profiling = Profile()
+        self._profiled_step = weakref.ref(step)
         return True
 
     def _leave(self, step: Step, nbytes: int) -> None:
@@ -199,8 +219,20 @@ class Rooms:
             return True
         if not step.room.keeps(step.made + 1, nbytes) or self._goes_on(step.room, step.made + 1):
             return False
+        if step.made == 0:  # a room that keeps every save: its trial is measured from its first
+            self._measure_from(step, storage)
         step.kept_by_room.add(storage._cdata)
         return True
+
+    def _measure_from(self, step: Step, storage: torch.UntypedStorage) -> None:
+        """``step`` makes its first save (offloaded or kept): where it is a trial step on the room it
+        tries, the allocator's record runs from here with a mark, and what is held now."""
+        measure = self._measure
+        if measure is not None and measure.step is step and step.room is measure.room:
+            held = self.memory(storage.device)
+            if held is not None:
+                self.record.start(storage.device)
+                measure.device, measure.start, measure.mark = storage.device, held, self.record.mark(storage.device)
 
     def _goes_on(self, room: Room, made: int) -> bool:
         """Whether another kind of step makes the first ``made`` saves of ``room``'s and more (two
@@ -218,12 +250,8 @@ class Rooms:
                 or step.room is None and step.profile is None and step.made == 1 and self._rooms \
                 and step.budget_bytes == float("inf"):
             self._leave(step, nbytes)  # not its room's save, or a step that neither follows nor profiles
-        measure = self._measure
-        if measure is not None and measure.step is step and step.made == 1 and step.room is measure.room:
-            held = self.memory(storage.device)
-            if held is not None:
-                self.record.start(storage.device)
-                measure.device, measure.start, measure.mark = storage.device, held, self.record.mark(storage.device)
+        if step.made == 1:
+            self._measure_from(step, storage)
         if step.profile is not None:
             held = self.memory(storage.device)
             if held is not None:
