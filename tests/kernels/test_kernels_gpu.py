@@ -163,10 +163,11 @@ def frame_written(f: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n", [1, 7, 2048, 4097, 32768, 32769, 40960, 3_000_001])
-def test_gpu_frames_match_the_cpu_reference(n: int) -> None:
-    """The Triton frame kernels write the CPU reference's bytes, by one program (up to 16 tiles)
-    and by many (the look-back), also from a tensor not 4-byte aligned; frames decode on either
-    device; the specials survive; overflow is counted the same."""
+def test_gpu_frames_match_the_cpu_reference(gpu_path: str, n: int) -> None:
+    """The Triton frame kernels (and torch's ops on CUDA, where Triton is not there) write the CPU
+    reference's bytes, by one program (up to 16 tiles) and by many (the look-back), also from a
+    tensor not 4-byte aligned; frames decode on either device; the specials survive; overflow is
+    counted the same."""
     from storm.kernels.frame import complete, decode_frame, encode_frame, frame_nbytes
     specials = from_bits(SPECIAL_BITS[torch.bfloat16], torch.bfloat16)
     t = (torch.randn(n) * 3).bfloat16()

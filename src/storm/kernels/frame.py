@@ -62,7 +62,7 @@ def _check_frame(frame: torch.Tensor, lay: Layout) -> None:
 
 def _tile_ends(esc: torch.Tensor, lay: Layout) -> torch.Tensor:
     """int64 per tile: the escapes up to its end."""
-    per_element = torch.zeros(lay.tiles * TILE, dtype=torch.int64)
+    per_element = torch.zeros(lay.tiles * TILE, dtype=torch.int64, device=esc.device)
     per_element[:lay.n] = esc
     return torch.cumsum(per_element.view(lay.tiles, TILE).sum(1), 0)
 
@@ -83,9 +83,9 @@ def encode_frame(t: torch.Tensor, out: torch.Tensor) -> None:
     w = t.contiguous().reshape(-1).view(torch.int16).to(torch.int32)
     s = (w >> 8) & 0xFF
     hist = torch.bincount(s[::max(1, n // SAMPLE)], minlength=256)
-    rank = torch.arange(256)
+    rank = torch.arange(256, device=w.device)
     symbols = 255 - (torch.sort((hist << 8) | (255 - rank), descending=True).values & 255)  # ties: lower byte
-    lut = torch.full((256,), 15, dtype=torch.int64)
+    lut = torch.full((256,), 15, dtype=torch.int64, device=w.device)
     lut[symbols[:15]] = rank[:15]
     c = lut[s]
     esc = c == 15
