@@ -67,6 +67,25 @@ def test_the_offload_trace_reads_each_blocks_own_storages():
     planner.close()
 
 
+@pytest.mark.parametrize("given, counted",
+                         [({}, "auto"), ({"codec": "ancf_exp"}, "ancf_exp"), ({"codec": "raw"}, "auto")])
+def test_the_offload_trace_counts_frames_by_the_codec_a_compressed_plan_takes(given, counted):
+    """A compressed plan's steps take codec auto (phases.plan_context), or the user's frame codec:
+    the trace counts what that codec frames."""
+    settings = []
+
+    def count(saves, setting):
+        settings.append(setting)
+        return 0, 0, 0
+
+    model, idx = gpt()
+    planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0, frames_of=count, **given)
+    grads_of(model, idx, planner.step())
+    planner.step()  # reads the offload trace
+    assert settings and set(settings) == {counted}
+    planner.close()
+
+
 def test_a_pool_smaller_than_the_step_is_traced_whole_and_planned_within(caplog):
     """The offload trace counts each block's saves as the step made them: the store's refusals
     once its pool is full come back later, in other blocks, and must not move bytes between
