@@ -163,3 +163,36 @@ def test_a_put_that_raises_leaves_nothing_of_its_save_and_the_next_step_offloads
     plain = x.detach().clone().requires_grad_()
     plain.tanh().sum().backward()
     assert ctx.stats.offloaded == 1 and torch.equal(x.grad, plain.grad)
+
+
+def test_a_fraction_budget_goes_by_steps_that_ran_their_forward_and_saved():
+    """budget=0.5 is half of the last step that offloaded all it would have: a forward that raised
+    part-way, or an evaluation under no_grad (nothing saved), is not such a step; they made later
+    steps offload a fraction of part of a forward, or of nothing, for good."""
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(8)])
+    x = torch.randn(32, 64)
+
+    def step(body) -> int:
+        try:
+            with storm.offload(mode="embedded", min_bytes=0, budget=0.5) as ctx:
+                loss = body()
+            if loss is not None:
+                loss.backward()
+        except ValueError:
+            pass
+        return ctx.stats.offloaded_bytes
+
+    def raises():
+        model[0](x)
+        raise ValueError("a bad batch")
+
+    def evaluation():
+        with torch.no_grad():
+            model(x)
+
+    full = step(lambda: model(x).sum())  # the first step offloads all
+    half = step(lambda: model(x).sum())
+    assert 0 < half <= full // 2
+    step(raises)
+    step(evaluation)
+    assert step(lambda: model(x).sum()) == half

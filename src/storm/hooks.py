@@ -153,7 +153,7 @@ class Offload(contextlib.ContextDecorator):
             self._late.exit()
             self._late = None
         if self._budget != 0:  # a step without hooks leaves the session as it found it
-            self._session.end_step(self._step)
+            self._session.end_step(self._step, completed=exc[0] is None)
 
     def resume(self) -> "Offload":
         """This context, to be entered again for another forward of the same step: one that runs

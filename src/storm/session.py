@@ -120,10 +120,14 @@ class ClientSession:
         with self._lock:
             self._stores.retire(gone)
 
-    def end_step(self, step: Step) -> None:
-        """Forward is over: remember its size for fraction budgets. Prefetch waits for backward's
-        first unpack: fetching at the end of forward would bring bytes back at the memory peak."""
-        if not step.budget_reached:  # saves past the budget are not counted
+    def end_step(self, step: Step, completed: bool = True) -> None:
+        """Forward is over: remember its size for fraction budgets, where it offloaded all it would
+        have (saves past the budget are not counted), saved something (an evaluation under no_grad
+        saves nothing) and ``completed`` (its forward did not raise part-way): another step's
+        fraction of 0 or of part of a forward would keep it from offloading. Prefetch waits for
+        backward's first unpack: fetching at the end of forward would bring bytes back at the
+        memory peak."""
+        if completed and not step.budget_reached and step.candidate_bytes:
             self.last_candidate_bytes = step.candidate_bytes
         self.poll()
         self.rooms.end_step(step)
