@@ -196,3 +196,38 @@ def test_a_fraction_budget_goes_by_steps_that_ran_their_forward_and_saved():
     step(raises)
     step(evaluation)
     assert step(lambda: model(x).sum()) == half
+
+
+def test_a_save_found_modified_while_its_put_runs_frees_its_key_once_the_put_lands():
+    """An in-place change found at unpack while the save's put still runs: the error is raised, and
+    once the handles are gone and the put lands, its key is freed (it was forgotten as if its put
+    had been cancelled, and the store kept the key for good)."""
+    import threading
+
+    from storm.copies.base import Route
+
+    session = storm.session_for("embedded", None, None)
+    handler = session.mover._handlers[Route.HOST]
+    gate, real = threading.Event(), handler._put
+
+    def held_back(req):
+        gate.wait(timeout=60)
+        return real(req)
+
+    handler._put = held_back
+    try:
+        a = torch.randn(4096, requires_grad=True)
+        with storm.offload(mode="embedded", min_bytes=0, max_held_bytes=1 << 30):
+            b = a * 2
+            c = b.sin()  # saves b: its put waits at the gate
+            b.add_(1)
+            loss = c.sum()
+        with pytest.raises(storm.StormInPlaceError):
+            loss.backward()
+        del loss, c, b
+        session.poll()  # the handles are gone while the put still runs
+    finally:
+        gate.set()
+        handler._put = real
+    session.synchronize()
+    assert session.mover.request("STATS").result(timeout=30)["session"]["keys"] == 0

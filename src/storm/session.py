@@ -312,7 +312,9 @@ class ClientSession:
             stored.refs -= 1
             if stored.refs != 0:
                 continue
-            if stored.state == State.HELD:  # backward took it from its tensor, or its graph went
+            # its put not yet let go of (held, or found modified in place while it ran): backward took
+            # it from its tensor, or its graph went
+            if stored.copy_in is not None:
                 if not stored.copy_in.cancel():
                     continue  # its copy has begun: freed once it is done (_release)
                 stored.step.stats.record(stored.layer, copies_dropped=1, dropped_bytes=stored.nbytes)
