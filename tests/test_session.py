@@ -231,3 +231,25 @@ def test_a_save_found_modified_while_its_put_runs_frees_its_key_once_the_put_lan
         handler._put = real
     session.synchronize()
     assert session.mover.request("STATS").result(timeout=30)["session"]["keys"] == 0
+
+
+def test_an_older_save_forgotten_leaves_the_dedup_slot_of_its_storage_s_later_save():
+    """A storage saved, changed in place, saved again: the first save's handles die (its branch of
+    the graph went) and it is forgotten, and a third save of the storage still finds the second
+    (the forget took the storage's slot, whoever's it was, and the storage was stored twice)."""
+    w = torch.randn(256, 256, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        h = torch.randn(256, 256) * 1.0
+        y = h * w  # saves h
+        h.add_(1)
+        a = h * w  # saves h again: a new save of the changed storage
+        del y      # the first save's handle dies
+        (w * 2).exp()  # a save: its poll forgets the first
+        b = h * w  # the second save's storage, unchanged since: the same save
+        loss = (a + b).sum()
+    loss.backward()
+    assert ctx.stats.deduplicated == 1 and ctx.stats.offloaded == 3
+    plain = w.detach().clone().requires_grad_()
+    h2 = h.detach()
+    (h2 * plain + h2 * plain).sum().backward()
+    assert torch.equal(w.grad, plain.grad)

@@ -152,12 +152,13 @@ class ClientSession:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         stored = step.by_storage.get(storage._cdata)
-        if stored is not None and stored.state != State.FREED and not stored.weak.expired() \
-                and stored.nbytes == nbytes and (stored.version == t._version if stored.version is not None
-                                                 else stored.tensor is not None):  # compiled: not let go
-            with self._lock:
-                step.stats.record(step.layer, saved=1, deduplicated=1)
-                return self._handle(stored, t, len(step.order))
+        if stored is not None:
+            with self._lock:  # another thread's poll may forget it between a look and the handle
+                if stored.state != State.FREED and not stored.weak.expired() and stored.nbytes == nbytes \
+                        and (stored.version == t._version if stored.version is not None
+                             else stored.tensor is not None):  # compiled: not let go
+                    step.stats.record(step.layer, saved=1, deduplicated=1)
+                    return self._handle(stored, t, len(step.order))
         step.candidate_bytes += nbytes
         if step.room is not None and self._kept_by_room(step, storage, nbytes, compiled):
             return Kept(t)
@@ -372,7 +373,8 @@ class ClientSession:
         ran it, and a freed extent is the next PUT's, maybe another process's, to overwrite."""
         stored.state = State.FREED
         stored.tensor = None
-        stored.step.by_storage.pop(stored.weak.cdata, None)
+        if stored.step.by_storage.get(stored.weak.cdata) is stored:  # a later save of its storage keeps its own
+            del stored.step.by_storage[stored.weak.cdata]
         # The step holds its saves in order (its stats, storm.plan's trace): with each referring back
         # to it, every finished step was a reference cycle, freed only by the garbage collector, and
         # the host's heap grew with what waited for it
