@@ -140,6 +140,57 @@ def test_a_recomputed_block_under_no_grad_just_runs():
     assert out.grad_fn is None and same_bits(out, b(x).detach())
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_frozen_block_just_runs_and_the_blocks_after_it_get_their_gradients(reentrant):
+    """Fine-tuning with the bottom blocks frozen: nothing requires grad in the first, so nothing
+    flows back through it; recomputing it raised in backward (its rebuilt output required no grad)."""
+    def grads(recompute: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [Scaled(), Scaled()]
+        blocks[0].requires_grad_(False)
+        if recompute:
+            for b in blocks:
+                b.forward = Recompute(type(b).forward.__get__(b), torch.device("cpu"), reentrant)
+        torch.manual_seed(3)
+        blocks[1](blocks[0](torch.randn(4, 32))).pow(2).sum().backward()
+        return [p.grad for p in blocks[1].parameters()]
+
+    assert all(same_bits(a, b) for a, b in zip(grads(False), grads(True), strict=True))
+
+
+class Nested(torch.nn.Module):
+    """A block whose output is a dict holding a tuple (a Hugging Face layer's ModelOutput, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        h = torch.tanh(self.lin(x))
+        return {"hidden": h, "extra": (h * 2, None)}
+
+
+def test_a_block_whose_output_nests_its_tensors_gets_every_gradient_bit_for_bit():
+    """An autograd Function tracks only the tensors it returns at its top level: a block returning
+    a dict lost every gradient in the reentrant form, with no error."""
+    def grads(recompute: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [Nested(), Nested()]
+        if recompute:
+            for b in blocks:
+                b.forward = Recompute(type(b).forward.__get__(b), torch.device("cpu"))
+        h = torch.randn(4, 32, requires_grad=True)
+        out = blocks[0](h)
+        out = blocks[1](out["hidden"] + out["extra"][0])
+        (out["hidden"].sum() + out["extra"][0].pow(2).sum()).backward()
+        assert out["extra"][1] is None
+        return [p.grad for b in blocks for p in b.parameters()] + [h.grad]
+
+    ref, got = grads(False), grads(True)
+    assert all(g is not None for g in got)
+    assert all(same_bits(a, b) for a, b in zip(ref, got, strict=True))
+
+
 class Twice(torch.autograd.Function):
     """Reads ctx.saved_tensors twice in backward."""
 

@@ -75,6 +75,7 @@ class Recompute:
         self._stateful = [m for m in self.block.modules() if isinstance(m, _BatchNorm) and m.track_running_stats] \
             if isinstance(self.block, torch.nn.Module) else []
         self._grad = torch.empty(0, device=device, requires_grad=True)
+        self._parameters = list(self.block.parameters()) if isinstance(self.block, torch.nn.Module) else []
         # eager even inside a compiled block's region: dynamo would trace the autograd Function and its
         # RNG and autocast state away; a compiled block's own forward is compiled apart (planner/wiring.py).
         # Wrapped here, not where the class is defined: torch.compiler.disable imports torch._dynamo,
@@ -85,7 +86,7 @@ class Recompute:
         return self._eager(*args, **kwargs)
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self._needs_grad(args, kwargs):
             return self.forward(*args, **kwargs)
         if kwargs or not self.reentrant:
             contexts = {"context_fn": lambda: (nullcontext(), self.replaying())} if self._stateful else {}
@@ -105,7 +106,16 @@ class Recompute:
                 return self.forward(*flat[:n], **tree_unflatten(given, spec))
 
             return checkpoint(call, *args, *(leaves[i] for i in at), use_reentrant=False, **contexts)
-        return _Reentrant.apply(self, self._grad, *args)
+        out = _Reentrant.apply(self, self._grad, *args)
+        return tree_unflatten(list(out[1:]), out[0].spec) if type(out) is tuple and out and type(out[0]) is _Nested \
+            else out
+
+    def _needs_grad(self, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Whether a gradient flows through the block: an input or a parameter requires grad (a
+        frozen block of a fine-tuned model has none: it runs as it is, and nothing is recomputed)."""
+        return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) \
+            or any(p.requires_grad for p in self._parameters) \
+            or any(isinstance(a, torch.Tensor) and a.requires_grad for a in tree_flatten(kwargs)[0])
 
     @contextmanager
     def replaying(self) -> Iterator[None]:
@@ -154,7 +164,7 @@ class _Reentrant(torch.autograd.Function):
         ctx.tensor_at = frozenset(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         ctx.args = [None if i in ctx.tensor_at else a for i, a in enumerate(args)]
         ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)))
-        return rec.forward(*args)
+        return _outputs(rec.forward(*args))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -166,7 +176,7 @@ class _Reentrant(torch.autograd.Function):
         args = [_detached(next(saved)) if i in ctx.tensor_at else a for i, a in enumerate(ctx.args)]
         hooks = torch.autograd.graph.saved_tensors_hooks(_Saved, _Saved.take) if rec.hand_over else nullcontext()
         with ctx.state.restored(), torch.enable_grad(), hooks, rec.replaying():
-            out = rec.forward(*args)
+            out = _outputs(rec.forward(*args))
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not pairs:
@@ -175,6 +185,26 @@ class _Reentrant(torch.autograd.Function):
             _release(o)
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None, *(a.grad if isinstance(a, torch.Tensor) else None for a in args))
+
+
+class _Nested:
+    """Heads the outputs of a block whose output is not a tensor or a tuple of them (a dict, a
+    Hugging Face ModelOutput, nested tuples): an autograd Function tracks only the tensors it
+    returns at its top level, so those of such an output would get no gradient."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: Any):
+        self.spec = spec
+
+
+def _outputs(out: Any) -> Any:
+    """A block's output as the reentrant Function returns it: as it is where it is a tensor or a
+    flat tuple, else its leaves after a _Nested (Recompute._call puts it back together)."""
+    if isinstance(out, torch.Tensor) or type(out) is tuple and not any(isinstance(o, (tuple, list, dict)) for o in out):
+        return out
+    leaves, spec = tree_flatten(out)
+    return (_Nested(spec), *leaves)
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
