@@ -81,3 +81,40 @@ def test_offload_shows_its_checked_options_and_its_saves_in_order():
     assert [s.nbytes for s in ctx.saves] == [64 * 256 * 4, 32 * 256 * 4]
     assert all(s.device.type == "cpu" and s.dtype == torch.float32 for s in ctx.saves)
     b.sum().backward()
+
+
+def test_blocks_listed_twice_or_one_inside_another_are_refused_by_name():
+    """A layer shared between places of the model, listed once per place, crashed mid-training (its
+    forward was set and taken off twice); a block inside another would be hooked twice."""
+    from storm.examples.models import GPT
+    model = GPT(seq_len=16, d_model=32, n_heads=2, n_layers=2)
+    with pytest.raises(ValueError, match="block 1 is block 0"):
+        storm.plan([model.blocks[0], model.blocks[0]], budget=0.5, mode="embedded")
+    with pytest.raises(ValueError, match="block 0 holds block 1"):
+        storm.plan([model.blocks[0], model.blocks[0].attn], budget=0.5, mode="embedded")
+
+
+def test_backward_reaches_a_block_through_the_first_output_that_requires_grad():
+    """A block that returns a detached statistic first (for logging) and its hidden state: the
+    hooks that mark backward's arrival go on the hidden state (on the statistic they never fired,
+    and the planner's trials never ended)."""
+    from storm.planner.wiring import grad_tensor
+    h = torch.randn(2, requires_grad=True) * 2
+    assert grad_tensor((h.detach().mean(), h)) is h
+    assert grad_tensor({"stat": h.detach(), "hidden": [h]}) is h
+    assert grad_tensor(h.detach()) is None and grad_tensor((1, None)) is None
+
+
+def test_an_evaluation_under_no_grad_between_steps_is_no_call_of_a_step():
+    """Evaluation batches of another size between training steps: the planner's hooks read them
+    as the step's calls, traced again at each and never settled."""
+    from planner_fakes import gpt, grads_of
+    model, idx = gpt()
+    evaluation = torch.randint(0, 256, (3, 65))
+    planner = storm.plan(model.blocks, budget=0.3, mode="embedded", min_bytes=0)
+    for _ in range(24):
+        grads_of(model, idx, planner.step())
+        with torch.no_grad():
+            model.loss(evaluation[:, :-1], evaluation[:, 1:])
+    assert planner.replans == 0 and planner.trace.forwards == 1 and planner.settled
+    planner.close()

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ..compiled import compiled, optimized, probe_compiling, warn_whole_graph
 from ..hooks import Offload
@@ -29,6 +30,14 @@ class BlockHooks:
     """What the planner sets on ``blocks``, and takes off again."""
 
     def __init__(self, blocks: list[nn.Module], reentrant: bool):
+        index = {id(b): i for i, b in reversed(list(enumerate(blocks)))}  # the first place of each
+        for j, block in enumerate(blocks):
+            for m in block.modules():  # itself first
+                i = index.get(id(m), j)
+                if i != j:
+                    raise ValueError(f"storm.plan: block {j} {'is' if m is block else 'holds'} block {i}: blocks "
+                                     "must be distinct modules, none inside another (each is planned once, and "
+                                     "called once in each forward)")
         self.blocks = blocks
         self.reentrant = reentrant  # the form recompute() sets unless told
         self._hooks: list[Any] = []
@@ -56,6 +65,15 @@ class BlockHooks:
     def _post_hook(self, i: int, fn: Callable) -> Any:
         return self.blocks[i].register_forward_hook(torch.compiler.disable(fn))
 
+    @staticmethod
+    def _training(fn: Callable) -> Callable:
+        """``fn`` for calls with grad enabled alone: an evaluation under no_grad between steps (of
+        another batch size, say) is no call of a step's, as ``calls`` counts them."""
+        @functools.wraps(fn)
+        def hook(*args: Any) -> Any:
+            return fn(*args) if torch.is_grad_enabled() else None
+        return hook
+
     def hook(self, pre: Callable, post: Callable) -> None:
         """``pre(i, module, args, kwargs)`` before and ``post(i, module, args, out)`` after each
         block's forward, in place of the hooks set before."""
@@ -63,8 +81,8 @@ class BlockHooks:
         if not compiled(self.blocks[0]):  # traced only where a larger compiled region holds the block
             self._hooks.append(self.blocks[0].register_forward_pre_hook(probe_compiling(warn_blocks_whole_graph)))
         for i in range(len(self.blocks)):
-            self._hooks.append(self._pre_hook(i, functools.partial(pre, i), with_kwargs=True))
-            self._hooks.append(self._post_hook(i, functools.partial(post, i)))
+            self._hooks.append(self._pre_hook(i, self._training(functools.partial(pre, i)), with_kwargs=True))
+            self._hooks.append(self._post_hook(i, self._training(functools.partial(post, i))))
 
     def unhook(self) -> None:
         for h in self._hooks:
@@ -91,8 +109,8 @@ class BlockHooks:
             torch.autograd.Variable._execution_engine.queue_callback(fn)
 
         def at_output(m: nn.Module, args: Any, out: Any) -> None:
-            t = first_tensor(out)
-            if t is not None and t.requires_grad:
+            t = grad_tensor(out)
+            if t is not None:
                 grads.append(t.register_hook(at_grad))
 
         handle = self._post_hook(len(self.blocks) - 1, at_output)
@@ -136,7 +154,7 @@ class BlockHooks:
             if call >= 0 and (call >= len(signature) or input_signature(args) != signature[call]):
                 on_new_shapes()
 
-        self._hooks.append(self._pre_hook(0, check))
+        self._hooks.append(self._pre_hook(0, self._training(check)))
         if plan.offloads:
             self._pace(plan, trace, grads, ctx)
 
@@ -188,12 +206,12 @@ class BlockHooks:
                     step.stop_offloading()  # the later saves stay: no hooks for them to pass through
                 else:  # the last block's saves or inputs went: the early saves after it go too
                     step.offload_at_most(trace.after_early_bytes)
-            t = first_tensor(out)
-            if t is not None and t.requires_grad:
+            t = grad_tensor(out)
+            if t is not None:
                 t.register_hook(lambda grad: step.allow_prefetch(room[i]))
 
         for i in range(len(self.blocks)):
-            self._hooks.append(self._post_hook(i, functools.partial(reached, i)))
+            self._hooks.append(self._post_hook(i, self._training(functools.partial(reached, i))))
 
     def close(self) -> None:
         """Restore the blocks' own forwards and remove every hook set on them."""
@@ -239,11 +257,13 @@ def device_of(blocks: list[nn.Module]) -> torch.device:
     return torch.device("cpu")
 
 
-def first_tensor(out: Any) -> torch.Tensor | None:
-    """A block's output tensor, or the first tensor of its output tuple."""
+def grad_tensor(out: Any) -> torch.Tensor | None:
+    """The first tensor of a block's output (a tensor, or the leaves of a tuple, dict, ModelOutput)
+    that requires grad: backward reaches the block through it (a detached statistic returned
+    first does not); None where none does."""
     if isinstance(out, torch.Tensor):
-        return out
-    return next((o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)), None)
+        return out if out.requires_grad else None
+    return next((o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad), None)
 
 
 def input_signature(args: Any) -> tuple:
