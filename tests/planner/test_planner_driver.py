@@ -269,3 +269,20 @@ def test_a_hugging_face_llama_with_its_cache_on_trains_bit_exact(budget, caplog)
         assert planner.plan.recomputed == frozenset(range(4))
     assert any("LlamaDecoderLayer is recomputed" in r.getMessage() for r in caplog.records)
     planner.close()
+
+
+@pytest.mark.parametrize("steps", [0, 2, 3, 6])
+def test_a_step_begun_and_never_entered_leaves_its_phase_to_the_next_step(steps):
+    """A batch skipped after planner.step() was called: its context never entered, the next step()
+    raised (reading a step that never ran) in the trace and check phases; it begins that phase again."""
+    model, idx = gpt()
+    plain = copy.deepcopy(model)
+    planner = storm.plan(model.blocks, budget=0.3, mode="embedded", min_bytes=0)
+    for _ in range(steps):
+        grads_of(model, idx, planner.step())
+    planner.step()  # never entered
+    assert all(same_bits(a, b) for a, b in zip(grads_of(plain, idx), grads_of(model, idx, planner.step())))
+    for _ in range(40):
+        grads_of(model, idx, planner.step())
+    assert planner.settled
+    planner.close()

@@ -202,9 +202,14 @@ class Planner:
         return self._ctx
 
     def _finish_last_step(self) -> None:
-        """Read the last step begun, where not yet: its phase's end gives the next step's."""
+        """Read the last step begun, where not yet: its phase's end gives the next step's. A step
+        begun but never entered (a batch skipped after step()) ran nothing to read: the next step
+        begins the same phase again."""
         if self._begun is not None:
             begun, self._begun = self._begun, None
+            if self._ctx is not None and not _entered(self._ctx):
+                self._phase = begun
+                return
             self._phase = begun.end(self)
 
     # --- planning -------------------------------------------------------------
