@@ -118,3 +118,29 @@ def test_an_evaluation_under_no_grad_between_steps_is_no_call_of_a_step():
             model.loss(evaluation[:, :-1], evaluation[:, 1:])
     assert planner.replans == 0 and planner.trace.forwards == 1 and planner.settled
     planner.close()
+
+
+def test_blocks_called_by_keyword_trace_again_when_their_inputs_change_shape():
+    """A block called as block(x=h): its input's shape is in the trace's signature too, so a larger
+    batch is noticed (the plan made for the small one ran on, sized for it)."""
+    import types
+
+    from planner_fakes import gpt, grads_of
+    model, idx = gpt()
+
+    def forward(self, idx):
+        x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
+        for block in self.blocks:
+            x = block(x=x)
+        return self.head(self.ln(x))
+
+    model.forward = types.MethodType(forward, model)
+    planner = storm.plan(model.blocks, budget=0.3, mode="embedded", min_bytes=0)
+    for _ in range(6):
+        grads_of(model, idx, planner.step())
+    assert planner.replans == 0
+    larger = torch.randint(0, 256, (4 * idx.shape[0], idx.shape[1]))
+    for _ in range(2):
+        grads_of(model, larger, planner.step())
+    assert planner.replans == 1
+    planner.close()

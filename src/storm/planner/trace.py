@@ -80,7 +80,7 @@ class OffloadTrace:
                 self.grads[i] = sum(q.numel() * q.element_size() for q in m.parameters()
                                     if q.requires_grad and q.grad is None)
             if i == 0:
-                self.signature += (input_signature(args),)
+                self.signature += (input_signature(args, kwargs),)
 
         def post(i: int, m: nn.Module, args: Any, out: Any) -> None:
             mark()

@@ -149,12 +149,12 @@ class BlockHooks:
         self.unhook()
         self.recompute(set(plan.recomputed), reentrant=plan.reentrant)
 
-        def check(m: nn.Module, args: Any) -> None:
+        def check(m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             call = self.calls[0] - 1  # counted already (_count runs first)
-            if call >= 0 and (call >= len(signature) or input_signature(args) != signature[call]):
+            if call >= 0 and (call >= len(signature) or input_signature(args, kwargs) != signature[call]):
                 on_new_shapes()
 
-        self._hooks.append(self._pre_hook(0, self._training(check)))
+        self._hooks.append(self._pre_hook(0, self._training(check), with_kwargs=True))
         if plan.offloads:
             self._pace(plan, trace, grads, ctx)
 
@@ -266,6 +266,7 @@ def grad_tensor(out: Any) -> torch.Tensor | None:
     return next((o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad), None)
 
 
-def input_signature(args: Any) -> tuple:
-    """The shapes and dtypes of a block's tensor arguments: a trace holds while block 0's stay."""
-    return tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
+def input_signature(args: Any, kwargs: dict[str, Any]) -> tuple:
+    """The shapes and dtypes of a block's tensor arguments, keyword ones too (a Hugging Face layer
+    may take its hidden states by name): a trace holds while block 0's stay."""
+    return tuple((tuple(a.shape), a.dtype) for a in (*args, *tree_leaves(kwargs)) if isinstance(a, torch.Tensor))
