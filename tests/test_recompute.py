@@ -191,6 +191,35 @@ def test_a_block_whose_output_nests_its_tensors_gets_every_gradient_bit_for_bit(
     assert all(same_bits(a, b) for a, b in zip(ref, got, strict=True))
 
 
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.attn = torch.nn.LayerNorm(32), torch.nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+def test_a_block_with_torch_attention_trained_in_eval_mode_recomputes_bit_for_bit():
+    """nn.MultiheadAttention in eval mode takes its fast path where autograd is off, as the
+    reentrant form's forward runs: another computation than training's. Such a block recomputes
+    in the non-reentrant form."""
+    def grads(recompute: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [Attention().eval(), Attention().eval()]
+        if recompute:
+            for b in blocks:
+                b.forward = Recompute(type(b).forward.__get__(b), torch.device("cpu"))
+        h = torch.randn(4, 10, 32)
+        for b in blocks:
+            h = b(h)
+        h.square().sum().backward()
+        return [p.grad for b in blocks for p in b.parameters()]
+
+    assert all(same_bits(a, b) for a, b in zip(grads(False), grads(True), strict=True))
+
+
 class Twice(torch.autograd.Function):
     """Reads ctx.saved_tensors twice in backward."""
 

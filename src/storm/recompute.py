@@ -11,7 +11,9 @@ storm.plan sets it as a recomputed block's ``forward``. Two forms:
   less than the non-reentrant form, whose Python hooks pack and unpack every tensor the block
   saves, in forward as well; a host-bound step pays all of it.
 - Non-reentrant (torch.utils.checkpoint, use_reentrant=False): for keyword arguments, which the
-  reentrant form does not take, and ``reentrant=False``; it also works with
+  reentrant form does not take, for a block holding an nn.MultiheadAttention in eval mode (whose
+  forward takes its fast path without autograd, as the reentrant form's forward runs: another
+  computation than training without STORM's), and ``reentrant=False``; it also works with
   torch.autograd.grad and backward(inputs=...). Tensors among the keyword arguments are passed
   to torch's checkpoint positionally, so that it saves them as the others.
 
@@ -76,6 +78,10 @@ class Recompute:
             if isinstance(self.block, torch.nn.Module) else []
         self._grad = torch.empty(0, device=device, requires_grad=True)
         self._parameters = list(self.block.parameters()) if isinstance(self.block, torch.nn.Module) else []
+        # layers whose forward takes another path without autograd (torch's attention fast path, in
+        # eval mode): the reentrant form's forward runs without it, so it would compute otherwise
+        self._grad_mode_paths = [m for m in self.block.modules() if isinstance(m, torch.nn.MultiheadAttention)] \
+            if isinstance(self.block, torch.nn.Module) else []
         # eager even inside a compiled block's region: dynamo would trace the autograd Function and its
         # RNG and autocast state away; a compiled block's own forward is compiled apart (planner/wiring.py).
         # Wrapped here, not where the class is defined: torch.compiler.disable imports torch._dynamo,
@@ -88,7 +94,7 @@ class Recompute:
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or not self._needs_grad(args, kwargs):
             return self.forward(*args, **kwargs)
-        if kwargs or not self.reentrant:
+        if kwargs or not self.reentrant or any(not m.training for m in self._grad_mode_paths):
             contexts = {"context_fn": lambda: (nullcontext(), self.replaying())} if self._stateful else {}
             # the keyword arguments' tensors go positionally, so that torch's checkpoint saves them
             # as it saves the positional ones (through the saved-tensor hooks: STORM may offload
