@@ -217,14 +217,17 @@ class ClientSession:
             if compiled:
                 stored.version = None
             step.order.append(stored)
-            step.by_storage[storage._cdata] = stored
-            self.rooms.follow_room(step, storage, nbytes)
-            stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)
+            previous, step.by_storage[storage._cdata] = step.by_storage.get(storage._cdata), stored
             try:
+                self.rooms.follow_room(step, storage, nbytes)
+                stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)
                 stored.copy_in = self.mover.put(stored.request)
             except BaseException:  # nothing went: the save is not the step's, and no handle points at it
                 step.order.pop()
-                del step.by_storage[storage._cdata]
+                if previous is None:
+                    del step.by_storage[storage._cdata]
+                else:
+                    step.by_storage[storage._cdata] = previous
                 raise
             handle = self._handle(stored, t, stored.index)
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
