@@ -212,12 +212,14 @@ class Kept:
     tensor saved by the op that made it (tanh, exp, softmax) holds that op's node, which
     holds what pack returned, a cycle through C++ that no garbage collector sees. A graph
     dropped without a backward (a skipped step, an evaluation under grad) then held such
-    saves for the life of the process. Autograd restores the grad_fn at unpack itself."""
+    saves for the life of the process. Autograd restores the grad_fn at unpack itself. A tensor
+    with no grad_fn that requires no grad is held as it is: nothing to break, and a copy would lose
+    what its Python object carries (a compiled graph's storm token, under these hooks)."""
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, t: torch.Tensor, checked: bool = True):
-        self.tensor = t.detach()
+        self.tensor = t if t.grad_fn is None and not t.requires_grad else t.detach()
         self.version = t._version if checked else None  # None: nothing else writes it (a compiled graph's copy)
 
     @property

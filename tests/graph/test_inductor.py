@@ -71,6 +71,19 @@ def test_gradients_equal_compiled_without_offload_bit_for_bit_step_after_step():
     assert s["node"]["keys"] == 0
 
 
+def test_a_graph_compiled_with_storm_runs_inside_storm_offload_bit_for_bit():
+    """storm.enable warns a model compiled as one graph to compile it with storm.partitioner, and
+    keeps its hooks on around it: the compiled graph's tokens are saved through them (kept), and
+    a kept token was a copy without what it carries (backward raised)."""
+    model, ref, tokens = models(held_bytes=0)  # every save offloaded: each a token in the graph
+    grads(model, tokens)  # compiled outside the hooks, as storm.enable's first step finds it
+    model.zero_grad(set_to_none=True)
+    with storm.offload(mode="embedded", min_bytes=0):
+        got = loss(model, tokens)
+    got.backward()
+    assert same([p.grad for p in model.parameters()], grads(ref, tokens))
+
+
 def test_a_second_backward_fetches_again_what_the_first_overwrote():
     model, ref, tokens = models(held_bytes=0)
     assert same(grads(model, tokens, backwards=2), grads(ref, tokens, backwards=2))

@@ -47,7 +47,8 @@ def carried(t: torch.Tensor) -> Carried:
     saved = getattr(t, "storm_saved", None)
     if saved is None:
         raise StormError("a storm token lost what it carries: a tensor the compiled graph passes between storm's "
-                         "ops was copied or rebuilt (an unsupported torch.compile backend or mode?)")
+                         "ops was copied or rebuilt (saved-tensor hooks around the compiled model that return "
+                         "another tensor, or an unsupported torch.compile backend or mode?)")
     return saved
 
 
