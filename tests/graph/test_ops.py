@@ -16,7 +16,7 @@ ops = torch.ops.storm
 
 
 def saved(x: torch.Tensor, pool_size: int | None = None) -> torch.Tensor:
-    token = ops.save(x, None, [], "embedded", None, pool_size)
+    token = ops.save(x, None, [], "embedded", None, pool_size, 1 << 29)
     return ops.released(token, x)
 
 
@@ -57,13 +57,22 @@ def test_a_token_that_lost_what_it_carries_is_named():
 def test_views_of_one_tensor_are_stored_once_and_each_comes_back_as_it_was():
     qkv = torch.randn(256, 3, 64)
     q, k = qkv[:, 0], qkv[:, 1].t()  # views of one storage, as a projection's q and k are
-    first = ops.save(q, None, [], "embedded", None, None)
-    second = ops.save(k, first, [], "embedded", None, None)
+    first = ops.save(q, None, [], "embedded", None, None, 1 << 29)
+    second = ops.save(k, first, [], "embedded", None, None, 1 << 29)
     tokens = [ops.released(first, q), ops.released(second, k)]
     expected = [q.clone(), k.clone()]
     qkv.fill_(0.0)  # the graph reuses the memory
     assert all(torch.equal(load(t, view), e) for t, view, e in zip(tokens, (q, k), expected))
     assert storm.stats("embedded")["session"]["puts"] == 1
+
+
+def test_a_graphs_step_lets_its_copies_run_behind_by_the_partitioners_held_bytes():
+    """storm.partitioner(held_bytes=...) places the releases; the session's copy queue, which makes
+    forward wait for copies, is bound by the same figure (it kept the default's 512 MiB)."""
+    x = torch.randn(64, 64)
+    token = ops.save(x, None, [], "embedded", None, None, 4 << 30)
+    assert token.storm_saved.step.options.max_held_bytes == 4 << 30
+    load(ops.released(token, x), x)
 
 
 @pytest.mark.parametrize("round", range(20))

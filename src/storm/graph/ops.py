@@ -22,7 +22,7 @@ import torch
 from ..errors import StormError
 from ..policy import Policy
 from ..registry import session_for
-from ..saved import Handle, Kept, Step, copy_of
+from ..saved import Handle, Kept, Step, StepOptions, copy_of
 from ..session import ClientSession
 
 ANY_SIZE = Policy(min_bytes=0)  # the rewrite chose the saves by size already
@@ -54,13 +54,14 @@ def carried(t: torch.Tensor) -> Carried:
 
 @torch.library.custom_op("storm::save", mutates_args=())
 def save(x: torch.Tensor, previous: Optional[torch.Tensor], after: list[torch.Tensor], mode: str,
-         socket: Optional[str], pool_size: Optional[int]) -> torch.Tensor:
+         socket: Optional[str], pool_size: Optional[int], held_bytes: int) -> torch.Tensor:
     """Start storing ``x``; ``previous``: the token of the save before in this forward (None: the
-    first, which starts a step of the session for ``mode``, ``socket`` and ``pool_size``);
-    ``after``: tokens of releases that must run before it (their order in the graph is all)."""
+    first, which starts a step of the session for ``mode``, ``socket`` and ``pool_size``, whose
+    copies may run ``held_bytes`` behind forward); ``after``: tokens of releases that must run
+    before it (their order in the graph is all)."""
     if previous is None:
         session = session_for(mode, socket, pool_size)
-        step = session.new_step()
+        step = session.new_step(options=StepOptions(max_held_bytes=held_bytes))
     else:
         p = carried(previous)
         session, step = p.session, p.step
@@ -68,7 +69,7 @@ def save(x: torch.Tensor, previous: Optional[torch.Tensor], after: list[torch.Te
 
 
 @save.register_fake
-def _(x, previous, after, mode, socket, pool_size):
+def _(x, previous, after, mode, socket, pool_size, held_bytes):
     return torch.empty(0, dtype=torch.uint8)
 
 

@@ -122,7 +122,8 @@ def offload_saves(fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int,
             anchor = anchor.next
         with fw.graph.inserting_after(anchor):
             previous = saved[s.node] = _call(fw.graph, torch.ops.storm.save.default,
-                                             (s.node, previous, after, options.mode, options.socket, options.pool_size))
+                                             (s.node, previous, after, options.mode, options.socket, options.pool_size,
+                                              options.held_bytes))
         waiting.append(s)
     for s in waiting:  # released after the last save: where forward's end may take them
         release(s)
