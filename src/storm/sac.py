@@ -79,11 +79,16 @@ def _recompute_context() -> Any:
 
 
 def _choices(plan: Plan | Sequence[str], blocks: int | None) -> list[str]:
+    if blocks is not None and (not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0):
+        raise TypeError(f"storm.checkpoint_policy: blocks is the number of blocks, an int >= 0; got {blocks!r}")
+    if not isinstance(plan, Plan) and (isinstance(plan, (str, bytes)) or not isinstance(plan, Sequence)):
+        raise TypeError("storm.checkpoint_policy: plan is a storm Plan or a list of per-block choices "
+                        f"(each one of {CHOICES}); got {type(plan).__name__} {plan!r}")
     if isinstance(plan, Plan):
         if blocks is None:
             raise TypeError("storm.checkpoint_policy: a Plan does not know how many blocks the model has; "
                             "pass blocks=len(the blocks it was planned for)")
-        if any(i >= blocks for i in plan.recomputed) or plan.offloaded > blocks:
+        if any(not 0 <= i < blocks for i in plan.recomputed) or plan.offloaded > blocks:
             raise ValueError(f"storm.checkpoint_policy: the plan names blocks beyond the {blocks} given")
         # a recomputed block's input is the previous block's output: tagged for offload where that
         # block is offloaded; between two recomputed blocks torch's partitioner keeps it (MUST_SAVE)

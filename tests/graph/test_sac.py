@@ -74,6 +74,20 @@ def test_what_a_policy_cannot_say_is_said(caplog):
         storm.checkpoint_policy(["keep", "keep"], blocks=3)
 
 
+@pytest.mark.parametrize("args, says", [
+    (("offload",), "a list of per-block choices"),  # a string is a sequence of one-letter choices
+    (({"offload": 1},), "a list of per-block choices"),
+    ((None,), "a list of per-block choices"),
+    ((["keep"], "1"), "an int >= 0; got '1'"),
+    ((["keep"], True), "an int >= 0; got True"),
+])
+def test_a_policy_of_what_is_not_a_plan_or_a_count_is_refused_saying_what_is_accepted(args, says):
+    with pytest.raises(TypeError, match=re.escape(says)):
+        storm.checkpoint_policy(*args)
+    with pytest.raises(ValueError, match="beyond the 2"):  # a negative index was passed over
+        storm.checkpoint_policy(plan(recomputed=frozenset({-1})), blocks=2)
+
+
 def test_a_torch_without_cpu_offload_is_named(monkeypatch):
     class Old:  # CheckpointPolicy as torch 2.4 to 2.10 have it
         MUST_SAVE, PREFER_SAVE, MUST_RECOMPUTE, PREFER_RECOMPUTE = 0, 1, 2, 3
