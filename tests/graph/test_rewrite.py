@@ -153,3 +153,27 @@ def test_bad_options_are_named_with_what_is_accepted(options, named):
     with pytest.raises(ValueError, match=named):
         storm.partitioner(**options)
 
+
+
+def test_a_graph_of_symbolic_shapes_keeps_its_saves_and_says_so_once(caplog):
+    """A graph compiled for dynamic shapes (dynamic=True, or recompiled so after an epoch's last,
+    smaller batch) has saves of symbolic size, which storm does not offload: it said nothing, and
+    offloading stopped for good."""
+    import logging
+
+    from storm.graph.rewrite import _warn_symbolic
+    _warn_symbolic.cache_clear()
+    graphs: dict[str, fx.GraphModule] = {}
+
+    def compiler(name: str) -> Any:
+        def compile_graph(gm: fx.GraphModule, inputs: Any) -> Any:
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    f = aot_function(mlp, compiler("fw"), compiler("bw"), dynamic=True,
+                     partition_fn=Partitioner(GraphOptions(mode="embedded", min_bytes=0, held_bytes=0)))
+    with caplog.at_level(logging.WARNING, logger="storm"):
+        grads(f)
+    assert ops_in(graphs["fw"], SAVE) == []
+    assert caplog.text.count("symbolic shape") == 1

@@ -30,8 +30,9 @@ def partitioner(*, mode: str = "auto", socket: str | None = None, pool_size: int
     ``mode``, ``socket``, ``pool_size``, ``min_bytes``: as storm.offload's. ``held_bytes``: how many
     bytes of saves a copy may run behind forward before forward waits for it; the last
     ``held_bytes`` of a forward's saves stay on the device (backward needs them first).
-    ``budget``: offload at most this many bytes a forward, the earliest saves first (None: all
-    but the last ``held_bytes``). Saves are stored raw (no codec) and only those of static shape."""
+    ``budget``: offload at most this many bytes a forward of each compiled graph (a model split by
+    graph breaks has several), the earliest saves first (None: all but the last ``held_bytes``).
+    Saves are stored raw (no codec) and only those of static shape."""
     mode = mode_option(mode)
     return Partitioner(GraphOptions(
         mode=mode, socket=socket_option(mode, socket), pool_size=pool_size_option(pool_size),

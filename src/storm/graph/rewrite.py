@@ -23,6 +23,7 @@ import bisect
 import functools
 import hashlib
 import itertools
+import logging
 import operator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from ..policy import DEFAULT_MIN_BYTES
 from ..saved import DEFAULT_MAX_HELD_BYTES
 from . import ops
+
+log = logging.getLogger("storm")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ def offload_saves(fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int,
     stored: set[fx.Node] = set()  # roots saved already: a second view of one moves no more bytes
     for n in sorted(set(outputs[num_user_outputs:]), key=position.__getitem__):
         root = _root(n)
+        if root is not None and root not in returned and not _static(n, root):
+            _warn_symbolic()
         if root is None or root in returned or not _offloadable(n, root, bw_inputs, options.min_bytes):
             continue
         saves.append(Save(n, 0 if root in stored else _nbytes(root), _last_use(n, position)))
@@ -172,11 +177,25 @@ def _choose(saves: list[Save], options: GraphOptions) -> list[Save]:
 def _offloadable(n: fx.Node, root: fx.Node, bw_inputs: dict[str, fx.Node], min_bytes: int) -> bool:
     """A tensor forward makes, or a view of one (not an input such as a parameter, nor a view of
     one), of static shape, whose memory is at least ``min_bytes``, that backward uses."""
+    return (root.op == "call_function" and n.name in bw_inputs and bool(bw_inputs[n.name].users)
+            and _static(n, root) and _nbytes(root) >= min_bytes)
+
+
+def _static(n: fx.Node, root: fx.Node) -> bool:
+    """Whether ``n`` and the memory it is a view of are tensors of sizes known when compiling (not
+    symbolic: a graph compiled for dynamic shapes)."""
     val, base = n.meta.get("val"), root.meta.get("val")
-    return (root.op == "call_function" and isinstance(val, torch.Tensor) and isinstance(base, torch.Tensor)
-            and n.name in bw_inputs and bool(bw_inputs[n.name].users)
-            and all(type(d) is int for t in (val, base) for d in (*t.shape, *t.stride(), t.storage_offset()))
-            and _nbytes(root) >= min_bytes)
+    return isinstance(val, torch.Tensor) and isinstance(base, torch.Tensor) \
+        and all(type(d) is int for t in (val, base) for d in (*t.shape, *t.stride(), t.storage_offset()))
+
+
+@functools.cache
+def _warn_symbolic() -> None:
+    """Once per process: a graph's saves of symbolic shape stay on the device."""
+    log.warning("storm.partitioner: a graph compiled for dynamic shapes (torch.compile(dynamic=True), or "
+                "recompiled so after a batch of another size, such as an epoch's last) keeps its saves of "
+                "symbolic shape on the device: storm offloads saves of static shape alone. Mark the varying "
+                "dimension static (torch._dynamo.mark_static) or compile with dynamic=False to offload them")
 
 
 def _root(n: fx.Node) -> fx.Node | None:
