@@ -26,6 +26,13 @@ class Scaled(torch.nn.Module):
         return torch.nn.functional.dropout(torch.nn.functional.gelu(self.lin(x)), 0.2) * scale
 
 
+def recomputing(blocks: list[torch.nn.Module], reentrant: bool = True) -> list[torch.nn.Module]:
+    """``blocks``, each recomputed in backward (as storm.plan sets them)."""
+    for b in blocks:
+        b.forward = Recompute(type(b).forward.__get__(b), torch.device("cpu"), reentrant)
+    return blocks
+
+
 def recompute_grads(reentrant: bool | None, kwargs: bool) -> list[torch.Tensor]:
     """A block whose input does not require grad (as a model's first block's), recomputed or not."""
     torch.manual_seed(0)
@@ -149,8 +156,7 @@ def test_a_frozen_block_just_runs_and_the_blocks_after_it_get_their_gradients(re
         blocks = [Scaled(), Scaled()]
         blocks[0].requires_grad_(False)
         if recompute:
-            for b in blocks:
-                b.forward = Recompute(type(b).forward.__get__(b), torch.device("cpu"), reentrant)
+            recomputing(blocks, reentrant)
         torch.manual_seed(3)
         blocks[1](blocks[0](torch.randn(4, 32))).pow(2).sum().backward()
         return [p.grad for p in blocks[1].parameters()]
@@ -177,8 +183,7 @@ def test_a_block_whose_output_nests_its_tensors_gets_every_gradient_bit_for_bit(
         torch.manual_seed(0)
         blocks = [Nested(), Nested()]
         if recompute:
-            for b in blocks:
-                b.forward = Recompute(type(b).forward.__get__(b), torch.device("cpu"))
+            recomputing(blocks)
         h = torch.randn(4, 32, requires_grad=True)
         out = blocks[0](h)
         out = blocks[1](out["hidden"] + out["extra"][0])
@@ -209,8 +214,7 @@ def test_a_block_with_torch_attention_trained_in_eval_mode_recomputes_bit_for_bi
         torch.manual_seed(0)
         blocks = [Attention().eval(), Attention().eval()]
         if recompute:
-            for b in blocks:
-                b.forward = Recompute(type(b).forward.__get__(b), torch.device("cpu"))
+            recomputing(blocks)
         h = torch.randn(4, 10, 32)
         for b in blocks:
             h = b(h)
@@ -249,8 +253,7 @@ def autocast_grads(recompute: bool, where: str) -> list[torch.Tensor]:
     torch.manual_seed(0)
     blocks = [Scaled(), Scaled()]
     if recompute:
-        for b in blocks:
-            b.forward = Recompute(type(b).forward.__get__(b), torch.device("cpu"))
+        recomputing(blocks)
     x = torch.randn(4, 32, requires_grad=True)
     torch.manual_seed(3)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=where == "forward"):

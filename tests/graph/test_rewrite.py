@@ -48,7 +48,7 @@ def mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return h.sum()
 
 
-def traced(partition: Partitioner | None) -> tuple[Any, dict[str, fx.GraphModule]]:
+def traced(partition: Partitioner | None, dynamic: bool = False) -> tuple[Any, dict[str, fx.GraphModule]]:
     graphs: dict[str, fx.GraphModule] = {}
 
     def compiler(name: str) -> Any:
@@ -58,7 +58,7 @@ def traced(partition: Partitioner | None) -> tuple[Any, dict[str, fx.GraphModule
         return compile_graph
 
     kwargs = {} if partition is None else {"partition_fn": partition}
-    return aot_function(mlp, compiler("fw"), compiler("bw"), **kwargs), graphs
+    return aot_function(mlp, compiler("fw"), compiler("bw"), dynamic=dynamic, **kwargs), graphs
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,16 +163,7 @@ def test_a_graph_of_symbolic_shapes_keeps_its_saves_and_says_so_once(caplog):
 
     from storm.graph.rewrite import _warn_symbolic
     _warn_symbolic.cache_clear()
-    graphs: dict[str, fx.GraphModule] = {}
-
-    def compiler(name: str) -> Any:
-        def compile_graph(gm: fx.GraphModule, inputs: Any) -> Any:
-            graphs[name] = gm
-            return make_boxed_func(gm.forward)
-        return compile_graph
-
-    f = aot_function(mlp, compiler("fw"), compiler("bw"), dynamic=True,
-                     partition_fn=Partitioner(GraphOptions(mode="embedded", min_bytes=0, held_bytes=0)))
+    f, graphs = traced(Partitioner(GraphOptions(mode="embedded", min_bytes=0, held_bytes=0)), dynamic=True)
     with caplog.at_level(logging.WARNING, logger="storm"):
         grads(f)
     assert ops_in(graphs["fw"], SAVE) == []
