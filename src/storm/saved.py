@@ -133,10 +133,11 @@ class Stored:
     None: not checked, a compiled graph's save), ``state``, ``copy_in`` (the put, until it lands),
     ``request`` (while held: to store it again raw), ``refs`` (live handles), ``handles`` (handles
     ever made: one per save of this storage), ``unpacks``, ``in_store``, ``read`` (the CUDA event of
-    the last copy out of the store; CPU copies are done on return)."""
+    the last copy out of the store; CPU copies are done on return), ``let_go`` (a compiled graph's
+    save: the graph may have reused its memory since)."""
 
     __slots__ = ("facts", "key", "step", "tensor", "version", "state", "copy_in", "request", "refs", "handles",
-                 "unpacks", "in_store", "read", "__weakref__")
+                 "unpacks", "in_store", "read", "let_go", "__weakref__")
 
     def __init__(self, key: int, step: Step, t: torch.Tensor, weak: StorageWeakRef, nbytes: int,
                  route: Route = Route.HOST):
@@ -154,6 +155,7 @@ class Stored:
         self.unpacks = 0
         self.in_store = False
         self.read: Any = None
+        self.let_go = False
 
     # the facts the rest of the client reads, by their names
     index = property(lambda self: self.facts.index)

@@ -156,7 +156,7 @@ class ClientSession:
             with self._lock:  # another thread's poll may forget it between a look and the handle
                 if stored.state != State.FREED and not stored.weak.expired() and stored.nbytes == nbytes \
                         and (stored.version == t._version if stored.version is not None
-                             else stored.tensor is not None):  # compiled: not let go
+                             else not stored.let_go):  # compiled: its memory unchanged until let go
                     step.stats.record(step.layer, saved=1, deduplicated=1)
                     return self._handle(stored, t, len(step.order))
         step.candidate_bytes += nbytes
@@ -260,6 +260,7 @@ class ClientSession:
             return Kept(copy_of(handle.tensor), checked=False)
         stored = handle.stored
         with self._lock:
+            stored.let_go = True
             refused = stored.state == State.KEPT  # and a poll has seen that already
             if not refused and (stored.state != State.HELD or stored.tensor is None):  # stored, or let go
                 return handle

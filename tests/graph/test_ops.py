@@ -66,6 +66,23 @@ def test_views_of_one_tensor_are_stored_once_and_each_comes_back_as_it_was():
     assert storm.stats("embedded")["session"]["puts"] == 1
 
 
+def test_a_view_saved_after_the_copy_of_its_storage_is_done_is_that_copy_until_let_go():
+    """A compiled graph's memory is unchanged until it lets a save go: a second view of a stored
+    storage is the stored copy even once that copy is done (it was put again, as if let go)."""
+    from storm.registry import session_for
+    qkv = torch.randn(256, 3, 64)
+    q, k = qkv[:, 0], qkv[:, 1]
+    first = ops.save(q, None, [], "embedded", None, None, 1 << 29)
+    session_for("embedded", None, None).synchronize()  # q's copy done, its tensor let go of by the session
+    second = ops.save(k, first, [], "embedded", None, None, 1 << 29)
+    assert storm.stats("embedded")["session"]["puts"] == 1
+    tokens = [ops.released(first, q), ops.released(second, k)]
+    third = ops.save(qkv[:, 2], second, tokens, "embedded", None, None, 1 << 29)  # after the graph let go
+    assert storm.stats("embedded")["session"]["puts"] == 2
+    assert all(torch.equal(load(t, v), v) for t, v in zip(tokens, (q, k)))
+    load(ops.released(third, qkv[:, 2]), qkv[:, 2])
+
+
 def test_a_graphs_step_lets_its_copies_run_behind_by_the_partitioners_held_bytes():
     """storm.partitioner(held_bytes=...) places the releases; the session's copy queue, which makes
     forward wait for copies, is bound by the same figure (it kept the default's 512 MiB)."""
