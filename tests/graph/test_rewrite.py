@@ -4,6 +4,7 @@ and that gradients stay bit for bit those of the same graphs without it."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import pytest
@@ -168,3 +169,26 @@ def test_a_graph_of_symbolic_shapes_keeps_its_saves_and_says_so_once(caplog):
         grads(f)
     assert ops_in(graphs["fw"], SAVE) == []
     assert caplog.text.count("symbolic shape") == 1
+
+
+def test_the_outputs_of_a_split_are_views_of_its_input_memory():
+    """q, k and v of one projection by split: each is a view of the projection's memory, stored once
+    (as one storage, of its whole size); read as memories of their own, each was sized as a third
+    and the storage copied whole for each, past the budget."""
+    def attention(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x @ w).split(64, dim=-1)
+        return ((q @ k.transpose(-1, -2)).softmax(-1) @ v).sum()
+
+    graphs: dict[str, fx.GraphModule] = {}
+
+    def keep(gm: fx.GraphModule, inputs: Any) -> Any:
+        graphs.setdefault("fw", gm)
+        return make_boxed_func(gm.forward)
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(32, 64, generator=g), torch.randn(64, 192, generator=g, requires_grad=True)
+    aot_function(attention, keep, keep)(x, w).backward()
+    fw = graphs["fw"]
+    pieces = [n for n in fw.graph.nodes if n.target is operator.getitem]
+    projection = next(n for n in fw.graph.nodes if n.target is torch.ops.aten.mm.default)
+    assert pieces and all(_root(n) is projection for n in pieces)

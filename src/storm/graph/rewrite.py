@@ -199,9 +199,15 @@ def _warn_symbolic() -> None:
 
 
 def _root(n: fx.Node) -> fx.Node | None:
-    """The node whose memory ``n`` is: itself, or what it is a view (or detach, alias) of; None
+    """The node whose memory ``n`` is: itself, or what it is a view (or detach, alias) of, through
+    the outputs of a view op of several (split, chunk, unbind: each a view of its input); None
     where that is not known (a call of something other than an ATen op or getitem)."""
-    while n.op == "call_function" and n.target is not operator.getitem:  # getitem: an output of its own
+    while n.op == "call_function":
+        if n.target is operator.getitem:  # an output of its own, or of a view op's list of views
+            source = n.args[0] if n.args else None
+            if not isinstance(source, fx.Node) or not _aliases(source):
+                return n
+            n = source
         if getattr(n.target, "_schema", None) is None:
             return None
         if not _aliases(n):
