@@ -33,14 +33,14 @@ class CopyQueue:
         self.nbytes = 0  # the device bytes of those saves
         self.last_past_budget_bytes = 0  # saved past the budget in the last step that had one
 
-    def add(self, stored: Stored, step: Step, frame_nbytes: int = 0) -> int | None:
+    def add(self, stored: Stored, step: Step, frame_bytes: int = 0) -> int | None:
         """``stored``, saved in ``step``, waits for its put, just begun, encoded into a frame of
-        ``frame_nbytes`` on the device where it is (0: copied as it is). Returns what to drain the
+        ``frame_bytes`` on the device where it is (0: copied as it is). Returns what to drain the
         queue to (outside the lock) when it is over the step's limit, else None: the oldest copy
         is waited for (the queue may stay over by part of a save, and the link has the rest while
         the next op computes); with a room, until the queue is within it: its limit falls where
         the step's own memory rises."""
-        held = stored.nbytes + frame_nbytes
+        held = stored.nbytes + frame_bytes
         self._saves.append((stored, held))
         self.nbytes += held
         limit = self.limit(step)

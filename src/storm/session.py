@@ -217,7 +217,8 @@ class ClientSession:
             if compiled:
                 stored.version = None
             step.order.append(stored)
-            previous, step.by_storage[storage._cdata] = step.by_storage.get(storage._cdata), stored
+            previous = step.by_storage.get(storage._cdata)  # an earlier save of the storage, changed since
+            step.by_storage[storage._cdata] = stored
             try:
                 self.rooms.follow_room(step, storage, nbytes)
                 stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)

@@ -95,9 +95,12 @@ def offload_saves(fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int,
     stored: set[fx.Node] = set()  # roots saved already: a second view of one moves no more bytes
     for n in sorted(set(outputs[num_user_outputs:]), key=position.__getitem__):
         root = _root(n)
-        if root is not None and root not in returned and not _static(n, root):
+        if root is None or root in returned:
+            continue
+        if not _static(n, root):
             _warn_symbolic()
-        if root is None or root in returned or not _offloadable(n, root, bw_inputs, options.min_bytes):
+            continue
+        if not _offloadable(n, root, bw_inputs, options.min_bytes):
             continue
         saves.append(Save(n, 0 if root in stored else _nbytes(root), _last_use(n, position)))
         stored.add(root)
@@ -176,9 +179,10 @@ def _choose(saves: list[Save], options: GraphOptions) -> list[Save]:
 
 def _offloadable(n: fx.Node, root: fx.Node, bw_inputs: dict[str, fx.Node], min_bytes: int) -> bool:
     """A tensor forward makes, or a view of one (not an input such as a parameter, nor a view of
-    one), of static shape, whose memory is at least ``min_bytes``, that backward uses."""
+    one), whose memory is at least ``min_bytes``, that backward uses; of static shape (``_static``,
+    which the caller checks first: it warns where not)."""
     return (root.op == "call_function" and n.name in bw_inputs and bool(bw_inputs[n.name].users)
-            and _static(n, root) and _nbytes(root) >= min_bytes)
+            and _nbytes(root) >= min_bytes)
 
 
 def _static(n: fx.Node, root: fx.Node) -> bool:

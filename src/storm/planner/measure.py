@@ -13,7 +13,7 @@ import torch
 
 from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
 
-from ..frames import FRAME_MIN_BYTES, KINDS, frame_codec
+from ..frames import FRAME_MIN_BYTES, frame_bytes, frame_codec
 from ..stats import OffloadStats
 
 MiB = 1 << 20
@@ -125,7 +125,7 @@ def frames_of(saves: Iterable[Any], setting: str = "auto") -> tuple[int, int, in
     whether one is an upcast its bytes say, and those are not read here."""
     framed = [(codec, s.nbytes) for s in saves
               if (codec := frame_codec(setting, s.device.type, str(s.dtype).removeprefix("torch."), s.nbytes))]
-    return len(framed), sum(b for _, b in framed), sum(KINDS[codec].nbytes(b) for codec, b in framed)
+    return len(framed), sum(b for _, b in framed), sum(frame_bytes(codec, b) for codec, b in framed)
 
 
 def frame_costs(device: torch.device, repeats: int = 5) -> tuple[float, float]:
