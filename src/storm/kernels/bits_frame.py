@@ -20,7 +20,7 @@ import torch
 
 from .bitpack import pack_bits
 from .container import require
-from .frame_layout import BITS_MAGIC, header
+from .frame_layout import BITS_MAGIC, check_headed, header
 
 HEADER = 16
 
@@ -31,10 +31,7 @@ def bits_frame_nbytes(n: int) -> int:
 
 
 def _check(frame: torch.Tensor, n: int) -> None:
-    require(frame.dtype == torch.uint8 and frame.dim() == 1 and frame.numel() == bits_frame_nbytes(n)
-            and frame.is_contiguous(), f"a bit frame of {n} elements is {bits_frame_nbytes(n)} contiguous bytes, "
-                                       f"got {frame.numel()} ({frame.dtype})")
-    require(frame.data_ptr() % 8 == 0, "a bit frame must start 8-byte aligned (its header's n is an int64)")
+    check_headed(frame, bits_frame_nbytes(n), f"a bit frame of {n} elements")
 
 
 def encode_bits_frame(t: torch.Tensor, out: torch.Tensor) -> None:

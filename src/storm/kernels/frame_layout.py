@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+from .container import require
+
 MAGIC = 0x32465453  # "STF2"
 BITS_MAGIC = 0x31425453  # "STB1": a bit frame (kernels.bits_frame), whose header is this one's
 UPCAST_MAGIC = 0x31555453  # "STU1": an upcast frame (kernels.upcast_frame), whose header is this one's
@@ -72,3 +74,11 @@ def complete(frame_header: torch.Tensor) -> bool:
     if magic == UPCAST_MAGIC:
         return count == 0
     return count <= escape_slots(n)
+
+
+def check_headed(frame: torch.Tensor, size: int, what: str) -> None:
+    """``frame`` (``what``, for the error) is a frame of ``size`` bytes headed as this one is: uint8,
+    one contiguous dimension, starting 8-byte aligned (its header's n is an int64)."""
+    require(frame.dtype == torch.uint8 and frame.dim() == 1 and frame.numel() == size and frame.is_contiguous(),
+            f"{what} is {size} contiguous bytes, got {frame.numel()} ({frame.dtype})")
+    require(frame.data_ptr() % 8 == 0, f"{what} must start 8-byte aligned (its header's n is an int64)")

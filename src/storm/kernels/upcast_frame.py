@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .container import require
-from .frame_layout import UPCAST_MAGIC, header
+from .frame_layout import UPCAST_MAGIC, check_headed, header
 
 HEADER = 16
 
@@ -28,10 +28,7 @@ def upcast_frame_nbytes(nbytes: int) -> int:
 
 def _check(frame: torch.Tensor, nbytes: int) -> None:
     require(nbytes % 4 == 0, f"upcast frames hold 32-bit words; got {nbytes} bytes")
-    require(frame.dtype == torch.uint8 and frame.dim() == 1 and frame.numel() == upcast_frame_nbytes(nbytes)
-            and frame.is_contiguous(), f"an upcast frame of {nbytes} bytes is {upcast_frame_nbytes(nbytes)} "
-                                       f"contiguous bytes, got {frame.numel()} ({frame.dtype})")
-    require(frame.data_ptr() % 8 == 0, "an upcast frame must start 8-byte aligned (its header's n is an int64)")
+    check_headed(frame, upcast_frame_nbytes(nbytes), f"an upcast frame of {nbytes} bytes")
 
 
 def encode_upcast_frame(t: torch.Tensor, out: torch.Tensor) -> None:
