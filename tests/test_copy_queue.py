@@ -68,6 +68,19 @@ def test_a_save_encoded_into_a_frame_holds_its_frame_too_until_its_copy_is_done(
     assert waited == [1] and queue.nbytes == 70
 
 
+def test_of_the_queue_the_allocator_counts_the_saves_and_not_their_frames():
+    """A frame leaves the caching allocator's count as its put returns (the put let go of it; its
+    streams keep its memory until they have run): what the queue takes and what the allocator's
+    count shows of it differ by the frames waiting."""
+    queue, waited = queue_and_waits()
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30))
+    save(queue, step, 40, waited, frame=30)
+    save(queue, step, 20, waited)
+    assert (queue.nbytes, queue.frame_nbytes, queue.allocated) == (90, 30, 60)
+    queue.drain(20)
+    assert (queue.nbytes, queue.frame_nbytes, queue.allocated) == (20, 0, 20)
+
+
 def test_drain_waits_oldest_first_until_the_queue_is_within_the_limit():
     queue, waited = queue_and_waits()
     step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30))

@@ -65,6 +65,21 @@ def test_a_window_smaller_than_a_save_takes_it_unless_a_full_offload_room_set_th
     assert fetched == []
 
 
+def test_a_save_stored_in_a_frame_is_fetched_only_where_its_frame_fits_beside_it():
+    """A get brings a framed save back in its frame and decodes it into a new tensor: the two are on
+    the device together, so the window must hold both."""
+    step = step_of([State.OFFLOADED] * 2, window=10 * KIB)
+    step.order[0].frame_bytes = 3 * KIB
+    step.order[1].frame_bytes = 3 * KIB
+    step.fetching = True
+    p, fetched = prefetcher()
+    p.ahead(step, 2)
+    assert fetched == [2] and p.nbytes == 4 * KIB  # the first with its frame fits in 10; the second's would not
+    step.order[0].frame_bytes = 0
+    p.ahead(step, 1)
+    assert fetched == [2, 1]
+
+
 def test_room_backward_made_lets_saves_come_back_but_only_whole():
     step = step_of([State.OFFLOADED] * 4)
     p, fetched = prefetcher()

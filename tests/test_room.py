@@ -679,3 +679,75 @@ def test_a_profiled_unpack_of_a_storage_brought_back_already_is_read_as_held(mon
     b.backward()
     assert ctx.stats.offloaded == 1 and ctx.stats.deduplicated == 2  # tanh's output, saved by tanh and twice by mul
     assert seen == [False, True, True], seen  # fetched by mul's first unpack, alive at its second and at tanh's
+
+
+class Put:
+    """A put whose copy finishes when waited for."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self) -> None:
+        self.finished = True
+
+
+def framed_saves(sizes_and_frames: list[tuple[int, int]], own: list[int]) -> tuple[Rooms, CopyQueue, Step]:
+    """A profiling step's saves of these sizes, each put into a frame of its size (0: none), with
+    ``own[i]`` held besides the queue as save i is made (the save counted). The memory reader is the
+    caching allocator's count: the step's own, and the queue's saves, not their frames, which leave
+    the count as their puts return."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from storm.saved import Stored
+    queue = CopyQueue(lambda: None, threading.RLock())
+    rooms = Rooms(queue)
+    now = {"own": 0}
+    rooms.memory = lambda device: now["own"] + sum(s.nbytes for s, *_ in queue._saves)
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 40))
+    rooms.start_step(step)
+    for (nbytes, frame), held in zip(sizes_and_frames, own):
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        stored = Stored(len(step.order) + 1, step, t, StorageWeakRef(t.untyped_storage()), nbytes)
+        step.order.append(stored)
+        now["own"] = held
+        rooms.follow_room(step, t.untyped_storage(), nbytes)
+        now["own"] = held - nbytes  # from here on the queue holds the save
+        stored.copy_in = Put()
+        queue.add(stored, step, frame)
+    return rooms, queue, step
+
+
+def test_a_profile_reads_the_step_own_memory_while_framed_saves_wait_for_their_copy():
+    """The queue takes each save and its frame, but the allocator's count has only the save: a
+    reading that took the frames off too read the step's memory low by them, and its room let the
+    queue and the window fill the step's real peak."""
+    rooms, queue, step = framed_saves([(400, 200), (1000, 880), (64, 0)], own=[400, 2500, 1564])
+    assert step.profile is not None and step.profile.saves == [400, 2500, 1564]
+    assert queue.nbytes == 1464 + 1080  # the queue takes the frames
+
+
+def test_a_frame_is_made_only_where_it_fits_under_the_floor_beside_the_step_and_the_queue():
+    """The put of a framed save makes its frame while the save is still on the device: at forward's
+    end, beside a loss's tensors, a frame as large as the save is the step's peak."""
+    room = Room(Profile(sizes=[100, 1000], saves=[500, 2500], unpack_sizes=[1000, 100], unpacks=[3000, 600]))
+    queue = CopyQueue(lambda: None, threading.RLock())
+    rooms = Rooms(queue)
+    step = Step(1, float("inf"), StepOptions())
+    step.room = room
+    step.order = [object(), object()]  # the step has made its second save, the loss's
+    assert room.floor == 3000
+    assert rooms.frame_fits(step, 500) and not rooms.frame_fits(step, 501)
+    assert rooms.frame_fits(step, 0)
+    step.order = [object()]  # at the first save, beside 500 held: 2500 fit
+    assert rooms.frame_fits(step, 2500) and not rooms.frame_fits(step, 2501)
+    t = torch.empty(0, dtype=torch.uint8)
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from storm.saved import Stored
+    queue.add(Stored(9, step, t, StorageWeakRef(t.untyped_storage()), 600), step, 400)  # a save and its frame wait
+    assert rooms.frame_fits(step, 1500) and not rooms.frame_fits(step, 1501)
+    step.room = None  # no room: nothing says where the floor is
+    assert rooms.frame_fits(step, 1 << 40)

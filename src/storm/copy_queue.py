@@ -2,9 +2,15 @@
 
 A save's tensor stays alive until its put has landed, so the queue's bytes sit on the device
 beside what the step holds anyway, with the frame it is encoded into where it is one
-(storm/frames.py). Saving waits on the oldest copy once the queue is over its step's limit
-(``limit``: ``max_held_bytes``, more past a budget, less under a full-offload step's room, which
-rooms.py chooses), and ``drain`` waits until it is within one.
+(storm/frames.py). The caching allocator counts a save's tensor as allocated, but not its frame:
+the frame is the put's, which lets go of it once the encode and the copy are queued on their
+streams, and from then on the allocator only keeps its memory from being handed out again until
+they have run. So ``nbytes`` is what the queue takes of the device, and ``allocated`` what of it
+the allocator's count shows (full offload's room reads that count: rooms.py).
+
+Saving waits on the oldest copy once the queue is over its step's limit (``limit``:
+``max_held_bytes``, more past a budget, less under a full-offload step's room, which rooms.py
+chooses), and ``drain`` waits until it is within one.
 
 What becomes of a save whose copy is done (released, stored again, forgotten) is the session's
 (storm/session.py): it calls every method here under its lock, except ``drain``, which takes
@@ -28,9 +34,11 @@ class CopyQueue:
     def __init__(self, poll: Callable[[], None], lock: AbstractContextManager[Any]):
         self._poll = poll
         self._lock = lock
-        # oldest first (copies finish about in order), each with the device bytes its wait holds
-        self._saves: collections.deque[tuple[Stored, int]] = collections.deque()
-        self.nbytes = 0  # the device bytes of those saves
+        # oldest first (copies finish about in order), each with the device bytes its wait holds and
+        # its frame's among them
+        self._saves: collections.deque[tuple[Stored, int, int]] = collections.deque()
+        self.nbytes = 0  # the device bytes of those saves, their frames counted
+        self.frame_nbytes = 0  # their frames' bytes among them
         self.last_past_budget_bytes = 0  # saved past the budget in the last step that had one
 
     def add(self, stored: Stored, step: Step, frame_bytes: int = 0) -> int | None:
@@ -41,12 +49,19 @@ class CopyQueue:
         the next op computes); with a room, until the queue is within it: its limit falls where
         the step's own memory rises."""
         held = stored.nbytes + frame_bytes
-        self._saves.append((stored, held))
+        self._saves.append((stored, held, frame_bytes))
         self.nbytes += held
+        self.frame_nbytes += frame_bytes
         limit = self.limit(step)
         if self.nbytes <= limit:
             return None
         return limit if step.room is not None else self.nbytes - self._saves[0][1]
+
+    @property
+    def allocated(self) -> int:
+        """The queue's bytes that the caching allocator counts as allocated: its saves' tensors, not
+        their frames (module docstring)."""
+        return self.nbytes - self.frame_nbytes
 
     def limit(self, step: Step) -> int:
         """Bytes that may wait for their copy. Forward's peak is at its end, and past the budget
@@ -72,13 +87,14 @@ class CopyQueue:
 
     def pop(self) -> Stored:
         """The oldest save, out of the queue: its copy has finished (``copied``)."""
-        stored, held = self._saves.popleft()
+        stored, held, frame = self._saves.popleft()
         self.nbytes -= held
+        self.frame_nbytes -= frame
         return stored
 
     def copies(self) -> list[Copy]:
         """The puts the saves in the queue wait for, oldest first."""
-        return [s.copy_in for s, _ in self._saves if s.copy_in is not None]
+        return [s.copy_in for s, *_ in self._saves if s.copy_in is not None]
 
     def drain(self, limit: int) -> None:
         """Let go of saved tensors whose copy has finished, then wait, oldest first, until at most
@@ -104,4 +120,4 @@ class CopyQueue:
 
     def addresses(self) -> list[int]:
         """The device addresses of the saves waiting whose tensors are still held."""
-        return [s.tensor.untyped_storage().data_ptr() for s, _ in self._saves if s.tensor is not None]
+        return [s.tensor.untyped_storage().data_ptr() for s, *_ in self._saves if s.tensor is not None]

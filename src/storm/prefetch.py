@@ -65,9 +65,11 @@ class Prefetcher:
                 step.cursor -= 1
                 continue  # not in the store, already unpacked, on its way, or here
             # the room is memory backward has made (storm.plan's is its peak's slack): a fetch
-            # must fit in it; only a window smaller than one tensor may take that tensor, unless
-            # a full-offload room set it: then it is what fits under the step's floor
-            if self.nbytes + s.nbytes > limit and (self.nbytes or not window or step.room is not None):
+            # must fit in it, with the frame it comes in, which the get holds beside the tensor it
+            # decodes into until the decode is queued; only a window smaller than one tensor may
+            # take that tensor, unless a full-offload room set it: then it is what fits under the
+            # step's floor
+            if self.nbytes + s.nbytes + s.frame_bytes > limit and (self.nbytes or not window or step.room is not None):
                 return
             step.cursor -= 1
             self.copies[s.key] = self.fetch(s)

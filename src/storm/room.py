@@ -197,6 +197,11 @@ class Room:
             room = min(room, self.floor - unpacks[first] - kept + sizes[last])
         return max(0, room)
 
+    def fits(self, made: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` more on the device fit under the floor at the ``made``-th save (1 = the
+        first) beside what the step holds there, the save counted."""
+        return nbytes <= self.floor - self._saves[made - 1]
+
     def describe(self, queue_limit: int, window_limit: int) -> str:
         """What the room lets a step hold, within the step's ``max_held_bytes`` and ``prefetch_bytes``
         (``queue_limit``, ``window_limit``), for report(): the floor, the saves it keeps, the most the

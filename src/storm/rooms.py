@@ -258,8 +258,16 @@ class Rooms:
                 address = storage.data_ptr()
                 step.profile.sizes.append(nbytes)
                 step.profile.addresses.append(address)
-                step.profile.saves.append(held - self.queue.nbytes)
+                step.profile.saves.append(held - self.queue.allocated)
                 self._mark(step.profile, storage.device, [address])
+
+    def frame_fits(self, step: Step, frame: int) -> bool:
+        """Whether a frame of ``frame`` bytes, which the put of the step's last save makes on the
+        device while the save is still there, fits under its room's floor beside what the step holds
+        at that save and the copy queue. Once the put has returned the queue counts the frame, but
+        as it is made nothing has made room for it. No room, or no frame: True (a profiling step's
+        frames are not in its readings either: allocator_record.py leaves out the encode's stream)."""
+        return not frame or step.room is None or step.room.fits(step.made, self.queue.nbytes + frame)
 
     def end_step(self, step: Step) -> None:
         """Forward is over: a step of fewer saves than its room's lets the room go (the next step
@@ -284,7 +292,8 @@ class Rooms:
                 # (its copy not yet let go of) or an earlier unpack brought it
                 brought = stored.nbytes if stored.tensor is None and not stored.unpacks else 0
                 step.profile.unpack_sizes.append(brought)
-                step.profile.unpacks.append(held - self.queue.nbytes - prefetched + (0 if restored else stored.nbytes))
+                step.profile.unpacks.append(held - self.queue.allocated - prefetched
+                                            + (0 if restored else stored.nbytes))
                 step.profile.unpack_saves.append(stored.index)
                 self._mark(step.profile, stored.device)
 

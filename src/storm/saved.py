@@ -131,13 +131,15 @@ class Stored:
     ``key`` (a new one if its frame overflowed and it is stored again raw), ``step`` (None once
     freed), ``tensor`` (held until its copy is in: ``detach()``-ed, see Kept), ``version`` (at save;
     None: not checked, a compiled graph's save), ``state``, ``copy_in`` (the put, until it lands),
-    ``request`` (while held: to store it again raw), ``refs`` (live handles), ``handles`` (handles
+    ``request`` (while held: to store it again raw), ``frame_bytes`` (once in the store: the bytes of
+    the frame a get brings it back in, on the device beside the tensor it decodes into; 0: none),
+    ``refs`` (live handles), ``handles`` (handles
     ever made: one per save of this storage), ``unpacks``, ``in_store``, ``read`` (the CUDA event of
     the last copy out of the store; CPU copies are done on return), ``let_go`` (a compiled graph's
     save: the graph may have reused its memory since)."""
 
-    __slots__ = ("facts", "key", "step", "tensor", "version", "state", "copy_in", "request", "refs", "handles",
-                 "unpacks", "in_store", "read", "let_go", "__weakref__")
+    __slots__ = ("facts", "key", "step", "tensor", "version", "state", "copy_in", "request", "frame_bytes", "refs",
+                 "handles", "unpacks", "in_store", "read", "let_go", "__weakref__")
 
     def __init__(self, key: int, step: Step, t: torch.Tensor, weak: StorageWeakRef, nbytes: int,
                  route: Route = Route.HOST):
@@ -150,6 +152,7 @@ class Stored:
         self.state = State.HELD
         self.copy_in: Copy | None = None
         self.request: PutRequest | None = None
+        self.frame_bytes = 0
         self.refs = 0
         self.handles = 0
         self.unpacks = 0

@@ -211,8 +211,8 @@ class ClientSession:
         meta = {"dtype": dtype, "shape": list(t.shape), "strides": list(t.stride()),
                 "storage_offset": t.storage_offset()}
         with self._lock:  # the store, its route and the key together: the session may move on to another store
-            route, codec, ipc = self._route(storage, dtype, step, kind_of(t), compiled)  # once: it serves the get too
-            ready = record_ready(t.device, interprocess=route is Route.DAEMON) if t.is_cuda else None
+            kind = kind_of(t)
+            route, codec, ipc = self._route(storage, dtype, step, kind, compiled)  # once: it serves the get too
             stored = Stored(next_key(), step, t, StorageWeakRef(storage), nbytes, route)
             if compiled:
                 stored.version = None
@@ -221,6 +221,11 @@ class ClientSession:
             step.by_storage[storage._cdata] = stored
             try:
                 self.rooms.follow_room(step, storage, nbytes)
+                if not self.rooms.frame_fits(step, frame_bytes(codec, nbytes)):
+                    # the put's frame would sit on the step's floor beside the queue: copied as it is
+                    route, codec, ipc = self._route(storage, dtype, step, kind, compiled, "raw")
+                    stored.facts = dataclasses.replace(stored.facts, route=route)
+                ready = record_ready(t.device, interprocess=route is Route.DAEMON) if t.is_cuda else None
                 stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)
                 stored.copy_in = self.mover.put(stored.request)
             except BaseException:  # nothing went: the save is not the step's, and no handle points at it
@@ -239,10 +244,11 @@ class ClientSession:
         return handle
 
     def _route(self, source: torch.UntypedStorage, dtype: str, step: Step, kind: tuple[Any, ...],
-               compiled: bool) -> tuple[Route, str, tuple[bytes, int] | None]:
-        """The route and codec of a save of ``kind`` to the current store (mover.route), by the step's
-        codec setting, raw for a compiled graph's save, and past the frames that overflowed for its kind."""
-        codec = "raw" if compiled else step.options.codec or self.backend.codec
+               compiled: bool, codec: str | None = None) -> tuple[Route, str, tuple[bytes, int] | None]:
+        """The route and codec of a save of ``kind`` to the current store (mover.route), by ``codec``
+        where given, else the step's codec setting, raw for a compiled graph's save, and past the
+        frames that overflowed for its kind."""
+        codec = "raw" if compiled else codec or step.options.codec or self.backend.codec
         return self.mover.route(source, dtype, codec, kind[0], self._overflowed.get(kind, frozenset()))
 
     def _handle(self, stored: Stored, t: torch.Tensor, index: int) -> Handle:
@@ -364,6 +370,7 @@ class ClientSession:
         stored.in_store = True
         landed = copy.result()
         self._stores.settle(stored.route, stored.key, landed)  # its bytes are in the pool now: the handler says so
+        stored.frame_bytes = landed.nbytes if landed.frame is not None else 0
         stored.step.stats.record(stored.layer, stored_bytes=landed.nbytes)
         # The version is read here, on the training thread between two ops, so an
         # in-place op that raced the copy has finished and bumped it by now.
