@@ -410,20 +410,26 @@ def _recompute_until(s: Scenario, k: int, m: int, budget: int, off: Offloading,
     # block i's, for i < n (every block past k + m kept, so each with kept_extra), then backward's start
     held_at = s.moments(k, inputs, in_flight, inputs_offloaded=m, prefetch=window)
     recomputed: set[int] = set()
+    gained = 0  # of the blocks recomputed so far: each was chosen at a moment no later than this one
     for i, held in enumerate(held_at):
-        lowered = held - sum(gain[j] for j in recomputed if j < i) - kept_extra * (i in recomputed)
+        lowered = held - gained
         for j in order:
             if lowered <= budget:
                 break
             if j <= i and j not in recomputed and (j < i or kept_extra):
                 recomputed.add(j)
+                gained += gain[j]
                 lowered -= gain[j] if j < i else kept_extra
-    peak = s.predicted_peak(k, inputs | recomputed, in_flight, inputs_offloaded=m, prefetch=window)
+    at = s.moments(k, inputs | recomputed, in_flight, inputs_offloaded=m, prefetch=window)
+    peak = max(at)
     if peak <= budget:
         for j in sorted(recomputed, key=lambda j: (-blocks[j].forward_ms, -j)):
-            without = s.predicted_peak(k, inputs | (recomputed - {j}), in_flight, inputs_offloaded=m, prefetch=window)
+            # keeping block j adds its kept_extra to its own moment and its saves less its input to
+            # every later one (backward's start among them): the moments before it stay
+            without = max(max(at[:j], default=0), at[j] + kept_extra, max(at[j + 1:]) + gain[j])
             if without <= budget:
                 recomputed.discard(j)
-                peak = without
+                at = s.moments(k, inputs | recomputed, in_flight, inputs_offloaded=m, prefetch=window)
+                peak = max(at)
     recomputed |= inputs
     return recomputed, peak, off.cost_ms + sum(blocks[j].forward_ms for j in recomputed)
