@@ -332,6 +332,30 @@ def test_the_reentrant_form_under_autograd_grad_names_the_fix():
         torch.autograd.grad(y.sum(), [x])
 
 
+def test_the_reentrant_form_under_create_graph_names_the_fix_and_the_other_form_is_exact():
+    """A gradient penalty: backward(create_graph=True) differentiates the gradients again. The
+    reentrant form's nested backward runs on detached inputs, so its gradients would carry no
+    graph back through them (second-order gradients silently wrong): it refuses, naming the form
+    that works, whose second-order gradients are those of the block run plainly."""
+    def penalty_grads(reentrant: bool | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        first, block = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        if reentrant is not None:
+            recomputing([block], reentrant)
+        x = torch.randn(4, 16, requires_grad=True)
+        y = block(torch.tanh(first(x))).pow(2).sum()
+        (g,) = torch.autograd.grad(y, [x], create_graph=True)
+        g.pow(2).sum().backward()
+        return [p.grad for p in (*first.parameters(), *block.parameters())]
+
+    with pytest.raises(RuntimeError, match="create_graph=True.*reentrant=False"):
+        torch.manual_seed(0)
+        block = recomputing([torch.nn.Linear(16, 16)])[0]
+        x = torch.randn(4, 16, requires_grad=True)
+        block(torch.tanh(x)).pow(2).sum().backward(create_graph=True)
+    assert all(same_bits(a, b) for a, b in zip(penalty_grads(None), penalty_grads(False)))
+
+
 class Cached(torch.nn.Module):
     """A block that keeps a KV cache as a Hugging Face layer does: with ``use_cache`` it appends
     its keys to ``cache`` (a list) and attends over everything there."""
@@ -374,6 +398,22 @@ def test_a_recomputed_block_runs_without_its_kv_cache_and_says_so(caplog):
     assert len(warned) == 1 and "Cached is recomputed" in warned[0] and "use_cache=False, cache=None" in warned[0]
 
 
+def test_a_cache_passed_by_position_is_turned_off_as_one_passed_by_keyword():
+    """GPT-2's blocks take their cache positionally (block(hidden, cache, ...)): the recompute
+    turns it off there too, instead of appending to it a second time."""
+    def grads(recompute: bool) -> tuple[list[torch.Tensor], list]:
+        torch.manual_seed(0)
+        block = Cached()
+        if recompute:
+            recomputing([block])
+        x, cache = torch.randn(4, 32, requires_grad=True), []
+        block(x, cache, True).sum().backward()
+        return [x.grad, *(p.grad for p in block.parameters())], cache
+
+    (want, _), (got, cache) = grads(False), grads(True)
+    assert cache == [] and all(same_bits(a, b) for a, b in zip(want, got))
+
+
 def test_a_block_that_only_reads_its_cache_keeps_it():
     """transformers' _can_checkpoint_with_cache: the layer's class says the replay reads the
     same states, so the cache stays."""
@@ -412,6 +452,57 @@ def test_a_recompute_leaves_batchnorms_running_statistics_as_forward_left_them(r
     assert got_stats[-1].item() == 2  # num_batches_tracked: each step's batch once
     assert all(same_bits(a, b) for a, b in zip(want_stats, got_stats))
     assert all(same_bits(a, b) for a, b in zip(want, got))
+
+
+def test_a_recompute_leaves_instance_norms_running_statistics_as_forward_left_them():
+    """InstanceNorm with track_running_stats keeps running statistics in training as BatchNorm
+    does: the replay leaves them as forward left them."""
+    def run(recompute: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Unflatten(1, (4, 8)),
+                                    torch.nn.InstanceNorm1d(4, track_running_stats=True), torch.nn.Flatten())
+        if recompute:
+            recomputing([block])
+        x = torch.randn(8, 32, requires_grad=True)
+        for _ in range(2):
+            block(x).sum().backward()
+        return [x.grad, *(p.grad for p in block.parameters())], list(block[2].buffers())
+
+    (want, want_stats), (got, got_stats) = run(False), run(True)
+    assert all(same_bits(a, b) for a, b in zip(want_stats, got_stats))
+    assert all(same_bits(a, b) for a, b in zip(want, got))
+
+
+class Paired(torch.nn.Module):
+    """A block of an nn.Sequential that takes and returns (hidden, skip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, skip = pair
+        return torch.tanh(self.lin(x)) + skip, skip
+
+
+def test_tensors_passed_within_a_tuple_get_their_gradients_bit_for_bit():
+    """The reentrant Function sees only top-level tensors: one within a tuple was neither detached
+    nor given its gradient (backward recursed into the Function without end); such a block takes
+    the non-reentrant form."""
+    def grads(recompute: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [Paired(), Paired()]
+        if recompute:
+            recomputing(blocks)
+        x = torch.randn(4, 32, requires_grad=True)
+        skip = torch.randn(4, 32, requires_grad=True)
+        pair = (x, skip * 2)
+        for b in blocks:
+            pair = b(pair)
+        (pair[0].sum() + pair[1].pow(2).sum()).backward()
+        return [x.grad, skip.grad, *(p.grad for b in blocks for p in b.parameters())]
+
+    assert all(same_bits(a, b) for a, b in zip(grads(False), grads(True)))
 
 
 class Rotary(torch.nn.Module):

@@ -35,21 +35,28 @@ is on in their configs by default): the replay would append to it again and comp
 over the keys twice. As transformers' own gradient checkpointing does, a recomputed block is
 called with ``use_cache=False`` and without its cache (``cache``, ``past_key_values``,
 ``past_key_value``, ``layer_past``), unless its class says it only reads the cache
-(``_can_checkpoint_with_cache``), with a warning once. BatchNorm layers in training keep running
-statistics: the replay normalizes by the batch's statistics as forward did, but leaves the
-running ones as forward left them (``Recompute.replaying``), or each step would count every
+(``_can_checkpoint_with_cache``), with a warning once; a cache passed by position (GPT-2's
+blocks) is named and turned off as well. BatchNorm and InstanceNorm layers in training keep
+running statistics: the replay normalizes by the batch's statistics as forward did, but leaves
+the running ones as forward left them (``Recompute.replaying``), or each step would count every
 batch twice.
+
+The reentrant form takes a block's top-level tensors: a block given tensors within a tuple, list
+or dict takes the non-reentrant form. Under ``backward(create_graph=True)`` the reentrant form
+raises (its gradients would not carry the graph back through the block's inputs): the
+non-reentrant form differentiates twice as the block run plainly does.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
@@ -73,9 +80,14 @@ class Recompute:
         # a bound method's module (within torch.compile's wrapper where compiled): its class may keep a KV cache
         inner = getattr(forward, "_torchdynamo_orig_callable", forward)
         self.block = getattr(inner, "__self__", getattr(inner, "__wrapped__", None))
-        # its layers whose state a replay would update a second time
-        self._stateful = [m for m in self.block.modules() if isinstance(m, _BatchNorm) and m.track_running_stats] \
+        # its layers whose state a replay would update a second time: BatchNorm's and InstanceNorm's
+        # that keep running statistics
+        self._stateful = [m for m in self.block.modules() if isinstance(m, _NormBase) and m.track_running_stats] \
             if isinstance(self.block, torch.nn.Module) else []
+        # where the block takes its KV cache positionally (GPT-2's block(hidden, cache, mask, ...)): the
+        # names of its leading parameters, so that a call passing a cache there goes by keyword
+        names = _positional_names(forward)
+        self._positional = names if any(n in CACHE_KWARGS or n == "use_cache" for n in names) else ()
         self._grad = torch.empty(0, device=device, requires_grad=True)
         self._parameters = list(self.block.parameters()) if isinstance(self.block, torch.nn.Module) else []
         # layers whose forward takes another path without autograd (torch's attention fast path, in
@@ -94,7 +106,12 @@ class Recompute:
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or not self._needs_grad(args, kwargs):
             return self.forward(*args, **kwargs)
-        if kwargs or not self.reentrant or any(not m.training for m in self._grad_mode_paths):
+        if self._caches_positionally(args):
+            args, kwargs = (), {**dict(zip(self._positional, args)), **kwargs}
+        # the reentrant Function takes only top-level tensors: tensors within a tuple, list or dict
+        # argument would not be detached and their gradients not returned
+        if kwargs or not self.reentrant or any(not m.training for m in self._grad_mode_paths) \
+                or any(type(a) in (tuple, list, dict) and _holds_tensor(a) for a in args):
             contexts = {"context_fn": lambda: (nullcontext(), self.replaying())} if self._stateful else {}
             # the keyword arguments' tensors go positionally, so that torch's checkpoint saves them
             # as it saves the positional ones (through the saved-tensor hooks: STORM may offload
@@ -123,21 +140,28 @@ class Recompute:
             or any(p.requires_grad for p in self._parameters) \
             or any(isinstance(a, torch.Tensor) and a.requires_grad for a in tree_flatten(kwargs)[0])
 
+    def _caches_positionally(self, args: tuple) -> bool:
+        """Whether ``args`` pass a KV cache (or use_cache) by position, which _without_cache turns
+        off by keyword only."""
+        return any(name in CACHE_KWARGS and a is not None or name == "use_cache" and a
+                   for name, a in zip(self._positional, args))
+
     @contextmanager
     def replaying(self) -> Iterator[None]:
-        """Within: the block's BatchNorm layers in training leave their running statistics and
-        batch count as they were. A momentum of 0 keeps the running mean and variance (the
-        batch's are still what normalizes); turning tracking off instead would change which
-        tensors batch_norm saves, which torch's non-reentrant checkpoint refuses."""
-        frozen = [(m, m.momentum, m.num_batches_tracked.clone()) for m in self._stateful if m.training]
+        """Within: the block's BatchNorm and InstanceNorm layers in training leave their running
+        statistics and batch count as they were: a momentum of 0 (the batch's statistics still
+        normalize), then the statistics put back as they were. Turning tracking off instead would
+        change which tensors batch_norm saves, which torch's non-reentrant checkpoint refuses."""
+        frozen = [(m, m.momentum, [b.clone() for b in _statistics(m)]) for m in self._stateful if m.training]
         for m, _, _ in frozen:
             m.momentum = 0.0
         try:
             yield
         finally:
-            for m, momentum, count in frozen:
+            for m, momentum, kept in frozen:
                 m.momentum = momentum
-                m.num_batches_tracked.copy_(count)
+                for b, was in zip(_statistics(m), kept):  # InstanceNorm averages its momentum-0 update over
+                    b.copy_(was)                            # the batch, which may move the last bit
 
     def _without_cache(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """``kwargs`` with a Hugging Face layer's KV cache turned off (see the module's
@@ -178,6 +202,11 @@ class _Reentrant(torch.autograd.Function):
             raise RuntimeError("storm: a block recomputed in the reentrant form (storm.plan's default) cannot run "
                                "its backward under torch.autograd.grad or backward(inputs=...); pass "
                                "reentrant=False to storm.plan")
+        if torch.is_grad_enabled():  # the engine runs backward functions in grad mode only under create_graph
+            raise RuntimeError("storm: a block recomputed in the reentrant form (storm.plan's default) cannot run "
+                               "its backward with create_graph=True (a gradient penalty, a Hessian-vector "
+                               "product): the gradients it returns would carry no graph through the block's "
+                               "inputs; pass reentrant=False to storm.plan")
         rec, saved = ctx.rec, iter(ctx.saved_tensors)
         args = [_detached(next(saved)) if i in ctx.tensor_at else a for i, a in enumerate(ctx.args)]
         hooks = torch.autograd.graph.saved_tensors_hooks(_Saved, _Saved.take) if rec.hand_over else nullcontext()
@@ -191,6 +220,30 @@ class _Reentrant(torch.autograd.Function):
             _release(o)
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None, *(a.grad if isinstance(a, torch.Tensor) else None for a in args))
+
+
+def _positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of ``forward``'s parameters that a call may pass by position, up to the first
+    that cannot be named (positional-only, *args): those after it are not mapped."""
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or a callable without a signature
+        return ()
+    names = []
+    for p in params:
+        if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            break
+        names.append(p.name)
+    return tuple(names)
+
+
+def _statistics(m: _NormBase) -> list[torch.Tensor]:
+    """A norm layer's running statistics and batch count."""
+    return [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+
+
+def _holds_tensor(a: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(a)[0])
 
 
 class _Nested:
