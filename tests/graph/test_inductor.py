@@ -103,3 +103,60 @@ def test_saves_the_store_has_no_room_for_stay_on_their_device_unchanged():
     model, ref, tokens = models(held_bytes=0, pool_size=4096)
     assert same(grads(model, tokens), grads(ref, tokens))
     assert store(4096)["node"]["errors"].get("TOO_LARGE", 0) > 0
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(torch.relu(self.c1(x))).mean()
+
+
+def test_a_save_inductor_lays_out_otherwise_than_the_graph_comes_back_in_the_graphs_layout():
+    """Inductor chooses a conv output's layout (channels-last) after the partitioner has run, so a
+    save reaches the store in other strides than the graph recorded: backward refused it."""
+    torch.manual_seed(0)
+    model = ConvNet()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, options={"custom_partitioner_fn": storm.partitioner(mode="embedded",
+                                                                                     held_bytes=0)})
+    x = torch.randn(8, 3, 32, 32)
+    for _ in range(2):
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        compiled(x).backward()
+        torch.compile(ref)(x).backward()
+        assert same([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])
+    assert store()["session"]["puts"] >= 2
+
+
+class Region(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.b(torch.nn.functional.gelu(self.a(x))))
+
+
+def test_blocks_compiled_apart_hand_their_tokens_to_the_graph_around_them_unoffloaded():
+    """Inductor runs the partitioner on each nested_compile_region's graph too, whose storm tokens
+    (empty tensors) the graph around it saves: with min_bytes=0 it offloaded them as saves, and the
+    token came back without what it carries."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Region(), Region(), Region())
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, options={"custom_partitioner_fn": storm.partitioner(mode="embedded",
+                                                                                     min_bytes=0, held_bytes=0)})
+    compiled_ref = torch.compile(ref)
+    for step in range(2):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        compiled(x).square().mean().backward()
+        compiled_ref(x).square().mean().backward()
+        assert same([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])
+    assert store()["node"]["keys"] == 0

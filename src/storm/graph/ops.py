@@ -92,12 +92,15 @@ def load(saved: torch.Tensor, size: list[int], stride: list[int], dtype: torch.d
     """The saved tensor back, as the graph expects it (``size``, ``stride``, ``dtype``, ``device``)."""
     s = carried(saved)
     t = s.session.load(s.held)
+    if t.shape != tuple(size) or t.dtype != dtype:
+        raise StormError(f"storm::load: the store gave back a {tuple(t.shape)} {t.dtype} tensor where the graph "
+                         f"expects {tuple(size)} {dtype}")
+    if any(a != b for n, a, b in zip(size, t.stride(), stride) if n > 1):  # a dim of one has any stride
+        # inductor lays a saved tensor out after the graph was traced (a conv's output channels-last, a
+        # transposed view made contiguous): the bytes are right, in another layout than the graph's
+        return torch.empty_strided(size, stride, dtype=dtype, device=device).copy_(t)
     if isinstance(s.held, Kept):  # the same tensor at every load, and the graph may overwrite what it gets
-        t = copy_of(t)
-    if t.shape != tuple(size) or t.dtype != dtype or any(
-            a != b for n, a, b in zip(size, t.stride(), stride) if n > 1):  # a dim of one has any stride
-        raise StormError(f"storm::load: the store gave back a {tuple(t.shape)} {t.dtype} tensor with strides "
-                         f"{t.stride()} where the graph expects {tuple(size)} {dtype} with strides {tuple(stride)}")
+        return copy_of(t)
     return t
 
 

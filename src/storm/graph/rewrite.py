@@ -179,10 +179,12 @@ def _choose(saves: list[Save], options: GraphOptions) -> list[Save]:
 
 def _offloadable(n: fx.Node, root: fx.Node, bw_inputs: dict[str, fx.Node], min_bytes: int) -> bool:
     """A tensor forward makes, or a view of one (not an input such as a parameter, nor a view of
-    one), whose memory is at least ``min_bytes``, that backward uses; of static shape (``_static``,
-    which the caller checks first: it warns where not)."""
+    one), whose memory is at least ``min_bytes`` and not empty, that backward uses; of static shape
+    (``_static``, which the caller checks first: it warns where not). Empty tensors carry nothing
+    to move, and among them are storm's own tokens, which a block compiled apart
+    (nested_compile_region) returns to the graph around it."""
     return (root.op == "call_function" and n.name in bw_inputs and bool(bw_inputs[n.name].users)
-            and _nbytes(root) >= min_bytes)
+            and _nbytes(root) >= max(min_bytes, 1))
 
 
 def _static(n: fx.Node, root: fx.Node) -> bool:
