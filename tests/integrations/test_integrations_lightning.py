@@ -128,6 +128,60 @@ def test_a_step_without_loss_ends_its_scope_and_a_failing_one_leaves_the_model_r
     assert not callback.handle._open  # the failed step's scope ended
 
 
+class SkipsTheRest(TinyGPT):
+    """Lightning's "skip the rest of this epoch": on_train_batch_start returns -1, after the
+    callback's on_train_batch_start has begun the batch's step."""
+
+    def on_train_batch_start(self, batch: list[torch.Tensor], batch_idx: int) -> int | None:
+        return -1 if batch_idx == 1 else None
+
+
+def test_a_batch_the_module_skips_ends_the_step_the_callback_began():
+    """The skipped batch's step got no backward and no batch end: teardown's disable() raised
+    inside it, and STORM's saved-tensor hooks stayed on the thread."""
+    def fit_skipping(*callbacks: pl.Callback) -> SkipsTheRest:
+        pl.seed_everything(0, verbose=False)
+        module = SkipsTheRest()
+        ids = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(1))
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                             callbacks=list(callbacks))
+        trainer.fit(module, loader)
+        return module
+
+    callback = StormCallback(mode="embedded", min_bytes=0)
+    got = fit_skipping(callback)
+    assert storm.enabled.handle_of(got) is None and not callback.handle._open
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert_same(fit_skipping(), got)
+
+
+class BuiltLate(TinyGPT):
+    """Builds its model in configure_model, as Lightning recommends for large ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.model
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "model"):
+            self.model = GPT(vocab=64, seq_len=32, d_model=32, n_heads=2, n_layers=3)
+
+
+def test_a_model_built_in_configure_model_is_planned():
+    """Callbacks' setup runs before the module's configure_model: enabled there, the plan found no
+    blocks and the fit failed."""
+    callback = StormCallback(budget=0.5, mode="embedded", min_bytes=0, clock=StillClock())
+    pl.seed_everything(0, verbose=False)
+    module = BuiltLate()
+    ids = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2)
+    pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]).fit(module, loader)
+    assert callback.handle.planner is not None and "3 blocks at model.blocks" in callback.handle.explain()
+
+
 @pytest.mark.parametrize("options, error, message", [
     ({"mode": "bogus"}, ValueError, "mode must be one of"),
     ({"budegt": 0.5}, TypeError, "budegt"),

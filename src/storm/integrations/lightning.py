@@ -3,8 +3,9 @@
     from storm.integrations.lightning import StormCallback
     trainer = lightning.pytorch.Trainer(..., callbacks=[StormCallback(budget=0.5)])
 
-``setup`` (stage "fit") enables STORM on the LightningModule, its repeated blocks found inside
-it; ``teardown``, or ``on_exception`` for a fit that fails (it gets no teardown), disables it.
+``on_fit_start`` enables STORM on the LightningModule, its repeated blocks found inside it (once
+the module's ``setup`` and ``configure_model``, where Lightning has models build their layers, have
+run); ``teardown``, or ``on_exception`` for a fit that fails (it gets no teardown), disables it.
 The disabled handle stays on the callback, so ``callback.handle.explain()`` tells the plan and
 its trials after ``fit()``.
 A training step is marked by Lightning's batch hooks rather than by the module's forward:
@@ -12,7 +13,9 @@ A training step is marked by Lightning's batch hooks rather than by the module's
 the LightningModule's own forward, and under a DDP strategy Lightning's wrapper calls
 ``training_step`` itself. So the step's context is entered at ``on_train_batch_start`` and
 exited at ``on_before_backward``, when the loss is computed (or at ``on_train_batch_end`` for a
-step that returned no loss). Validation and prediction batches (under no_grad) are untouched.
+step that returned no loss). A module whose ``on_train_batch_start`` returns -1 (Lightning's
+"skip the rest of this epoch") runs after the callback's: the step it began is ended as the epoch
+ends. Validation and prediction batches (under no_grad) are untouched.
 """
 
 from __future__ import annotations
@@ -36,9 +39,8 @@ class StormCallback(pl.Callback):
         self.options = options
         self.handle: Enabled | None = None
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self.handle = enable(pl_module, on_forward=False, **self.options)
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.handle = enable(pl_module, on_forward=False, **self.options)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -51,6 +53,9 @@ class StormCallback(pl.Callback):
                            batch_idx: int) -> None:
         self.handle.end()  # a step that returned no loss had no backward
 
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.handle.end()  # a step the module skipped (on_train_batch_start returned -1) never ended
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # a failed fit gets no teardown from Lightning: end the step it was in and disable here
         if self.handle is not None:
@@ -58,7 +63,8 @@ class StormCallback(pl.Callback):
             self._disable()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
+        if stage == "fit" and self.handle is not None:
+            self.handle.end()  # whatever step is still open: disable() refuses inside one
             self._disable()
 
     def _disable(self) -> None:
