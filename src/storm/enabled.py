@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Iterable
@@ -112,6 +113,12 @@ class Enabled:
         itself), which the open one covers. Called by the forward pre-hook, or by a framework's
         callback that marks steps itself (``on_forward=False``)."""
         scopes = self._scopes()
+        if self._on_forward:
+            depth = _depth()
+            if not scopes:
+                self._threads.depth = depth
+            elif depth <= self._threads.depth:
+                self._end_interrupted()
         with self._open_lock:
             self._open += 1
         if not torch.is_grad_enabled() or any(scopes):
@@ -177,6 +184,16 @@ class Enabled:
             if self._order is not None and not scopes:
                 self._order.ended(normally)
 
+    def _end_interrupted(self) -> None:
+        """This thread's steps, open though no forward of the model runs: one was interrupted
+        (KeyboardInterrupt, Ctrl-C in a notebook), for which torch runs no always_call forward
+        hook. Ended as a forward that raised is; a forward called within the model's own (a
+        deeper stack than its begin's) is not taken for one."""
+        log.warning("storm.enable: a forward of %s stopped without its forward hooks (KeyboardInterrupt): "
+                    "its step is ended now", type(self.model).__name__)
+        while self._scopes():
+            self._end(None, False)
+
     def _awaiting_backward(self) -> Offload | None:
         """This thread's last step, where its forward's output is alive and no backward has reached
         it: a step is what runs between backwards, so a second forward before one backward (chosen
@@ -239,6 +256,8 @@ class Enabled:
     def disable(self) -> None:
         """Remove every hook STORM put on the model, close the planner (the blocks' own forwards
         come back); a second call does nothing. Not inside the model's forward."""
+        if self._scopes() and self._on_forward and _depth() < self._threads.depth:
+            self._end_interrupted()  # called from outside the forward whose step is open: it was interrupted
         if self._open:
             raise RuntimeError("storm.enable's disable() was called inside a step of the model (between its "
                                "forward's start and end, in this thread or another); call it between steps")
@@ -252,6 +271,14 @@ class Enabled:
             self.planner.close()
         if _enabled.get(id(self.model)) is self:
             del _enabled[id(self.model)]
+
+
+def _depth() -> int:
+    """Frames on this thread's stack below the caller's."""
+    frame, n = sys._getframe(1), 0
+    while frame is not None:
+        frame, n = frame.f_back, n + 1
+    return n
 
 
 class _Awaiting:

@@ -251,6 +251,52 @@ def test_a_forward_that_raises_ends_its_step():
     handle.disable()  # refused if the failed forward had left its step open
 
 
+class Interrupted(nn.Module):
+    """Raises KeyboardInterrupt (Ctrl-C in a notebook) in its forward while ``interrupt`` is set;
+    with ``nested``, calls itself once within its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+        self.interrupt, self.nested = False, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.nested:
+            self.nested = False
+            x = self(x)
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+            if self.interrupt:
+                raise KeyboardInterrupt
+        return x
+
+
+@pytest.mark.parametrize("then", ["forward", "disable"])
+def test_a_forward_interrupted_by_keyboard_interrupt_ends_its_step(then, caplog):
+    """torch runs no always_call forward hook for a KeyboardInterrupt: the step stayed open, every
+    later forward was taken as nested in it (no new step) and disable() refused for good. A
+    forward the model calls within its own still joins the open step."""
+    torch.manual_seed(0)
+    model = Interrupted()
+    handle = storm.enable(model, mode="embedded", min_bytes=0)
+    x = torch.randn(8, 32)
+    model.nested = True
+    model(x).sum().backward()
+    assert handle.last.stats.offloaded > 0 and not handle._open
+    model.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    model.interrupt = False
+    if then == "forward":
+        interrupted = handle.last
+        with caplog.at_level(logging.WARNING, logger="storm"):
+            model(x).sum().backward()
+        assert handle.last is not interrupted and not handle._open
+        assert any("KeyboardInterrupt" in r.getMessage() for r in caplog.records)
+    handle.disable()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
 def test_a_model_with_a_submodule_called_module_is_no_wrapper():
     model = Holder()
     handle = storm.enable(model, budget=0.5, mode="embedded", min_bytes=0)
