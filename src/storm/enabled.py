@@ -37,6 +37,7 @@ import logging
 import sys
 import threading
 import weakref
+from types import FrameType
 from typing import Any, Callable, Iterable
 
 import torch
@@ -275,7 +276,8 @@ class Enabled:
 
 def _depth() -> int:
     """Frames on this thread's stack below the caller's."""
-    frame, n = sys._getframe(1), 0
+    frame: FrameType | None = sys._getframe(1)
+    n = 0
     while frame is not None:
         frame, n = frame.f_back, n + 1
     return n
