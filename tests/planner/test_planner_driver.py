@@ -15,7 +15,7 @@ import storm
 import storm.session as session_mod
 from planner_fakes import MiB, gpt, grads_of, traced_gpt_planner
 from storm.examples.models import same_bits
-from storm.planner import Plan, Scenario, choose
+from storm.planner import Phase, Plan, Scenario, choose
 from storm.recompute import _warn_cache_off
 
 
@@ -285,4 +285,20 @@ def test_a_step_begun_and_never_entered_leaves_its_phase_to_the_next_step(steps)
     for _ in range(40):
         grads_of(model, idx, planner.step())
     assert planner.settled
+    planner.close()
+
+
+def test_a_step_skipped_in_the_compute_trace_leaves_no_timing_on_the_recomputes():
+    """The compute trace times each block's recompute by wrapping Recompute.forward: a step begun
+    there and never entered left its wrapper on, the next trace wrapped that one, and the stale
+    one timed every recompute of the settled plan for good (its marks grew without end)."""
+    model, idx = gpt()
+    planner = storm.plan(model.blocks, budget=0.01, mode="embedded", min_bytes=0)
+    grads_of(model, idx, planner.step())  # the offload trace
+    planner.step()  # never entered
+    assert planner.phase == Phase.TRACE_COMPUTE
+    for _ in range(40):
+        grads_of(model, idx, planner.step())
+    assert planner.settled and planner.plan.recomputed
+    assert all(vars(b)["forward"].forward.__name__ == "forward" for b in model.blocks if "forward" in vars(b))
     planner.close()

@@ -208,6 +208,7 @@ class Planner:
         if self._begun is not None:
             begun, self._begun = self._begun, None
             if self._ctx is not None and not _entered(self._ctx):
+                begun.abandon()
                 self._phase = begun
                 return
             self._phase = begun.end(self)

@@ -94,6 +94,10 @@ class StepPhase(abc.ABC):
         """Read the step just begun (run or not); the next step's phase."""
         return self
 
+    def abandon(self) -> None:  # noqa: B027 - most phases set nothing on the model to undo
+        """The step begun was never entered (a batch skipped after step()): undo what begin() set
+        on the model, since the next step begins this phase again."""
+
 
 class TraceOffload(StepPhase):
     """Everything offloaded, raw: what each block saves (trace.OffloadTrace). Again where the
@@ -111,6 +115,9 @@ class TraceOffload(StepPhase):
             return self
         planner.state.trace, planner.state.signature = trace, self.tracer.signature
         return TraceCompute(hand_over=True)
+
+    def abandon(self) -> None:
+        self.tracer.release()
 
 
 class TraceCompute(StepPhase):
@@ -144,6 +151,9 @@ class TraceCompute(StepPhase):
         if self.hand_over and planner.reentrant and planner.peak is not None and measured:
             return TraceCompute(hand_over=False)
         return planner.make_plan()
+
+    def abandon(self) -> None:
+        self.tracer.release()  # else the next trace's timing wraps this one's, which times on for good
 
     def besides(self, trace: Trace) -> tuple[int, int]:
         """From the step's measured peak (every block recomputed): what a block's backward holds

@@ -88,12 +88,16 @@ class OffloadTrace:
 
         hooks.hook(pre, post)
 
+    def release(self) -> None:
+        """Take the trace's hooks off the blocks and the code around them."""
+        self.hooks.unhook()
+        self.outside.stop()  # where the step's context was never exited
+
     def collect(self) -> Trace | None:
         """The Trace; None where the step did not run every block once in each of its forwards,
         in order (trace again). Of a step of more forwards, each block's figures are its calls'
         together: the plan decides per block, for all of them."""
-        self.hooks.unhook()
-        self.outside.stop()  # where the step's context was never exited
+        self.release()
         ctx, marks, n = self.ctx, self.marks, len(self.hooks.blocks)
         st = ctx.stats
         if not marks and ctx.saves:  # the blocks ran without their hooks, inside a graph compiled before them
@@ -371,13 +375,17 @@ class ComputeTrace:
         hooks.hook(pre, post)
         self.ctx = Offload(**options, budget=0)
 
+    def release(self) -> None:
+        """Take the trace's hooks off the blocks, and its timing off their recomputes."""
+        self.hooks.unhook()
+        for b, forward in zip(self.hooks.blocks, self.untimed):
+            b.forward.forward = forward
+
     def collect(self, trace: Trace, may_repeat: bool) -> bool:
         """Write the traced times into ``trace``; False where this step is to be traced again: it
         did not run every block once, or (``may_repeat``, on a clock where first calls load) its
         forward paid the blocks' first calls (``first_calls``)."""
-        self.hooks.unhook()
-        for b, forward in zip(self.hooks.blocks, self.untimed):
-            b.forward.forward = forward
+        self.release()
         starts, ends, host, clock, n = self.starts, self.ends, self.host, self.clock, len(self.starts)
         if any(s is None for s in starts + ends):
             log.warning("storm.plan: the traced step did not run every block once; tracing again")
