@@ -356,6 +356,15 @@ def test_the_reentrant_form_under_create_graph_names_the_fix_and_the_other_form_
     assert all(same_bits(a, b) for a, b in zip(penalty_grads(None), penalty_grads(False)))
 
 
+def test_a_block_that_changes_its_input_in_place_is_a_clear_error():
+    """A pre-activation block (ReLU(inplace=True) on its input) trains without STORM; the replay
+    runs on the saved input, which it may not change: torch's own error named no block."""
+    block = recomputing([torch.nn.Sequential(torch.nn.ReLU(inplace=True), torch.nn.Linear(16, 16))])[0]
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="Sequential changes its input in place"):
+        block(x * 2).sum().backward()
+
+
 class Cached(torch.nn.Module):
     """A block that keeps a KV cache as a Hugging Face layer does: with ``use_cache`` it appends
     its keys to ``cache`` (a list) and attends over everything there."""

@@ -215,7 +215,15 @@ class _Reentrant(torch.autograd.Function):
         args = [_detached(next(saved)) if i in ctx.tensor_at else a for i, a in enumerate(ctx.args)]
         hooks = torch.autograd.graph.saved_tensors_hooks(_Saved, _Saved.take) if rec.hand_over else nullcontext()
         with ctx.state.restored(), torch.enable_grad(), hooks, rec.replaying():
-            out = _outputs(rec.forward(*args))
+            try:
+                out = _outputs(rec.forward(*args))
+            except RuntimeError as e:
+                if "leaf Variable that requires grad is being used in an in-place operation" not in str(e):
+                    raise
+                raise RuntimeError(f"storm: {type(rec.block).__name__} changes its input in place (an in-place "
+                                   f"activation on it, say); a recomputed block runs again on the input forward "
+                                   f"gave it, which that would change: make the op out of place, or leave the "
+                                   f"block out of the plan (blocks=)") from e
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not pairs:
