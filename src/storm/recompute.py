@@ -60,7 +60,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
@@ -164,8 +164,8 @@ class Recompute:
         finally:
             for m, momentum, kept in frozen:
                 m.momentum = momentum
-                for b, was in zip(_statistics(m), kept):  # InstanceNorm averages its momentum-0 update over
-                    b.copy_(was)                            # the batch, which may move the last bit
+                for b, was in zip(_statistics(m), kept):
+                    b.copy_(was)
 
     def _without_cache(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """``kwargs`` with a Hugging Face layer's KV cache turned off (see the module's
@@ -250,8 +250,13 @@ def _positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
 
 
 def _statistics(m: _NormBase) -> list[torch.Tensor]:
-    """A norm layer's running statistics and batch count."""
-    return [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+    """What a replay must put back of a norm layer: its batch count, and an InstanceNorm's running
+    statistics, whose momentum-0 update is averaged over the batch (the last bit may move). A
+    BatchNorm's momentum-0 update leaves its statistics exactly as they were, and its backward
+    may read them: they are not written again."""
+    kept = [m.num_batches_tracked] if isinstance(m, _BatchNorm) else [m.running_mean, m.running_var,
+                                                                       m.num_batches_tracked]
+    return [b for b in kept if b is not None]
 
 
 def _holds_tensor(a: Any) -> bool:
