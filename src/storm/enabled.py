@@ -179,7 +179,7 @@ class Enabled:
         with self._open_lock:
             self._open -= 1
         if (ctx := scopes.pop()) is not None:
-            ctx.__exit__(None, None, None)
+            ctx.__exit__(*((None, None, None) if normally else _RAISED))
             if out is not None and not scopes:
                 self._threads.awaiting = _Awaiting(ctx, out)
             if self._order is not None and not scopes:
@@ -272,6 +272,11 @@ class Enabled:
             self.planner.close()
         if _enabled.get(id(self.model)) is self:
             del _enabled[id(self.model)]
+
+
+# what a step's context is told at its exit where the model's forward raised (the forward hook gets
+# no exception, only that there is no output)
+_RAISED = (Exception, None, None)
 
 
 def _depth() -> int:

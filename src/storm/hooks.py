@@ -80,6 +80,7 @@ class Offload(contextlib.ContextDecorator):
         self._names = _module_names(modules)
         self._session: ClientSession | None = None
         self._step: Step | None = None
+        self._completed = True  # the last forward it covered ran to its end
         self._hooks: Any = None
         self._pack: Callable | None = None  # ours, to tell our hooks from others' on autograd's stack
         self._late: LateSaves | None = None  # the once-a-process check for a model compiled as one graph
@@ -152,8 +153,9 @@ class Offload(contextlib.ContextDecorator):
         if self._late is not None:
             self._late.exit()
             self._late = None
+        self._completed = exc[0] is None
         if self._budget != 0:  # a step without hooks leaves the session as it found it
-            self._session.end_step(self._step, completed=exc[0] is None)
+            self._session.end_step(self._step, completed=self._completed)
 
     def resume(self) -> "Offload":
         """This context, to be entered again for another forward of the same step: one that runs
@@ -179,6 +181,11 @@ class Offload(contextlib.ContextDecorator):
     def options(self) -> dict[str, Any]:
         """The options as checked, by name, sizes read as bytes ("512MiB" -> 536870912): a copy."""
         return dict(self._options)
+
+    @property
+    def completed(self) -> bool:
+        """Whether the forward this context last covered ran to its end (False: it raised part-way)."""
+        return self._completed
 
     @property
     def saves(self) -> tuple[Stored, ...]:

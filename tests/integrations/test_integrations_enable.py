@@ -297,6 +297,41 @@ def test_a_forward_interrupted_by_keyboard_interrupt_ends_its_step(then, caplog)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
+class BadBatch(nn.Module):
+    """Raises in its stem, after a save and before any block, on a batch that is not finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.stem(x))
+        if not torch.isfinite(x).all():
+            raise ValueError("bad batch")
+        for b in self.blocks:
+            h = torch.tanh(b(h))
+        return h.sum()
+
+
+def test_a_first_forward_that_raises_before_the_blocks_is_not_taken_for_a_compiled_graph(caplog):
+    """A traced step with saves and no block run reads as blocks run inside a graph compiled as one,
+    which was said to an eager model whose first batch raised; its step now knows it raised."""
+    model = BadBatch()
+    handle = storm.enable(model, budget=0.3, mode="embedded", min_bytes=0, clock=StillClock())
+    bad = torch.randn(4, 8)
+    bad[0, 0] = float("nan")
+    with caplog.at_level(logging.WARNING, logger="storm"), pytest.raises(ValueError):
+        model(bad)
+    assert not handle.last.completed
+    with caplog.at_level(logging.WARNING, logger="storm"):
+        for _ in range(3):
+            model(torch.randn(4, 8)).backward()
+    assert handle.last.completed
+    handle.disable()
+    assert not any("compiled as one graph" in r.getMessage() for r in caplog.records)
+
+
 def test_a_model_with_a_submodule_called_module_is_no_wrapper():
     model = Holder()
     handle = storm.enable(model, budget=0.5, mode="embedded", min_bytes=0)

@@ -100,8 +100,8 @@ class OffloadTrace:
         self.release()
         ctx, marks, n = self.ctx, self.marks, len(self.hooks.blocks)
         st = ctx.stats
-        if not marks and ctx.saves:  # the blocks ran without their hooks, inside a graph compiled before them
-            warn_blocks_whole_graph()
+        if not marks and ctx.saves and ctx.completed:  # the blocks ran without their hooks, inside a graph
+            warn_blocks_whole_graph()                      # compiled before them (not: a forward that raised)
         forwards = len(self.called) // n
         if not forwards or self.called != list(range(n)) * forwards:
             log.warning("storm.plan: the traced step did not run every block once in each forward, in order; "
