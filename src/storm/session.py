@@ -221,10 +221,12 @@ class ClientSession:
             step.by_storage[storage._cdata] = stored
             try:
                 self.rooms.follow_room(step, storage, nbytes)
-                if not self.rooms.frame_fits(step, frame_bytes(codec, nbytes)):
+                frame = frame_bytes(codec, nbytes)
+                if not self.rooms.frame_fits(step, frame):
                     # the put's frame would sit on the step's floor beside the queue: copied as it is
                     route, codec, ipc = self._route(storage, dtype, step, kind, compiled, "raw")
                     stored.facts = dataclasses.replace(stored.facts, route=route)
+                    frame = 0
                 ready = record_ready(t.device, interprocess=route is Route.DAEMON) if t.is_cuda else None
                 stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)
                 stored.copy_in = self.mover.put(stored.request)
@@ -237,7 +239,7 @@ class ClientSession:
                 raise
             handle = self._handle(stored, t, stored.index)
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
-            drain_to = self.copy_queue.add(stored, step, frame_bytes(codec, nbytes))
+            drain_to = self.copy_queue.add(stored, step, frame)
         step.stats.pack_s += time.perf_counter() - t0
         if drain_to is not None:  # bound what waits on the mover; wait outside the lock
             self.copy_queue.drain(drain_to)
