@@ -1,5 +1,5 @@
 """What several test files share: a bare ZeroMQ client for speaking (and mis-speaking) the protocol to
-stormd, gradients with and without storm.offload, small models, and running bench/ scripts."""
+stormd, gradients with and without storm.offload, small models, a fake put, and running bench/ scripts."""
 
 from __future__ import annotations
 
@@ -161,3 +161,17 @@ def bench_result(path: Path) -> dict:
     assert PROVENANCE <= set(meta), meta
     assert meta["commit"] and meta["command"].split()[1].endswith(".py"), meta
     return result
+
+
+class Put:
+    """A put (the copy queue's view of one) that finishes when waited for, saying so in ``waited``."""
+
+    def __init__(self, key: int = 0, waited: list[int] | None = None):
+        self.key, self.waited, self.finished = key, waited if waited is not None else [], False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self) -> None:
+        self.finished = True
+        self.waited.append(self.key)

@@ -9,23 +9,10 @@ import threading
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from helpers import Put
 from storm.copy_queue import CopyQueue
 from storm.rooms import Rooms
 from storm.saved import Step, StepOptions, Stored
-
-
-class Put:
-    """A put that finishes when waited for, saying so in ``waited``."""
-
-    def __init__(self, key: int, waited: list[int]):
-        self.key, self.waited, self.finished = key, waited, False
-
-    def done(self) -> bool:
-        return self.finished
-
-    def wait(self) -> None:
-        self.finished = True
-        self.waited.append(self.key)
 
 
 def queue_and_waits() -> tuple[CopyQueue, list[int]]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import storm
+from helpers import Put
 from storm import allocator_record
 from storm.copy_queue import CopyQueue
 from storm.examples.models import same_bits
@@ -679,19 +680,6 @@ def test_a_profiled_unpack_of_a_storage_brought_back_already_is_read_as_held(mon
     b.backward()
     assert ctx.stats.offloaded == 1 and ctx.stats.deduplicated == 2  # tanh's output, saved by tanh and twice by mul
     assert seen == [False, True, True], seen  # fetched by mul's first unpack, alive at its second and at tanh's
-
-
-class Put:
-    """A put whose copy finishes when waited for."""
-
-    def __init__(self) -> None:
-        self.finished = False
-
-    def done(self) -> bool:
-        return self.finished
-
-    def wait(self) -> None:
-        self.finished = True
 
 
 def framed_saves(sizes_and_frames: list[tuple[int, int]], own: list[int]) -> tuple[Rooms, CopyQueue, Step]:
