@@ -101,7 +101,7 @@ def contender(w: HF, row: dict, storm_opts: dict) -> tuple[HF | Variant, str, di
     if row["method"] == "torchtune-checkpoint":
         return Variant(w, ckpt=True), "torchtune", {}
     if row["method"] == "storm-enable":
-        return w, "enable", storm_opts
+        return w, "enable", {**storm_opts, **({"codec": row["codec"]} if "codec" in row else {})}
     if row["method"] == PLAN:
         return w, "enable", {**storm_opts, "peak": row["cap_bytes"]}
     return w, row["method"], {}
@@ -211,9 +211,12 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
         save()
         return cell["rows"][-1]
 
-    for method in FULL if args.full_only else OTHERS:
+    if args.codecs:  # full offload in each codec, no other method
+        for codec in args.codecs:
+            add({"label": f"storm-enable codec={codec}", "method": "storm-enable", "codec": codec})
+    for method in () if args.codecs else FULL if args.full_only else OTHERS:
         add({"label": method, "method": method})
-    cell["caps"] = [] if args.full_only else caps(cell["rows"])
+    cell["caps"] = [] if args.full_only or args.codecs else caps(cell["rows"])
     for c in cell["caps"]:
         c["plan"] = add({"label": plan_label(c["cap_bytes"]), "method": PLAN, "cap_bytes": c["cap_bytes"]})["label"]
     rows, order = cell["rows"], random.Random(0)
@@ -237,6 +240,11 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
         d = dueling([contender(w, full[m], storm_opts) for m in ("storm-enable", "torchtune")], args, device, order)
         cell["full_duel"] = {**d, "versus": ["torchtune"], "rounds": args.rounds}
         print(f"{w.name} full offload against torchtune: {_brief(cell['full_duel'])}", flush=True)
+    by_codec = [r for r in rows if "codec" in r and "step_ms" in r]
+    if len(by_codec) > 1 and cell.get("codec_duel", {}).get("rounds") != args.rounds:
+        d = dueling([contender(w, r, storm_opts) for r in by_codec], args, device, order)
+        cell["codec_duel"] = {**d, "versus": [r["label"] for r in by_codec[1:]], "rounds": args.rounds}
+        print(f"{w.name} full offload's codecs: {_brief(cell['codec_duel'])}", flush=True)
     cell["seconds"] = round(time.perf_counter() - start, 1)  # this call's time: a resumed cell ran in earlier ones too
     cell["verdicts"] = verdicts(cell)
     cell["complete"] = True
@@ -321,6 +329,11 @@ def table(name: str, cell: dict, markdown: bool = False) -> str:
         lines.append(f"{'- ' if markdown else ''}{c['cap_GiB']} GiB ({', '.join(c['sources'])}): plan "
                      f"{c['plan_peak_GiB']} GiB {'fits' if c['fits'] else 'does NOT fit'}, {c['x_best_other']}x "
                      f"{c['best_other']} {c['x_best_other_95'] or ''}: {'holds' if c['holds'] else 'FAILS'}")
+    d = cell.get("codec_duel")
+    if d and "ms" in d:
+        lines.append(f"{'- ' if markdown else ''}full offload's codecs in alternation: {d['ms']} ms; the first over "
+                     + ", ".join(f"{who} {x}x {x95}" for who, x, x95 in zip(d["versus"], d["first_over"],
+                                                                              d["first_over_95"])))
     for key in ("per_cap", "least_cap", "full_offload", "predicted_peak"):
         items = ", ".join(f"{k} {x}" for k, x in v[key].items() if k not in ("caps", "plans"))
         lines.append(f"{'- ' if markdown else ''}{key}: {items}")
@@ -359,6 +372,9 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="--steps 3 --warmup 1 --rounds 2 --round-steps 2")
     p.add_argument("--codec", help="STORM's codec for its rows (e.g. auto: where the link bounds full offload, "
                                    "fewer bytes are the way under it); unset: storm's default. Its own --out file")
+    p.add_argument("--codecs", nargs="+", metavar="CODEC",
+                   help="only full offload (storm.enable(model)) in each of these codecs, timed against each other "
+                        "in alternation (the first over each other): no torchtune, caps or plans")
     p.add_argument("--full-only", action="store_true",
                    help="only torchtune and storm.enable(model) (full offload), and their duel: no caps or plans")
     p.add_argument("--summary", metavar="RESULTS.json", help="measure nothing: the tables and verdicts of a run")

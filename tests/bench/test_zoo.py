@@ -259,7 +259,7 @@ def fake_duel(calls):
 
 
 ARGS = argparse.Namespace(steps=1, warmup=0, rounds=3, round_steps=1, min_bytes=1024, pool_size="1GiB",
-                          full_only=False, codec=None)
+                          full_only=False, codec=None, codecs=None)
 
 
 def test_a_cell_caps_the_plan_at_every_other_peak_and_between_and_duels_the_best_other(tmp_path):
@@ -308,6 +308,18 @@ def test_a_codec_given_goes_to_every_storm_row_and_none_leaves_storms_default():
     zoo.measure_cell(hf.tiny("llama"), {}, argparse.Namespace(**{**vars(ARGS), "full_only": True}), CPU,
                      lambda: None, measure_row=fake, dueling=fake_duel([]))
     assert all("codec" not in opts for _, method, opts in fake.calls if method == "enable")
+
+
+def test_codecs_measure_full_offload_in_each_and_time_them_against_each_other_alone():
+    fake, duels = FakeRun(), []
+    cell: dict = {}
+    zoo.measure_cell(hf.tiny("llama"), cell, argparse.Namespace(**{**vars(ARGS), "codecs": ["raw", "auto"]}), CPU,
+                     lambda: None, measure_row=fake, dueling=fake_duel(duels))
+    assert [(m, o.get("codec")) for _, m, o in fake.calls] == [("enable", "raw"), ("enable", "auto")]
+    assert [r["label"] for r in cell["rows"]] == ["storm-enable codec=raw", "storm-enable codec=auto"]
+    assert cell["caps"] == [] and duels == [[("enable", None), ("enable", None)]]
+    assert cell["codec_duel"]["versus"] == ["storm-enable codec=auto"] and cell["codec_duel"]["first_over"] == [0.909]
+    assert "storm-enable codec=auto 0.909x" in zoo.table("llama-tiny", cell)
 
 
 def test_resuming_a_cut_off_cell_keeps_its_rows_and_duels():
