@@ -416,7 +416,7 @@ def alternate(trainers: Sequence[Trainer], rounds: int, steps: int, order: rando
 def plan_summary(pl: storm.Planner) -> dict:
     """What a storm.plan chose and predicted, for a results row."""
     p = pl.plan
-    return {"offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed),
+    return {"full_offload": p.full, "offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed),
             "inputs_offloaded_blocks": p.inputs_offloaded, "compressed": p.compressed,
             "predicted_peak_GiB": round(p.predicted_peak / GiB, 3), "predicted_cost_ms": p.predicted_cost_ms,
             "fits": p.fits, "reentrant": p.reentrant, "settled": pl.settled,
@@ -426,7 +426,8 @@ def plan_summary(pl: storm.Planner) -> dict:
             "trial": "; ".join(t.describe() for t in pl.trials) or None,
             # the plans whose step the planner measured, in order, and what each went over (under) its target:
             # where no plan fits, the search's course
-            "measured": [{"offloaded_blocks": m.offloaded, "inputs_offloaded_blocks": m.inputs_offloaded,
+            "measured": [{"full_offload": m.full, "offloaded_blocks": m.offloaded,
+                          "inputs_offloaded_blocks": m.inputs_offloaded,
                           "recomputed": len(m.recomputed), "compressed": m.compressed,
                           "max_held_MiB": round(m.max_held_bytes / MiB, 1),
                           "prefetch_MiB": round(m.prefetch_bytes / MiB, 1),

@@ -214,9 +214,12 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
     if args.codecs:  # full offload in each codec, no other method
         for codec in args.codecs:
             add({"label": f"storm-enable codec={codec}", "method": "storm-enable", "codec": codec})
-    for method in () if args.codecs else FULL if args.full_only else OTHERS:
+    for method in () if args.codecs or args.caps else FULL if args.full_only else OTHERS:
         add({"label": method, "method": method})
-    cell["caps"] = [] if args.full_only or args.codecs else caps(cell["rows"])
+    if args.caps:  # the plan at these caps alone: nothing fits beside it, so no duel
+        cell["caps"] = [{"cap_bytes": int(c * GiB), "sources": ["--caps"]} for c in args.caps]
+    else:
+        cell["caps"] = [] if args.full_only or args.codecs else caps(cell["rows"])
     for c in cell["caps"]:
         c["plan"] = add({"label": plan_label(c["cap_bytes"]), "method": PLAN, "cap_bytes": c["cap_bytes"]})["label"]
     rows, order = cell["rows"], random.Random(0)
@@ -348,6 +351,8 @@ def _plan_note(r: dict) -> str:
     p = r.get("plan")
     if not p:
         return ""
+    if p.get("full_offload"):
+        return "full offload (no plan of the blocks measured within the cap)" + ("" if p["fits"] else ", does NOT fit")
     return (f"{len(p['recomputed_blocks'])} recomputed, {p['offloaded_blocks']} offloaded, "
             f"{p['inputs_offloaded_blocks']} inputs offloaded, of {r.get('blocks')} at {r.get('blocks_at')}"
             + ("" if p["fits"] else ", does NOT fit"))
@@ -375,6 +380,9 @@ def main() -> int:
     p.add_argument("--codecs", nargs="+", metavar="CODEC",
                    help="only full offload (storm.enable(model)) in each of these codecs, timed against each other "
                         "in alternation (the first over each other): no torchtune, caps or plans")
+    p.add_argument("--caps", nargs="+", type=float, metavar="GIB",
+                   help="only storm.enable(model, peak=X) at each of these caps (GiB), no other method or duel: "
+                        "what the planner keeps and measures there")
     p.add_argument("--full-only", action="store_true",
                    help="only torchtune and storm.enable(model) (full offload), and their duel: no caps or plans")
     p.add_argument("--summary", metavar="RESULTS.json", help="measure nothing: the tables and verdicts of a run")

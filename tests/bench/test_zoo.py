@@ -245,7 +245,9 @@ class FakeRun:
         if "peak" in opts:
             return {"step_ms": 120.0, "peak_extra_GiB": opts["peak"] / GiB - 0.01,
                     "peak_bytes": opts["peak"] - 10 * MiB, "predicted_step_peak_bytes": opts["peak"] - 20 * MiB,
-                    "predicted_from": "test", "plan": {"fits": True}}
+                    "predicted_from": "test", "plan": {"fits": True, "full_offload": opts["peak"] < 2.6 * GiB,
+                                                                "recomputed_blocks": [1], "offloaded_blocks": 0,
+                                                                "inputs_offloaded_blocks": 0}}
         key = "storm-enable" if method == "enable" else method
         return {"step_ms": self.MS[key], "peak_extra_GiB": self.PEAKS[key], "peak_bytes": int(self.PEAKS[key] * GiB)}
 
@@ -259,7 +261,7 @@ def fake_duel(calls):
 
 
 ARGS = argparse.Namespace(steps=1, warmup=0, rounds=3, round_steps=1, min_bytes=1024, pool_size="1GiB",
-                          full_only=False, codec=None, codecs=None)
+                          full_only=False, codec=None, codecs=None, caps=None)
 
 
 def test_a_cell_caps_the_plan_at_every_other_peak_and_between_and_duels_the_best_other(tmp_path):
@@ -320,6 +322,17 @@ def test_codecs_measure_full_offload_in_each_and_time_them_against_each_other_al
     assert cell["caps"] == [] and duels == [[("enable", None), ("enable", None)]]
     assert cell["codec_duel"]["versus"] == ["storm-enable codec=auto"] and cell["codec_duel"]["first_over"] == [0.909]
     assert "storm-enable codec=auto 0.909x" in zoo.table("llama-tiny", cell)
+
+
+def test_caps_measure_the_plan_at_each_alone():
+    fake, duels = FakeRun(), []
+    cell: dict = {}
+    zoo.measure_cell(hf.tiny("llama"), cell, argparse.Namespace(**{**vars(ARGS), "caps": [2.5, 3.0]}), CPU,
+                     lambda: None, measure_row=fake, dueling=fake_duel(duels))
+    assert [o["peak"] for _, m, o in fake.calls] == [int(2.5 * GiB), int(3.0 * GiB)] and duels == []
+    assert [r["label"] for r in cell["rows"]] == [zoo.plan_label(int(2.5 * GiB)), zoo.plan_label(int(3.0 * GiB))]
+    text = zoo.table("llama-tiny", cell)
+    assert "2.5 GiB (--caps): plan 2.49 GiB fits" in text and "full offload (no plan of the blocks" in text
 
 
 def test_resuming_a_cut_off_cell_keeps_its_rows_and_duels():

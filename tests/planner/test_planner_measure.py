@@ -238,29 +238,74 @@ class KeepingCostsMore(ScriptedMemory):
         return super().peak() + self.cost * kept
 
 
-def test_where_no_plan_fits_the_lowest_are_measured_in_turn_and_the_least_measured_is_kept(caplog):
-    """A peak below anything a plan reaches: the planner measures the plans of least peak in turn
-    (each measured one ranks by its measure, not its prediction) and keeps the least measured,
-    not the least predicted, which measures worst here."""
-    memory = KeepingCostsMore(cost=50 * MiB)
+class FullCostsMore(KeepingCostsMore):
+    """As KeepingCostsMore, and full offload's steps peak ``full`` over everything measured before."""
+
+    def __init__(self, cost: int, full: int) -> None:
+        super().__init__(cost)
+        self.full = full
+
+    def peak(self) -> int:
+        p = self.planner.plan
+        return super().peak() + (self.full if p is not None and p.full else 0)
+
+
+def no_plan_fits(memory: ScriptedMemory, caplog: Any) -> tuple[storm.Planner, list[Plan]]:
+    """A peak below anything a plan reaches, on the CPU GPT, 18 steps each bit-exact against
+    training without STORM; the planner and its measured plans in the order measured."""
     model, idx = gpt()
     ref = grads_of(copy.deepcopy(model), idx)
     planner = memory.planner = storm.Planner(model.blocks, peak="1MiB", memory=memory, form_trial=False,
                                              host_check_tolerance=float("inf"), mode="embedded", min_bytes=0)
-    with caplog.at_level(logging.WARNING, logger="storm"):
-        for _ in range(16):
+    with caplog.at_level(logging.INFO, logger="storm"):
+        for _ in range(18):
             got = grads_of(model, idx, planner.step())
             assert all(same_bits(a, b) for a, b in zip(ref, got))
     assert planner.settled and planner.checks == MAX_SEARCH > MAX_CHECKS  # a deeper search than corrections'
-    measured = list(planner.state.measured.values())
-    assert len(measured) == MAX_SEARCH and not any(p.fits for p in measured)
+    return planner, list(planner.state.measured.values())
+
+
+def test_where_no_plan_fits_the_lowest_are_measured_in_turn_then_full_offload_and_the_least_measured_is_kept(caplog):
+    """The planner measures the plans of least peak in turn (each measured one ranks by its
+    measure, not its prediction), then full offload over the steps its room takes to settle,
+    and keeps the least measured: here full offload, which keeps nothing on the device."""
+    memory = KeepingCostsMore(cost=50 * MiB)
+    planner, measured = no_plan_fits(memory, caplog)
+    assert len(measured) == MAX_SEARCH + 1 and not any(p.fits for p in measured)
+    assert [p.full for p in measured] == [False] * MAX_SEARCH + [True]  # full offload last, once
     lowest_predicted = choose(dataclasses.replace(planner.scenario(), measured={}))
     assert measured[0].shape == lowest_predicted.shape  # the model's lowest, measured first
     kept = planner.plan
-    assert kept.measured_over == min(p.measured_over for p in measured)
-    assert kept.inputs_offloaded + kept.offloaded > 0 == lowest_predicted.inputs_offloaded + lowest_predicted.offloaded
-    assert any("keeping the plan of least measured peak" in r.getMessage() for r in caplog.records)
-    assert "none fits, so this one, of least measured peak, is kept" in planner.explain()
+    assert kept.full and kept.measured_over == min(p.measured_over for p in measured)
+    assert planner.measured_peak == kept.measured_over + planner.target  # the settled room's step: the last
+    assert any("measuring full offload" in r.getMessage() for r in caplog.records)
+    assert any("keeping the plan of least measured peak (full offload)" in r.getMessage() for r in caplog.records)
+    text = planner.explain()
+    assert "full offload: every save is offloaded" in text
+    assert "none fits, so this one, of least measured peak, is kept" in text
+    planner.close()
+
+
+def test_full_offload_measured_higher_than_a_plan_of_the_blocks_leaves_that_plan_kept(caplog):
+    memory = FullCostsMore(cost=50 * MiB, full=10**9)
+    planner, measured = no_plan_fits(memory, caplog)
+    assert measured[-1].full and measured[-1].measured_over > max(p.measured_over for p in measured[:-1])
+    kept = planner.plan
+    assert not kept.full and kept.measured_over == min(p.measured_over for p in measured)
+    assert kept.inputs_offloaded + kept.offloaded > 0  # the least measured of the blocks' plans, as before
+    assert any("keeping the plan of least measured peak (a plan of the blocks)" in r.getMessage()
+               for r in caplog.records)
+    assert "full offload" not in planner.explain()
+    planner.close()
+
+
+def test_with_budget_full_offload_is_never_measured():
+    """budget= counts saves alone: offloading every block fits any budget the store takes, so
+    there is nothing for full offload to reach."""
+    model, idx, planner, _ = scripted_planner(AlwaysOver(), budget=0.9)
+    for _ in range(8):
+        grads_of(model, idx, planner.step())
+    assert planner.full_offload() is None and not any(p.full for p in planner.state.measured.values())
     planner.close()
 
 

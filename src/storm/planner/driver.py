@@ -18,7 +18,7 @@ from ..compiled import compiled
 from ..hooks import Offload
 from . import explain as explaining
 from .measure import HOST_CHECK_TOLERANCE, CudaPeakMemory, PeakMemory, checks_for, frames_of
-from .model import Plan, Scenario, Trace, choose, predicted_peak
+from .model import Plan, Scenario, Trace, choose, full_offload, predicted_peak
 from .options import plan_options
 from .phases import Measure, Phase, StepPhase, TraceOffload, Try, after_checks
 from .state import TraceState
@@ -288,7 +288,7 @@ class Planner:
         # and the least measured kept once no check is left
         to_measure = (self.target_of(plan) is not None and state.checks < checks_for(plan.fits)
                       and plan.shape not in state.measured)
-        if not plan.fits and not to_measure and plan.measured_over is None:
+        if not plan.fits and not to_measure:  # the least measured, full offload among them
             plan = state.least_measured() or plan
         self.state.plan = plan
         if not plan.fits and not to_measure:
@@ -311,6 +311,15 @@ class Planner:
             alternative = self.other_form(plan)
         self.apply(plan)
         return Measure(alternative) if to_measure else after_checks(self, alternative)
+
+    def full_offload(self) -> Plan | None:
+        """Full offload as a plan (model.full_offload), to be measured where no plan of the blocks
+        measured within peak=; None with budget= (offloading every block fits any budget of saves
+        the store takes) or once measured since the last trace."""
+        if self.peak is None or any(p.full for p in self.state.measured.values()):
+            return None
+        plan = full_offload(self.scenario())
+        return plan and dataclasses.replace(plan, reentrant=self.reentrant)
 
     def other_form(self, plan: Plan) -> Plan | None:
         """``plan`` with its blocks recomputed by torch's non-reentrant checkpoint, to be tried

@@ -94,10 +94,15 @@ def explain(planner: Explained) -> str:
                 else "recompute" if i in p.recomputed else "keep")
         lines.append(f"{i:>5} {b.saved_bytes / MiB:>10.1f} {b.tensors:>7} {b.input_bytes / MiB:>10.1f} "
                      f"{b.forward_ms:>10.3f}  {what}")
-    lines += _outside(t, p)
-    if p.inputs_offloaded:
-        lines.append(_inputs_offloaded(t, p))
-    lines.append(_copies(t, p, planner.options))
+    if p.full:
+        lines.append("full offload: every save is offloaded, those outside the blocks too, with storm.offload's own "
+                     "copy queue and prefetch window, which full offload's room paces (storm/rooms.py); measured "
+                     "because no plan of the blocks measured within the target")
+    else:
+        lines += _outside(t, p)
+        if p.inputs_offloaded:
+            lines.append(_inputs_offloaded(t, p))
+        lines.append(_copies(t, p, planner.options))
     if p.recomputed:
         lines.append(_recompute_form(planner, p))
     if t.store_bytes is not None:

@@ -87,6 +87,9 @@ class Plan:
     compressed: bool = False       # offloaded tensors go in frames where they can (codec "auto")
     reentrant: bool = True         # recomputed blocks in Recompute's reentrant form, else torch's non-reentrant
     inputs_offloaded: int = 0      # blocks[offloaded:offloaded + this] (in recomputed) have their inputs offloaded
+    # every save offloaded as storm.offload() does it (full_offload): its own copy queue and prefetch
+    # window, paced by full offload's room (storm/rooms.py), not by the plan's figures or hooks
+    full: bool = False
     # bytes a step of this plan was measured over its target (negative: under); None: not measured.
     # What was learned of the plan, not what it is: plans compare equal without it
     measured_over: int | None = dataclasses.field(default=None, compare=False)
@@ -96,7 +99,7 @@ class Plan:
         """What a step of the plan does, as far as its memory goes: the key its measured peak is
         known by (Scenario.measured). Not the recompute form, which the planner sets after choose()."""
         return (self.offloaded, self.inputs_offloaded, self.recomputed, self.compressed, self.max_held_bytes,
-                self.prefetch_bytes)
+                self.prefetch_bytes, self.full)
 
     @property
     def offloads(self) -> bool:
@@ -330,6 +333,20 @@ def choose(scenario: Scenario) -> Plan | None:
             if lowest is None or over < lowest_over:
                 lowest, lowest_over = plan, over
     return best or lowest
+
+
+def full_offload(s: Scenario) -> Plan | None:
+    """Full offload as a plan: every save offloaded, the late ones after the blocks too, with
+    storm.offload's own copy queue and prefetch window, which full offload's room paces from a
+    profiled step of its own (storm/rooms.py). choose() never picks it: the room's limits are
+    learned from steps, not predicted, so the planner measures it where no plan of its blocks
+    measured within its target. Its figures are the raw plan offloading every block's (the
+    model's nearest), which the measure replaces; None where the store took less than that sends."""
+    raw = [plan for plan, _ in _plans(s, len(s.trace.blocks), 0) if not plan.compressed]
+    if not raw:
+        return None
+    nearest = min(raw, key=lambda plan: plan.predicted_peak)
+    return dataclasses.replace(nearest, full=True, fits=False, measured_over=None)
 
 
 def _least_peak(s: Scenario, k: int, m: int) -> int:

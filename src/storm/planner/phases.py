@@ -80,6 +80,8 @@ class Driver(Protocol):
 
     def step_peak(self, plan: Plan) -> int: ...
 
+    def full_offload(self) -> Plan | None: ...
+
 
 class StepPhase(abc.ABC):
     """A phase: what a step does, and what the step read decides next."""
@@ -256,6 +258,12 @@ class Measure(Checked):
         if over <= 0:
             return None
         if state.checks >= checks_for(plan.fits):
+            full = planner.full_offload()
+            if full is not None:
+                log.info("storm.plan: no plan of the blocks measured within its target of %.1f MiB in %d steps; "
+                         "measuring full offload", target / MiB, state.checks)
+                planner.apply(full)
+                return MeasureFull()
             kept = state.least_measured()
             assert kept is not None
             log.warning("storm.plan: a planned step peaked %.1f MiB over its target of %.1f MiB after %d "
@@ -268,6 +276,49 @@ class Measure(Checked):
             beyond = measured - state.besides - planner.step_peak(plan)
             state.margins[plan.offloads] = widened_margin(state.margins[plan.offloads], beyond, target)
         return planner.make_plan()
+
+
+FULL_STEPS = 4  # full offload's steps measured: its room profiles, tries its kept saves and not, then holds
+
+
+class MeasureFull(StepPhase):
+    """Full offload (model.full_offload), where no plan of the blocks measured within its target
+    after measure.checks_for steps. Its copy queue and prefetch window are paced by full
+    offload's room, which a profiled step and a trial of two make and settle (rooms.py), so it
+    runs FULL_STEPS steps and its last measured one is its measure. Then the plan of least
+    measured peak stays, full offload among them: what a user who asked for less than any plan
+    reaches gets is the least peak measured, whatever made it."""
+
+    kind = Phase.MEASURE
+
+    def __init__(self) -> None:
+        self.left = FULL_STEPS
+        self.last: int | None = None  # the last step's peak that was read
+
+    def begin(self, planner: Driver) -> Offload:
+        self.peak = StepPeak(planner.memory, planner.hooks)
+        return plan_context(planner)
+
+    def end(self, planner: Driver) -> StepPhase:
+        state, target = planner.state, planner.target
+        if state.stale:
+            return self  # the planner traces again
+        self.left -= 1
+        self.last = self.peak.measured if self.peak.measured is not None else self.last
+        if self.left > 0:
+            return self
+        if self.last is not None and target is not None:
+            assert planner.plan is not None
+            state.record(planner.plan, self.last - target)
+            state.measured_peak = self.last
+        kept = state.least_measured()
+        assert kept is not None  # the plans of the blocks measured before this
+        planner.apply(kept)
+        log.warning("storm.plan: full offload peaked %s; keeping the plan of least measured peak (%s), %.1f MiB %s "
+                    "its target", "unread" if self.last is None else f"{self.last / MiB:.1f} MiB",
+                    "full offload" if kept.full else "a plan of the blocks", abs(kept.measured_over or 0) / MiB,
+                    "over" if (kept.measured_over or 0) > 0 else "under")
+        return after_checks(planner, None)
 
 
 class Try(StepPhase):
@@ -340,6 +391,8 @@ def plan_context(planner: Driver) -> Offload:
     setting could frame a raw plan's tensors); a codec of the user's comes first, as choose() knew."""
     p, trace = planner.plan, planner.trace
     assert p is not None and trace is not None
+    if p.full:  # storm.offload's own limits, which its room paces
+        return Offload(**planner.options)
     framing = p.compressed or any(b.framed for b in trace.blocks)
     codec = {"codec": "auto" if p.compressed else "raw"} if framing else {}
     return Offload(**{"max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes, **codec,

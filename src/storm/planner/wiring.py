@@ -155,7 +155,7 @@ class BlockHooks:
                 on_new_shapes()
 
         self._hooks.append(self._pre_hook(0, self._training(check), with_kwargs=True))
-        if plan.offloads:
+        if plan.offloads and not plan.full:  # full offload's room paces its own
             self._pace(plan, trace, grads, ctx)
 
     def _pace(self, plan: Plan, trace: Trace, grads: bool, ctx: Callable[[], Offload | None]) -> None:
