@@ -299,6 +299,32 @@ def test_full_offload_measured_higher_than_a_plan_of_the_blocks_leaves_that_plan
     planner.close()
 
 
+def test_a_plan_that_measured_over_and_is_chosen_again_has_full_offload_measured_beside_it(caplog):
+    """The chooser's plan, predicted to fit, measures over; chosen again (it ranks by its measure
+    now and nothing else is predicted lower), there is nothing left to measure of the blocks'
+    plans before the checks run out: full offload is measured then, not only after them."""
+    memory = KeepingCostsMore(cost=50 * MiB)
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+
+    def one(s: Scenario) -> Plan:
+        rec = frozenset(range(4))
+        return Plan(offloaded=0, recomputed=rec, offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
+                    predicted_peak=0, predicted_cost_ms=1.0, fits=True)
+
+    planner = memory.planner = storm.Planner(model.blocks, peak="1MiB", memory=memory, chooser=one, form_trial=False,
+                                             host_check_tolerance=float("inf"), mode="embedded", min_bytes=0)
+    with caplog.at_level(logging.INFO, logger="storm"):
+        for _ in range(10):
+            got = grads_of(model, idx, planner.step())
+            assert all(same_bits(a, b) for a, b in zip(ref, got))
+    assert planner.settled and planner.checks == 1 < MAX_CHECKS
+    measured = list(planner.state.measured.values())
+    assert [p.full for p in measured] == [False, True] and planner.plan.full
+    assert planner.plan.measured_over == min(p.measured_over for p in measured)
+    planner.close()
+
+
 def test_with_budget_full_offload_is_never_measured():
     """budget= counts saves alone: offloading every block fits any budget the store takes, so
     there is nothing for full offload to reach."""

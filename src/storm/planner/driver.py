@@ -20,7 +20,7 @@ from . import explain as explaining
 from .measure import HOST_CHECK_TOLERANCE, CudaPeakMemory, PeakMemory, checks_for, frames_of
 from .model import Plan, Scenario, Trace, choose, full_offload, predicted_peak
 from .options import plan_options
-from .phases import Measure, Phase, StepPhase, TraceOffload, Try, after_checks
+from .phases import Measure, Phase, StepPhase, TraceOffload, Try, after_checks, measure_full
 from .state import TraceState
 from .trace import Frames
 from .trial import Clock, Trial
@@ -271,7 +271,8 @@ class Planner:
 
     def make_plan(self) -> StepPhase:
         """Put the plan of least predicted cost that fits in force (a measured plan fits by its
-        measured peak; where none fits, the one of least peak, measured or predicted);
+        measured peak; where none fits, the one of least peak, measured or predicted, once full
+        offload has been measured beside them: phases.measure_full);
         the phase that follows: its first step measured where it can be (Measure), else what
         follows that (phases.after_checks). The model's costs are approximate (offloading's host
         time most): where a plan of the other kind fits too, it is the alternative both are tried
@@ -288,9 +289,12 @@ class Planner:
         # and the least measured kept once no check is left
         to_measure = (self.target_of(plan) is not None and state.checks < checks_for(plan.fits)
                       and plan.shape not in state.measured)
-        if not plan.fits and not to_measure:  # the least measured, full offload among them
-            plan = state.least_measured() or plan
         self.state.plan = plan
+        if not plan.fits and not to_measure:  # the least measured, full offload among them
+            full = measure_full(self)
+            if full is not None:
+                return full
+            plan = self.state.plan = state.least_measured() or plan
         if not plan.fits and not to_measure:
             budget = scenario.budget / MiB
             held = "saved activations" if self.peak is None else "saves and gradients, from peak=,"

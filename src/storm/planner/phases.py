@@ -258,12 +258,9 @@ class Measure(Checked):
         if over <= 0:
             return None
         if state.checks >= checks_for(plan.fits):
-            full = planner.full_offload()
+            full = measure_full(planner)
             if full is not None:
-                log.info("storm.plan: no plan of the blocks measured within its target of %.1f MiB in %d steps; "
-                         "measuring full offload", target / MiB, state.checks)
-                planner.apply(full)
-                return MeasureFull()
+                return full
             kept = state.least_measured()
             assert kept is not None
             log.warning("storm.plan: a planned step peaked %.1f MiB over its target of %.1f MiB after %d "
@@ -279,6 +276,19 @@ class Measure(Checked):
 
 
 FULL_STEPS = 4  # full offload's steps measured: its room profiles, tries its kept saves and not, then holds
+
+
+def measure_full(planner: Driver) -> StepPhase | None:
+    """Where no plan of the blocks fits and none is left to measure: full offload put in force to
+    be measured (MeasureFull), once per trace; None where there is no target (off CUDA), with
+    budget= or once measured (Planner.full_offload)."""
+    full = planner.full_offload() if planner.target is not None else None
+    if full is None:
+        return None
+    log.info("storm.plan: no plan of the blocks measured within its target of %.1f MiB in %d steps; measuring full "
+             "offload", (planner.target or 0) / MiB, planner.state.checks)
+    planner.apply(full)
+    return MeasureFull()
 
 
 class MeasureFull(StepPhase):
