@@ -420,6 +420,28 @@ def test_float32_upcasts_go_at_their_high_halves_and_other_float32_in_float32_fr
     assert st2.stored_bytes == st2.offloaded_bytes - 3 * wide + framed, (st2.stored_bytes, st2.offloaded_bytes)
 
 
+def test_full_offload_of_a_cuda_model_frames_its_saves_unless_a_codec_is_given_bit_exact(cuda_opts):
+    """storm.enable(model) without a plan on a CUDA model takes codec "auto": its bf16 saves of at
+    least 4 MiB go in frames (fewer bytes stored than offloaded) and the gradients are the bits of
+    training without STORM; codec="raw" given stores every byte as it is."""
+    torch.manual_seed(0)
+    ref = GPT(vocab=256, seq_len=1024, d_model=1024, n_heads=8, n_layers=2, dropout=0.0).cuda().to(torch.bfloat16)
+    idx = torch.randint(0, 256, (4, 1024), device="cuda")
+    ref(idx).float().logsumexp(-1).sum().backward()
+    want = [p.grad.clone() for p in ref.parameters()]
+    for codec, framed in ((None, True), ("raw", False)):
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        handle = storm.enable(model, **cuda_opts, **({"codec": codec} if codec else {}))
+        model(idx).float().logsumexp(-1).sum().backward()
+        handle.last.synchronize()
+        st = handle.last.stats
+        assert handle.last.options["codec"] == (codec or "auto")
+        assert all(same_bits(p.grad, w) for p, w in zip(model.parameters(), want))
+        assert (st.stored_bytes < st.offloaded_bytes) == framed, (codec, st.stored_bytes, st.offloaded_bytes)
+        handle.disable()
+
+
 def test_a_bool_view_of_other_bytes_is_stored_raw_with_every_byte(cuda_opts):
     """A bool tensor whose bytes are not all 0 and 1 (a view of uint8) cannot go at a bit an element:
     its bit frame counts those bytes, and the save is stored again raw; what comes back is every byte."""

@@ -132,7 +132,7 @@ class Enabled:
             else:
                 if self._order is not None:
                     self._check_order()
-                ctx = self.planner.step() if self.planner is not None else Offload(**self._options)
+                ctx = self.planner.step() if self.planner is not None else self._full_offload()
                 ctx.__enter__()
             if self._order is not None:
                 self._order.started()
@@ -194,6 +194,14 @@ class Enabled:
                     "its step is ended now", type(self.model).__name__)
         while self._scopes():
             self._end(None, False)
+
+    def _full_offload(self) -> Offload:
+        """A step without a plan: storm.offload(**options), framing the CUDA saves (codec "auto")
+        where the model is on CUDA and no codec was given. Offloading every save, a step waits on
+        the link, and frames put fewer bytes on it (docs/results.md, "Full offload's codec")."""
+        if "codec" in self._options or not on_cuda(self.model):
+            return Offload(**self._options)
+        return Offload(**self._options, codec="auto")
 
     def _awaiting_backward(self) -> Offload | None:
         """This thread's last step, where its forward's output is alive and no backward has reached
@@ -339,6 +347,14 @@ def check_options(*, blocks: Iterable[nn.Module] | None = None, budget: int | fl
                      {k: v for k, v in options.items() if k not in planner})
 
 
+def on_cuda(model: nn.Module) -> bool:
+    """Whether ``model``'s first parameter (or buffer) is on a CUDA device: where a step is moved."""
+    first: torch.Tensor | None = next(model.parameters(), None)
+    if first is None:
+        first = next(model.buffers(), None)
+    return first is not None and first.device.type == "cuda"
+
+
 def _offload_options(blocks: Iterable[nn.Module] | None, options: dict[str, Any]) -> dict[str, Any]:
     """storm.offload's options for a model enabled without a plan, as checked: refused now, not at
     the first forward, and read once (a generator given as modules= would be used up by the first
@@ -358,7 +374,8 @@ def enable(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None, budge
     """Turn STORM on for every forward of ``model`` that runs with grad enabled; returns the
     handle whose ``disable()`` turns it off.
 
-    Without ``budget`` and ``peak`` each forward runs in ``storm.offload(**options)``. With
+    Without ``budget`` and ``peak`` each forward runs in ``storm.offload(**options)``, with
+    ``codec="auto"`` on a CUDA model unless a codec is given (frames for its CUDA saves). With
     one of them (``storm.plan``'s: the GPU memory a step's saves may take, bytes or a fraction
     of a step's; or the step's peak above its start, CUDA), each forward is a step of
     ``storm.plan(blocks, budget= or peak=, **options)``, where ``blocks`` are the model's

@@ -157,6 +157,20 @@ def test_offload_on_every_forward_trains_bit_identical_and_disable_restores_the_
     assert handle.last is last  # no hook is left to begin a step
 
 
+def test_full_offload_of_a_cpu_model_keeps_the_stores_codec_and_a_given_codec_is_kept():
+    """Frames are for CUDA saves: a model on the CPU gets no codec of storm.enable's (the store's
+    applies), and a codec given is the one every step takes (test_gpu.py: "auto" on CUDA)."""
+    model = gpt()
+    handle = storm.enable(model, mode="embedded", min_bytes=0)
+    train_gpt(model, 1, handle)
+    assert handle.last.options["codec"] is None
+    handle.disable()
+    handle = storm.enable(model, mode="embedded", min_bytes=0, codec="raw")
+    train_gpt(model, 1, handle)
+    assert handle.last.options["codec"] == "raw"
+    handle.disable()
+
+
 def test_a_plan_settles_and_every_step_stays_bit_identical():
     model, ref = gpt(), gpt()
     before = hooks_of(model)

@@ -401,9 +401,9 @@ def plan_context(planner: Driver) -> Offload:
     setting could frame a raw plan's tensors); a codec of the user's comes first, as choose() knew."""
     p, trace = planner.plan, planner.trace
     assert p is not None and trace is not None
-    if p.full:  # storm.offload's own limits, which its room paces
-        return Offload(**planner.options)
     framing = p.compressed or any(b.framed for b in trace.blocks)
+    if p.full:  # storm.offload's own limits, which its room paces; frames as storm.enable(model) takes them
+        return Offload(**{**({"codec": "auto"} if framing else {}), **planner.options})
     codec = {"codec": "auto" if p.compressed else "raw"} if framing else {}
     return Offload(**{"max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes, **codec,
                       **planner.options}, budget=p.offload_budget)
