@@ -250,35 +250,52 @@ class FullCostsMore(KeepingCostsMore):
         return super().peak() + (self.full if p is not None and p.full else 0)
 
 
-def no_plan_fits(memory: ScriptedMemory, caplog: Any) -> tuple[storm.Planner, list[Plan]]:
-    """A peak below anything a plan reaches, on the CPU GPT, 18 steps each bit-exact against
-    training without STORM; the planner and its measured plans in the order measured."""
+class RecomputedFullFits(KeepingCostsMore):
+    """As KeepingCostsMore, and full offload over every block recomputed peaks at nothing: within any target."""
+
+    def peak(self) -> int:
+        p = self.planner.plan
+        return 0 if p is not None and p.full and p.recomputed else super().peak()
+
+
+def no_plan_fits(memory: ScriptedMemory, caplog: Any, chooser: Any = choose,
+                 steps: int = 20) -> tuple[storm.Planner, list[Plan]]:
+    """A peak below anything a plan reaches, on the CPU GPT, ``steps`` steps each bit-exact against
+    training without STORM; the planner, settled, and its measured plans in the order measured."""
     model, idx = gpt()
     ref = grads_of(copy.deepcopy(model), idx)
-    planner = memory.planner = storm.Planner(model.blocks, peak="1MiB", memory=memory, form_trial=False,
-                                             host_check_tolerance=float("inf"), mode="embedded", min_bytes=0)
+    planner = memory.planner = storm.Planner(model.blocks, peak="1MiB", memory=memory, chooser=chooser,
+                                             form_trial=False, host_check_tolerance=float("inf"), mode="embedded",
+                                             min_bytes=0)
     with caplog.at_level(logging.INFO, logger="storm"):
-        for _ in range(18):
+        for _ in range(steps):
             got = grads_of(model, idx, planner.step())
             assert all(same_bits(a, b) for a, b in zip(ref, got))
-    assert planner.settled and planner.checks == MAX_SEARCH > MAX_CHECKS  # a deeper search than corrections'
+    assert planner.settled
     return planner, list(planner.state.measured.values())
+
+
+def full_kinds(measured: list[Plan]) -> list[str | None]:
+    """Per measured plan: None for a plan of the blocks, else which full offload."""
+    return [None if not p.full else "recomputed" if p.recomputed else "full" for p in measured]
 
 
 def test_where_no_plan_fits_the_lowest_are_measured_in_turn_then_full_offload_and_the_least_measured_is_kept(caplog):
     """The planner measures the plans of least peak in turn (each measured one ranks by its
-    measure, not its prediction), then full offload over the steps its room takes to settle,
-    and keeps the least measured: here full offload, which keeps nothing on the device."""
+    measure, not its prediction), then full offload over every block recomputed and full offload
+    alone, each over the steps its room takes to settle, and keeps the least measured: here a
+    full offload, which keeps nothing on the device."""
     memory = KeepingCostsMore(cost=50 * MiB)
     planner, measured = no_plan_fits(memory, caplog)
-    assert len(measured) == MAX_SEARCH + 1 and not any(p.fits for p in measured)
-    assert [p.full for p in measured] == [False] * MAX_SEARCH + [True]  # full offload last, once
+    assert planner.checks == MAX_SEARCH > MAX_CHECKS  # a deeper search than corrections'
+    assert full_kinds(measured) == [None] * MAX_SEARCH + ["recomputed", "full"] and not any(p.fits for p in measured)
+    assert measured[-2].recomputed == frozenset(range(len(planner.blocks))) and not measured[-1].recomputed
     lowest_predicted = choose(dataclasses.replace(planner.scenario(), measured={}))
     assert measured[0].shape == lowest_predicted.shape  # the model's lowest, measured first
     kept = planner.plan
     assert kept.full and kept.measured_over == min(p.measured_over for p in measured)
-    assert planner.measured_peak == kept.measured_over + planner.target  # the settled room's step: the last
-    assert any("measuring full offload" in r.getMessage() for r in caplog.records)
+    assert planner.measured_peak == measured[-1].measured_over + planner.target  # the last one's settled room
+    assert any("measuring full offload over every block recomputed" in r.getMessage() for r in caplog.records)
     assert any("keeping the plan of least measured peak (full offload)" in r.getMessage() for r in caplog.records)
     text = planner.explain()
     assert "full offload: every save is offloaded" in text
@@ -286,15 +303,25 @@ def test_where_no_plan_fits_the_lowest_are_measured_in_turn_then_full_offload_an
     planner.close()
 
 
+def test_full_offload_over_recomputed_blocks_that_fits_is_kept_without_measuring_full_offload_alone(caplog):
+    planner, measured = no_plan_fits(RecomputedFullFits(cost=50 * MiB), caplog)
+    assert full_kinds(measured) == [None] * MAX_SEARCH + ["recomputed"]
+    kept = planner.plan
+    assert kept.full and kept.fits and kept.recomputed == frozenset(range(len(planner.blocks)))
+    assert {i for i, b in enumerate(planner.blocks) if "forward" in vars(b)} == set(range(len(planner.blocks)))
+    assert "recompute, inputs offloaded" in planner.explain()
+    planner.close()
+
+
 def test_full_offload_measured_higher_than_a_plan_of_the_blocks_leaves_that_plan_kept(caplog):
     memory = FullCostsMore(cost=50 * MiB, full=10**9)
     planner, measured = no_plan_fits(memory, caplog)
-    assert measured[-1].full and measured[-1].measured_over > max(p.measured_over for p in measured[:-1])
+    assert full_kinds(measured)[-2:] == ["recomputed", "full"]
+    assert min(p.measured_over for p in measured[-2:]) > max(p.measured_over for p in measured[:-2])
     kept = planner.plan
     assert not kept.full and kept.measured_over == min(p.measured_over for p in measured)
     assert kept.inputs_offloaded + kept.offloaded > 0  # the least measured of the blocks' plans, as before
-    assert any("keeping the plan of least measured peak (a plan of the blocks)" in r.getMessage()
-               for r in caplog.records)
+    assert any("keeping the plan of least measured peak, " in r.getMessage() for r in caplog.records)
     assert "full offload" not in planner.explain()
     planner.close()
 
@@ -303,24 +330,14 @@ def test_a_plan_that_measured_over_and_is_chosen_again_has_full_offload_measured
     """The chooser's plan, predicted to fit, measures over; chosen again (it ranks by its measure
     now and nothing else is predicted lower), there is nothing left to measure of the blocks'
     plans before the checks run out: full offload is measured then, not only after them."""
-    memory = KeepingCostsMore(cost=50 * MiB)
-    model, idx = gpt()
-    ref = grads_of(copy.deepcopy(model), idx)
-
     def one(s: Scenario) -> Plan:
         rec = frozenset(range(4))
         return Plan(offloaded=0, recomputed=rec, offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
                     predicted_peak=0, predicted_cost_ms=1.0, fits=True)
 
-    planner = memory.planner = storm.Planner(model.blocks, peak="1MiB", memory=memory, chooser=one, form_trial=False,
-                                             host_check_tolerance=float("inf"), mode="embedded", min_bytes=0)
-    with caplog.at_level(logging.INFO, logger="storm"):
-        for _ in range(10):
-            got = grads_of(model, idx, planner.step())
-            assert all(same_bits(a, b) for a, b in zip(ref, got))
-    assert planner.settled and planner.checks == 1 < MAX_CHECKS
-    measured = list(planner.state.measured.values())
-    assert [p.full for p in measured] == [False, True] and planner.plan.full
+    planner, measured = no_plan_fits(KeepingCostsMore(cost=50 * MiB), caplog, chooser=one, steps=14)
+    assert planner.checks == 1 < MAX_CHECKS
+    assert full_kinds(measured) == [None, "recomputed", "full"] and planner.plan.full
     assert planner.plan.measured_over == min(p.measured_over for p in measured)
     planner.close()
 

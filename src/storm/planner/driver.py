@@ -18,7 +18,7 @@ from ..compiled import compiled
 from ..hooks import Offload
 from . import explain as explaining
 from .measure import HOST_CHECK_TOLERANCE, CudaPeakMemory, PeakMemory, checks_for, frames_of
-from .model import Plan, Scenario, Trace, choose, full_offload, predicted_peak
+from .model import Plan, Scenario, Trace, choose, full_offloads, predicted_peak
 from .options import plan_options
 from .phases import Measure, Phase, StepPhase, TraceOffload, Try, after_checks, measure_full
 from .state import TraceState
@@ -317,12 +317,14 @@ class Planner:
         return Measure(alternative) if to_measure else after_checks(self, alternative)
 
     def full_offload(self) -> Plan | None:
-        """Full offload as a plan (model.full_offload), to be measured where no plan of the blocks
-        measured within peak=; None with budget= (offloading every block fits any budget of saves
-        the store takes) or once measured since the last trace."""
-        if self.peak is None or any(p.full for p in self.state.measured.values()):
+        """The next full-offload plan to measure (model.full_offloads: every block recomputed, then
+        none) where no plan of the blocks measured within peak=; None with budget= (offloading
+        every block fits any budget of saves the store takes) or once each has been measured since
+        the last trace."""
+        if self.peak is None:
             return None
-        plan = full_offload(self.scenario())
+        measured = self.state.measured
+        plan = next((p for p in full_offloads(self.scenario()) if p.shape not in measured), None)
         return plan and dataclasses.replace(plan, reentrant=self.reentrant)
 
     def other_form(self, plan: Plan) -> Plan | None:

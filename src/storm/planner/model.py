@@ -335,18 +335,23 @@ def choose(scenario: Scenario) -> Plan | None:
     return best or lowest
 
 
-def full_offload(s: Scenario) -> Plan | None:
-    """Full offload as a plan: every save offloaded, the late ones after the blocks too, with
+def full_offloads(s: Scenario) -> list[Plan]:
+    """Full offload as plans: every save offloaded, the late ones after the blocks too, with
     storm.offload's own copy queue and prefetch window, which full offload's room paces from a
-    profiled step of its own (storm/rooms.py). choose() never picks it: the room's limits are
-    learned from steps, not predicted, so the planner measures it where no plan of its blocks
-    measured within its target. Its figures are the raw plan offloading every block's (the
-    model's nearest), which the measure replaces; None where the store took less than that sends."""
-    raw = [plan for plan, _ in _plans(s, len(s.trace.blocks), 0) if not plan.compressed]
-    if not raw:
-        return None
-    nearest = min(raw, key=lambda plan: plan.predicted_peak)
-    return dataclasses.replace(nearest, full=True, fits=False, measured_over=None)
+    profiled step of its own (storm/rooms.py); first with every block recomputed (each block's
+    inputs offloaded, as over checkpointing: the cheaper where it fits), then with none. choose()
+    never picks them: the room's limits are learned from steps, not predicted, so the planner
+    measures them where no plan of its blocks measured within its target. Their figures are the
+    model's nearest raw plans (every block recomputed with its inputs offloaded; every block
+    offloaded), which the measures replace; one is left out where the store took less than that
+    sends."""
+    n, out = len(s.trace.blocks), []
+    for k, m in ((0, n), (n, 0)):
+        raw = [plan for plan, _ in _plans(s, k, m) if not plan.compressed]
+        if raw:
+            nearest = min(raw, key=lambda plan: plan.predicted_peak)
+            out.append(dataclasses.replace(nearest, full=True, fits=False, measured_over=None))
+    return out
 
 
 def _least_peak(s: Scenario, k: int, m: int) -> int:

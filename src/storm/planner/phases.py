@@ -279,25 +279,26 @@ FULL_STEPS = 4  # full offload's steps measured: its room profiles, tries its ke
 
 
 def measure_full(planner: Driver) -> StepPhase | None:
-    """Where no plan of the blocks fits and none is left to measure: full offload put in force to
-    be measured (MeasureFull), once per trace; None where there is no target (off CUDA), with
-    budget= or once measured (Planner.full_offload)."""
+    """Where no plan fits and none is left to measure: the next full-offload plan put in force to
+    be measured (MeasureFull); None where there is no target (off CUDA), with budget= or once
+    each has been measured (Planner.full_offload)."""
     full = planner.full_offload() if planner.target is not None else None
     if full is None:
         return None
-    log.info("storm.plan: no plan of the blocks measured within its target of %.1f MiB in %d steps; measuring full "
-             "offload", (planner.target or 0) / MiB, planner.state.checks)
+    log.info("storm.plan: no plan measured within its target of %.1f MiB in %d steps; measuring full offload%s",
+             (planner.target or 0) / MiB, planner.state.checks, " over every block recomputed" * bool(full.recomputed))
     planner.apply(full)
     return MeasureFull()
 
 
 class MeasureFull(StepPhase):
-    """Full offload (model.full_offload), where no plan of the blocks measured within its target
-    after measure.checks_for steps. Its copy queue and prefetch window are paced by full
-    offload's room, which a profiled step and a trial of two make and settle (rooms.py), so it
-    runs FULL_STEPS steps and its last measured one is its measure. Then the plan of least
-    measured peak stays, full offload among them: what a user who asked for less than any plan
-    reaches gets is the least peak measured, whatever made it."""
+    """A full-offload plan (model.full_offloads), where no plan of the blocks measured within
+    its target. Its copy queue and prefetch window are paced by full offload's room, which a
+    profiled step and a trial of two make and settle (rooms.py), so it runs FULL_STEPS steps and
+    its last measured one is its measure. Within its target it is kept; else the next one is
+    measured, and after the last the plan of least measured peak stays, full offload among them:
+    what a user who asked for less than any plan reaches gets is the least peak measured,
+    whatever made it."""
 
     kind = Phase.MEASURE
 
@@ -317,17 +318,23 @@ class MeasureFull(StepPhase):
         self.last = self.peak.measured if self.peak.measured is not None else self.last
         if self.left > 0:
             return self
+        full = planner.plan
+        assert full is not None
         if self.last is not None and target is not None:
-            assert planner.plan is not None
-            state.record(planner.plan, self.last - target)
+            full = state.record(full, self.last - target)
             state.measured_peak = self.last
-        kept = state.least_measured()
-        assert kept is not None  # the plans of the blocks measured before this
+        if full.measured_over is None or full.measured_over > 0:
+            following = measure_full(planner)
+            if following is not None:
+                return following
+        kept = full if full.fits else state.least_measured()
+        assert kept is not None  # the plans of the blocks measured before these
         planner.apply(kept)
-        log.warning("storm.plan: full offload peaked %s; keeping the plan of least measured peak (%s), %.1f MiB %s "
-                    "its target", "unread" if self.last is None else f"{self.last / MiB:.1f} MiB",
-                    "full offload" if kept.full else "a plan of the blocks", abs(kept.measured_over or 0) / MiB,
-                    "over" if (kept.measured_over or 0) > 0 else "under")
+        log.warning("storm.plan: full offload%s peaked %s; keeping %s, %.1f MiB %s its target",
+                    " over every block recomputed" * bool(full.recomputed),
+                    "unread" if self.last is None else f"{self.last / MiB:.1f} MiB",
+                    "it" if kept is full else "the plan of least measured peak" + " (full offload)" * kept.full,
+                    abs(kept.measured_over or 0) / MiB, "over" if (kept.measured_over or 0) > 0 else "under")
         return after_checks(planner, None)
 
 
