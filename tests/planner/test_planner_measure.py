@@ -310,6 +310,11 @@ def test_full_offload_over_recomputed_blocks_that_fits_is_kept_without_measuring
     assert kept.full and kept.fits and kept.recomputed == frozenset(range(len(planner.blocks)))
     assert {i for i, b in enumerate(planner.blocks) if "forward" in vars(b)} == set(range(len(planner.blocks)))
     assert "recompute, inputs offloaded" in planner.explain()
+    # planned again (as where a step's packs were dearer than traced): the full offload that fits stays, and
+    # full offload alone, which the blocks' plans choose() weighs cannot stand for, is not measured after all
+    phase = planner.make_plan()
+    assert type(phase).__name__ != "MeasureFull" and planner.plan.full and planner.plan.recomputed
+    assert full_kinds(list(planner.state.measured.values())) == [None] * MAX_SEARCH + ["recomputed"]
     planner.close()
 
 

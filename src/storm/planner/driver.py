@@ -290,11 +290,12 @@ class Planner:
         to_measure = (self.target_of(plan) is not None and state.checks < checks_for(plan.fits)
                       and plan.shape not in state.measured)
         self.state.plan = plan
-        if not plan.fits and not to_measure:  # the least measured, full offload among them
-            full = measure_full(self)
-            if full is not None:
-                return full
-            plan = self.state.plan = state.least_measured() or plan
+        if not plan.fits and not to_measure:  # a full offload that fits, else the least measured
+            kept = state.kept_full()
+            measuring = measure_full(self) if kept is None else None
+            if measuring is not None:
+                return measuring
+            plan = self.state.plan = kept or state.least_measured() or plan
         if not plan.fits and not to_measure:
             budget = scenario.budget / MiB
             held = "saved activations" if self.peak is None else "saves and gradients, from peak=,"

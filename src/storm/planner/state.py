@@ -56,6 +56,13 @@ class TraceState:
         measured on ties); None before any."""
         return min(self.measured.values(), key=lambda p: p.measured_over, default=None)
 
+    def kept_full(self) -> Plan | None:
+        """Of the full-offload plans measured within their target, the one of least predicted cost
+        (model.full_offloads: choose() never weighs them, so the plans of the blocks it picks
+        cannot stand for them); None where none is."""
+        fitting = [p for p in self.measured.values() if p.full and p.fits]
+        return min(fitting, key=lambda p: p.predicted_cost_ms, default=None)
+
     def host_check_due(self) -> bool:
         """A planned step that offloads is yet to have its packs' host time read (phases.Checked);
         not after a trial, whose step times decided."""
