@@ -197,8 +197,12 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
     cut off, are kept), ``save()`` after each; then its verdicts."""
     storm_opts = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size,
                   **({"codec": args.codec} if args.codec else {})}
+    mode = run_mode(args)
+    if cell.get("rows") and cell.get("mode", mode) != mode:
+        raise SystemExit(f"zoo.py: {w.name} was measured as a {cell['mode']} run in this --out; resume it with the "
+                         f"same options, or measure this {mode} run into another --out")
     done = {r["label"]: r for r in cell.get("rows", [])}
-    cell.update(workload=dataclasses.asdict(w), why=w.spec.why, rows=[])
+    cell.update(workload=dataclasses.asdict(w), why=w.spec.why, rows=[], mode=mode)
     start = time.perf_counter()
 
     def add(row: dict) -> dict:
@@ -217,7 +221,7 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
     for method in () if args.codecs or args.caps else FULL if args.full_only else OTHERS:
         add({"label": method, "method": method})
     if args.caps:  # the plan at these caps alone: nothing fits beside it, so no duel
-        cell["caps"] = [{"cap_bytes": int(c * GiB), "sources": ["--caps"]} for c in args.caps]
+        cell["caps"] = [{"cap_bytes": int(c * GiB), "sources": ["--caps"]} for c in sorted(args.caps)]
     else:
         cell["caps"] = [] if args.full_only or args.codecs else caps(cell["rows"])
     for c in cell["caps"]:
@@ -255,6 +259,11 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
     return cell
 
 
+def run_mode(args: argparse.Namespace) -> str:
+    """What a run measures of each cell: every method ("zoo"), or one of the narrower options."""
+    return "caps" if args.caps else "codecs" if args.codecs else "full-only" if args.full_only else "zoo"
+
+
 def _brief(r: dict) -> dict:
     return {k: v for k, v in r.items() if k not in ("explain", "block_lists", "kept", "label")}
 
@@ -265,11 +274,13 @@ def verdicts(cell: dict) -> dict:
     rows = cell["rows"]
     by = {r["label"]: r for r in rows if "step_ms" in r}
     duels = {d["cap_bytes"]: d for d in cell.get("duels", []) if "ms" in d}
-    per_cap = [_at_cap(c, by.get(c["plan"]), best_other(rows, c["cap_bytes"]), duels.get(c["cap_bytes"]))
+    alone = cell.get("mode") == "caps"  # no other method measured: nothing to hold the plan's step to
+    per_cap = [_at_cap(c, by.get(c["plan"]), best_other(rows, c["cap_bytes"]), duels.get(c["cap_bytes"]), alone)
                for c in cell.get("caps", [])]
     predicted = [_prediction(c, by[c["plan"]]) for c in cell.get("caps", [])
                  if by.get(c["plan"], {}).get("predicted_step_peak_bytes") is not None]
-    out: dict = {"per_cap": {"holds": bool(per_cap) and all(v["holds"] for v in per_cap), "caps": per_cap}}
+    out: dict = {"per_cap": {"holds": None if alone else bool(per_cap) and all(v["holds"] for v in per_cap),
+                             "caps": per_cap}}
 
     least = cell["caps"][0] if cell.get("caps") else {"cap_bytes": 0, "plan": None, "sources": None}
     mine, d = by.get(least["plan"]), duels.get(least["cap_bytes"])
@@ -292,13 +303,15 @@ def verdicts(cell: dict) -> dict:
     return out
 
 
-def _at_cap(c: dict, mine: dict | None, other: dict | None, d: dict | None) -> dict:
-    """At cap X: the plan's peak within X, and its step over the best other's in their duel."""
+def _at_cap(c: dict, mine: dict | None, other: dict | None, d: dict | None, alone: bool = False) -> dict:
+    """At cap X: the plan's peak within X, and its step over the best other's in their duel
+    (``alone``: no other method was measured, and ``holds`` is None)."""
     fits = mine is not None and peak_bytes(mine) <= c["cap_bytes"]
     return {"cap_GiB": round(c["cap_bytes"] / GiB, 3), "sources": c["sources"], "plan_ms": mine and mine["step_ms"],
             "plan_peak_GiB": mine and mine["peak_GiB"], "fits": fits, "best_other": other and other["label"],
             "best_other_ms": other and other["step_ms"], "x_best_other": d and d["first_over"][0],
-            "x_best_other_95": d and d["first_over_95"][0], "holds": bool(fits and d and d["first_over"][0] <= 1.0)}
+            "x_best_other_95": d and d["first_over_95"][0],
+            "holds": None if alone else bool(fits and d and d["first_over"][0] <= 1.0)}
 
 
 def _prediction(c: dict, mine: dict) -> dict:
@@ -329,9 +342,10 @@ def table(name: str, cell: dict, markdown: bool = False) -> str:
     v = cell.get("verdicts") or verdicts(cell)
     lines += ["", "in alternation, at each cap: the plan against the best other that fits"]
     for c in v["per_cap"]["caps"]:
+        held = "n/a (no other method measured)" if c["holds"] is None else "holds" if c["holds"] else "FAILS"
         lines.append(f"{'- ' if markdown else ''}{c['cap_GiB']} GiB ({', '.join(c['sources'])}): plan "
                      f"{c['plan_peak_GiB']} GiB {'fits' if c['fits'] else 'does NOT fit'}, {c['x_best_other']}x "
-                     f"{c['best_other']} {c['x_best_other_95'] or ''}: {'holds' if c['holds'] else 'FAILS'}")
+                     f"{c['best_other']} {c['x_best_other_95'] or ''}: {held}")
     d = cell.get("codec_duel")
     if d and "ms" in d:
         lines.append(f"{'- ' if markdown else ''}full offload's codecs in alternation: {d['ms']} ms; the first over "
@@ -377,14 +391,16 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="--steps 3 --warmup 1 --rounds 2 --round-steps 2")
     p.add_argument("--codec", help="STORM's codec for its rows (e.g. auto: where the link bounds full offload, "
                                    "fewer bytes are the way under it); unset: storm's default. Its own --out file")
-    p.add_argument("--codecs", nargs="+", metavar="CODEC",
-                   help="only full offload (storm.enable(model)) in each of these codecs, timed against each other "
-                        "in alternation (the first over each other): no torchtune, caps or plans")
-    p.add_argument("--caps", nargs="+", type=float, metavar="GIB",
-                   help="only storm.enable(model, peak=X) at each of these caps (GiB), no other method or duel: "
-                        "what the planner keeps and measures there")
-    p.add_argument("--full-only", action="store_true",
-                   help="only torchtune and storm.enable(model) (full offload), and their duel: no caps or plans")
+    narrow = p.add_mutually_exclusive_group()  # each measures less of a cell than the whole zoo, in its own way
+    narrow.add_argument("--codecs", nargs="+", metavar="CODEC",
+                        help="only full offload (storm.enable(model)) in each of these codecs, timed against each "
+                             "other in alternation (the first over each other): no torchtune, caps or plans")
+    narrow.add_argument("--caps", nargs="+", type=float, metavar="GIB",
+                        help="only storm.enable(model, peak=X) at each of these caps (GiB), no other method or duel: "
+                             "what the planner keeps and measures there")
+    narrow.add_argument("--full-only", action="store_true",
+                        help="only torchtune and storm.enable(model) (full offload), and their duel: no caps or "
+                             "plans")
     p.add_argument("--summary", metavar="RESULTS.json", help="measure nothing: the tables and verdicts of a run")
     p.add_argument("--markdown", action="store_true", help="with --summary: docs/results.md's Markdown")
     args = p.parse_args()

@@ -401,6 +401,40 @@ def test_a_trial_step_without_backward_measures_nothing_and_the_next_tries_the_r
     assert rooms.trial is None and steps[-1].room.kept == 2
 
 
+def test_a_step_is_settled_once_it_follows_to_its_end_the_room_no_trial_weighs():
+    """storm.plan measures full offload by the first step that ran as the steps after it will
+    (Rooms.settled, Offload.room_settled): not a step that profiled with readings, nor a trial's
+    step, nor one that left its room part-way; a step whose profile read nothing (no allocator
+    to read: the CPU) is, since no room can be made for it."""
+    rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
+    storage = torch.empty(2).untyped_storage()
+
+    def step(number: int, sizes: tuple[int, ...] = (8,)) -> Step:
+        s = Step(number, float("inf"), StepOptions())
+        rooms.start_step(s)
+        for size in sizes:
+            s.order.append(object())
+            rooms.follow_room(s, storage, size)
+        s.unpacked = 1
+        return s
+
+    rooms.memory = lambda device: None  # nothing read
+    unread = step(1)
+    assert unread.profile is not None and rooms.settled(unread)
+    rooms.memory = lambda device: 100
+    profiled = step(2)
+    assert profiled.profile.saves and not rooms.settled(profiled)
+    rooms.record = PeakRecord([50, 50])
+    rooms.profiling = lm_room().profile
+    keeping, bare = step(3), step(4)
+    assert keeping.room is rooms.trial.keeping and not rooms.settled(keeping)
+    assert bare.room is rooms.trial.bare and not rooms.settled(bare)
+    kept = step(5)
+    assert rooms.trial is None and kept.room is rooms.room and rooms.settled(kept)
+    left = step(6, (8, 16))  # its second save is not the room's
+    assert left.room is None and not rooms.settled(left)
+
+
 def test_a_room_that_keeps_every_save_is_measured_from_its_first_kept_save():
     """Kept saves make no put: a trial step whose room keeps its first save starts the record there."""
     rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))

@@ -188,6 +188,15 @@ class Offload(contextlib.ContextDecorator):
         return self._completed
 
     @property
+    def room_settled(self) -> bool:
+        """Whether this step, ended, ran as the full-offload steps after it will (its copy queue and
+        prefetch window under the room they follow: rooms.Rooms.settled); storm.plan measures
+        full offload by such a step."""
+        if self._session is None or self._step is None:
+            raise RuntimeError("storm.offload has not been entered yet")
+        return self._session.rooms.settled(self._step)
+
+    @property
     def saves(self) -> tuple[Stored, ...]:
         """This step's offloaded storages so far, in saving order (each with its ``device``,
         ``dtype`` and ``nbytes``): storm.plan reads which block saved what from them."""

@@ -164,6 +164,17 @@ class Rooms:
         if ran or trial.steps >= MAX_TRIAL_STEPS:
             trial.peaks.append(peak if ran else None)
 
+    def settled(self, step: Step) -> bool:
+        """Whether ``step``, ended, ran as the full-offload steps after it will, so that its peak is
+        theirs: it followed to its end the room the steps follow, with no trial of rooms pending,
+        or no room can be made for it (its profile read nothing, as off CUDA, or this process has
+        profiled its share). Not a step that profiled, tried a room, or left its room part-way."""
+        if self.trial is not None or self._profile_next:
+            return False
+        if step.profile is not None:
+            return not step.profile.saves
+        return step.room is None or step.room is self.room
+
     def follow(self, room: Room) -> None:
         """Steps follow ``room`` from now (a profiled step's), kept with the others as the most
         recently followed."""

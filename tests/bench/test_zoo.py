@@ -324,15 +324,30 @@ def test_codecs_measure_full_offload_in_each_and_time_them_against_each_other_al
     assert "storm-enable codec=auto 0.909x" in zoo.table("llama-tiny", cell)
 
 
-def test_caps_measure_the_plan_at_each_alone():
+def test_caps_measure_the_plan_at_each_alone_least_first_and_hold_it_to_no_other():
     fake, duels = FakeRun(), []
     cell: dict = {}
-    zoo.measure_cell(hf.tiny("llama"), cell, argparse.Namespace(**{**vars(ARGS), "caps": [2.5, 3.0]}), CPU,
+    zoo.measure_cell(hf.tiny("llama"), cell, argparse.Namespace(**{**vars(ARGS), "caps": [3.0, 2.5]}), CPU,
                      lambda: None, measure_row=fake, dueling=fake_duel(duels))
     assert [o["peak"] for _, m, o in fake.calls] == [int(2.5 * GiB), int(3.0 * GiB)] and duels == []
     assert [r["label"] for r in cell["rows"]] == [zoo.plan_label(int(2.5 * GiB)), zoo.plan_label(int(3.0 * GiB))]
+    v = cell["verdicts"]
+    assert v["least_cap"]["cap_GiB"] == 2.5 and v["per_cap"]["holds"] is None
+    assert [c["holds"] for c in v["per_cap"]["caps"]] == [None, None] and all(c["fits"] for c in v["per_cap"]["caps"])
     text = zoo.table("llama-tiny", cell)
     assert "2.5 GiB (--caps): plan 2.49 GiB fits" in text and "full offload (no plan of the blocks" in text
+    assert "n/a (no other method measured)" in text and "FAILS" not in text.split("per_cap")[0]
+
+
+def test_a_cell_is_resumed_only_by_a_run_of_its_own_kind():
+    cell: dict = {}
+    zoo.measure_cell(hf.tiny("llama"), cell, argparse.Namespace(**{**vars(ARGS), "full_only": True}), CPU,
+                     lambda: None, measure_row=FakeRun(), dueling=fake_duel([]))
+    assert cell["mode"] == "full-only"
+    with pytest.raises(SystemExit, match="was measured as a full-only run in this --out"):
+        zoo.measure_cell(hf.tiny("llama"), cell, argparse.Namespace(**{**vars(ARGS), "caps": [2.5]}), CPU,
+                         lambda: None, measure_row=FakeRun(), dueling=fake_duel([]))
+    assert [r["label"] for r in cell["rows"]] == ["torchtune", "storm-enable"]  # nothing of it lost
 
 
 def test_resuming_a_cut_off_cell_keeps_its_rows_and_duels():

@@ -310,6 +310,7 @@ def test_full_offload_over_recomputed_blocks_that_fits_is_kept_without_measuring
     assert kept.full and kept.fits and kept.recomputed == frozenset(range(len(planner.blocks)))
     assert {i for i, b in enumerate(planner.blocks) if "forward" in vars(b)} == set(range(len(planner.blocks)))
     assert "recompute, inputs offloaded" in planner.explain()
+    assert "room paces (storm/rooms.py), codec of the store;" in planner.explain()  # the CPU frames nothing
     # planned again (as where a step's packs were dearer than traced): the full offload that fits stays, and
     # full offload alone, which the blocks' plans choose() weighs cannot stand for, is not measured after all
     phase = planner.make_plan()
@@ -331,6 +332,48 @@ def test_full_offload_measured_higher_than_a_plan_of_the_blocks_leaves_that_plan
     planner.close()
 
 
+@pytest.fixture
+def read_rooms():
+    """A new embedded session whose full-offload steps read their memory (as constant beside the
+    queue and the window: the CPU has no allocator to read), so that they profile and follow rooms."""
+    storm.close_all()
+    session = storm.session_for("embedded", None, None)
+    session.rooms.memory = lambda device: session.copy_queue.nbytes + session.prefetch.nbytes + MiB
+    yield session.rooms
+    storm.close_all()
+
+
+def test_full_offload_is_measured_by_its_first_step_that_follows_the_room_it_settled_on(read_rooms):
+    """A full-offload plan's first step profiles its room (and a trial may follow): those steps run
+    otherwise than the steps after them, so MeasureFull measures the first step that ran as they
+    will (Offload.room_settled), each full plan after steps that did not."""
+    memory = KeepingCostsMore(cost=50 * MiB)
+    model, idx = gpt()
+    ref = grads_of(copy.deepcopy(model), idx)
+    planner = memory.planner = storm.Planner(model.blocks, peak="1MiB", memory=memory, form_trial=False,
+                                             host_check_tolerance=float("inf"), mode="embedded", min_bytes=0)
+    runs: list[tuple[tuple | None, bool]] = []  # per step of a full plan: its shape, and whether its room settled
+    for _ in range(40):
+        if planner.settled:
+            break
+        full = planner.phase is Phase.MEASURE_FULL
+        if full:
+            assert "not settled yet: no plan of the blocks measured within the target, so full offload is " \
+                   "measured" in planner.explain()
+        ctx = planner.step()
+        assert all(same_bits(a, b) for a, b in zip(ref, grads_of(model, idx, ctx)))
+        if full:
+            runs.append((planner.plan.shape, ctx.room_settled))
+    assert planner.settled
+    shapes = list(dict.fromkeys(shape for shape, _ in runs))
+    assert len(shapes) == 2  # over recomputed blocks, then alone
+    for shape in shapes:
+        settled = [ok for sh, ok in runs if sh == shape]
+        assert len(settled) > 1 and settled[-1] and not any(settled[:-1])  # measured once its room settled
+    assert [p.full for p in planner.state.measured.values()][-2:] == [True, True]
+    planner.close()
+
+
 def test_a_plan_that_measured_over_and_is_chosen_again_has_full_offload_measured_beside_it(caplog):
     """The chooser's plan, predicted to fit, measures over; chosen again (it ranks by its measure
     now and nothing else is predicted lower), there is nothing left to measure of the blocks'
@@ -344,6 +387,22 @@ def test_a_plan_that_measured_over_and_is_chosen_again_has_full_offload_measured
     assert planner.checks == 1 < MAX_CHECKS
     assert full_kinds(measured) == [None, "recomputed", "full"] and planner.plan.full
     assert planner.plan.measured_over == min(p.measured_over for p in measured)
+    planner.close()
+
+
+@pytest.mark.parametrize("codec", [None, "raw", "auto", "ancf_exp"])
+def test_both_full_offloads_are_planned_whatever_codec_the_planner_was_given(codec):
+    """model.full_offloads' figures are the raw plans nearest each (a codec given to the planner
+    picks a full step's frames in plan_context, not these): a frame codec, under which choose()'s
+    plans offloading every block are compressed, drops neither."""
+    framing = {"frames_of": lambda saves, setting: (1, 8 * MiB, 6 * MiB)}  # every block frames a save
+    _, _, _, planner = traced_gpt_planner(**framing, **({"codec": codec} if codec else {}))
+    assert any(b.framed for b in planner.trace.blocks)
+    scenario = dataclasses.replace(planner.scenario(), codec=codec)
+    fulls = storm.planner.model.full_offloads(scenario)
+    n = len(planner.blocks)
+    assert [(p.offloaded, p.inputs_offloaded, len(p.recomputed)) for p in fulls] == [(0, n, n), (n, 0, 0)]
+    assert all(p.full and not p.compressed and not p.fits for p in fulls)
     planner.close()
 
 

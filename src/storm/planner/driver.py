@@ -320,12 +320,12 @@ class Planner:
     def full_offload(self) -> Plan | None:
         """The next full-offload plan to measure (model.full_offloads: every block recomputed, then
         none) where no plan of the blocks measured within peak=; None with budget= (offloading
-        every block fits any budget of saves the store takes) or once each has been measured since
-        the last trace."""
+        every block fits any budget of saves the store takes) or once each has run since the last
+        trace."""
         if self.peak is None:
             return None
-        measured = self.state.measured
-        plan = next((p for p in full_offloads(self.scenario()) if p.shape not in measured), None)
+        tried = self.state.full_tried
+        plan = next((p for p in full_offloads(self.scenario()) if p.shape not in tried), None)
         return plan and dataclasses.replace(plan, reentrant=self.reentrant)
 
     def other_form(self, plan: Plan) -> Plan | None:

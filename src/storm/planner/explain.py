@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ..frames import FRAME_MIN_BYTES
-from .model import Offloading, Plan, Trace, after_kept, fetched_inputs, offloaded_per_block
+from .model import Offloading, Plan, Trace, after_kept, fetched_inputs, full_codec, offloaded_per_block
 from .trial import Trial
 
 MiB = 1 << 20
@@ -95,8 +95,10 @@ def explain(planner: Explained) -> str:
         lines.append(f"{i:>5} {b.saved_bytes / MiB:>10.1f} {b.tensors:>7} {b.input_bytes / MiB:>10.1f} "
                      f"{b.forward_ms:>10.3f}  {what}")
     if p.full:
+        codec = full_codec(t, planner.options.get("codec"))
         lines.append("full offload: every save is offloaded, those outside the blocks too, with storm.offload's own "
-                     "copy queue and prefetch window, which full offload's room paces (storm/rooms.py); measured "
+                     "copy queue and prefetch window, which full offload's room paces (storm/rooms.py), codec "
+                     f"{codec or 'of the store'}{', as given' if 'codec' in planner.options else ''}; measured "
                      "because no plan of the blocks measured within the target")
     else:
         lines += _outside(t, p)
@@ -108,7 +110,7 @@ def explain(planner: Explained) -> str:
     if t.store_bytes is not None:
         lines.append(f"the store took {t.store_bytes / MiB:.1f} of the {t.total_bytes / MiB:.1f} MiB traced: "
                      "plans offload at most that")
-    if p.offloads:
+    if p.offloads and not p.full:
         lines.append(_codec(t, p, "codec" in planner.options))
     lines.append(f"predicted: {p.predicted_peak / MiB:.1f} MiB saved on the device at the peak "
                  f"({'fits' if p.fits else 'does NOT fit'}), {p.predicted_cost_ms:.2f} ms over no offload; "
@@ -150,6 +152,10 @@ def _standing(planner: Explained) -> str:
         target = "" if planner.target is None else f" of {planner.target / MiB:.1f} MiB"
         return (f"not settled yet: the next step measures its peak against the target{target}; a step over it "
                 "leaves a margin and the plan is made again")
+    if phase == "measure-full":
+        return ("not settled yet: no plan of the blocks measured within the target, so full offload is measured: "
+                "its room profiles a step and tries what it keeps, and the first step that follows the room it "
+                "settles on is its measure")
     if phase == "check-host":
         return ("not settled yet: a coming step that offloads has its host time per offloaded tensor read; "
                 "dearer than traced, the plan is made again with it")

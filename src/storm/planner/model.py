@@ -346,12 +346,19 @@ def full_offloads(s: Scenario) -> list[Plan]:
     offloaded), which the measures replace; one is left out where the store took less than that
     sends."""
     n, out = len(s.trace.blocks), []
+    any_codec = dataclasses.replace(s, codec=None)  # a codec given picks the step's frames (plan_context), not these
     for k, m in ((0, n), (n, 0)):
-        raw = [plan for plan, _ in _plans(s, k, m) if not plan.compressed]
+        raw = [plan for plan, _ in _plans(any_codec, k, m) if not plan.compressed]
         if raw:
             nearest = min(raw, key=lambda plan: plan.predicted_peak)
             out.append(dataclasses.replace(nearest, full=True, fits=False, measured_over=None))
     return out
+
+
+def full_codec(trace: Trace, given: str | None) -> str | None:
+    """The codec of a full-offload plan's steps: the one given to the planner, else "auto" where
+    the trace framed saves (as storm.enable(model) frames a CUDA model's), else None: the store's."""
+    return given or ("auto" if any(b.framed for b in trace.blocks) else None)
 
 
 def _least_peak(s: Scenario, k: int, m: int) -> int:

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..hooks import Offload
 from .measure import PeakMemory, checks_for, dearer_packs, packs_ms_per_tensor, widened_margin
-from .model import Plan, Trace, moments
+from .model import Plan, Trace, full_codec, moments
 from .state import TraceState
 from .trace import ComputeTrace, Frames, OffloadTrace
 from .trial import Clock, Trial
@@ -42,6 +42,7 @@ class Phase(enum.Enum):
     TRACE_COMPUTE = "trace-compute"            # every block recomputed, nothing offloaded (trace.ComputeTrace)
     TRACE_COMPUTE_KEPT = "trace-compute-kept"  # again without the hand-over: kept_extra (peak=, reentrant form)
     MEASURE = "measure"        # the plan, its peak measured against the target (CUDA): a margin where over
+    MEASURE_FULL = "measure-full"  # full offload, its peak measured once its room has settled (MeasureFull)
     CHECK_HOST = "check-host"  # the plan, offloading: its packs' host time is yet to be read
     TRY = "try"                # the plan or its alternative, in alternation (trial.Trial)
     SETTLED = "settled"        # the plan, that no step will measure or change until the inputs' shapes do
@@ -275,18 +276,19 @@ class Measure(Checked):
         return planner.make_plan()
 
 
-FULL_STEPS = 4  # full offload's steps measured: its room profiles, tries its kept saves and not, then holds
+FULL_STEPS = 12  # a full offload's steps at most: its room's profile, a trial (rooms.MAX_TRIAL_STEPS), one kept
 
 
 def measure_full(planner: Driver) -> StepPhase | None:
     """Where no plan fits and none is left to measure: the next full-offload plan put in force to
     be measured (MeasureFull); None where there is no target (off CUDA), with budget= or once
-    each has been measured (Planner.full_offload)."""
+    each has run (Planner.full_offload)."""
     full = planner.full_offload() if planner.target is not None else None
     if full is None:
         return None
     log.info("storm.plan: no plan measured within its target of %.1f MiB in %d steps; measuring full offload%s",
              (planner.target or 0) / MiB, planner.state.checks, " over every block recomputed" * bool(full.recomputed))
+    planner.state.full_tried.add(full.shape)
     planner.apply(full)
     return MeasureFull()
 
@@ -294,29 +296,32 @@ def measure_full(planner: Driver) -> StepPhase | None:
 class MeasureFull(StepPhase):
     """A full-offload plan (model.full_offloads), where no plan of the blocks measured within
     its target. Its copy queue and prefetch window are paced by full offload's room, which a
-    profiled step and a trial of two make and settle (rooms.py), so it runs FULL_STEPS steps and
-    its last measured one is its measure. Within its target it is kept; else the next one is
-    measured, and after the last the plan of least measured peak stays, full offload among them:
-    what a user who asked for less than any plan reaches gets is the least peak measured,
-    whatever made it."""
+    profiled step and a trial make and settle (rooms.py): its measure is the first step whose
+    peak was read and that ran as the steps after it will (Offload.room_settled), within
+    FULL_STEPS steps (else the last peak read, if any). Within its target it is kept; else the
+    next one is measured, and after the last the plan of least measured peak stays, full
+    offload among them: what a user who asked for less than any plan reaches gets is the least
+    peak measured, whatever made it."""
 
-    kind = Phase.MEASURE
+    kind = Phase.MEASURE_FULL
 
     def __init__(self) -> None:
-        self.left = FULL_STEPS
+        self.steps = 0
         self.last: int | None = None  # the last step's peak that was read
 
     def begin(self, planner: Driver) -> Offload:
         self.peak = StepPeak(planner.memory, planner.hooks)
-        return plan_context(planner)
+        self.ctx = plan_context(planner)
+        return self.ctx
 
     def end(self, planner: Driver) -> StepPhase:
         state, target = planner.state, planner.target
         if state.stale:
             return self  # the planner traces again
-        self.left -= 1
-        self.last = self.peak.measured if self.peak.measured is not None else self.last
-        if self.left > 0:
+        self.steps += 1
+        read = self.peak.measured
+        self.last = read if read is not None else self.last
+        if (read is None or not self.ctx.room_settled) and self.steps < FULL_STEPS:
             return self
         full = planner.plan
         assert full is not None
@@ -408,9 +413,10 @@ def plan_context(planner: Driver) -> Offload:
     setting could frame a raw plan's tensors); a codec of the user's comes first, as choose() knew."""
     p, trace = planner.plan, planner.trace
     assert p is not None and trace is not None
-    framing = p.compressed or any(b.framed for b in trace.blocks)
     if p.full:  # storm.offload's own limits, which its room paces; frames as storm.enable(model) takes them
-        return Offload(**{**({"codec": "auto"} if framing else {}), **planner.options})
+        full = full_codec(trace, planner.options.get("codec"))
+        return Offload(**{**planner.options, **({"codec": full} if full else {})})
+    framing = p.compressed or any(b.framed for b in trace.blocks)
     codec = {"codec": "auto" if p.compressed else "raw"} if framing else {}
     return Offload(**{"max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes, **codec,
                       **planner.options}, budget=p.offload_budget)

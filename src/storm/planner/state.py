@@ -36,6 +36,7 @@ class TraceState:
     # per Plan.shape, the plan measured (in the planner's recompute form), its step's peak over its
     # target in its measured_over, in the order measured
     measured: dict[tuple, Plan] = dataclasses.field(default_factory=dict)
+    full_tried: set[tuple] = dataclasses.field(default_factory=set)  # Plan.shape of full offloads run, read or not
     stale: bool = False  # the last step ran unlike the traced one: the next step traces again
 
     @property
