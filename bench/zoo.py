@@ -118,6 +118,8 @@ def predicted_step_peak(planner: object) -> tuple[int | None, str]:
     plan, besides = getattr(planner, "plan", None), getattr(planner, "besides", None)
     if plan is None or besides is None:
         return None, "none: no plan, or no compute trace measured (besides None)"
+    if getattr(plan, "full", False):
+        return None, "none: full offload's peak is its room's, measured and not predicted"
     name = "step_peak" if callable(getattr(planner, "step_peak", None)) else "_step_peak"
     return besides + getattr(planner, name)(plan), f"planner.besides + planner.{name}(planner.plan)"
 

@@ -8,6 +8,7 @@ import argparse
 import json
 import random
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -224,6 +225,10 @@ def test_the_predicted_step_peak_is_the_besides_and_the_plans_step_peak_and_says
 
     assert zoo.predicted_step_peak(Planner()) == (120, "planner.besides + planner.step_peak(planner.plan)")
     assert zoo.predicted_step_peak(Before())[0] == 130
+    full = Planner()
+    full.plan = SimpleNamespace(full=True)
+    assert zoo.predicted_step_peak(full) == (None, "none: full offload's peak is its room's, measured and not "
+                                                   "predicted")
     untraced = Planner()
     untraced.besides = None  # on the CPU, or before the compute trace: nothing measured to add to
     assert zoo.predicted_step_peak(untraced)[0] is None

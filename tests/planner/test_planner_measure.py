@@ -299,6 +299,7 @@ def test_where_no_plan_fits_the_lowest_are_measured_in_turn_then_full_offload_an
     assert any("keeping the plan of least measured peak (full offload)" in r.getMessage() for r in caplog.records)
     text = planner.explain()
     assert "full offload: every save is offloaded" in text
+    assert "predicted: nothing of full offload's peak, which its room makes and its steps measure" in text
     assert "none fits, so this one, of least measured peak, is kept" in text
     planner.close()
 

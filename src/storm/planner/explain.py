@@ -112,9 +112,14 @@ def explain(planner: Explained) -> str:
                      "plans offload at most that")
     if p.offloads and not p.full:
         lines.append(_codec(t, p, "codec" in planner.options))
-    lines.append(f"predicted: {p.predicted_peak / MiB:.1f} MiB saved on the device at the peak "
-                 f"({'fits' if p.fits else 'does NOT fit'}), {p.predicted_cost_ms:.2f} ms over no offload; "
-                 f"re-planned {planner.replans} times")
+    if p.full:  # its room's limits come from a profiled step: the model has the nearest plan of the blocks only
+        lines.append(f"predicted: nothing of full offload's peak, which its room makes and its steps measure (the "
+                     f"nearest plan of the blocks: {p.predicted_peak / MiB:.1f} MiB saved on the device at the "
+                     f"peak, {p.predicted_cost_ms:.2f} ms over no offload); re-planned {planner.replans} times")
+    else:
+        lines.append(f"predicted: {p.predicted_peak / MiB:.1f} MiB saved on the device at the peak "
+                     f"({'fits' if p.fits else 'does NOT fit'}), {p.predicted_cost_ms:.2f} ms over no offload; "
+                     f"re-planned {planner.replans} times")
     lines += [trial.describe() for trial in planner.trials]
     if planner.besides is not None:
         measured = "not yet" if planner.measured_peak is None else f"{planner.measured_peak / MiB:.1f} MiB"
