@@ -165,3 +165,38 @@ def test_a_two_forward_step_on_cuda_settles_bit_exact_within_its_measured_target
         assert max(peaks) < no_offload_peak
     finally:
         handle.disable()
+
+
+@pytest.mark.gpu
+def test_a_peak_no_plan_of_the_blocks_reaches_gets_full_offload_measured_and_the_least_measured_kept_on_cuda():
+    """On CUDA, a peak= below what any plan of the blocks reaches: the planner measures full
+    offload (over every block recomputed, then alone) once its room has settled, keeps the plan of
+    least measured peak, and its settled steps peak as that measure said; every step's gradients
+    are those without STORM."""
+    from storm.examples.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(seq_len=256, d_model=256, n_heads=4, n_layers=8, dropout=0.0).cuda()
+    idx = torch.randint(0, 256, (8, 257), device="cuda")
+    reference = copy.deepcopy(model)
+    handle = storm.enable(model, peak=1 << 20, mode="embedded", min_bytes=1 << 16, pool_size="1GiB")
+    planner, peaks = handle.planner, []
+    try:
+        for step in range(60):
+            expected = two_forward_step(reference, idx, idx.flip(0), step)
+            settled = planner.settled
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            got = two_forward_step(model, idx, idx.flip(0), step)
+            if settled:
+                peaks.append(torch.cuda.max_memory_allocated() - base)
+            assert all(torch.equal(g, w) for g, w in zip(got, expected)), f"step {step}"
+        measured = list(planner.state.measured.values())
+        assert planner.settled and sum(p.full for p in measured) == 2, handle.explain()
+        kept = planner.plan
+        assert kept.measured_over == min(p.measured_over for p in measured), handle.explain()
+        assert len(peaks) >= 2
+        assert max(peaks) <= planner.target + kept.measured_over + (16 << 20), (peaks, handle.explain())
+    finally:
+        handle.disable()
