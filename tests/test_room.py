@@ -655,6 +655,55 @@ def test_steps_of_two_kinds_in_turn_each_follow_their_own_room(fresh_rooms):
     assert fresh_rooms.room is not None and fresh_rooms.room.profile.sizes == [32 * 32 * 4] * 4
 
 
+def two_forward_step(width: int = 64) -> tuple[str, bool]:
+    """A full-offload step of two forwards before one backward (Offload.resume(), as storm.enable
+    makes of chosen and rejected sequences): the last line of its report, and whether it ran as
+    the steps after it will (Offload.room_settled)."""
+    x = torch.randn(width, width, requires_grad=True)
+    ctx = storm.offload(mode="embedded", min_bytes=0)
+    with ctx:
+        a = x.tanh().tanh()
+    with ctx.resume():
+        b = x.sigmoid().sigmoid()
+    (a.sum() + b.sum()).backward()
+    return ctx.report().splitlines()[-1], ctx.room_settled
+
+
+def test_steps_of_two_forwards_follow_their_room_and_a_step_of_fewer_saves_lets_it_go_at_backward(fresh_rooms):
+    """Each forward's end comes at the context's exit, but a step resumed for another forward goes
+    on: its room holds until backward begins, which finds all of the room's saves made. A step
+    that begins backward with fewer saves than its room's lets it go, and the next one profiles."""
+    lines = [two_forward_step() for _ in range(4)]
+    assert [line.startswith(PROFILES) for line, _ in lines] == [True, False, False, False]
+    assert all(line.startswith(FOLLOWS) for line, _ in lines[1:]) and lines[-1][1]
+    assert fresh_rooms._profiled == 1  # one profile gave the room every later step follows
+    x = torch.randn(64, 64, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:  # the first forward's saves alone
+        a = x.tanh().tanh()
+    assert ctx.report().splitlines()[-1].startswith(FOLLOWS)  # its forward's end lets no room go
+    a.sum().backward()
+    assert not ctx.report().splitlines()[-1].startswith(FOLLOWS) and not ctx.room_settled
+    assert two_forward_step()[0].startswith(PROFILES)
+
+
+def test_a_profiled_unpack_of_a_save_the_store_refused_counts_it_once():
+    """A save the store refused stays with the step (State.KEPT), out of the copy queue: the
+    allocator counts it already, and the unpack's reading does not add it again."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from storm.saved import State, Stored
+
+    rooms = Rooms(CopyQueue(lambda: None, threading.RLock()))
+    t = torch.empty(400, dtype=torch.uint8)
+    rooms.memory = lambda device: 1000 + t.untyped_storage().nbytes()
+    step = Step(1, float("inf"), StepOptions())
+    step.profile = Profile(sizes=[400], saves=[1400])
+    stored = Stored(1, step, t, StorageWeakRef(t.untyped_storage()), 400)
+    stored.state = State.KEPT
+    rooms.unpacked(stored, prefetched=0)
+    assert step.profile.unpacks == [1400]
+
+
 def test_a_process_profiles_a_bounded_number_of_kinds_of_step(fresh_rooms, monkeypatch, caplog):
     """Each profiled step runs under the allocator's record: steps whose saves never come in the same
     sizes again would profile every other step. Past MAX_PROFILES a new kind keeps the user's

@@ -22,7 +22,7 @@ read (no record, a step that left its room, or too many such steps), the room's 
 A profile is made only of a step whose backward ran: a profile without unpacks gives no room.
 
 The session (storm/session.py) calls ``follow_room``, ``keeps`` and ``unpacked`` under its lock,
-``start_step``, ``end_step`` and ``close`` from the training thread.
+``start_step`` and ``close`` from the training thread.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from .allocator_record import AllocatorRecord, Record, replay
 from .copy_queue import CopyQueue
 from .gpu import allocated
 from .room import Profile, Reader, Room
-from .saved import Step, Stored
+from .saved import State, Step, Stored
 
 MAX_ROOMS = 8  # rooms kept, one per kind of step, the least recently followed dropped first
 MAX_PROFILES = 32  # profiled steps that gave a room: each ran under the allocator's record
@@ -280,12 +280,6 @@ class Rooms:
         frames are not in its readings either: allocator_record.py leaves out the encode's stream)."""
         return not frame or step.room is None or step.room.fits(step.made, self.queue.nbytes + frame)
 
-    def end_step(self, step: Step) -> None:
-        """Forward is over: a step of fewer saves than its room's lets the room go (the next step
-        profiles again)."""
-        if step.room is not None and not step.room.complete(step.made):
-            step.room, self._profile_next = None, True
-
     def unpacked(self, stored: Stored, prefetched: int, restored: bool = False) -> None:
         """Backward unpacks an offloaded save (its copy done or not), with ``prefetched`` bytes
         fetched ahead: a profiling step reads what is held besides the queue and the prefetch
@@ -295,6 +289,10 @@ class Rooms:
         step = stored.step
         if step is None:  # freed with its graph: nothing to count
             return
+        if not step.unpacked and step.room is not None and not step.room.complete(step.made):
+            # backward begins on fewer saves than the room's: it lets the room go (the next step
+            # profiles again). Not as a forward ends: a step resumed for another forward goes on
+            step.room, self._profile_next = None, True
         step.unpacked += 1  # the room's place in backward (Step.window)
         if step.profile is not None and step.profile.saves:
             held = self.memory(stored.device)
@@ -303,8 +301,11 @@ class Rooms:
                 # (its copy not yet let go of) or an earlier unpack brought it
                 brought = stored.nbytes if stored.tensor is None and not stored.unpacks else 0
                 step.profile.unpack_sizes.append(brought)
+                # the unpacked storage counted where the allocator does not count it already: brought
+                # back by an earlier unpack, or refused by the store and kept by the step all along
+                counted = restored or stored.state == State.KEPT
                 step.profile.unpacks.append(held - self.queue.allocated - prefetched
-                                            + (0 if restored else stored.nbytes))
+                                            + (0 if counted else stored.nbytes))
                 step.profile.unpack_saves.append(stored.index)
                 self._mark(step.profile, stored.device)
 

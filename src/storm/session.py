@@ -130,7 +130,6 @@ class ClientSession:
         if completed and not step.budget_reached and step.candidate_bytes:
             self.last_candidate_bytes = step.candidate_bytes
         self.poll()
-        self.rooms.end_step(step)
         self.copy_queue.end_step(step)
         if step.budget_reached and step.order and step.order[0].device.type == "cuda":
             step.level = allocated(step.order[0].device)
