@@ -719,6 +719,26 @@ def test_a_process_profiles_a_bounded_number_of_kinds_of_step(fresh_rooms, monke
     assert sum("kinds of step profiled" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_profiles_that_gave_no_room_count_towards_the_bound_too(monkeypatch):
+    """A step whose backward comes after the next step's forward (a model split by graph breaks:
+    each compiled graph's saves are a step) has no unpacks when the next step begins, so its
+    profile gives no room; it ran under the allocator's record all the same, and counts towards
+    MAX_PROFILES, so such steps stop profiling."""
+    from storm import rooms as rooms_mod
+    monkeypatch.setattr(rooms_mod, "MAX_PROFILES", 2)
+    rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
+    rooms.memory = lambda device: 100
+    storage = torch.empty(2).untyped_storage()
+    profiled = []
+    for number in range(6):
+        s = Step(number, float("inf"), StepOptions())
+        rooms.start_step(s)
+        profiled.append(s.profile is not None)
+        s.order.append(object())
+        rooms.follow_room(s, storage, 8 * (number % 3 + 1))  # each graph's saves of their own size
+    assert profiled == [True, True, False, False, False, False] and rooms.room is None
+
+
 def test_a_full_offload_step_with_a_room_computes_the_same_gradients(monkeypatch):
     """The room changes when copies are waited for, never what is saved or restored."""
     session = storm.session_for("embedded", None, None)

@@ -8,7 +8,9 @@ it gives; that Room paces the step's prefetch window too (Step.window). Steps of
 (two models trained in turn, batches of a few shapes) each follow their own: a room is kept per
 profile (the last MAX_ROOMS followed), and a step whose first save matches none of them profiles
 from there. Each profiled step runs under the allocator's record, so a process profiles at most
-MAX_PROFILES steps that gave a room; past them, steps of a new kind keep the user's limits.
+MAX_PROFILES steps that read the allocator, whether they gave a room or not (a step whose backward
+comes after the next step's forward gives none); past them, steps of a new kind keep the user's
+limits.
 
 A room that keeps forward's last saves on the device says they fit under the floor; the room is
 a model of the step, and a model can be wrong on a model it was never tried on (T5's kept saves
@@ -42,7 +44,7 @@ from .room import Profile, Reader, Room
 from .saved import State, Step, Stored
 
 MAX_ROOMS = 8  # rooms kept, one per kind of step, the least recently followed dropped first
-MAX_PROFILES = 32  # profiled steps that gave a room: each ran under the allocator's record
+MAX_PROFILES = 32  # profiled steps that read the allocator, each under its record, a room made or not
 MAX_TRIAL_STEPS = 8  # steps a trial runs, each under the allocator's record, before it gives up
 
 log = logging.getLogger("storm")
@@ -92,7 +94,7 @@ class Rooms:
         # recently followed first, and the step profiling now
         self.room: Room | None = None
         self._rooms: collections.OrderedDict[tuple[int, ...], Room] = collections.OrderedDict()
-        self._profiled = 0  # profiles that gave a room
+        self._profiled = 0  # profiles that read the allocator
         self._profile_next = False  # a step left its room past its first save: the next one profiles
         self.profiling: Profile | None = None
         # the step whose saves and unpacks ``profiling`` reads (weak: a finished step is freed at once)
@@ -115,12 +117,15 @@ class Rooms:
             self._read_peak(self._measure)
         if step.budget_bytes != float("inf"):
             return
-        if self.profiling is not None and self.profiling.saves and self.profiling.unpacks:
-            room = Room(self.profiling)
+        if self.profiling is not None and self.profiling.saves:
+            # it read the allocator under its record: counted, room or not (steps whose backward
+            # comes after the next one's forward, as a model split by graph breaks makes, give none)
             self._profiled += 1
-            self.trial = Trial(room, Room(room.profile, keep=False)) if room.kept else None
-            if self.trial is None:
-                self.follow(room)
+            if self.profiling.unpacks:
+                room = Room(self.profiling)
+                self.trial = Trial(room, Room(room.profile, keep=False)) if room.kept else None
+                if self.trial is None:
+                    self.follow(room)
         self.profiling = None
         if self.trial is not None:
             self._try(step, self.trial)
