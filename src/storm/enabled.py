@@ -276,10 +276,12 @@ class Enabled:
         if self._order is not None:
             self._order.remove()
             self._order = None
-        if self.planner is not None:
-            self.planner.close()
-        if _enabled.get(id(self.model)) is self:
-            del _enabled[id(self.model)]
+        try:
+            if self.planner is not None:
+                self.planner.close()
+        finally:  # the model is STORM's no longer, whatever reading the planner's last step raised
+            if _enabled.get(id(self.model)) is self:
+                del _enabled[id(self.model)]
 
 
 # what a step's context is told at its exit where the model's forward raised (the forward hook gets

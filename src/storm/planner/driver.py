@@ -330,12 +330,14 @@ class Planner:
 
     def other_form(self, plan: Plan) -> Plan | None:
         """``plan`` with its blocks recomputed by torch's non-reentrant checkpoint, to be tried
-        once per trace beside the reentrant form. Neither is faster everywhere: the reentrant form
+        once per trace beside the reentrant form (not a full offload's: its room would profile
+        again for the other form's saves, inside the trial's timed steps). Neither is faster
+        everywhere: the reentrant form
         costs the host less, the non-reentrant one stops each recompute at the block's last saved
         tensor and skips what follows (a transformer block's last matmul and residual add), which
         a GPU-bound step gains from (docs/planner.md, "Recompute forms")."""
         tried = any(t.forms for t in self.trials)
-        if not self._form_trial or tried or not plan.fits or not plan.recomputed or not plan.reentrant:
+        if not self._form_trial or tried or not plan.fits or not plan.recomputed or not plan.reentrant or plan.full:
             return None
         return dataclasses.replace(plan, reentrant=False)
 
@@ -359,10 +361,12 @@ class Planner:
         """Read the last step where it ran, so that explain() tells what it decided (a trial's last
         step, say: training often ends as the plan settles), then restore the blocks' own forwards
         and remove STORM's hooks from them."""
-        if self._ctx is not None and _entered(self._ctx):
-            self._finish_last_step()
-        self.hooks.close()  # a step begun but never run leaves its hook waiting: that goes too
-        self._begun = None
+        try:
+            if self._ctx is not None and _entered(self._ctx):
+                self._finish_last_step()
+        finally:  # the model's own forwards come back whatever reading the last step raised
+            self.hooks.close()  # a step begun but never run leaves its hook waiting: that goes too
+            self._begun = None
 
 
 def _entered(ctx: Offload) -> bool:

@@ -145,6 +145,8 @@ class TraceCompute(StepPhase):
             planner.traced_again |= self.tracer.first_calls
             return self
         measured = self.peak.measured is not None
+        if not measured and planner.peak is not None and planner.memory.available:
+            return self  # no backward reached the blocks (a batch skipped after forward): peak= needs it
         if measured:  # what the model leaves out: activations' gradients, temporaries
             besides, start_extra = self.besides(state.trace)
             if self.hand_over:
@@ -195,34 +197,44 @@ class Checked(StepPhase):
 
     def begin(self, planner: Driver) -> Offload:
         self.ctx = plan_context(planner)
-        self.host_read = planner.state.count_host_step()
+        self.state = planner.state
+        self.towards = self.state.host_check_due()  # counted towards the host check (count_host_step)
+        self.counted = self.state.count_host_step()
         return self.ctx
 
+    def abandon(self) -> None:
+        """Never run: its packs were never timed, so it is taken off the host check's count."""
+        if self.towards:
+            self.state.offloading_steps -= 1
+        self.counted = False
+
     def end(self, planner: Driver) -> StepPhase:
+        # the host time first, so that a plan made again from this step's peak is made once, with it
+        dearer = self.counted and self.check_host(planner)
         replanned = self.read(planner)
-        if self.host_read:
-            replanned = self.check_host(planner) or replanned
+        if replanned is None and dearer:
+            replanned = planner.make_plan()
         return replanned or after_checks(planner, self.alternative)
 
     def read(self, planner: Driver) -> StepPhase | None:
         """What else the step measured; the phase of a plan made again, or None."""
         return None
 
-    def check_host(self, planner: Driver) -> StepPhase | None:
-        """The step's packs' host time per tensor against the trace's; the phase of a plan made
-        again with it, or None."""
+    def check_host(self, planner: Driver) -> bool:
+        """The step's packs' host time per tensor against the trace's: where dearer, it becomes
+        the trace's (True: the plan is to be made again with it)."""
         measured = packs_ms_per_tensor(self.ctx.stats)
         state, trace = planner.state, planner.state.trace
         assert trace is not None
         if measured is None or state.stale:
-            return None
+            return False
         if not dearer_packs(measured, trace.host_ms_per_tensor, planner.host_check_tolerance):
-            return None
+            return False
         log.info("storm.plan: a planned step took %.0f us of host time per offloaded tensor against %.0f traced; "
                  "planning with it", measured * 1e3, trace.host_ms_per_tensor * 1e3)
         state.traced_host_ms_per_tensor = trace.host_ms_per_tensor
         trace.host_ms_per_tensor = measured
-        return planner.make_plan()
+        return True
 
 
 class CheckHost(Checked):
@@ -245,11 +257,17 @@ class Measure(Checked):
         self.peak = StepPeak(planner.memory, planner.hooks)
         return ctx
 
+    unread = 0  # steps of this plan whose peak was not read (no backward reached the blocks)
+
     def read(self, planner: Driver) -> StepPhase | None:
         state = planner.state
+        measured, target = self.peak.measured, planner.target
+        if measured is None and target is not None and not state.stale and self.unread < UNREAD_STEPS:
+            self.unread += 1  # a batch skipped after its forward: the next step is measured instead
+            return self
         state.checks += 1
-        state.measured_peak = measured = self.peak.measured
-        target, plan = planner.target, state.plan
+        state.measured_peak = measured
+        plan = state.plan
         # None: no backward. A step unlike the traced one measured another step than planned
         if measured is None or target is None or state.stale:
             return None
@@ -276,6 +294,7 @@ class Measure(Checked):
         return planner.make_plan()
 
 
+UNREAD_STEPS = 8  # a planned step to measure whose peak was not read: as many more are measured in its place
 FULL_STEPS = 12  # a full offload's steps at most: its room's profile, a trial (rooms.MAX_TRIAL_STEPS), one kept
 
 
