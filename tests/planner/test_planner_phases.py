@@ -176,3 +176,70 @@ def test_a_step_begun_and_never_entered_does_not_count_towards_the_host_check(mo
         grads_of(model, idx, ctx)
     assert planner.traced_host_ms_per_tensor is not None and planner.plan.offloaded == 0
     planner.close()
+
+
+def other_kind(s: Scenario) -> Plan:
+    """Offload 2 blocks (a new queue as the margin widens, so that each is measured), and as the
+    alternative of the other kind, recompute 4; both predicted to fit."""
+    t = s.trace
+    if s.offload is False:
+        rec = frozenset(range(4))
+        return Plan(offloaded=0, recomputed=rec, offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
+                    predicted_peak=predicted_peak(t, 0, rec, 0), predicted_cost_ms=1.0, fits=True)
+    return Plan(offloaded=2, recomputed=frozenset(), offload_budget=t.offloaded_before[2],
+                max_held_bytes=(1 << 30) + s.offload_margin, prefetch_bytes=0,
+                predicted_peak=predicted_peak(t, 2, set(), 0), predicted_cost_ms=0.0, fits=True)
+
+
+class RecomputeOver(ScriptedMemory):
+    """Plans that offload nothing peak 200 MiB over what the model says."""
+
+    def peak(self) -> int:
+        p = self.planner.plan
+        return super().peak() + (200 * MiB if p is not None and not p.offloads else 0)
+
+
+def test_a_trials_alternative_is_measured_by_its_first_step_with_a_backward_and_kept_only_within_its_target():
+    """The alternative's first step is skipped after its forward: the next of its steps is the one
+    measured (before: none was, and the faster alternative was kept 200 MiB over its target)."""
+    clock = FakeClock()
+    model, idx = gpt()
+    memory = RecomputeOver(extra=0)
+    planner = memory.planner = storm.Planner(model.blocks, budget=0.9, mode="embedded", min_bytes=0, memory=memory,
+                                             chooser=other_kind, form_trial=False,
+                                             host_check_tolerance=float("inf"), clock=clock)
+    skipped = False
+    for _ in range(40):
+        if planner.settled:
+            break
+        trying = planner.phase is Phase.TRY
+        turn = planner.trying.turn if trying else None
+        ctx = planner.step()
+        clock.now += 0.010 if planner.plan is None or planner.plan.offloads else 0.001  # the alternative is faster
+        if trying and turn == 1:
+            forward_only(model, idx, ctx)
+            skipped = True
+        else:
+            grads_of(model, idx, ctx)
+    trial = planner.trial
+    assert skipped and planner.settled and trial.alternative_read and trial.over is not None
+    assert trial.kept is trial.plans[0] and planner.plan.offloads
+    planner.close()
+
+
+def test_a_trial_keeps_the_alternative_measured_within_its_target_where_the_plan_measured_over():
+    """Every offloading plan measures over its target (the least measured is kept); in the trial,
+    the alternative measures within it: kept, though not faster (before: the plan over it stayed)."""
+    model, idx = gpt()
+    memory = ScriptedMemory(extra=500 * MiB)
+    planner = memory.planner = storm.Planner(model.blocks, budget=0.9, mode="embedded", min_bytes=0, memory=memory,
+                                             chooser=other_kind, form_trial=False,
+                                             host_check_tolerance=float("inf"), clock=FakeClock())
+    for _ in range(40):
+        if planner.settled:
+            break
+        grads_of(model, idx, planner.step())
+    trial = planner.trial
+    assert planner.settled and trial.plans[0].measured_over > 0 and trial.over is None and trial.alternative_read
+    assert trial.kept is trial.plans[1] and not planner.plan.offloads
+    planner.close()

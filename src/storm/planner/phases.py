@@ -382,7 +382,9 @@ class Try(StepPhase):
         self.turn, self.marks = self.trial.turn, [clock.mark()]
         marks = self.marks
         planner.hooks.at_backward_end(lambda: marks.append(clock.mark()))
-        self.peak = StepPeak(planner.memory, planner.hooks) if self.turn == 1 else None
+        # the alternative's steps until one has its peak read: a step without backward reads none
+        measuring = plan is self.trial.plans[1] and not self.trial.alternative_read
+        self.peak = StepPeak(planner.memory, planner.hooks) if measuring else None
         return ctx
 
     def end(self, planner: Driver) -> StepPhase:
@@ -394,7 +396,8 @@ class Try(StepPhase):
         trial.ms[self.turn % 2].append(planner.clock.elapsed_ms(*self.marks))
         measured = self.peak.measured if self.peak is not None else None
         target = planner.target
-        plan = trial.plans[1]  # the alternative: its first step is the one measured
+        plan = trial.plans[1]  # the alternative: its first step whose peak was read is the one measured
+        trial.alternative_read |= measured is not None
         if measured is not None and target is not None and plan.reentrant == planner.reentrant:
             state.record(plan, measured - target)  # in the form the planner measures: its plans rank by this too
         if measured is not None and target is not None and measured > target:
@@ -403,11 +406,16 @@ class Try(StepPhase):
         return self.decide(planner) if trial.decided else self
 
     def decide(self, planner: Driver) -> StepPhase:
-        """Keep the plan of the two whose steps took less (the alternative only if it stayed within
-        its target); then the form trial, where it has not run yet (Planner.other_form)."""
+        """Keep the plan of the two whose steps took less, the alternative only if it was measured
+        within its target (where there is one); the alternative so measured whatever the times
+        where the plan measured over its own (the least measured kept where none fit); then the
+        form trial, where it has not run yet (Planner.other_form)."""
         trial = self.trial
         planner.state.trials.append(trial)
-        keep = trial.plans[1] if trial.over is None and trial.gain_ms > 0 else trial.plans[0]
+        plan, alternative = trial.plans
+        within = trial.over is None and (trial.alternative_read or planner.target is None)
+        plan_over = plan.measured_over is not None and plan.measured_over > 0
+        keep = alternative if within and (trial.gain_ms > 0 or plan_over) else plan
         trial.kept = keep
         if keep is not planner.plan:
             planner.apply(keep)
