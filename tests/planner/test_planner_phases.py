@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import types
 
+import torch
 from test_planner_measure import RecomputedFullFits
 
 import storm
@@ -242,4 +243,21 @@ def test_a_trial_keeps_the_alternative_measured_within_its_target_where_the_plan
     trial = planner.trial
     assert planner.settled and trial.plans[0].measured_over > 0 and trial.over is None and trial.alternative_read
     assert trial.kept is trial.plans[1] and not planner.plan.offloads
+    planner.close()
+
+
+def test_a_compute_trace_of_other_shapes_than_the_offload_traces_traces_again():
+    """The compute trace's block 0 takes a batch of another size than the offload trace's: its
+    recompute times are not the traced step's, so the planner traces again (before: the plan was
+    made from a batch of 1's times for steps of 64)."""
+    model, idx = gpt()
+    big = torch.randint(0, 256, (64, 65))
+    ref = grads_of(copy.deepcopy(model), big)
+    planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0, form_trial=False)
+    grads_of(model, big, planner.step())  # the offload trace, batch 64
+    grads_of(model, big[:1], planner.step())  # the compute trace, batch 1
+    assert not planner.settled and planner.replans == 0 and planner.phase is Phase.TRACE_OFFLOAD
+    for _ in range(3):
+        assert all(same_bits(a, b) for a, b in zip(ref, grads_of(model, big, planner.step())))
+    assert planner.replans == 1 and planner.plan is not None
     planner.close()

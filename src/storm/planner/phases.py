@@ -134,7 +134,8 @@ class TraceCompute(StepPhase):
         self.kind = Phase.TRACE_COMPUTE if hand_over else Phase.TRACE_COMPUTE_KEPT
 
     def begin(self, planner: Driver) -> Offload:
-        self.tracer = ComputeTrace(planner.hooks, planner.clock, planner.options, self.hand_over)
+        self.tracer = ComputeTrace(planner.hooks, planner.clock, planner.options, self.hand_over,
+                                   planner.state.signature)
         self.peak = StepPeak(planner.memory, planner.hooks)
         return self.tracer.ctx
 
@@ -143,6 +144,9 @@ class TraceCompute(StepPhase):
         assert state.trace is not None  # the offload trace's
         if not self.tracer.collect(state.trace, may_repeat=not planner.traced_again):
             planner.traced_again |= self.tracer.first_calls
+            return self
+        if self.tracer.other_shapes:  # block 0 took other inputs than the offload trace's: trace again
+            state.stale = True
             return self
         measured = self.peak.measured is not None
         if not measured and planner.peak is not None and planner.memory.available:

@@ -336,9 +336,11 @@ class ComputeTrace:
     (``hand_over``) or, without Recompute's hand-over of saved tensors, a step whose blocks'
     backward holds their saves as a kept block's does (what it holds besides them gives the
     planner's ``kept_extra``). ``ctx`` is the step's storm.offload; ``collect()`` after it
-    writes the times into the Trace."""
+    writes the times into the Trace. ``signature``: the offload trace's inputs of block 0, per
+    forward; a call of other shapes sets ``other_shapes`` (the trace no longer holds)."""
 
-    def __init__(self, hooks: BlockHooks, clock: Clock, options: dict[str, Any], hand_over: bool):
+    def __init__(self, hooks: BlockHooks, clock: Clock, options: dict[str, Any], hand_over: bool,
+                 signature: tuple = ()):
         device = device_of(hooks.blocks)
         # each recompute form's first call in a process sets up its machinery (torch's checkpoint, the
         # non-reentrant form, imports torch._dynamo): paid now on a function of STORM's own, or the
@@ -350,6 +352,7 @@ class ComputeTrace:
         hooks.recompute(set(range(len(hooks.blocks))), hand_over)
         self.hooks, self.clock, self.hand_over = hooks, clock, hand_over
         self.first_calls = False  # collect() found the traced forward paid the blocks' first calls
+        self.other_shapes = False
         n = len(hooks.blocks)
         self.starts: list[Any] = [None] * n  # as each block's first call starts
         self.ends: list[Any] = [None] * n    # and its last one ends
@@ -363,6 +366,9 @@ class ComputeTrace:
                 b.forward.forward = _timing(self.untimed[i], clock, self.recomputes, i)
 
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
+            call = hooks.calls[0] - 1  # counted already (BlockHooks._count runs first)
+            if i == 0 and (call >= len(signature) or input_signature(args, kwargs) != signature[call]):
+                self.other_shapes = True
             if self.starts[i] is None:  # the first forward's call: the lead is the host's within a forward
                 self.host[i] = clock.host()
                 self.starts[i] = clock.mark()
