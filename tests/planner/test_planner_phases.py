@@ -55,16 +55,23 @@ def test_a_compute_trace_whose_backward_never_ran_is_traced_again_and_disable_le
     storm.enable(model, mode="embedded").disable()  # the model is no longer STORM's
 
 
+def offloading(trace, k: int, held: int = 1 << 30) -> Plan:
+    """Offload blocks[:k], predicted to fit."""
+    return Plan(offloaded=k, recomputed=frozenset(), offload_budget=trace.offloaded_before[k], max_held_bytes=held,
+                prefetch_bytes=0, predicted_peak=predicted_peak(trace, k, set(), 0), predicted_cost_ms=0.0, fits=True)
+
+
+def recomputing(trace, n: int = 4) -> Plan:
+    """Recompute blocks[:n], nothing offloaded, predicted to fit."""
+    rec = frozenset(range(n))
+    return Plan(offloaded=0, recomputed=rec, offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
+                predicted_peak=predicted_peak(trace, 0, rec, 0), predicted_cost_ms=1.0, fits=True)
+
+
 def fixed_offload(s: Scenario) -> Plan:
     """Offload 2 blocks until offloading plans carry a margin, then recompute 4 (as
     test_planner_measure.scripted_planner's)."""
-    t = s.trace
-    if s.offload_margin <= 0:
-        return Plan(offloaded=2, recomputed=frozenset(), offload_budget=t.offloaded_before[2], max_held_bytes=1 << 30,
-                    prefetch_bytes=0, predicted_peak=predicted_peak(t, 2, set(), 0), predicted_cost_ms=0.0, fits=True)
-    rec = frozenset(range(4))
-    return Plan(offloaded=0, recomputed=rec, offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
-                predicted_peak=predicted_peak(t, 0, rec, 0), predicted_cost_ms=1.0, fits=True)
+    return offloading(s.trace, 2) if s.offload_margin <= 0 else recomputing(s.trace)
 
 
 def test_a_measured_step_whose_backward_never_ran_is_measured_by_the_next():
@@ -89,10 +96,7 @@ def test_a_measured_step_whose_backward_never_ran_is_measured_by_the_next():
 
 
 def offload_two_or_three(s: Scenario) -> Plan:
-    t = s.trace
-    k = 2 if s.offload_margin <= 0 else 3
-    return Plan(offloaded=k, recomputed=frozenset(), offload_budget=t.offloaded_before[k], max_held_bytes=1 << 30,
-                prefetch_bytes=0, predicted_peak=predicted_peak(t, k, set(), 0), predicted_cost_ms=0.0, fits=True)
+    return offloading(s.trace, 2 if s.offload_margin <= 0 else 3)
 
 
 def test_a_step_that_replans_from_its_peak_and_its_host_time_plans_once_and_keeps_the_fitting_full_offload():
@@ -182,14 +186,7 @@ def test_a_step_begun_and_never_entered_does_not_count_towards_the_host_check(mo
 def other_kind(s: Scenario) -> Plan:
     """Offload 2 blocks (a new queue as the margin widens, so that each is measured), and as the
     alternative of the other kind, recompute 4; both predicted to fit."""
-    t = s.trace
-    if s.offload is False:
-        rec = frozenset(range(4))
-        return Plan(offloaded=0, recomputed=rec, offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
-                    predicted_peak=predicted_peak(t, 0, rec, 0), predicted_cost_ms=1.0, fits=True)
-    return Plan(offloaded=2, recomputed=frozenset(), offload_budget=t.offloaded_before[2],
-                max_held_bytes=(1 << 30) + s.offload_margin, prefetch_bytes=0,
-                predicted_peak=predicted_peak(t, 2, set(), 0), predicted_cost_ms=0.0, fits=True)
+    return recomputing(s.trace) if s.offload is False else offloading(s.trace, 2, (1 << 30) + s.offload_margin)
 
 
 class RecomputeOver(ScriptedMemory):
