@@ -306,8 +306,8 @@ class Rooms:
                 # (its copy not yet let go of) or an earlier unpack brought it
                 brought = stored.nbytes if stored.tensor is None and not stored.unpacks else 0
                 step.profile.unpack_sizes.append(brought)
-                # the unpacked storage counted where the allocator does not count it already: brought
-                # back by an earlier unpack, or refused by the store and kept by the step all along
+                # the unpacked storage added, unless the allocator counts it already: brought back by
+                # an earlier unpack, or refused by the store and kept by the step all along
                 counted = restored or stored.state == State.KEPT
                 step.profile.unpacks.append(held - self.queue.allocated - prefetched
                                             + (0 if counted else stored.nbytes))

@@ -296,16 +296,16 @@ class Planner:
             if measuring is not None:
                 return measuring
             plan = self.state.plan = kept or state.least_measured() or plan
-        if not plan.fits and not to_measure:
-            budget = scenario.budget / MiB
-            held = "saved activations" if self.peak is None else "saves and gradients, from peak=,"
-            if plan.measured_over is None:
-                log.warning("storm.plan: no plan keeps the %s under %.1f MiB; the lowest predicted is %.1f MiB",
-                            held, budget, plan.predicted_peak / MiB)
-            else:
-                log.warning("storm.plan: no plan keeps the %s under %.1f MiB; of the %d measured, the one of least "
-                            "measured peak is kept, %.1f MiB over its target", held, budget, len(state.measured),
-                            plan.measured_over / MiB)
+            if not plan.fits:
+                budget = scenario.budget / MiB
+                held = "saved activations" if self.peak is None else "saves and gradients, from peak=,"
+                if plan.measured_over is None:
+                    log.warning("storm.plan: no plan keeps the %s under %.1f MiB; the lowest predicted is %.1f MiB",
+                                held, budget, plan.predicted_peak / MiB)
+                else:
+                    log.warning("storm.plan: no plan keeps the %s under %.1f MiB; of the %d measured, the one of "
+                                "least measured peak is kept, %.1f MiB over its target", held, budget,
+                                len(state.measured), plan.measured_over / MiB)
         alternative = None
         if plan.fits and not self.trials:
             other = self._choose(dataclasses.replace(scenario, offload=not plan.offloads))

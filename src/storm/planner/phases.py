@@ -201,20 +201,12 @@ class Checked(StepPhase):
 
     def begin(self, planner: Driver) -> Offload:
         self.ctx = plan_context(planner)
-        self.state = planner.state
-        self.towards = self.state.host_check_due()  # counted towards the host check (count_host_step)
-        self.counted = self.state.count_host_step()
         return self.ctx
 
-    def abandon(self) -> None:
-        """Never run: its packs were never timed, so it is taken off the host check's count."""
-        if self.towards:
-            self.state.offloading_steps -= 1
-        self.counted = False
-
     def end(self, planner: Driver) -> StepPhase:
-        # the host time first, so that a plan made again from this step's peak is made once, with it
-        dearer = self.counted and self.check_host(planner)
+        # counted as it ends: a step begun and never entered timed no pack. The host time first,
+        # so that a plan made again from this step's peak is made once, with it
+        dearer = planner.state.count_host_step() and self.check_host(planner)
         replanned = self.read(planner)
         if replanned is None and dearer:
             replanned = planner.make_plan()

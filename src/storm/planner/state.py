@@ -71,7 +71,7 @@ class TraceState:
                 and self.offloading_steps < HOST_CHECK_STEP and not self.trials)
 
     def count_host_step(self) -> bool:
-        """A planned step begins: where the host check is due, it counts towards it. Whether it is
+        """A planned step has run: where the host check is due, it counts towards it. Whether it is
         the step to read (the HOST_CHECK_STEP-th: the first warms up)."""
         if not self.host_check_due():
             return False

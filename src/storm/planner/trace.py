@@ -366,8 +366,7 @@ class ComputeTrace:
                 b.forward.forward = _timing(self.untimed[i], clock, self.recomputes, i)
 
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
-            call = hooks.calls[0] - 1  # counted already (BlockHooks._count runs first)
-            if i == 0 and (call >= len(signature) or input_signature(args, kwargs) != signature[call]):
+            if i == 0 and hooks.new_inputs(args, kwargs, signature):
                 self.other_shapes = True
             if self.starts[i] is None:  # the first forward's call: the lead is the host's within a forward
                 self.host[i] = clock.host()

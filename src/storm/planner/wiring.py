@@ -140,6 +140,13 @@ class BlockHooks:
                 b.forward = Recompute(self._own[i], device_of([b]), reentrant, hand_over)
         self._recomputing = set(which)
 
+    def new_inputs(self, args: Any, kwargs: dict[str, Any], signature: tuple) -> bool:
+        """Whether block 0, called now with ``args`` and ``kwargs`` (from a pre-hook, the call
+        counted already: _count runs first), takes other inputs than ``signature`` says the traced
+        step's same call took: the trace no longer holds."""
+        call = self.calls[0] - 1
+        return call >= 0 and (call >= len(signature) or input_signature(args, kwargs) != signature[call])
+
     def apply(self, plan: Plan, trace: Trace, grads: bool, on_new_shapes: Callable[[], None],
               signature: tuple, ctx: Callable[[], Offload | None]) -> None:
         """Put ``plan`` in force from the next step: its recomputed blocks, a hook that calls
@@ -150,8 +157,7 @@ class BlockHooks:
         self.recompute(set(plan.recomputed), reentrant=plan.reentrant)
 
         def check(m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-            call = self.calls[0] - 1  # counted already (_count runs first)
-            if call >= 0 and (call >= len(signature) or input_signature(args, kwargs) != signature[call]):
+            if self.new_inputs(args, kwargs, signature):
                 on_new_shapes()
 
         self._hooks.append(self._pre_hook(0, self._training(check), with_kwargs=True))
