@@ -227,7 +227,8 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
     else:
         cell["caps"] = [] if args.full_only or args.codecs else caps(cell["rows"])
     for c in cell["caps"]:
-        c["plan"] = add({"label": plan_label(c["cap_bytes"]), "method": PLAN, "cap_bytes": c["cap_bytes"]})["label"]
+        c["plan"] = plan_label(c["cap_bytes"])  # named before its row is measured: add() saves the cell
+        add({"label": c["plan"], "method": PLAN, "cap_bytes": c["cap_bytes"]})
     rows, order = cell["rows"], random.Random(0)
     old = {d["cap_bytes"]: d for d in cell.get("duels", []) if d.get("rounds") == args.rounds}
     cell["duels"] = []
@@ -277,15 +278,19 @@ def verdicts(cell: dict) -> dict:
     by = {r["label"]: r for r in rows if "step_ms" in r}
     duels = {d["cap_bytes"]: d for d in cell.get("duels", []) if "ms" in d}
     alone = cell.get("mode") == "caps"  # no other method measured: nothing to hold the plan's step to
+    # a cell cut off in its plan rows holds no verdict: its caps with a row so far are shown (older files
+    # named a cap's plan only once its row was measured)
+    caps = [c for c in cell.get("caps", []) if c.get("plan") in {r["label"] for r in rows}]
     per_cap = [_at_cap(c, by.get(c["plan"]), best_other(rows, c["cap_bytes"]), duels.get(c["cap_bytes"]), alone)
-               for c in cell.get("caps", [])]
-    predicted = [_prediction(c, by[c["plan"]]) for c in cell.get("caps", [])
+               for c in caps]
+    predicted = [_prediction(c, by[c["plan"]]) for c in caps
                  if by.get(c["plan"], {}).get("predicted_step_peak_bytes") is not None]
-    out: dict = {"per_cap": {"holds": None if alone else bool(per_cap) and all(v["holds"] for v in per_cap),
+    whole = len(caps) == len(cell.get("caps", []))
+    out: dict = {"per_cap": {"holds": None if alone else whole and bool(per_cap) and all(v["holds"] for v in per_cap),
                              "caps": per_cap}}
 
     least = cell["caps"][0] if cell.get("caps") else {"cap_bytes": 0, "plan": None, "sources": None}
-    mine, d = by.get(least["plan"]), duels.get(least["cap_bytes"])
+    mine, d = by.get(least.get("plan")), duels.get(least["cap_bytes"])
     # checkpointing timed in the same duel (measure_cell adds it at the least cap)
     x_ckpt = d["first_over"][d["versus"].index("checkpoint")] if d and "checkpoint" in d["versus"] else None
     within = mine is not None and peak_bytes(mine) <= 1.01 * least["cap_bytes"]
@@ -333,6 +338,8 @@ def table(name: str, cell: dict, markdown: bool = False) -> str:
                               for m in cell.get("calls", [cell.get("meta", {})])}))
     head = (f"{name}: {w['arch']} {w['layers']} layers, hidden {w['hidden']}, batch {w['batch']} x {w['seq']} "
             f"({where})")
+    if not cell.get("complete"):
+        head += "; cut off before its end (resume it with --resume): no verdict holds yet"
     lines = [f"**{head}**" if markdown else head, ""]
     lines += ["| method | step ms | peak GiB | plan |", "| --- | --- | --- | --- |"] if markdown else \
         [f"{'method':<28} {'step ms':>9} {'peak GiB':>9}  plan"]
@@ -345,9 +352,10 @@ def table(name: str, cell: dict, markdown: bool = False) -> str:
     lines += ["", "in alternation, at each cap: the plan against the best other that fits"]
     for c in v["per_cap"]["caps"]:
         held = "n/a (no other method measured)" if c["holds"] is None else "holds" if c["holds"] else "FAILS"
+        timed = (f"{c['x_best_other']}x {c['best_other']} {c['x_best_other_95']}" if c["x_best_other"] is not None
+                 else f"not timed against {c['best_other']}")
         lines.append(f"{'- ' if markdown else ''}{c['cap_GiB']} GiB ({', '.join(c['sources'])}): plan "
-                     f"{c['plan_peak_GiB']} GiB {'fits' if c['fits'] else 'does NOT fit'}, {c['x_best_other']}x "
-                     f"{c['best_other']} {c['x_best_other_95'] or ''}: {held}")
+                     f"{c['plan_peak_GiB']} GiB {'fits' if c['fits'] else 'does NOT fit'}, {timed}: {held}")
     d = cell.get("codec_duel")
     if d and "ms" in d:
         lines.append(f"{'- ' if markdown else ''}full offload's codecs in alternation: {d['ms']} ms; the first over "

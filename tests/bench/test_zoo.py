@@ -366,6 +366,31 @@ def test_resuming_a_cut_off_cell_keeps_its_rows_and_duels():
     assert more == [[("enable", None), ("torchtune", None)]]  # the duels done were kept
 
 
+def test_a_cell_cut_off_in_its_plan_rows_names_each_cap_s_plan_and_its_summary_holds_no_verdict(capsys):
+    fake = FakeRun()
+
+    def cut_off(w, method, steps, warmup, opts, device, more=None):
+        if "peak" in opts and sum("peak" in o for _, _, o in fake.calls) == 2:
+            raise KeyboardInterrupt  # the device call's timeout, in the third plan row
+        return fake(w, method, steps, warmup, opts, device, more)
+
+    cell: dict = {}
+    saved = []
+    with pytest.raises(KeyboardInterrupt):
+        zoo.measure_cell(hf.tiny("llama"), cell, ARGS, CPU, lambda: saved.append(json.loads(json.dumps(cell))),
+                         measure_row=cut_off, dueling=fake_duel([]))
+    last = saved[-1]  # as the file holds it
+    assert len([r for r in last["rows"] if r["method"] == zoo.PLAN]) == 2 and "complete" not in last
+    # each measured plan row's cap names it in the file (the last one was saved before it was named)
+    assert [c.get("plan") for c in last["caps"][:2]] == [zoo.plan_label(c["cap_bytes"]) for c in last["caps"][:2]]
+    v = zoo.verdicts(last)
+    assert len(v["per_cap"]["caps"]) == 2 and v["per_cap"]["holds"] is False  # the caps to come hold nothing
+    del last["caps"][1]["plan"]  # as files written before that were: the cap is left out, the summary reads on
+    first = round(last["caps"][0]["cap_bytes"] / GiB, 3)
+    assert [c["cap_GiB"] for c in zoo.verdicts(last)["per_cap"]["caps"]] == [first]
+    assert "cut off before its end" in zoo.table("llama-tiny", last)
+
+
 def made_up_cell() -> dict:
     """A cell as zoo.py writes it, where every verdict holds."""
     cap = int(2.5 * GiB)
