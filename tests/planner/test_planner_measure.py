@@ -259,14 +259,15 @@ class RecomputedFullFits(KeepingCostsMore):
 
 
 def no_plan_fits(memory: ScriptedMemory, caplog: Any, chooser: Any = choose,
-                 steps: int = 20) -> tuple[storm.Planner, list[Plan]]:
+                 steps: int = 20, **seams: Any) -> tuple[storm.Planner, list[Plan]]:
     """A peak below anything a plan reaches, on the CPU GPT, ``steps`` steps each bit-exact against
-    training without STORM; the planner, settled, and its measured plans in the order measured."""
+    training without STORM; the planner (with the other ``seams`` given), settled, and its measured
+    plans in the order measured."""
     model, idx = gpt()
     ref = grads_of(copy.deepcopy(model), idx)
     planner = memory.planner = storm.Planner(model.blocks, peak="1MiB", memory=memory, chooser=chooser,
                                              form_trial=False, host_check_tolerance=float("inf"), mode="embedded",
-                                             min_bytes=0)
+                                             min_bytes=0, **seams)
     with caplog.at_level(logging.INFO, logger="storm"):
         for _ in range(steps):
             got = grads_of(model, idx, planner.step())
@@ -391,19 +392,47 @@ def test_a_plan_that_measured_over_and_is_chosen_again_has_full_offload_measured
     planner.close()
 
 
+FRAMING = {"frames_of": lambda saves, setting: (1, 8 * MiB, 6 * MiB)}  # every block frames a save
+
+
 @pytest.mark.parametrize("codec", [None, "raw", "auto", "ancf_exp"])
 def test_both_full_offloads_are_planned_whatever_codec_the_planner_was_given(codec):
     """model.full_offloads' figures are the raw plans nearest each (a codec given to the planner
     picks a full step's frames in plan_context, not these): a frame codec, under which choose()'s
-    plans offloading every block are compressed, drops neither."""
-    framing = {"frames_of": lambda saves, setting: (1, 8 * MiB, 6 * MiB)}  # every block frames a save
-    _, _, _, planner = traced_gpt_planner(**framing, **({"codec": codec} if codec else {}))
+    plans offloading every block are compressed, drops neither. They frame where the step does; the
+    planner's own frames (no codec given) are followed by full offload raw."""
+    _, _, _, planner = traced_gpt_planner(**FRAMING, **({"codec": codec} if codec else {}))
     assert any(b.framed for b in planner.trace.blocks)
     scenario = dataclasses.replace(planner.scenario(), codec=codec)
     fulls = storm.planner.model.full_offloads(scenario)
     n = len(planner.blocks)
-    assert [(p.offloaded, p.inputs_offloaded, len(p.recomputed)) for p in fulls] == [(0, n, n), (n, 0, 0)]
-    assert all(p.full and not p.compressed and not p.fits for p in fulls)
+    both = [(0, n, n, codec != "raw"), (n, 0, 0, codec != "raw")]
+    assert [(p.offloaded, p.inputs_offloaded, len(p.recomputed), p.compressed) for p in fulls] == \
+        both + ([(n, 0, 0, False)] if codec is None else [])
+    assert all(p.full and not p.fits for p in fulls) and len({p.shape for p in fulls}) == len(fulls)
+    planner.close()
+
+
+class RawFullFits(KeepingCostsMore):
+    """As KeepingCostsMore, and full offload peaks at nothing where it goes raw: within any target."""
+
+    def peak(self) -> int:
+        p = self.planner.plan
+        return 0 if p is not None and p.full and not p.compressed else super().peak()
+
+
+def test_where_framed_full_offloads_measure_over_full_offload_raw_is_measured_and_kept(caplog):
+    """A frame being encoded sits beside its tensor: where the planner frames full offload's saves
+    (its own choice) and both full offloads measure over, full offload raw is measured last, and
+    kept where it fits; its steps go raw."""
+    planner, measured = no_plan_fits(RawFullFits(cost=50 * MiB), caplog, steps=40, **FRAMING)
+    assert full_kinds(measured) == [None] * MAX_SEARCH + ["recomputed", "full", "full"]
+    assert [p.compressed for p in measured[-3:]] == [True, True, False]
+    kept = planner.plan
+    assert kept.full and not kept.compressed and kept.fits
+    assert planner.step().options["codec"] == "raw"
+    assert "room paces (storm/rooms.py), codec raw;" in planner.explain()
+    assert any("measuring full offload (raw)" in r.getMessage() for r in caplog.records)
     planner.close()
 
 

@@ -95,7 +95,7 @@ def explain(planner: Explained) -> str:
         lines.append(f"{i:>5} {b.saved_bytes / MiB:>10.1f} {b.tensors:>7} {b.input_bytes / MiB:>10.1f} "
                      f"{b.forward_ms:>10.3f}  {what}")
     if p.full:
-        codec = full_codec(t, planner.options.get("codec"))
+        codec = full_codec(t, planner.options.get("codec"), p.compressed)
         lines.append("full offload: every save is offloaded, those outside the blocks too, with storm.offload's own "
                      "copy queue and prefetch window, which full offload's room paces (storm/rooms.py), codec "
                      f"{codec or 'of the store'}{', as given' if 'codec' in planner.options else ''}; measured "

@@ -339,26 +339,36 @@ def full_offloads(s: Scenario) -> list[Plan]:
     """Full offload as plans: every save offloaded, the late ones after the blocks too, with
     storm.offload's own copy queue and prefetch window, which full offload's room paces from a
     profiled step of its own (storm/rooms.py); first with every block recomputed (each block's
-    inputs offloaded, as over checkpointing: the cheaper where it fits), then with none. choose()
-    never picks them: the room's limits are learned from steps, not predicted, so the planner
-    measures them where no plan of its blocks measured within its target. Their figures are the
-    model's nearest raw plans (every block recomputed with its inputs offloaded; every block
-    offloaded), which the measures replace; one is left out where the store took less than that
-    sends."""
+    inputs offloaded, as over checkpointing: the cheaper where it fits), then with none; in frames
+    where the step frames (full_codec), and where that is the planner's choice, not the user's,
+    last with none raw: a frame being encoded sits on the device beside its tensor, so the raw
+    step can peak lower, at the link's full bytes. choose() never picks them: the room's limits are
+    learned from steps, not predicted, so the planner measures them where no plan of its blocks
+    measured within its target. Their figures are the model's nearest raw plans (every block
+    recomputed with its inputs offloaded; every block offloaded), which the measures replace; one
+    is left out where the store took less than that sends."""
     n, out = len(s.trace.blocks), []
     any_codec = dataclasses.replace(s, codec=None)  # a codec given picks the step's frames (plan_context), not these
+    framed = full_codec(s.trace, s.codec) in FRAME_CODECS
     for k, m in ((0, n), (n, 0)):
         raw = [plan for plan, _ in _plans(any_codec, k, m) if not plan.compressed]
         if raw:
             nearest = min(raw, key=lambda plan: plan.predicted_peak)
-            out.append(dataclasses.replace(nearest, full=True, fits=False, measured_over=None))
+            out.append(dataclasses.replace(nearest, full=True, fits=False, measured_over=None, compressed=framed))
+    if framed and s.codec is None and out and not out[-1].recomputed:
+        out.append(dataclasses.replace(out[-1], compressed=False))
     return out
 
 
-def full_codec(trace: Trace, given: str | None) -> str | None:
-    """The codec of a full-offload plan's steps: the one given to the planner, else "auto" where
-    the trace framed saves (as storm.enable(model) frames a CUDA model's), else None: the store's."""
-    return given or ("auto" if any(b.framed for b in trace.blocks) else None)
+def full_codec(trace: Trace, given: str | None, compressed: bool = True) -> str | None:
+    """The codec of a full-offload plan's steps: the one given to the planner; else, where the trace
+    framed saves (as storm.enable(model) frames a CUDA model's), "auto" for a plan that compresses
+    and "raw" for one that does not; else None: the store's."""
+    if given:
+        return given
+    if not any(b.framed for b in trace.blocks):
+        return None
+    return "auto" if compressed else "raw"
 
 
 def _least_peak(s: Scenario, k: int, m: int) -> int:

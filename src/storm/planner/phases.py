@@ -301,11 +301,17 @@ def measure_full(planner: Driver) -> StepPhase | None:
     full = planner.full_offload() if planner.target is not None else None
     if full is None:
         return None
-    log.info("storm.plan: no plan measured within its target of %.1f MiB in %d steps; measuring full offload%s",
-             (planner.target or 0) / MiB, planner.state.checks, " over every block recomputed" * bool(full.recomputed))
+    log.info("storm.plan: no plan measured within its target of %.1f MiB in %d steps; measuring %s",
+             (planner.target or 0) / MiB, planner.state.checks, full_offload_words(planner, full))
     planner.state.full_tried.add(full.shape)
     planner.apply(full)
     return MeasureFull()
+
+
+def full_offload_words(planner: Driver, full: Plan) -> str:
+    """A full-offload plan, as the log names it: which of model.full_offloads, and its codec."""
+    codec = full_codec(planner.trace, planner.options.get("codec"), full.compressed) if planner.trace else None
+    return "full offload" + " over every block recomputed" * bool(full.recomputed) + (f" ({codec})" if codec else "")
 
 
 class MeasureFull(StepPhase):
@@ -350,8 +356,7 @@ class MeasureFull(StepPhase):
         kept = full if full.fits else state.least_measured()
         assert kept is not None  # the plans of the blocks measured before these
         planner.apply(kept)
-        log.warning("storm.plan: full offload%s peaked %s; keeping %s, %.1f MiB %s its target",
-                    " over every block recomputed" * bool(full.recomputed),
+        log.warning("storm.plan: %s peaked %s; keeping %s, %.1f MiB %s its target", full_offload_words(planner, full),
                     "unread" if self.last is None else f"{self.last / MiB:.1f} MiB",
                     "it" if kept is full else "the plan of least measured peak" + " (full offload)" * kept.full,
                     abs(kept.measured_over or 0) / MiB, "over" if (kept.measured_over or 0) > 0 else "under")
@@ -437,7 +442,7 @@ def plan_context(planner: Driver) -> Offload:
     p, trace = planner.plan, planner.trace
     assert p is not None and trace is not None
     if p.full:  # storm.offload's own limits, which its room paces; frames as storm.enable(model) takes them
-        full = full_codec(trace, planner.options.get("codec"))
+        full = full_codec(trace, planner.options.get("codec"), p.compressed)
         return Offload(**{**planner.options, **({"codec": full} if full else {})})
     framing = p.compressed or any(b.framed for b in trace.blocks)
     codec = {"codec": "auto" if p.compressed else "raw"} if framing else {}
