@@ -256,8 +256,8 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
         cell["codec_duel"] = {**d, "versus": [r["label"] for r in by_codec[1:]], "rounds": args.rounds}
         print(f"{w.name} full offload's codecs: {_brief(cell['codec_duel'])}", flush=True)
     cell["seconds"] = round(time.perf_counter() - start, 1)  # this call's time: a resumed cell ran in earlier ones too
-    cell["verdicts"] = verdicts(cell)
     cell["complete"] = True
+    cell["verdicts"] = verdicts(cell)
     save()
     return cell
 
@@ -273,7 +273,7 @@ def _brief(r: dict) -> dict:
 
 def verdicts(cell: dict) -> dict:
     """The cell's must-show, each with its numbers and ``holds`` (false where a row or duel it
-    needs is missing or failed), from the rows and duels alone."""
+    needs is missing or failed, or the cell was cut off), from the rows and duels alone."""
     rows = cell["rows"]
     by = {r["label"]: r for r in rows if "step_ms" in r}
     duels = {d["cap_bytes"]: d for d in cell.get("duels", []) if "ms" in d}
@@ -285,8 +285,7 @@ def verdicts(cell: dict) -> dict:
                for c in caps]
     predicted = [_prediction(c, by[c["plan"]]) for c in caps
                  if by.get(c["plan"], {}).get("predicted_step_peak_bytes") is not None]
-    whole = len(caps) == len(cell.get("caps", []))
-    out: dict = {"per_cap": {"holds": None if alone else whole and bool(per_cap) and all(v["holds"] for v in per_cap),
+    out: dict = {"per_cap": {"holds": None if alone else bool(per_cap) and all(v["holds"] for v in per_cap),
                              "caps": per_cap}}
 
     least = cell["caps"][0] if cell.get("caps") else {"cap_bytes": 0, "plan": None, "sources": None}
@@ -307,6 +306,9 @@ def verdicts(cell: dict) -> dict:
                            "torchtune_checkpoint": ttc and {"step_ms": ttc["step_ms"], "peak_GiB": ttc["peak_GiB"]},
                            "holds": bool(peak_x is not None and peak_x <= 1.01 and x_tt is not None and x_tt <= 0.65)}
     out["predicted_peak"] = {"holds": bool(predicted) and all(v["holds"] for v in predicted), "plans": predicted}
+    if not cell.get("complete"):  # cut off: what was measured is shown, and nothing holds until the rest is
+        for v in out.values():
+            v["holds"] = None if v["holds"] is None else False
     return out
 
 

@@ -384,7 +384,11 @@ def test_a_cell_cut_off_in_its_plan_rows_names_each_cap_s_plan_and_its_summary_h
     # each measured plan row's cap names it in the file (the last one was saved before it was named)
     assert [c.get("plan") for c in last["caps"][:2]] == [zoo.plan_label(c["cap_bytes"]) for c in last["caps"][:2]]
     v = zoo.verdicts(last)
-    assert len(v["per_cap"]["caps"]) == 2 and v["per_cap"]["holds"] is False  # the caps to come hold nothing
+    assert len(v["per_cap"]["caps"]) == 2 and not any(v[k]["holds"] for k in v)  # nothing holds in a cut-off cell
+    whole = made_up_cell()  # whose every verdict holds, once complete: not before
+    assert all(zoo.verdicts(whole)[k]["holds"] for k in v)
+    del whole["complete"]
+    assert not any(zoo.verdicts(whole)[k]["holds"] for k in v)
     del last["caps"][1]["plan"]  # as files written before that were: the cap is left out, the summary reads on
     first = round(last["caps"][0]["cap_bytes"] / GiB, 3)
     assert [c["cap_GiB"] for c in zoo.verdicts(last)["per_cap"]["caps"]] == [first]
@@ -404,6 +408,7 @@ def made_up_cell() -> dict:
              "peak_GiB": 2.49, "peak_bytes": cap - 10 * MiB, "predicted_step_peak_bytes": cap - 30 * MiB,
              "predicted_from": "test"}]
     return {"workload": {"arch": "llama", "layers": 2, "hidden": 32, "batch": 2, "seq": 16}, "rows": rows,
+            "complete": True,
             "meta": {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-01T00:00:00+00:00", "commit": "abcdef0"},
             "caps": [{"cap_bytes": cap, "sources": ["torchtune"], "plan": "enable peak=2.500GiB"}],
             "duels": [{"cap_bytes": cap, "plan": "enable peak=2.500GiB", "versus": ["torchtune", "checkpoint"],
