@@ -429,10 +429,10 @@ def test_full_offload_of_a_cuda_model_frames_its_saves_unless_a_codec_is_given_b
     idx = torch.randint(0, 256, (4, 1024), device="cuda")
     ref(idx).float().logsumexp(-1).sum().backward()
     want = [p.grad.clone() for p in ref.parameters()]
-    for codec, framed in ((None, True), ("raw", False)):
+    for given, codec, framed in ((False, None, True), (True, None, True), (True, "raw", False)):
         model = copy.deepcopy(ref)
         model.zero_grad(set_to_none=True)
-        handle = storm.enable(model, **cuda_opts, **({"codec": codec} if codec else {}))
+        handle = storm.enable(model, **cuda_opts, **({"codec": codec} if given else {}))  # None given is none
         model(idx).float().logsumexp(-1).sum().backward()
         handle.last.synchronize()
         st = handle.last.stats

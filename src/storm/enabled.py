@@ -197,11 +197,12 @@ class Enabled:
 
     def _full_offload(self) -> Offload:
         """A step without a plan: storm.offload(**options), framing the CUDA saves (codec "auto")
-        where the model is on CUDA and no codec was given. Offloading every save, a step waits on
-        the link, and frames put fewer bytes on it (docs/results.md, "Full offload's codec")."""
-        if "codec" in self._options or not on_cuda(self.model):
+        where the model is on CUDA and no codec was given (codec=None gives none, as storm.plan
+        takes it). Offloading every save, a step waits on the link, and frames put fewer bytes on
+        it (docs/results.md, "Full offload's codec")."""
+        if self._options.get("codec") is not None or not on_cuda(self.model):
             return Offload(**self._options)
-        return Offload(**self._options, codec="auto")
+        return Offload(**{**self._options, "codec": "auto"})
 
     def _awaiting_backward(self) -> Offload | None:
         """This thread's last step, where its forward's output is alive and no backward has reached
@@ -377,9 +378,10 @@ def enable(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None, budge
     handle whose ``disable()`` turns it off.
 
     Without ``budget`` and ``peak`` each forward runs in ``storm.offload(**options)``, with
-    ``codec="auto"`` on a CUDA model unless a codec is given (frames for its CUDA saves). With
-    one of them (``storm.plan``'s: the GPU memory a step's saves may take, bytes or a fraction
-    of a step's; or the step's peak above its start, CUDA), each forward is a step of
+    ``codec="auto"`` on a CUDA model unless a codec is given (frames for its CUDA saves;
+    ``codec=None`` is none given). With one of them (``storm.plan``'s: the GPU memory a step's
+    saves may take, bytes or a fraction of a step's; or the step's peak above its start, CUDA),
+    each forward is a step of
     ``storm.plan(blocks, budget= or peak=, **options)``, where ``blocks`` are the model's
     repeated layers: those of every block list ``find_blocks`` finds (blocks.py), as one
     sequence in the order forward runs them, unless given. ``options``: storm.offload's

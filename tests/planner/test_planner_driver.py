@@ -193,8 +193,10 @@ def test_a_given_plan_is_applied_and_backward_progress_drives_prefetch(monkeypat
     planner.close()
 
 
-@pytest.mark.parametrize("given, passed", [({}, "auto"), ({"codec": "raw"}, "raw")])
+@pytest.mark.parametrize("given, passed", [({}, "auto"), ({"codec": None}, "auto"), ({"codec": "raw"}, "raw")])
 def test_a_compressed_plan_offloads_with_a_frame_codec_unless_the_user_gave_one(given, passed):
+    """codec=None is no codec given: a config that passes every option must not turn the plan's
+    frames into the store's codec behind the plan's back."""
     model, idx = gpt()
     ref = grads_of(copy.deepcopy(model), idx)
     planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0,

@@ -16,7 +16,7 @@ def plan_options(budget: int | float | str | None, peak: int | str | None, reent
     """storm.plan's options checked as far as they can be without the blocks (whether peak= can be
     measured depends on their device): the budget as given (bytes, or a fraction of the traced
     step's), the peak in bytes, and the storm.offload options given, as checked ("512MiB" read as
-    bytes). Refused now, not at the first step; storm.enable's callbacks check theirs here before
+    bytes; codec=None left out). Refused now, not at the first step; storm.enable's callbacks check theirs here before
     they have a model."""
     if "budget" in offload_options or (budget is None) == (peak is None):
         raise TypeError("storm.plan takes one of budget= (the GPU memory saved activations may take: bytes or "
@@ -28,8 +28,10 @@ def plan_options(budget: int | float | str | None, peak: int | str | None, reent
         raise TypeError(f"clock must be None (the compute stream's timings on CUDA, else the host's) or a "
                         f"storm.planner.Clock (an object with host(), mark() and elapsed_ms()); got {clock!r}")
     checked = Offload(**offload_options).options
+    # codec=None is no codec given: the plan's choice of frames, as where it is left out (a config
+    # passing every option would otherwise override each step's codec with the store's)
     return (parse_budget(budget), None if peak is None else _parse_peak(peak),
-            {k: checked[k] for k in offload_options})
+            {k: checked[k] for k in offload_options if not (k == "codec" and checked[k] is None)})
 
 
 def _parse_peak(peak: int | str) -> int:
