@@ -473,7 +473,10 @@ def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opt
                      to_device_GiB=round(st.fetched_bytes / ratio / GiB, 3),
                      offloaded_GiB=round(st.offloaded_bytes / GiB, 3), ratio=round(ratio, 3),
                      frame_overflows=st.frame_overflows, offloaded_tensors=st.offloaded, kept=dict(st.kept),
-                     fetch_wait_ms=round(st.fetch_wait_s * 1e3, 2), backend=t.last.backend_name)
+                     fetch_wait_ms=round(st.fetch_wait_s * 1e3, 2), backend=t.last.backend_name,
+                     # the training thread's time in packs, against offloaded_tensors: across a run's plans,
+                     # what a step pays once and what each tensor pays (storm.plan's host time per tensor)
+                     pack_ms=round(st.pack_s * 1e3, 3))
         if t.planner is not None:
             r.update(plan=plan_summary(t.planner), explain=t.planner.explain())
         if more is not None:
