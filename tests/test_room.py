@@ -15,7 +15,7 @@ from storm import allocator_record
 from storm.copy_queue import CopyQueue
 from storm.examples.models import same_bits
 from storm.room import Profile, Room
-from storm.rooms import Rooms
+from storm.rooms import KIND_TRIES, Rooms
 from storm.saved import Step, StepOptions
 
 MiB = 1 << 20
@@ -653,6 +653,52 @@ def test_steps_of_two_kinds_in_turn_each_follow_their_own_room(fresh_rooms):
     assert [line.startswith(PROFILES) for line in lines] == [True, True, False, False, False, False]
     assert all(line.startswith(FOLLOWS) for line in lines[2:])
     assert fresh_rooms.room is not None and fresh_rooms.room.profile.sizes == [32 * 32 * 4] * 4
+
+
+def trunk_step(head: str) -> Step:
+    """A full-offload step whose first save is alike in both kinds (a shared trunk), then ``head``'s
+    saves: "a" of the trunk's size, "b" four times larger; the step, once its backward has run."""
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        h = torch.randn(64, 64, requires_grad=True).tanh()
+        if head == "b":
+            h = h.repeat(2, 2)
+        for _ in range(3):
+            h = h.tanh() if head == "a" else h.sigmoid()
+        loss = h.sum()
+    loss.backward()
+    return ctx._step
+
+
+def test_steps_of_two_kinds_alike_in_their_first_saves_each_get_their_own_room_in_turn(fresh_rooms):
+    """Two heads on one trunk, trained in turn: the second kind leaves the first's room after its
+    first save, and the next step, of the first kind, would profile again and again. Steps that
+    begin as it did profile until one of its kind has (a profile of a known kind changes nothing),
+    and from then on each kind follows its own room, a step of either changing to its own as its
+    saves part from the other's: it is settled only from the next step on."""
+    steps = [trunk_step("ab"[i % 2]) for i in range(10)]
+    rooms = fresh_rooms
+    a, b = (tuple(steps[i].order[j].nbytes for j in range(4)) for i in (0, 1))
+    assert set(rooms._rooms) == {a, b} and not rooms._unknown
+    assert rooms._profiled == 3  # a, a again (the step after b's first), then b
+    for i, step in enumerate(steps[-4:]):
+        assert step.profile is None and tuple(step.room.profile.sizes) == (a, b)[i % 2]
+        assert step.changed_room and not rooms.settled(step)  # it began in the other kind's room
+    steps = [trunk_step("a") for _ in range(2)]  # one kind from now on: the first begins in b's room
+    assert steps[0].changed_room and not rooms.settled(steps[0])
+    assert not steps[1].changed_room and tuple(steps[1].room.profile.sizes) == a and rooms.settled(steps[1])
+
+
+def test_a_kind_alike_in_its_first_saves_that_comes_once_is_given_up_after_a_few_profiles(fresh_rooms):
+    """A step of another head comes once: steps that begin as it did profile KIND_TRIES times at
+    most, then follow their room as before, and the kind is not looked for again."""
+    trunk_step("a")
+    trunk_step("b")
+    for _ in range(KIND_TRIES + 4):
+        trunk_step("a")
+    assert fresh_rooms._profiled == 1 + KIND_TRIES and not fresh_rooms._unknown and fresh_rooms._given_up
+    trunk_step("b")
+    assert not fresh_rooms._unknown  # given up: its steps go on without a room
+    assert trunk_step("a").profile is None
 
 
 def two_forward_step(width: int = 64) -> tuple[str, bool]:

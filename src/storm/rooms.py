@@ -7,10 +7,12 @@ window), and the steps after it, while their saves come in the profile's sizes, 
 it gives; that Room paces the step's prefetch window too (Step.window). Steps of several kinds
 (two models trained in turn, batches of a few shapes) each follow their own: a room is kept per
 profile (the last MAX_ROOMS followed), and a step whose first save matches none of them profiles
-from there. Each profiled step runs under the allocator's record, so a process profiles at most
-MAX_PROFILES steps that read the allocator, whether they gave a room or not (a step whose backward
-comes after the next step's forward gives none); past them, steps of a new kind keep the user's
-limits.
+from there. Kinds alike in their first saves (two heads on one trunk) part later: a step goes on
+in the room that began as its saves did, and where none did, the steps that begin so profile
+until one of its kind has (KIND_TRIES at most). Each profiled step runs under the allocator's
+record, so a process profiles at most MAX_PROFILES steps that read the allocator, whether they
+gave a room or not (a step whose backward comes after the next step's forward gives none); past
+them, steps of a new kind keep the user's limits.
 
 A room that keeps forward's last saves on the device says they fit under the floor; the room is
 a model of the step, and a model can be wrong on a model it was never tried on (T5's kept saves
@@ -46,6 +48,9 @@ from .saved import State, Step, Stored
 MAX_ROOMS = 8  # rooms kept, one per kind of step, the least recently followed dropped first
 MAX_PROFILES = 32  # profiled steps that read the allocator, each under its record, a room made or not
 MAX_TRIAL_STEPS = 8  # steps a trial runs, each under the allocator's record, before it gives up
+# steps profiled for a kind of step that left a room past its first save, before that kind is given up:
+# steps that begin alike are told apart only later, so a profile may land on the other kind (in turn)
+KIND_TRIES = 4
 
 log = logging.getLogger("storm")
 
@@ -95,7 +100,13 @@ class Rooms:
         self.room: Room | None = None
         self._rooms: collections.OrderedDict[tuple[int, ...], Room] = collections.OrderedDict()
         self._profiled = 0  # profiles that read the allocator
-        self._profile_next = False  # a step left its room past its first save: the next one profiles
+        self._profile_next = False  # a step left its room past a kept save or at backward: the next profiles
+        # kinds of step known by their first saves alone (a step left its room past its first save and no
+        # room begins as it did), each with the profiles started for it: steps that begin as it did
+        # profile until one gives its room (resolved) or KIND_TRIES were started
+        self._unknown: dict[tuple[int, ...], int] = {}
+        self._given_up: set[tuple[int, ...]] = set()  # such kinds profiled KIND_TRIES times in vain
+        self._probing = False  # the step profiling now does so for such a kind (_profile_kind)
         self.profiling: Profile | None = None
         # the step whose saves and unpacks ``profiling`` reads (weak: a finished step is freed at once)
         self._profiled_step: weakref.ref[Step] | None = None
@@ -121,12 +132,15 @@ class Rooms:
             # it read the allocator under its record: counted, room or not (steps whose backward
             # comes after the next one's forward, as a model split by graph breaks makes, give none)
             self._profiled += 1
-            if self.profiling.unpacks:
+            sizes = tuple(self.profiling.sizes)
+            if self.profiling.unpacks and not (self._probing and sizes in self._rooms):
+                # (a step profiled for an unknown kind that was of a known one: its room, and its trial, stand)
                 room = Room(self.profiling)
+                self._unknown = {k: n for k, n in self._unknown.items() if sizes[:len(k)] != k}
                 self.trial = Trial(room, Room(room.profile, keep=False)) if room.kept else None
                 if self.trial is None:
                     self.follow(room)
-        self.profiling = None
+        self.profiling, self._probing = None, False
         if self.trial is not None:
             self._try(step, self.trial)
         if (self.room is None or self._profile_next) and self._profile(step):
@@ -174,11 +188,11 @@ class Rooms:
         theirs: it followed to its end the room the steps follow, with no trial of rooms pending,
         or no room can be made for it (its profile read nothing, as off CUDA, or this process has
         profiled its share). Not a step that profiled, tried a room, or left its room part-way."""
-        if self.trial is not None or self._profile_next:
+        if self.trial is not None or self._profile_next or self._unknown:
             return False
         if step.profile is not None:
             return not step.profile.saves
-        return step.room is None or step.room is self.room
+        return step.room is None or step.room is self.room and not step.changed_room
 
     def follow(self, room: Room) -> None:
         """Steps follow ``room`` from now (a profiled step's), kept with the others as the most
@@ -203,19 +217,47 @@ class Rooms:
         return True
 
     def _leave(self, step: Step, nbytes: int) -> None:
-        """A step's save of ``nbytes`` is not its room's (or the step has none): at its first save
-        (nothing kept yet), it follows another room whose first save is of that size, else it
-        profiles from this save; past it, it goes on without a room and the next step profiles."""
-        step.room = None
-        if step.made != 1 or step.kept_by_room:
+        """A step's save of ``nbytes`` is not its room's (or the step has none). Nothing kept yet,
+        it follows another room whose first saves are the step's so far; else, at its first save,
+        it profiles from there, and past it goes on without a room, its kind known by its saves so
+        far (``_unknown``: the steps that begin so profile, ``_profile_kind``). Past a kept save it
+        goes on without a room and the next step profiles."""
+        left, step.room = step.room, None
+        if step.kept_by_room:
             self._profile_next = True
             return
+        made = step.made
+        sizes = (left.profile.sizes[:made - 1] if left is not None else []) + [nbytes]
         for room in reversed(self._rooms.values()):
-            if room.matches(1, nbytes):
+            if room.profile.sizes[:made] == sizes:
                 self.follow(room)
-                step.room = room
+                step.room, step.changed_room = room, made > 1
                 return
-        self._profile(step)
+        if made == 1:
+            self._profile(step)
+            return
+        kind = tuple(sizes)
+        if kind in self._given_up or self._profiled >= MAX_PROFILES:  # its steps go on without a room
+            return
+        self._unknown.setdefault(kind, 0)
+        while len(self._unknown) > MAX_ROOMS:
+            del self._unknown[next(iter(self._unknown))]
+
+    def _profile_kind(self, step: Step, nbytes: int) -> None:
+        """At a step's first save, of ``nbytes``, while it follows a room: where a kind of step not
+        yet profiled begins with a save of that size (no trial running), the step profiles from
+        here instead; it may be of that kind."""
+        if self.trial is not None:
+            return
+        kind = next((k for k in self._unknown if k[0] == nbytes), None)
+        if kind is None:
+            return
+        self._unknown[kind] += 1
+        if self._unknown[kind] >= KIND_TRIES:  # its steps are rare, or always after another kind's
+            del self._unknown[kind]
+            self._given_up.add(kind)  # bounded: added while the process may profile, and each try profiles
+        if self._profile(step):
+            step.room, self._probing = None, True
 
     def keeps(self, step: Step, storage: torch.UntypedStorage, nbytes: int, compiled: bool = False) -> bool:
         """Whether a full-offload step's save of ``storage`` (``nbytes``) stays on the device: its
@@ -266,6 +308,8 @@ class Rooms:
                 or step.room is None and step.profile is None and step.made == 1 and self._rooms \
                 and step.budget_bytes == float("inf"):
             self._leave(step, nbytes)  # not its room's save, or a step that neither follows nor profiles
+        if step.made == 1 and step.room is not None and self._unknown:
+            self._profile_kind(step, nbytes)
         if step.made == 1:
             self._measure_from(step, storage)
         if step.profile is not None:
