@@ -655,15 +655,18 @@ def test_steps_of_two_kinds_in_turn_each_follow_their_own_room(fresh_rooms):
     assert fresh_rooms.room is not None and fresh_rooms.room.profile.sizes == [32 * 32 * 4] * 4
 
 
-def trunk_step(head: str) -> Step:
-    """A full-offload step whose first save is alike in both kinds (a shared trunk), then ``head``'s
-    saves: "a" of the trunk's size, "b" four times larger; the step, once its backward has run."""
+def trunk_step(head: str, width: int = 64) -> Step:
+    """A full-offload step whose first save is alike in every kind (a shared trunk), then ``head``'s
+    saves: "a" of the trunk's size, "b" four times larger, "c" a's and two more four times larger
+    (as a second forward before one backward); the step, once its backward has run."""
     with storm.offload(mode="embedded", min_bytes=0) as ctx:
-        h = torch.randn(64, 64, requires_grad=True).tanh()
+        h = torch.randn(width, width, requires_grad=True).tanh()
         if head == "b":
             h = h.repeat(2, 2)
         for _ in range(3):
-            h = h.tanh() if head == "a" else h.sigmoid()
+            h = h.sigmoid() if head == "b" else h.tanh()
+        if head == "c":
+            h = h.repeat(2, 2).sigmoid().sigmoid()
         loss = h.sum()
     loss.backward()
     return ctx._step
@@ -699,6 +702,31 @@ def test_a_kind_alike_in_its_first_saves_that_comes_once_is_given_up_after_a_few
     trunk_step("b")
     assert not fresh_rooms._unknown  # given up: its steps go on without a room
     assert trunk_step("a").profile is None
+
+
+def test_a_kind_that_goes_on_past_another_gets_its_room_in_turn_and_each_changes_to_its_own(fresh_rooms):
+    """One kind's saves and more (a second forward before one backward), in turn with the first:
+    it parts from the first's room past the saves that room kept, and a step of the first kind
+    begun in the longer room reaches backward on fewer saves. Each changes to its own room, so the
+    process stops profiling; the first kind keeps none of its last saves, which the other goes on
+    past."""
+    steps = [trunk_step("ac"[i % 2]) for i in range(12)]
+    a = tuple(s.nbytes for s in steps[0].order)
+    assert sorted(fresh_rooms._rooms) == [a, a + (4 * a[0],) * 2]
+    assert fresh_rooms._profiled == 3 and not fresh_rooms._profile_next
+    for i, step in enumerate(steps[-4:]):
+        assert step.profile is None and step.changed_room and len(step.room.profile.sizes) == (4, 6)[i % 2]
+    assert not any(step.kept_by_room for step in steps[-4::2])  # a's room keeps none: c goes on past them
+
+
+def test_a_kind_left_unknown_holds_back_only_the_steps_that_begin_as_it_did(fresh_rooms):
+    """A kind seen once, whose first save nothing begins with any more (the shapes changed): the
+    steps of the new shapes follow their room and settle."""
+    for head in "aaaab":
+        trunk_step(head)
+    steps = [trunk_step("a", width=32) for _ in range(6)]
+    assert fresh_rooms._unknown  # b's kind, never seen again
+    assert fresh_rooms.settled(steps[-1]) and steps[-1].room is fresh_rooms.room
 
 
 def two_forward_step(width: int = 64) -> tuple[str, bool]:

@@ -100,7 +100,7 @@ class Rooms:
         self.room: Room | None = None
         self._rooms: collections.OrderedDict[tuple[int, ...], Room] = collections.OrderedDict()
         self._profiled = 0  # profiles that read the allocator
-        self._profile_next = False  # a step left its room past a kept save or at backward: the next profiles
+        self._profile_next = False  # a step left its room at backward, none known for it: the next profiles
         # kinds of step known by their first saves alone (a step left its room past its first save and no
         # room begins as it did), each with the profiles started for it: steps that begin as it did
         # profile until one gives its room (resolved) or KIND_TRIES were started
@@ -188,7 +188,7 @@ class Rooms:
         theirs: it followed to its end the room the steps follow, with no trial of rooms pending,
         or no room can be made for it (its profile read nothing, as off CUDA, or this process has
         profiled its share). Not a step that profiled, tried a room, or left its room part-way."""
-        if self.trial is not None or self._profile_next or self._unknown:
+        if self.trial is not None or self._profile_next or any(k[0] == step.first_size for k in self._unknown):
             return False
         if step.profile is not None:
             return not step.profile.saves
@@ -217,15 +217,12 @@ class Rooms:
         return True
 
     def _leave(self, step: Step, nbytes: int) -> None:
-        """A step's save of ``nbytes`` is not its room's (or the step has none). Nothing kept yet,
-        it follows another room whose first saves are the step's so far; else, at its first save,
-        it profiles from there, and past it goes on without a room, its kind known by its saves so
-        far (``_unknown``: the steps that begin so profile, ``_profile_kind``). Past a kept save it
-        goes on without a room and the next step profiles."""
+        """A step's save of ``nbytes`` is not its room's (or the step has none): it follows another
+        room whose first saves are the step's so far; else, at its first save, it profiles from
+        there, and past it goes on without a room, its kind known by its saves so far
+        (``_unknown``: the steps that begin so profile, ``_profile_kind``). Saves its room kept
+        stay kept: a step that changed rooms past its first save is not settled."""
         left, step.room = step.room, None
-        if step.kept_by_room:
-            self._profile_next = True
-            return
         made = step.made
         sizes = (left.profile.sizes[:made - 1] if left is not None else []) + [nbytes]
         for room in reversed(self._rooms.values()):
@@ -308,8 +305,10 @@ class Rooms:
                 or step.room is None and step.profile is None and step.made == 1 and self._rooms \
                 and step.budget_bytes == float("inf"):
             self._leave(step, nbytes)  # not its room's save, or a step that neither follows nor profiles
-        if step.made == 1 and step.room is not None and self._unknown:
-            self._profile_kind(step, nbytes)
+        if step.made == 1:
+            step.first_size = nbytes
+            if step.room is not None and self._unknown:
+                self._profile_kind(step, nbytes)
         if step.made == 1:
             self._measure_from(step, storage)
         if step.profile is not None:
@@ -339,9 +338,15 @@ class Rooms:
         if step is None:  # freed with its graph: nothing to count
             return
         if not step.unpacked and step.room is not None and not step.room.complete(step.made):
-            # backward begins on fewer saves than the room's: it lets the room go (the next step
-            # profiles again). Not as a forward ends: a step resumed for another forward goes on
-            step.room, self._profile_next = None, True
+            # backward begins on fewer saves than the room's: it goes on in the room of exactly its
+            # saves, where one is known, else lets the room go (the next step profiles again). Not as
+            # a forward ends: a step resumed for another forward goes on
+            own = self._rooms.get(tuple(step.room.profile.sizes[:step.made]))
+            if own is not None:
+                self.follow(own)
+                step.room, step.changed_room = own, True
+            else:
+                step.room, self._profile_next = None, True
         step.unpacked += 1  # the room's place in backward (Step.window)
         if step.profile is not None and step.profile.saves:
             held = self.memory(stored.device)

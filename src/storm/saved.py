@@ -65,6 +65,7 @@ class Step:
         self.room: Room | None = None     # full offload: the limits an earlier step's profile gives (room.py)
         self.profile: Profile | None = None  # full offload without a room: what this step reads for one
         self.changed_room = False         # full offload: it went on in another room past its first save
+        self.first_size: int | None = None  # full offload: its first save's bytes (what a room begins with)
         self.paced = False                # the caller sets prefetch_room (allow_prefetch), not the markers
         self.budget_reached = False       # a save did not fit: the rest of forward stays on the device
         self.past_budget_bytes = 0        # saves past the budget (views counted by their own size)
