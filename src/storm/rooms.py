@@ -309,7 +309,6 @@ class Rooms:
             step.first_size = nbytes
             if step.room is not None and self._unknown:
                 self._profile_kind(step, nbytes)
-        if step.made == 1:
             self._measure_from(step, storage)
         if step.profile is not None:
             held = self.memory(storage.device)
