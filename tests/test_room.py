@@ -467,9 +467,9 @@ def test_a_profiled_step_without_backward_gives_no_room_and_the_next_step_profil
     assert first.profile is None  # detached: its backward adds nothing to a profile
 
 
-def test_a_trial_step_that_leaves_its_room_gives_no_peak_and_the_keeping_room_holds():
-    """A trial step whose first save is not its room's (another kind of step) follows another room:
-    its peak is not the tried room's, so the trial ends on the room's own choice."""
+def test_a_trial_step_that_leaves_its_room_measures_nothing_and_the_next_tries_the_room_again():
+    """A trial step whose first save is not its room's (another kind of step, as two kinds in turn
+    make) follows another room: its peak is not the tried room's, so the next step tries it again."""
     rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
     rooms.memory = lambda device: 100
     rooms.record = record = PeakRecord([10])
@@ -485,7 +485,26 @@ def test_a_trial_step_that_leaves_its_room_gives_no_peak_and_the_keeping_room_ho
     assert first.room is other and record.started == 0  # the other kind's room; nothing measured
     after = Step(2, float("inf"), StepOptions())
     rooms.start_step(after)
-    assert rooms.trial is None and rooms.room.kept == 2
+    assert rooms.trial is not None and not rooms.trial.peaks and after.room is rooms.trial.keeping
+
+
+def test_a_profile_of_another_kind_made_while_a_trial_runs_leaves_the_trial_and_keeps_none():
+    """Two kinds in turn: a step of the other kind profiles while the first kind's room is tried.
+    Its room, which would keep saves, keeps none (one trial at a time), and the trial goes on."""
+    rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
+    rooms.memory = lambda device: 100
+    rooms.record = PeakRecord([10])
+    rooms.profiling = lm_room().profile
+    rooms.start_step(Step(1, float("inf"), StepOptions()))
+    trial = rooms.trial
+    assert trial is not None and trial.keeping.kept == 2
+    other = lm_room().profile
+    other.sizes = [8, 8, 8, 40, 2]  # its last save of another size: another kind
+    rooms.profiling = other
+    after = Step(2, float("inf"), StepOptions())
+    rooms.start_step(after)
+    assert rooms.trial is trial and after.room is trial.keeping and not trial.peaks
+    assert rooms._rooms[tuple(other.sizes)].kept == 0
 
 
 def test_a_room_follows_only_the_saves_it_was_profiled_on():

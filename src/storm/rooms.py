@@ -19,10 +19,11 @@ a model of the step, and a model can be wrong on a model it was never tried on (
 raised its peak on the lent H200, for a reason not yet found). So it is tried (``Trial``): the
 step after the profile follows it, the next one follows the same profile keeping none, each
 under the allocator's record from its first save, and the steps after them follow the one whose
-step peaked lower (the keeping one where they are even). A trial step that made no save or
-never unpacked one (an evaluation's forward, a step abandoned before backward) is no measure of
-the room: the next step tries the same room, up to MAX_TRIAL_STEPS steps. Where no peak could be
-read (no record, a step that left its room, or too many such steps), the room's own choice holds.
+step peaked lower (the keeping one where they are even). A trial step that made no save, never
+unpacked one (an evaluation's forward, a step abandoned before backward) or went on in another
+room (a step of another kind: two kinds in turn) is no measure of the room: the next step tries
+the same room, up to MAX_TRIAL_STEPS steps. Where no peak could be read (no record, or too many
+such steps), the room's own choice holds.
 A profile is made only of a step whose backward ran: a profile without unpacks gives no room.
 
 The session (storm/session.py) calls ``follow_room``, ``keeps`` and ``unpacked`` under its lock,
@@ -137,9 +138,10 @@ class Rooms:
                 # (a step profiled for an unknown kind that was of a known one: its room, and its trial, stand)
                 room = Room(self.profiling)
                 self._unknown = {k: n for k, n in self._unknown.items() if sizes[:len(k)] != k}
-                self.trial = Trial(room, Room(room.profile, keep=False)) if room.kept else None
-                if self.trial is None:
-                    self.follow(room)
+                if room.kept and self.trial is None:
+                    self.trial = Trial(room, Room(room.profile, keep=False))
+                else:  # where another kind's trial runs, one that would keep saves keeps none, untried
+                    self.follow(Room(room.profile, keep=False) if room.kept else room)
         self.profiling, self._probing = None, False
         if self.trial is not None:
             self._try(step, self.trial)
@@ -166,8 +168,8 @@ class Rooms:
 
     def _read_peak(self, measure: Measure) -> None:
         """A trial step has ended: its peak, where its record has it and it followed the room it
-        tried; a step that made no save or unpacked none of those it offloaded measured nothing
-        of the room, and the next step tries it again (up to MAX_TRIAL_STEPS)."""
+        tried; a step that made no save, unpacked none of those it offloaded or went on in another
+        room measured nothing of the room, and the next step tries it again (up to MAX_TRIAL_STEPS)."""
         self._measure = None
         peak = None
         if measure.device is not None and measure.mark is not None:
@@ -179,7 +181,8 @@ class Rooms:
         if trial is None:
             return
         trial.steps += 1
-        ran = step.made > 0 and (step.unpacked > 0 or not step.order)  # a room keeping all: backward unseen
+        # a room keeping all: backward unseen
+        ran = step.made > 0 and (step.unpacked > 0 or not step.order) and step.room is measure.room
         if ran or trial.steps >= MAX_TRIAL_STEPS:
             trial.peaks.append(peak if ran else None)
 
@@ -242,10 +245,8 @@ class Rooms:
 
     def _profile_kind(self, step: Step, nbytes: int) -> None:
         """At a step's first save, of ``nbytes``, while it follows a room: where a kind of step not
-        yet profiled begins with a save of that size (no trial running), the step profiles from
-        here instead; it may be of that kind."""
-        if self.trial is not None:
-            return
+        yet profiled begins with a save of that size, the step profiles from here instead; it may
+        be of that kind (a trial running measures nothing of it, and tries its room again)."""
         kind = next((k for k in self._unknown if k[0] == nbytes), None)
         if kind is None:
             return
