@@ -488,9 +488,10 @@ def test_a_trial_step_that_leaves_its_room_measures_nothing_and_the_next_tries_t
     assert rooms.trial is not None and not rooms.trial.peaks and after.room is rooms.trial.keeping
 
 
-def test_a_profile_of_another_kind_made_while_a_trial_runs_leaves_the_trial_and_keeps_none():
-    """Two kinds in turn: a step of the other kind profiles while the first kind's room is tried.
-    Its room, which would keep saves, keeps none (one trial at a time), and the trial goes on."""
+def test_a_profile_of_another_kind_made_while_a_trial_runs_starts_its_own_trial_in_its_place():
+    """A step of another kind (the shapes changed, or two kinds in turn) profiles while the first
+    kind's room is tried: its room, which would keep saves, is tried in its place, and the first
+    kind's room keeps what its profile said, untried (a trial's steps are one kind's)."""
     rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
     rooms.memory = lambda device: 100
     rooms.record = PeakRecord([10])
@@ -503,8 +504,8 @@ def test_a_profile_of_another_kind_made_while_a_trial_runs_leaves_the_trial_and_
     rooms.profiling = other
     after = Step(2, float("inf"), StepOptions())
     rooms.start_step(after)
-    assert rooms.trial is trial and after.room is trial.keeping and not trial.peaks
-    assert rooms._rooms[tuple(other.sizes)].kept == 0
+    assert rooms.trial is not trial and rooms.trial.keeping.profile is other and after.room is rooms.trial.keeping
+    assert rooms._rooms[tuple(lm_room().profile.sizes)].kept == 2
 
 
 def test_a_room_follows_only_the_saves_it_was_profiled_on():

@@ -50,8 +50,9 @@ MAX_ROOMS = 8  # rooms kept, one per kind of step, the least recently followed d
 MAX_PROFILES = 32  # profiled steps that read the allocator, each under its record, a room made or not
 MAX_TRIAL_STEPS = 8  # steps a trial runs, each under the allocator's record, before it gives up
 # steps profiled for a kind of step that left a room past its first save, before that kind is given up:
-# steps that begin alike are told apart only later, so a profile may land on the other kind (in turn)
-KIND_TRIES = 4
+# steps that begin alike are told apart only later, so a profile may land on the other kind; two kinds
+# in turn are told apart at the second, and a step of one more save, once, costs no more than two
+KIND_TRIES = 2
 
 log = logging.getLogger("storm")
 
@@ -138,10 +139,10 @@ class Rooms:
                 # (a step profiled for an unknown kind that was of a known one: its room, and its trial, stand)
                 room = Room(self.profiling)
                 self._unknown = {k: n for k, n in self._unknown.items() if sizes[:len(k)] != k}
-                if room.kept and self.trial is None:
-                    self.trial = Trial(room, Room(room.profile, keep=False))
-                else:  # where another kind's trial runs, one that would keep saves keeps none, untried
-                    self.follow(Room(room.profile, keep=False) if room.kept else room)
+                self._given_up = {k for k in self._given_up if sizes[:len(k)] != k}  # its last try found it
+                self.trial = Trial(room, Room(room.profile, keep=False)) if room.kept else None
+                if self.trial is None:
+                    self.follow(room)
         self.profiling, self._probing = None, False
         if self.trial is not None:
             self._try(step, self.trial)
@@ -181,8 +182,9 @@ class Rooms:
         if trial is None:
             return
         trial.steps += 1
-        # a room keeping all: backward unseen
-        ran = step.made > 0 and (step.unpacked > 0 or not step.order) and step.room is measure.room
+        # a room keeping all: backward unseen. A compiled graph's step follows the profile keeping none
+        ran = (step.made > 0 and (step.unpacked > 0 or not step.order) and step.room is not None
+               and step.room.profile is measure.room.profile)
         if ran or trial.steps >= MAX_TRIAL_STEPS:
             trial.peaks.append(peak if ran else None)
 
@@ -246,7 +248,8 @@ class Rooms:
     def _profile_kind(self, step: Step, nbytes: int) -> None:
         """At a step's first save, of ``nbytes``, while it follows a room: where a kind of step not
         yet profiled begins with a save of that size, the step profiles from here instead; it may
-        be of that kind (a trial running measures nothing of it, and tries its room again)."""
+        be of that kind (a trial running measures nothing of it, and tries its room again; a
+        profile of another kind, which would keep saves, starts its own trial in its place)."""
         kind = next((k for k in self._unknown if k[0] == nbytes), None)
         if kind is None:
             return
