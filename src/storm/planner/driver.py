@@ -319,9 +319,9 @@ class Planner:
 
     def full_offload(self) -> Plan | None:
         """The next full-offload plan to measure (model.full_offloads: every block recomputed, then
-        none, then none raw) where no plan of the blocks measured within peak=; None with budget= (offloading
-        every block fits any budget of saves the store takes) or once each has run since the last
-        trace."""
+        none, then none raw) where no plan of the blocks measured within peak=; None with budget=
+        (offloading every block fits any budget of saves the store takes) or once each has run
+        since the last trace."""
         if self.peak is None:
             return None
         tried = self.state.full_tried

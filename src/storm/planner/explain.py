@@ -98,7 +98,7 @@ def explain(planner: Explained) -> str:
         codec = full_codec(t, planner.options.get("codec"), p.compressed)
         lines.append("full offload: every save is offloaded, those outside the blocks too, with storm.offload's own "
                      "copy queue and prefetch window, which full offload's room paces (storm/rooms.py), codec "
-                     f"{codec or 'of the store'}{', as given' if planner.options.get('codec') else ''}; measured "
+                     f"{codec or 'of the store'}{', as given' if 'codec' in planner.options else ''}; measured "
                      "because no plan of the blocks measured within the target")
     else:
         lines += _outside(t, p)

@@ -16,8 +16,8 @@ def plan_options(budget: int | float | str | None, peak: int | str | None, reent
     """storm.plan's options checked as far as they can be without the blocks (whether peak= can be
     measured depends on their device): the budget as given (bytes, or a fraction of the traced
     step's), the peak in bytes, and the storm.offload options given, as checked ("512MiB" read as
-    bytes; codec=None left out). Refused now, not at the first step; storm.enable's callbacks check theirs here before
-    they have a model."""
+    bytes; codec=None left out: no codec given). Refused now, not at the first step; storm.enable's
+    callbacks check theirs here before they have a model."""
     if "budget" in offload_options or (budget is None) == (peak is None):
         raise TypeError("storm.plan takes one of budget= (the GPU memory saved activations may take: bytes or "
                         "a fraction of a step's) and peak= (the step's peak GPU memory above its start, bytes); "
