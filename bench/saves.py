@@ -18,6 +18,10 @@ their bytes, says whether such codecs can shrink a link-bound step's bytes as fa
 Beside it, ``auto_x``: what ``codec="auto"`` sends of each kind on CUDA (storm/frames.py), each
 save encoded in the frame it would take, and where that frame overflows in the next one, as a
 step after the first sends (a save's size is the cell's own batch's for the 4 MiB threshold).
+And ``sizes``: the saves per band of storage size (under ``min_bytes``'s default of 64 KiB, to
+1 MiB, to 16 MiB, over), all and those made inside a block, with their share of the bytes: what
+``min_bytes`` could move (sizes follow the batch: measure them at the cell's own, with --layers
+to fit the CPU).
 
     python bench/saves.py --cell t5-wide --batch 1 --out bench/results/saves-t5-cpu-<date>-<commit>.json
 
@@ -99,11 +103,18 @@ def saves(w: HF, device: torch.device, scale: float = 1.0) -> dict:
     model, ids = w.build(device)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     seen: dict[int, tuple[torch.Tensor, str]] = {}
+    in_block: set[int] = set()  # the saves made inside a block (storm.plan's blocks)
+    inside = [False]
+    for b in w.blocks(model):
+        b.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        b.register_forward_hook(lambda *_: inside.__setitem__(0, False))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage()._cdata
         if key not in params and key not in seen:
             seen[key] = t.detach(), producer_of(t)
+            if inside[0]:
+                in_block.add(key)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -119,6 +130,7 @@ def saves(w: HF, device: torch.device, scale: float = 1.0) -> dict:
         r["bound_bytes"] += bound_bits(t, k) / 8
         r["auto_bytes"] += sent_by_auto(t, producer, scale)
     total = sum(r["bytes"] for r in rows.values())
+    sizes = [(t.untyped_storage().nbytes(), key in in_block) for key, (t, _) in seen.items()]
     bound = sum(r["bound_bytes"] for r in rows.values())
     auto = sum(r["auto_bytes"] for r in rows.values())
     return {"saved_MiB": round(total / MiB, 1), "bound_x": round(bound / total, 3) if total else None,
@@ -126,7 +138,27 @@ def saves(w: HF, device: torch.device, scale: float = 1.0) -> dict:
             "kinds": {k: {"tensors": r["tensors"], "MiB": round(r["bytes"] / MiB, 1),
                           "share": round(r["bytes"] / total, 3), "bound_x": round(r["bound_bytes"] / r["bytes"], 3),
                           "auto_x": round(r["auto_bytes"] / r["bytes"], 3)}
-                      for k, r in sorted(rows.items(), key=lambda kv: -kv[1]["bytes"])}}
+                      for k, r in sorted(rows.items(), key=lambda kv: -kv[1]["bytes"])},
+            "sizes": size_bands(sizes, total)}
+
+
+SIZE_BANDS = (("under 64 KiB", 64 << 10), ("64 KiB to 1 MiB", MiB), ("1 to 16 MiB", 16 * MiB),
+              ("16 MiB and over", None))
+
+
+def size_bands(sizes: list[tuple[int, bool]], total: int) -> dict:
+    """Per band of storage size (``min_bytes``'s default, 64 KiB, is the first edge): the saves
+    in it, all and those made inside a block, and their share of the bytes: how far raising
+    or lowering ``min_bytes`` moves what a step offloads, in bytes and in tensors (each costs
+    host time)."""
+    out, low = {}, 0
+    for band, high in SIZE_BANDS:
+        inside = [(n, b) for n, b in sizes if low <= n and (high is None or n < high)]
+        out[band] = {"tensors": len(inside), "in_blocks": sum(b for _, b in inside),
+                     "MiB": round(sum(n for n, _ in inside) / MiB, 2),
+                     "share": round(sum(n for n, _ in inside) / total, 5) if total else None}
+        low = high or low
+    return out
 
 
 def main() -> int:
@@ -150,6 +182,9 @@ def main() -> int:
         for k, v in r["kinds"].items():
             print(f"  {k:9s} {v['tensors']:5d} tensors {v['MiB']:10.1f} MiB  share {v['share']:.3f}  "
                   f"bound {v['bound_x']:.3f}  auto {v['auto_x']:.3f}", flush=True)
+        for band, v in r["sizes"].items():
+            print(f"  {band:16s} {v['tensors']:5d} tensors ({v['in_blocks']} in blocks) {v['MiB']:10.2f} MiB  "
+                  f"share {v['share']}", flush=True)
     if args.out:
         write(args.out, {"cells": out}, torch.device(args.device))
     return 0
