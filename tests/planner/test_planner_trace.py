@@ -218,3 +218,53 @@ def test_the_planner_calls_no_block_more_often_than_training_does(reentrant):
         assert [b.calls for b in blocks] == [step + 1] * 4, (step, planner.explain())
     assert planner.trace is not None and planner.plan is not None
     planner.close()
+
+
+class _Copy:
+    def __init__(self, done: bool, error: Exception | None = None):
+        self._done, self._error = done, error
+
+    def done(self) -> bool:
+        return self._done
+
+    def error(self) -> Exception | None:
+        return self._error
+
+
+class _Saved:
+    def __init__(self, nbytes: int, in_store: bool = False, copy_in: _Copy | None = None):
+        self.nbytes, self.in_store, self.copy_in = nbytes, in_store, copy_in
+
+
+def test_the_link_as_forward_ran_counts_the_copies_finished_when_the_blocks_end():
+    """ForwardLink: the bytes whose copy had landed (released into the store, or copied and not
+    yet released) by the first forward's last block's end on the compute stream, over the time
+    since its first block began; a copy still running, or one the store refused, is not counted.
+    Measured once; nothing without a clock (blocks on the CPU)."""
+    from storm.planner.trace import ForwardLink
+
+    clock = FakeClock()
+    link = ForwardLink(clock)
+    link.blocks_start()
+    clock.now = 0.010  # 10 ms of blocks on the compute stream
+    saves = [_Saved(300_000_000, in_store=True), _Saved(100_000_000, copy_in=_Copy(True)),
+             _Saved(50_000_000, copy_in=_Copy(False)), _Saved(70_000_000, copy_in=_Copy(True, RuntimeError("full")))]
+    link.blocks_end(saves)
+    assert link.GBps == pytest.approx(40.0)  # 400 MB in 10 ms
+    clock.now = 0.020
+    link.blocks_end([_Saved(10**9, in_store=True)])  # a second forward's blocks: the first measure stays
+    assert link.GBps == pytest.approx(40.0)
+    cpu = ForwardLink(None)
+    cpu.blocks_start()
+    cpu.blocks_end(saves)
+    assert cpu.GBps is None
+
+
+def test_the_offload_trace_on_the_cpu_measures_no_forward_link():
+    model, idx = gpt()
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock())
+    for _ in range(2):
+        grads_of(model, idx, planner.step())
+    assert planner.trace is not None and planner.trace.forward_d2h_GBps is None
+    assert "as forward ran" not in planner.explain()
+    planner.close()

@@ -23,6 +23,7 @@ from ..frames import FRAME_CODECS
 from ..hooks import Offload
 from ..policy import Keep
 from ..recompute import Recompute
+from ..saved import Stored
 from .measure import frame_costs, link_bandwidth
 from .model import BlockTrace, Trace
 from .trial import Clock
@@ -44,9 +45,11 @@ class OffloadTrace:
     host time per tensor (raw: what frames add is measured apart). ``ctx`` is the step's
     storm.offload; ``collect()`` after it reads the Trace."""
 
-    def __init__(self, hooks: BlockHooks, options: dict[str, Any], frames_of: Frames, model: nn.Module | None = None):
+    def __init__(self, hooks: BlockHooks, options: dict[str, Any], frames_of: Frames, model: nn.Module | None = None,
+                 clock: Clock | None = None):
         hooks.recompute(set())
         self.hooks, self.frames_of = hooks, frames_of
+        self.link = ForwardLink(clock if device_of(hooks.blocks).type == "cuda" else None)
         # the frame codec a compressed plan's steps take: the user's, else auto (phases.plan_context)
         self.frame_setting = options["codec"] if options.get("codec") in FRAME_CODECS else "auto"
         self.outside = OutsideSaves(hooks.blocks, model)
@@ -70,6 +73,8 @@ class OffloadTrace:
             mark()
             self.called.append(i)
             self.outside.block_starts()
+            if i == 0:
+                self.link.blocks_start()
             given = [*args, *tree_leaves(kwargs)]  # keyword arguments' tensors too: Recompute saves them
             # each forward's call keeps its own inputs where the block is recomputed
             self.inputs[i] += sum(a.untyped_storage().nbytes() for a in given if isinstance(a, torch.Tensor))
@@ -85,6 +90,8 @@ class OffloadTrace:
         def post(i: int, m: nn.Module, args: Any, out: Any) -> None:
             mark()
             self.outside.block_ends()
+            if i == n - 1:
+                self.link.blocks_end(ctx.saves)
 
         hooks.hook(pre, post)
 
@@ -151,9 +158,36 @@ class OffloadTrace:
         offloaded_before = [offset[calls[i][0][1]] + sum(offset[calls[c * n + i][0][1]] - offset[calls[c * n][0][1]]
                                                          for c in range(1, forwards)) for i in range(n)]
         return Trace(blocks, offset[marks[0][1]], offset[-1] - offset[marks[-1][1]], offloaded_before,
-                     2e3 * host_s, frame_ms, frame_device_ms, d2h_GBps=d2h, h2d_GBps=h2d, store_bytes=store_bytes,
+                     2e3 * host_s, frame_ms, frame_device_ms, d2h_GBps=d2h, h2d_GBps=h2d,
+                     forward_d2h_GBps=self.link.GBps, store_bytes=store_bytes,
                      after_early_bytes=early, between_bytes=between, before_modules=before_modules,
                      between_modules=between_modules, after_modules=after_modules, forwards=forwards)
+
+
+class ForwardLink:
+    """How fast the link to the host ran while the offload trace's blocks computed (CUDA): the
+    bytes whose copy had finished when the first forward's last block ended on the compute
+    stream, over the time since its first block began there. Every save goes then, so the link
+    is as busy as forward lets it be; what it carries with the compute stream busy beside it is
+    what a plan's forward gets, which can be less than the idle link's (measure.link_bandwidth).
+    ``GBps`` None without a ``clock`` (the blocks on the CPU), or where nothing had been copied."""
+
+    def __init__(self, clock: Clock | None):
+        self.clock = clock
+        self.start: Any = None
+        self.GBps: float | None = None
+
+    def blocks_start(self) -> None:
+        if self.clock is not None and self.start is None:
+            self.start = self.clock.mark()
+
+    def blocks_end(self, saves: Iterable[Stored]) -> None:
+        if self.clock is None or self.start is None or self.GBps is not None:
+            return
+        ms = self.clock.elapsed_ms(self.start, self.clock.mark())  # the host waits for the stream to get there
+        copied = sum(s.nbytes for s in saves if s.in_store or (
+            (copy := s.copy_in) is not None and copy.done() and copy.error() is None))
+        self.GBps = copied / ms / 1e6 if ms > 0 and copied else None
 
 
 class TracedStep(Offload):
