@@ -314,13 +314,39 @@ def verdicts(cell: dict) -> dict:
 
 def _at_cap(c: dict, mine: dict | None, other: dict | None, d: dict | None, alone: bool = False) -> dict:
     """At cap X: the plan's peak within X, and its step over the best other's in their duel
-    (``alone``: no other method was measured, and ``holds`` is None)."""
+    (``alone``: no other method was measured, and ``holds`` is None). The duel plans afresh, and
+    its trials, decided by step times, may keep another plan than the row's: that plan must fit
+    too, by the planner's own measure of its step (``duel_plan_over_MiB``)."""
     fits = mine is not None and peak_bytes(mine) <= c["cap_bytes"]
+    duel_plan = (d or {}).get("chosen")
+    other_plan = bool(duel_plan and mine and mine.get("plan")) and _shape(duel_plan) != _shape(mine["plan"])
+    duel_over = _measured_over(duel_plan) if other_plan else None
+    if other_plan and (duel_over is None or duel_over > 0):
+        fits = False
     return {"cap_GiB": round(c["cap_bytes"] / GiB, 3), "sources": c["sources"], "plan_ms": mine and mine["step_ms"],
             "plan_peak_GiB": mine and mine["peak_GiB"], "fits": fits, "best_other": other and other["label"],
             "best_other_ms": other and other["step_ms"], "x_best_other": d and d["first_over"][0],
-            "x_best_other_95": d and d["first_over_95"][0],
+            "x_best_other_95": d and d["first_over_95"][0], "duel_plan_differs": other_plan,
+            "duel_plan_over_MiB": duel_over,
             "holds": None if alone else bool(fits and d and d["first_over"][0] <= 1.0)}
+
+
+def _shape(plan: dict) -> tuple:
+    """What a plan summary's step does with the blocks (common.plan_summary)."""
+    return (plan["full_offload"], plan["offloaded_blocks"], tuple(plan["recomputed_blocks"]),
+            plan["inputs_offloaded_blocks"], plan["compressed"])
+
+
+def _measured_over(plan: dict) -> float | None:
+    """MiB the plan's own measured step went over its target: as recorded, or (files written before
+    plan summaries kept it) from the one measured plan of its shape; None where unknown."""
+    if plan.get("over_MiB") is not None:
+        return plan["over_MiB"]
+    alike = [m for m in plan.get("measured", []) if (m["full_offload"], m["offloaded_blocks"], m["recomputed"],
+                                                     m["inputs_offloaded_blocks"], m["compressed"])
+             == (plan["full_offload"], plan["offloaded_blocks"], len(plan["recomputed_blocks"]),
+                 plan["inputs_offloaded_blocks"], plan["compressed"])]
+    return alike[0]["over_MiB"] if len(alike) == 1 else None
 
 
 def _prediction(c: dict, mine: dict) -> dict:
@@ -356,8 +382,12 @@ def table(name: str, cell: dict, markdown: bool = False) -> str:
         held = "n/a (no other method measured)" if c["holds"] is None else "holds" if c["holds"] else "FAILS"
         timed = (f"{c['x_best_other']}x {c['best_other']} {c['x_best_other_95']}" if c["x_best_other"] is not None
                  else f"not timed against {c['best_other']}")
+        over = c.get("duel_plan_over_MiB")
+        duel = ("" if not c.get("duel_plan_differs") else " (the duel kept another plan than the row's, "
+                + ("not measured by the planner)" if over is None else
+                   f"its own step {abs(over)} MiB {'over' if over > 0 else 'within'} its target)"))
         lines.append(f"{'- ' if markdown else ''}{c['cap_GiB']} GiB ({', '.join(c['sources'])}): plan "
-                     f"{c['plan_peak_GiB']} GiB {'fits' if c['fits'] else 'does NOT fit'}, {timed}: {held}")
+                     f"{c['plan_peak_GiB']} GiB {'fits' if c['fits'] else 'does NOT fit'}{duel}, {timed}: {held}")
     d = cell.get("codec_duel")
     if d and "ms" in d:
         lines.append(f"{'- ' if markdown else ''}full offload's codecs in alternation: {d['ms']} ms; the first over "

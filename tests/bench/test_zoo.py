@@ -459,3 +459,32 @@ def test_the_summary_prints_a_runs_tables_and_without_cuda_it_measures_nothing(t
     if not torch.cuda.is_available():  # as a user runs it
         r = run_bench("zoo.py", "--cells", "llama-wide", "--out", str(tmp_path / "new.json"))
         assert r.returncode == 2 and "CUDA" in r.stderr and not (tmp_path / "new.json").exists()
+
+
+def test_a_duel_that_kept_another_plan_than_its_row_holds_only_where_that_plan_fits():
+    """The duel plans afresh and its trials may keep another plan than the row measured: the cap
+    holds only where the planner measured that plan's own step within its target (as
+    plan_summary records it, or, in files written before, the one measured plan of its shape)."""
+    def cell_with(chosen: dict) -> dict:
+        cell = made_up_cell()
+        row_plan = {"full_offload": False, "offloaded_blocks": 1, "recomputed_blocks": [1],
+                    "inputs_offloaded_blocks": 0, "compressed": False, "fits": True}
+        cell["rows"][-1]["plan"] = row_plan
+        cell["duels"][0]["chosen"] = {**row_plan, **chosen}
+        return cell
+
+    same = zoo.verdicts(cell_with({}))["per_cap"]["caps"][0]
+    assert same["holds"] and not same["duel_plan_differs"]
+    other = {"offloaded_blocks": 0, "recomputed_blocks": [0, 1]}
+    within = zoo.verdicts(cell_with({**other, "over_MiB": -5.0}))["per_cap"]["caps"][0]
+    assert within["holds"] and within["duel_plan_differs"] and within["duel_plan_over_MiB"] == -5.0
+    over = zoo.verdicts(cell_with({**other, "over_MiB": 3.0}))
+    assert not over["per_cap"]["holds"] and not over["per_cap"]["caps"][0]["fits"]
+    assert "its own step 3.0 MiB over its target" in zoo.table("llama-tiny", {**cell_with({**other, "over_MiB": 3.0}),
+                                                                              "verdicts": over})
+    measured = [{"full_offload": False, "offloaded_blocks": 0, "recomputed": 2, "inputs_offloaded_blocks": 0,
+                 "compressed": False, "over_MiB": -7.0}]
+    older = zoo.verdicts(cell_with({**other, "measured": measured}))["per_cap"]["caps"][0]
+    assert older["holds"] and older["duel_plan_over_MiB"] == -7.0
+    unknown = zoo.verdicts(cell_with({**other, "measured": measured * 2}))["per_cap"]["caps"][0]
+    assert not unknown["holds"] and unknown["duel_plan_over_MiB"] is None  # two of its shape: which is unknown
