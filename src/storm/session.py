@@ -239,7 +239,7 @@ class ClientSession:
             handle = self._handle(stored, t, stored.index)
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
             drain_to = self.copy_queue.add(stored, step, frame)
-        step.stats.pack_s += time.perf_counter() - t0
+        step.stats.add_pack(time.perf_counter() - t0, framed=bool(frame))
         if drain_to is not None:  # bound what waits on the mover; wait outside the lock
             self.copy_queue.drain(drain_to)
         return handle

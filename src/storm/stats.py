@@ -31,6 +31,8 @@ class OffloadStats(Counters):
 
     layers: dict[str, Counters] = field(default_factory=dict)
     pack_s: float = 0.0  # training-thread time spent offloading saves, waits on the mover excluded
+    framed: int = 0      # of the offloaded storages, those sent in frames
+    frame_pack_s: float = 0.0  # of pack_s, their packs'
 
     def _counters(self, layer: str | None) -> tuple[Counters, ...]:
         if layer is None:
@@ -46,6 +48,13 @@ class OffloadStats(Counters):
                 setattr(c, name, getattr(c, name) + d)
             if keep is not None:
                 c.kept[keep] = c.kept.get(keep, 0) + 1
+
+    def add_pack(self, seconds: float, framed: bool) -> None:
+        """An offloaded save's pack took ``seconds`` on the training thread; ``framed``: it went in a frame."""
+        self.pack_s += seconds
+        if framed:
+            self.framed += 1
+            self.frame_pack_s += seconds
 
     def record_kept(self, layer: str | None, reason: str, nbytes: int) -> None:
         """A save that stays where it is: the most common call, so spelled out."""

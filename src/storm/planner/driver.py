@@ -151,6 +151,11 @@ class Planner:
         return self.state.traced_host_ms_per_tensor
 
     @property
+    def traced_frame_host_ms_per_tensor(self) -> float | None:
+        """The trace's host time a frame adds to a tensor's, where a planned step measured more."""
+        return self.state.traced_frame_host_ms_per_tensor
+
+    @property
     def measured_plans(self) -> int:
         """Plans whose step was measured against its target since the last trace."""
         return len(self.state.measured)

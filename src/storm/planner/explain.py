@@ -39,6 +39,9 @@ class Explained(Protocol):
     def traced_host_ms_per_tensor(self) -> float | None: ...
 
     @property
+    def traced_frame_host_ms_per_tensor(self) -> float | None: ...
+
+    @property
     def trials(self) -> list[Trial]: ...
 
     @property
@@ -112,7 +115,7 @@ def explain(planner: Explained) -> str:
         lines.append(f"the store took {t.store_bytes / MiB:.1f} of the {t.total_bytes / MiB:.1f} MiB traced: "
                      "plans offload at most that")
     if p.offloads and not p.full:
-        lines.append(_codec(t, p, "codec" in planner.options))
+        lines.append(_codec(t, p, "codec" in planner.options, planner.traced_frame_host_ms_per_tensor))
     if p.full:  # its room's limits come from a profiled step: the model has the nearest plan of the blocks only
         lines.append(f"predicted: nothing of full offload's peak, which its room makes and its steps measure (the "
                      f"nearest plan of the blocks: {p.predicted_peak / MiB:.1f} MiB saved on the device at the "
@@ -255,8 +258,9 @@ def _inputs_offloaded(t: Trace, p: Plan) -> str:
             + (f"; {_size(shared)} of inputs other blocks are called with too stay" if shared else ""))
 
 
-def _codec(t: Trace, p: Plan, given: bool) -> str:
-    """Whether offloaded tensors go raw or compressed, and the predicted times that chose it."""
+def _codec(t: Trace, p: Plan, given: bool, apart: float | None = None) -> str:
+    """Whether offloaded tensors go raw or compressed, and the predicted times that chose it
+    (``apart``: a frame's host time as measured apart, where a planned step measured more)."""
     offloaded, given_text = t.blocks[:p.offloaded], ", as given" if given else ""
     framed_bytes, frame_bytes = sum(b.framed_bytes for b in offloaded), sum(b.frame_bytes for b in offloaded)
     if frame_bytes >= framed_bytes:
@@ -268,7 +272,8 @@ def _codec(t: Trace, p: Plan, given: bool) -> str:
             f"{compressed.link_ms:.2f} ms compressed against {raw.link_ms:.2f} ms raw ({framed_bytes / MiB:.1f} "
             f"MiB in {framed} tensors would cross as {frame_bytes / MiB:.1f} MiB compressed), host "
             f"{compressed.host_ms - raw.host_ms:+.2f} ms ({t.frame_host_ms_per_tensor * 1e3:.0f} us per compressed "
-            f"tensor, less what the compute stream hides), compression kernels +{compressed.codec_ms:.2f} ms on the "
+            f"tensor{'' if apart is None else f' in a planned step, {apart * 1e3:.0f} measured apart'}, less what "
+            f"the compute stream hides), compression kernels +{compressed.codec_ms:.2f} ms on the "
             f"device ({t.frame_device_ms_per_GiB:.2f} ms per GiB compressed)")
 
 

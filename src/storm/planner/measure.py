@@ -15,6 +15,7 @@ from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
 
 from ..frames import FRAME_MIN_BYTES, frame_bytes, frame_codec
 from ..stats import OffloadStats
+from .model import Trace
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -79,10 +80,28 @@ def widened_margin(margin: int, beyond: int, target: int) -> int:
     return max(margin + MiB, beyond + max(MiB, target // 200))
 
 
-def packs_ms_per_tensor(stats: OffloadStats) -> float | None:
+def packs_ms_per_tensor(stats: OffloadStats) -> tuple[float | None, float | None]:
     """A step's host time per offloaded tensor, pack and unpack as a trace counts it (unpacks
-    cost about what packs do); None where it offloaded nothing."""
-    return 2e3 * stats.pack_s / stats.offloaded if stats.offloaded else None
+    cost about what packs do): of those sent raw, and of those sent in frames; each None where
+    the step sent none of that kind."""
+    raw = stats.offloaded - stats.framed
+    return (2e3 * (stats.pack_s - stats.frame_pack_s) / raw if raw > 0 else None,
+            2e3 * stats.frame_pack_s / stats.framed if stats.framed else None)
+
+
+def host_from_packs(trace: Trace, stats: OffloadStats,
+                    tolerance: float = HOST_CHECK_TOLERANCE) -> tuple[float | None, float | None]:
+    """What a planned step's packs say of the trace's host figures where they cost more: per
+    tensor sent raw (host_ms_per_tensor), and what a frame adds to a tensor's (beyond the raw
+    figure: frame_host_ms_per_tensor, which the trace takes from a microbenchmark of one frame's
+    kernels, not from a step); each None where the step says nothing dearer of it."""
+    raw, framed = packs_ms_per_tensor(stats)
+    host = raw if raw is not None and dearer_packs(raw, trace.host_ms_per_tensor, tolerance) else None
+    frame = None
+    if framed is not None:
+        beyond = framed - (raw if raw is not None else trace.host_ms_per_tensor)
+        frame = beyond if dearer_packs(beyond, trace.frame_host_ms_per_tensor, tolerance) else None
+    return host, frame
 
 
 def dearer_packs(measured: float, traced: float, tolerance: float = HOST_CHECK_TOLERANCE) -> bool:

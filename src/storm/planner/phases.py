@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from ..hooks import Offload
-from .measure import PeakMemory, checks_for, dearer_packs, packs_ms_per_tensor, widened_margin
+from .measure import PeakMemory, checks_for, host_from_packs, widened_margin
 from .model import Plan, Trace, full_codec, moments
 from .state import TraceState
 from .trace import ComputeTrace, Frames, OffloadTrace
@@ -192,8 +192,9 @@ class Settled(StepPhase):
 
 class Checked(StepPhase):
     """A step of the plan that is read: its packs' host time, where it is the planned step
-    HOST_CHECK_STEP that offloads (TraceState.count_host_step): dearer than the offload trace's
-    (measure.dearer_packs), it becomes the trace's and the plan is made again; once per trace.
+    HOST_CHECK_STEP that offloads (TraceState.count_host_step): per raw tensor, or what a frame
+    adds, dearer than the trace's (measure.host_from_packs), it becomes the trace's and the plan
+    is made again; once per trace.
     ``alternative``: the plan to try against this one once its steps are read (Try)."""
 
     def __init__(self, alternative: Plan | None):
@@ -217,20 +218,25 @@ class Checked(StepPhase):
         return None
 
     def check_host(self, planner: Driver) -> bool:
-        """The step's packs' host time per tensor against the trace's: where dearer, it becomes
-        the trace's (True: the plan is to be made again with it)."""
-        measured = packs_ms_per_tensor(self.ctx.stats)
+        """The step's packs' host time against the trace's, per raw tensor and what a frame adds
+        (measure.host_from_packs): each that is dearer becomes the trace's (True: the plan is to
+        be made again with them)."""
         state, trace = planner.state, planner.state.trace
         assert trace is not None
-        if measured is None or state.stale:
+        if state.stale:
             return False
-        if not dearer_packs(measured, trace.host_ms_per_tensor, planner.host_check_tolerance):
-            return False
-        log.info("storm.plan: a planned step took %.0f us of host time per offloaded tensor against %.0f traced; "
-                 "planning with it", measured * 1e3, trace.host_ms_per_tensor * 1e3)
-        state.traced_host_ms_per_tensor = trace.host_ms_per_tensor
-        trace.host_ms_per_tensor = measured
-        return True
+        host, frame = host_from_packs(trace, self.ctx.stats, planner.host_check_tolerance)
+        if host is not None:
+            log.info("storm.plan: a planned step took %.0f us of host time per offloaded tensor against %.0f "
+                     "traced; planning with it", host * 1e3, trace.host_ms_per_tensor * 1e3)
+            state.traced_host_ms_per_tensor = trace.host_ms_per_tensor
+            trace.host_ms_per_tensor = host
+        if frame is not None:
+            log.info("storm.plan: a planned step's frames took %.0f us more host time per tensor against %.0f "
+                     "measured apart; planning with it", frame * 1e3, trace.frame_host_ms_per_tensor * 1e3)
+            state.traced_frame_host_ms_per_tensor = trace.frame_host_ms_per_tensor
+            trace.frame_host_ms_per_tensor = frame
+        return host is not None or frame is not None
 
 
 class CheckHost(Checked):

@@ -32,6 +32,7 @@ class TraceState:
     measured_peak: int | None = None   # the last measured planned step's peak above its start
     offloading_steps: int = 0          # planned steps that offloaded, counted towards the host check
     traced_host_ms_per_tensor: float | None = None  # the trace's, where a planned step measured more
+    traced_frame_host_ms_per_tensor: float | None = None  # likewise, what a frame adds
     trials: list[Trial] = dataclasses.field(default_factory=list)  # decided, in order
     # per Plan.shape, the plan measured (in the planner's recompute form), its step's peak over its
     # target in its measured_over, in the order measured
