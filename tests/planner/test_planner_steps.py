@@ -172,9 +172,9 @@ def test_a_two_forward_step_on_cuda_settles_bit_exact_within_its_measured_target
 @pytest.mark.gpu
 def test_a_peak_no_plan_of_the_blocks_reaches_gets_full_offload_measured_and_the_least_measured_kept_on_cuda():
     """On CUDA, a peak= below what any plan of the blocks reaches: the planner measures full
-    offload (over every block recomputed, then alone) once its room has settled, keeps the plan of
-    least measured peak, and its settled steps peak as that measure said; every step's gradients
-    are those without STORM."""
+    offload (over every block recomputed, then alone, and where it framed the saves by its own
+    choice, alone raw last) once its room has settled, keeps the plan of least measured peak, and
+    its settled steps peak as that measure said; every step's gradients are those without STORM."""
     from storm.examples.models import GPT
 
     torch.manual_seed(0)
@@ -195,7 +195,9 @@ def test_a_peak_no_plan_of_the_blocks_reaches_gets_full_offload_measured_and_the
                 peaks.append(torch.cuda.max_memory_allocated() - base)
             assert all(torch.equal(g, w) for g, w in zip(got, expected)), f"step {step}"
         measured = list(planner.state.measured.values())
-        assert planner.settled and sum(p.full for p in measured) == 2, handle.explain()
+        framed = any(b.framed for b in planner.trace.blocks)  # float32 saves of 4 MiB and more, on CUDA
+        assert planner.settled and sum(p.full for p in measured) == 2 + framed, handle.explain()
+        assert [p.compressed for p in measured if p.full] == [framed, framed, False][:2 + framed]
         kept = planner.plan
         assert kept.measured_over == min(p.measured_over for p in measured), handle.explain()
         assert len(peaks) >= 2

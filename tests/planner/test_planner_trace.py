@@ -236,27 +236,34 @@ class _Saved:
         self.nbytes, self.in_store, self.copy_in = nbytes, in_store, copy_in
 
 
-def test_the_link_as_forward_ran_counts_the_copies_finished_when_the_blocks_end():
-    """ForwardLink: the bytes whose copy had landed (released into the store, or copied and not
-    yet released) by the first forward's last block's end on the compute stream, over the time
-    since its first block began; a copy still running, or one the store refused, is not counted.
+def test_the_link_as_forward_ran_counts_the_copies_that_landed_from_the_second_block_to_the_last():
+    """ForwardLink: the bytes whose copy landed (released into the store, or copied and not yet
+    released) between the second block's start and the last block's end, over that time on the
+    compute stream; not from the first block, whose copies wait for the pinned pool a process's
+    first offload sets up. A copy still running, or one the store refused, is not counted.
     Measured once; nothing without a clock (blocks on the CPU)."""
     from storm.planner.trace import ForwardLink
 
     clock = FakeClock()
     link = ForwardLink(clock)
-    link.blocks_start()
-    clock.now = 0.010  # 10 ms of blocks on the compute stream
-    saves = [_Saved(300_000_000, in_store=True), _Saved(100_000_000, copy_in=_Copy(True)),
+    first = [_Saved(500_000_000, in_store=True), _Saved(20_000_000, copy_in=_Copy(False))]
+    clock.now = 1.0  # the first block waited a second for the pool
+    link.begin(first)
+    clock.now = 1.010  # 10 ms of blocks on the compute stream
+    first[1].copy_in = _Copy(True)
+    saves = [*first, _Saved(280_000_000, in_store=True), _Saved(100_000_000, copy_in=_Copy(True)),
              _Saved(50_000_000, copy_in=_Copy(False)), _Saved(70_000_000, copy_in=_Copy(True, RuntimeError("full")))]
-    link.blocks_end(saves)
-    assert link.GBps == pytest.approx(40.0)  # 400 MB in 10 ms
-    clock.now = 0.020
-    link.blocks_end([_Saved(10**9, in_store=True)])  # a second forward's blocks: the first measure stays
+    link.end(saves)
+    assert link.GBps == pytest.approx(40.0)  # 20 + 280 + 100 MB landed in 10 ms
+    clock.now = 1.020
+    link.end([*saves, _Saved(10**9, in_store=True)])  # a second forward's blocks: the first measure stays
     assert link.GBps == pytest.approx(40.0)
+    one_block = ForwardLink(clock)
+    one_block.end(saves)  # no second block began
+    assert one_block.GBps is None
     cpu = ForwardLink(None)
-    cpu.blocks_start()
-    cpu.blocks_end(saves)
+    cpu.begin(first)
+    cpu.end(saves)
     assert cpu.GBps is None
 
 

@@ -73,8 +73,8 @@ class OffloadTrace:
             mark()
             self.called.append(i)
             self.outside.block_starts()
-            if i == 0:
-                self.link.blocks_start()
+            if i == 1:
+                self.link.begin(ctx.saves)
             given = [*args, *tree_leaves(kwargs)]  # keyword arguments' tensors too: Recompute saves them
             # each forward's call keeps its own inputs where the block is recomputed
             self.inputs[i] += sum(a.untyped_storage().nbytes() for a in given if isinstance(a, torch.Tensor))
@@ -91,7 +91,7 @@ class OffloadTrace:
             mark()
             self.outside.block_ends()
             if i == n - 1:
-                self.link.blocks_end(ctx.saves)
+                self.link.end(ctx.saves)
 
         hooks.hook(pre, post)
 
@@ -166,28 +166,38 @@ class OffloadTrace:
 
 class ForwardLink:
     """How fast the link to the host ran while the offload trace's blocks computed (CUDA): the
-    bytes whose copy had finished when the first forward's last block ended on the compute
-    stream, over the time since its first block began there. Every save goes then, so the link
-    is as busy as forward lets it be; what it carries with the compute stream busy beside it is
-    what a plan's forward gets, which can be less than the idle link's (measure.link_bandwidth).
-    ``GBps`` None without a ``clock`` (the blocks on the CPU), or where nothing had been copied."""
+    bytes whose copy landed between the second block's start and the last block's end on the
+    compute stream, in the first forward, over that time. Not from the first block: a process's
+    first offload sets up the pinned pool, which holds its first copies back. Every save goes,
+    so the link is as busy as forward lets it be, with the compute stream busy beside it, as in
+    a plan's forward. ``GBps`` None without a ``clock`` (the blocks on the CPU), with one block,
+    or where nothing was copied meanwhile."""
 
     def __init__(self, clock: Clock | None):
         self.clock = clock
-        self.start: Any = None
+        self.start: tuple[Any, int] | None = None  # the mark at the second block's start, and the bytes copied then
         self.GBps: float | None = None
 
-    def blocks_start(self) -> None:
+    def begin(self, saves: Iterable[Stored]) -> None:
+        """The second block starts (``saves``: the step's so far)."""
         if self.clock is not None and self.start is None:
-            self.start = self.clock.mark()
+            mark = self.clock.mark()
+            self.clock.elapsed_ms(mark, mark)  # the host waits for the stream to get there
+            self.start = (mark, _copied(saves))
 
-    def blocks_end(self, saves: Iterable[Stored]) -> None:
+    def end(self, saves: Iterable[Stored]) -> None:
+        """The last block ends."""
         if self.clock is None or self.start is None or self.GBps is not None:
             return
-        ms = self.clock.elapsed_ms(self.start, self.clock.mark())  # the host waits for the stream to get there
-        copied = sum(s.nbytes for s in saves if s.in_store or (
-            (copy := s.copy_in) is not None and copy.done() and copy.error() is None))
-        self.GBps = copied / ms / 1e6 if ms > 0 and copied else None
+        ms = self.clock.elapsed_ms(self.start[0], self.clock.mark())  # likewise
+        copied = _copied(saves) - self.start[1]
+        self.GBps = copied / ms / 1e6 if ms > 0 and copied > 0 else None
+
+
+def _copied(saves: Iterable[Stored]) -> int:
+    """The bytes of ``saves`` whose copy into the store has landed."""
+    return sum(s.nbytes for s in saves if s.in_store or (
+        (copy := s.copy_in) is not None and copy.done() and copy.error() is None))
 
 
 class TracedStep(Offload):
