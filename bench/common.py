@@ -424,8 +424,9 @@ def plan_summary(pl: storm.Planner) -> dict:
             "besides_GiB": pl.besides and round(pl.besides / GiB, 3), "kept_extra_GiB": round(pl.kept_extra / GiB, 3),
             "start_extra_GiB": round(pl.start_extra / GiB, 3),
             "trial": "; ".join(t.describe() for t in pl.trials) or None,
-            # what this plan's own measured step went over (under) its target; None: not measured
-            "over_MiB": None if p.measured_over is None else round(p.measured_over / MiB, 1),
+            # bytes this plan's own measured step went over (under) its target; None: not measured. As
+            # the planner recorded it: the plan in force may be a trial's alternative applied as made
+            "over_bytes": pl.state.measured.get(p.shape, p).measured_over,
             # the plans whose step the planner measured, in order, and what each went over (under) its target:
             # where no plan fits, the search's course
             "measured": [{"full_offload": m.full, "offloaded_blocks": m.offloaded,

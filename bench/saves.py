@@ -21,7 +21,8 @@ step after the first sends (a save's size is the cell's own batch's for the 4 Mi
 And ``sizes``: the saves per band of storage size (under ``min_bytes``'s default of 64 KiB, to
 1 MiB, to 16 MiB, over), all and those made inside a block, with their share of the bytes: what
 ``min_bytes`` could move (sizes follow the batch: measure them at the cell's own, with --layers
-to fit the CPU).
+to fit the CPU). Banded by storage: ``min_bytes`` tests each save's view, so a small view of a
+large storage, where no larger view of it is saved, is kept whole by it.
 
     python bench/saves.py --cell t5-wide --batch 1 --out bench/results/saves-t5-cpu-<date>-<commit>.json
 

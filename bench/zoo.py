@@ -340,8 +340,8 @@ def _shape(plan: dict) -> tuple:
 def _measured_over(plan: dict) -> float | None:
     """MiB the plan's own measured step went over its target: as recorded, or (files written before
     plan summaries kept it) from the one measured plan of its shape; None where unknown."""
-    if plan.get("over_MiB") is not None:
-        return plan["over_MiB"]
+    if plan.get("over_bytes") is not None:
+        return plan["over_bytes"] / MiB
     alike = [m for m in plan.get("measured", []) if (m["full_offload"], m["offloaded_blocks"], m["recomputed"],
                                                      m["inputs_offloaded_blocks"], m["compressed"])
              == (plan["full_offload"], plan["offloaded_blocks"], len(plan["recomputed_blocks"]),
@@ -385,7 +385,7 @@ def table(name: str, cell: dict, markdown: bool = False) -> str:
         over = c.get("duel_plan_over_MiB")
         duel = ("" if not c.get("duel_plan_differs") else " (the duel kept another plan than the row's, "
                 + ("not measured by the planner)" if over is None else
-                   f"its own step {abs(over)} MiB {'over' if over > 0 else 'within'} its target)"))
+                   f"its own step {abs(over):.1f} MiB {'over' if over > 0 else 'within'} its target)"))
         lines.append(f"{'- ' if markdown else ''}{c['cap_GiB']} GiB ({', '.join(c['sources'])}): plan "
                      f"{c['plan_peak_GiB']} GiB {'fits' if c['fits'] else 'does NOT fit'}{duel}, {timed}: {held}")
     d = cell.get("codec_duel")

@@ -384,7 +384,7 @@ def test_dropout_masks_go_through_bit_frames_bit_exact_and_an_eighth_of_their_by
     mask = 2048 * 4096  # bytes: a bool each
     assert st.frame_overflows == 0 and st.fetched > 0
     assert st.stored_bytes <= st.offloaded_bytes - mask + mask // 8 + 16, (st.stored_bytes, st.offloaded_bytes)
-    assert 1 <= st.framed <= st.offloaded and 0 < st.frame_pack_s <= st.pack_s  # framed packs, timed apart too
+    assert 1 <= st.framed <= st.packs and 0 < st.frame_pack_s <= st.pack_s  # framed packs, timed apart too
 
 
 def test_float32_upcasts_go_at_their_high_halves_and_other_float32_in_float32_frames_bit_exact(cuda_opts):

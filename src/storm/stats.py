@@ -31,8 +31,9 @@ class OffloadStats(Counters):
 
     layers: dict[str, Counters] = field(default_factory=dict)
     pack_s: float = 0.0  # training-thread time spent offloading saves, waits on the mover excluded
-    framed: int = 0      # of the offloaded storages, those sent in frames
-    frame_pack_s: float = 0.0  # of pack_s, their packs'
+    packs: int = 0       # the offloading packs that pack_s times (a refusal later takes none back)
+    framed: int = 0      # of them, those of saves sent in frames
+    frame_pack_s: float = 0.0  # of pack_s, their time
 
     def _counters(self, layer: str | None) -> tuple[Counters, ...]:
         if layer is None:
@@ -52,6 +53,7 @@ class OffloadStats(Counters):
     def add_pack(self, seconds: float, framed: bool) -> None:
         """An offloaded save's pack took ``seconds`` on the training thread; ``framed``: it went in a frame."""
         self.pack_s += seconds
+        self.packs += 1
         if framed:
             self.framed += 1
             self.frame_pack_s += seconds

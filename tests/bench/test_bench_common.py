@@ -92,3 +92,17 @@ def test_a_plans_summary_carries_the_plans_the_planner_measured_and_by_how_much_
     assert [(r["offloaded_blocks"], r["inputs_offloaded_blocks"], r["over_MiB"]) for r in rows] == [(0, 4, 96.0),
                                                                                                   (1, 2, -1.0)]
     assert rows[0]["recomputed"] == 4 and rows[0]["max_held_MiB"] == 32.0
+
+
+def test_a_plans_summary_says_what_the_planner_measured_of_the_plan_in_force():
+    """A trial that keeps its alternative applies the plan as it was made, while the planner keeps
+    its measure apart (state.measured, by shape): the summary's over_bytes is that measure (before:
+    None, and the zoo judged a duel's plan by a shorter key that plans of two copy queues share)."""
+    made = Plan(offloaded=0, recomputed=frozenset(range(4)), offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
+                predicted_peak=1 << 30, predicted_cost_ms=1.0, fits=True)
+    measured = {made.shape: dataclasses.replace(made, measured_over=-(3 << 20))}
+    pl = SimpleNamespace(plan=made, settled=True, target=1 << 30, besides=1 << 20, kept_extra=0, start_extra=0,
+                         trials=[], state=SimpleNamespace(measured=measured))
+    assert made.measured_over is None and common.plan_summary(pl)["over_bytes"] == -(3 << 20)
+    pl.state.measured = {}
+    assert common.plan_summary(pl)["over_bytes"] is None  # not measured

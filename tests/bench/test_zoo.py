@@ -476,12 +476,12 @@ def test_a_duel_that_kept_another_plan_than_its_row_holds_only_where_that_plan_f
     same = zoo.verdicts(cell_with({}))["per_cap"]["caps"][0]
     assert same["holds"] and not same["duel_plan_differs"]
     other = {"offloaded_blocks": 0, "recomputed_blocks": [0, 1]}
-    within = zoo.verdicts(cell_with({**other, "over_MiB": -5.0}))["per_cap"]["caps"][0]
+    within = zoo.verdicts(cell_with({**other, "over_bytes": -5 * MiB}))["per_cap"]["caps"][0]
     assert within["holds"] and within["duel_plan_differs"] and within["duel_plan_over_MiB"] == -5.0
-    over = zoo.verdicts(cell_with({**other, "over_MiB": 3.0}))
+    just_over = cell_with({**other, "over_bytes": 4096})  # 4 KiB over: over, however it rounds
+    over = zoo.verdicts(just_over)
     assert not over["per_cap"]["holds"] and not over["per_cap"]["caps"][0]["fits"]
-    assert "its own step 3.0 MiB over its target" in zoo.table("llama-tiny", {**cell_with({**other, "over_MiB": 3.0}),
-                                                                              "verdicts": over})
+    assert "its own step 0.0 MiB over its target" in zoo.table("llama-tiny", {**just_over, "verdicts": over})
     measured = [{"full_offload": False, "offloaded_blocks": 0, "recomputed": 2, "inputs_offloaded_blocks": 0,
                  "compressed": False, "over_MiB": -7.0}]
     older = zoo.verdicts(cell_with({**other, "measured": measured}))["per_cap"]["caps"][0]

@@ -514,28 +514,35 @@ def test_a_planned_steps_dearer_packs_replace_the_traced_host_time(monkeypatch, 
 
 def test_a_planned_steps_framed_packs_are_weighed_apart_from_its_raw_ones():
     """The host check reads a step's packs per kind: those of tensors sent raw against the
-    trace's host time per tensor, and what a framed one took beyond a raw one against the
-    trace's frame figure (a microbenchmark of one frame's kernels). Each kind replaces only its
-    own figure, where dearer past the tolerance: frames that cost more do not make every raw
-    tensor dearer."""
+    trace's host time per tensor, and what a framed one took beyond the raw figure the model
+    charges beside it, against the trace's frame figure (a microbenchmark of one frame's
+    kernels). Each kind replaces only its own figure, where dearer past the tolerance: frames
+    that cost more do not make every raw tensor dearer. Packs are counted as they are timed,
+    so a save the store refuses later (which takes back its offloaded count) moves neither."""
     from storm.planner.measure import host_from_packs, packs_ms_per_tensor
     from storm.planner.model import BlockTrace, Trace
     from storm.stats import OffloadStats
 
-    trace = Trace([BlockTrace()], host_ms_per_tensor=0.2, frame_host_ms_per_tensor=0.08)
+    trace = Trace([BlockTrace(framed=1)], host_ms_per_tensor=0.2, frame_host_ms_per_tensor=0.08)
     # 10 raw packs of 0.1 ms, 10 framed of 0.3 ms: 0.2 and 0.6 ms pack and unpack per tensor
-    stats = OffloadStats(offloaded=20, pack_s=4e-3, framed=10, frame_pack_s=3e-3)
+    stats = OffloadStats(offloaded=20, packs=20, pack_s=4e-3, framed=10, frame_pack_s=3e-3)
     assert packs_ms_per_tensor(stats) == pytest.approx((0.2, 0.6))
     host, frame = host_from_packs(trace, stats)
     assert host is None and frame == pytest.approx(0.4)  # raw as traced; a frame adds 0.4, not 0.08
-    slower = OffloadStats(offloaded=20, pack_s=5e-3, framed=10, frame_pack_s=3e-3)  # raw 0.4: twice the trace's
-    assert host_from_packs(trace, slower) == pytest.approx((0.4, 0.2))  # a frame adds 0.2 beyond the step's raw
-    every = OffloadStats(offloaded=10, pack_s=2e-3, framed=10, frame_pack_s=2e-3)  # all framed: beyond the trace's raw
+    refused = dataclasses.replace(stats, offloaded=15)  # five framed saves refused by the store after their packs
+    assert packs_ms_per_tensor(refused) == pytest.approx((0.2, 0.6))
+    slower = dataclasses.replace(stats, pack_s=5e-3)  # raw 0.4: twice the trace's
+    assert host_from_packs(trace, slower) == pytest.approx((0.4, 0.2))  # a frame adds 0.2 beyond the new raw
+    near = dataclasses.replace(stats, pack_s=4.4e-3)  # raw 0.28: within 1.5x, so the model keeps charging 0.2
+    assert host_from_packs(trace, near) == (None, pytest.approx(0.4))  # ...and a frame's is beyond that
+    every = OffloadStats(offloaded=10, packs=10, pack_s=2e-3, framed=10, frame_pack_s=2e-3)  # all framed
     assert packs_ms_per_tensor(every) == (None, pytest.approx(0.4))
     assert host_from_packs(trace, every) == (None, pytest.approx(0.2))
-    cheap = OffloadStats(offloaded=10, pack_s=0.6e-3, framed=5, frame_pack_s=0.35e-3)  # within 1.5x of both
+    cheap = OffloadStats(offloaded=10, packs=10, pack_s=0.6e-3, framed=5, frame_pack_s=0.35e-3)  # within 1.5x
     assert host_from_packs(trace, cheap) == (None, None)
     assert host_from_packs(trace, OffloadStats()) == (None, None)  # offloaded nothing
+    unframed = Trace([BlockTrace()], host_ms_per_tensor=0.2)  # frames outside the blocks (a daemon's codec):
+    assert host_from_packs(unframed, stats) == (None, None)   # the model charges none, so none to correct
 
 
 def test_explain_says_a_frames_host_time_was_measured_in_a_planned_step():

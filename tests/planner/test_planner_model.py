@@ -155,23 +155,6 @@ def test_a_busy_link_costs_a_stall_or_memory():
     assert (p.max_held_bytes, p.prefetch_bytes) == (64 * MiB, 32 * MiB)  # the user's options are kept
 
 
-def test_the_link_carries_forwards_copies_at_its_rate_measured_as_forward_ran():
-    """A copy queue of everything sent leaves on the device, at backward's start, what the link
-    could not carry while forward ran. Where the offload trace measured the link as its blocks
-    computed (forward_d2h_GBps), forward carries that rate over the blocks' span on the compute
-    stream, which holds more than their recomputes' times; else the idle link's rate over those."""
-    t = trace(fwd_ms=1.0, gbps=50.0)  # 100 MiB per 1 ms block against 2 ms to copy it
-    t.forward_device_ms = 20.0  # 8 ms of blocks' recomputes in a span of 20 on the compute stream
-    idle = Offloading.of(t, 8, None)[-1]
-    assert idle.held == idle.sent and idle.leftover == int(idle.sent - 50e6 * 8)  # bytes per ms, over 8 ms
-    t.forward_d2h_GBps = 40.0  # slower than idle, as the compute stream shares the device
-    measured = Offloading.of(t, 8, None)[-1]
-    assert measured.leftover == int(measured.sent - 40e6 * 20)
-    assert measured.leftover < idle.leftover - 300 * MiB
-    before, after = (max(moments(t, 8, set(), o.leftover, grads=False)) for o in (idle, measured))
-    assert before - after == idle.leftover - measured.leftover
-
-
 def test_host_time_per_tensor_counts_when_the_compute_stream_does_not_hide_it():
     t = trace(fwd_ms=20.0, gbps=50.0, host_ms=50.0, tensors=5)  # 250 ms per offloaded block: recompute wins
     p = choose(Scenario(t, t.total_bytes - 250 * MiB))

@@ -159,8 +159,6 @@ def test_a_two_forward_step_on_cuda_settles_bit_exact_within_its_measured_target
                 peaks.append(torch.cuda.max_memory_allocated() - base)
             assert all(torch.equal(g, w) for g, w in zip(got, expected)), f"step {step}"
         assert planner.settled and planner.trace.forwards == 2, handle.explain()
-        # the link as the offload trace's first forward ran its blocks: measured, and said
-        assert planner.trace.forward_d2h_GBps > 0 and "as forward ran" in handle.explain()
         assert planner.plan.fits and (planner.plan.offloaded or planner.plan.recomputed)
         assert len(peaks) >= 2, handle.explain()
         assert max(peaks) <= 1.02 * planner.target, (peaks, planner.target, handle.explain())

@@ -86,8 +86,7 @@ def explain(planner: Explained) -> str:
     host = f"host {t.host_ms_per_tensor * 1e3:.0f} us per offloaded tensor" + (
         "" if planner.traced_host_ms_per_tensor is None
         else f" (measured in a planned step; traced {planner.traced_host_ms_per_tensor * 1e3:.0f})")
-    under = f" ({t.forward_d2h_GBps:.1f} as forward ran)" if t.forward_d2h_GBps else ""
-    lines = [f"storm.plan: {want}; link {t.d2h_GBps:.1f} GB/s to host{under}, {t.h2d_GBps:.1f} back; {host}; "
+    lines = [f"storm.plan: {want}; link {t.d2h_GBps:.1f} GB/s to host, {t.h2d_GBps:.1f} back; {host}; "
              f"forward {t.forward_host_ms:.2f} ms host, {t.forward_device_ms:.2f} ms compute stream",
              _standing(planner),
              *([f"a step is {t.forwards} forwards before one backward: each block's figures are its {t.forwards} "

@@ -84,7 +84,7 @@ def packs_ms_per_tensor(stats: OffloadStats) -> tuple[float | None, float | None
     """A step's host time per offloaded tensor, pack and unpack as a trace counts it (unpacks
     cost about what packs do): of those sent raw, and of those sent in frames; each None where
     the step sent none of that kind."""
-    raw = stats.offloaded - stats.framed
+    raw = stats.packs - stats.framed
     return (2e3 * (stats.pack_s - stats.frame_pack_s) / raw if raw > 0 else None,
             2e3 * stats.frame_pack_s / stats.framed if stats.framed else None)
 
@@ -94,12 +94,14 @@ def host_from_packs(trace: Trace, stats: OffloadStats,
     """What a planned step's packs say of the trace's host figures where they cost more: per
     tensor sent raw (host_ms_per_tensor), and what a frame adds to a tensor's (beyond the raw
     figure: frame_host_ms_per_tensor, which the trace takes from a microbenchmark of one frame's
-    kernels, not from a step); each None where the step says nothing dearer of it."""
+    kernels, not from a step); each None where the step says nothing dearer of it. A frame's is
+    weighed only where the trace framed saves of the blocks (the model charges frames there alone)
+    and against the raw figure the model will charge beside it."""
     raw, framed = packs_ms_per_tensor(stats)
     host = raw if raw is not None and dearer_packs(raw, trace.host_ms_per_tensor, tolerance) else None
     frame = None
-    if framed is not None:
-        beyond = framed - (raw if raw is not None else trace.host_ms_per_tensor)
+    if framed is not None and any(b.framed for b in trace.blocks):
+        beyond = framed - (host if host is not None else trace.host_ms_per_tensor)
         frame = beyond if dearer_packs(beyond, trace.frame_host_ms_per_tensor, tolerance) else None
     return host, frame
 

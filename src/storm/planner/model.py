@@ -54,7 +54,6 @@ class Trace:
     lead_ms: list[float] = dataclasses.field(default_factory=list)  # host ahead of the stream at block i, at the end
     d2h_GBps: float = 0.0
     h2d_GBps: float = 0.0
-    forward_d2h_GBps: float | None = None  # to the host as the offload trace's blocks computed (CUDA)
     store_bytes: int | None = None   # what the store took of the offload trace's saves when it refused some
     after_early_bytes: int = 0       # of after_bytes, those saved before the largest of them (after_kept)
     between_bytes: int = 0           # saved between blocks, outside them (a step's forwards but its last end there)
@@ -218,14 +217,6 @@ class Offloading:
         carried = sent - sum(b.framed_bytes - b.frame_bytes for b in offloaded)
         d2h, h2d = (g * 1e6 * sent / carried for g in (trace.d2h_GBps, trace.h2d_GBps))  # raw bytes per ms
         fwd_ms = sum(b.forward_ms for b in blocks)
-        # what the link carries while forward runs: where the offload trace measured the link as
-        # its blocks computed, that rate over their span on the compute stream in the compute trace
-        # (the least forward: no block saves; it holds what runs between and around the blocks'
-        # recomputes); else the idle link's over their recomputes
-        if trace.forward_d2h_GBps:
-            forward_bytes = trace.forward_d2h_GBps * 1e6 * sent / carried * max(fwd_ms, trace.forward_device_ms)
-        else:
-            forward_bytes = d2h * fwd_ms
         # half of a tensor's host time is its pack, as the first k + m blocks are launched: the GPU
         # hides it only as far as the host has got ahead of it by then (nothing at the step's start).
         # The other half, its unpack, comes at backward's end, behind as much as forward's slack
@@ -245,7 +236,7 @@ class Offloading:
         for h in ([held] if held is not None else sorted({min(sent, max(per_block)), sent})):
             # forward waits while more than `h` bytes wait for the link, until the first k + m blocks are done
             stall = max(0.0, (sent - h) / d2h - sum(b.forward_ms for b in blocks[:k + m]))
-            leftover = int(max(0.0, min(h, sent - forward_bytes - d2h * stall)))
+            leftover = int(max(0.0, min(h, sent - d2h * (fwd_ms + stall))))
             # what forward did not carry, and all of it back, during backward (about twice forward)
             link = stall + max(0.0, leftover / d2h + sent / h2d - 2 * fwd_ms)
             out.append(Offloading(sent, h, host_ms, link, leftover, frames, compressed, codec_ms))

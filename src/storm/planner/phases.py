@@ -109,7 +109,7 @@ class TraceOffload(StepPhase):
     kind = Phase.TRACE_OFFLOAD
 
     def begin(self, planner: Driver) -> Offload:
-        self.tracer = OffloadTrace(planner.hooks, planner.options, planner.frames_of, planner.model, planner.clock)
+        self.tracer = OffloadTrace(planner.hooks, planner.options, planner.frames_of, planner.model)
         return self.tracer.ctx
 
     def end(self, planner: Driver) -> StepPhase:

@@ -23,7 +23,6 @@ from ..frames import FRAME_CODECS
 from ..hooks import Offload
 from ..policy import Keep
 from ..recompute import Recompute
-from ..saved import Stored
 from .measure import frame_costs, link_bandwidth
 from .model import BlockTrace, Trace
 from .trial import Clock
@@ -45,11 +44,9 @@ class OffloadTrace:
     host time per tensor (raw: what frames add is measured apart). ``ctx`` is the step's
     storm.offload; ``collect()`` after it reads the Trace."""
 
-    def __init__(self, hooks: BlockHooks, options: dict[str, Any], frames_of: Frames, model: nn.Module | None = None,
-                 clock: Clock | None = None):
+    def __init__(self, hooks: BlockHooks, options: dict[str, Any], frames_of: Frames, model: nn.Module | None = None):
         hooks.recompute(set())
         self.hooks, self.frames_of = hooks, frames_of
-        self.link = ForwardLink(clock if device_of(hooks.blocks).type == "cuda" else None)
         # the frame codec a compressed plan's steps take: the user's, else auto (phases.plan_context)
         self.frame_setting = options["codec"] if options.get("codec") in FRAME_CODECS else "auto"
         self.outside = OutsideSaves(hooks.blocks, model)
@@ -73,8 +70,6 @@ class OffloadTrace:
             mark()
             self.called.append(i)
             self.outside.block_starts()
-            if i == 1:
-                self.link.begin(ctx.saves)
             given = [*args, *tree_leaves(kwargs)]  # keyword arguments' tensors too: Recompute saves them
             # each forward's call keeps its own inputs where the block is recomputed
             self.inputs[i] += sum(a.untyped_storage().nbytes() for a in given if isinstance(a, torch.Tensor))
@@ -90,8 +85,6 @@ class OffloadTrace:
         def post(i: int, m: nn.Module, args: Any, out: Any) -> None:
             mark()
             self.outside.block_ends()
-            if i == n - 1:
-                self.link.end(ctx.saves)
 
         hooks.hook(pre, post)
 
@@ -158,46 +151,9 @@ class OffloadTrace:
         offloaded_before = [offset[calls[i][0][1]] + sum(offset[calls[c * n + i][0][1]] - offset[calls[c * n][0][1]]
                                                          for c in range(1, forwards)) for i in range(n)]
         return Trace(blocks, offset[marks[0][1]], offset[-1] - offset[marks[-1][1]], offloaded_before,
-                     2e3 * host_s, frame_ms, frame_device_ms, d2h_GBps=d2h, h2d_GBps=h2d,
-                     forward_d2h_GBps=self.link.GBps, store_bytes=store_bytes,
+                     2e3 * host_s, frame_ms, frame_device_ms, d2h_GBps=d2h, h2d_GBps=h2d, store_bytes=store_bytes,
                      after_early_bytes=early, between_bytes=between, before_modules=before_modules,
                      between_modules=between_modules, after_modules=after_modules, forwards=forwards)
-
-
-class ForwardLink:
-    """How fast the link to the host ran while the offload trace's blocks computed (CUDA): the
-    bytes whose copy landed between the second block's start and the last block's end on the
-    compute stream, in the first forward, over that time. Not from the first block: a process's
-    first offload sets up the pinned pool, which holds its first copies back. Every save goes,
-    so the link is as busy as forward lets it be, with the compute stream busy beside it, as in
-    a plan's forward. ``GBps`` None without a ``clock`` (the blocks on the CPU), with one block,
-    or where nothing was copied meanwhile."""
-
-    def __init__(self, clock: Clock | None):
-        self.clock = clock
-        self.start: tuple[Any, int] | None = None  # the mark at the second block's start, and the bytes copied then
-        self.GBps: float | None = None
-
-    def begin(self, saves: Iterable[Stored]) -> None:
-        """The second block starts (``saves``: the step's so far)."""
-        if self.clock is not None and self.start is None:
-            mark = self.clock.mark()
-            self.clock.elapsed_ms(mark, mark)  # the host waits for the stream to get there
-            self.start = (mark, _copied(saves))
-
-    def end(self, saves: Iterable[Stored]) -> None:
-        """The last block ends."""
-        if self.clock is None or self.start is None or self.GBps is not None:
-            return
-        ms = self.clock.elapsed_ms(self.start[0], self.clock.mark())  # likewise
-        copied = _copied(saves) - self.start[1]
-        self.GBps = copied / ms / 1e6 if ms > 0 and copied > 0 else None
-
-
-def _copied(saves: Iterable[Stored]) -> int:
-    """The bytes of ``saves`` whose copy into the store has landed."""
-    return sum(s.nbytes for s in saves if s.in_store or (
-        (copy := s.copy_in) is not None and copy.done() and copy.error() is None))
 
 
 class TracedStep(Offload):
