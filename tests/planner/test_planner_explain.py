@@ -66,3 +66,23 @@ def test_explain_says_why_the_copy_queue_and_prefetch_window_are_what_they_are(f
     line = next(line for line in planner.explain().splitlines() if line.startswith("copies: "))
     assert f"(max_held_bytes: {held}" in line and f"(prefetch_bytes: {window}" in line
     planner.close()
+
+
+def test_explain_says_the_min_bytes_in_force_and_what_it_kept_in_the_traced_step():
+    """min_bytes is the user's option, not the plan's: explain() says which is in force and how many
+    of the traced step's saves it kept on the device (the CPU GPT's small saves: fewer under 1 KiB)."""
+    from planner_fakes import grads_of
+
+    kept = {}
+    for given, said in (({}, "64 KiB (storm.offload default)"), ({"min_bytes": "1KiB"}, "1 KiB (as given)")):
+        model, idx = gpt()
+        planner = storm.plan(model.blocks, budget=0.5, mode="embedded", **given)
+        for _ in range(3):
+            grads_of(model, idx, planner.step())
+        assert planner.plan is not None and planner.plan.offloads
+        kept[said] = n = planner.trace.below_min_bytes
+        assert f"min_bytes: {said}; {n} saves of the traced step were smaller and stayed on the device (what " \
+               f"min_bytes moves is tensors and their host time, hardly bytes: the plan does not vary it)" \
+               in planner.explain().splitlines()
+        planner.close()
+    assert kept["64 KiB (storm.offload default)"] > kept["1 KiB (as given)"]

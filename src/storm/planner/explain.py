@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ..frames import FRAME_MIN_BYTES
+from ..options import bytes_option
+from ..policy import DEFAULT_MIN_BYTES
 from .model import Offloading, Plan, Trace, after_kept, fetched_inputs, full_codec, offloaded_per_block
 from .trial import Trial
 
@@ -108,6 +110,8 @@ def explain(planner: Explained) -> str:
         if p.inputs_offloaded:
             lines.append(_inputs_offloaded(t, p))
         lines.append(_copies(t, p, planner.options))
+    if p.offloads:
+        lines.append(_min_bytes(t, planner.options))
     if p.recomputed:
         lines.append(_recompute_form(planner, p))
     if t.store_bytes is not None:
@@ -225,6 +229,16 @@ def _copies(t: Trace, p: Plan, options: dict[str, Any]) -> str:
     return (f"copies: at most {_size(p.max_held_bytes)} of saves wait for their copy to the host, forward waiting "
             f"past that (max_held_bytes: {held}); backward fetches up to {_size(p.prefetch_bytes)} "
             f"ahead of its need (prefetch_bytes: {window})")
+
+
+def _min_bytes(t: Trace, options: dict[str, Any]) -> str:
+    """The min_bytes the plan's steps offload by, and what it kept in the traced step: the user's
+    option, not a plan's choice (docs/planner.md says why)."""
+    given = "min_bytes" in options
+    limit = bytes_option("min_bytes", options["min_bytes"]) if given else DEFAULT_MIN_BYTES
+    return (f"min_bytes: {_size(limit)} ({'as given' if given else 'storm.offload default'}); {t.below_min_bytes} "
+            f"saves of the traced step were smaller and stayed on the device (what min_bytes moves is tensors "
+            f"and their host time, hardly bytes: the plan does not vary it)")
 
 
 def _recompute_form(planner: Explained, p: Plan) -> str:

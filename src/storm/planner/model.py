@@ -55,6 +55,7 @@ class Trace:
     d2h_GBps: float = 0.0
     h2d_GBps: float = 0.0
     store_bytes: int | None = None   # what the store took of the offload trace's saves when it refused some
+    below_min_bytes: int = 0         # the offload trace's saves that stayed on the device as under min_bytes
     after_early_bytes: int = 0       # of after_bytes, those saved before the largest of them (after_kept)
     between_bytes: int = 0           # saved between blocks, outside them (a step's forwards but its last end there)
     # what saved them, per module outside the blocks ((name, bytes), largest first), where the planner

@@ -152,6 +152,7 @@ class OffloadTrace:
                                                          for c in range(1, forwards)) for i in range(n)]
         return Trace(blocks, offset[marks[0][1]], offset[-1] - offset[marks[-1][1]], offloaded_before,
                      2e3 * host_s, frame_ms, frame_device_ms, d2h_GBps=d2h, h2d_GBps=h2d, store_bytes=store_bytes,
+                     below_min_bytes=st.kept.get(Keep.SMALL, 0),
                      after_early_bytes=early, between_bytes=between, before_modules=before_modules,
                      between_modules=between_modules, after_modules=after_modules, forwards=forwards)
 
