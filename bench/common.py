@@ -418,6 +418,7 @@ def plan_summary(pl: storm.Planner) -> dict:
     p = pl.plan
     return {"full_offload": p.full, "offloaded_blocks": p.offloaded, "recomputed_blocks": sorted(p.recomputed),
             "inputs_offloaded_blocks": p.inputs_offloaded, "compressed": p.compressed,
+            "max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes,
             "predicted_peak_GiB": round(p.predicted_peak / GiB, 3), "predicted_cost_ms": p.predicted_cost_ms,
             "fits": p.fits, "reentrant": p.reentrant, "settled": pl.settled,
             "target_GiB": pl.target and round(pl.target / GiB, 3),

@@ -332,16 +332,18 @@ def _at_cap(c: dict, mine: dict | None, other: dict | None, d: dict | None, alon
 
 
 def _shape(plan: dict) -> tuple:
-    """What a plan summary's step does with the blocks (common.plan_summary)."""
+    """What a plan summary's step does with the blocks and its copies (common.plan_summary; files
+    written before it kept the copy queue and prefetch window have None for them)."""
     return (plan["full_offload"], plan["offloaded_blocks"], tuple(plan["recomputed_blocks"]),
-            plan["inputs_offloaded_blocks"], plan["compressed"])
+            plan["inputs_offloaded_blocks"], plan["compressed"], plan.get("max_held_bytes"),
+            plan.get("prefetch_bytes"))
 
 
 def _measured_over(plan: dict) -> float | None:
     """MiB the plan's own measured step went over its target: as recorded, or (files written before
     plan summaries kept it) from the one measured plan of its shape; None where unknown."""
-    if plan.get("over_bytes") is not None:
-        return plan["over_bytes"] / MiB
+    if "over_bytes" in plan:  # None: the planner did not measure it
+        return None if plan["over_bytes"] is None else plan["over_bytes"] / MiB
     alike = [m for m in plan.get("measured", []) if (m["full_offload"], m["offloaded_blocks"], m["recomputed"],
                                                      m["inputs_offloaded_blocks"], m["compressed"])
              == (plan["full_offload"], plan["offloaded_blocks"], len(plan["recomputed_blocks"]),

@@ -488,3 +488,12 @@ def test_a_duel_that_kept_another_plan_than_its_row_holds_only_where_that_plan_f
     assert older["holds"] and older["duel_plan_over_MiB"] == -7.0
     unknown = zoo.verdicts(cell_with({**other, "measured": measured * 2}))["per_cap"]["caps"][0]
     assert not unknown["holds"] and unknown["duel_plan_over_MiB"] is None  # two of its shape: which is unknown
+    # written by plan_summary since it records over_bytes: None is "not measured", whatever the list holds
+    unmeasured = zoo.verdicts(cell_with({**other, "over_bytes": None, "measured": measured}))["per_cap"]["caps"][0]
+    assert not unmeasured["holds"] and unmeasured["duel_plan_over_MiB"] is None
+    # the row's blocks with another copy queue: another plan, judged by its own measure
+    queue = {"max_held_bytes": 1 << 30, "prefetch_bytes": 0}
+    cell = cell_with({**queue, "over_bytes": 300 * MiB})
+    cell["rows"][-1]["plan"].update(max_held_bytes=1 << 20, prefetch_bytes=0)
+    held = zoo.verdicts(cell)["per_cap"]["caps"][0]
+    assert held["duel_plan_differs"] and not held["holds"]

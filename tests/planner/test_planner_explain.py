@@ -7,7 +7,7 @@ import pytest
 
 import storm
 from planner_fakes import MiB, framed, gpt, trace
-from storm.planner import Offloading, Scenario, choose, predicted_peak
+from storm.planner import Offloading, Plan, Scenario, choose, predicted_peak
 
 
 @pytest.mark.parametrize("hidden_ms, choice", [(50.0, "compressed"), (0.0, "raw")])
@@ -68,21 +68,33 @@ def test_explain_says_why_the_copy_queue_and_prefetch_window_are_what_they_are(f
     planner.close()
 
 
+def offload_two(s: Scenario) -> Plan:
+    """A choice that offloads blocks 0-1, whatever the host's speed."""
+    return Plan(offloaded=2, recomputed=frozenset(), offload_budget=s.trace.offloaded_before[2], max_held_bytes=1 << 30,
+                prefetch_bytes=0, predicted_peak=1 << 30, predicted_cost_ms=0.0, fits=True)
+
+
 def test_explain_says_the_min_bytes_in_force_and_what_it_kept_in_the_traced_step():
     """min_bytes is the user's option, not the plan's: explain() says which is in force and how many
     of the traced step's saves it kept on the device (the CPU GPT's small saves: fewer under 1 KiB)."""
     from planner_fakes import grads_of
 
     kept = {}
-    for given, said in (({}, "64 KiB (storm.offload default)"), ({"min_bytes": "1KiB"}, "1 KiB (as given)")):
+    for given, said in (({}, "64KiB (storm.offload default)"), ({"min_bytes": "1KiB"}, "1KiB (as given)")):
         model, idx = gpt()
-        planner = storm.plan(model.blocks, budget=0.5, mode="embedded", **given)
+        planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", chooser=offload_two, **given)
         for _ in range(3):
             grads_of(model, idx, planner.step())
         assert planner.plan is not None and planner.plan.offloads
         kept[said] = n = planner.trace.below_min_bytes
         assert f"min_bytes: {said}; {n} saves of the traced step were smaller and stayed on the device (what " \
-               f"min_bytes moves is tensors and their host time, hardly bytes: the plan does not vary it)" \
+               f"min_bytes moves is saves and their host time, hardly bytes: the plan does not vary it)" \
                in planner.explain().splitlines()
         planner.close()
-    assert kept["64 KiB (storm.offload default)"] > kept["1 KiB (as given)"]
+    assert kept["64KiB (storm.offload default)"] > kept["1KiB (as given)"]
+    # the count is the saves a plain storm.offload step of the same forward keeps as under min_bytes
+    model, idx = gpt()
+    with storm.offload(mode="embedded") as ctx:
+        loss = model.loss(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert kept["64KiB (storm.offload default)"] == ctx.stats.kept["below min_bytes"]

@@ -545,6 +545,32 @@ def test_a_planned_steps_framed_packs_are_weighed_apart_from_its_raw_ones():
     assert host_from_packs(unframed, stats) == (None, None)   # the model charges none, so none to correct
 
 
+def test_the_host_check_puts_a_framed_steps_figures_in_the_trace_each_apart():
+    """Checked.check_host with a step's framed and raw packs: a frame's dearer figure replaces the
+    trace's frame figure alone (the raw one as traced), the trace's is kept for explain(), and the
+    plan is to be made again; then a step whose raw packs alone are dearer replaces only those."""
+    from storm.planner.model import BlockTrace, Trace
+    from storm.planner.phases import CheckHost
+    from storm.planner.state import TraceState
+    from storm.stats import OffloadStats
+
+    def checked(stats: OffloadStats) -> tuple[bool, TraceState]:
+        state = TraceState(trace=Trace([BlockTrace(framed=1)], host_ms_per_tensor=0.2, frame_host_ms_per_tensor=0.08))
+        phase = CheckHost(None)
+        phase.ctx = SimpleNamespace(stats=stats)
+        return phase.check_host(SimpleNamespace(state=state, host_check_tolerance=1.5)), state
+
+    replanned, state = checked(OffloadStats(offloaded=20, packs=20, pack_s=4e-3, framed=10, frame_pack_s=3e-3))
+    assert replanned and state.trace.frame_host_ms_per_tensor == pytest.approx(0.4)
+    assert state.traced_frame_host_ms_per_tensor == 0.08
+    assert state.trace.host_ms_per_tensor == 0.2 and state.traced_host_ms_per_tensor is None
+    replanned, state = checked(OffloadStats(offloaded=10, packs=10, pack_s=4e-3))  # raw only, 0.8 a tensor
+    assert replanned and state.trace.host_ms_per_tensor == pytest.approx(0.8)
+    assert state.traced_host_ms_per_tensor == 0.2 and state.trace.frame_host_ms_per_tensor == 0.08
+    assert state.traced_frame_host_ms_per_tensor is None
+    assert not checked(OffloadStats(offloaded=10, packs=10, pack_s=1e-3))[0]  # as traced: nothing to replan
+
+
 def test_explain_says_a_frames_host_time_was_measured_in_a_planned_step():
     model, _ = gpt()
     planner = storm.plan(model.blocks, budget=300 * MiB, mode="embedded")

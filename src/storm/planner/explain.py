@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from stormd.wire.sizes import format_size
+
 from ..frames import FRAME_MIN_BYTES
 from ..options import bytes_option
 from ..policy import DEFAULT_MIN_BYTES
@@ -236,9 +238,9 @@ def _min_bytes(t: Trace, options: dict[str, Any]) -> str:
     option, not a plan's choice (docs/planner.md says why)."""
     given = "min_bytes" in options
     limit = bytes_option("min_bytes", options["min_bytes"]) if given else DEFAULT_MIN_BYTES
-    return (f"min_bytes: {_size(limit)} ({'as given' if given else 'storm.offload default'}); {t.below_min_bytes} "
-            f"saves of the traced step were smaller and stayed on the device (what min_bytes moves is tensors "
-            f"and their host time, hardly bytes: the plan does not vary it)")
+    return (f"min_bytes: {format_size(limit)} ({'as given' if given else 'storm.offload default'}); "
+            f"{t.below_min_bytes} saves of the traced step were smaller and stayed on the device (what min_bytes "
+            f"moves is saves and their host time, hardly bytes: the plan does not vary it)")
 
 
 def _recompute_form(planner: Explained, p: Plan) -> str:
