@@ -27,6 +27,18 @@ def test_explain_says_raw_or_compressed_and_why(hidden_ms, choice):
     planner.close()
 
 
+def test_explain_says_a_frames_host_time_was_measured_in_a_planned_step():
+    model, _ = gpt()
+    planner = storm.plan(model.blocks, budget=300 * MiB, mode="embedded")
+    t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
+    t.forward_device_ms = t.forward_host_ms + 50
+    planner.trace, planner.plan = t, choose(Scenario(t, 300 * MiB))
+    assert "us per compressed tensor, less what" in planner.explain()
+    planner.state.traced_frame_host_ms_per_tensor = 0.03
+    assert "(100 us per compressed tensor in a planned step, 30 measured apart, less what" in planner.explain()
+    planner.close()
+
+
 def test_explain_names_the_blocks_recomputed_with_their_inputs_offloaded_and_what_lies_outside_the_blocks():
     model, _ = gpt()
     planner = storm.plan(model.blocks, budget=300 * MiB, mode="embedded")

@@ -571,20 +571,6 @@ def test_the_host_check_puts_a_framed_steps_figures_in_the_trace_each_apart():
     assert not checked(OffloadStats(offloaded=10, packs=10, pack_s=1e-3))[0]  # as traced: nothing to replan
 
 
-def test_explain_says_a_frames_host_time_was_measured_in_a_planned_step():
-    model, _ = gpt()
-    planner = storm.plan(model.blocks, budget=300 * MiB, mode="embedded")
-    from planner_fakes import framed, trace
-
-    t = framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1)
-    t.forward_device_ms = t.forward_host_ms + 50
-    planner.trace, planner.plan = t, choose(Scenario(t, 300 * MiB))
-    assert "us per compressed tensor, less what" in planner.explain()
-    planner.state.traced_frame_host_ms_per_tensor = 0.03
-    assert "(100 us per compressed tensor in a planned step, 30 measured apart, less what" in planner.explain()
-    planner.close()
-
-
 def test_the_phases_follow_the_steps_to_settled():
     """With peak= (the reentrant form): the offload trace, the compute trace, the compute trace
     without the hand-over, the plan's measured step, the host check of its second offloading
