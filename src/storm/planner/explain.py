@@ -11,7 +11,6 @@ from typing import Any, Protocol
 from stormd.wire.sizes import format_size
 
 from ..frames import FRAME_MIN_BYTES
-from ..options import bytes_option
 from ..policy import DEFAULT_MIN_BYTES
 from .model import Offloading, Plan, Trace, after_kept, fetched_inputs, full_codec, offloaded_per_block
 from .trial import Trial
@@ -235,9 +234,10 @@ def _copies(t: Trace, p: Plan, options: dict[str, Any]) -> str:
 
 def _min_bytes(t: Trace, options: dict[str, Any]) -> str:
     """The min_bytes the plan's steps offload by, and what it kept in the traced step: the user's
-    option, not a plan's choice (docs/planner.md says why)."""
+    option, not a plan's choice (docs/planner.md says why). ``options`` are as plan_options checked
+    them: sizes already in bytes."""
     given = "min_bytes" in options
-    limit = bytes_option("min_bytes", options["min_bytes"]) if given else DEFAULT_MIN_BYTES
+    limit = options.get("min_bytes", DEFAULT_MIN_BYTES)
     return (f"min_bytes: {format_size(limit)} ({'as given' if given else 'storm.offload default'}); "
             f"{t.below_min_bytes} saves of the traced step were smaller and stayed on the device (what min_bytes "
             f"moves is saves and their host time, hardly bytes: the plan does not vary it)")
