@@ -384,14 +384,14 @@ def open_sessions(a: argparse.Namespace, device: torch.device) -> tuple[dict, di
     first CUDA copy would do it)."""
     dist.barrier()
     t0 = time.perf_counter()
-    embedded = storm.session_for("embedded", None, a.pool_size)
+    embedded = storm.registry.session_for("embedded", None, a.pool_size)
     t1 = time.perf_counter()
     if device.type == "cuda":
         register_pool(embedded.backend.pool)
     t2 = time.perf_counter()
     dist.barrier()
     t3 = time.perf_counter()
-    daemon = storm.session_for("daemon", a.socket, None)
+    daemon = storm.registry.session_for("daemon", a.socket, None)
     t4 = time.perf_counter()
     return ({"create": round(t1 - t0, 3), "page_lock": round(t2 - t1, 3), "connect": round(t4 - t3, 3)},
             {"embedded": embedded, "daemon": daemon})

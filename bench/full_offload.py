@@ -145,7 +145,7 @@ def profiled(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) ->
     events, the profile's readings, marks and rises, and the room's limits."""
     storm.close_all()
     trace = recorded(lambda: [step(model, ids, "storm", device) for _ in range(2)])
-    room = storm.session_for("auto", None, None).rooms.room
+    room = storm.registry.session_for("auto", None, None).rooms.room
     p = room.profile if room is not None else None
     return {"events": compact(trace),
             "profile": p and {k: getattr(p, k) for k in ("sizes", "saves", "unpack_sizes", "unpacks", "unpack_saves",
@@ -211,7 +211,7 @@ def main() -> int:
             for p in peaks.values():
                 p.pop("trace")
             record.pop("events")
-    room = storm.session_for("auto", None, None).rooms.room  # what the storm rows' profile found
+    room = storm.registry.session_for("auto", None, None).rooms.room  # what the storm rows' profile found
     found = room and {"floor_MiB": room.floor / MiB, "saves_MiB": [b / MiB for b in room._saves],
                       "between_MiB": [b / MiB for b in room._between]}
     write(args.out, {"model": MODEL.name, "rows": out, "room": found, "peaks": peaks,

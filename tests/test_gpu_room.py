@@ -62,7 +62,7 @@ def test_full_offload_peaks_no_higher_than_save_on_cpu_once_profiled(codec):
     assert not torch._C._cuda_isHistoryEnabled()
     peaks = [step(model, x, y, storm.offload(mode="embedded", min_bytes=0, codec=codec)) for _ in range(4)]
     assert not torch._C._cuda_isHistoryEnabled()  # the profiled step's record is stopped once read
-    session = storm.session_for("embedded", None, None)
+    session = storm.registry.session_for("embedded", None, None)
     room = session.rooms.room
     assert room is not None and room.floor > 0
     # the first step profiles (its queue and window are the user's); the steps after it follow the room
@@ -78,7 +78,7 @@ def test_a_record_the_user_started_is_read_and_left_running():
         for _ in range(3):
             step(model, x, y, storm.offload(mode="embedded", min_bytes=0))
         assert torch._C._cuda_isHistoryEnabled()
-        assert storm.session_for("embedded", None, None).rooms.room is not None
+        assert storm.registry.session_for("embedded", None, None).rooms.room is not None
     finally:
         torch.cuda.memory._record_memory_history(None)
 

@@ -64,7 +64,7 @@ def test_saves_backward_took_before_the_mover_reached_them_take_no_pool_space():
     ref(x).square().sum().backward()
     opts = {"mode": "embedded", "min_bytes": 0, "pool_size": "64MiB",
             "max_held_bytes": "1GiB"}  # far above 50 steps: saving never waits for the held-back mover
-    session = storm.session_for("embedded", None, "64MiB")
+    session = storm.registry.session_for("embedded", None, "64MiB")
     store = session.backend.service.store
     with mover_held_back(session):
         for step in range(50):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
+
 import storm.registry as registry
 
 
@@ -39,3 +41,18 @@ def test_threads_that_begin_together_share_one_session(monkeypatch):
     finally:
         for s in built:
             s.close()
+
+
+def test_stats_reads_the_session_the_steps_took_whatever_its_pool_size():
+    """storm.stats() without a pool_size reports the session of the last step (its pool given as
+    storm.offload's pool_size): it opened another session, with a new embedded store and pool."""
+    import storm
+    x = torch.randn(64, 64, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0, pool_size=(2 << 20) + 4096):  # a pool no other test asks for
+        loss = x.exp().sum()
+    loss.backward()
+    with registry._sessions_lock:
+        sessions = len(registry._sessions)
+    assert storm.stats("embedded")["session"]["puts"] == 1
+    with registry._sessions_lock:
+        assert len(registry._sessions) == sessions

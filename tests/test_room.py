@@ -571,7 +571,7 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
     the allocator's record saw the step rise above a reading, the floor is that rise's top. The
     last save, which backward unpacks first, stays on the device where it fits under the floor
     until then: not where a loss's op rises on top of it before backward begins."""
-    session = storm.session_for("embedded", None, None)
+    session = storm.registry.session_for("embedded", None, None)
     queue, rooms = session.copy_queue, session.rooms
     one = 64 * 64 * 4
     besides = [0, 0, 0, 4 * one, 10 * one, 12 * one]  # a head: the step holds more at its last saves
@@ -655,7 +655,7 @@ def kind_step(width: int, n: int = 4) -> str:
 def fresh_rooms():
     """A new session's rooms, whose memory reads as constant beside the queue and the window."""
     storm.close_all()
-    session = storm.session_for("embedded", None, None)
+    session = storm.registry.session_for("embedded", None, None)
     queue, rooms = session.copy_queue, session.rooms
     rooms.memory = lambda device: queue.nbytes + session.prefetch.nbytes + MiB
     yield rooms
@@ -835,7 +835,7 @@ def test_profiles_that_gave_no_room_count_towards_the_bound_too(monkeypatch):
 
 def test_a_full_offload_step_with_a_room_computes_the_same_gradients(monkeypatch):
     """The room changes when copies are waited for, never what is saved or restored."""
-    session = storm.session_for("embedded", None, None)
+    session = storm.registry.session_for("embedded", None, None)
     queue, rooms = session.copy_queue, session.rooms
     monkeypatch.setattr(rooms, "memory", lambda device: queue.nbytes + session.prefetch.nbytes + MiB)
     monkeypatch.setattr(rooms, "room", None)
@@ -858,7 +858,7 @@ def test_a_full_offload_step_with_a_room_computes_the_same_gradients(monkeypatch
 def test_a_profiled_unpack_of_a_storage_brought_back_already_is_read_as_held(monkeypatch):
     """A storage two saves share (a * a) is fetched at its first unpack and still alive at its second:
     the profile's reading there must not count it on top of what the allocator holds."""
-    session = storm.session_for("embedded", None, None)
+    session = storm.registry.session_for("embedded", None, None)
     rooms = session.rooms
     seen: list[bool] = []
     real_unpacked = rooms.unpacked

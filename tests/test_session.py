@@ -117,7 +117,7 @@ def test_a_save_is_routed_with_the_name_of_the_op_that_made_it(monkeypatch):
     """The mover chooses an upcast frame for a conversion's output alone (storm/frames.py): the
     session hands it each save's producer, its grad_fn's name, or a view's base's: the bytes a
     view's save stores are its base's."""
-    session = storm.session_for("embedded", None, None)
+    session = storm.registry.session_for("embedded", None, None)
     seen: list[str] = []
     real = session.mover.route
 
@@ -140,7 +140,7 @@ def test_a_put_that_raises_leaves_nothing_of_its_save_and_the_next_step_offloads
     before the put, let go of, had no copy to cancel)."""
     import gc
 
-    session = storm.session_for("embedded", None, None)
+    session = storm.registry.session_for("embedded", None, None)
     real, refused = session.mover.put, []
 
     def put(req):
@@ -206,7 +206,7 @@ def test_a_save_found_modified_while_its_put_runs_frees_its_key_once_the_put_lan
 
     from storm.copies.base import Route
 
-    session = storm.session_for("embedded", None, None)
+    session = storm.registry.session_for("embedded", None, None)
     handler = session.mover._handlers[Route.HOST]
     gate, real = threading.Event(), handler._put
 
@@ -253,3 +253,90 @@ def test_an_older_save_forgotten_leaves_the_dedup_slot_of_its_storage_s_later_sa
     h2 = h.detach()
     (h2 * plain + h2 * plain).sum().backward()
     assert torch.equal(w.grad, plain.grad)
+
+
+class Begun:
+    """A put as one on a CUDA stream or copied by stormd is: begun, so no longer cancellable, and (with
+    ``unfinished``) read as running until something waits for it, however long ago it finished."""
+
+    def __init__(self, copy, unfinished: bool = False):
+        self.copy, self.waited = copy, not unfinished
+
+    def done(self) -> bool:
+        return self.waited and self.copy.done()
+
+    def wait(self) -> None:
+        self.waited = True
+        self.copy.wait()
+
+    def cancel(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.copy, name)
+
+
+def test_a_let_go_save_comes_back_though_an_older_saves_copy_finishes_after_its_own():
+    """A compiled graph's save let go of (its tensor dropped) is unpacked while an older save's copy, on
+    another stream or route, still runs: the session lets saves go in the order they came, so the
+    unpack waits for the older copy too. It read the dropped tensor (AttributeError on None)."""
+    store = EmbeddedStore(4 << 20)
+    session = session_mod.ClientSession(store)
+    try:
+        step = session.new_step()
+        a, b = torch.randn(64, 64), torch.randn(64, 64)
+        older = session.save(a, step, Policy(0))
+        older.stored.copy_in = Begun(older.stored.copy_in, unfinished=True)
+        expected = b.clone()
+        handle = session.let_go(session.save(b, step, Policy(0), compiled=True))
+        b.fill_(float("nan"))  # the graph reuses the memory it let go of
+        assert torch.equal(session.load(handle), expected)
+        assert torch.equal(session.load(older), a)
+    finally:
+        session.close()
+        store.close()
+
+
+def test_a_save_no_handle_holds_is_not_stored_again_when_its_store_is_lost():
+    """Autograd let go of a save whose put had begun, and its store's daemon stopped before the put was
+    seen landed: nothing needs it, so it is not stored again in the store in its place."""
+    first, second = EmbeddedStore(4 << 20), EmbeddedStore(4 << 20)
+    session = session_mod.ClientSession(first, reopen=lambda: second)
+    try:
+        step = session.new_step()
+        handle = session.save(torch.randn(64, 64), step, Policy(0))
+        stored = handle.stored
+        stored.copy_in = Begun(stored.copy_in, unfinished=True)
+        del handle  # autograd frees the graph
+        session.poll()  # the handle's drop is counted: the put has begun, so its save waits for it
+        lose(first)
+        session.synchronize()
+        assert second.service.store.session_stats(second.session)["puts"] == 0
+        assert first.service.store.session_stats(first.session)["keys"] == 0
+    finally:
+        session.close()
+        first.close()
+        second.close()
+
+
+def test_a_step_starts_its_room_under_the_session_s_lock():
+    """Another thread's save follows and changes the rooms under the session's lock (threads running
+    forwards at once share the session): a step's start changes them too, so under the same lock."""
+    import threading
+    store = EmbeddedStore(4 << 20)
+    session = session_mod.ClientSession(store)
+    start_step, taken = session.rooms.start_step, []
+
+    def starting(step) -> None:  # another thread tries the lock while the room is chosen
+        t = threading.Thread(target=lambda: taken.append(session._lock.acquire(blocking=False)))
+        t.start()
+        t.join()
+        start_step(step)
+
+    session.rooms.start_step = starting
+    try:
+        session.new_step()
+        assert taken == [False]
+    finally:
+        session.close()
+        store.close()

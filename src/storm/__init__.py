@@ -24,7 +24,7 @@ from .errors import (
 from .hooks import Offload, offload
 from .planner import Planner, plan
 from .policy import Keep
-from .registry import close_all, session_for
+from .registry import close_all, session_used
 from .sac import checkpoint_policy
 from .stats import OffloadStats
 
@@ -49,8 +49,9 @@ def partitioner(**options: Any) -> Any:
 def stats(mode: str = "auto", socket: str | None = None) -> dict[str, Any]:
     """The store's counters for this process's session and for the whole node (pool, clients, errors),
     and which store that is (``store``: "stormd at ...", or "embedded store (...)", which says the
-    daemon it took the place of when one stopped)."""
-    session = session_for(mode, socket, None)
+    daemon it took the place of when one stopped). The session is the one of ``mode`` and ``socket``
+    that a step took last, whatever pool_size its contexts gave."""
+    session = session_used(mode, socket)
     session.synchronize()
     reply = session.mover.request("STATS").result(timeout=10)
     return {"store": session.describe(), "session": reply["session"], "node": reply["node"]}

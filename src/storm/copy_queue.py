@@ -24,7 +24,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 from .copies.base import Copy
-from .saved import Step, Stored
+from .saved import State, Step, Stored
 
 
 class CopyQueue:
@@ -99,10 +99,19 @@ class CopyQueue:
     def drain(self, limit: int) -> None:
         """Let go of saved tensors whose copy has finished, then wait, oldest first, until at most
         ``limit`` bytes of them wait for their copy."""
+        self._wait_until(lambda: self.nbytes <= limit)
+
+    def drain_through(self, stored: Stored) -> None:
+        """Wait, oldest first, until ``stored`` has left the queue: the session lets go of saves in
+        the order they came, and copies on other streams or routes may finish out of that order."""
+        self._wait_until(lambda: stored.state != State.HELD)
+
+    def _wait_until(self, done: Callable[[], bool]) -> None:
+        """Poll, and wait for the oldest copy, until ``done()`` (read under the lock) or the queue is empty."""
         self._poll()
         while True:
             with self._lock:
-                if self.nbytes <= limit or not self._saves:
+                if done() or not self._saves:
                     break
                 oldest = self._saves[0][0].copy_in
             if oldest is not None:  # None: let go of since the look; the poll takes it out

@@ -31,6 +31,20 @@ def session_for(mode: str, socket: str | None, pool_size: str | int | None) -> C
         return s
 
 
+def session_used(mode: str, socket: str | None) -> ClientSession:
+    """The session of this mode and endpoint that a step took last, whatever its pool size (storm.stats
+    reads it: a session opened for its pool size would be another one, with a new pool); without
+    one, the session for the default pool size."""
+    mode = mode_option(mode)
+    endpoint = socket_option(mode, socket)
+    where = (mode, endpoint if mode != "embedded" else None)  # session_for's key, less the pool size
+    with _sessions_lock:
+        used = [s for key, s in _sessions.items() if key[:2] == where]
+    if used:
+        return max(used, key=lambda s: s.last_step)
+    return session_for(mode, socket, None)
+
+
 def close_all() -> None:
     """Finish the copies in flight and close every session and backend of this process."""
     with _sessions_lock:

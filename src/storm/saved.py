@@ -103,7 +103,8 @@ class Facts:
     """What an offloaded storage is, fixed when it is saved: its place in the step's saving order
     (``index``) and layer, its bytes, device, the saved view's shape and dtype, the op that made
     its bytes (producer_of), a weak reference to the storage (also the step's dedup key while the
-    step lasts), and the route its copies take (mover.Mover.route)."""
+    step lasts), and whether a compiled graph saved it (storm/graph: stored raw, its version not
+    checked)."""
 
     index: int
     layer: str | None
@@ -113,24 +114,21 @@ class Facts:
     dtype: torch.dtype
     producer: str
     weak: StorageWeakRef
-    route: Route
+    compiled: bool
 
     @property
     def kind(self) -> tuple[Any, ...]:
-        """What tensors saved by the same op at the same place in the model share (kind_of)."""
+        """What tensors saved by the same op at the same place in the model share."""
         return self.producer, self.shape, self.dtype
-
-
-def kind_of(t: torch.Tensor) -> tuple[Any, ...]:
-    """The kind of the Stored a save of ``t`` would make (Facts.kind), before it is made."""
-    return producer_of(t), tuple(t.shape), t.dtype
 
 
 class Stored:
     """An offloaded storage, in the store or on its way. ``facts`` are set once, when it is saved;
     every other field is the session's (storm/session.py) alone to write, under its lock:
 
-    ``key`` (a new one if its frame overflowed and it is stored again raw), ``step`` (None once
+    ``key`` (a new one where it is stored again: its frame overflowed, or its store's daemon
+    stopped), ``route`` (the route its copies take, mover.Mover.route's: set at its put, and at a
+    put again), ``step`` (None once
     freed), ``tensor`` (held until its copy is in: ``detach()``-ed, see Kept), ``version`` (at save;
     None: not checked, a compiled graph's save), ``state``, ``copy_in`` (the put, until it lands),
     ``request`` (while held: to store it again raw), ``frame_bytes`` (once in the store: the bytes of
@@ -140,17 +138,18 @@ class Stored:
     the last copy out of the store; CPU copies are done on return), ``let_go`` (a compiled graph's
     save: the graph may have reused its memory since)."""
 
-    __slots__ = ("facts", "key", "step", "tensor", "version", "state", "copy_in", "request", "frame_bytes", "refs",
-                 "handles", "unpacks", "in_store", "read", "let_go", "__weakref__")
+    __slots__ = ("facts", "key", "route", "step", "tensor", "version", "state", "copy_in", "request", "frame_bytes",
+                 "refs", "handles", "unpacks", "in_store", "read", "let_go", "__weakref__")
 
     def __init__(self, key: int, step: Step, t: torch.Tensor, weak: StorageWeakRef, nbytes: int,
-                 route: Route = Route.HOST):
+                 compiled: bool = False):
         self.facts = Facts(len(step.order), step.layer, nbytes, t.device, tuple(t.shape), t.dtype, producer_of(t),
-                           weak, route)
+                           weak, compiled)
         self.key = key
+        self.route = Route.HOST  # until its put is routed
         self.step: Step | None = step
         self.tensor: torch.Tensor | None = t.detach()
-        self.version: int | None = t._version
+        self.version: int | None = None if compiled else t._version
         self.state = State.HELD
         self.copy_in: Copy | None = None
         self.request: PutRequest | None = None
@@ -170,7 +169,7 @@ class Stored:
     shape = property(lambda self: self.facts.shape)
     dtype = property(lambda self: self.facts.dtype)
     weak = property(lambda self: self.facts.weak)
-    route = property(lambda self: self.facts.route)
+    compiled = property(lambda self: self.facts.compiled)
     kind = property(lambda self: self.facts.kind)
 
     def describe(self) -> str:

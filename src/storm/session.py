@@ -35,12 +35,12 @@ from .copies.base import Copy, PutRequest, Route
 from .copy_queue import CopyQueue
 from .errors import StormError, StormInPlaceError, StormUnavailable
 from .frames import frame_bytes
-from .gpu import allocated, consume, pack_range, record_ready, unpack_range, wait_on_compute
+from .gpu import IpcEvent, allocated, consume, pack_range, record_ready, unpack_range, wait_on_compute
 from .mover import Mover, Stores, next_key
 from .policy import Keep, Policy, Refusals
 from .prefetch import Prefetcher
 from .rooms import Rooms
-from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of, kind_of
+from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of
 
 MARK_BYTES = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
 _steps = itertools.count(1)  # for the whole process, as keys are (mover.next_key): sessions may share a store
@@ -71,6 +71,7 @@ class ClientSession:
         # that takes them, or go raw (mover.route, frames.frame_codec)
         self._overflowed: dict[tuple[Any, ...], frozenset[str]] = {}
         self.closed = False  # by close_all(): the store's bytes are gone, and saves have nowhere to go
+        self.last_step = 0  # the number of the last step begun (steps are numbered for the whole process)
 
     @property
     def backend(self) -> Backend:
@@ -108,7 +109,9 @@ class ClientSession:
         if self._stores.gone():
             self._retire()
         step = Step(next(_steps), limit, options)
-        self.rooms.start_step(step)
+        self.last_step = step.number
+        with self._lock:  # another thread's save may be following a room meanwhile
+            self.rooms.start_step(step)
         return step
 
     def _retire(self) -> None:
@@ -210,11 +213,8 @@ class ClientSession:
         meta = {"dtype": dtype, "shape": list(t.shape), "strides": list(t.stride()),
                 "storage_offset": t.storage_offset()}
         with self._lock:  # the store, its route and the key together: the session may move on to another store
-            kind = kind_of(t)
-            route, codec, ipc = self._route(storage, dtype, step, kind, compiled)  # once: it serves the get too
-            stored = Stored(next_key(), step, t, StorageWeakRef(storage), nbytes, route)
-            if compiled:
-                stored.version = None
+            stored = Stored(next_key(), step, t, StorageWeakRef(storage), nbytes, compiled)
+            stored.route, codec, ipc = self._route(stored, storage, dtype)  # once: it serves the get too
             step.order.append(stored)
             previous = step.by_storage.get(storage._cdata)  # an earlier save of the storage, changed since
             step.by_storage[storage._cdata] = stored
@@ -223,11 +223,10 @@ class ClientSession:
                 frame = frame_bytes(codec, nbytes)
                 if not self.rooms.frame_fits(step, frame):
                     # the put's frame would sit on the step's floor beside the queue: copied as it is
-                    route, codec, ipc = self._route(storage, dtype, step, kind, compiled, "raw")
-                    stored.facts = dataclasses.replace(stored.facts, route=route)
+                    stored.route, codec, ipc = self._route(stored, storage, dtype, "raw")
                     frame = 0
-                ready = record_ready(t.device, interprocess=route is Route.DAEMON) if t.is_cuda else None
-                stored.request = PutRequest(stored.key, step.number, storage, meta, route, codec, ready, ipc)
+                ready = record_ready(t.device, interprocess=stored.route is Route.DAEMON) if t.is_cuda else None
+                stored.request = PutRequest(stored.key, step.number, storage, meta, stored.route, codec, ready, ipc)
                 stored.copy_in = self.mover.put(stored.request)
             except BaseException:  # nothing went: the save is not the step's, and no handle points at it
                 step.order.pop()
@@ -244,13 +243,15 @@ class ClientSession:
             self.copy_queue.drain(drain_to)
         return handle
 
-    def _route(self, source: torch.UntypedStorage, dtype: str, step: Step, kind: tuple[Any, ...],
-               compiled: bool, codec: str | None = None) -> tuple[Route, str, tuple[bytes, int] | None]:
-        """The route and codec of a save of ``kind`` to the current store (mover.route), by ``codec``
-        where given, else the step's codec setting, raw for a compiled graph's save, and past the
-        frames that overflowed for its kind."""
-        codec = "raw" if compiled else codec or step.options.codec or self.backend.codec
-        return self.mover.route(source, dtype, codec, kind[0], self._overflowed.get(kind, frozenset()))
+    def _route(self, stored: Stored, source: torch.UntypedStorage, dtype: str,
+               codec: str | None = None) -> tuple[Route, str, tuple[bytes, int] | None]:
+        """The route and codec of ``stored``'s put of ``source`` (of the saved view's ``dtype``) to the
+        current store (mover.route): by ``codec`` where given, else its step's codec setting; raw for
+        a compiled graph's save; past the frames that overflowed for its kind."""
+        assert stored.step is not None
+        codec = "raw" if stored.compiled else codec or stored.step.options.codec or self.backend.codec
+        return self.mover.route(source, dtype, codec, stored.facts.producer,
+                                self._overflowed.get(stored.kind, frozenset()))
 
     def _handle(self, stored: Stored, t: torch.Tensor, index: int) -> Handle:
         """A new Handle onto ``stored`` for a save of ``t`` that came after ``index`` offloaded saves of
@@ -306,6 +307,9 @@ class ClientSession:
         released is stored again in the store that replaces it. Returns the keys to free."""
         frees = []
         while (stored := self.copy_queue.copied()) is not None:
+            if stored.refs == 0:  # no handle holds it any more: it goes, stored again nowhere
+                frees.extend(self._release(self.copy_queue.pop()))
+                continue
             landed = stored.copy_in.error() is None
             if stored.tensor is not None and self._stores.lost(stored.key) is not None and self._move_on():
                 frees.extend(self._put_again(stored, landed))
@@ -337,21 +341,23 @@ class ClientSession:
     def _put_again(self, stored: Stored, landed: bool, raw: bool = False) -> list[int]:
         """Store ``stored``, still held, again under a new key in the current store: raw when its frame had
         more escapes than slots (its kind takes another frame or none from now on), else because the
-        daemon of the store it went to stopped (its route is the current store's). Returns the old key
-        to free, where its put ``landed``."""
+        daemon of the store it went to stopped. Routed again either way (mover.route): the current
+        store may copy it another way. Returns the old key to free, where its put ``landed``."""
         old, stored.key = stored.key, next_key()
         req = stored.request
+        assert req is not None
         if raw:
             self._overflowed[stored.kind] = self._overflowed.get(stored.kind, frozenset()) | {req.codec}
             stored.step.stats.record(stored.layer, frame_overflows=1)
-            req = dataclasses.replace(req, key=stored.key, codec="raw")
-        else:
-            route, codec, ipc = self._route(req.source, req.meta["dtype"], stored.step, stored.kind,
-                                            stored.version is None)
-            stored.facts = dataclasses.replace(stored.facts, route=route)
-            req = dataclasses.replace(req, key=stored.key, route=route, codec=codec, ipc=ipc)
-        stored.request = req
-        stored.copy_in = self.mover.put(req)
+        stored.route, codec, ipc = self._route(stored, req.source, req.meta["dtype"], "raw" if raw else None)
+        ready = req.ready
+        if stored.route is Route.DAEMON and not isinstance(ready, IpcEvent):
+            # stormd waits on the event that says the tensor is complete, and can open only an
+            # interprocess one: once the first put's has fired, any event recorded after it says so too
+            ready.synchronize()
+            ready = record_ready(stored.device, interprocess=True)
+        stored.request = dataclasses.replace(req, key=stored.key, route=stored.route, codec=codec, ipc=ipc, ready=ready)
+        stored.copy_in = self.mover.put(stored.request)
         return [old] if landed else []
 
     def _release(self, stored: Stored) -> list[int]:
@@ -438,10 +444,8 @@ class ClientSession:
         self._free_at_backward_end(stored.step)
         stored.step.fetching = True
         stats = stored.step.stats
-        copy = stored.copy_in  # read once: another thread's poll may release it meanwhile
-        if stored.state == State.HELD and stored.tensor is None and copy is not None:  # let go, not yet polled
-            copy.wait()
-            self.poll()
+        if stored.state == State.HELD and stored.tensor is None:  # let go (a compiled graph's), not yet released
+            self.copy_queue.drain_through(stored)
         with self._lock:
             ref = self._restored.get(stored.key)
             base = ref() if ref is not None else None  # brought back by an earlier unpack, still alive

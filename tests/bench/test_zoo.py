@@ -126,7 +126,7 @@ def test_t5s_full_offload_keeps_its_loss_saves_though_an_early_save_comes_back_b
         torch.manual_seed(1)
         handle = storm.enable(model, **STORM) if enable else None
         if handle is not None:
-            session = storm.session_for(STORM["mode"], None, STORM["pool_size"])
+            session = storm.registry.session_for(STORM["mode"], None, STORM["pool_size"])
             queue, rooms = session.copy_queue, session.rooms
             allocator = rooms.memory
 

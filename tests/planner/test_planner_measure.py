@@ -339,7 +339,7 @@ def read_rooms():
     """A new embedded session whose full-offload steps read their memory (as constant beside the
     queue and the window: the CPU has no allocator to read), so that they profile and follow rooms."""
     storm.close_all()
-    session = storm.session_for("embedded", None, None)
+    session = storm.registry.session_for("embedded", None, None)
     session.rooms.memory = lambda device: session.copy_queue.nbytes + session.prefetch.nbytes + MiB
     yield session.rooms
     storm.close_all()
