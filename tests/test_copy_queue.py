@@ -186,8 +186,9 @@ def test_the_profiled_step_record_is_read_once_though_budget_steps_come_between(
     queue, waited = queue_and_waits()
     rooms = Rooms(queue)
     # the one save's mark and its unpack's (1 and 2), as the record saw them
-    rooms.record = record = ScriptedRecord([{"action": "alloc", "addr": mark, "size": allocator_record.MARK_BYTES,
-                                             "stream": 0} for mark in (1, 2)])
+    size = allocator_record.RECORD_MARK_BYTES
+    rooms.record = record = ScriptedRecord([{"action": "alloc", "addr": mark, "size": size, "stream": 0}
+                                            for mark in (1, 2)])
     rooms.memory = lambda device: 100
     step = Step(1, float("inf"), StepOptions())
     rooms.start_step(step)

@@ -122,17 +122,17 @@ def test_stop_offloading_changes_nothing_under_other_hooks():
 
 
 def test_markers_past_the_budget_pace_prefetch(monkeypatch):
-    """Past the budget one save in about MARK_BYTES is a marker; as backward unpacks each, the
+    """Past the budget one save in about MARKER_SPACING is a marker; as backward unpacks each, the
     offloaded saves (needed last) may come back by the bytes saved since the marker before,
     and not more: the prefetch window opens only at the first offloaded save unpacked."""
     one = 128 * 128 * 4
-    monkeypatch.setattr(session_mod, "MARK_BYTES", 2 * one)
+    monkeypatch.setattr(session_mod, "MARKER_SPACING", 2 * one)
     paced = []  # markers that measured the room backward made
     from storm.prefetch import Prefetcher
 
-    room_made = Prefetcher.room_made
-    monkeypatch.setattr(Prefetcher, "room_made",
-                        lambda self, step, marker: (paced.append(marker), room_made(self, step, marker))[1])
+    allowance_at = Prefetcher.allowance_at
+    monkeypatch.setattr(Prefetcher, "allowance_at",
+                        lambda self, step, marker: (paced.append(marker), allowance_at(self, step, marker))[1])
     x = torch.randn(128, 128, requires_grad=True)
     seen: dict[int, int] = {}
     with storm.offload(mode="embedded", min_bytes=0, budget=4 * one) as ctx:

@@ -83,7 +83,7 @@ def test_a_save_stored_in_a_frame_is_fetched_only_where_its_frame_fits_beside_it
 def test_room_backward_made_lets_saves_come_back_but_only_whole():
     step = step_of([State.OFFLOADED] * 4)
     p, fetched = prefetcher()
-    step.prefetch_room = 6 * KIB  # room for one and a half
+    step.fetch_allowance = 6 * KIB  # room for one and a half
     p.ahead(step, 4)
     assert fetched == [4]
 
@@ -102,6 +102,6 @@ def test_it_waits_at_a_save_still_being_copied_and_passes_saves_not_in_the_store
 
 def test_the_room_a_marker_reports_off_cuda_is_what_was_saved_since_the_marker_before():
     step = step_of([State.OFFLOADED])
-    step.prefetch_room = 3 * KIB
+    step.fetch_allowance = 3 * KIB
     p, _ = prefetcher()
-    assert p.room_made(step, Marker(torch.empty(1), step, 5 * KIB)) == 8 * KIB
+    assert p.allowance_at(step, Marker(torch.empty(1), step, 5 * KIB)) == 8 * KIB

@@ -78,7 +78,7 @@ def test_rises_replay_the_step_own_memory_between_marks():
     (STORM's copies) and their frees do not, nor does a mark's own free."""
     own, copy = 7, 9
 
-    mark = allocator_record.MARK_BYTES
+    mark = allocator_record.RECORD_MARK_BYTES
 
     def ev(action: str, addr: int, size: int = mark, stream: int = own) -> dict:
         return {"action": action, "addr": addr, "size": size, "stream": stream}
@@ -99,7 +99,7 @@ def test_a_step_peak_counts_every_stream_from_its_mark_to_the_record_end():
     """A trial step's peak: the allocator's bytes above its first save's mark, STORM's copies
     counted too (they are on the device as much as the step's tensors), a block from before the
     mark freed below it, the mark's own free not at all."""
-    mark = allocator_record.MARK_BYTES
+    mark = allocator_record.RECORD_MARK_BYTES
 
     def ev(action: str, addr: int, size: int = mark, stream: int = 7) -> dict:
         return {"action": action, "addr": addr, "size": size, "stream": stream}
@@ -117,7 +117,7 @@ def test_a_record_begun_before_the_step_holds_older_marks_at_the_same_address():
     """The allocator hands each mark the block the one before freed: where the record began
     earlier (someone else's, left running), an older step's marks share the address; the step's
     own are the last ones."""
-    mark = allocator_record.MARK_BYTES
+    mark = allocator_record.RECORD_MARK_BYTES
 
     def ev(action: str, addr: int, size: int = mark) -> dict:
         return {"action": action, "addr": addr, "size": size, "stream": 7}
@@ -133,7 +133,7 @@ def test_a_queued_save_freed_before_the_next_mark_is_not_counted_off_twice():
     """A reading leaves out the saves in the copy queue: one of them freed once its copy is done,
     before the next mark, does not lower the level, so what the step allocates after it (a loss's
     gradients once its logits-sized save went out) is a rise."""
-    mark = allocator_record.MARK_BYTES
+    mark = allocator_record.RECORD_MARK_BYTES
 
     def ev(action: str, addr: int, size: int = mark) -> dict:
         return {"action": action, "addr": addr, "size": size, "stream": 7}
@@ -151,7 +151,7 @@ def test_a_save_freed_after_its_copy_while_a_reading_counted_it_is_replayed_as_s
     """A save whose copy is done while the step still holds it (a log-softmax that the loss's next
     op reads) is counted by the readings from then until its free; the rise after that free is
     what a kept save would sit under. A save in the queue at its free is neither."""
-    mark = allocator_record.MARK_BYTES
+    mark = allocator_record.RECORD_MARK_BYTES
 
     def ev(action: str, addr: int, size: int = mark) -> dict:
         return {"action": action, "addr": addr, "size": size, "stream": 7}
@@ -325,7 +325,7 @@ class PeakRecord:
         rise = self.rises.pop(0)
         if rise is None:
             return None
-        size = allocator_record.MARK_BYTES
+        size = allocator_record.RECORD_MARK_BYTES
         return [{"action": "alloc", "addr": self.address, "size": size, "stream": 0},
                 {"action": "free_requested", "addr": self.address, "size": size, "stream": 0},
                 {"action": "alloc", "addr": 7, "size": rise, "stream": 1},
@@ -549,7 +549,7 @@ class RisingRecord:
     def mark(self, device: torch.device) -> int:
         self.marks += 1
         address = 1000 + self.marks
-        size = allocator_record.MARK_BYTES
+        size = allocator_record.RECORD_MARK_BYTES
         self.events += [{"action": "alloc", "addr": address, "size": size, "stream": 0},
                         {"action": "free_requested", "addr": address, "size": size, "stream": 0}]
         rise = self.rises.get(self.marks, 0)

@@ -34,7 +34,7 @@ MAX_EVENTS = 1 << 18
 # A mark's bytes: the allocator reuses a freed block for the next request of its size class, so a
 # mark's address alone is shared with the step's own small tensors; an odd multiple of the
 # allocator's 512-byte rounding that no tensor of the step is likely to have tells them apart
-MARK_BYTES = 37 * 512
+RECORD_MARK_BYTES = 37 * 512
 
 
 class Record(Protocol):
@@ -64,7 +64,7 @@ class AllocatorRecord:
     def mark(self, device: torch.device) -> int | None:
         if device.type != "cuda" or not torch._C._cuda_isHistoryEnabled():
             return None
-        return torch.empty(MARK_BYTES, dtype=torch.uint8, device=device).data_ptr()
+        return torch.empty(RECORD_MARK_BYTES, dtype=torch.uint8, device=device).data_ptr()
 
     def finish(self, device: torch.device) -> list[dict[str, Any]] | None:
         if device.type != "cuda" or not torch._C._cuda_isHistoryEnabled():
@@ -188,6 +188,6 @@ def peak(events: list[dict[str, Any]], mark: int) -> int | None:
 
 def _mark_before(events: list[dict[str, Any]], mark: int, end: int) -> int | None:
     """The index of ``mark``'s last allocation in the record before ``end`` (an allocation of
-    MARK_BYTES at its address); None where the record does not have it."""
+    RECORD_MARK_BYTES at its address); None where the record does not have it."""
     return next((i for i in range(end - 1, -1, -1) if events[i]["action"] == "alloc"
-                 and events[i]["addr"] == mark and events[i]["size"] == MARK_BYTES), None)
+                 and events[i]["addr"] == mark and events[i]["size"] == RECORD_MARK_BYTES), None)

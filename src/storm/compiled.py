@@ -18,6 +18,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .gpu import allocated_or_none
+from .room import Reader
+
 log = logging.getLogger("storm")
 
 
@@ -60,10 +63,6 @@ LATE_SAVES_MIN_BYTES = 64 << 20  # a step saving less is not judged: too little 
 LATE_SAVES_FRACTION = 0.75       # of a step's saved bytes, allocated already when the first reached the hooks
 
 
-def _cuda_allocated(device: torch.device) -> int | None:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-
-
 class LateSaves:
     """storm.offload's check, judged on one step a process, that the forward it wraps hands its
     saved tensors over as they are made. storm.offload sees no model, so it cannot probe the
@@ -76,7 +75,7 @@ class LateSaves:
 
     judged = False  # a step was judged in this process: no more checks
 
-    def __init__(self, allocated: Callable[[torch.device], int | None] = _cuda_allocated):
+    def __init__(self, allocated: Reader = allocated_or_none):
         self._allocated = allocated
         self._device: torch.device | None = None
         self._at_enter: int | None = None

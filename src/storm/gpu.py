@@ -188,6 +188,11 @@ def allocated(device: torch.device) -> int:
     return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
 
 
+def allocated_or_none(device: torch.device) -> int | None:
+    """``allocated`` on a CUDA device; None elsewhere (no caching allocator to read)."""
+    return allocated(device) if device.type == "cuda" else None
+
+
 def current_stream(device: torch.device) -> int:
     """The raw handle of the stream torch's ops on ``device`` run on now."""
     return torch._C._cuda_getCurrentRawStream(device.index)

@@ -1,8 +1,8 @@
 """Prefetch pacing: which offloaded saves come back ahead of backward, and how far ahead.
 
 Backward needs the offloaded saves in reverse saving order. The prefetcher
-fetches the ones before the save backward unpacks now, within the room
-backward has made (markers past a budget measure it, or a caller that knows
+fetches the ones before the save backward unpacks now, within the memory
+backward has freed (its allowance) (markers past a budget measure it, or a caller that knows
 the model's blocks says it: storm.plan through ``allow_prefetch``) plus, once
 backward unpacks offloaded saves, the byte window (storm.offload's
 ``prefetch_bytes``, the step's own). The session calls it under its lock.
@@ -35,17 +35,18 @@ class Prefetcher:
             self.nbytes -= stored.nbytes
         return fut
 
-    def room_made(self, step: Step, marker: Marker) -> int:
-        """The room backward has made when it reaches ``marker``. On CUDA that is the memory allocated
-        now below what was when forward ended (backward frees saves but allocates gradients, which
-        can take most of it); elsewhere, the bytes saved since the marker before, about to be freed."""
+    def allowance_at(self, step: Step, marker: Marker) -> int:
+        """The allowance backward has made when it reaches ``marker``: the bytes it freed. On CUDA
+        that is the memory allocated now below what was when forward ended (backward frees saves but
+        allocates gradients, which can take most of it); elsewhere, the bytes saved since the marker
+        before, about to be freed."""
         if step.level is None:
-            return step.prefetch_room + marker.nbytes
+            return step.fetch_allowance + marker.nbytes
         freed = step.level - allocated(marker.device)
         return max(0, freed) + self.nbytes  # the bytes prefetched are allocated already
 
     def ahead(self, step: Step, index: int) -> None:
-        """Start fetching the storages saved before ``index``, within the room backward has made
+        """Start fetching the storages saved before ``index``, within the allowance backward has made
         plus, once it unpacks offloaded saves, the byte window.
 
         ``step.cursor`` only moves down, so each storage is looked at about once per
@@ -54,7 +55,7 @@ class Prefetcher:
         copy is done. A second pass (retain_graph) fetches on demand."""
         step.cursor = min(step.cursor, index)
         window = step.window() if step.fetching else 0
-        limit = step.prefetch_room + window
+        limit = step.fetch_allowance + window
         while step.cursor > 0 and self.nbytes < limit:
             s = step.order[step.cursor - 1]
             if s.state == State.HELD:
@@ -64,7 +65,7 @@ class Prefetcher:
                     or (ref is not None and ref() is not None)):
                 step.cursor -= 1
                 continue  # not in the store, already unpacked, on its way, or here
-            # the room is memory backward has made (storm.plan's is its peak's slack): a fetch
+            # the allowance is memory backward has freed (storm.plan's is its peak's slack): a fetch
             # must fit in it, with the frame it comes in, which the get holds beside the tensor it
             # decodes into until the decode is queued; only a window smaller than one tensor may
             # take that tensor, unless a full-offload room set it: then it is what fits under the

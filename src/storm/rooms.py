@@ -42,7 +42,7 @@ import torch
 from . import allocator_record
 from .allocator_record import AllocatorRecord, Record, replay
 from .copy_queue import CopyQueue
-from .gpu import allocated
+from .gpu import allocated_or_none
 from .room import Profile, Reader, Room
 from .saved import State, Step, Stored
 
@@ -114,7 +114,7 @@ class Rooms:
         self._profiled_step: weakref.ref[Step] | None = None
         self.trial: Trial | None = None  # a room that keeps saves, tried against keeping none
         self._measure: Measure | None = None  # the trial step being measured
-        self.memory: Reader = _allocated  # what the allocator holds on a device, None where unknown
+        self.memory: Reader = allocated_or_none  # what the allocator holds on a device, None where unknown
         self.record: Record = AllocatorRecord()  # the allocator's history while a step profiles
 
     def start_step(self, step: Step) -> None:
@@ -393,8 +393,3 @@ class Rooms:
             found = replay(events, profile.marks, profile.left_out, profile.addresses)
             if found is not None:
                 profile.rises, profile.frees, profile.counted = found.rises, found.frees, found.counted
-
-
-def _allocated(device: torch.device) -> int | None:
-    """The caching allocator's bytes on a CUDA device now; None elsewhere (nothing to profile)."""
-    return allocated(device) if device.type == "cuda" else None

@@ -59,14 +59,14 @@ class Step:
         self.options = options
         self.budget_bytes = budget_bytes  # offload the earliest saves up to this many bytes
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
-        self.prefetch_room = 0            # room backward has made: prefetch may run this far past its window
+        self.fetch_allowance = 0          # memory backward has freed: prefetch may run this far past its window
         self.fetching = False             # backward has unpacked an offloaded save: the window is open
         self.unpacked = 0                 # unpacks of offloaded saves so far (a room's place in backward)
         self.room: Room | None = None     # full offload: the limits an earlier step's profile gives (room.py)
         self.profile: Profile | None = None  # full offload without a room: what this step reads for one
         self.changed_room = False         # full offload: it went on in another room past its first save
         self.first_size: int | None = None  # full offload: its first save's bytes (what a room begins with)
-        self.paced = False                # the caller sets prefetch_room (allow_prefetch), not the markers
+        self.paced = False                # the caller sets fetch_allowance (allow_prefetch), not the markers
         self.budget_reached = False       # a save did not fit: the rest of forward stays on the device
         self.past_budget_bytes = 0        # saves past the budget (views counted by their own size)
         self.marked_bytes = 0             # past_budget_bytes at the last marker
@@ -243,8 +243,8 @@ class Kept:
 
 class Marker(Kept):
     """A Kept that also tells prefetch how far backward has come (the first save over the budget,
-    then about one in session.MARK_BYTES past it): at its unpack, the saves offloaded before it
-    (``index`` of them) may come back as far as the room backward has made."""
+    then about one in session.MARKER_SPACING past it): at its unpack, the saves offloaded before it
+    (``index`` of them) may come back as far as the allowance backward has made."""
 
     __slots__ = ("step", "index", "nbytes")
 

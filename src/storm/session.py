@@ -42,7 +42,7 @@ from .prefetch import Prefetcher
 from .rooms import Rooms
 from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of
 
-MARK_BYTES = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
+MARKER_SPACING = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
 _steps = itertools.count(1)  # for the whole process, as keys are (mover.next_key): sessions may share a store
 
 
@@ -191,14 +191,14 @@ class ClientSession:
 
     def save_past_budget(self, t: torch.Tensor, step: Step) -> Kept:
         """pack once the budget is reached: the tensor stays, for about a microsecond. About every
-        MARK_BYTES one is a marker; at its unpack prefetch looks at how much room backward has
-        made, so the offloaded saves, needed last, come back while backward still computes,
+        MARKER_SPACING bytes one is a marker; at its unpack prefetch looks at how much memory backward has
+        freed, so the offloaded saves, needed last, come back while backward still computes,
         without raising the peak (the window opens only at the first offloaded save unpacked)."""
         if type(t) is torch.Tensor:  # not a parameter (alive anyway) or a view of one
             base = t._base
             if base is None or type(base) is torch.Tensor:
                 step.past_budget_bytes += t.numel() * t.element_size()
-                if step.past_budget_bytes - step.marked_bytes >= MARK_BYTES:
+                if step.past_budget_bytes - step.marked_bytes >= MARKER_SPACING:
                     marker = Marker(t, step, step.past_budget_bytes - step.marked_bytes)
                     step.marked_bytes = step.past_budget_bytes
                     self.copy_queue.drain(self.copy_queue.limit(step))  # it polls: nothing else does past the budget
@@ -489,7 +489,7 @@ class ClientSession:
 
     def _passed(self, marker: Marker) -> None:
         """Backward reached a marker past the budget: the offloaded tensors may come back as far
-        as the room it has made (Prefetcher.room_made)."""
+        as the memory it has freed (Prefetcher.allowance_at)."""
         self.poll()  # copies that finished since forward are released, so prefetch can pass them
         step = marker.step
         self._free_at_backward_end(step)
@@ -497,17 +497,17 @@ class ClientSession:
             return
         with self._lock:
             if not step.paced:
-                step.prefetch_room = self.prefetch.room_made(step, marker)
+                step.fetch_allowance = self.prefetch.allowance_at(step, marker)
             self.prefetch.ahead(step, marker.index)
 
     def allow_prefetch(self, step: Step, nbytes: int) -> None:
-        """Backward has room for ``nbytes`` now (a caller that knows the model's blocks, such as
+        """Backward has freed ``nbytes`` for fetches now (a caller that knows the model's blocks, such as
         storm.plan, says so as backward reaches each): as many offloaded bytes of ``step`` may
         come back ahead, on top of the prefetch window."""
         self.poll()
         with self._lock:
             step.paced = step.fetching = True
-            step.prefetch_room = nbytes  # may shrink: the room backward makes can be taken by gradients
+            step.fetch_allowance = nbytes  # may shrink: what backward frees can be taken by gradients
             self.prefetch.ahead(step, len(step.order))
 
     def _free_at_backward_end(self, step: Step) -> None:
