@@ -340,3 +340,19 @@ def test_a_step_starts_its_room_under_the_session_s_lock():
     finally:
         session.close()
         store.close()
+
+
+def test_copies_past_a_budget_run_behind_by_the_last_completed_forward_s_saves_past_it():
+    """The copy queue past a budget may hold what the step before saved past its own (CopyQueue.limit):
+    that is the last forward that completed, as for fraction budgets, not one that raised part-way."""
+    store = EmbeddedStore(4 << 20)
+    session = session_mod.ClientSession(store)
+    try:
+        for completed, past in ((True, 50), (False, 7)):
+            step = session.new_step(1000)
+            step.budget_reached, step.past_budget_bytes = True, past
+            session.end_step(step, completed=completed)
+        assert session.new_step(1000).past_budget_before == 50
+    finally:
+        session.close()
+        store.close()

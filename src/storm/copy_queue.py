@@ -39,7 +39,6 @@ class CopyQueue:
         self._saves: collections.deque[tuple[Stored, int, int]] = collections.deque()
         self.nbytes = 0  # the device bytes of those saves, their frames counted
         self.frame_nbytes = 0  # their frames' bytes among them
-        self.last_past_budget_bytes = 0  # saved past the budget in the last step that had one
 
     def add(self, stored: Stored, step: Step, frame_bytes: int = 0) -> int | None:
         """``stored``, saved in ``step``, waits for its put, just begun, encoded into a frame of
@@ -65,14 +64,14 @@ class CopyQueue:
 
     def limit(self, step: Step) -> int:
         """Bytes that may wait for their copy. Forward's peak is at its end, and past the budget
-        every save stays: until as many as in the last step have come, the copies may run
-        behind by that much more without raising the peak, and forward need not wait for the
+        every save stays: until as many as in the last step have come (``step.past_budget_before``),
+        the copies may run behind by that much more without raising the peak, and forward need not wait for the
         link (a budget that fits in forward's link time then costs forward nothing). A
         full-offload step with a room holds no more than fits under its floor."""
         most = step.options.max_held_bytes
         if step.budget_bytes == float("inf"):
             return most if step.room is None else min(most, step.room.queue(step.made))
-        return most + max(0, self.last_past_budget_bytes - step.past_budget_bytes)
+        return most + max(0, step.past_budget_before - step.past_budget_bytes)
 
     def copied(self) -> Stored | None:
         """The oldest save if its copy has finished, else None."""
@@ -125,7 +124,6 @@ class CopyQueue:
             self.drain(self.limit(step))
         if step.budget_reached:
             self.drain(step.options.max_held_bytes)
-            self.last_past_budget_bytes = step.past_budget_bytes
 
     def addresses(self) -> list[int]:
         """The device addresses of the saves waiting whose tensors are still held."""

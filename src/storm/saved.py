@@ -69,6 +69,7 @@ class Step:
         self.paced = False                # the caller sets fetch_allowance (allow_prefetch), not the markers
         self.budget_reached = False       # a save did not fit: the rest of forward stays on the device
         self.past_budget_bytes = 0        # saves past the budget (views counted by their own size)
+        self.past_budget_before = 0       # the last completed step's past_budget_bytes, where it had a budget
         self.marked_bytes = 0             # past_budget_bytes at the last marker
         self.level: int | None = None     # CUDA bytes allocated when forward ended (with saves past the budget)
         self.flush_queued = False         # a poll is queued for the end of the running backward

@@ -65,7 +65,10 @@ class ClientSession:
         self._awaited: dict[int, torch.Tensor] = {}   # fetched bytes that more handles will unpack
         # (copies out of the store: Copy objects or CUDA events, key to free once they are done)
         self._reading: collections.deque[tuple[list[Any], int]] = collections.deque()
+        # what fraction budgets and the copy queue past a budget go by: the last completed forward's
+        # offloadable bytes (of one that stayed within its budget) and bytes saved past its budget
         self.last_candidate_bytes: int | None = None
+        self.last_past_budget_bytes = 0
         self._refusals = Refusals()
         # Stored.kind -> the codecs whose frame overflowed for it: its saves take the next frame
         # that takes them, or go raw (mover.route, frames.frame_codec)
@@ -109,6 +112,7 @@ class ClientSession:
         if self._stores.gone():
             self._retire()
         step = Step(next(_steps), limit, options)
+        step.past_budget_before = self.last_past_budget_bytes
         self.last_step = step.number
         with self._lock:  # another thread's save may be following a room meanwhile
             self.rooms.start_step(step)
@@ -127,11 +131,14 @@ class ClientSession:
         """Forward is over: remember its size for fraction budgets, where it offloaded all it would
         have (saves past the budget are not counted), saved something (an evaluation under no_grad
         saves nothing) and ``completed`` (its forward did not raise part-way): another step's
-        fraction of 0 or of part of a forward would keep it from offloading. Prefetch waits for
+        fraction of 0 or of part of a forward would keep it from offloading; and, where it had a
+        budget and completed, what it saved past it (CopyQueue.limit). Prefetch waits for
         backward's first unpack: fetching at the end of forward would bring bytes back at the
         memory peak."""
         if completed and not step.budget_reached and step.candidate_bytes:
             self.last_candidate_bytes = step.candidate_bytes
+        if completed and step.budget_reached:
+            self.last_past_budget_bytes = step.past_budget_bytes
         self.poll()
         self.copy_queue.end_step(step)
         if step.budget_reached and step.order and step.order[0].device.type == "cuda":
