@@ -140,7 +140,7 @@ def test_markers_past_the_budget_pace_prefetch(monkeypatch):
         for _ in range(12):  # save k is layer k's output; saves 1-4 are offloaded
             h.append(h[-1].tanh())
         for k in (11, 10, 8):  # its gradient is ready once layer k + 1's backward has unpacked save k + 1
-            h[k].register_hook(lambda g, k=k: seen.__setitem__(k, ctx._session.prefetch.nbytes))
+            h[k].register_hook(lambda g, k=k: seen.__setitem__(k, ctx._session.restorer.prefetch.nbytes))
         loss = h[-1].sum()
     # save 5 is the first over the budget (a marker); then markers at saves 7, 9 and 11
     ctx.synchronize()  # prefetch waits at a save whose copy is still running

@@ -50,9 +50,9 @@ def test_stats_reads_the_session_the_steps_took_whatever_its_pool_size():
     x = torch.randn(64, 64, requires_grad=True)
     with storm.offload(mode="embedded", min_bytes=0, pool_size=(2 << 20) + 4096):  # a pool no other test asks for
         loss = x.exp().sum()
-    loss.backward()
     with registry._sessions_lock:
         sessions = len(registry._sessions)
-    assert storm.stats("embedded")["session"]["puts"] == 1
+    assert storm.stats("embedded")["session"]["puts"] == 1  # it waits for the step's copy
     with registry._sessions_lock:
         assert len(registry._sessions) == sessions
+    loss.backward()

@@ -580,7 +580,7 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
     def reader(device: torch.device) -> int:
         step = current[0]
         if step.fetching:  # backward: what is held besides the queue and the window, and those
-            return at_unpack - one + queue.nbytes + session.prefetch.nbytes  # the unpacked save counts
+            return at_unpack - one + queue.nbytes + session.restorer.prefetch.nbytes  # the unpacked save counts
         return besides[min(len(step.order), len(besides)) - 1] + queue.nbytes  # the save just made counts
 
     current: list[Step] = []
@@ -657,7 +657,7 @@ def fresh_rooms():
     storm.close_all()
     session = storm.registry.session_for("embedded", None, None)
     queue, rooms = session.copy_queue, session.rooms
-    rooms.memory = lambda device: queue.nbytes + session.prefetch.nbytes + MiB
+    rooms.memory = lambda device: queue.nbytes + session.restorer.prefetch.nbytes + MiB
     yield rooms
     storm.close_all()
 
@@ -837,7 +837,7 @@ def test_a_full_offload_step_with_a_room_computes_the_same_gradients(monkeypatch
     """The room changes when copies are waited for, never what is saved or restored."""
     session = storm.registry.session_for("embedded", None, None)
     queue, rooms = session.copy_queue, session.rooms
-    monkeypatch.setattr(rooms, "memory", lambda device: queue.nbytes + session.prefetch.nbytes + MiB)
+    monkeypatch.setattr(rooms, "memory", lambda device: queue.nbytes + session.restorer.prefetch.nbytes + MiB)
     monkeypatch.setattr(rooms, "room", None)
     monkeypatch.setattr(rooms, "profiling", None)
     grads = []

@@ -279,7 +279,7 @@ class Offload(contextlib.ContextDecorator):
         nbytes = bytes_option("allow_prefetch's nbytes", nbytes)
         if self._session is None or self._step is None:
             raise RuntimeError("storm.offload has not been entered yet")
-        self._session.allow_prefetch(self._step, nbytes)
+        self._session.restorer.allow_prefetch(self._step, nbytes)
 
     def synchronize(self) -> None:
         """Wait for this session's copies in flight; after it, saved tensors may be modified in place."""

@@ -6,7 +6,7 @@ unpack, with the next ones in reverse saving order prefetched. Each saved view
 is a ``Handle`` onto a Stored (a storage saved twice is stored once); when the
 last Handle dies (autograd freed the graph) the key is freed in the store.
 
-All state changes happen under one lock in ``poll``, ``save`` and ``load``;
+All state changes happen under one lock in ``poll``, ``save`` and ``load`` (restore.py's);
 Handle finalizers only enqueue, because they run wherever Python drops them.
 
 When its daemon stops serving it (the backend's ``loss``), a session of
@@ -24,33 +24,34 @@ import dataclasses
 import itertools
 import threading
 import time
-import weakref
 from typing import Any, Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .backend import Backend
-from .copies.base import Copy, PutRequest, Route
+from .copies.base import PutRequest, Route
 from .copy_queue import CopyQueue
-from .errors import StormError, StormInPlaceError, StormUnavailable
+from .errors import StormUnavailable
 from .frames import frame_bytes
-from .gpu import IpcEvent, allocated, consume, pack_range, record_ready, unpack_range, wait_on_compute
+from .gpu import IpcEvent, allocated, pack_range, record_ready, unpack_range, wait_on_compute
 from .mover import Mover, Stores, next_key
 from .policy import Keep, Policy, Refusals
-from .prefetch import Prefetcher
+from .restore import Restorer
 from .rooms import Rooms
-from .saved import IN_PLACE_FIX, Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of
+from .saved import Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of
 
 MARKER_SPACING = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
 _steps = itertools.count(1)  # for the whole process, as keys are (mover.next_key): sessions may share a store
 
 
 class ClientSession:
-    """The per-step state machine: new_step, save (pack), end_step, load (unpack), synchronize,
-    close. Which saves stay is policy.py's to say, the saves that wait for their copy are the copy
-    queue's (copy_queue.py), full offload's limits rooms.py's, what comes back ahead prefetch.py's,
-    and the counters are stats.py's."""
+    """One store session of the process (registry.py), shared by every step and thread: new_step,
+    save (pack), end_step, load (unpack), synchronize, close. A step's own state is its Step's
+    (saved.py); the session holds what outlives a step: its saves' keys, stores and copies. Which
+    saves stay is policy.py's to say, the saves that wait for their copy are the copy queue's
+    (copy_queue.py), full offload's limits rooms.py's, unpacks and what comes back ahead restore.py's
+    and prefetch.py's, and the counters are stats.py's."""
 
     def __init__(self, backend: Backend, reopen: Callable[[], Backend] | None = None):
         """``reopen``: the store to move on to when the current one's daemon stops (mode auto; None: a save
@@ -60,9 +61,7 @@ class ClientSession:
         self._lock = threading.RLock()
         self.copy_queue = CopyQueue(self.poll, self._lock)
         self.rooms = Rooms(self.copy_queue)  # full offload's limits (rooms.py)
-        self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
-        self.prefetch = Prefetcher(self._fetch, self._restored)
-        self._awaited: dict[int, torch.Tensor] = {}   # fetched bytes that more handles will unpack
+        self.restorer = Restorer(self.poll, self._lock, self._stores, self.rooms, self.copy_queue)  # backward's side
         # (copies out of the store: Copy objects or CUDA events, key to free once they are done)
         self._reading: collections.deque[tuple[list[Any], int]] = collections.deque()
         # what fraction budgets and the copy queue past a budget go by: the last completed forward's
@@ -122,7 +121,7 @@ class ClientSession:
         """Let go of the stores whose daemon is gone, once no copy reads or writes their pool (it goes)."""
         gone = self._stores.gone()
         self.synchronize()
-        for copy in [c for key, c in list(self.prefetch.copies.items()) if self._stores.of(key) in gone]:
+        for copy in [c for key, c in list(self.restorer.prefetch.copies.items()) if self._stores.of(key) in gone]:
             copy.wait()
         with self._lock:
             self._stores.retire(gone)
@@ -405,9 +404,7 @@ class ClientSession:
         # to it, every finished step was a reference cycle, freed only by the garbage collector, and
         # the host's heap grew with what waited for it
         stored.step = None
-        unread = self.prefetch.take(stored)
-        self._restored.pop(stored.key, None)
-        self._awaited.pop(stored.key, None)
+        unread = self.restorer.forget(stored)
         if not stored.in_store:
             return []
         stored.in_store = False
@@ -433,108 +430,18 @@ class ClientSession:
     # --- loading ------------------------------------------------------------
 
     def load(self, handle: Handle | Kept) -> torch.Tensor:
-        """unpack: the saved view, rebuilt from the store or from the still-held tensor."""
+        """unpack: the saved view, rebuilt from the store or from the still-held tensor (restore.py)."""
         if isinstance(handle, Kept):
             t = handle.unpack()
             if isinstance(handle, Marker) and handle.step.order:
-                self._passed(handle)
+                self.restorer.passed(handle)
             return t
-        with unpack_range(handle.device):
-            return self._restore(handle)
-
-    def _restore(self, handle: Handle) -> torch.Tensor:
         if self.closed:
             raise StormUnavailable("storm.close_all() closed the store while this graph still had saved "
                                    "tensors in it, so they are gone: call it once backward has run")
-        self.poll()
-        stored = handle.stored
-        self._free_at_backward_end(stored.step)
-        stored.step.fetching = True
-        stats = stored.step.stats
-        if stored.state == State.HELD and stored.tensor is None:  # let go (a compiled graph's), not yet released
-            self.copy_queue.drain_through(stored)
-        with self._lock:
-            ref = self._restored.get(stored.key)
-            base = ref() if ref is not None else None  # brought back by an earlier unpack, still alive
-            self.rooms.unpacked(stored, self.prefetch.nbytes, restored=base is not None)
-            if stored.state in (State.HELD, State.KEPT):
-                if stored.version is not None and stored.tensor._version != stored.version:
-                    stored.state = State.MODIFIED
-                else:
-                    return handle.view_of(stored.tensor.untyped_storage())
-            if stored.state == State.MODIFIED:
-                raise StormInPlaceError(f"a saved {stored.describe()} was modified in place after autograd saved "
-                                        f"it and before STORM finished copying it, so its saved value is gone; "
-                                        f"{IN_PLACE_FIX}")
-            if stored.state == State.FREED:
-                raise StormError(f"saved {stored.describe()} was already freed (its graph was released)")
-            stored.unpacks += 1
-            if stored.unpacks >= stored.handles:
-                self._awaited.pop(stored.key, None)  # every save of it has been unpacked once
-            fetch = None
-            if base is None:
-                fetch = self.prefetch.take(stored)
-                if fetch is not None:
-                    stats.record(stored.layer, prefetch_hits=1)
-                else:
-                    fetch = self._fetch(stored)
-            self.prefetch.ahead(stored.step, handle.index)
-        if base is None:
-            t0 = time.perf_counter()
-            landed = fetch.result()  # raises what the fetch raised
-            base = landed.tensor
-            stored.read = landed.event  # not the Copy: that would hold the fetched bytes alive
-            stats.record(stored.layer, fetch_wait_s=time.perf_counter() - t0, fetched=1,
-                         fetched_bytes=stored.nbytes)
-            if base.is_cuda:  # the compute stream waits for the copy's event, the host does not
-                consume(base, stored.read)
-            with self._lock:
-                self._restored[stored.key] = weakref.ref(base)
-                if stored.unpacks < stored.handles and stored.state != State.FREED:
-                    self._awaited[stored.key] = base  # another view of it is still to come
-        return handle.view_of(base.untyped_storage())
+        with unpack_range(handle.device):
+            return self.restorer.restore(handle)
 
-    def _passed(self, marker: Marker) -> None:
-        """Backward reached a marker past the budget: the offloaded tensors may come back as far
-        as the memory it has freed (Prefetcher.allowance_at)."""
-        self.poll()  # copies that finished since forward are released, so prefetch can pass them
-        step = marker.step
-        self._free_at_backward_end(step)
-        if step.cursor == 0:  # every offloaded save is fetched or was passed over: nothing to pace
-            return
-        with self._lock:
-            if not step.paced:
-                step.fetch_allowance = self.prefetch.allowance_at(step, marker)
-            self.prefetch.ahead(step, marker.index)
-
-    def allow_prefetch(self, step: Step, nbytes: int) -> None:
-        """Backward has freed ``nbytes`` for fetches now (a caller that knows the model's blocks, such as
-        storm.plan, says so as backward reaches each): as many offloaded bytes of ``step`` may
-        come back ahead, on top of the prefetch window."""
-        self.poll()
-        with self._lock:
-            step.paced = step.fetching = True
-            step.fetch_allowance = nbytes  # may shrink: what backward frees can be taken by gradients
-            self.prefetch.ahead(step, len(step.order))
-
-    def _free_at_backward_end(self, step: Step) -> None:
-        """Free what this backward released once it ends: without it the last handles to die
-        would wait in the store for the next step's first save."""
-        if step.flush_queued:
-            return
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ended(step))
-            step.flush_queued = True
-        except RuntimeError:  # unpacked outside backward (grad_fn._saved_*): the next poll frees
-            pass
-
-    def _backward_ended(self, step: Step) -> None:
-        step.flush_queued = False
-        self.poll()
-        self._stores.flush_frees()  # the keys gathered for a FREE (mover.FREE_BATCH) go now too
-
-    def _fetch(self, stored: Stored) -> Copy:
-        return self._stores.get(stored.route, stored.key, stored.nbytes, stored.device, stored.step.options.verify)
 
     def close(self) -> None:
         self.closed = True

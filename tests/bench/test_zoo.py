@@ -132,7 +132,7 @@ def test_t5s_full_offload_keeps_its_loss_saves_though_an_early_save_comes_back_b
 
             def reader(device: torch.device) -> int:
                 gradients = (4 << 10) * min(handle.last._step.unpacked, 10)  # growing as backward goes on
-                return (1 << 30) + gradients + queue.nbytes + session.prefetch.nbytes
+                return (1 << 30) + gradients + queue.nbytes + session.restorer.prefetch.nbytes
 
             rooms.memory = reader
         steps, kept = [], []

@@ -340,7 +340,7 @@ def read_rooms():
     queue and the window: the CPU has no allocator to read), so that they profile and follow rooms."""
     storm.close_all()
     session = storm.registry.session_for("embedded", None, None)
-    session.rooms.memory = lambda device: session.copy_queue.nbytes + session.prefetch.nbytes + MiB
+    session.rooms.memory = lambda device: session.copy_queue.nbytes + session.restorer.prefetch.nbytes + MiB
     yield session.rooms
     storm.close_all()
 

@@ -42,7 +42,7 @@ def test_prefetch_takes_no_more_than_the_room_backward_made():
 
         def room(grad: torch.Tensor) -> None:
             ctx.allow_prefetch(5 * one // 2)
-            seen.append(ctx._session.prefetch.nbytes)
+            seen.append(ctx._session.restorer.prefetch.nbytes)
 
         h.register_hook(room)
     ctx.synchronize()

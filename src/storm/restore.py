@@ -1,0 +1,150 @@
+"""Backward's side of a session: a saved view unpacked, from the tensor still held or from the store,
+with the next offloaded saves fetched ahead (prefetch.py paces them).
+
+A storage saved under several views comes back once: the fetched bytes are kept, weakly, by key
+(``restored``) and, while more of its views are still to be unpacked, strongly (``awaited``). The
+session (storm/session.py) owns the state of every save; this module reads and changes it under
+the session's lock, as the session does, and waits for bytes outside it.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from contextlib import AbstractContextManager
+from typing import Any, Callable
+
+import torch
+
+from .copies.base import Copy
+from .copy_queue import CopyQueue
+from .errors import StormError, StormInPlaceError
+from .gpu import consume
+from .mover import Stores
+from .prefetch import Prefetcher
+from .rooms import Rooms
+from .saved import IN_PLACE_FIX, Handle, Marker, State, Step, Stored
+
+
+class Restorer:
+    """Unpacks of one session. ``poll``: the session's (let go of saves whose copy finished, free keys
+    nobody holds); ``lock``: the session's; ``stores``, ``rooms``, ``copy_queue``: the session's."""
+
+    def __init__(self, poll: Callable[[], None], lock: AbstractContextManager[Any], stores: Stores, rooms: Rooms,
+                 copy_queue: CopyQueue):
+        self._poll, self._lock = poll, lock
+        self._stores, self._rooms, self._copy_queue = stores, rooms, copy_queue
+        self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
+        self._awaited: dict[int, torch.Tensor] = {}   # fetched bytes that more handles will unpack
+        self.prefetch = Prefetcher(self._fetch, self._restored)
+
+    def restore(self, handle: Handle) -> torch.Tensor:
+        """The saved view ``handle`` stands for: from its tensor while the session holds it, else from
+        bytes fetched earlier (another view of its storage, or ahead), else fetched now."""
+        self._poll()
+        stored = handle.stored
+        step = stored.step
+        assert step is not None  # a Stored is freed only once no handle holds it
+        self.free_at_backward_end(step)
+        step.fetching = True
+        if stored.state == State.HELD and stored.tensor is None:  # let go (a compiled graph's), not yet released
+            self._copy_queue.drain_through(stored)
+        with self._lock:
+            ref = self._restored.get(stored.key)
+            base = ref() if ref is not None else None  # brought back by an earlier unpack, still alive
+            self._rooms.unpacked(stored, self.prefetch.nbytes, restored=base is not None)
+            if stored.state in (State.HELD, State.KEPT):
+                held = stored.tensor
+                assert held is not None  # held until its copy is released, kept for good
+                if stored.version is not None and held._version != stored.version:
+                    stored.state = State.MODIFIED
+                else:
+                    return handle.view_of(held.untyped_storage())
+            if stored.state == State.MODIFIED:
+                raise StormInPlaceError(f"a saved {stored.describe()} was modified in place after autograd saved "
+                                        f"it and before STORM finished copying it, so its saved value is gone; "
+                                        f"{IN_PLACE_FIX}")
+            if stored.state == State.FREED:
+                raise StormError(f"saved {stored.describe()} was already freed (its graph was released)")
+            stored.unpacks += 1
+            if stored.unpacks >= stored.handles:
+                self._awaited.pop(stored.key, None)  # every save of it has been unpacked once
+            fetch = None
+            if base is None:
+                fetch = self.prefetch.take(stored)
+                if fetch is not None:
+                    step.stats.record(stored.layer, prefetch_hits=1)
+                else:
+                    fetch = self._fetch(stored)
+            self.prefetch.ahead(step, handle.index)
+        if fetch is not None:
+            base = self._landed(stored, step, fetch)
+        assert base is not None  # here already, or fetched now
+        return handle.view_of(base.untyped_storage())
+
+    def _landed(self, stored: Stored, step: Step, fetch: Copy) -> torch.Tensor:
+        """The bytes ``fetch`` brings back, waited for (on CUDA: the compute stream waits for the copy,
+        the host does not), kept for the views of ``stored`` still to be unpacked."""
+        t0 = time.perf_counter()
+        landed = fetch.result()  # raises what the fetch raised
+        base = landed.tensor
+        assert base is not None  # a get lands a tensor
+        stored.read = landed.event  # not the Copy: that would hold the fetched bytes alive
+        step.stats.record(stored.layer, fetch_wait_s=time.perf_counter() - t0, fetched=1, fetched_bytes=stored.nbytes)
+        if base.is_cuda:
+            consume(base, stored.read)
+        with self._lock:
+            self._restored[stored.key] = weakref.ref(base)
+            if stored.unpacks < stored.handles and stored.state != State.FREED:
+                self._awaited[stored.key] = base  # another view of it is still to come
+        return base
+
+    def passed(self, marker: Marker) -> None:
+        """Backward reached a marker past the budget: the offloaded tensors may come back as far
+        as the memory it has freed (Prefetcher.allowance_at)."""
+        self._poll()  # copies that finished since forward are released, so prefetch can pass them
+        step = marker.step
+        self.free_at_backward_end(step)
+        if step.cursor == 0:  # every offloaded save is fetched or was passed over: nothing to pace
+            return
+        with self._lock:
+            if not step.paced:
+                step.fetch_allowance = self.prefetch.allowance_at(step, marker)
+            self.prefetch.ahead(step, marker.index)
+
+    def allow_prefetch(self, step: Step, nbytes: int) -> None:
+        """Backward has freed ``nbytes`` for fetches now (a caller that knows the model's blocks, such as
+        storm.plan, says so as backward reaches each): as many offloaded bytes of ``step`` may
+        come back ahead, on top of the prefetch window."""
+        self._poll()
+        with self._lock:
+            step.paced = step.fetching = True
+            step.fetch_allowance = nbytes  # may shrink: what backward frees can be taken by gradients
+            self.prefetch.ahead(step, len(step.order))
+
+    def forget(self, stored: Stored) -> Copy | None:
+        """``stored`` is freed (under the lock): what was fetched of it goes; returns its fetch started
+        ahead and never unpacked, if any, which may still be reading its bytes."""
+        self._restored.pop(stored.key, None)
+        self._awaited.pop(stored.key, None)
+        return self.prefetch.take(stored)
+
+    def free_at_backward_end(self, step: Step) -> None:
+        """Free what this backward released once it ends: without it the last handles to die
+        would wait in the store for the next step's first save."""
+        if step.flush_queued:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ended(step))
+            step.flush_queued = True
+        except RuntimeError:  # unpacked outside backward (grad_fn._saved_*): the next poll frees
+            pass
+
+    def _backward_ended(self, step: Step) -> None:
+        step.flush_queued = False
+        self._poll()
+        self._stores.flush_frees()  # the keys gathered for a FREE (mover.FREE_BATCH) go now too
+
+    def _fetch(self, stored: Stored) -> Copy:
+        assert stored.step is not None
+        return self._stores.get(stored.route, stored.key, stored.nbytes, stored.device, stored.step.options.verify)
