@@ -356,3 +356,19 @@ def test_copies_past_a_budget_run_behind_by_the_last_completed_forward_s_saves_p
     finally:
         session.close()
         store.close()
+
+
+def test_a_fraction_budget_s_first_step_offloads_all_but_is_no_full_offload_step():
+    """budget=0.5 with no step before it offloads every save (nothing to take half of), but it is not a
+    full-offload step: rooms.py profiles none of its steps (a profile costs one of a process's
+    MAX_PROFILES reads of the allocator), and its copy queue keeps a budget's limit."""
+    store = EmbeddedStore(4 << 20)
+    session = session_mod.ClientSession(store)
+    try:
+        first = session.new_step(0.5)
+        assert first.budget_bytes == float("inf") and not first.full_offload and first.profile is None
+        full = session.new_step()
+        assert full.full_offload and full.profile is not None  # no room yet: it profiles one
+    finally:
+        session.close()
+        store.close()

@@ -69,7 +69,7 @@ class CopyQueue:
         link (a budget that fits in forward's link time then costs forward nothing). A
         full-offload step with a room holds no more than fits under its floor."""
         most = step.options.max_held_bytes
-        if step.budget_bytes == float("inf"):
+        if step.full_offload:
             return most if step.room is None else min(most, step.room.queue(step.made))
         return most + max(0, step.past_budget_before - step.past_budget_bytes)
 

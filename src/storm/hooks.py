@@ -260,6 +260,7 @@ class Offload(contextlib.ContextDecorator):
             raise RuntimeError("storm.offload has not been entered yet")
         step = self._step
         step.budget_bytes = min(step.budget_bytes, step.stats.offloaded_bytes + limit)
+        step.full_offload = False  # a budget from here on: the copy queue's limit is a budget's
 
     def drain(self, limit: int | str) -> None:
         """Let go of saved tensors whose copy has finished, waiting (oldest first) until at most

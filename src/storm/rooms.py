@@ -128,7 +128,7 @@ class Rooms:
         self._profiled_step = None
         if self._measure is not None:
             self._read_peak(self._measure)
-        if step.budget_bytes != float("inf"):
+        if not step.full_offload:
             return
         if self.profiling is not None and self.profiling.saves:
             # it read the allocator under its record: counted, room or not (steps whose backward
@@ -307,7 +307,7 @@ class Rooms:
         the step profiles, read what is held besides the queue."""
         if step.room is not None and not step.room.matches(step.made, nbytes) \
                 or step.room is None and step.profile is None and step.made == 1 and self._rooms \
-                and step.budget_bytes == float("inf"):
+                and step.full_offload:
             self._leave(step, nbytes)  # not its room's save, or a step that neither follows nor profiles
         if step.made == 1:
             step.first_size = nbytes

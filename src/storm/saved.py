@@ -58,6 +58,10 @@ class Step:
         self.number = number
         self.options = options
         self.budget_bytes = budget_bytes  # offload the earliest saves up to this many bytes
+        # no budget: every save offloaded, within full offload's limits (rooms.py), until something
+        # sets one (hooks.Offload.offload_at_most); not a fraction budget's first step, whose limit
+        # is infinite only for want of a step before it
+        self.full_offload = budget_bytes == float("inf")
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
         self.fetch_allowance = 0          # memory backward has freed: prefetch may run this far past its window
         self.fetching = False             # backward has unpacked an offloaded save: the window is open

@@ -111,6 +111,7 @@ class ClientSession:
         if self._stores.gone():
             self._retire()
         step = Step(next(_steps), limit, options)
+        step.full_offload = budget is None
         step.past_budget_before = self.last_past_budget_bytes
         self.last_step = step.number
         with self._lock:  # another thread's save may be following a room meanwhile
