@@ -55,6 +55,13 @@ from .stats import OffloadStats
 class Offload(contextlib.ContextDecorator):
     """One offload scope (a step). Use through ``storm.offload(...)``."""
 
+    # Without a budget, a step is a full offload, whose copy queue and prefetch window follow the
+    # rooms of full offload (storm/rooms.py), and a room may keep forward's last saves on the device.
+    # storm.plan's contexts that offload every save (its offload trace, a plan offloading or
+    # recomputing every block) follow their plan instead: a room an earlier full offload left in the
+    # session kept the trace's last saves out of its count (planner/trace.py's PlanStep).
+    full_offload = True
+
     def __init__(self, *, mode: str = "auto", socket: str | None = None, min_bytes: int | str = DEFAULT_MIN_BYTES,
                  prefetch_bytes: int | str = DEFAULT_PREFETCH_BYTES, pool_size: str | int | None = None,
                  modules: nn.Module | Iterable[nn.Module] | None = None, budget: int | float | str | None = None,
@@ -99,7 +106,7 @@ class Offload(contextlib.ContextDecorator):
         else:
             o = self._options
             self._session = session_for(o["mode"], o["socket"], o["pool_size"])
-            self._step = self._session.new_step(self._budget, self._step_options)
+            self._step = self._session.new_step(self._budget, self._step_options, self.full_offload)
         self._thread = threading.get_ident()
         if self._budget == 0:  # nothing may go: no hooks, so saves cost nothing (storm.plan's recompute-only plans)
             self._hooks = contextlib.nullcontext()

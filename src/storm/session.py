@@ -98,10 +98,13 @@ class ClientSession:
         """The store new saves go to, in words, and the daemon it took the place of, if it did."""
         return self._stores.describe()
 
-    def new_step(self, budget: int | float | None = None, options: StepOptions = StepOptions()) -> Step:
+    def new_step(self, budget: int | float | None = None, options: StepOptions = StepOptions(),
+                 full_offload: bool = True) -> Step:
         """A step; ``budget``: bytes, or a fraction of the offloadable bytes of the last step
         that stayed within its budget (the first step, with nothing to go by, offloads all);
-        ``options``: the step's own, served with each of its saves."""
+        ``options``: the step's own, served with each of its saves; ``full_offload``: whether a step
+        without a budget follows full offload's rooms (rooms.py), or offloads every save within
+        ``options`` alone (storm.plan's steps)."""
         if budget is None or (isinstance(budget, float) and self.last_candidate_bytes is None):
             limit = float("inf")
         elif isinstance(budget, float):
@@ -111,8 +114,8 @@ class ClientSession:
         if self._stores.gone():
             self._retire()
         step = Step(next(_steps), limit, options)
-        step.full_offload = budget is None
-        step.past_budget_before = self.last_past_budget_bytes
+        step.full_offload = budget is None and full_offload
+        step.past_budget_before = self.last_past_budget_bytes if budget is not None else 0  # none to go past
         self.last_step = step.number
         with self._lock:  # another thread's save may be following a room meanwhile
             self.rooms.start_step(step)
@@ -376,6 +379,9 @@ class ClientSession:
         err = copy.error()
         if err is not None:
             loss = self._stores.lost(stored.key)  # a refusal of a daemon that stopped is said as its loss
+            if loss is not None and stored.refs == 0:  # nobody holds it: dropped, as a put cancelled is
+                stored.step.stats.record(stored.layer, copies_dropped=1, dropped_bytes=stored.nbytes)
+                return self._forget(stored)
             reason = self._refusals.reason(loss.error() if loss is not None else err)
             stored.state = State.KEPT
             stored.step.stats.record(stored.layer, keep=reason, kept_bytes=stored.nbytes,

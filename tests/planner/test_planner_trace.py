@@ -218,3 +218,21 @@ def test_the_planner_calls_no_block_more_often_than_training_does(reentrant):
         assert [b.calls for b in blocks] == [step + 1] * 4, (step, planner.explain())
     assert planner.trace is not None and planner.plan is not None
     planner.close()
+
+
+def test_the_offload_trace_offloads_every_save_as_storm_plan_s_step_not_a_full_offload():
+    """The offload trace has no budget, but it is no full offload: a full-offload step follows the
+    session's room of full offload (rooms.py), and a room that an earlier full offload left in the
+    process (storm.enable(model) before storm.enable(model, peak=...)) kept forward's last saves on
+    the device and out of the trace's count: BERT at 2 x 8192 tokens on a lent H200 counted its last
+    block's saves as 0 bytes, and every plan's predicted peak came out that much short."""
+    model, idx = gpt()
+    full = storm.offload(mode="embedded", min_bytes=0)  # what storm.enable(model) runs
+    grads_of(model, idx, full)
+    assert full._step.full_offload
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0)
+    trace = planner.step()
+    grads_of(model, idx, trace)
+    assert not trace._step.full_offload and trace._step.room is None and trace._step.profile is None
+    assert trace.stats.offloaded > 0 and not trace.stats.kept.get(storm.Keep.ROOM)
+    planner.close()

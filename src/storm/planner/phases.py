@@ -26,7 +26,7 @@ from ..hooks import Offload
 from .measure import PeakMemory, checks_for, host_from_packs, widened_margin
 from .model import Plan, Trace, full_codec, moments
 from .state import TraceState
-from .trace import ComputeTrace, Frames, OffloadTrace
+from .trace import ComputeTrace, Frames, OffloadTrace, PlanStep
 from .trial import Clock, Trial
 from .wiring import BlockHooks
 
@@ -452,8 +452,8 @@ def plan_context(planner: Driver) -> Offload:
         return Offload(**{**planner.options, **({"codec": full} if full else {})})
     framing = p.compressed or any(b.framed for b in trace.blocks)
     codec = {"codec": "auto" if p.compressed else "raw"} if framing else {}
-    return Offload(**{"max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes, **codec,
-                      **planner.options}, budget=p.offload_budget)
+    return PlanStep(**{"max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes, **codec,
+                       **planner.options}, budget=p.offload_budget)
 
 
 class StepPeak:

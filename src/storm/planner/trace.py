@@ -157,7 +157,15 @@ class OffloadTrace:
                      between_modules=between_modules, after_modules=after_modules, forwards=forwards)
 
 
-class TracedStep(Offload):
+class PlanStep(Offload):
+    """The storm.offload context of a step storm.plan runs other than a full offload's: one that offloads
+    every save (its budget None) does so within the limits the plan gives it, not following a room of
+    full offload's (hooks.Offload.full_offload)."""
+
+    full_offload = False
+
+
+class TracedStep(PlanStep):
     """The offload trace's storm.offload context: while it is entered, ``outside`` watches the
     modules outside the blocks, so that their hooks come off with the step (and a planner closed
     before the trace is read leaves none on the model)."""
