@@ -586,3 +586,25 @@ def test_the_phases_follow_the_steps_to_settled():
     assert storm.Planner(model.blocks, budget=0.5).explain() == \
         "storm.plan: no plan yet; the next step is traced with every save offloaded (what each block saves)"
     planner.close()
+
+
+def test_with_a_budget_a_plan_predicted_over_it_is_measured_against_the_budget():
+    """budget= is one target for every plan: the saves within it. A plan the model predicts over the
+    budget (the one kept where none fits) was measured against its own prediction, so a step that
+    peaked as predicted was said to fit, and the warning that no plan does never came."""
+    def keep_all(s: Scenario) -> Plan:
+        return Plan(offloaded=0, recomputed=frozenset(), offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
+                    predicted_peak=predicted_peak(s.trace, 0, set(), 0), predicted_cost_ms=0.0, fits=False)
+
+    memory = ScriptedMemory(extra=0)
+    model, idx = gpt()
+    planner = storm.Planner(model.blocks, mode="embedded", min_bytes=0, memory=memory, chooser=keep_all,
+                            form_trial=False, host_check_tolerance=float("inf"), budget=0.3)
+    memory.planner = planner
+    for _ in range(3):  # the offload trace, the compute trace, the plan's first step
+        grads_of(model, idx, planner.step())
+    planner.step()  # reads it
+    assert planner.plan.predicted_peak > planner.saved_budget
+    assert planner.measured_peak == planner.besides + planner.step_peak(planner.plan)  # as predicted
+    assert planner.measured_peak > planner.target
+    planner.close()

@@ -297,17 +297,21 @@ def test_where_the_last_blocks_inputs_are_offloaded_the_early_saves_after_the_bl
         assert {p.offload_budget for p, _ in _plans(Scenario(t, t.total_bytes, codec="raw"), 0, m)} == {budget}
 
 
-def test_the_prefetch_window_is_not_at_backwards_start_unless_every_save_went():
+@pytest.mark.parametrize("early", [0, MiB])
+def test_the_prefetch_window_is_not_at_backwards_start_unless_the_head_s_saves_went(early):
     """Prefetch waits for backward's first unpack of an offloaded save, which comes after the
-    loss's and the head's backward unless those saves were offloaded too (every block offloaded):
-    the window counts at each block's backward, at backward's start only then."""
+    loss's and the head's backward unless their early saves were offloaded too (every block
+    offloaded, or recomputed with its inputs offloaded, and such saves there: wiring.py lets them
+    go then): the window counts at each block's backward, at backward's start only then. It was
+    counted there wherever every block was offloaded, and nowhere else."""
     t = trace(n=4, saved=100 * MiB, inputs=10 * MiB)
+    t.after_early_bytes = early
     window = 30 * MiB
-    for k, m in ((0, 4), (2, 0), (1, 2), (4, 0)):
+    for k, m in ((0, 4), (2, 0), (1, 2), (4, 0), (1, 3)):
         plain = moments(t, k, set(range(k, k + m)), 0, grads=False, inputs_offloaded=m)
         fetching = moments(t, k, set(range(k, k + m)), window, grads=False, inputs_offloaded=m, prefetch=window)
         assert fetching[:-1] == [h + window for h in plain[:-1]]
-        assert fetching[-1] == plain[-1] + window * (k == 4)
+        assert fetching[-1] == plain[-1] + window * (k + m == 4 and early > 0), (k, m)
 
 
 def test_offloading_inputs_costs_their_link_bytes_and_host_time():

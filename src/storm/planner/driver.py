@@ -244,7 +244,8 @@ class Planner:
     def target(self) -> int | None:
         """The step peak (bytes above the step's start) a planned step is measured against:
         ``peak``; with ``budget``, the besides plus the plan's predicted saves and gradients at
-        its peak plus what of the budget its saves leave unused. None before the compute trace
+        its peak, with its saves counted at the budget (what of the budget they leave unused added,
+        what they take beyond it taken off: one target for every plan). None before the compute trace
         and where peaks cannot be measured (not CUDA)."""
         return None if self.plan is None else self.target_of(self.plan)
 
@@ -254,7 +255,7 @@ class Planner:
             return None
         if self.peak is not None:
             return self.peak
-        return self.besides + self.step_peak(plan) + max(0, self.saved_budget - plan.predicted_peak)
+        return self.besides + self.step_peak(plan) + self.saved_budget - plan.predicted_peak
 
     def scenario(self) -> Scenario:
         """What plans are chosen for now: the saved budget less the margin every plan leaves (and

@@ -165,12 +165,14 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
     loss's and the head's backward hold beyond what a block's backward holds besides its saves,
     which may be less: the logits' gradients of a language model are larger than any block's
     temporaries). ``prefetch``, the prefetch window's part of ``in_flight_bytes``, is not there
-    at backward's start unless every save went (the loss's are then the first unpacked):
-    prefetch waits for backward's first unpack of an offloaded save."""
+    at backward's start unless the early saves after the blocks went (every block offloaded or
+    recomputed with its inputs offloaded, and some such saves: wiring.py lets them go then), whose
+    unpacks come first: prefetch waits for backward's first unpack of an offloaded save."""
     blocks, end = trace.blocks, offloaded + inputs_offloaded
     kept = kept_bytes(trace, offloaded, recomputed, inputs_offloaded)
     before = trace.before_bytes * (end == 0) + in_flight_bytes
-    start = (before - prefetch * (offloaded < len(blocks)) + sum(kept) + after_kept(trace, offloaded, inputs_offloaded)
+    head_offloaded = end == len(blocks) and trace.after_early_bytes > 0  # after_kept's and wiring.py's rule
+    start = (before - prefetch * (not head_offloaded) + sum(kept) + after_kept(trace, offloaded, inputs_offloaded)
              + blocks[-1].grad_bytes * grads + start_extra)
     allocated = sum(b.grad_bytes for b in blocks) * grads
     held = []
