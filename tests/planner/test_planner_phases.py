@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import types
 
+import pytest
 import torch
 from test_planner_measure import RecomputedFullFits
 
@@ -26,15 +27,17 @@ def forward_only(model, idx, ctx) -> None:
     del loss
 
 
-def test_a_compute_trace_whose_backward_never_ran_is_traced_again_and_disable_leaves_no_hook():
-    """peak= needs what a step holds besides its saves, read as backward passes the blocks: a
-    compute trace without backward read nothing, so the next step traces again (before: the plan
-    was made without it and asserted); and storm.enable's disable() after such a step takes every
-    hook off."""
+@pytest.mark.parametrize("target", [{"peak": "60MiB"}, {"budget": 0.5}])
+def test_a_compute_trace_whose_backward_never_ran_is_traced_again_and_disable_leaves_no_hook(target):
+    """peak= and budget= need what a step holds besides its saves, read as backward passes the
+    blocks (every step's target is made with it): a compute trace without backward read nothing,
+    so the next step traces again (before: with peak= the plan was made without it and asserted;
+    with budget= no step was measured for the trace's life); and storm.enable's disable() after
+    such a step takes every hook off."""
     model, idx = gpt()
     ref = grads_of(copy.deepcopy(model), idx)
     memory = ScriptedMemory(extra=0)
-    planner = memory.planner = storm.Planner(model.blocks, peak="60MiB", memory=memory, form_trial=False,
+    planner = memory.planner = storm.Planner(model.blocks, **target, memory=memory, form_trial=False,
                                              mode="embedded", min_bytes=0)
     grads_of(model, idx, planner.step())  # the offload trace
     forward_only(model, idx, planner.step())  # the compute trace, skipped
@@ -258,3 +261,4 @@ def test_a_compute_trace_of_other_shapes_than_the_offload_traces_traces_again():
         assert all(same_bits(a, b) for a, b in zip(ref, grads_of(model, big, planner.step())))
     assert planner.replans == 1 and planner.plan is not None
     planner.close()
+

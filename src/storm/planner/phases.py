@@ -149,8 +149,8 @@ class TraceCompute(StepPhase):
             state.stale = True
             return self
         measured = self.peak.measured is not None
-        if not measured and planner.peak is not None and planner.memory.available:
-            return self  # no backward reached the blocks (a batch skipped after forward): peak= needs it
+        if not measured and planner.memory.available:
+            return self  # no backward reached the blocks (a batch skipped after forward): the target needs it
         if measured:  # what the model leaves out: activations' gradients, temporaries
             besides, start_extra = self.besides(state.trace)
             if self.hand_over:
