@@ -429,7 +429,9 @@ def main() -> int:
                    help="steps before the timed ones: full offload's first three profile and try its room")
     p.add_argument("--rounds", type=int, default=5, help="rounds of each duel")
     p.add_argument("--round-steps", type=int, default=3, help="steps of each method per round")
-    p.add_argument("--pool-size", default="32GiB")
+    p.add_argument("--pool-size", default=None,
+                   help="STORM's embedded pool (default: none, the pool grows on demand within the host's memory, "
+                        "as storm.enable's does: a fixed 32 GiB kept t5-long's 54 GB of saves a step off the host)")
     p.add_argument("--min-bytes", type=parse_size, default=1024,
                    help="STORM's min_bytes; the default is torchtune OffloadActivations' min_offload_size")
     p.add_argument("--quick", action="store_true", help="--steps 3 --warmup 1 --rounds 2 --round-steps 2")
