@@ -9,6 +9,7 @@ import torch
 
 import storm
 import storm.session as session_mod
+from storm.copies.base import Landed
 from storm.embedded import EmbeddedStore
 from storm.policy import Policy
 
@@ -255,12 +256,22 @@ def test_an_older_save_forgotten_leaves_the_dedup_slot_of_its_storage_s_later_sa
     assert torch.equal(w.grad, plain.grad)
 
 
+class Overflowed(Landed):
+    def incomplete(self) -> bool:
+        return True
+
+
 class Begun:
     """A put as one on a CUDA stream or copied by stormd is: begun, so no longer cancellable, and (with
     ``unfinished``) read as running until something waits for it, however long ago it finished."""
 
-    def __init__(self, copy, unfinished: bool = False):
-        self.copy, self.waited = copy, not unfinished
+    def __init__(self, copy, unfinished: bool = False, overflowed: bool = False):
+        self.copy, self.waited, self.overflowed = copy, not unfinished, overflowed
+
+    def result(self):
+        """With ``overflowed``: a frame whose escapes did not all fit (frames are CUDA's)."""
+        landed = self.copy.result()
+        return Overflowed(landed.nbytes) if self.overflowed else landed
 
     def done(self) -> bool:
         return self.waited and self.copy.done()
@@ -353,6 +364,8 @@ def test_copies_past_a_budget_run_behind_by_the_last_completed_forward_s_saves_p
             step.budget_reached, step.past_budget_bytes = True, past
             session.end_step(step, completed=completed)
         assert session.new_step(1000).past_budget_before == 50
+        assert session.new_step().past_budget_before == 50  # a budget may come mid-step: offload_at_most
+        assert session.new_step(full_offload=False).past_budget_before == 0  # storm.plan's: the plan's queue
     finally:
         session.close()
         store.close()
@@ -369,6 +382,27 @@ def test_a_fraction_budget_s_first_step_offloads_all_but_is_no_full_offload_step
         assert first.budget_bytes == float("inf") and not first.full_offload and first.profile is None
         full = session.new_step()
         assert full.full_offload and full.profile is not None  # no room yet: it profiles one
+    finally:
+        session.close()
+        store.close()
+
+
+def test_a_frame_that_overflowed_is_learned_though_no_handle_holds_its_save_any_more():
+    """A save's frame overflowed, and backward let go of it before its put was seen landed (forward's
+    last saves, unpacked from the held tensor while the queue was behind): it is not stored again,
+    but its kind takes another frame or none from then on, and the step counts the overflow."""
+    store = EmbeddedStore(4 << 20)
+    session = session_mod.ClientSession(store)
+    try:
+        step = session.new_step()
+        handle = session.save(torch.randn(64, 64), step, Policy(0))
+        stored = handle.stored
+        stored.copy_in = Begun(stored.copy_in, unfinished=True, overflowed=True)
+        del handle  # backward unpacked it from the held tensor and let go
+        session.poll()  # the put has begun: the save waits for it
+        session.synchronize()
+        assert step.stats.frame_overflows == 1 and stored.kind in session._overflowed
+        assert store.service.store.session_stats(store.session)["keys"] == 0  # stored once, freed
     finally:
         session.close()
         store.close()

@@ -13,8 +13,9 @@ Saving waits on the oldest copy once the queue is over its step's limit (``limit
 chooses), and ``drain`` waits until it is within one.
 
 What becomes of a save whose copy is done (released, stored again, forgotten) is the session's
-(storm/session.py): it calls every method here under its lock, except ``drain``, which takes
-the lock itself to wait outside it, and ``copied`` in poll's look without the lock.
+(storm/session.py): it calls every method here under its lock, except ``drain`` and
+``drain_through`` (storm/restore.py's), which take the lock themselves to wait outside it, and
+``copied`` in poll's look without the lock.
 """
 
 from __future__ import annotations

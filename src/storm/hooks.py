@@ -280,10 +280,10 @@ class Offload(contextlib.ContextDecorator):
             self._session.copy_queue.drain(limit)
 
     def allow_prefetch(self, nbytes: int | str) -> None:
-        """Backward has room for ``nbytes`` now (bytes, or a size such as '128MiB'): as many
+        """Backward has freed ``nbytes`` now (bytes, or a size such as '128MiB'): as many
         offloaded bytes may be fetched ahead, on top of the prefetch window (storm.plan calls it as
         backward reaches each block)."""
-        # checked first: the session keeps the room on the step, and backward's prefetch reads it
+        # checked first: the step keeps the allowance (Step.fetch_allowance), and backward's prefetch reads it
         nbytes = bytes_option("allow_prefetch's nbytes", nbytes)
         if self._session is None or self._step is None:
             raise RuntimeError("storm.offload has not been entered yet")

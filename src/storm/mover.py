@@ -1,4 +1,4 @@
-"""The mover: decides each saved tensor's route once, when it is saved, sends its copies to the
+"""The mover: decides each saved tensor's route at its put, sends its copies to the
 handler registered for that route (storm/copies/), and owns the worker thread those handlers share.
 
 Saving never waits for a round trip: the training thread sends GET (and PUT
@@ -7,7 +7,8 @@ store's reply and moves the bytes. Those requests are pipelined, so the
 store's latency is paid once per burst, not once per tensor. One thread, so
 the copies, and the requests queued behind them (``request``), stay in order.
 
-The routes, chosen in ``Mover.route`` and nowhere else, serve a save's put and its get:
+The routes, chosen in ``Mover.route`` and nowhere else (at a save's put, and again where the
+session stores it again), serve that put and the get of what it stored:
 
 - Route.HOST, a CPU tensor: copies/cpu_to_pool.py (the worker copies, checksums, encodes);
 - Route.DAEMON, a CUDA tensor whose memory stormd copies itself (HELLO's
@@ -96,7 +97,7 @@ class Mover:
 
     def route(self, source: torch.UntypedStorage, dtype: str, codec: str, producer: str = "",
               refused: Collection[str] = ()) -> tuple[Route, str, tuple[bytes, int] | None]:
-        """A save's route, decided once: which handler copies ``source`` (of the saved view's ``dtype``
+        """A put's route: which handler copies ``source`` (of the saved view's ``dtype``
         name, its bytes made by ``producer``: saved.producer_of) both ways, the codec it stores it
         with, given the step's codec setting and the codecs whose encoding did not hold a save of
         its kind (``refused``: not taken again), and for stormd's

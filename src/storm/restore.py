@@ -4,7 +4,9 @@ with the next offloaded saves fetched ahead (prefetch.py paces them).
 A storage saved under several views comes back once: the fetched bytes are kept, weakly, by key
 (``restored``) and, while more of its views are still to be unpacked, strongly (``awaited``). The
 session (storm/session.py) owns the state of every save; this module reads and changes it under
-the session's lock, as the session does, and waits for bytes outside it.
+the session's lock, as the session does, and waits for bytes outside it; what only the
+thread unpacking a save touches (its step's ``fetching`` and ``flush_queued``, its ``read``) is
+written without the lock, its handle alive meanwhile.
 """
 
 from __future__ import annotations

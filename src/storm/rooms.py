@@ -26,8 +26,9 @@ the same room, up to MAX_TRIAL_STEPS steps. Where no peak could be read (no reco
 such steps), the room's own choice holds.
 A profile is made only of a step whose backward ran: a profile without unpacks gives no room.
 
-The session (storm/session.py) calls ``follow_room``, ``keeps``, ``unpacked`` and ``start_step`` under
-its lock (threads that run forwards at once share it), and ``close`` as it closes.
+The session (storm/session.py, and restore.py for ``unpacked``) calls ``follow_room``, ``keeps``,
+``unpacked`` and ``start_step`` under its lock (threads that run forwards at once share it), and
+``close`` as it closes.
 """
 
 from __future__ import annotations

@@ -58,9 +58,10 @@ class Step:
         self.number = number
         self.options = options
         self.budget_bytes = budget_bytes  # offload the earliest saves up to this many bytes
-        # no budget: every save offloaded, within full offload's limits (rooms.py), until something
-        # sets one (hooks.Offload.offload_at_most); not a fraction budget's first step, whose limit
-        # is infinite only for want of a step before it
+        # every save offloaded within full offload's limits (rooms.py), until something sets a budget
+        # (hooks.Offload.offload_at_most); here where the budget is infinite, and as session.new_step
+        # decides for the steps it makes: not a fraction budget's first step, whose limit is infinite
+        # only for want of a step before it, nor storm.plan's steps (planner/trace.py's PlanStep)
         self.full_offload = budget_bytes == float("inf")
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
         self.fetch_allowance = 0          # memory backward has freed: prefetch may run this far past its window

@@ -115,7 +115,9 @@ class ClientSession:
             self._retire()
         step = Step(next(_steps), limit, options)
         step.full_offload = budget is None and full_offload
-        step.past_budget_before = self.last_past_budget_bytes if budget is not None else 0  # none to go past
+        # past a budget set mid-step too (Offload.offload_at_most); not for storm.plan's steps, whose copy
+        # queue is the plan's
+        step.past_budget_before = self.last_past_budget_bytes if budget is not None or full_offload else 0
         self.last_step = step.number
         with self._lock:  # another thread's save may be following a room meanwhile
             self.rooms.start_step(step)
@@ -317,18 +319,28 @@ class ClientSession:
         released is stored again in the store that replaces it. Returns the keys to free."""
         frees = []
         while (stored := self.copy_queue.copied()) is not None:
+            landed = stored.copy_in.error() is None
+            overflowed = landed and stored.copy_in.result().incomplete()
+            if overflowed:  # its kind takes another frame or none from now on, held or not
+                self._frame_overflowed(stored)
             if stored.refs == 0:  # no handle holds it any more: it goes, stored again nowhere
                 frees.extend(self._release(self.copy_queue.pop()))
                 continue
-            landed = stored.copy_in.error() is None
             if stored.tensor is not None and self._stores.lost(stored.key) is not None and self._move_on():
                 frees.extend(self._put_again(stored, landed))
                 continue  # it is held until that copy is done too
-            if landed and stored.copy_in.result().incomplete():
+            if overflowed:
                 frees.extend(self._put_again(stored, landed, raw=True))
                 break
             frees.extend(self._release(self.copy_queue.pop()))
         return frees
+
+    def _frame_overflowed(self, stored: Stored) -> None:
+        """``stored``'s frame had more escapes than slots: saves of its kind take the next frame that
+        takes them, or go raw (mover.route, frames.frame_codec)."""
+        assert stored.request is not None and stored.step is not None
+        self._overflowed[stored.kind] = self._overflowed.get(stored.kind, frozenset()) | {stored.request.codec}
+        stored.step.stats.record(stored.layer, frame_overflows=1)
 
     def _handles_dropped(self) -> list[int]:
         """Count the handles autograd let go of; a storage none holds is forgotten (its put dropped
@@ -350,15 +362,12 @@ class ClientSession:
 
     def _put_again(self, stored: Stored, landed: bool, raw: bool = False) -> list[int]:
         """Store ``stored``, still held, again under a new key in the current store: raw when its frame had
-        more escapes than slots (its kind takes another frame or none from now on), else because the
-        daemon of the store it went to stopped. Routed again either way (mover.route): the current
+        more escapes than slots (``_frame_overflowed`` has said so), else because the daemon of the
+        store it went to stopped. Routed again either way (mover.route): the current
         store may copy it another way. Returns the old key to free, where its put ``landed``."""
         old, stored.key = stored.key, next_key()
         req = stored.request
         assert req is not None
-        if raw:
-            self._overflowed[stored.kind] = self._overflowed.get(stored.kind, frozenset()) | {req.codec}
-            stored.step.stats.record(stored.layer, frame_overflows=1)
         stored.route, codec, ipc = self._route(stored, req.source, req.meta["dtype"], "raw" if raw else None)
         ready = req.ready
         if stored.route is Route.DAEMON and not isinstance(ready, IpcEvent):

@@ -2,8 +2,8 @@
 
 After vLLM's kv_offload: one handler per (source, destination) medium behind
 one small verb set, registered by ``Route``. Which route a saved tensor takes
-is decided once, when it is saved (mover.Mover.route), and serves its put
-and its get. A handler starts a copy into the store (``put``) or out of it
+is decided at its put (mover.Mover.route), and serves that put and the get of
+what it stored. A handler starts a copy into the store (``put``) or out of it
 (``get``) and returns at once; what it returns is a ``Copy``, the one
 completion type, whichever path made it: a future of the ``Landed`` result,
 plus, on CUDA, the event that marks the end of the bytes' copy on its stream.
