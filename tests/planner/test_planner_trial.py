@@ -159,3 +159,45 @@ def test_no_form_trial_where_the_user_asked_for_the_non_reentrant_form():
     assert planner.plan.recomputed and not planner.plan.reentrant
     assert planner.settled and not planner.trials
     planner.close()
+
+
+def test_the_alternative_a_trial_keeps_is_the_plan_as_measured(monkeypatch):
+    """A trial measures the alternative's first step against the target; where it keeps the
+    alternative, the plan in force is that measured plan (it fits and ranks by it), and explain()
+    says its measured peak: it put in force the unmeasured copy ('this one not yet'), beside the
+    peak the plan before had measured."""
+    from planner_fakes import MiB, ScriptedMemory
+    from storm import mover
+    from storm.planner.measure import HOST_CHECK_STEP
+
+    def by_kind(s: Scenario) -> Plan:
+        if s.offload is False:
+            return Plan(offloaded=0, recomputed=frozenset({0, 1}), offload_budget=0, max_held_bytes=0,
+                        prefetch_bytes=0, predicted_peak=1 << 20, predicted_cost_ms=5.0, fits=True)
+        return Plan(offloaded=2, recomputed=frozenset(), offload_budget=s.trace.offloaded_before[2],
+                    max_held_bytes=1 << 30, prefetch_bytes=0, predicted_peak=1 << 20, predicted_cost_ms=1.0, fits=True)
+
+    clock = FakeClock()
+    put = mover.Mover.put
+
+    def slower(*args, **kwargs):
+        clock.now += 0.02
+        return put(*args, **kwargs)
+
+    memory = ScriptedMemory(extra=0)
+    model, idx = gpt()
+    planner = memory.planner = storm.Planner(model.blocks, peak="200MiB", memory=memory, clock=clock, chooser=by_kind,
+                                             form_trial=False, host_check_tolerance=float("inf"), mode="embedded",
+                                             min_bytes=0)
+    for _ in range(3):  # the offload trace and, with peak=, two compute traces
+        grads_of(model, idx, planner.step())
+    monkeypatch.setattr(mover.Mover, "put", slower)  # offloading is the slower kind: the trial keeps the other
+    for _ in range(HOST_CHECK_STEP + 2 * TRIAL_STEPS + 2):
+        grads_of(model, idx, planner.step())
+    assert planner.trial is not None and planner.trial.kept is planner.plan and not planner.plan.offloads
+    assert planner.plan.measured_over is not None and planner.plan.fits
+    text = planner.explain()
+    assert "this one not yet" not in text
+    assert f"measured: step peak {planner.measured_peak / MiB:.1f} MiB" in text
+    assert planner.measured_peak == planner.target + planner.plan.measured_over
+    planner.close()

@@ -16,6 +16,7 @@ docs/planner.md tells what each phase measures and why.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 import logging
 from typing import Any, Protocol
@@ -423,6 +424,13 @@ class Try(StepPhase):
         within = trial.over is None and (trial.alternative_read or planner.target is None)
         plan_over = plan.measured_over is not None and plan.measured_over > 0
         keep = alternative if within and (trial.gain_ms > 0 or plan_over) else plan
+        measured = planner.state.measured.get(keep.shape) if keep is alternative else None
+        if measured is not None:  # the alternative as measured (in either form: one memory shape)
+            keep = dataclasses.replace(keep, fits=measured.fits, measured_over=measured.measured_over)
+            trial.plans = (plan, keep)  # the trial's account of itself names the plan in force
+            target = planner.target_of(keep)
+            if target is not None:
+                planner.state.measured_peak = target + measured.measured_over
         trial.kept = keep
         if keep is not planner.plan:
             planner.apply(keep)
