@@ -144,3 +144,47 @@ def test_blocks_called_by_keyword_trace_again_when_their_inputs_change_shape():
         grads_of(model, larger, planner.step())
     assert planner.replans == 1
     planner.close()
+
+
+def test_what_prefetch_may_fetch_at_each_block_stays_within_the_plan_s_peak(monkeypatch):
+    """As backward reaches each block, the planner lets prefetch fetch ahead what the plan's peak
+    leaves free there (allow_prefetch), and prefetch adds the plan's window once it fetches. The
+    peak counts that window once, among the bytes in flight: the allowance counted it again, so a
+    plan with a window could fetch one window more than its predicted peak at its peak block."""
+    from planner_fakes import gpt, grads_of
+    from storm.planner import Plan, Scenario, predicted_peak
+    from storm.planner.model import kept_bytes
+    from storm.restore import Restorer
+
+    window = 64 << 10
+    chosen: list[Plan] = []
+
+    def offload_two(s: Scenario) -> Plan:
+        t = s.trace
+        chosen.append(Plan(offloaded=2, recomputed=frozenset(), offload_budget=t.offloaded_before[2],
+                           max_held_bytes=1 << 30, prefetch_bytes=window, in_flight_bytes=window,
+                           predicted_peak=predicted_peak(t, 2, set(), window, grads=False, prefetch=window),
+                           predicted_cost_ms=0.0, fits=True))
+        return chosen[-1]
+
+    allowed: list[int] = []
+    allow = Restorer.allow_prefetch
+
+    def recorded(self, step, nbytes):
+        allowed.append(nbytes)
+        allow(self, step, nbytes)
+
+    model, idx = gpt()
+    planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0, chooser=offload_two,
+                            form_trial=False, host_check_tolerance=float("inf"))
+    for _ in range(2):  # the traces
+        grads_of(model, idx, planner.step())
+    monkeypatch.setattr(Restorer, "allow_prefetch", recorded)
+    grads_of(model, idx, planner.step())
+    p, t = planner.plan, planner.trace
+    assert p.prefetch_bytes == window and len(allowed) == len(t.blocks)
+    kept = kept_bytes(t, p.offloaded, p.recomputed)
+    for i, nbytes in enumerate(reversed(allowed)):  # backward reaches the last block first
+        held = sum(kept[:i]) + t.blocks[i].saved_bytes  # the blocks before keep theirs; block i its own
+        assert held + nbytes + p.prefetch_bytes <= p.predicted_peak, i
+    planner.close()

@@ -172,7 +172,8 @@ class BlockHooks:
         the blocks after it will keep (the host runs ahead of the GPU, and the caching
         allocator counts memory on the host's clock), and a hook on each block's output (whose
         gradient is ready when the block's backward starts) allows prefetch what the plan's
-        peak leaves free there: the peak, less what the blocks before keep, the block's own
+        peak leaves free there: the peak, less the plan's prefetch window (prefetch adds it once
+        it fetches), what the blocks before keep, the block's own
         saves (with its fetched inputs, where they were offloaded) or the largest rebuild still
         to come, and (where the plan's peak counts them, with peak=) the parameter gradients
         allocated from there on, so fetches start as early as memory allows and hold back as
@@ -191,7 +192,8 @@ class BlockHooks:
             # its inputs, where they were fetched
             own = b.saved_bytes + (fetched_inputs(b) if p.offloaded <= i < end else 0)
             in_use = max(own, rebuild)
-            room[i] = max(0, p.predicted_peak - sum(kept[:i]) - in_use - sum(grad[i:]))
+            # less the prefetch window, which the peak counts (in flight) and prefetch adds once it fetches
+            room[i] = max(0, p.predicted_peak - p.prefetch_bytes - sum(kept[:i]) - in_use - sum(grad[i:]))
             if i in p.recomputed:
                 rebuild = max(rebuild, own)
         # after block i, the copies still running may use what the blocks after the next will
