@@ -6,6 +6,13 @@ the methods users pick and STORM's one-line API at every memory cap they span.
     python bench/zoo.py --cells mistral-wide gemma2-long --out ... --resume         # CUDA: these cells
     python bench/zoo.py --quick --cells llama-wide --out /tmp/zoo.json              # smoke run
     python bench/zoo.py --summary bench/results/zoo-....json [--markdown]           # any machine
+    python bench/zoo.py --merge GPU0.json GPU1.json --out RUN.json                  # any machine
+
+On a machine of several GPUs, a process per GPU measures its own cells into its own file
+(``CUDA_VISIBLE_DEVICES=0 python bench/zoo.py --cells A B --out GPU0.json --resume &
+CUDA_VISIBLE_DEVICES=1 python bench/zoo.py --cells C D --out GPU1.json --resume; wait``: each GPU
+its own link), and --merge makes them one run's file: it refuses cells measured at two commits
+or on two kinds of device, and a cell found in two files.
 
 A cell is one architecture of bench/hf.py (random weights from a config, bf16, random tokens)
 at one of two shapes: "wide", a large batch of short sequences, and "long", one or two long
@@ -416,6 +423,26 @@ def _plan_note(r: dict) -> str:
             + ("" if p["fits"] else ", does NOT fit"))
 
 
+def merge(runs: list[dict], names: list[str]) -> dict:
+    """The cells of ``runs`` (read from the files ``names``) as one run's: ValueError, naming the
+    files, where a cell is in two of them, or their cells were measured at other commits or on
+    other kinds of device (rows of two runs do not compare)."""
+    cells: dict[str, dict] = {}
+    where: dict[str, str] = {}
+    for results, name in zip(runs, names):
+        for cell, measured in results.get("cells", {}).items():
+            if cell in cells:
+                raise ValueError(f"{cell} is in both {where[cell]} and {name}: keep one")
+            cells[cell], where[cell] = measured, name
+    seen = {(c.get("meta", {}).get("commit"), c.get("meta", {}).get("device")) for c in cells.values()}
+    if len(seen) > 1:
+        found = ", ".join(f"{cell} ({c.get('meta', {}).get('commit')}, {c.get('meta', {}).get('device')}, "
+                          f"{where[cell]})" for cell, c in cells.items())
+        raise ValueError(f"the cells were measured at more than one commit or on more than one kind of device, "
+                         f"so they are not one run: {found}")
+    return {"cells": cells}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS), metavar="CELL",
@@ -448,6 +475,8 @@ def main() -> int:
                         help="only torchtune and storm.enable(model) (full offload), and their duel: no caps or "
                              "plans")
     p.add_argument("--summary", metavar="RESULTS.json", help="measure nothing: the tables and verdicts of a run")
+    p.add_argument("--merge", nargs="+", metavar="RESULTS.json",
+                   help="measure nothing: the cells of these files (one run's, a process per GPU) into --out")
     p.add_argument("--markdown", action="store_true", help="with --summary: docs/results.md's Markdown")
     args = p.parse_args()
     if args.quick:
@@ -464,7 +493,15 @@ def main() -> int:
             print(table(name, cell, args.markdown) + "\n")
         return 0
     if not args.out:
-        p.error("--out is required to measure (or --list, --summary)")
+        p.error("--out is required to measure or --merge (or --list, --summary)")
+    if args.merge:
+        try:
+            merged = merge([json.loads(Path(f).read_text()) for f in args.merge], args.merge)
+        except ValueError as e:
+            p.error(str(e))
+        write(args.out, merged)
+        print(f"{len(merged['cells'])} cells of {len(args.merge)} files in {args.out}")
+        return 0
     device = cuda_device("zoo.py", "; --summary RESULTS.json prints a run's tables and verdicts on any machine")
     if device is None:
         return 2

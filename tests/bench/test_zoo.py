@@ -497,3 +497,34 @@ def test_a_duel_that_kept_another_plan_than_its_row_holds_only_where_that_plan_f
     cell["rows"][-1]["plan"].update(max_held_bytes=1 << 20, prefetch_bytes=0)
     held = zoo.verdicts(cell)["per_cap"]["caps"][0]
     assert held["duel_plan_differs"] and not held["holds"]
+
+
+def test_merge_makes_the_files_of_a_process_per_gpu_one_run_and_refuses_two_runs(tmp_path, monkeypatch, capsys):
+    """A machine of several GPUs measures a cell set per GPU, each process into its own file;
+    --merge makes them one run's file, which --summary reads. Cells measured at two commits or on
+    two kinds of device are not one run, nor is a cell found twice: refused, by name."""
+    def cell(commit: str = "abcdef0", device: str = "NVIDIA H100 80GB HBM3") -> dict:
+        c = made_up_cell()
+        c["meta"] = {**c["meta"], "commit": commit, "device": device}
+        return c
+
+    def files(*runs: dict) -> list[str]:
+        names = []
+        for i, run in enumerate(runs):
+            (tmp_path / f"gpu{i}.json").write_text(json.dumps(run))
+            names.append(str(tmp_path / f"gpu{i}.json"))
+        return names
+
+    out = tmp_path / "run.json"
+    names = files({"cells": {"llama-tiny": cell()}}, {"cells": {"mistral-tiny": cell()}})
+    monkeypatch.setattr(sys, "argv", ["bench/zoo.py", "--merge", *names, "--out", str(out)])
+    assert zoo.main() == 0
+    assert set(json.loads(out.read_text())["cells"]) == {"llama-tiny", "mistral-tiny"}
+    monkeypatch.setattr(sys, "argv", ["bench/zoo.py", "--summary", str(out)])
+    assert zoo.main() == 0 and "mistral-tiny" in capsys.readouterr().out
+    for other, said in ((cell(commit="1234567"), "more than one commit"),
+                        (cell(device="NVIDIA H200"), "more than one kind of device")):
+        with pytest.raises(ValueError, match=said):
+            zoo.merge([{"cells": {"llama-tiny": cell()}}, {"cells": {"mistral-tiny": other}}], ["a", "b"])
+    with pytest.raises(ValueError, match="llama-tiny is in both a and b"):
+        zoo.merge([{"cells": {"llama-tiny": cell()}}, {"cells": {"llama-tiny": cell()}}], ["a", "b"])
