@@ -236,3 +236,50 @@ def test_the_offload_trace_offloads_every_save_as_storm_plan_s_step_not_a_full_o
     assert not trace._step.full_offload and trace._step.room is None and trace._step.profile is None
     assert trace.stats.offloaded > 0 and not trace.stats.kept.get(storm.Keep.ROOM)
     planner.close()
+
+
+class SlowBackward(torch.nn.Module):
+    """A block that takes 1 ms a call on ``clock`` and 3 ms in its backward."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__()
+        self.lin, self.clock = torch.nn.Linear(64, 64), clock
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.clock.now += 0.001
+        clock = self.clock
+
+        class Timed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.view_as(t)
+
+            @staticmethod
+            def backward(ctx, g):
+                clock.now += 0.003
+                return g
+
+        return Timed.apply(torch.nn.functional.gelu(self.lin(x)))
+
+
+def test_the_compute_trace_times_the_blocks_backward_and_explain_sets_it_beside_the_link_model_s():
+    """Offloading's link model counts on the blocks' backward taking about twice their forward (a
+    frozen base's fine-tune takes about one); the compute trace times it, its recomputes left out,
+    so that explain() shows the two side by side on every model the planner meets."""
+    clock = FakeClock()
+    blocks = torch.nn.ModuleList(SlowBackward(clock) for _ in range(6))
+    x = torch.randn(32, 64)
+    planner = storm.plan(blocks, budget=0.5, mode="embedded", min_bytes=0, clock=clock)
+    for _ in range(2):  # the offload trace, the compute trace
+        with planner.step():
+            h = x
+            for b in blocks:
+                h = b(h)
+        h.sum().backward()
+    planner.step()  # takes the compute trace in
+    t = planner.trace
+    assert t.backward_device_ms == pytest.approx(18.0)  # 6 blocks' 3 ms, their 1 ms recomputes left out
+    assert sum(b.forward_ms for b in t.blocks) == pytest.approx(6.0)
+    assert "the blocks' backward 18.00 ms compute stream (offloading's link model takes twice their forward, " \
+           "12.00)" in planner.explain()
+    planner.close()

@@ -89,8 +89,11 @@ def explain(planner: Explained) -> str:
     host = f"host {t.host_ms_per_tensor * 1e3:.0f} us per offloaded tensor" + (
         "" if planner.traced_host_ms_per_tensor is None
         else f" (measured in a planned step; traced {planner.traced_host_ms_per_tensor * 1e3:.0f})")
+    backward = ("" if t.backward_device_ms is None else
+                f"; the blocks' backward {t.backward_device_ms:.2f} ms compute stream (offloading's link model "
+                f"takes twice their forward, {2 * sum(b.forward_ms for b in t.blocks):.2f})")
     lines = [f"storm.plan: {want}; link {t.d2h_GBps:.1f} GB/s to host, {t.h2d_GBps:.1f} back; {host}; "
-             f"forward {t.forward_host_ms:.2f} ms host, {t.forward_device_ms:.2f} ms compute stream",
+             f"forward {t.forward_host_ms:.2f} ms host, {t.forward_device_ms:.2f} ms compute stream{backward}",
              _standing(planner),
              *([f"a step is {t.forwards} forwards before one backward: each block's figures are its {t.forwards} "
                 f"calls' together, and the plan decides for all of them"] if t.forwards > 1 else []),

@@ -51,6 +51,10 @@ class Trace:
     frame_device_ms_per_GiB: float = 0.0   # the device's time encoding and decoding frames, per GiB framed
     forward_host_ms: float = 0.0     # forward of the blocks, on the host, nothing offloaded
     forward_device_ms: float = 0.0   # and on the compute stream
+    # the blocks' backward on the compute stream, their recomputes left out (the compute trace's);
+    # None where not measured. Offloading's link model takes twice their forward instead (explain()
+    # shows both): measured on models it was not fitted to, it says whether that holds
+    backward_device_ms: float | None = None
     lead_ms: list[float] = dataclasses.field(default_factory=list)  # host ahead of the stream at block i, at the end
     d2h_GBps: float = 0.0
     h2d_GBps: float = 0.0

@@ -370,9 +370,12 @@ class ComputeTrace:
         # what recomputing it costs (see _timing)
         self.recomputes: list[list[tuple[Any, Any]]] = [[] for _ in range(n)]
         self.untimed = [b.forward.forward for b in hooks.blocks]
+        self.backward: list[Any] = []  # marks as backward reaches the blocks and as it ends
         if hand_over:
             for i, b in enumerate(hooks.blocks):
                 b.forward.forward = _timing(self.untimed[i], clock, self.recomputes, i)
+            mark = lambda: self.backward.append(clock.mark())  # noqa: E731
+            hooks.at_backward_end(mark, mark)
 
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
             if i == 0 and hooks.new_inputs(args, kwargs, signature):
@@ -411,6 +414,8 @@ class ComputeTrace:
         trace.forward_host_ms = (host[n] - host[0]) * 1e3
         trace.forward_device_ms = clock.elapsed_ms(starts[0], ends[-1])
         recomputing_ms = sum(b.forward_ms for b in trace.blocks)
+        if len(self.backward) == 2:  # from the last block's backward to backward's end, recomputes out
+            trace.backward_device_ms = max(0.0, clock.elapsed_ms(*self.backward) - recomputing_ms)
         if (clock.first_calls_load and may_repeat
                 and trace.forward_device_ms > FIRST_CALL_RATIO * recomputing_ms + FIRST_CALL_MS):
             # The traced forward was the blocks' first calls in the recompute form (no autograd in
