@@ -12,6 +12,7 @@ import torch
 import storm
 from helpers import bench_module, bench_result
 from storm.planner import Plan
+from storm.planner.model import BlockTrace, Trace
 
 common = bench_module("common")
 
@@ -87,11 +88,18 @@ def test_a_plans_summary_carries_the_plans_the_planner_measured_and_by_how_much_
     measured = {p.shape: dataclasses.replace(p, measured_over=over) for p, over in ((first, 96 << 20),
                                                                                     (second, -(1 << 20)))}
     pl = SimpleNamespace(plan=second, settled=True, target=1 << 30, besides=1 << 20, kept_extra=0, start_extra=0,
-                         trials=[], state=SimpleNamespace(measured=measured))
+                         trials=[], state=SimpleNamespace(measured=measured), trace=traced())
     rows = common.plan_summary(pl)["measured"]
     assert [(r["offloaded_blocks"], r["inputs_offloaded_blocks"], r["over_MiB"]) for r in rows] == [(0, 4, 96.0),
                                                                                                   (1, 2, -1.0)]
     assert rows[0]["recomputed"] == 4 and rows[0]["max_held_MiB"] == 32.0
+    summary = common.plan_summary(pl)  # the traced times the link model's backward is set against
+    assert summary["blocks_forward_ms"] == 4.0 and summary["blocks_backward_ms"] == 2.5
+
+
+def traced() -> Trace:
+    """A trace of 4 blocks of 1 ms forward, their backward timed at 2.5 ms."""
+    return Trace([BlockTrace(forward_ms=1.0) for _ in range(4)], backward_device_ms=2.5)
 
 
 def test_a_plans_summary_says_what_the_planner_measured_of_the_plan_in_force():
@@ -102,7 +110,7 @@ def test_a_plans_summary_says_what_the_planner_measured_of_the_plan_in_force():
                 predicted_peak=1 << 30, predicted_cost_ms=1.0, fits=True)
     measured = {made.shape: dataclasses.replace(made, measured_over=-(3 << 20))}
     pl = SimpleNamespace(plan=made, settled=True, target=1 << 30, besides=1 << 20, kept_extra=0, start_extra=0,
-                         trials=[], state=SimpleNamespace(measured=measured))
+                         trials=[], state=SimpleNamespace(measured=measured), trace=traced())
     assert made.measured_over is None and common.plan_summary(pl)["over_bytes"] == -(3 << 20)
     pl.state.measured = {}
     assert common.plan_summary(pl)["over_bytes"] is None  # not measured
