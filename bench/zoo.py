@@ -434,10 +434,12 @@ def merge(runs: list[dict], names: list[str]) -> dict:
             if cell in cells:
                 raise ValueError(f"{cell} is in both {where[cell]} and {name}: keep one")
             cells[cell], where[cell] = measured, name
-    seen = {(c.get("meta", {}).get("commit"), c.get("meta", {}).get("device")) for c in cells.values()}
-    if len(seen) > 1:
-        found = ", ".join(f"{cell} ({c.get('meta', {}).get('commit')}, {c.get('meta', {}).get('device')}, "
-                          f"{where[cell]})" for cell, c in cells.items())
+    # every call that measured a cell (a cell resumed at another commit is not one run's either)
+    calls = {cell: {(m.get("commit"), m.get("device")) for m in c.get("calls") or [c.get("meta", {})]}
+             for cell, c in cells.items()}
+    if len(set().union(*calls.values())) > 1:
+        found = ", ".join(f"{cell} ({', '.join(f'{commit} on {device}' for commit, device in sorted(seen, key=str))}, "
+                          f"{where[cell]})" for cell, seen in calls.items())
         raise ValueError(f"the cells were measured at more than one commit or on more than one kind of device, "
                          f"so they are not one run: {found}")
     return {"cells": cells}
@@ -499,7 +501,7 @@ def main() -> int:
             merged = merge([json.loads(Path(f).read_text()) for f in args.merge], args.merge)
         except ValueError as e:
             p.error(str(e))
-        write(args.out, merged)
+        Path(args.out).write_text(json.dumps({**merged, "meta": {"merged_from": args.merge}}, indent=1) + "\n")
         print(f"{len(merged['cells'])} cells of {len(args.merge)} files in {args.out}")
         return 0
     device = cuda_device("zoo.py", "; --summary RESULTS.json prints a run's tables and verdicts on any machine")

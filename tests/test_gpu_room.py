@@ -113,3 +113,30 @@ def test_the_steps_after_the_profile_keep_the_loss_saves_backward_takes_first_bi
     assert max(peaks[1:]) <= floor + (4 << 20), (peaks, floor)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                for a, b in zip(grads(contexts[4]), reference))
+
+
+def test_the_planners_trace_after_a_room_that_keeps_saves_counts_every_save():
+    """A full offload's room keeps the head's log-softmax on the device (the test above). storm.plan's
+    offload trace in the same session afterwards is no full-offload step: it counts every save, as a
+    trace in a fresh session does. It followed the room, and the saves the room kept were missing
+    from its count (bert-long on the lent H200 at 02bfcb2: every plan's predicted peak short)."""
+    model = head_model()
+    x = torch.randn(4096, 1024, device="cuda")
+    y = torch.randint(0, 32768, (4096,), device="cuda")
+    blocks = nn.ModuleList(list(model)[:-1])  # every layer a block, the head outside them
+
+    def traced() -> list[int]:
+        planner = storm.plan(blocks, budget=0.5, mode="embedded", min_bytes=0)
+        for _ in range(2):  # the offload trace, and the step whose start reads it
+            step(model, x, y, planner.step())
+        t = planner.trace
+        counted = [b.saved_bytes for b in t.blocks] + [t.before_bytes, t.after_bytes]
+        planner.close()
+        return counted
+
+    fresh = traced()
+    contexts = [storm.offload(mode="embedded", min_bytes=0) for _ in range(4)]
+    for ctx in contexts:
+        step(model, x, y, ctx)
+    assert contexts[-1].stats.kept.get(storm.Keep.ROOM, 0) >= 1  # the room the trace is not to follow
+    assert traced() == fresh

@@ -14,8 +14,9 @@ chooses), and ``drain`` waits until it is within one.
 
 What becomes of a save whose copy is done (released, stored again, forgotten) is the session's
 (storm/session.py): it calls every method here under its lock, except ``drain`` and
-``drain_through`` (storm/restore.py's), which take the lock themselves to wait outside it, and
-``copied`` in poll's look without the lock.
+``drain_through`` (storm/restore.py's), which take the lock themselves to wait outside it,
+``end_step`` and ``limit`` from the training thread past a budget (they read the step's own
+figures and the queue's bytes), and ``copied`` in poll's look without the lock.
 """
 
 from __future__ import annotations

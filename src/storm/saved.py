@@ -130,7 +130,8 @@ class Facts:
 
 class Stored:
     """An offloaded storage, in the store or on its way. ``facts`` are set once, when it is saved;
-    every other field is the session's (storm/session.py) alone to write, under its lock:
+    every other field is the session's (storm/session.py, restore.py) alone to write, under its lock
+    but ``read``, which only the thread unpacking it writes:
 
     ``key`` (a new one where it is stored again: its frame overflowed, or its store's daemon
     stopped), ``route`` (the route its copies take, mover.Mover.route's: set at its put, and at a

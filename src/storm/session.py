@@ -226,7 +226,7 @@ class ClientSession:
                 "storage_offset": t.storage_offset()}
         with self._lock:  # the store, its route and the key together: the session may move on to another store
             stored = Stored(next_key(), step, t, StorageWeakRef(storage), nbytes, compiled)
-            stored.route, codec, ipc = self._route(stored, storage, dtype)  # once: it serves the get too
+            stored.route, codec, ipc = self._route(stored, storage, dtype)  # it serves the get too
             step.order.append(stored)
             previous = step.by_storage.get(storage._cdata)  # an earlier save of the storage, changed since
             step.by_storage[storage._cdata] = stored

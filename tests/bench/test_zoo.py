@@ -526,5 +526,9 @@ def test_merge_makes_the_files_of_a_process_per_gpu_one_run_and_refuses_two_runs
                         (cell(device="NVIDIA H200"), "more than one kind of device")):
         with pytest.raises(ValueError, match=said):
             zoo.merge([{"cells": {"llama-tiny": cell()}}, {"cells": {"mistral-tiny": other}}], ["a", "b"])
+    resumed = cell()
+    resumed["calls"] = [{**resumed["meta"], "commit": "1234567"}, resumed["meta"]]  # begun at another commit
+    with pytest.raises(ValueError, match="more than one commit"):
+        zoo.merge([{"cells": {"llama-tiny": cell()}}, {"cells": {"mistral-tiny": resumed}}], ["a", "b"])
     with pytest.raises(ValueError, match="llama-tiny is in both a and b"):
         zoo.merge([{"cells": {"llama-tiny": cell()}}, {"cells": {"llama-tiny": cell()}}], ["a", "b"])

@@ -406,8 +406,10 @@ class Try(StepPhase):
         target = planner.target
         plan = trial.plans[1]  # the alternative: its first step whose peak was read is the one measured
         trial.alternative_read |= measured is not None
-        if measured is not None and target is not None and plan.reentrant == planner.reentrant:
-            state.record(plan, measured - target)  # in the form the planner measures: its plans rank by this too
+        if measured is not None and target is not None:
+            trial.alternative_over = measured - target
+            if plan.reentrant == planner.reentrant:
+                state.record(plan, measured - target)  # in the form the planner measures: its plans rank by this too
         if measured is not None and target is not None and measured > target:
             trial.over = measured
             return self.decide(planner)
@@ -424,13 +426,13 @@ class Try(StepPhase):
         within = trial.over is None and (trial.alternative_read or planner.target is None)
         plan_over = plan.measured_over is not None and plan.measured_over > 0
         keep = alternative if within and (trial.gain_ms > 0 or plan_over) else plan
-        measured = planner.state.measured.get(keep.shape) if keep is alternative else None
-        if measured is not None:  # the alternative as measured (in either form: one memory shape)
-            keep = dataclasses.replace(keep, fits=measured.fits, measured_over=measured.measured_over)
+        over = trial.alternative_over if keep is alternative else None
+        if over is not None:  # the alternative as its own step here measured it
+            keep = dataclasses.replace(keep, fits=over <= 0, measured_over=over)
             trial.plans = (plan, keep)  # the trial's account of itself names the plan in force
             target = planner.target_of(keep)
             if target is not None:
-                planner.state.measured_peak = target + measured.measured_over
+                planner.state.measured_peak = target + over
         trial.kept = keep
         if keep is not planner.plan:
             planner.apply(keep)

@@ -26,7 +26,7 @@ from ..recompute import Recompute
 from .measure import frame_costs, link_bandwidth
 from .model import BlockTrace, Trace
 from .trial import Clock
-from .wiring import BlockHooks, device_of, input_signature, warn_blocks_whole_graph
+from .wiring import BlockHooks, device_of, grad_tensor, input_signature, warn_blocks_whole_graph
 
 log = logging.getLogger("storm")
 
@@ -370,16 +370,24 @@ class ComputeTrace:
         # what recomputing it costs (see _timing)
         self.recomputes: list[list[tuple[Any, Any]]] = [[] for _ in range(n)]
         self.untimed = [b.forward.forward for b in hooks.blocks]
-        self.backward: list[Any] = []  # marks as backward reaches the blocks and as it ends
+        # marks as backward reaches the blocks, as it gives block 0's input its gradient (per forward:
+        # the blocks' backward is done; what is before them, an embedding or a stem, is not theirs),
+        # and as backward ends (where block 0's input takes no gradient)
+        self.reached: list[Any] = []
+        self.first_done: list[Any] = []
+        self.ended: list[Any] = []
         if hand_over:
             for i, b in enumerate(hooks.blocks):
                 b.forward.forward = _timing(self.untimed[i], clock, self.recomputes, i)
-            mark = lambda: self.backward.append(clock.mark())  # noqa: E731
-            hooks.at_backward_end(mark, mark)
+            hooks.at_backward_end(lambda: self.ended.append(clock.mark()), lambda: self.reached.append(clock.mark()))
 
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
             if i == 0 and hooks.new_inputs(args, kwargs, signature):
                 self.other_shapes = True
+            if i == 0 and hand_over and torch.is_grad_enabled():
+                given = grad_tensor((args, kwargs))
+                if given is not None:
+                    given.register_hook(lambda grad: self.first_done.append(clock.mark()))
             if self.starts[i] is None:  # the first forward's call: the lead is the host's within a forward
                 self.host[i] = clock.host()
                 self.starts[i] = clock.mark()
@@ -414,8 +422,9 @@ class ComputeTrace:
         trace.forward_host_ms = (host[n] - host[0]) * 1e3
         trace.forward_device_ms = clock.elapsed_ms(starts[0], ends[-1])
         recomputing_ms = sum(b.forward_ms for b in trace.blocks)
-        if len(self.backward) == 2:  # from the last block's backward to backward's end, recomputes out
-            trace.backward_device_ms = max(0.0, clock.elapsed_ms(*self.backward) - recomputing_ms)
+        done = self.first_done[-1:] or self.ended  # the last to fire: the first forward's block 0
+        if self.reached and done:  # from the last block's backward to the first's end, recomputes left out
+            trace.backward_device_ms = max(0.0, clock.elapsed_ms(self.reached[0], done[0]) - recomputing_ms)
         if (clock.first_calls_load and may_repeat
                 and trace.forward_device_ms > FIRST_CALL_RATIO * recomputing_ms + FIRST_CALL_MS):
             # The traced forward was the blocks' first calls in the recompute form (no autograd in

@@ -68,6 +68,7 @@ class Trial:
     ms: tuple[list[float], list[float]] = dataclasses.field(default_factory=lambda: ([], []))
     turn: int = 0
     over: int | None = None  # the alternative's measured peak, where it went over its target
+    alternative_over: int | None = None  # bytes the alternative's step read here went over (under) its target
     alternative_read: bool = False  # a step of the alternative had its peak read (its first with a backward)
     kept: Plan | None = None
 
