@@ -17,6 +17,19 @@ from storm.planner.trial import TRIAL_MAX_STEPS, TRIAL_STEPS
 from storm.recompute import Recompute
 
 
+def by_kind(peak: int) -> Callable[[Scenario], Plan]:
+    """A choice of either kind, both predicted to fit at ``peak``: offload blocks 0-1 (cheaper by the
+    model) or, without offloading, recompute them."""
+    def choose(s: Scenario) -> Plan:
+        if s.offload is False:
+            return Plan(offloaded=0, recomputed=frozenset({0, 1}), offload_budget=0, max_held_bytes=0,
+                        prefetch_bytes=0, predicted_peak=peak, predicted_cost_ms=5.0, fits=True)
+        return Plan(offloaded=2, recomputed=frozenset(), offload_budget=s.trace.offloaded_before[2],
+                    max_held_bytes=1 << 30, prefetch_bytes=0, predicted_peak=peak, predicted_cost_ms=1.0, fits=True)
+
+    return choose
+
+
 @pytest.mark.parametrize("slow, kept", [("offload", "recompute"), ("recompute", "offload")])
 def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(monkeypatch, slow, kept):
     """The model's costs are approximate; where the best plan that offloads and the best that
@@ -26,13 +39,6 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
     Every step's gradients are those of no offload, bit for bit."""
     from storm import mover
 
-    def by_kind(s: Scenario) -> Plan:
-        if s.offload is False:
-            return Plan(offloaded=0, recomputed=frozenset({0, 1}), offload_budget=0, max_held_bytes=0,
-                        prefetch_bytes=0, predicted_peak=1 << 40, predicted_cost_ms=5.0, fits=True)
-        return Plan(offloaded=2, recomputed=frozenset(), offload_budget=s.trace.offloaded_before[2],
-                    max_held_bytes=1 << 30, prefetch_bytes=0, predicted_peak=1 << 40, predicted_cost_ms=1.0, fits=True)
-
     clock = FakeClock()
     cls, name = (mover.Mover, "put") if slow == "offload" else (Recompute, "__call__")
     call = getattr(cls, name)
@@ -41,7 +47,7 @@ def test_the_plan_and_the_best_of_the_other_kind_are_tried_and_the_faster_kept(m
         clock.now += 0.02
         return call(*args, **kwargs)
 
-    model, idx, ref, planner = traced_gpt_planner(clock, chooser=by_kind, form_trial=False)
+    model, idx, ref, planner = traced_gpt_planner(clock, chooser=by_kind(1 << 40), form_trial=False)
     monkeypatch.setattr(cls, name, slower)
     offloading = []
     for step in range(HOST_CHECK_STEP + 2 * TRIAL_STEPS + 2):
@@ -170,13 +176,6 @@ def test_the_alternative_a_trial_keeps_is_the_plan_as_measured(monkeypatch):
     from storm import mover
     from storm.planner.measure import HOST_CHECK_STEP
 
-    def by_kind(s: Scenario) -> Plan:
-        if s.offload is False:
-            return Plan(offloaded=0, recomputed=frozenset({0, 1}), offload_budget=0, max_held_bytes=0,
-                        prefetch_bytes=0, predicted_peak=1 << 20, predicted_cost_ms=5.0, fits=True)
-        return Plan(offloaded=2, recomputed=frozenset(), offload_budget=s.trace.offloaded_before[2],
-                    max_held_bytes=1 << 30, prefetch_bytes=0, predicted_peak=1 << 20, predicted_cost_ms=1.0, fits=True)
-
     clock = FakeClock()
     put = mover.Mover.put
 
@@ -186,9 +185,9 @@ def test_the_alternative_a_trial_keeps_is_the_plan_as_measured(monkeypatch):
 
     memory = ScriptedMemory(extra=0)
     model, idx = gpt()
-    planner = memory.planner = storm.Planner(model.blocks, peak="200MiB", memory=memory, clock=clock, chooser=by_kind,
-                                             form_trial=False, host_check_tolerance=float("inf"), mode="embedded",
-                                             min_bytes=0)
+    planner = memory.planner = storm.Planner(model.blocks, peak="200MiB", memory=memory, clock=clock,
+                                             chooser=by_kind(1 << 20), form_trial=False,
+                                             host_check_tolerance=float("inf"), mode="embedded", min_bytes=0)
     for _ in range(3):  # the offload trace and, with peak=, two compute traces
         grads_of(model, idx, planner.step())
     monkeypatch.setattr(mover.Mover, "put", slower)  # offloading is the slower kind: the trial keeps the other
