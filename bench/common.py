@@ -427,7 +427,7 @@ def plan_summary(pl: storm.Planner) -> dict:
             "trial": "; ".join(t.describe() for t in pl.trials) or None,
             # the blocks' forward and backward on the compute stream, as the traces timed them: the
             # link model takes backward as twice forward (model.Offloading.of), which these tell
-            "blocks_forward_ms": round(sum(b.forward_ms for b in pl.trace.blocks), 3),
+            "blocks_forward_ms": round(pl.trace.blocks_forward_ms, 3),
             "blocks_backward_ms": pl.trace.backward_device_ms and round(pl.trace.backward_device_ms, 3),
             # bytes this plan's own measured step went over (under) its target; None: not measured. As
             # the planner recorded it: the plan in force may be a trial's alternative applied as made

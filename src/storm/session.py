@@ -113,8 +113,7 @@ class ClientSession:
             limit = budget
         if self._stores.gone():
             self._retire()
-        step = Step(next(_steps), limit, options)
-        step.full_offload = budget is None and full_offload
+        step = Step(next(_steps), limit, options, full_offload=budget is None and full_offload)
         # past a budget set mid-step too (Offload.offload_at_most); not for storm.plan's steps, whose copy
         # queue is the plan's
         step.past_budget_before = self.last_past_budget_bytes if budget is not None or full_offload else 0
@@ -457,7 +456,6 @@ class ClientSession:
                                    "tensors in it, so they are gone: call it once backward has run")
         with unpack_range(handle.device):
             return self.restorer.restore(handle)
-
 
     def close(self) -> None:
         self.closed = True

@@ -91,7 +91,7 @@ def explain(planner: Explained) -> str:
         else f" (measured in a planned step; traced {planner.traced_host_ms_per_tensor * 1e3:.0f})")
     backward = ("" if t.backward_device_ms is None else
                 f"; the blocks' backward {t.backward_device_ms:.2f} ms compute stream (offloading's link model "
-                f"takes twice their forward, {2 * sum(b.forward_ms for b in t.blocks):.2f})")
+                f"takes twice their forward, {2 * t.blocks_forward_ms:.2f})")
     lines = [f"storm.plan: {want}; link {t.d2h_GBps:.1f} GB/s to host, {t.h2d_GBps:.1f} back; {host}; "
              f"forward {t.forward_host_ms:.2f} ms host, {t.forward_device_ms:.2f} ms compute stream{backward}",
              _standing(planner),

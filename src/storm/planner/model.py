@@ -74,6 +74,11 @@ class Trace:
     def total_bytes(self) -> int:
         return self.before_bytes + sum(b.saved_bytes for b in self.blocks) + self.between_bytes + self.after_bytes
 
+    @property
+    def blocks_forward_ms(self) -> float:
+        """The blocks' forward on the compute stream, all of them: what recomputing every one costs."""
+        return sum(b.forward_ms for b in self.blocks)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -223,7 +228,7 @@ class Offloading:
         # the blocks (embeddings, the loss: few tensors) and the inputs are counted raw.
         carried = sent - sum(b.framed_bytes - b.frame_bytes for b in offloaded)
         d2h, h2d = (g * 1e6 * sent / carried for g in (trace.d2h_GBps, trace.h2d_GBps))  # raw bytes per ms
-        fwd_ms = sum(b.forward_ms for b in blocks)
+        fwd_ms = trace.blocks_forward_ms
         # half of a tensor's host time is its pack, as the first k + m blocks are launched: the GPU
         # hides it only as far as the host has got ahead of it by then (nothing at the step's start).
         # The other half, its unpack, comes at backward's end, behind as much as forward's slack

@@ -421,7 +421,7 @@ class ComputeTrace:
             b.forward_ms = sum(clock.elapsed_ms(*marks) for marks in calls[-trace.forwards:])
         trace.forward_host_ms = (host[n] - host[0]) * 1e3
         trace.forward_device_ms = clock.elapsed_ms(starts[0], ends[-1])
-        recomputing_ms = sum(b.forward_ms for b in trace.blocks)
+        recomputing_ms = trace.blocks_forward_ms
         done = self.first_done[-1:] or self.ended  # the last to fire: the first forward's block 0
         if self.reached and done:  # from the last block's backward to the first's end, recomputes left out
             trace.backward_device_ms = max(0.0, clock.elapsed_ms(self.reached[0], done[0]) - recomputing_ms)
