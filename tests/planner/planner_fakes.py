@@ -39,11 +39,14 @@ def framed(t: Trace, per_block: int, frame_ms: float, saved_by_frames: int | Non
     return t
 
 
-def shared_inputs(t: Trace) -> Trace:
-    """Every block of ``t`` is called with the same tensors (as a model passes each layer its
-    position embeddings): alive anyway, offloading them frees nothing."""
-    for b in t.blocks:
-        b.shared_input_bytes = b.input_bytes
+def shared_inputs(t: Trace, each_its_own: bool = False) -> Trace:
+    """Every block of ``t`` is called with tensors other blocks are called with too, which
+    offloading a block's inputs does not free: one storage for all (as a model passes each layer
+    its position embeddings), or with ``each_its_own`` a storage per block that no earlier block
+    keeps (as a U-Net's skip connection passes a tensor to two blocks), so that each recomputed
+    block keeps its inputs' bytes, offloaded or not."""
+    for i, b in enumerate(t.blocks):
+        b.shared_inputs = {i if each_its_own else 0: b.input_bytes}
     return t
 
 

@@ -16,7 +16,7 @@ from torch import nn
 import storm
 from planner_fakes import FakeClock, below_checkpointing, gpt, grads_of
 from storm.examples.models import same_bits
-from storm.planner import Plan, Scenario
+from storm.planner import Plan, Scenario, kept_bytes
 from storm.recompute import Recompute
 
 
@@ -146,6 +146,21 @@ def test_the_trace_counts_inputs_other_blocks_are_called_with_as_shared():
     pos = 64 * 64 * 4
     assert [(b.input_bytes, b.shared_input_bytes, b.input_tensors) for b in planner.trace.blocks] == \
         [(8 * 64 * 64 * 4 + pos, pos, 1)] * 6
+    planner.close()
+
+
+def test_recomputed_blocks_called_with_one_tensor_keep_it_once():
+    """Every block is called with the same position tensor (as a T5 stack passes each layer its
+    position bias): recomputing them all keeps one storage of it, which the plan's peak counts
+    once, at block 0 (the last backward to use it), not once per block."""
+    model, idx = pos_model()
+    planner = storm.plan(model.blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock())
+    grads_of(model, idx, planner.step())
+    planner.settled
+    t, n, pos, hidden = planner.trace, len(model.blocks), 64 * 64 * 4, 8 * 64 * 64 * 4
+    every = set(range(n))
+    assert kept_bytes(t, 0, every) == [hidden + pos] + [hidden] * (n - 1)
+    assert kept_bytes(t, 0, every, inputs_offloaded=n) == [pos] + [0] * (n - 1)
     planner.close()
 
 

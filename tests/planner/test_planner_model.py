@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from planner_fakes import MiB, framed, shared_inputs, trace
-from storm.planner import BlockTrace, Offloading, Scenario, Trace, choose, moments, predicted_peak
+from storm.planner import BlockTrace, Offloading, Scenario, Trace, choose, kept_bytes, moments, predicted_peak
 from storm.planner.model import _plans
 
 
@@ -182,9 +182,9 @@ def test_an_unreachable_budget_gets_the_least_peak_plan_and_says_so():
 
 def test_a_link_bound_step_offloads_compressed():
     # 100 MiB per 1 ms block over 50 GB/s, host time hidden by the GPU: the link decides. Every
-    # block is called with the same 60 MiB (shared): a recomputed block keeps them, its inputs
-    # offloaded or not, so plans must offload saves
-    t = shared_inputs(framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1))
+    # block is called with 60 MiB that another block is called with too: a recomputed block keeps
+    # them, its inputs offloaded or not, so plans must offload saves
+    t = shared_inputs(framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1), each_its_own=True)
     t.forward_device_ms = t.forward_host_ms + 50
     t.lead_ms = [0.0] + [50.0] * len(t.blocks)
     budget = 300 * MiB
@@ -203,7 +203,7 @@ def test_a_link_bound_step_offloads_compressed():
 def test_the_codecs_device_time_can_make_raw_the_cheaper():
     # the link-bound step above, with a codec whose kernels take 30 ms per GiB framed (encode and
     # decode): they share the GPU with the step's, so they count in full
-    t = shared_inputs(framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1))
+    t = shared_inputs(framed(trace(inputs=60 * MiB, host_ms=0.02), per_block=5, frame_ms=0.1), each_its_own=True)
     t.forward_device_ms = t.forward_host_ms + 50
     t.lead_ms = [0.0] + [50.0] * len(t.blocks)
     budget = 300 * MiB
@@ -222,7 +222,7 @@ def test_a_host_bound_step_offloads_raw():
     # 200 tensors a block, frames that save 1 MiB of its 100 and cost 150 us each, nothing hidden
     # (the blocks' inputs shared, as above: plans must offload saves)
     t = shared_inputs(framed(trace(inputs=60 * MiB, host_ms=0.02, tensors=200), per_block=200, frame_ms=0.15,
-                             saved_by_frames=MiB))
+                             saved_by_frames=MiB), each_its_own=True)
     budget = 300 * MiB
     p = choose(Scenario(t, budget))
     assert p.fits and p.offloaded > 0 and not p.compressed
@@ -270,9 +270,15 @@ def test_a_block_recomputed_with_its_inputs_offloaded_keeps_nothing_until_its_ba
     assert checkpointing == [MiB + 100 * MiB, MiB + 10 * MiB + 100 * MiB, MiB + 20 * MiB + 100 * MiB,
                              MiB + 20 * MiB + 200 * MiB, MiB + 20 * MiB + 200 * MiB + 2 * MiB]
     assert offloaded == [110 * MiB, 110 * MiB, 100 * MiB, 200 * MiB, 200 * MiB + 2 * MiB]
-    # inputs other blocks are called with too stay, and are not fetched
+    # inputs other blocks are called with too stay, and are not fetched: one storage for all
+    # blocks is kept once, from block 0's backward (the last to use it) back to backward's start
     shared_inputs(t)
-    assert moments(t, 0, {0, 1}, 0, grads=False, inputs_offloaded=2) == [100 * MiB, 110 * MiB, 120 * MiB,
+    assert moments(t, 0, {0, 1}, 0, grads=False, inputs_offloaded=2) == [110 * MiB, 110 * MiB, 110 * MiB,
+                                                                    210 * MiB, 212 * MiB]
+    assert kept_bytes(t, 0, {0, 1}, inputs_offloaded=2) == [10 * MiB, 0, 100 * MiB, 100 * MiB]
+    # a storage of each block's own, which other blocks are called with too, is kept per block
+    shared_inputs(t, each_its_own=True)
+    assert moments(t, 0, {0, 1}, 0, grads=False, inputs_offloaded=2) == [110 * MiB, 120 * MiB, 120 * MiB,
                                                                     220 * MiB, 222 * MiB]
 
 

@@ -270,7 +270,7 @@ def _inputs_offloaded(t: Trace, p: Plan) -> str:
     first, last = p.offloaded, p.offloaded + p.inputs_offloaded - 1
     blocks = t.blocks[first:last + 1]
     which = f"block {first}" if first == last else f"blocks {first}-{last}"
-    shared = sum(b.shared_input_bytes for b in blocks)
+    shared = sum({key: n for b in blocks for key, n in b.shared_inputs.items()}.values())  # each storage once
     return (f"{which} recomputed with their inputs offloaded: {_size(sum(map(fetched_inputs, blocks)))} in "
             f"{sum(b.input_tensors for b in blocks)} tensors fetched back when backward recomputes them"
             + (f"; {_size(shared)} of inputs other blocks are called with too stay" if shared else ""))

@@ -35,7 +35,14 @@ class BlockTrace:
     framed_bytes: int = 0    # their bytes
     frame_bytes: int = 0     # and their frames': what the link carries for them when compressed
     input_tensors: int = 0   # storages it was called with that no other block was
-    shared_input_bytes: int = 0  # of input_bytes, tensors other blocks were called with too: alive anyway
+    # of its inputs, the storages (an identity: bytes) other blocks were called with too (a position
+    # bias, a mask): offloading its inputs leaves them there, and blocks that keep them keep one storage
+    shared_inputs: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def shared_input_bytes(self) -> int:
+        """Of input_bytes, the storages other blocks were called with too."""
+        return sum(self.shared_inputs.values())
 
 
 @dataclasses.dataclass
@@ -121,9 +128,25 @@ def kept_bytes(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[in
                inputs_offloaded: int = 0) -> list[int]:
     """Per block, what it keeps on the device from forward to its backward: nothing offloaded,
     of a block recomputed with its inputs offloaded the inputs other blocks were called with too,
-    a recomputed block's inputs, a kept block's saves."""
-    return [0 if i < offloaded else b.shared_input_bytes if i < offloaded + inputs_offloaded
-            else b.input_bytes if i in recomputed else b.saved_bytes for i, b in enumerate(trace.blocks)]
+    a recomputed block's inputs, a kept block's saves. A storage that several blocks keep (a
+    position bias every layer is called with) counts once, at the first of them: it stays until
+    backward, which reaches the blocks last to first, is done with that one."""
+    return [own + first for own, first in zip(*holdings(trace, offloaded, recomputed, inputs_offloaded))]
+
+
+def holdings(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
+              inputs_offloaded: int) -> tuple[list[int], list[int]]:
+    """kept_bytes' two parts per block: what it keeps of its own, and the shared inputs it is the
+    first block to keep."""
+    end, seen = offloaded + inputs_offloaded, set()
+    own, first = [], []
+    for i, b in enumerate(trace.blocks):
+        holds = offloaded <= i and (i < end or i in recomputed)  # it keeps (some of) its inputs
+        own.append(0 if i < offloaded else fetched_inputs(b) * (i >= end) if holds else b.saved_bytes)
+        first.append(sum(n for key, n in b.shared_inputs.items() if key not in seen) if holds else 0)
+        if holds:
+            seen.update(b.shared_inputs)
+    return own, first
 
 
 def fetched_inputs(b: BlockTrace) -> int:
@@ -178,7 +201,8 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
     recomputed with its inputs offloaded, and some such saves: wiring.py lets them go then), whose
     unpacks come first: prefetch waits for backward's first unpack of an offloaded save."""
     blocks, end = trace.blocks, offloaded + inputs_offloaded
-    kept = kept_bytes(trace, offloaded, recomputed, inputs_offloaded)
+    own, first = holdings(trace, offloaded, recomputed, inputs_offloaded)
+    kept = [a + b for a, b in zip(own, first)]
     before = trace.before_bytes * (end == 0) + in_flight_bytes
     head_offloaded = end == len(blocks) and trace.after_early_bytes > 0  # after_kept's and wiring.py's rule
     start = (before - prefetch * (not head_offloaded) + sum(kept) + after_kept(trace, offloaded, inputs_offloaded)
@@ -188,7 +212,8 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
     for i, b in enumerate(blocks):
         # a kept block's kept_extra; a block recomputed with its inputs offloaded, its fetched inputs
         extra = (fetched_inputs(b) if i < end else kept_extra * (i not in recomputed)) if i >= offloaded else 0
-        held.append(before + b.saved_bytes + allocated + extra)
+        # the shared inputs it is the first to keep are there through its own backward too
+        held.append(before + first[i] + b.saved_bytes + allocated + extra)
         before += kept[i]
         allocated -= b.grad_bytes * grads
     return held + [start]

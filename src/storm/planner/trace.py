@@ -119,12 +119,11 @@ class OffloadTrace:
             framed, framed_bytes, frame_bytes = (sum(f) for f in zip(*(self.frames_of(order[s0:s1], self.frame_setting)
                                                                       for s0, s1 in spans)))
             storages = self.arg_storages[i]
-            shared = [ptr for ptr in storages if ptr in self.shared]
             blocks.append(BlockTrace(sum(offset[s1] - offset[s0] for s0, s1 in spans), sum(s1 - s0 for s0, s1 in spans),
                                      self.inputs[i], grad_bytes=self.grads[i], framed=framed,
                                      framed_bytes=framed_bytes, frame_bytes=frame_bytes,
-                                     input_tensors=len(storages) - len(shared),
-                                     shared_input_bytes=sum(storages[ptr] for ptr in shared)))
+                                     input_tensors=sum(ptr not in self.shared for ptr in storages),
+                                     shared_inputs={ptr: n for ptr, n in storages.items() if ptr in self.shared}))
         device = device_of(self.hooks.blocks)
         d2h, h2d = link_bandwidth(device)
         # frames are timed only where some tensor would be framed: their kernels compile at first use

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 from ..compiled import compiled, optimized, probe_compiling, warn_whole_graph
 from ..hooks import Offload
 from ..recompute import Recompute
-from .model import Plan, Trace, fetched_inputs, kept_bytes
+from .model import Plan, Trace, fetched_inputs, holdings
 
 
 class BlockHooks:
@@ -173,7 +173,7 @@ class BlockHooks:
         allocator counts memory on the host's clock), and a hook on each block's output (whose
         gradient is ready when the block's backward starts) allows prefetch what the plan's
         peak leaves free there: the peak, less the plan's prefetch window (prefetch adds it once
-        it fetches), what the blocks before keep, the block's own
+        it fetches), what the blocks before keep (and the shared inputs it keeps first), the block's own
         saves (with its fetched inputs, where they were offloaded) or the largest rebuild still
         to come, and (where the plan's peak counts them, with peak=) the parameter gradients
         allocated from there on, so fetches start as early as memory allows and hold back as
@@ -185,7 +185,8 @@ class BlockHooks:
         end = p.offloaded + p.inputs_offloaded  # the blocks whose saves (or inputs) are offloaded
         grad = [b.grad_bytes * grads for b in blocks]  # in the plan's peak with peak= only
         room = [0] * len(blocks)
-        kept = kept_bytes(trace, p.offloaded, p.recomputed, p.inputs_offloaded)
+        own, first = holdings(trace, p.offloaded, p.recomputed, p.inputs_offloaded)
+        kept = [a + b for a, b in zip(own, first)]
         rebuild = 0  # the largest saves (and fetched inputs) of a recomputed block before i: rebuilt later in backward
         for i, b in enumerate(blocks):
             # block i's own saves (kept, rebuilt or fetched) are alive through its backward, and
@@ -193,7 +194,8 @@ class BlockHooks:
             own = b.saved_bytes + (fetched_inputs(b) if p.offloaded <= i < end else 0)
             in_use = max(own, rebuild)
             # less the prefetch window, which the peak counts (in flight) and prefetch adds once it fetches
-            room[i] = max(0, p.predicted_peak - p.prefetch_bytes - sum(kept[:i]) - in_use - sum(grad[i:]))
+            held = sum(kept[:i]) + first[i]  # with the shared inputs it is the first block to keep
+            room[i] = max(0, p.predicted_peak - p.prefetch_bytes - held - in_use - sum(grad[i:]))
             if i in p.recomputed:
                 rebuild = max(rebuild, own)
         # after block i, the copies still running may use what the blocks after the next will
