@@ -375,3 +375,16 @@ def test_a_measured_plan_fits_and_ranks_by_its_measure_not_its_prediction():
     assert measured.shape == lowest.shape and measured.fits and measured.measured_over == -1
     # and measured far over, another plan is the least peak
     assert choose(dataclasses.replace(tight, measured={lowest.shape: 1 << 40})).shape != lowest.shape
+
+
+def test_recomputing_blocks_that_share_an_input_fits_where_a_set_of_them_does():
+    """Four blocks of 100 MiB saves, each called with 10 MiB of its own and one 50 MiB storage
+    they all share: recomputing blocks 0-2 peaks at 180 MiB, so a budget of 220 MiB fits without
+    offloading. Keeping a block that shares an input adds its saves less its own inputs to the
+    later moments, not less what it shares, which another block keeps."""
+    blocks = [BlockTrace(100 * MiB, 10, 60 * MiB, 1.0, input_tensors=1, shared_inputs={0: 50 * MiB})
+              for _ in range(4)]
+    t = Trace(blocks, lead_ms=[0.0] * 5, d2h_GBps=50, h2d_GBps=50, forward_host_ms=1, forward_device_ms=1)
+    assert predicted_peak(t, 0, {0, 1, 2}, 0, grads=False) == 180 * MiB
+    p = choose(Scenario(t, 220 * MiB, offload=False, grads=False))
+    assert p.fits and p.predicted_peak <= 220 * MiB and p.offloaded == 0

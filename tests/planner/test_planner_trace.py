@@ -13,6 +13,7 @@ import torch
 import storm
 from planner_fakes import FakeClock, gpt, grads_of, pack_clock
 from storm.examples.models import same_bits
+from storm.planner.trace import Shared
 
 
 def test_new_input_shapes_trace_again():
@@ -285,3 +286,19 @@ def test_the_compute_trace_times_the_blocks_backward_and_explain_sets_it_beside_
     assert "the blocks' backward 18.00 ms compute stream (offloading's link model takes twice their forward, " \
            "12.00)" in planner.explain()
     planner.close()
+
+
+def test_a_storage_at_a_freed_ones_address_is_another_storage():
+    """Shared gives each storage an identity: a view of a live storage is the same one (shared
+    once another call passes it), a new storage where a freed one was (as CUDA's caching
+    allocator hands T5's decoder the memory of the encoder's position bias) is another, which the
+    cost model must not count as kept once for both."""
+    memory = bytearray(1024)
+    shared = Shared()
+    first = torch.frombuffer(memory, dtype=torch.float32)
+    a = shared.called_with([first])
+    b = shared.called_with([first[:8]])
+    assert a == b and all(key in shared for key in a)
+    del first
+    c = shared.called_with([torch.frombuffer(memory, dtype=torch.float32)])
+    assert c.keys().isdisjoint(a.keys()) and not any(key in shared for key in c)

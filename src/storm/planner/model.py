@@ -500,9 +500,11 @@ def _recompute_until(s: Scenario, k: int, m: int, budget: int, off: Offloading,
     peak = max(at)
     if peak <= budget:
         for j in sorted(recomputed, key=lambda j: (-blocks[j].forward_ms, -j)):
-            # keeping block j adds its kept_extra to its own moment and its saves less its input to
-            # every later one (backward's start among them): the moments before it stay
-            without = max(max(at[:j], default=0), at[j] + kept_extra, max(at[j + 1:]) + gain[j])
+            # keeping block j adds its kept_extra to its own moment and at most its saves less its own
+            # inputs to every later one (backward's start among them; inputs it shares may stay, kept
+            # by another block): the moments before it stay
+            without = max(max(at[:j], default=0), at[j] + kept_extra,
+                          max(at[j + 1:]) + blocks[j].saved_bytes - fetched_inputs(blocks[j]))
             if without <= budget:
                 recomputed.discard(j)
                 at = s.moments(k, inputs | recomputed, in_flight, inputs_offloaded=m, prefetch=window)

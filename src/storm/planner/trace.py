@@ -9,6 +9,7 @@ their recomputes; the offload trace also names which modules outside the blocks 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import statistics
 import threading
@@ -310,33 +311,39 @@ class OutsideSaves:
 class Shared:
     """The storages of the blocks' tensor arguments that more than one block was called with (a
     model passing every layer its position embeddings or mask): offloading a recomputed block's
-    inputs frees none of them. A storage counts as the same where a tensor over it (the base of
-    the view passed) is still alive: a freed one's address may be reused by another."""
+    inputs frees none of them. Each storage gets an identity of its own, as the cost model counts
+    a storage several blocks keep once: a storage counts as the same where a tensor over it (the
+    base of the view passed) is still alive, as a freed one's address may be reused by another
+    (T5's decoder's position bias where the encoder's was), which gets a new identity."""
 
     def __init__(self) -> None:
-        self._seen: dict[int, weakref.ref] = {}  # storage address: the first tensor called with it
+        # storage address: the first tensor called with it, and the storage's identity
+        self._seen: dict[int, tuple[weakref.ref, int]] = {}
         self._shared: set[int] = set()
+        self._ids = itertools.count()
 
     def called_with(self, args: Any) -> dict[int, int]:
-        """A block's call: its arguments' storages (address: bytes), noted."""
-        storages: dict[int, int] = {}
-        bases: dict[int, torch.Tensor] = {}
+        """A block's call: its arguments' storages (identity: bytes), noted."""
+        bases: dict[int, tuple[torch.Tensor, int]] = {}
         for a in args:
             if isinstance(a, torch.Tensor) and a.untyped_storage().nbytes():
-                ptr = a.untyped_storage().data_ptr()
-                storages[ptr] = a.untyped_storage().nbytes()
-                bases[ptr] = a if a._base is None else a._base
-        for ptr, base in bases.items():
+                base = a if a._base is None else a._base
+                bases[a.untyped_storage().data_ptr()] = (base, a.untyped_storage().nbytes())
+        storages: dict[int, int] = {}
+        for ptr, (base, nbytes) in bases.items():
             seen = self._seen.get(ptr)
-            earlier = seen() if seen is not None else None
-            if earlier is not None and earlier.untyped_storage().data_ptr() == ptr:
-                self._shared.add(ptr)
+            earlier = seen[0]() if seen is not None else None
+            if seen is not None and earlier is not None and earlier.untyped_storage().data_ptr() == ptr:
+                key = seen[1]
+                self._shared.add(key)
             else:
-                self._seen[ptr] = weakref.ref(base)
+                key = next(self._ids)
+                self._seen[ptr] = (weakref.ref(base), key)
+            storages[key] = nbytes
         return storages
 
-    def __contains__(self, ptr: int) -> bool:
-        return ptr in self._shared
+    def __contains__(self, key: int) -> bool:
+        return key in self._shared
 
 
 class ComputeTrace:
