@@ -131,22 +131,22 @@ def kept_bytes(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[in
     a recomputed block's inputs, a kept block's saves. A storage that several blocks keep (a
     position bias every layer is called with) counts once, at the first of them: it stays until
     backward, which reaches the blocks last to first, is done with that one."""
-    return [own + first for own, first in zip(*holdings(trace, offloaded, recomputed, inputs_offloaded))]
+    return holdings(trace, offloaded, recomputed, inputs_offloaded)[0]
 
 
 def holdings(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
               inputs_offloaded: int) -> tuple[list[int], list[int]]:
-    """kept_bytes' two parts per block: what it keeps of its own, and the shared inputs it is the
-    first block to keep."""
+    """Per block, kept_bytes, and of that the shared inputs it is the first block to keep (there
+    through its own backward too)."""
     end, seen = offloaded + inputs_offloaded, set()
-    own, first = [], []
+    kept, first = [], []
     for i, b in enumerate(trace.blocks):
         holds = offloaded <= i and (i < end or i in recomputed)  # it keeps (some of) its inputs
-        own.append(0 if i < offloaded else fetched_inputs(b) * (i >= end) if holds else b.saved_bytes)
         first.append(sum(n for key, n in b.shared_inputs.items() if key not in seen) if holds else 0)
+        kept.append(0 if i < offloaded else fetched_inputs(b) * (i >= end) + first[i] if holds else b.saved_bytes)
         if holds:
             seen.update(b.shared_inputs)
-    return own, first
+    return kept, first
 
 
 def fetched_inputs(b: BlockTrace) -> int:
@@ -201,8 +201,7 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
     recomputed with its inputs offloaded, and some such saves: wiring.py lets them go then), whose
     unpacks come first: prefetch waits for backward's first unpack of an offloaded save."""
     blocks, end = trace.blocks, offloaded + inputs_offloaded
-    own, first = holdings(trace, offloaded, recomputed, inputs_offloaded)
-    kept = [a + b for a, b in zip(own, first)]
+    kept, first = holdings(trace, offloaded, recomputed, inputs_offloaded)
     before = trace.before_bytes * (end == 0) + in_flight_bytes
     head_offloaded = end == len(blocks) and trace.after_early_bytes > 0  # after_kept's and wiring.py's rule
     start = (before - prefetch * (not head_offloaded) + sum(kept) + after_kept(trace, offloaded, inputs_offloaded)

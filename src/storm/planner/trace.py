@@ -61,7 +61,7 @@ class OffloadTrace:
         self.marks: list[tuple[float, int]] = []
         self.called: list[int] = []
         self.inputs, self.grads = [0] * n, [0] * n
-        self.arg_storages: list[dict[int, int]] = [{} for _ in range(n)]  # per block: its tensors' storages' bytes
+        self.arg_storages: list[dict[int, int]] = [{} for _ in range(n)]  # per block: its tensors' storages (Shared)
         self.shared = Shared()
 
         def mark() -> None:
@@ -123,8 +123,8 @@ class OffloadTrace:
             blocks.append(BlockTrace(sum(offset[s1] - offset[s0] for s0, s1 in spans), sum(s1 - s0 for s0, s1 in spans),
                                      self.inputs[i], grad_bytes=self.grads[i], framed=framed,
                                      framed_bytes=framed_bytes, frame_bytes=frame_bytes,
-                                     input_tensors=sum(ptr not in self.shared for ptr in storages),
-                                     shared_inputs={ptr: n for ptr, n in storages.items() if ptr in self.shared}))
+                                     input_tensors=sum(key not in self.shared for key in storages),
+                                     shared_inputs={key: n for key, n in storages.items() if key in self.shared}))
         device = device_of(self.hooks.blocks)
         d2h, h2d = link_bandwidth(device)
         # frames are timed only where some tensor would be framed: their kernels compile at first use

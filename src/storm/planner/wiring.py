@@ -185,8 +185,7 @@ class BlockHooks:
         end = p.offloaded + p.inputs_offloaded  # the blocks whose saves (or inputs) are offloaded
         grad = [b.grad_bytes * grads for b in blocks]  # in the plan's peak with peak= only
         room = [0] * len(blocks)
-        own, first = holdings(trace, p.offloaded, p.recomputed, p.inputs_offloaded)
-        kept = [a + b for a, b in zip(own, first)]
+        kept, first = holdings(trace, p.offloaded, p.recomputed, p.inputs_offloaded)
         rebuild = 0  # the largest saves (and fetched inputs) of a recomputed block before i: rebuilt later in backward
         for i, b in enumerate(blocks):
             # block i's own saves (kept, rebuilt or fetched) are alive through its backward, and
