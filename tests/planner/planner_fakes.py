@@ -119,22 +119,23 @@ class ScriptedMemory:
     predicted moments plus ``besides``, and for plans that offload ``extra`` more than they
     predict; a kept block's backward holds ``kept_extra`` more than a recomputed one's, and
     backward's start ``start_extra`` more than a block's. Until restart() (backward has reached
-    the blocks) it reads backward's start, then the blocks' backward. ``planner`` is the planner
-    it reports to, set once made."""
+    the blocks) it reads backward's start, then at each restart the next block's backward, last
+    to first, as the allocator's peak would read at each moment. ``planner`` is the planner it
+    reports to, set once made."""
 
     def __init__(self, besides: int = 40 * MiB, extra: int = 70 * MiB, kept_extra: int = 0,
                  start_extra: int = 0) -> None:
         self.besides, self.extra, self.kept_extra, self.start_extra = besides, extra, kept_extra, start_extra
         self.available, self.starts, self.reads = True, 0, 0
-        self.in_blocks = False
+        self.at: int | None = None  # the block whose backward runs; None before the blocks
         self.planner: storm.Planner | None = None
 
     def start(self) -> None:
         self.starts += 1
-        self.in_blocks = False
+        self.at = None
 
     def restart(self) -> None:
-        self.in_blocks = True
+        self.at = len(self.planner.hooks.blocks) - 1 if self.at is None else self.at - 1
 
     def peak(self) -> int:
         self.reads += 1
@@ -143,11 +144,11 @@ class ScriptedMemory:
             every = set(range(len(pl.trace.blocks)))
             held = moments(pl.trace, 0, every, 0, grads=True, start_extra=self.start_extra)
             kept = self.kept_extra * (pl.phase is Phase.TRACE_COMPUTE_KEPT)
-            return self.besides + (max(held[:-1]) + kept if self.in_blocks else held[-1])
+            return self.besides + (held[self.at] + kept if self.at is not None else held[-1])
         p = pl.plan
         held = moments(pl.trace, p.offloaded, p.recomputed, p.in_flight_bytes, grads=True, kept_extra=self.kept_extra,
                        inputs_offloaded=p.inputs_offloaded, start_extra=self.start_extra, prefetch=p.prefetch_bytes)
-        return (self.besides + (max(held[:-1]) if self.in_blocks else held[-1])
+        return (self.besides + (held[self.at] if self.at is not None else held[-1])
                 + (self.extra if p.offloads else 0))
 
 

@@ -18,7 +18,7 @@ from ..compiled import compiled
 from ..hooks import Offload
 from . import explain as explaining
 from .measure import HOST_CHECK_TOLERANCE, CudaPeakMemory, PeakMemory, checks_for, frames_of
-from .model import Plan, Scenario, Trace, choose, full_offloads, predicted_peak
+from .model import Plan, Scenario, Trace, choose, full_offloads, moments
 from .options import plan_options
 from .phases import Measure, Phase, StepPhase, TraceOffload, Try, after_checks, measure_full
 from .state import TraceState
@@ -235,10 +235,36 @@ class Planner:
     def step_peak(self, plan: Plan) -> int:
         """The plan's saves and parameter gradients on the device at its predicted peak, with what
         a kept block's backward and backward's start hold beyond the besides."""
+        return max(self._held(plan))
+
+    def _held(self, plan: Plan) -> list[int]:
+        """model.moments of ``plan``'s step: its saves and parameter gradients at each moment."""
         assert self.trace is not None
-        return predicted_peak(self.trace, plan.offloaded, plan.recomputed, plan.in_flight_bytes,
-                              kept_extra=self.kept_extra, inputs_offloaded=plan.inputs_offloaded,
-                              start_extra=self.start_extra, prefetch=plan.prefetch_bytes)
+        return moments(self.trace, plan.offloaded, plan.recomputed, plan.in_flight_bytes, grads=True,
+                       kept_extra=self.kept_extra, inputs_offloaded=plan.inputs_offloaded,
+                       start_extra=self.start_extra, prefetch=plan.prefetch_bytes)
+
+    def peak_moments(self, plan: Plan | None = None) -> list[tuple[int, int | None]] | None:
+        """Per moment of ``plan``'s step (the plan in force by default; model.moments' layout:
+        each block's backward, then backward's start), what the cost model predicts the step
+        holds there above its start (the besides included) and what its first measured step
+        held (None where it did not read that moment): where a prediction missed, and by how
+        much. None before the compute trace, or where no step of the plan was measured so."""
+        plan = plan or self.plan
+        measured = plan and self.state.measured_moments.get(plan.shape)
+        if plan is None or measured is None or self.besides is None or self.trace is None:
+            return None
+        return [(self.besides + h, m) for h, m in zip(self._held(plan), measured)]
+
+    def traced_moments(self) -> list[tuple[int, int | None]] | None:
+        """The same of the compute trace's step (every block recomputed, nothing offloaded),
+        whose peak the besides were taken from: its largest moment predicts as measured, the
+        others show how far one figure of besides stands for every block's backward."""
+        measured, trace = self.state.traced_moments, self.trace
+        if measured is None or trace is None or self.besides is None:
+            return None
+        held = moments(trace, 0, set(range(len(trace.blocks))), 0, grads=True, start_extra=self.start_extra)
+        return [(self.besides + h, m) for h, m in zip(held, measured)]
 
     @property
     def target(self) -> int | None:

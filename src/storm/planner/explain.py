@@ -77,6 +77,8 @@ class Explained(Protocol):
     @property
     def measured_plans(self) -> int: ...
 
+    def peak_moments(self, plan: Plan | None = None) -> list[tuple[int, int | None]] | None: ...
+
 
 def explain(planner: Explained) -> str:
     """Whether the plan is settled, per block what was measured and what the plan does with it,
@@ -142,7 +144,27 @@ def explain(planner: Explained) -> str:
                      f"MiB, plus {margins[True] / MiB:.1f} MiB for plans that offload, after "
                      f"{planner.checks} measured steps")
         lines.append(_measured(planner, p))
+        at = planner.peak_moments(p)
+        if at is not None:
+            lines.append(_moments(at))
     return "\n".join(lines)
+
+
+def _moments(at: list[tuple[int, int | None]]) -> str:
+    """Where the plan's step was predicted to peak and where it was measured to, each moment's
+    prediction against its measure (``at``: Planner.peak_moments)."""
+    def name(i: int) -> str:
+        return "backward's start" if i == len(at) - 1 else f"block {i}'s backward"
+
+    def one(i: int) -> str:
+        predicted, measured = at[i]
+        read = "not measured alone" if measured is None else f"{measured / MiB:.1f} measured"
+        return f"{name(i)}, {predicted / MiB:.1f} MiB predicted, {read}"
+    predicted_at = max(range(len(at)), key=lambda i: at[i][0])
+    measured_at = max(range(len(at)), key=lambda i: -1 if at[i][1] is None else at[i][1])
+    if predicted_at == measured_at:
+        return f"peaks, predicted and measured, at {one(predicted_at)}"
+    return f"predicted to peak at {one(predicted_at)}; measured to peak at {one(measured_at)}"
 
 
 def _measured(planner: Explained, p: Plan) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 import torch
 
@@ -16,6 +16,9 @@ from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
 from ..frames import FRAME_MIN_BYTES, frame_bytes, frame_codec
 from ..stats import OffloadStats
 from .model import Trace
+
+if TYPE_CHECKING:  # wiring.py's hooks are handed in: measure.py needs their type alone
+    from .wiring import BlockHooks
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -71,6 +74,59 @@ class CudaPeakMemory:
 
     def peak(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) - self._base if self.available else None
+
+
+class StepPeak:
+    """A step's peak memory, reset now and read as backward reaches each block and when the
+    step's backward ends (before the optimizer and whatever else the caller does between steps):
+    ``measured``; apart (``parts``) until backward reached the blocks (forward, the loss's and the
+    head's backward) and from there; and ``moments``, laid out as model.moments predicts them: per
+    block i, the peak from backward reaching it until it reaches block i - 1 (block 0's until
+    backward ends), then the part before the blocks. A moment is None where backward reached no
+    such block on its own (of a step of several forwards, a block's calls after the first).
+    ``measured`` None where backward never reached the blocks or peaks cannot be measured;
+    ``parts`` and ``moments`` None too for a memory= without restart()."""
+
+    def __init__(self, memory: PeakMemory, hooks: BlockHooks):
+        self.measured: int | None = None
+        self.parts: tuple[int, int] | None = None
+        self.moments: list[int | None] | None = None
+        if not memory.available:
+            return
+        memory.start()
+        if getattr(memory, "restart", None) is None:  # a memory= of a user's without restart(): one figure
+            def whole() -> None:
+                self.measured = memory.peak()
+
+            hooks.at_backward_end(whole)
+            return
+        n = len(hooks.blocks)
+        peaks: list[int | None] = [None] * (n + 1)  # model.moments' layout: backward's start last
+        now = [n]  # the part the step is in: before the blocks until backward reaches one
+
+        def close() -> None:
+            peak = memory.peak()
+            memory.restart()
+            if peak is not None:
+                peaks[now[0]] = max(peak, peaks[now[0]] or 0)
+
+        def reached(i: int) -> None:
+            close()
+            now[0] = i
+
+        def read() -> None:
+            close()
+            blocks = [p for p in peaks[:n] if p is not None]
+            start = peaks[n]
+            if start is not None and blocks:
+                self.parts = (start, max(blocks))
+                self.measured = max(self.parts)
+                self.moments = peaks
+            else:
+                self.measured = max(blocks, default=start)
+
+        hooks.at_each_backward(reached)  # before at_backward_end: the last block's hook fires first
+        hooks.at_backward_end(read)
 
 
 def widened_margin(margin: int, beyond: int, target: int) -> int:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from ..hooks import Offload
-from .measure import PeakMemory, checks_for, host_from_packs, widened_margin
+from .measure import PeakMemory, StepPeak, checks_for, host_from_packs, widened_margin
 from .model import Plan, Trace, full_codec, moments
 from .state import TraceState
 from .trace import ComputeTrace, Frames, OffloadTrace, PlanStep
@@ -156,6 +156,7 @@ class TraceCompute(StepPhase):
             besides, start_extra = self.besides(state.trace)
             if self.hand_over:
                 state.besides, state.start_extra = besides, start_extra
+                state.traced_moments = self.peak.moments
             else:
                 state.kept_besides = besides
         if self.hand_over and planner.reentrant and planner.peak is not None and measured:
@@ -277,6 +278,8 @@ class Measure(Checked):
         assert plan is not None and state.besides is not None  # a target needs both
         over = measured - target
         state.plan = state.record(plan, over)  # the plan in force, as measured (the same steps: its hooks stay)
+        if self.peak.moments is not None:
+            state.measured_moments.setdefault(plan.shape, self.peak.moments)
         if over <= 0:
             return None
         if state.checks >= checks_for(plan.fits):
@@ -464,34 +467,3 @@ def plan_context(planner: Driver) -> Offload:
     codec = {"codec": "auto" if p.compressed else "raw"} if framing else {}
     return PlanStep(**{"max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes, **codec,
                        **planner.options}, budget=p.offload_budget)
-
-
-class StepPeak:
-    """A step's peak memory, reset now and read as backward reaches the blocks and when the
-    step's backward ends (before the optimizer and whatever else the caller does between steps):
-    ``measured``, and apart (``parts``) until backward reached the blocks (forward, the loss's and
-    the head's backward) and from there. Both None where backward never reached the blocks or
-    peaks cannot be measured; ``parts`` None too for a memory= without restart()."""
-
-    def __init__(self, memory: PeakMemory, hooks: BlockHooks):
-        self.measured: int | None = None
-        self.parts: tuple[int, int] | None = None
-        if not memory.available:
-            return
-        memory.start()
-        start: list[int | None] = []
-
-        def reached() -> None:
-            start.append(memory.peak())
-            memory.restart()
-
-        def read() -> None:
-            blocks = memory.peak()
-            if start and start[0] is not None and blocks is not None:
-                self.parts = (start[0], blocks)
-                self.measured = max(start[0], blocks)
-            else:
-                self.measured = blocks
-
-        # a memory= of a user's without restart(): one figure
-        hooks.at_backward_end(read, reached if getattr(memory, "restart", None) is not None else None)

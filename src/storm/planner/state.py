@@ -37,6 +37,10 @@ class TraceState:
     # per Plan.shape, the plan measured (in the planner's recompute form), its step's peak over its
     # target in its measured_over, in the order measured
     measured: dict[tuple, Plan] = dataclasses.field(default_factory=dict)
+    # per Plan.shape measured, its first measured step's peak at each moment (measure.StepPeak.moments);
+    # and the compute trace's: where the cost model's prediction missed, moment by moment
+    measured_moments: dict[tuple, list[int | None]] = dataclasses.field(default_factory=dict)
+    traced_moments: list[int | None] | None = None
     full_tried: set[tuple] = dataclasses.field(default_factory=set)  # Plan.shape of full offloads run, read or not
     stale: bool = False  # the last step ran unlike the traced one: the next step traces again
 

@@ -41,7 +41,7 @@ class BlockHooks:
         self.blocks = blocks
         self.reentrant = reentrant  # the form recompute() sets unless told
         self._hooks: list[Any] = []
-        self._end_hooks: list[Any] = []  # on the last block (at_backward_end), until their step's forward ends
+        self._end_hooks: list[Any] = []  # at_backward_end's and at_each_backward's, until their step's backward
         self._recomputing: set[int] = set()
         self._own: dict[int, Callable[..., Any]] = {}  # own_forward per block, once recomputed
         # A step is what runs between backwards: it may call each block more than once (two
@@ -116,8 +116,34 @@ class BlockHooks:
         handle = self._post_hook(len(self.blocks) - 1, at_output)
         self._end_hooks.append(handle)
 
+    def at_each_backward(self, fn: Callable[[int], None]) -> None:
+        """Call ``fn(i)`` as backward reaches block i (the gradient of its output is ready: its
+        backward runs next), once per block, in the order backward reaches them. Forward's calls
+        alone are followed: a block recomputed in backward runs its forward again, whose output's
+        gradient is no step's."""
+        called: set[int] = set()
+        handles: list[Any] = []
+
+        def at_grad(i: int, grad: torch.Tensor) -> None:
+            if not called:  # backward has begun: no forward call of this step is left to follow
+                for h in handles:
+                    h.remove()
+            if i not in called:
+                called.add(i)
+                fn(i)
+
+        def at_output(i: int, m: nn.Module, args: Any, out: Any) -> None:
+            t = grad_tensor(out)
+            if t is not None and not called:
+                t.register_hook(functools.partial(at_grad, i))
+
+        for i in range(len(self.blocks)):
+            handles.append(self._post_hook(i, self._training(functools.partial(at_output, i))))
+        self._end_hooks.extend(handles)
+
     def remove_end_hooks(self) -> None:
-        """Those of at_backward_end still waiting: a step begun but never run leaves its hook."""
+        """Those of at_backward_end and at_each_backward still waiting: a step begun but never run
+        leaves its hooks."""
         for h in self._end_hooks:
             h.remove()
         self._end_hooks = []

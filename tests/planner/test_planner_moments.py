@@ -1,0 +1,73 @@
+"""The planner's step peaks read moment by moment (measure.StepPeak): at backward's start and at
+each block's backward, so that a plan's prediction can be held to its measure where it misses."""
+
+from __future__ import annotations
+
+import pytest
+from test_planner_measure import scripted_planner
+
+from planner_fakes import MiB, ScriptedMemory, gpt, grads_of
+from storm.planner.measure import StepPeak
+from storm.planner.wiring import BlockHooks
+
+
+class Counting:
+    """A PeakMemory whose reads are 1, 2, 3, ... MiB in turn: which read went to which moment."""
+
+    available = True
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def start(self) -> None:
+        pass
+
+    def restart(self) -> None:
+        pass
+
+    def peak(self) -> int:
+        self.reads += 1
+        return self.reads * MiB
+
+
+@pytest.mark.parametrize("recomputed", [set(), {1, 2}], ids=["kept", "two recomputed"])
+def test_a_steps_peak_is_read_at_each_blocks_backward_last_block_first(recomputed):
+    model, idx = gpt()
+    hooks = BlockHooks(list(model.blocks), reentrant=True)
+    hooks.recompute(recomputed)  # rebuilt in backward, their forwards run again: no moment of theirs
+    memory = Counting()
+    peak = StepPeak(memory, hooks)
+    grads_of(model, idx)
+    n = len(model.blocks)
+    # forward and the head's backward first; then each block's backward, from the last to the first
+    assert memory.reads == n + 1
+    assert peak.moments == [(n + 1 - i) * MiB for i in range(n)] + [MiB]
+    assert peak.parts == (MiB, (n + 1) * MiB) and peak.measured == (n + 1) * MiB
+    hooks.close()
+
+
+class OneBlockHoldsMore(ScriptedMemory):
+    """Block ``block``'s backward holds ``more`` than the model predicts; every other moment as predicted."""
+
+    def __init__(self, block: int, more: int) -> None:
+        super().__init__(extra=0)
+        self.block, self.more = block, more
+
+    def peak(self) -> int:
+        return super().peak() + self.more * (self.at == self.block and self.planner.plan is not None)
+
+
+def test_a_plans_moments_show_where_its_prediction_missed():
+    memory = OneBlockHoldsMore(block=1, more=64 * MiB)
+    model, idx, planner, _ = scripted_planner(memory, peak="1GiB")  # the plan fits: it stays in force
+    for _ in range(5):  # the traces (the second compute trace: peak=), the plan's measured step, its host check
+        grads_of(model, idx, planner.step())
+    assert planner.settled
+    at = planner.peak_moments()
+    assert at is not None and len(at) == len(model.blocks) + 1
+    assert [measured - predicted for predicted, measured in at] == [64 * MiB * (i == 1) for i in range(len(at))]
+    traced = planner.traced_moments()  # the compute trace's: the besides came from its largest moment
+    assert traced is not None and max(m for _, m in traced) == max(p for p, _ in traced)
+    text = planner.explain()
+    assert "measured to peak at block 1's backward" in text, text
+    planner.close()
