@@ -387,6 +387,16 @@ class Trainer:
             empty_host_cache()
 
 
+def host_available() -> int | None:
+    """Bytes of host memory the kernel says processes may still take without swapping
+    (/proc/meminfo's MemAvailable); None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    except OSError:
+        return None
+
+
 def empty_host_cache() -> None:
     """Give back the page-locked host memory torch's host caching allocator keeps after its tensors
     are freed: save_on_cpu's and torchtune's copies are such tensors, and a row that offloads a long
@@ -440,7 +450,18 @@ def plan_summary(pl: storm.Planner) -> dict:
                           "max_held_MiB": round(m.max_held_bytes / MiB, 1),
                           "prefetch_MiB": round(m.prefetch_bytes / MiB, 1),
                           "over_MiB": round(m.measured_over / MiB, 1)}
-                         for m in pl.state.measured.values()]}
+                         for m in pl.state.measured.values()],
+            # per moment (each block's backward, then backward's start), what the model predicted the
+            # step holds and what the plan's first measured step (and the compute trace's) held there
+            "moments_MiB": moments_mib(pl.peak_moments()), "traced_moments_MiB": moments_mib(pl.traced_moments())}
+
+
+def moments_mib(at: list[tuple[int, int | None]] | None) -> dict | None:
+    """Planner.peak_moments' pairs as two lists of MiB, predicted and measured."""
+    if at is None:
+        return None
+    return {"predicted": [round(p / MiB, 1) for p, _ in at],
+            "measured": [None if m is None else round(m / MiB, 1) for _, m in at]}
 
 
 def run(w: Workload | Llama | Variant, method: str, steps: int, warmup: int, opts: dict, device: torch.device,

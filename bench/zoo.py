@@ -60,6 +60,7 @@ from common import (
     alternate,
     cuda_device,
     failure,
+    host_available,
     link_bandwidth,
     meta,
     plan_summary,
@@ -196,14 +197,33 @@ def duel(specs: list[tuple[HF | Variant, str, dict]], args: argparse.Namespace, 
             t.close()
 
 
+HOST_SHARE = 0.9  # of the host memory available, what a duel's methods may take together: the rest is the process's
+
+
+def host_short(rows: list[dict], available: int | None) -> str | None:
+    """Why a duel of ``rows``' methods would not fit the host, or None: each row recorded the host
+    memory its method took (page-locked copies, a pool), one trainer at a time, and a duel holds
+    them all at once (t5-long's torchtune and full offload each pin what a step saves, and the
+    host killed the process). None too where it is not known (a row from before, no /proc)."""
+    need = sum(r.get("host_GiB") or 0.0 for r in rows) * GiB
+    if available is None or need <= HOST_SHARE * available:
+        return None
+    return (f"host memory: {' + '.join(r['label'] for r in rows)} took {need / GiB:.1f} GiB of the host in their "
+            f"rows and {available / GiB:.1f} GiB is available; a duel holds them at once, so it was not run")
+
+
 def plan_label(cap: int) -> str:
     return f"enable peak={cap / GiB:.3f}GiB"
 
 
 def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.device, save: Callable[[], None],
-                 measure_row: Callable[..., dict] = run, dueling: Callable[..., dict] = duel) -> dict:
+                 measure_row: Callable[..., dict] = run, dueling: Callable[..., dict] = duel,
+                 host: Callable[[], int | None] = host_available) -> dict:
     """One cell's rows, caps, plan rows and duels into ``cell`` (rows already there, from a run
-    cut off, are kept), ``save()`` after each; then its verdicts."""
+    cut off, are kept), ``save()`` after each; then its verdicts. Each row records the host memory
+    its method took (``host``: what is available), and a duel whose methods took more together
+    than the host has is recorded as not run (host_short) rather than run until the host kills
+    the process."""
     storm_opts = {"mode": "embedded", "min_bytes": args.min_bytes, "pool_size": args.pool_size,
                   **({"codec": args.codec} if args.codec else {})}
     mode = run_mode(args)
@@ -217,7 +237,14 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
     def add(row: dict) -> dict:
         if row["label"] not in done:
             workload, method, opts = contender(w, row, storm_opts)
-            row.update(measure_row(workload, method, args.steps, args.warmup, opts, device, more=read_more))
+            before = host()
+
+            def more(t: Trainer) -> dict:  # while its trainer holds what it took
+                now = host()
+                return {**read_more(t), "host_GiB": None if before is None or now is None
+                        else round((before - now) / GiB, 3)}
+
+            row.update(measure_row(workload, method, args.steps, args.warmup, opts, device, more=more))
             row["peak_GiB"] = row.pop("peak_extra_GiB", None)
             print(f"{w.name} {row['label']}: {_brief(row)}", flush=True)
         cell["rows"].append(done.get(row["label"], row))
@@ -237,6 +264,11 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
         c["plan"] = plan_label(c["cap_bytes"])  # named before its row is measured: add() saves the cell
         add({"label": c["plan"], "method": PLAN, "cap_bytes": c["cap_bytes"]})
     rows, order = cell["rows"], random.Random(0)
+
+    def duel_of(these: list[dict]) -> dict:
+        short = host_short(these, host())
+        return {"error": short} if short else dueling([contender(w, r, storm_opts) for r in these], args, device, order)
+
     old = {d["cap_bytes"]: d for d in cell.get("duels", []) if d.get("rounds") == args.rounds}
     cell["duels"] = []
     for i, c in enumerate(cell["caps"]):
@@ -247,19 +279,19 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
             cell["duels"].append(old[c["cap_bytes"]])
             continue
         versus = [other] + [r for r in rows if i == 0 and r["method"] == "checkpoint" and r is not other]
-        d = dueling([contender(w, r, storm_opts) for r in [mine, *versus]], args, device, order)
+        d = duel_of([mine, *versus])
         d.update(cap_bytes=c["cap_bytes"], plan=mine["label"], versus=[r["label"] for r in versus], rounds=args.rounds)
         print(f"{w.name} duel at {c['cap_bytes'] / GiB:.3f} GiB: {_brief(d)}", flush=True)
         cell["duels"].append(d)
         save()
     full = {r["method"]: r for r in rows if r["method"] in ("storm-enable", "torchtune") and "step_ms" in r}
     if len(full) == 2 and cell.get("full_duel", {}).get("rounds") != args.rounds:
-        d = dueling([contender(w, full[m], storm_opts) for m in ("storm-enable", "torchtune")], args, device, order)
+        d = duel_of([full["storm-enable"], full["torchtune"]])
         cell["full_duel"] = {**d, "versus": ["torchtune"], "rounds": args.rounds}
         print(f"{w.name} full offload against torchtune: {_brief(cell['full_duel'])}", flush=True)
     by_codec = [r for r in rows if "codec" in r and "step_ms" in r]
     if len(by_codec) > 1 and cell.get("codec_duel", {}).get("rounds") != args.rounds:
-        d = dueling([contender(w, r, storm_opts) for r in by_codec], args, device, order)
+        d = duel_of(by_codec)
         cell["codec_duel"] = {**d, "versus": [r["label"] for r in by_codec[1:]], "rounds": args.rounds}
         print(f"{w.name} full offload's codecs: {_brief(cell['codec_duel'])}", flush=True)
     cell["seconds"] = round(time.perf_counter() - start, 1)  # this call's time: a resumed cell ran in earlier ones too

@@ -88,7 +88,8 @@ def test_a_plans_summary_carries_the_plans_the_planner_measured_and_by_how_much_
     measured = {p.shape: dataclasses.replace(p, measured_over=over) for p, over in ((first, 96 << 20),
                                                                                     (second, -(1 << 20)))}
     pl = SimpleNamespace(plan=second, settled=True, target=1 << 30, besides=1 << 20, kept_extra=0, start_extra=0,
-                         trials=[], state=SimpleNamespace(measured=measured), trace=traced())
+                         trials=[], state=SimpleNamespace(measured=measured), trace=traced(),
+                         peak_moments=lambda: None, traced_moments=lambda: None)
     rows = common.plan_summary(pl)["measured"]
     assert [(r["offloaded_blocks"], r["inputs_offloaded_blocks"], r["over_MiB"]) for r in rows] == [(0, 4, 96.0),
                                                                                                   (1, 2, -1.0)]
@@ -109,8 +110,14 @@ def test_a_plans_summary_says_what_the_planner_measured_of_the_plan_in_force():
     made = Plan(offloaded=0, recomputed=frozenset(range(4)), offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
                 predicted_peak=1 << 30, predicted_cost_ms=1.0, fits=True)
     measured = {made.shape: dataclasses.replace(made, measured_over=-(3 << 20))}
+    moments = [(5 << 20, 4 << 20), (6 << 20, None), (7 << 20, 7 << 20)]  # two blocks' backward, backward's start
     pl = SimpleNamespace(plan=made, settled=True, target=1 << 30, besides=1 << 20, kept_extra=0, start_extra=0,
-                         trials=[], state=SimpleNamespace(measured=measured), trace=traced())
-    assert made.measured_over is None and common.plan_summary(pl)["over_bytes"] == -(3 << 20)
+                         trials=[], state=SimpleNamespace(measured=measured), trace=traced(),
+                         peak_moments=lambda: moments, traced_moments=lambda: None)
+    summary = common.plan_summary(pl)
+    assert made.measured_over is None and summary["over_bytes"] == -(3 << 20)
+    # where the prediction missed, moment by moment: block 0's backward held 1 MiB less than predicted
+    assert summary["moments_MiB"] == {"predicted": [5.0, 6.0, 7.0], "measured": [4.0, None, 7.0]}
+    assert summary["traced_moments_MiB"] is None
     pl.state.measured = {}
     assert common.plan_summary(pl)["over_bytes"] is None  # not measured

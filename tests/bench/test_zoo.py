@@ -306,6 +306,37 @@ def test_full_only_measures_full_offload_and_torchtune_and_their_duel_alone():
     assert cell["verdicts"]["full_offload"]["x_torchtune"] == 0.909 and cell["complete"]
 
 
+class Pinning(FakeRun):
+    """FakeRun whose torchtune and full-offload rows each take 40 GiB of ``host`` (its
+    ``available``) while their trainer runs, and give it back as it closes."""
+
+    def __init__(self, host: SimpleNamespace):
+        super().__init__()
+        self.host = host
+
+    def __call__(self, w, method, steps, warmup, opts, device, more=None):
+        row = super().__call__(w, method, steps, warmup, opts, device, more)
+        taken = 40 * GiB * (method in ("torchtune", "enable") and "peak" not in opts)
+        self.host.available -= taken
+        row.update(more(SimpleNamespace(method=method, handle=None, planner=None)))
+        self.host.available += taken
+        return row
+
+
+@pytest.mark.parametrize("available_GiB", [100, 80])
+def test_a_duel_whose_methods_took_more_host_memory_than_there_is_is_recorded_not_run(available_GiB):
+    host, duels, cell = SimpleNamespace(available=available_GiB * GiB), [], {}
+    zoo.measure_cell(hf.tiny("llama"), cell, argparse.Namespace(**{**vars(ARGS), "full_only": True}), CPU,
+                     lambda: None, measure_row=Pinning(host), dueling=fake_duel(duels),
+                     host=lambda: host.available)
+    assert [r["host_GiB"] for r in cell["rows"]] == [40.0, 40.0]  # each row's, read while its trainer held it
+    if available_GiB == 100:  # 80 GiB together fit 90% of 100
+        assert len(duels) == 1 and cell["verdicts"]["full_offload"]["x_torchtune"] == 0.909
+    else:  # they do not fit 90% of 80: the host would have killed the process mid-duel
+        assert duels == [] and cell["full_duel"]["error"].startswith("host memory: storm-enable + torchtune took 80.0")
+        assert cell["complete"] and cell["verdicts"]["full_offload"]["holds"] is False
+
+
 def test_a_codec_given_goes_to_every_storm_row_and_none_leaves_storms_default():
     fake = FakeRun()
     zoo.measure_cell(hf.tiny("llama"), {}, argparse.Namespace(**{**vars(ARGS), "full_only": True, "codec": "auto"}),
