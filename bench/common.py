@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 import storm
 from stormd.launch import start_stormd
+from stormd.limits import cgroup_room, meminfo
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -388,13 +389,15 @@ class Trainer:
 
 
 def host_available() -> int | None:
-    """Bytes of host memory the kernel says processes may still take without swapping
-    (/proc/meminfo's MemAvailable); None where there is no such file."""
+    """Bytes of host memory this process may still take: /proc/meminfo's MemAvailable, or what
+    its memory cgroup may still charge where that is less (a container's limit, whose OOM killer
+    acts before the host's); None where neither is known."""
     try:
-        with open("/proc/meminfo") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+        available = meminfo().get("MemAvailable")
     except OSError:
-        return None
+        available = None
+    known = [n for n in (available, cgroup_room()) if n is not None]
+    return min(known, default=None)
 
 
 def empty_host_cache() -> None:

@@ -204,12 +204,19 @@ def host_short(rows: list[dict], available: int | None) -> str | None:
     """Why a duel of ``rows``' methods would not fit the host, or None: each row recorded the host
     memory its method took (page-locked copies, a pool), one trainer at a time, and a duel holds
     them all at once (t5-long's torchtune and full offload each pin what a step saves, and the
-    host killed the process). None too where it is not known (a row from before, no /proc)."""
-    need = sum(r.get("host_GiB") or 0.0 for r in rows) * GiB
+    host killed the process). Rows that did not record it (from before, no /proc) count nothing,
+    and none counts less than nothing (memory freed while its row ran)."""
+    need = sum(max(0.0, r.get("host_GiB") or 0.0) for r in rows) * GiB
     if available is None or need <= HOST_SHARE * available:
         return None
     return (f"host memory: {' + '.join(r['label'] for r in rows)} took {need / GiB:.1f} GiB of the host in their "
             f"rows and {available / GiB:.1f} GiB is available; a duel holds them at once, so it was not run")
+
+
+def done_duel(d: dict | None, rounds: int) -> bool:
+    """Whether a resumed cell keeps duel ``d``: run (or failed) with these rounds, not left out
+    for the host's memory."""
+    return d is not None and d.get("rounds") == rounds and not d.get("host_short")
 
 
 def plan_label(cap: int) -> str:
@@ -267,9 +274,11 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
 
     def duel_of(these: list[dict]) -> dict:
         short = host_short(these, host())
-        return {"error": short} if short else dueling([contender(w, r, storm_opts) for r in these], args, device, order)
+        # a duel not run for the host's memory is tried again on resume (another host may hold it)
+        return {"error": short, "host_short": True} if short else \
+            dueling([contender(w, r, storm_opts) for r in these], args, device, order)
 
-    old = {d["cap_bytes"]: d for d in cell.get("duels", []) if d.get("rounds") == args.rounds}
+    old = {d["cap_bytes"]: d for d in cell.get("duels", []) if done_duel(d, args.rounds)}
     cell["duels"] = []
     for i, c in enumerate(cell["caps"]):
         mine, other = next(r for r in rows if r["label"] == c["plan"]), best_other(rows, c["cap_bytes"])
@@ -285,12 +294,12 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
         cell["duels"].append(d)
         save()
     full = {r["method"]: r for r in rows if r["method"] in ("storm-enable", "torchtune") and "step_ms" in r}
-    if len(full) == 2 and cell.get("full_duel", {}).get("rounds") != args.rounds:
+    if len(full) == 2 and not done_duel(cell.get("full_duel"), args.rounds):
         d = duel_of([full["storm-enable"], full["torchtune"]])
         cell["full_duel"] = {**d, "versus": ["torchtune"], "rounds": args.rounds}
         print(f"{w.name} full offload against torchtune: {_brief(cell['full_duel'])}", flush=True)
     by_codec = [r for r in rows if "codec" in r and "step_ms" in r]
-    if len(by_codec) > 1 and cell.get("codec_duel", {}).get("rounds") != args.rounds:
+    if len(by_codec) > 1 and not done_duel(cell.get("codec_duel"), args.rounds):
         d = duel_of(by_codec)
         cell["codec_duel"] = {**d, "versus": [r["label"] for r in by_codec[1:]], "rounds": args.rounds}
         print(f"{w.name} full offload's codecs: {_brief(cell['codec_duel'])}", flush=True)

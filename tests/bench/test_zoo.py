@@ -335,6 +335,17 @@ def test_a_duel_whose_methods_took_more_host_memory_than_there_is_is_recorded_no
     else:  # they do not fit 90% of 80: the host would have killed the process mid-duel
         assert duels == [] and cell["full_duel"]["error"].startswith("host memory: storm-enable + torchtune took 80.0")
         assert cell["complete"] and cell["verdicts"]["full_offload"]["holds"] is False
+        host.available = 100 * GiB  # resumed on a larger host: the duel left out is tried again, the rows kept
+        zoo.measure_cell(hf.tiny("llama"), cell, argparse.Namespace(**{**vars(ARGS), "full_only": True}), CPU,
+                         lambda: None, measure_row=Pinning(host), dueling=fake_duel(duels),
+                         host=lambda: host.available)
+        assert len(duels) == 1 and cell["verdicts"]["full_offload"]["x_torchtune"] == 0.909
+
+
+def test_a_row_that_freed_host_memory_as_it_ran_takes_nothing_from_the_others():
+    rows = [{"label": "a", "host_GiB": 80.0}, {"label": "b", "host_GiB": -30.0}, {"label": "c"}]
+    assert zoo.host_short(rows, 80 * GiB).startswith("host memory: a + b + c took 80.0 GiB")
+    assert zoo.host_short(rows, 100 * GiB) is None and zoo.host_short(rows, None) is None
 
 
 def test_a_codec_given_goes_to_every_storm_row_and_none_leaves_storms_default():

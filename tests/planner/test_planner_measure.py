@@ -609,4 +609,3 @@ def test_with_a_budget_a_plan_predicted_over_it_is_measured_against_the_budget()
     assert planner.measured_peak == planner.besides + planner.step_peak(planner.plan)  # as predicted
     assert planner.measured_peak > planner.target
     planner.close()
-

@@ -46,6 +46,32 @@ def test_a_steps_peak_is_read_at_each_blocks_backward_last_block_first(recompute
     hooks.close()
 
 
+def test_blocks_listed_otherwise_than_they_run_split_the_step_where_backward_reaches_the_last_listed():
+    model, idx = gpt()
+    hooks = BlockHooks(list(model.blocks)[::-1], reentrant=True)  # the last listed runs first, its backward last
+    memory = Counting()
+    peak = StepPeak(memory, hooks)
+    grads_of(model, idx)
+    n = len(model.blocks)
+    # backward's start runs on until the last listed block: no moment for the blocks reached before it
+    assert memory.reads == 2 and peak.parts == (MiB, 2 * MiB)
+    assert peak.moments == [None] * (n - 1) + [2 * MiB, MiB]
+    hooks.close()
+
+
+def test_a_step_of_two_forwards_has_its_parts_and_no_moments():
+    model, idx = gpt()
+    hooks = BlockHooks(list(model.blocks), reentrant=True)
+    memory = Counting()
+    peak = StepPeak(memory, hooks)
+    model.zero_grad(set_to_none=True)
+    (model.loss(idx[:, :-1], idx[:, 1:]) + model.loss(idx[:, 1:], idx[:, :-1])).backward()
+    n = len(model.blocks)
+    # the second forward's backward runs first and reaches each block once; the first's goes to block 0's
+    assert peak.parts == (MiB, (n + 1) * MiB) and peak.moments is None
+    hooks.close()
+
+
 class OneBlockHoldsMore(ScriptedMemory):
     """Block ``block``'s backward holds ``more`` than the model predicts; every other moment as predicted."""
 

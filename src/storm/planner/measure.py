@@ -81,11 +81,13 @@ class StepPeak:
     step's backward ends (before the optimizer and whatever else the caller does between steps):
     ``measured``; apart (``parts``) until backward reached the blocks (forward, the loss's and the
     head's backward) and from there; and ``moments``, laid out as model.moments predicts them: per
-    block i, the peak from backward reaching it until it reaches block i - 1 (block 0's until
-    backward ends), then the part before the blocks. A moment is None where backward reached no
-    such block on its own (of a step of several forwards, a block's calls after the first).
-    ``measured`` None where backward never reached the blocks or peaks cannot be measured;
-    ``parts`` and ``moments`` None too for a memory= without restart()."""
+    block i, the peak from backward reaching it until it reaches the next block (block 0's until
+    backward ends), then the part before the blocks, which ends as backward reaches the last block
+    (a block reached before it, of blocks listed in another order than they run, has no moment of
+    its own). ``moments`` None for a step of several forwards, whose blocks' backwards interleave
+    otherwise than the model adds them up; ``measured`` None where backward never reached the
+    blocks or peaks cannot be measured; ``parts`` and ``moments`` None too for a memory= without
+    restart()."""
 
     def __init__(self, memory: PeakMemory, hooks: BlockHooks):
         self.measured: int | None = None
@@ -102,17 +104,20 @@ class StepPeak:
             return
         n = len(hooks.blocks)
         peaks: list[int | None] = [None] * (n + 1)  # model.moments' layout: backward's start last
-        now = [n]  # the part the step is in: before the blocks until backward reaches one
+        now = n  # the part the step is in: before the blocks until backward reaches the last one
 
         def close() -> None:
             peak = memory.peak()
             memory.restart()
             if peak is not None:
-                peaks[now[0]] = max(peak, peaks[now[0]] or 0)
+                peaks[now] = max(peak, peaks[now] or 0)
 
         def reached(i: int) -> None:
+            nonlocal now
+            if now == n and i != n - 1:
+                return  # backward's start runs on until the last block: as at_backward_end reads it
             close()
-            now[0] = i
+            now = i
 
         def read() -> None:
             close()
@@ -121,11 +126,11 @@ class StepPeak:
             if start is not None and blocks:
                 self.parts = (start, max(blocks))
                 self.measured = max(self.parts)
-                self.moments = peaks
+                self.moments = peaks if max(hooks.calls) <= 1 else None
             else:
                 self.measured = max(blocks, default=start)
 
-        hooks.at_each_backward(reached)  # before at_backward_end: the last block's hook fires first
+        hooks.at_each_backward(reached)
         hooks.at_backward_end(read)
 
 
