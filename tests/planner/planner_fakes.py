@@ -5,6 +5,7 @@ memory, the choice)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -142,14 +143,21 @@ class ScriptedMemory:
         pl = self.planner
         if pl.plan is None:  # the compute traces: every block recomputed, without the hand-over in the second
             every = set(range(len(pl.trace.blocks)))
-            held = moments(pl.trace, 0, every, 0, grads=True, start_extra=self.start_extra)
+            held = moments(as_traced(pl.trace), 0, every, 0, grads=True, start_extra=self.start_extra)
             kept = self.kept_extra * (pl.phase is Phase.TRACE_COMPUTE_KEPT)
             return self.besides + (held[self.at] + kept if self.at is not None else held[-1])
         p = pl.plan
-        held = moments(pl.trace, p.offloaded, p.recomputed, p.in_flight_bytes, grads=True, kept_extra=self.kept_extra,
+        held = moments(as_traced(pl.trace), p.offloaded, p.recomputed, p.in_flight_bytes, grads=True,
+                       kept_extra=self.kept_extra,
                        inputs_offloaded=p.inputs_offloaded, start_extra=self.start_extra, prefetch=p.prefetch_bytes)
         return (self.besides + (held[self.at] if self.at is not None else held[-1])
                 + (self.extra if p.offloads else 0))
+
+
+def as_traced(trace: Trace) -> Trace:
+    """``trace`` as the offload trace left it: without what the compute trace measured of each
+    block's backward (backward_extra), which a ScriptedMemory's allocator knows nothing of."""
+    return dataclasses.replace(trace, blocks=[dataclasses.replace(b, backward_extra=0) for b in trace.blocks])
 
 
 def pack_clock(monkeypatch) -> FakeClock:

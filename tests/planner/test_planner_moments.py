@@ -97,3 +97,28 @@ def test_a_plans_moments_show_where_its_prediction_missed():
     text = planner.explain()
     assert "measured to peak at block 1's backward" in text, text
     planner.close()
+
+
+class OneBlockHoldsLess(ScriptedMemory):
+    """Block ``block``'s backward holds ``less`` than the others' besides, in every step (as T5's
+    blocks other than each list's first hold less than it)."""
+
+    def __init__(self, block: int, less: int) -> None:
+        super().__init__(extra=0)
+        self.block, self.less = block, less
+
+    def peak(self) -> int:
+        return super().peak() - self.less * (self.at == self.block)
+
+
+def test_a_block_whose_backward_held_less_in_the_compute_trace_is_predicted_so_in_every_plan():
+    memory = OneBlockHoldsLess(block=1, less=30 * MiB)
+    model, idx, planner, _ = scripted_planner(memory, peak="1GiB")
+    for _ in range(5):
+        grads_of(model, idx, planner.step())
+    assert planner.settled
+    assert [b.backward_extra for b in planner.trace.blocks] == [-30 * MiB * (i == 1) for i in range(len(model.blocks))]
+    at = planner.peak_moments()  # the plan's, offloading two blocks: every moment as measured
+    assert at is not None and all(predicted == measured for predicted, measured in at), at
+    assert "(-30.0 to +0.0 MiB by block, as each block's backward measured)" in planner.explain()
+    planner.close()

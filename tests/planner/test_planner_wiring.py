@@ -8,6 +8,9 @@ import pytest
 import torch
 
 import storm
+from planner_fakes import MiB, gpt, grads_of
+from storm.planner import BlockTrace, Plan, Trace
+from storm.planner.wiring import BlockHooks
 
 
 @pytest.mark.parametrize("told", [False, True])
@@ -188,3 +191,45 @@ def test_what_prefetch_may_fetch_at_each_block_stays_within_the_plan_s_peak(monk
         held = sum(kept[:i]) + t.blocks[i].saved_bytes  # the blocks before keep theirs; block i its own
         assert held + nbytes + p.prefetch_bytes <= p.predicted_peak, i
     planner.close()
+
+
+class Paced:
+    """What a planned step's pacing hooks tell storm.offload, recorded: the room each block's
+    backward allows prefetch."""
+
+    def __init__(self) -> None:
+        self.rooms: list[int] = []
+
+    def drain(self, limit: int) -> None:
+        pass
+
+    def stop_offloading(self) -> None:
+        pass
+
+    def offload_at_most(self, n: int) -> None:
+        pass
+
+    def allow_prefetch(self, room: int) -> None:
+        self.rooms.append(room)
+
+
+def test_a_block_whose_backward_was_measured_to_hold_more_lets_prefetch_take_less_there():
+    model, idx = gpt()
+    n = len(model.blocks)
+
+    def rooms(extra_at_2: int) -> list[int]:
+        blocks = [BlockTrace(saved_bytes=10 * MiB, input_bytes=MiB, backward_extra=extra_at_2 * (i == 2))
+                  for i in range(n)]
+        trace = Trace(blocks=blocks, offloaded_before=[10 * MiB * i for i in range(n + 1)])
+        plan = Plan(offloaded=2, recomputed=frozenset(), offload_budget=20 * MiB, max_held_bytes=0, prefetch_bytes=0,
+                    predicted_peak=100 * MiB, predicted_cost_ms=0.0, fits=True)
+        hooks, paced = BlockHooks(list(model.blocks), reentrant=True), Paced()
+        hooks.apply(plan, trace, grads=False, on_new_shapes=lambda: None, signature=(), ctx=lambda: paced)
+        grads_of(model, idx)
+        hooks.close()
+        return paced.rooms[::-1]  # block 0's first
+
+    plain, heavier, lighter = rooms(0), rooms(8 * MiB), rooms(-8 * MiB)
+    assert len(plain) == n and heavier[2] == plain[2] - 8 * MiB
+    assert [r for i, r in enumerate(heavier) if i != 2] == [r for i, r in enumerate(plain) if i != 2]
+    assert lighter == plain  # a lighter backward does not lower the plan's peak: no more room

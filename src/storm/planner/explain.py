@@ -137,8 +137,11 @@ def explain(planner: Explained) -> str:
     if planner.besides is not None:
         measured = "not yet" if planner.measured_peak is None else f"{planner.measured_peak / MiB:.1f} MiB"
         margins = planner.margins
+        extras = [b.backward_extra for b in t.blocks]
+        each = (f" ({min(extras) / MiB:+.1f} to {max(extras) / MiB:+.1f} MiB by block, as each block's backward "
+                f"measured)" if any(extras) else "")
         lines.append(f"measured: step peak {measured} against a target of {planner.target / MiB:.1f} MiB "
-                     f"(besides the saves {planner.besides / MiB:.1f} MiB at a block's backward, "
+                     f"(besides the saves {planner.besides / MiB:.1f} MiB at a block's backward{each}, "
                      f"{planner.start_extra / MiB:+.1f} at backward's start, and {planner.kept_extra / MiB:.1f} "
                      f"more while a kept block's backward runs); margins {margins[False] / MiB:.1f} "
                      f"MiB, plus {margins[True] / MiB:.1f} MiB for plans that offload, after "

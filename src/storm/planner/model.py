@@ -38,6 +38,10 @@ class BlockTrace:
     # of its inputs, the storages (an identity: bytes) other blocks were called with too (a position
     # bias, a mask): offloading its inputs leaves them there, and blocks that keep them keep one storage
     shared_inputs: dict[int, int] = dataclasses.field(default_factory=dict)
+    # what its backward held beyond the besides (CUDA, the compute trace's moment: measure.StepPeak),
+    # where blocks differ (a block that computes a position bias and runs its embedding's backward);
+    # 0 where not measured
+    backward_extra: int = 0
 
     @property
     def shared_input_bytes(self) -> int:
@@ -192,7 +196,8 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
     plus ``kept_extra`` where block i is kept: autograd holds a kept block's saves until each
     node that saved them ends, beside the node's temporaries, where a recomputed or offloaded
     block's are handed over and dropped as the node takes them; a block recomputed with its
-    inputs offloaded also holds its fetched inputs), and last at backward's start, forward's end
+    inputs offloaded also holds its fetched inputs, and each block its ``backward_extra``), and
+    last at backward's start, forward's end
     included (every kept save, offloaded bytes still in flight, and ``start_extra``: what the
     loss's and the head's backward hold beyond what a block's backward holds besides its saves,
     which may be less: the logits' gradients of a language model are larger than any block's
@@ -212,7 +217,7 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
         # a kept block's kept_extra; a block recomputed with its inputs offloaded, its fetched inputs
         extra = (fetched_inputs(b) if i < end else kept_extra * (i not in recomputed)) if i >= offloaded else 0
         # the shared inputs it is the first to keep are there through its own backward too
-        held.append(before + first[i] + b.saved_bytes + allocated + extra)
+        held.append(before + first[i] + b.saved_bytes + allocated + extra + b.backward_extra)
         before += kept[i]
         allocated -= b.grad_bytes * grads
     return held + [start]

@@ -157,6 +157,7 @@ class TraceCompute(StepPhase):
             if self.hand_over:
                 state.besides, state.start_extra = besides, start_extra
                 state.traced_moments = self.peak.moments
+                self.backward_extras(state.trace, besides)
             else:
                 state.kept_besides = besides
         if self.hand_over and planner.reentrant and planner.peak is not None and measured:
@@ -181,6 +182,21 @@ class TraceCompute(StepPhase):
         start, blocks = peak.parts
         besides = max(0, blocks - max(held[:-1]))
         return besides, start - held[-1] - besides
+
+
+    def backward_extras(self, trace: Trace, besides: int) -> None:
+        """Each block's backward_extra: what its backward held, measured at its own moment, beyond
+        the model's moment and the besides (one figure, from the step's largest moment): the
+        blocks' backwards differ where the blocks do. Each stays 0 where the moments were not read
+        one by one (a step of several forwards, a memory= without restart())."""
+        measured = self.peak.moments
+        if measured is None:
+            return
+        every = set(range(len(trace.blocks)))
+        held = moments(trace, 0, every, 0, grads=True)  # each block's extra in it: taken out again
+        for b, at, peak in zip(trace.blocks, held, measured):
+            if peak is not None:
+                b.backward_extra = peak - (at - b.backward_extra) - besides
 
 
 class Settled(StepPhase):
