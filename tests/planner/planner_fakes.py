@@ -5,7 +5,6 @@ memory, the choice)."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -16,6 +15,7 @@ import storm.session as session_mod
 from storm.examples.models import GPT
 from storm.kernels.frame import frame_nbytes
 from storm.planner import BlockTrace, Phase, Plan, Scenario, Trace, moments, predicted_peak
+from storm.planner.model import without_backward_extras
 
 MiB = 1 << 20
 
@@ -121,8 +121,9 @@ class ScriptedMemory:
     predict; a kept block's backward holds ``kept_extra`` more than a recomputed one's, and
     backward's start ``start_extra`` more than a block's. Until restart() (backward has reached
     the blocks) it reads backward's start, then at each restart the next block's backward, last
-    to first, as the allocator's peak would read at each moment. ``planner`` is the planner it
-    reports to, set once made."""
+    to first, as the allocator's peak would read at each moment; from the trace as the offload
+    trace made it (what the compute trace measures of each block's backward is the planner's, not
+    the allocator's). ``planner`` is the planner it reports to, set once made."""
 
     def __init__(self, besides: int = 40 * MiB, extra: int = 70 * MiB, kept_extra: int = 0,
                  start_extra: int = 0) -> None:
@@ -143,21 +144,15 @@ class ScriptedMemory:
         pl = self.planner
         if pl.plan is None:  # the compute traces: every block recomputed, without the hand-over in the second
             every = set(range(len(pl.trace.blocks)))
-            held = moments(as_traced(pl.trace), 0, every, 0, grads=True, start_extra=self.start_extra)
+            held = moments(without_backward_extras(pl.trace), 0, every, 0, grads=True, start_extra=self.start_extra)
             kept = self.kept_extra * (pl.phase is Phase.TRACE_COMPUTE_KEPT)
             return self.besides + (held[self.at] + kept if self.at is not None else held[-1])
         p = pl.plan
-        held = moments(as_traced(pl.trace), p.offloaded, p.recomputed, p.in_flight_bytes, grads=True,
+        held = moments(without_backward_extras(pl.trace), p.offloaded, p.recomputed, p.in_flight_bytes, grads=True,
                        kept_extra=self.kept_extra,
                        inputs_offloaded=p.inputs_offloaded, start_extra=self.start_extra, prefetch=p.prefetch_bytes)
         return (self.besides + (held[self.at] if self.at is not None else held[-1])
                 + (self.extra if p.offloads else 0))
-
-
-def as_traced(trace: Trace) -> Trace:
-    """``trace`` as the offload trace left it: without what the compute trace measured of each
-    block's backward (backward_extra), which a ScriptedMemory's allocator knows nothing of."""
-    return dataclasses.replace(trace, blocks=[dataclasses.replace(b, backward_extra=0) for b in trace.blocks])
 
 
 def pack_clock(monkeypatch) -> FakeClock:

@@ -388,3 +388,12 @@ def test_recomputing_blocks_that_share_an_input_fits_where_a_set_of_them_does():
     assert predicted_peak(t, 0, {0, 1, 2}, 0, grads=False) == 180 * MiB
     p = choose(Scenario(t, 220 * MiB, offload=False, grads=False))
     assert p.fits and p.predicted_peak <= 220 * MiB and p.offloaded == 0
+
+
+def test_a_blocks_backward_extra_counts_at_its_own_moment_with_peak_and_not_in_a_budget_of_saves():
+    t = trace()
+    heavier = dataclasses.replace(t, blocks=[dataclasses.replace(b, backward_extra=5 * MiB * (i == 1))
+                                             for i, b in enumerate(t.blocks)])
+    for grads in (True, False):
+        before, after = (moments(x, 1, {2}, 0, grads=grads) for x in (t, heavier))
+        assert [a - b for a, b in zip(after, before)] == [5 * MiB * (i == 1 and grads) for i in range(len(before))]

@@ -120,5 +120,7 @@ def test_a_block_whose_backward_held_less_in_the_compute_trace_is_predicted_so_i
     assert [b.backward_extra for b in planner.trace.blocks] == [-30 * MiB * (i == 1) for i in range(len(model.blocks))]
     at = planner.peak_moments()  # the plan's, offloading two blocks: every moment as measured
     assert at is not None and all(predicted == measured for predicted, measured in at), at
+    traced = planner.traced_moments()  # the compute trace's, predicted with one figure of besides: 30 MiB high at 1
+    assert traced is not None and [p - m for p, m in traced] == [30 * MiB * (i == 1) for i in range(len(traced))]
     assert "(-30.0 to +0.0 MiB by block, as each block's backward measured)" in planner.explain()
     planner.close()

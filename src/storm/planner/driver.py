@@ -18,7 +18,7 @@ from ..compiled import compiled
 from ..hooks import Offload
 from . import explain as explaining
 from .measure import HOST_CHECK_TOLERANCE, CudaPeakMemory, PeakMemory, checks_for, frames_of
-from .model import Plan, Scenario, Trace, choose, full_offloads, moments
+from .model import Plan, Scenario, Trace, choose, full_offloads, moments, without_backward_extras
 from .options import plan_options
 from .phases import Measure, Phase, StepPhase, TraceOffload, Try, after_checks, measure_full
 from .state import TraceState
@@ -258,12 +258,14 @@ class Planner:
 
     def traced_moments(self) -> list[tuple[int, int | None]] | None:
         """The same of the compute trace's step (every block recomputed, nothing offloaded),
-        whose peak the besides were taken from: its largest moment predicts as measured, the
-        others show how far one figure of besides stands for every block's backward."""
+        whose peak the besides were taken from, predicted without the blocks' backward_extra
+        (which its moments set, making each exact): its largest moment predicts as measured,
+        the others show how far one figure of besides stands for every block's backward."""
         measured, trace = self.state.traced_moments, self.trace
         if measured is None or trace is None or self.besides is None:
             return None
-        held = moments(trace, 0, set(range(len(trace.blocks))), 0, grads=True, start_extra=self.start_extra)
+        held = moments(without_backward_extras(trace), 0, set(range(len(trace.blocks))), 0, grads=True,
+                       start_extra=self.start_extra)
         return [(self.besides + h, m) for h, m in zip(held, measured)]
 
     @property

@@ -153,6 +153,12 @@ def holdings(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int]
     return kept, first
 
 
+def without_backward_extras(trace: Trace) -> Trace:
+    """``trace`` as the offload trace made it, before the compute trace measured each block's
+    backward_extra: what the model predicts from the saves and one figure of besides alone."""
+    return dataclasses.replace(trace, blocks=[dataclasses.replace(b, backward_extra=0) for b in trace.blocks])
+
+
 def fetched_inputs(b: BlockTrace) -> int:
     """What offloading a recomputed block's inputs sends and fetches back: those no other block
     was called with."""
@@ -196,7 +202,8 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
     plus ``kept_extra`` where block i is kept: autograd holds a kept block's saves until each
     node that saved them ends, beside the node's temporaries, where a recomputed or offloaded
     block's are handed over and dropped as the node takes them; a block recomputed with its
-    inputs offloaded also holds its fetched inputs, and each block its ``backward_extra``), and
+    inputs offloaded also holds its fetched inputs, and with ``grads`` (peak=, which counts the
+    step's temporaries too; a budget counts saves alone) each block its ``backward_extra``), and
     last at backward's start, forward's end
     included (every kept save, offloaded bytes still in flight, and ``start_extra``: what the
     loss's and the head's backward hold beyond what a block's backward holds besides its saves,
@@ -217,7 +224,7 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
         # a kept block's kept_extra; a block recomputed with its inputs offloaded, its fetched inputs
         extra = (fetched_inputs(b) if i < end else kept_extra * (i not in recomputed)) if i >= offloaded else 0
         # the shared inputs it is the first to keep are there through its own backward too
-        held.append(before + first[i] + b.saved_bytes + allocated + extra + b.backward_extra)
+        held.append(before + first[i] + b.saved_bytes + allocated + extra + b.backward_extra * grads)
         before += kept[i]
         allocated -= b.grad_bytes * grads
     return held + [start]

@@ -217,9 +217,9 @@ class BlockHooks:
             # block i's own saves (kept, rebuilt or fetched) are alive through its backward, and
             # its inputs, where they were fetched
             own = b.saved_bytes + (fetched_inputs(b) if p.offloaded <= i < end else 0)
-            # and what its backward was measured to hold beyond the besides (not less: the room
-            # follows the plan's peak, which a block's lighter backward does not lower)
-            in_use = max(own, rebuild) + max(0, b.backward_extra)
+            # and what its backward was measured to hold beyond the besides (less where negative),
+            # as the plan's peak counts it (with peak= alone)
+            in_use = max(own, rebuild) + b.backward_extra * grads
             # less the prefetch window, which the peak counts (in flight) and prefetch adds once it fetches
             held = sum(kept[:i]) + first[i]  # with the shared inputs it is the first block to keep
             room[i] = max(0, p.predicted_peak - p.prefetch_bytes - held - in_use - sum(grad[i:]))
