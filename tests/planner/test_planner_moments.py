@@ -3,10 +3,15 @@ each block's backward, so that a plan's prediction can be held to its measure wh
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 from test_planner_measure import scripted_planner
 
+import storm
 from planner_fakes import MiB, ScriptedMemory, gpt, grads_of
+from storm.planner import moments
 from storm.planner.measure import StepPeak
 from storm.planner.wiring import BlockHooks
 
@@ -124,3 +129,39 @@ def test_a_block_whose_backward_held_less_in_the_compute_trace_is_predicted_so_i
     assert traced is not None and [p - m for p, m in traced] == [30 * MiB * (i == 1) for i in range(len(traced))]
     assert "(-30.0 to +0.0 MiB by block, as each block's backward measured)" in planner.explain()
     planner.close()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_moments_are_read_block_by_block_and_the_compute_trace_predicts_each_as_measured():
+    """On CUDA, with peak= at half of no offload's: the compute trace's moments are read one by one
+    and each block's backward_extra makes every moment of that step predicted as measured; the
+    plan's first measured step reads a moment at every block and backward's start, the largest
+    its measured peak; every step's gradients are those without STORM."""
+    from storm.examples.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(seq_len=256, d_model=256, n_heads=4, n_layers=8).cuda()
+    idx = torch.randint(0, 256, (8, 257), device="cuda")
+    reference = copy.deepcopy(model)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads_of(reference, idx)
+    peak = (torch.cuda.max_memory_allocated() - base) // 2
+    handle = storm.enable(model, peak=peak, mode="embedded", min_bytes=1 << 16, pool_size="1GiB")
+    planner = handle.planner
+    try:
+        for step in range(40):
+            assert all(torch.equal(g, w) for g, w in zip(grads_of(model, idx), grads_of(reference, idx))), step
+        assert planner.settled, handle.explain()
+        traced, every = planner.traced_moments(), set(range(len(model.blocks)))
+        assert traced is not None and all(m is not None for _, m in traced), traced
+        with_extras = moments(planner.trace, 0, every, 0, grads=True, start_extra=planner.start_extra)
+        assert [planner.besides + h for h in with_extras] == [m for _, m in traced], handle.explain()
+        shape = next(iter(planner.state.measured_moments))  # the first plan measured
+        plan = planner.state.measured[shape]
+        at = planner.peak_moments(plan)
+        assert at is not None and all(m is not None for _, m in at), at
+        assert max(m for _, m in at) == planner.target + plan.measured_over, handle.explain()
+    finally:
+        handle.disable()
