@@ -51,6 +51,17 @@ def test_a_steps_peak_is_read_at_each_blocks_backward_last_block_first(recompute
     hooks.close()
 
 
+def test_a_step_whose_peak_alone_is_wanted_is_read_twice_as_before_and_has_no_moments():
+    model, idx = gpt()
+    hooks = BlockHooks(list(model.blocks), reentrant=True)
+    memory = Counting()
+    peak = StepPeak(memory, hooks, each_block=False)  # a trial's timed step: no read at every block
+    grads_of(model, idx)
+    assert memory.reads == 2 and peak.parts == (MiB, 2 * MiB) and peak.measured == 2 * MiB
+    assert peak.moments is None
+    hooks.close()
+
+
 def test_blocks_listed_otherwise_than_they_run_split_the_step_where_backward_reaches_the_last_listed():
     model, idx = gpt()
     hooks = BlockHooks(list(model.blocks)[::-1], reentrant=True)  # the last listed runs first, its backward last

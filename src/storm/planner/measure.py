@@ -87,9 +87,10 @@ class StepPeak:
     its own). ``moments`` None for a step of several forwards, whose blocks' backwards interleave
     otherwise than the model adds them up; ``measured`` None where backward never reached the
     blocks or peaks cannot be measured; ``parts`` and ``moments`` None too for a memory= without
-    restart()."""
+    restart(). Without ``each_block`` (a step timed in a trial, which needs its peak alone) the
+    blocks' part is read once, not at each block, and ``moments`` is None."""
 
-    def __init__(self, memory: PeakMemory, hooks: BlockHooks):
+    def __init__(self, memory: PeakMemory, hooks: BlockHooks, each_block: bool = True):
         self.measured: int | None = None
         self.parts: tuple[int, int] | None = None
         self.moments: list[int | None] | None = None
@@ -126,12 +127,15 @@ class StepPeak:
             if start is not None and blocks:
                 self.parts = (start, max(blocks))
                 self.measured = max(self.parts)
-                self.moments = peaks if max(hooks.calls) <= 1 else None
+                self.moments = peaks if each_block and max(hooks.calls) <= 1 else None
             else:
                 self.measured = max(blocks, default=start)
 
-        hooks.at_each_backward(reached)
-        hooks.at_backward_end(read)
+        if each_block:
+            hooks.at_each_backward(reached)
+            hooks.at_backward_end(read)
+        else:
+            hooks.at_backward_end(read, lambda: reached(n - 1))
 
 
 def widened_margin(margin: int, beyond: int, target: int) -> int:

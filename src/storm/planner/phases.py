@@ -183,7 +183,6 @@ class TraceCompute(StepPhase):
         besides = max(0, blocks - max(held[:-1]))
         return besides, start - held[-1] - besides
 
-
     def backward_extras(self, trace: Trace, besides: int) -> None:
         """Each block's backward_extra: what its backward held, measured at its own moment, beyond
         the model's moment and the besides (one figure, from the step's largest moment): the
@@ -357,7 +356,7 @@ class MeasureFull(StepPhase):
         self.last: int | None = None  # the last step's peak that was read
 
     def begin(self, planner: Driver) -> Offload:
-        self.peak = StepPeak(planner.memory, planner.hooks)
+        self.peak = StepPeak(planner.memory, planner.hooks, each_block=False)  # its measure alone
         self.ctx = plan_context(planner)
         return self.ctx
 
@@ -411,7 +410,7 @@ class Try(StepPhase):
         planner.hooks.at_backward_end(lambda: marks.append(clock.mark()))
         # the alternative's steps until one has its peak read: a step without backward reads none
         measuring = plan is self.trial.plans[1] and not self.trial.alternative_read
-        self.peak = StepPeak(planner.memory, planner.hooks) if measuring else None
+        self.peak = StepPeak(planner.memory, planner.hooks, each_block=False) if measuring else None
         return ctx
 
     def end(self, planner: Driver) -> StepPhase:
