@@ -17,7 +17,7 @@ from torch import nn
 from ..compiled import compiled
 from ..hooks import Offload
 from . import explain as explaining
-from .measure import HOST_CHECK_TOLERANCE, CudaPeakMemory, PeakMemory, checks_for, frames_of
+from .measure import HOST_CHECK_TOLERANCE, MAX_CHECKS, CudaPeakMemory, PeakMemory, checks_for, frames_of, near_slack
 from .model import Plan, Scenario, Trace, choose, full_offloads, moments, without_backward_extras
 from .options import plan_options
 from .phases import Measure, Phase, StepPhase, TraceOffload, Try, after_checks, measure_full
@@ -350,6 +350,28 @@ class Planner:
             alternative = self.other_form(plan)
         self.apply(plan)
         return Measure(alternative) if to_measure else after_checks(self, alternative)
+
+    def near_plan(self, measured: Plan, peak: int) -> Plan | None:
+        """With peak=, once the plan in force (``measured``) measured ``peak`` within the target: the
+        plan of least predicted cost that is predicted over the target by no more than the model
+        predicted that plan over its measure (measure.near_slack), to be measured too, fits=False
+        until it is; None where the model was not long, where it is that plan or one measured
+        already, where no such plan costs less, where the measured checks are spent, and where a
+        step went over its prediction (a margin: the model is short here, not long). At a cap as
+        tight as a plan's own peak (no offload's), a model a MiB long would otherwise never measure
+        the plan that fits, and a slower one would stay."""
+        state = self.state
+        if self.peak is None or state.checks >= MAX_CHECKS or any(state.margins.values()) or measured.full:
+            return None
+        assert state.besides is not None  # peak= is measured: the compute trace measured them
+        slack = near_slack(self.peak, state.besides + self.step_peak(measured) - peak)
+        if not slack:
+            return None
+        scenario = self.scenario()
+        near = self._choose(dataclasses.replace(scenario, budget=scenario.budget + slack))
+        if near is None or not near.fits or near.shape == measured.shape or near.shape in state.measured:
+            return None
+        return dataclasses.replace(near, fits=False)
 
     def full_offload(self) -> Plan | None:
         """The next full-offload plan to measure (model.full_offloads: every block recomputed, then

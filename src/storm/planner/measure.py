@@ -28,6 +28,9 @@ MAX_CHECKS = 4  # planned steps measured after a trace: the first plan and up to
 # copy queue and prefetch window move a peak the model misjudges, so that the four lowest can be variants
 # of one plan measured alike while a plan that offloads a block's inputs fewer measures lower
 MAX_SEARCH = 8
+# with peak=, once the model predicted a plan measured within the target long, a cheaper plan predicted over
+# the target by as much, up to this share of the target (1/100), is measured too (near_slack)
+NEAR_SHARE = 100
 HOST_CHECK_STEP = 2  # the planned step that offloads whose host time per tensor is checked (the first warms up)
 HOST_CHECK_TOLERANCE = 1.5  # measured over traced by more than this: plan with the measured (not noise)
 
@@ -143,6 +146,14 @@ def widened_margin(margin: int, beyond: int, target: int) -> int:
     than its prediction and went over ``target``: at least that and a little more, as copy
     timing varies between steps, and more than before, so corrections always move the plan."""
     return max(margin + MiB, beyond + max(MiB, target // 200))
+
+
+def near_slack(target: int, long_by: int) -> int:
+    """How far over ``target`` (peak=) a plan may be predicted and still be measured, once the model
+    predicted a plan that measured within it ``long_by`` bytes over its measured peak: by as much,
+    up to NEAR_SHARE of the target (the model's miss differs from plan to plan, and the step
+    measured could go over by it); 0 where the model was not long."""
+    return max(0, min(long_by, target // NEAR_SHARE))
 
 
 def packs_ms_per_tensor(stats: OffloadStats) -> tuple[float | None, float | None]:

@@ -470,6 +470,27 @@ def _plans(s: Scenario, k: int, m: int) -> list[tuple[Plan, int]]:
             out.append((plan, peak - room))
         else:
             out.append((dataclasses.replace(plan, fits=over <= 0, measured_over=over), over))
+        out += [(p, p.measured_over) for p in _measured_within(s, plan, off) if p.shape != plan.shape]
+    return out
+
+
+def _measured_within(s: Scenario, plan: Plan, off: Offloading) -> list[Plan]:
+    """The plans measured within their target that differ from ``plan`` (as _plans made it) only
+    in the blocks they recompute and their prefetch window, costed and predicted as it would be: a
+    plan the model predicted over the budget, measured within it (Planner.near_plan), is one
+    that the blocks recomputed until the prediction fits never make again."""
+    blocks, out = s.trace.blocks, []
+    for shape, over in s.measured.items():
+        k, m, recomputed, compressed, held, window, full = shape
+        if over > 0 or full or (k, m, compressed, held) != (plan.offloaded, plan.inputs_offloaded,
+                                                            plan.compressed, plan.max_held_bytes):
+            continue
+        in_flight = off.leftover + off.frames + window
+        peak = max(s.moments(k, recomputed, in_flight, inputs_offloaded=m, prefetch=window))
+        cost = off.cost_ms + sum(blocks[j].forward_ms for j in recomputed)
+        out.append(dataclasses.replace(plan, recomputed=recomputed, prefetch_bytes=window, predicted_peak=peak,
+                                       predicted_cost_ms=round(cost, 3), in_flight_bytes=in_flight, fits=True,
+                                       measured_over=over))
     return out
 
 

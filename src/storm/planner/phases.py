@@ -84,6 +84,8 @@ class Driver(Protocol):
 
     def full_offload(self) -> Plan | None: ...
 
+    def near_plan(self, measured: Plan, peak: int) -> Plan | None: ...
+
 
 class StepPhase(abc.ABC):
     """A phase: what a step does, and what the step read decides next."""
@@ -267,9 +269,15 @@ class Measure(Checked):
     and kept (TraceState.measured: the plan ranks by it from then on). Over the target, where
     the plan was predicted to fit, what the step took beyond the prediction becomes the margin of
     plans of its kind (measure.widened_margin); either way the plan is made again, up to
-    measure.checks_for steps, after which the plan of least measured peak stays."""
+    measure.checks_for steps, after which the plan of least measured peak stays. Within its
+    target, with peak=, a cheaper plan predicted a little over it is measured next (``near``:
+    Planner.near_plan), and the plan is made again from both measures."""
 
     kind = Phase.MEASURE
+
+    def __init__(self, alternative: Plan | None, near: bool = False):
+        super().__init__(alternative)
+        self.near = near  # the plan measured is one predicted over its target (Planner.near_plan)
 
     def begin(self, planner: Driver) -> Offload:
         ctx = super().begin(planner)
@@ -288,15 +296,24 @@ class Measure(Checked):
         state.measured_peak = measured
         plan = state.plan
         # None: no backward. A step unlike the traced one measured another step than planned
-        if measured is None or target is None or state.stale:
-            return None
+        if measured is None or target is None or state.stale:  # a plan predicted over it, unread, is not kept
+            return planner.make_plan() if self.near and not state.stale else None
         assert plan is not None and state.besides is not None  # a target needs both
         over = measured - target
         state.plan = state.record(plan, over)  # the plan in force, as measured (the same steps: its hooks stay)
         if self.peak.moments is not None:
             state.measured_moments.setdefault(plan.shape, self.peak.moments)
         if over <= 0:
-            return None
+            near = planner.near_plan(plan, measured)
+            if near is not None:
+                log.info("storm.plan: a planned step peaked %.1f MiB under its target of %.1f MiB; measuring a "
+                         "cheaper plan predicted %.1f MiB over it", -over / MiB, target / MiB,
+                         (state.besides + planner.step_peak(near) - target) / MiB)
+                planner.apply(near)
+                return Measure(None, near=True)
+            return planner.make_plan() if self.near else None
+        if self.near:  # predicted over the target and so measured: made again, of the plans measured within
+            return planner.make_plan()
         if state.checks >= checks_for(plan.fits):
             full = measure_full(planner)
             if full is not None:
