@@ -14,8 +14,9 @@ from typing import Any
 import storm
 from planner_fakes import MiB, ScriptedMemory, gpt, grads_of, trace
 from storm.examples.models import same_bits
-from storm.planner import Plan, Scenario, choose
+from storm.planner import Phase, Plan, Scenario, choose
 from storm.planner.measure import NEAR_SHARE, near_slack
+from storm.planner.phases import UNREAD_STEPS
 
 OPTIONS: dict[str, Any] = {"mode": "embedded", "min_bytes": 0, "form_trial": False,
                            "host_check_tolerance": float("inf")}
@@ -91,15 +92,16 @@ def test_a_plan_predicted_just_over_the_cap_is_measured_and_kept_where_it_fits(c
 
 
 def test_a_plan_predicted_further_over_than_the_model_may_miss_by_is_not_measured():
-    """The same, with the model long by less than keeping every block is predicted over by, and
-    that over the share of the target a prediction may miss by: the plan that fits stays, the
-    only one measured."""
+    """Keeping every block predicted over the cap by more than the model was long by, and, with the
+    model far longer, by more than a share of the cap (measure.NEAR_SHARE): the plan that fits
+    stays, the only one measured."""
     top = keep_all_peak()
-    short = top // 40  # over top // NEAR_SHARE
-    planner = planned(top - short, Long(long=short // 4))
-    (first,) = planner.state.measured.values()
-    assert first.recomputed and planner.plan.shape == first.shape and planner.settled and planner.checks == 1
-    planner.close()
+    for short, long in ((top // 400, top // 1600), (top // 40, top // 10)):
+        assert short > min(long, (top - short) // NEAR_SHARE)
+        planner = planned(top - short, Long(long=long))
+        (first,) = planner.state.measured.values()
+        assert first.recomputed and planner.plan.shape == first.shape and planner.settled and planner.checks == 1
+        planner.close()
 
 
 def test_a_near_plan_measured_over_gives_way_to_the_plan_measured_within_and_sets_no_margin():
@@ -112,6 +114,32 @@ def test_a_near_plan_measured_over_gives_way_to_the_plan_measured_within_and_set
     assert keeps_all(near) and not near.fits and near.measured_over == top // 400
     assert planner.plan.shape == first.shape and first.fits
     assert planner.margins == {False: 0, True: 0} and planner.settled and planner.checks == 2
+    planner.close()
+
+
+def test_a_near_plan_whose_step_never_reaches_backward_is_not_kept():
+    """Steps of forward alone while the near plan is in force read no peak: after as many as the
+    planner waits for, the plan measured within comes back, and the near plan is never settled on."""
+    top = keep_all_peak()
+    model, idx = gpt()
+    memory = Long(long=top // 200)
+    planner = memory.planner = storm.Planner(model.blocks, peak=top - top // 400, memory=memory, chooser=keeping,
+                                             **OPTIONS)
+    for _ in range(6):  # the traces, the plan within
+        grads_of(model, idx, planner.step())
+        if not planner.settled and planner.phase is Phase.MEASURE_NEAR:  # settled reads the step
+            break
+    assert keeps_all(planner.plan) and not planner.plan.fits
+    assert "measures a cheaper plan predicted a little over the target" in planner.explain()
+    for _ in range(UNREAD_STEPS + 1):
+        with planner.step():
+            model.loss(idx[:, :-1], idx[:, 1:])  # no backward
+    ctx = planner.step()  # reads the last of them
+    first = next(iter(planner.state.measured.values()))
+    assert planner.plan.shape == first.shape and first.recomputed and first.fits
+    assert [keeps_all(p) for p in planner.state.measured.values()] == [False]
+    grads_of(model, idx, ctx)
+    assert planner.settled and planner.plan.shape == first.shape
     planner.close()
 
 

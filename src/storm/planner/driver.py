@@ -356,7 +356,8 @@ class Planner:
         plan of least predicted cost that is predicted over the target by no more than the model
         predicted that plan over its measure (measure.near_slack), to be measured too, fits=False
         until it is; None where the model was not long, where it is that plan or one measured
-        already, where no such plan costs less, where the measured checks are spent, and where a
+        already, where no such plan costs less (or as little and offloads nothing where
+        ``measured`` offloads), where the measured checks are spent, and where a
         step went over its prediction (a margin: the model is short here, not long). At a cap as
         tight as a plan's own peak (no offload's), a model a MiB long would otherwise never measure
         the plan that fits, and a slower one would stay."""
@@ -370,6 +371,9 @@ class Planner:
         scenario = self.scenario()
         near = self._choose(dataclasses.replace(scenario, budget=scenario.budget + slack))
         if near is None or not near.fits or near.shape == measured.shape or near.shape in state.measured:
+            return None
+        # cheaper, or as cheap by the model and offloading nothing where the measured plan offloads
+        if (near.predicted_cost_ms, near.offloads) >= (measured.predicted_cost_ms, measured.offloads):
             return None
         return dataclasses.replace(near, fits=False)
 

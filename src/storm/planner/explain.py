@@ -193,6 +193,10 @@ def _standing(planner: Explained) -> str:
         target = "" if planner.target is None else f" of {planner.target / MiB:.1f} MiB"
         return (f"not settled yet: the next step measures its peak against the target{target}; a step over it "
                 "leaves a margin and the plan is made again")
+    if phase == "measure-near":
+        return (f"not settled yet: the next step measures a cheaper plan predicted a little over the target of "
+                f"{(planner.target or 0) / MiB:.1f} MiB, as the model was measured long on the plan within it; "
+                "measured within, it is kept")
     if phase == "measure-full":
         return ("not settled yet: no plan of the blocks measured within the target, so full offload is measured: "
                 "its room profiles a step and tries what it keeps, and the first step that follows the room it "

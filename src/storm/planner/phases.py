@@ -43,6 +43,7 @@ class Phase(enum.Enum):
     TRACE_COMPUTE = "trace-compute"            # every block recomputed, nothing offloaded (trace.ComputeTrace)
     TRACE_COMPUTE_KEPT = "trace-compute-kept"  # again without the hand-over: kept_extra (peak=, reentrant form)
     MEASURE = "measure"        # the plan, its peak measured against the target (CUDA): a margin where over
+    MEASURE_NEAR = "measure-near"  # a cheaper plan predicted a little over it (Planner.near_plan), measured
     MEASURE_FULL = "measure-full"  # full offload, its peak measured once its room has settled (MeasureFull)
     CHECK_HOST = "check-host"  # the plan, offloading: its packs' host time is yet to be read
     TRY = "try"                # the plan or its alternative, in alternation (trial.Trial)
@@ -273,11 +274,10 @@ class Measure(Checked):
     target, with peak=, a cheaper plan predicted a little over it is measured next (``near``:
     Planner.near_plan), and the plan is made again from both measures."""
 
-    kind = Phase.MEASURE
-
     def __init__(self, alternative: Plan | None, near: bool = False):
         super().__init__(alternative)
         self.near = near  # the plan measured is one predicted over its target (Planner.near_plan)
+        self.kind = Phase.MEASURE_NEAR if near else Phase.MEASURE
 
     def begin(self, planner: Driver) -> Offload:
         ctx = super().begin(planner)
@@ -312,8 +312,7 @@ class Measure(Checked):
                 planner.apply(near)
                 return Measure(None, near=True)
             return planner.make_plan() if self.near else None
-        if self.near:  # predicted over the target and so measured: made again, of the plans measured within
-            return planner.make_plan()
+        # a near plan was predicted over (fits False): it searches no further and sets no margin
         if state.checks >= checks_for(plan.fits):
             full = measure_full(planner)
             if full is not None:
