@@ -20,6 +20,7 @@ from storm.examples.models import same_bits
 
 common = bench_module("common")
 hf = bench_module("hf")
+zoo_verdicts = bench_module("zoo_verdicts")
 zoo = bench_module("zoo")
 GiB, MiB = common.GiB, 1 << 20
 CPU = torch.device("cpu")
@@ -368,7 +369,7 @@ def test_codecs_measure_full_offload_in_each_and_time_them_against_each_other_al
     assert [r["label"] for r in cell["rows"]] == ["storm-enable codec=raw", "storm-enable codec=auto"]
     assert cell["caps"] == [] and duels == [[("enable", None), ("enable", None)]]
     assert cell["codec_duel"]["versus"] == ["storm-enable codec=auto"] and cell["codec_duel"]["first_over"] == [0.909]
-    assert "storm-enable codec=auto 0.909x" in zoo.table("llama-tiny", cell)
+    assert "storm-enable codec=auto 0.909x" in zoo_verdicts.table("llama-tiny", cell)
 
 
 def test_caps_measure_the_plan_at_each_alone_least_first_and_hold_it_to_no_other():
@@ -381,7 +382,7 @@ def test_caps_measure_the_plan_at_each_alone_least_first_and_hold_it_to_no_other
     v = cell["verdicts"]
     assert v["least_cap"]["cap_GiB"] == 2.5 and v["per_cap"]["holds"] is None
     assert [c["holds"] for c in v["per_cap"]["caps"]] == [None, None] and all(c["fits"] for c in v["per_cap"]["caps"])
-    text = zoo.table("llama-tiny", cell)
+    text = zoo_verdicts.table("llama-tiny", cell)
     assert "2.5 GiB (--caps): plan 2.49 GiB fits" in text and "full offload (no plan of the blocks" in text
     assert "n/a (no other method measured)" in text and "FAILS" not in text.split("per_cap")[0]
 
@@ -425,16 +426,16 @@ def test_a_cell_cut_off_in_its_plan_rows_names_each_cap_s_plan_and_its_summary_h
     assert len([r for r in last["rows"] if r["method"] == zoo.PLAN]) == 2 and "complete" not in last
     # each measured plan row's cap names it in the file (the last one was saved before it was named)
     assert [c.get("plan") for c in last["caps"][:2]] == [zoo.plan_label(c["cap_bytes"]) for c in last["caps"][:2]]
-    v = zoo.verdicts(last)
+    v = zoo_verdicts.verdicts(last)
     assert len(v["per_cap"]["caps"]) == 2 and not any(v[k]["holds"] for k in v)  # nothing holds in a cut-off cell
     whole = made_up_cell()  # whose every verdict holds, once complete: not before
-    assert all(zoo.verdicts(whole)[k]["holds"] for k in v)
+    assert all(zoo_verdicts.verdicts(whole)[k]["holds"] for k in v)
     del whole["complete"]
-    assert not any(zoo.verdicts(whole)[k]["holds"] for k in v)
+    assert not any(zoo_verdicts.verdicts(whole)[k]["holds"] for k in v)
     del last["caps"][1]["plan"]  # as files written before that were: the cap is left out, the summary reads on
     first = round(last["caps"][0]["cap_bytes"] / GiB, 3)
-    assert [c["cap_GiB"] for c in zoo.verdicts(last)["per_cap"]["caps"]] == [first]
-    assert "cut off before its end" in zoo.table("llama-tiny", last)
+    assert [c["cap_GiB"] for c in zoo_verdicts.verdicts(last)["per_cap"]["caps"]] == [first]
+    assert "cut off before its end" in zoo_verdicts.table("llama-tiny", last)
 
 
 def made_up_cell() -> dict:
@@ -461,7 +462,7 @@ def made_up_cell() -> dict:
 
 
 def test_the_verdicts_hold_on_numbers_that_meet_them_and_fail_each_where_they_do_not():
-    v = zoo.verdicts(made_up_cell())
+    v = zoo_verdicts.verdicts(made_up_cell())
     assert v["per_cap"]["holds"] and v["per_cap"]["caps"][0]["x_best_other"] == 0.2
     assert v["least_cap"]["holds"] and v["least_cap"]["x_checkpoint"] == 1.077
     assert v["full_offload"]["holds"] and v["full_offload"]["peak_x_torchtune"] == round((2.5 * GiB + 10 * MiB)
@@ -469,24 +470,24 @@ def test_the_verdicts_hold_on_numbers_that_meet_them_and_fail_each_where_they_do
     assert v["predicted_peak"]["holds"] and v["predicted_peak"]["plans"][0]["off_MiB"] == -20.0
     cell = made_up_cell()  # the plan slower than torchtune in their duel
     cell["duels"][0]["first_over"][0] = 1.02
-    assert not zoo.verdicts(cell)["per_cap"]["holds"]
+    assert not zoo_verdicts.verdicts(cell)["per_cap"]["holds"]
     cell = made_up_cell()  # its peak over the cap by a MiB: fails the cap, not the least cap's 1%
     cell["rows"][-1]["peak_bytes"] = cell["caps"][0]["cap_bytes"] + MiB
-    v = zoo.verdicts(cell)
+    v = zoo_verdicts.verdicts(cell)
     assert not v["per_cap"]["holds"] and v["least_cap"]["holds"]
     cell = made_up_cell()  # 1.2x checkpointing at the least cap
     cell["duels"][0]["first_over"][1] = 1.2
-    assert not zoo.verdicts(cell)["least_cap"]["holds"]
+    assert not zoo_verdicts.verdicts(cell)["least_cap"]["holds"]
     cell = made_up_cell()  # full offload 2% above torchtune's peak
     cell["rows"][4]["peak_bytes"] = int(2.55 * GiB)
-    assert not zoo.verdicts(cell)["full_offload"]["holds"]
+    assert not zoo_verdicts.verdicts(cell)["full_offload"]["holds"]
     cell = made_up_cell()  # predicted 100 MiB under a 2.5 GiB peak: more than 64 MiB and 3%
     cell["rows"][-1]["predicted_step_peak_bytes"] = cell["rows"][-1]["peak_bytes"] - 100 * MiB
-    assert not zoo.verdicts(cell)["predicted_peak"]["holds"]
+    assert not zoo_verdicts.verdicts(cell)["predicted_peak"]["holds"]
     cell = made_up_cell()  # a duel that failed decides nothing
     cell["duels"] = [{"cap_bytes": cell["caps"][0]["cap_bytes"], "error": "OOM"}]
     del cell["full_duel"]
-    v = zoo.verdicts(cell)
+    v = zoo_verdicts.verdicts(cell)
     assert not v["per_cap"]["holds"] and not v["least_cap"]["holds"] and not v["full_offload"]["holds"]
 
 
@@ -515,29 +516,30 @@ def test_a_duel_that_kept_another_plan_than_its_row_holds_only_where_that_plan_f
         cell["duels"][0]["chosen"] = {**row_plan, **chosen}
         return cell
 
-    same = zoo.verdicts(cell_with({}))["per_cap"]["caps"][0]
+    same = zoo_verdicts.verdicts(cell_with({}))["per_cap"]["caps"][0]
     assert same["holds"] and not same["duel_plan_differs"]
     other = {"offloaded_blocks": 0, "recomputed_blocks": [0, 1]}
-    within = zoo.verdicts(cell_with({**other, "over_bytes": -5 * MiB}))["per_cap"]["caps"][0]
+    within = zoo_verdicts.verdicts(cell_with({**other, "over_bytes": -5 * MiB}))["per_cap"]["caps"][0]
     assert within["holds"] and within["duel_plan_differs"] and within["duel_plan_over_MiB"] == -5.0
     just_over = cell_with({**other, "over_bytes": 4096})  # 4 KiB over: over, however it rounds
-    over = zoo.verdicts(just_over)
+    over = zoo_verdicts.verdicts(just_over)
     assert not over["per_cap"]["holds"] and not over["per_cap"]["caps"][0]["fits"]
-    assert "its own step 0.0 MiB over its target" in zoo.table("llama-tiny", {**just_over, "verdicts": over})
+    assert "its own step 0.0 MiB over its target" in zoo_verdicts.table("llama-tiny", {**just_over, "verdicts": over})
     measured = [{"full_offload": False, "offloaded_blocks": 0, "recomputed": 2, "inputs_offloaded_blocks": 0,
                  "compressed": False, "over_MiB": -7.0}]
-    older = zoo.verdicts(cell_with({**other, "measured": measured}))["per_cap"]["caps"][0]
+    older = zoo_verdicts.verdicts(cell_with({**other, "measured": measured}))["per_cap"]["caps"][0]
     assert older["holds"] and older["duel_plan_over_MiB"] == -7.0
-    unknown = zoo.verdicts(cell_with({**other, "measured": measured * 2}))["per_cap"]["caps"][0]
+    unknown = zoo_verdicts.verdicts(cell_with({**other, "measured": measured * 2}))["per_cap"]["caps"][0]
     assert not unknown["holds"] and unknown["duel_plan_over_MiB"] is None  # two of its shape: which is unknown
     # written by plan_summary since it records over_bytes: None is "not measured", whatever the list holds
-    unmeasured = zoo.verdicts(cell_with({**other, "over_bytes": None, "measured": measured}))["per_cap"]["caps"][0]
+    unmeasured = zoo_verdicts.verdicts(cell_with({**other, "over_bytes": None, "measured": measured}))
+    unmeasured = unmeasured["per_cap"]["caps"][0]
     assert not unmeasured["holds"] and unmeasured["duel_plan_over_MiB"] is None
     # the row's blocks with another copy queue: another plan, judged by its own measure
     queue = {"max_held_bytes": 1 << 30, "prefetch_bytes": 0}
     cell = cell_with({**queue, "over_bytes": 300 * MiB})
     cell["rows"][-1]["plan"].update(max_held_bytes=1 << 20, prefetch_bytes=0)
-    held = zoo.verdicts(cell)["per_cap"]["caps"][0]
+    held = zoo_verdicts.verdicts(cell)["per_cap"]["caps"][0]
     assert held["duel_plan_differs"] and not held["holds"]
 
 
@@ -567,10 +569,10 @@ def test_merge_makes_the_files_of_a_process_per_gpu_one_run_and_refuses_two_runs
     for other, said in ((cell(commit="1234567"), "more than one commit"),
                         (cell(device="NVIDIA H200"), "more than one kind of device")):
         with pytest.raises(ValueError, match=said):
-            zoo.merge([{"cells": {"llama-tiny": cell()}}, {"cells": {"mistral-tiny": other}}], ["a", "b"])
+            zoo_verdicts.merge([{"cells": {"llama-tiny": cell()}}, {"cells": {"mistral-tiny": other}}], ["a", "b"])
     resumed = cell()
     resumed["calls"] = [{**resumed["meta"], "commit": "1234567"}, resumed["meta"]]  # begun at another commit
     with pytest.raises(ValueError, match="more than one commit"):
-        zoo.merge([{"cells": {"llama-tiny": cell()}}, {"cells": {"mistral-tiny": resumed}}], ["a", "b"])
+        zoo_verdicts.merge([{"cells": {"llama-tiny": cell()}}, {"cells": {"mistral-tiny": resumed}}], ["a", "b"])
     with pytest.raises(ValueError, match="llama-tiny is in both a and b"):
-        zoo.merge([{"cells": {"llama-tiny": cell()}}, {"cells": {"llama-tiny": cell()}}], ["a", "b"])
+        zoo_verdicts.merge([{"cells": {"llama-tiny": cell()}}, {"cells": {"llama-tiny": cell()}}], ["a", "b"])
