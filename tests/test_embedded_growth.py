@@ -24,6 +24,7 @@ from storm.embedded import EmbeddedStore
 from storm.examples.models import same_bits
 from storm.policy import Keep, Policy
 from storm.session import ClientSession
+from stormd.growth import GROWTH_ALIGNMENT, GROWTH_SHARE
 from stormd.limits import host_room
 
 MiB = 1 << 20
@@ -57,6 +58,26 @@ def test_tensors_stored_before_a_growth_keep_their_offsets_and_bytes():
             got = e.request("GET", key=k).result()
             assert got["offset"] == off
             assert torch.equal(e.pool.view(off, MiB // 2), torch.full((MiB // 2,), k, dtype=torch.uint8))
+    finally:
+        e.close()
+
+
+def test_each_growth_adds_a_quarter_so_the_pool_stays_within_a_quarter_of_what_it_holds():
+    """What a growth adds past the step's need stays page-locked: the pool grows by a quarter of its
+    size (GROWTH_SHARE), at least min_step and what the PUT needs, so a pool grown to hold N bytes
+    holds at most a quarter more (and a growth's alignment), where doubling left up to N unused."""
+    e = store(cap=1 << 30)
+    try:
+        sizes = [e.pool.size]
+        for k in range(1, 81):  # 40 MiB in halves of a MiB
+            put(e, k, MiB // 2)
+            sizes.append(e.pool.size)
+        grown = sorted(set(sizes))
+        for a, b in zip(grown, grown[1:]):  # each growth: a quarter, at least min_step, rounded up to whole pages
+            assert 0 <= b - a - max(a // GROWTH_SHARE, 2 * MiB) < GROWTH_ALIGNMENT
+        assert 40 * MiB <= e.pool.size <= 40 * MiB * (GROWTH_SHARE + 1) // GROWTH_SHARE + GROWTH_ALIGNMENT
+        put(e, 81, 20 * MiB)  # more than a quarter: the growth is what the PUT needs
+        assert e.pool.size >= 60 * MiB
     finally:
         e.close()
 

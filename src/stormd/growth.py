@@ -4,7 +4,8 @@ stormd's pool is fixed: operators size it. The embedded store's users do not
 know their activation bytes in advance, so its pool starts modest and grows
 in place (SharedPool.grow: the mapping reserved the cap's address space at
 the start, so tensors already stored keep their offsets and addresses). Each
-growth doubles the pool, by at least ``min_step``, and never past what the
+growth adds a quarter of the pool (GROWTH_SHARE), at least ``min_step`` and at
+least what the PUT needs, and never past what the
 host's share grants it (host_share.py: the cap, which stormd/limits.host_room
 derives from free RAM and the memory cgroup, shared by the embedded stores of
 the host, and the free memory of the moment); past it, or when a growth fails
@@ -22,6 +23,9 @@ from .wire.pool import SharedPool
 from .wire.sizes import format_size
 
 MIN_GROWTH = 256 << 20  # few growths, each a page-lock call when the pool is page-locked
+# a growth adds 1/GROWTH_SHARE of the pool: page-locking costs by the byte, not by the call, and what a
+# growth adds past the step's need stays page-locked (doubling left up to half the pool unused)
+GROWTH_SHARE = 4
 GROWTH_ALIGNMENT = 2 << 20  # whole pages (huge ones too), so no page is locked twice
 
 
@@ -43,11 +47,11 @@ class PoolGrowth:
         self._extend = extend
 
     def grow(self, nbytes: int) -> int:
-        """Grow the pool so that ``nbytes`` more fit (to twice its size, at least ``min_step`` more,
-        at most what the share grants); returns its new size. Raises GrowthRefused, the pool
+        """Grow the pool so that ``nbytes`` more fit (by a quarter of its size, at least ``min_step``
+        more, at most what the share grants); returns its new size. Raises GrowthRefused, the pool
         unchanged, naming why."""
         size = self.pool.size
-        target = max(2 * size, size + self.min_step, size + nbytes)
+        target = size + max(size // GROWTH_SHARE, self.min_step, nbytes)
         target = -(-target // GROWTH_ALIGNMENT) * GROWTH_ALIGNMENT
         with self.share.turn():
             limit, why = self.share.allowance(size)
