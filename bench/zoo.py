@@ -179,13 +179,16 @@ def host_short(rows: list[dict], available: int | None) -> str | None:
     """Why a duel of ``rows``' methods would not fit the host, or None: each row recorded the host
     memory its method took (page-locked copies, a pool), one trainer at a time, and a duel holds
     them all at once (t5-long's torchtune and full offload each pin what a step saves, and the
-    host killed the process). Rows that did not record it (from before, no /proc) count nothing,
-    and none counts less than nothing (memory freed while its row ran)."""
-    need = sum(max(0.0, r.get("host_GiB") or 0.0) for r in rows) * GiB
+    host killed the process). What the process kept after a row (``host_kept_GiB``: the embedded
+    store's pool, which the process's later stores use again) is out of ``available`` already
+    and counts no more. Rows that did not record it (from before, no /proc) count nothing, and
+    none counts less than nothing (memory freed while its row ran)."""
+    need = sum(max(0.0, (r.get("host_GiB") or 0.0) - max(0.0, r.get("host_kept_GiB") or 0.0)) for r in rows) * GiB
     if available is None or need <= HOST_SHARE * available:
         return None
-    return (f"host memory: {' + '.join(r['label'] for r in rows)} took {need / GiB:.1f} GiB of the host in their "
-            f"rows and {available / GiB:.1f} GiB is available; a duel holds them at once, so it was not run")
+    return (f"host memory: {' + '.join(r['label'] for r in rows)} need {need / GiB:.1f} GiB more of the host at "
+            f"once (what their rows took, less what the process kept) and {available / GiB:.1f} GiB is available; "
+            f"so the duel was not run")
 
 
 def done_duel(d: dict | None, rounds: int) -> bool:
@@ -227,6 +230,8 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
                         else round((before - now) / GiB, 3)}
 
             row.update(measure_row(workload, method, args.steps, args.warmup, opts, device, more=more))
+            after = host()  # its trainer closed: what the process keeps of it (an embedded store's pool)
+            row["host_kept_GiB"] = None if before is None or after is None else round((before - after) / GiB, 3)
             row["peak_GiB"] = row.pop("peak_extra_GiB", None)
             print(f"{w.name} {row['label']}: {_brief(row)}", flush=True)
         cell["rows"].append(done.get(row["label"], row))

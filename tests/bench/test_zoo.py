@@ -334,7 +334,7 @@ def test_a_duel_whose_methods_took_more_host_memory_than_there_is_is_recorded_no
     if available_GiB == 100:  # 80 GiB together fit 90% of 100
         assert len(duels) == 1 and cell["verdicts"]["full_offload"]["x_torchtune"] == 0.909
     else:  # they do not fit 90% of 80: the host would have killed the process mid-duel
-        assert duels == [] and cell["full_duel"]["error"].startswith("host memory: storm-enable + torchtune took 80.0")
+        assert duels == [] and cell["full_duel"]["error"].startswith("host memory: storm-enable + torchtune need 80.0")
         assert cell["complete"] and cell["verdicts"]["full_offload"]["holds"] is False
         host.available = 100 * GiB  # resumed on a larger host: the duel left out is tried again, the rows kept
         zoo.measure_cell(hf.tiny("llama"), cell, argparse.Namespace(**{**vars(ARGS), "full_only": True}), CPU,
@@ -343,10 +343,34 @@ def test_a_duel_whose_methods_took_more_host_memory_than_there_is_is_recorded_no
         assert len(duels) == 1 and cell["verdicts"]["full_offload"]["x_torchtune"] == 0.909
 
 
+class KeepingPool(Pinning):
+    """Pinning, whose full-offload row keeps its 40 GiB once its trainer closes, as the embedded
+    store's pool stays with the process for its later stores."""
+
+    def __call__(self, w, method, steps, warmup, opts, device, more=None):
+        row = super().__call__(w, method, steps, warmup, opts, device, more)
+        self.host.available -= 40 * GiB * (method == "enable" and "peak" not in opts)
+        return row
+
+
+def test_what_a_row_kept_is_out_of_the_available_memory_already_and_counts_once():
+    """The full-offload row's pool stays (100 GiB less 40 available at the duel): the duel needs
+    torchtune's 40 more alone, which fits 90% of the 60 left; counted again it would not."""
+    host, duels, cell = SimpleNamespace(available=100 * GiB), [], {}
+    zoo.measure_cell(hf.tiny("llama"), cell, argparse.Namespace(**{**vars(ARGS), "full_only": True}), CPU,
+                     lambda: None, measure_row=KeepingPool(host), dueling=fake_duel(duels),
+                     host=lambda: host.available)
+    assert [(r["host_GiB"], r["host_kept_GiB"]) for r in cell["rows"]] == [(40.0, 0.0), (40.0, 40.0)]
+    assert len(duels) == 1 and "error" not in cell["full_duel"]
+
+
 def test_a_row_that_freed_host_memory_as_it_ran_takes_nothing_from_the_others():
     rows = [{"label": "a", "host_GiB": 80.0}, {"label": "b", "host_GiB": -30.0}, {"label": "c"}]
-    assert zoo.host_short(rows, 80 * GiB).startswith("host memory: a + b + c took 80.0 GiB")
+    assert zoo.host_short(rows, 80 * GiB).startswith("host memory: a + b + c need 80.0 GiB")
     assert zoo.host_short(rows, 100 * GiB) is None and zoo.host_short(rows, None) is None
+    kept = [{**rows[0], "host_kept_GiB": 30.0}, {**rows[1], "host_kept_GiB": -5.0}, rows[2]]
+    assert zoo.host_short(kept, 60 * GiB) is None  # 50 GiB more: a's 30 kept is out of the 60 already
+    assert zoo.host_short(kept, 50 * GiB).startswith("host memory: a + b + c need 50.0 GiB")
 
 
 def test_a_codec_given_goes_to_every_storm_row_and_none_leaves_storms_default():
