@@ -10,7 +10,8 @@ import torch
 from helpers import bench_module
 
 hf = bench_module("hf")
-bench_module("zoo")  # saves.py imports its cells by name, as a script run from bench/ does
+bench_module("zoo_verdicts")  # saves.py imports its cells by name, as a script run from bench/ does, and zoo
+bench_module("zoo")            # its verdicts so
 saves = bench_module("saves")
 MiB = 1 << 20
 
