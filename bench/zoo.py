@@ -47,6 +47,7 @@ import random
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -173,22 +174,26 @@ def duel(specs: list[tuple[HF | Variant, str, dict]], args: argparse.Namespace, 
 
 
 HOST_SHARE = 0.9  # of the host memory available, what a duel's methods may take together: the rest is the process's
+PROCESS = uuid.uuid4().hex  # names the rows this process measured: what they kept, it still holds (host_short)
 
 
-def host_short(rows: list[dict], available: int | None) -> str | None:
+def host_short(rows: list[dict], available: int | None, process: str = PROCESS) -> str | None:
     """Why a duel of ``rows``' methods would not fit the host, or None: each row recorded the host
     memory its method took (page-locked copies, a pool), one trainer at a time, and a duel holds
     them all at once (t5-long's torchtune and full offload each pin what a step saves, and the
-    host killed the process). What the process kept after a row (``host_kept_GiB``: the embedded
-    store's pool, which the process's later stores use again) is out of ``available`` already
-    and counts no more. Rows that did not record it (from before, no /proc) count nothing, and
-    none counts less than nothing (memory freed while its row ran)."""
-    need = sum(max(0.0, (r.get("host_GiB") or 0.0) - max(0.0, r.get("host_kept_GiB") or 0.0)) for r in rows) * GiB
+    host killed the process). What ``process`` (this one) kept after a row it measured
+    (``host_kept_GiB``: the embedded store's pool, which its later stores use again) is out of
+    ``available`` already and counts no more; a row measured by an earlier process (--resume)
+    counts whole, as its memory went with that process. Rows that did not record it (from
+    before, no /proc) count nothing, and none counts less than nothing (memory freed while its
+    row ran)."""
+    need = sum(max(0.0, (r.get("host_GiB") or 0.0)
+                   - max(0.0, r.get("host_kept_GiB") or 0.0) * (r.get("process") == process)) for r in rows) * GiB
     if available is None or need <= HOST_SHARE * available:
         return None
     return (f"host memory: {' + '.join(r['label'] for r in rows)} need {need / GiB:.1f} GiB more of the host at "
-            f"once (what their rows took, less what the process kept) and {available / GiB:.1f} GiB is available; "
-            f"so the duel was not run")
+            f"once (what their rows took, less what this process kept of it), over the {HOST_SHARE:.0%} of the "
+            f"{available / GiB:.1f} GiB available a duel may take; so the duel was not run")
 
 
 def done_duel(d: dict | None, rounds: int) -> bool:
@@ -203,7 +208,7 @@ def plan_label(cap: int) -> str:
 
 def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.device, save: Callable[[], None],
                  measure_row: Callable[..., dict] = run, dueling: Callable[..., dict] = duel,
-                 host: Callable[[], int | None] = host_available) -> dict:
+                 host: Callable[[], int | None] = host_available, process: str = PROCESS) -> dict:
     """One cell's rows, caps, plan rows and duels into ``cell`` (rows already there, from a run
     cut off, are kept), ``save()`` after each; then its verdicts. Each row records the host memory
     its method took (``host``: what is available), and a duel whose methods took more together
@@ -232,6 +237,7 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
             row.update(measure_row(workload, method, args.steps, args.warmup, opts, device, more=more))
             after = host()  # its trainer closed: what the process keeps of it (an embedded store's pool)
             row["host_kept_GiB"] = None if before is None or after is None else round((before - after) / GiB, 3)
+            row["process"] = process
             row["peak_GiB"] = row.pop("peak_extra_GiB", None)
             print(f"{w.name} {row['label']}: {_brief(row)}", flush=True)
         cell["rows"].append(done.get(row["label"], row))
@@ -253,7 +259,7 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
     rows, order = cell["rows"], random.Random(0)
 
     def duel_of(these: list[dict]) -> dict:
-        short = host_short(these, host())
+        short = host_short(these, host(), process)
         # a duel not run for the host's memory is tried again on resume (another host may hold it)
         return {"error": short, "host_short": True} if short else \
             dueling([contender(w, r, storm_opts) for r in these], args, device, order)

@@ -364,13 +364,36 @@ def test_what_a_row_kept_is_out_of_the_available_memory_already_and_counts_once(
     assert len(duels) == 1 and "error" not in cell["full_duel"]
 
 
+def test_what_an_earlier_process_kept_counts_whole_on_resume():
+    """A first call measures the rows (the full-offload row keeps its pool) and is cut off before
+    the duel; the resumed call is another process, which holds no pool: the duel needs both rows'
+    40 GiB again, over 90% of the 80 available, and is not run."""
+    args = argparse.Namespace(**{**vars(ARGS), "full_only": True})
+    host, cell = SimpleNamespace(available=100 * GiB), {}
+
+    def cut_off(*_: object) -> dict:
+        raise KeyboardInterrupt  # the call's time ran out
+
+    with pytest.raises(KeyboardInterrupt):
+        zoo.measure_cell(hf.tiny("llama"), cell, args, CPU, lambda: None, measure_row=KeepingPool(host),
+                         dueling=cut_off, host=lambda: host.available, process="first")
+    assert [r["host_kept_GiB"] for r in cell["rows"]] == [0.0, 40.0]
+    again, duels = SimpleNamespace(available=80 * GiB), []
+    zoo.measure_cell(hf.tiny("llama"), cell, args, CPU, lambda: None, measure_row=KeepingPool(again),
+                     dueling=fake_duel(duels), host=lambda: again.available, process="second")
+    assert duels == [] and cell["full_duel"]["host_short"]
+    assert cell["full_duel"]["error"].startswith("host memory: storm-enable + torchtune need 80.0 GiB")
+    assert "over the 90% of the 80.0 GiB available" in cell["full_duel"]["error"]
+
+
 def test_a_row_that_freed_host_memory_as_it_ran_takes_nothing_from_the_others():
     rows = [{"label": "a", "host_GiB": 80.0}, {"label": "b", "host_GiB": -30.0}, {"label": "c"}]
     assert zoo.host_short(rows, 80 * GiB).startswith("host memory: a + b + c need 80.0 GiB")
     assert zoo.host_short(rows, 100 * GiB) is None and zoo.host_short(rows, None) is None
-    kept = [{**rows[0], "host_kept_GiB": 30.0}, {**rows[1], "host_kept_GiB": -5.0}, rows[2]]
-    assert zoo.host_short(kept, 60 * GiB) is None  # 50 GiB more: a's 30 kept is out of the 60 already
-    assert zoo.host_short(kept, 50 * GiB).startswith("host memory: a + b + c need 50.0 GiB")
+    kept = [{**rows[0], "host_kept_GiB": 30.0, "process": "this"}, {**rows[1], "host_kept_GiB": -5.0}, rows[2]]
+    assert zoo.host_short(kept, 60 * GiB, "this") is None  # 50 GiB more: a's 30 kept is out of the 60 already
+    assert zoo.host_short(kept, 50 * GiB, "this").startswith("host memory: a + b + c need 50.0 GiB")
+    assert zoo.host_short(kept, 60 * GiB, "another").startswith("host memory: a + b + c need 80.0 GiB")
 
 
 def test_a_codec_given_goes_to_every_storm_row_and_none_leaves_storms_default():
