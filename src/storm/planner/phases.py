@@ -25,7 +25,7 @@ from torch import nn
 
 from ..hooks import Offload
 from .measure import PeakMemory, StepPeak, checks_for, host_from_packs, widened_margin
-from .model import Plan, Trace, full_codec, moments
+from .model import Plan, Trace, full_codec, moments, without_backward_extras
 from .state import TraceState
 from .trace import ComputeTrace, Frames, OffloadTrace, PlanStep
 from .trial import Clock, Trial
@@ -156,11 +156,15 @@ class TraceCompute(StepPhase):
         if not measured and planner.memory.available:
             return self  # no backward reached the blocks (a batch skipped after forward): the target needs it
         if measured:  # what the model leaves out: activations' gradients, temporaries
-            besides, start_extra = self.besides(state.trace)
+            # every block recomputed, as this step ran, from the saves alone: the blocks' backward_extra
+            # (which the first of these steps sets) is what is measured against it, in either step
+            trace = without_backward_extras(state.trace)
+            held = moments(trace, 0, set(range(len(trace.blocks))), 0, grads=True)
+            besides, start_extra = self.besides(held)
             if self.hand_over:
                 state.besides, state.start_extra = besides, start_extra
                 state.traced_moments = self.peak.moments
-                self.backward_extras(state.trace, besides)
+                self.backward_extras(state.trace, held, besides)
             else:
                 state.kept_besides = besides
         if self.hand_over and planner.reentrant and planner.peak is not None and measured:
@@ -170,35 +174,34 @@ class TraceCompute(StepPhase):
     def abandon(self) -> None:
         self.tracer.release()  # else the next trace's timing wraps this one's, which times on for good
 
-    def besides(self, trace: Trace) -> tuple[int, int]:
-        """From the step's measured peak (every block recomputed): what a block's backward holds
-        besides the model's moments, and what backward's start holds beyond that. A language
+    def besides(self, held: list[int]) -> tuple[int, int]:
+        """From the step's measured peak (every block recomputed; ``held``, the model's moments of
+        it): what a block's backward holds besides the model's moments, and what backward's start
+        holds beyond that. A language
         model's loss and head hold the logits' gradients there, which can outweigh any block's
         temporaries: one figure for the whole step would put them at every block's backward,
         where offloading recomputed blocks' inputs (which lowers only backward's start) would
         seem to gain nothing."""
         peak = self.peak
         assert peak.measured is not None
-        held = moments(trace, 0, set(range(len(trace.blocks))), 0, grads=True)
         if peak.parts is None:  # backward never reached the blocks' hook: one figure
             return max(0, peak.measured - max(held)), 0
         start, blocks = peak.parts
         besides = max(0, blocks - max(held[:-1]))
         return besides, start - held[-1] - besides
 
-    def backward_extras(self, trace: Trace, besides: int) -> None:
+    def backward_extras(self, trace: Trace, held: list[int], besides: int) -> None:
         """Each block's backward_extra: what its backward held, measured at its own moment, beyond
-        the model's moment and the besides (one figure, from the step's largest moment): the
-        blocks' backwards differ where the blocks do. Each stays 0 where the moments were not read
-        one by one (a step of several forwards, a memory= without restart())."""
+        the model's moment (``held``, from the saves alone) and the besides (one figure, from the
+        step's largest moment): the blocks' backwards differ where the blocks do. Each stays 0
+        where the moments were not read one by one (a step of several forwards, a memory= without
+        restart())."""
         measured = self.peak.moments
         if measured is None:
             return
-        every = set(range(len(trace.blocks)))
-        held = moments(trace, 0, every, 0, grads=True)  # each block's extra in it: taken out again
         for b, at, peak in zip(trace.blocks, held, measured):
             if peak is not None:
-                b.backward_extra = peak - (at - b.backward_extra) - besides
+                b.backward_extra = peak - at - besides
 
 
 class Settled(StepPhase):
