@@ -229,15 +229,16 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
             workload, method, opts = contender(w, row, storm_opts)
             before = host()
 
-            def more(t: Trainer) -> dict:  # while its trainer holds what it took
+            def taken() -> float | None:  # GiB of the host taken since the row began
                 now = host()
-                return {**read_more(t), "host_GiB": None if before is None or now is None
-                        else round((before - now) / GiB, 3)}
+                return None if before is None or now is None else round((before - now) / GiB, 3)
+
+            def more(t: Trainer) -> dict:  # while its trainer holds what it took
+                return {**read_more(t), "host_GiB": taken()}
 
             row.update(measure_row(workload, method, args.steps, args.warmup, opts, device, more=more))
-            after = host()  # its trainer closed: what the process keeps of it (an embedded store's pool)
-            row["host_kept_GiB"] = None if before is None or after is None else round((before - after) / GiB, 3)
-            row["process"] = process
+            # its trainer closed: what the process keeps of it (an embedded store's pool)
+            row.update(host_kept_GiB=taken(), process=process)
             row["peak_GiB"] = row.pop("peak_extra_GiB", None)
             print(f"{w.name} {row['label']}: {_brief(row)}", flush=True)
         cell["rows"].append(done.get(row["label"], row))
