@@ -204,14 +204,17 @@ def main() -> int:
         print(f"{m:55s} {out[m]['step_ms']:8.1f} ms  fwd {out[m]['forward_peak_GiB']:.3f}  "
               f"bwd {out[m]['backward_peak_GiB']:.3f} GiB", flush=True)
     peaks = {m: alive_at_peak(m, model, ids, device) for m in args.methods} if args.peaks else None
-    record = profiled(model, ids, device) if args.peaks else None
+    # a process of torch's rows alone builds no STORM pool beside the pinned memory torch's own allocator caches
+    stormed = any(m.startswith("storm") for m in args.methods)
+    record = profiled(model, ids, device) if args.peaks and stormed else None
     if peaks:
         print(json.dumps({m: {k: v for k, v in p.items() if k != "trace"} for m, p in peaks.items()}, indent=1))
         if not args.traces:  # the summaries above stay; the events are for --traces
             for p in peaks.values():
                 p.pop("trace")
-            record.pop("events")
-    room = storm.registry.session_for("auto", None, None).rooms.room  # what the storm rows' profile found
+            if record:
+                record.pop("events")
+    room = stormed and storm.registry.session_for("auto", None, None).rooms.room  # what the storm rows' profile found
     found = room and {"floor_MiB": room.floor / MiB, "saves_MiB": [b / MiB for b in room._saves],
                       "between_MiB": [b / MiB for b in room._between]}
     write(args.out, {"model": MODEL.name, "rows": out, "room": found, "peaks": peaks,
