@@ -75,7 +75,8 @@ def test_what_the_allocator_record_saw_rise_between_readings_bounds_the_queue_an
 
 def test_rises_replay_the_step_own_memory_between_marks():
     """The record's events between marks: allocations on the marks' stream count, those on others
-    (STORM's copies) and their frees do not, nor does a mark's own free."""
+    (STORM's copies) do not, nor their frees before the next mark, nor a mark's own free; a copy's
+    block that a reading found allocated is freed below it."""
     own, copy = 7, 9
 
     mark = allocator_record.RECORD_MARK_BYTES
@@ -90,9 +91,28 @@ def test_rises_replay_the_step_own_memory_between_marks():
               ev("alloc", 500), ev("free_requested", 500),  # mark 500 again
               ev("free_requested", 3, 1000, copy), ev("alloc", 7, 50), ev("free_requested", 1, 100),
               ev("alloc", 5, 20), ev("free_completed", 4, 30)]
-    assert allocator_record.replay(events, [500, 500]).rises == [70, 50]  # 40 + 30 before a free; then 50
+    # 40 + 30 before a free; then 50 + 20 over the 1000 the second reading counted and the 100 freed
+    assert allocator_record.replay(events, [500, 500]).rises == [70, 0]
     assert allocator_record.replay(events, [500, 600]) is None  # a mark the record lost
     assert allocator_record.replay(events, []).rises == []
+
+
+def test_a_fetched_storage_freed_once_its_op_ran_is_no_rise_under_the_gradient_it_made():
+    """Backward unpacks a storage fetched ahead on STORM's stream: the unpack's reading counts it,
+    its op frees it and allocates a gradient as large. What the step holds did not rise; a storage
+    fetched after the reading is the copies' own to its free."""
+    own, copy, mark = 7, 9, allocator_record.RECORD_MARK_BYTES
+
+    def ev(action: str, addr: int, size: int = mark, stream: int = own) -> dict:
+        return {"action": action, "addr": addr, "size": size, "stream": stream}
+
+    events = [ev("alloc", 500), ev("free_requested", 500),            # a reading
+              ev("alloc", 3, 1000, copy),                              # fetched ahead
+              ev("alloc", 500), ev("free_requested", 500),            # the unpack's reading counts it
+              ev("free_requested", 3, 1000, copy), ev("alloc", 4, 1000),  # its op ran: the gradient
+              ev("alloc", 500), ev("free_requested", 500),
+              ev("alloc", 5, 600, copy), ev("free_requested", 5, 600, copy), ev("alloc", 6, 10)]
+    assert allocator_record.replay(events, [500] * 3).rises == [0, 0, 10]
 
 
 def test_a_step_peak_counts_every_stream_from_its_mark_to_the_record_end():

@@ -12,9 +12,14 @@ per reading how far the step's own memory rose above it before the next.
 
 The step's own memory is what its ops allocate on the streams the readings are made on (the
 training thread's, and backward's): allocations on other streams are STORM's copies (fetched
-buffers, frames) that the room paces itself, and are left out with their frees. A fetched
-buffer unpacked into the step's memory is then left out too when it is freed, so a rise errs
-high until the next reading. A reading leaves out the saves waiting in the copy queue: when one
+buffers, frames) that the room paces itself, and are left out with their frees while they are
+newer than the last reading. One that a reading found allocated was counted by it (a storage
+fetched for an unpack, which the reading counts as the step's), so its free lowers what the step
+holds: counted as held to the next reading, a storage freed once its op ran would read as a rise
+as high as itself under the gradient that op allocates next. The one block a reading found that
+it did not count is a prefetched one not yet unpacked (the window, which the reading takes off),
+and such a block is freed before its unpack only where backward never unpacks it, as the step
+ends. A reading leaves out the saves waiting in the copy queue: when one
 of them is freed (its copy done) before the next reading, its free is left out too, or the rise
 would count its bytes off twice, and a loss's gradients allocated after a logits-sized save went
 out would read as no rise at all. Where someone else records already, their record is read and
@@ -115,7 +120,7 @@ def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Co
     if not at:
         return Replay([], [], [range(0) for _ in addresses])
     own = {events[i]["stream"] for i in at}  # the streams the readings were made on
-    others: set[int] = set()  # live allocations on other streams: STORM's copies
+    others: dict[int, int] = {}  # live allocations on other streams (STORM's copies): the mark each followed
     live: set[int] = set()  # the step's own blocks allocated since the record began, not yet freed
     saved: dict[int, int] = {}  # address -> the save whose block it is, from its reading until its free
     first = [len(marks)] * len(addresses)  # per save, the first mark whose reading counted it
@@ -140,7 +145,7 @@ def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Co
                     level += e["size"]
                     live.add(address)
                 else:
-                    others.add(address)
+                    others[address] = k
             elif action == "free_requested":
                 live.discard(address)
                 save = saved.pop(address, -1)
@@ -149,7 +154,8 @@ def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Co
                 if address == pending:  # the mark, freed at once: it never counted
                     pending = None
                 elif address in others:
-                    others.discard(address)
+                    if others.pop(address) < k:  # live at this mark's reading, which counted it
+                        level -= e["size"]
                 elif address in uncounted:  # its block is free now: a later one at its address counts
                     uncounted.discard(address)
                 else:
