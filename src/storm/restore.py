@@ -2,7 +2,9 @@
 with the next offloaded saves fetched ahead (prefetch.py paces them).
 
 A storage saved under several views comes back once: the fetched bytes are kept, weakly, by key
-(``restored``) and, while more of its views are still to be unpacked, strongly (``awaited``). The
+(``restored``) and, while more of its views are still to be unpacked, strongly (``awaited``),
+unless a full-offload step's room fetches it again at each unpack (room.py: held in between, it
+would be under the step's highest reading). The
 session (storm/session.py) owns the state of every save; this module reads and changes it under
 the session's lock, as the session does, and waits for bytes outside it; what only the
 thread unpacking a save touches (its step's ``fetching`` and ``flush_queued``, its ``read``) is
@@ -97,7 +99,8 @@ class Restorer:
             consume(base, stored.read)
         with self._lock:
             self._restored[stored.key] = weakref.ref(base)
-            if stored.unpacks < stored.handles and stored.state != State.FREED:
+            if stored.unpacks < stored.handles and stored.state != State.FREED \
+                    and not (step.room is not None and step.room.refetches(stored.index)):
                 self._awaited[stored.key] = base  # another view of it is still to come
         return base
 

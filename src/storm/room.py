@@ -19,6 +19,12 @@ only what fits under that floor until the next save, drain it as forward ends to
 until backward's first unpack, and let the window fetch only what fits under the floor until
 those fetched bytes are unpacked. Where the step's own memory is low the user's limits hold
 as before.
+
+A storage several ops saved comes back at its first unpack and is held until its last (restore.py):
+T5's decoder layers each save the position bias the first of them made, so it sits under the
+whole of the decoder's backward, the step's highest moment with it. Where it is under the highest
+reading, the steps after the profile fetch it again at each of its unpacks instead (``refetched``):
+more bytes over the link, less held at the peak.
 """
 
 from __future__ import annotations
@@ -86,9 +92,15 @@ class Room:
         self._frees = profile.frees if measured and len(profile.frees) == readings else [[] for _ in range(readings)]
         self._counted = profile.counted if len(profile.counted) == n else [range(0)] * n
         self._first_unpack: dict[int, int] = {}  # per save backward unpacks, its first unpack
+        self._spans: dict[int, tuple[int, int]] = {}  # and its first unpack with its last
         for u, save in enumerate(profile.unpack_saves):
             self._first_unpack.setdefault(save, u)
+            self._spans[save] = (self._first_unpack[save], u)
+        self.refetched: frozenset[int] = frozenset()
         self._saves, self._between = self._readings(0)
+        self.refetched = self._refetches()
+        if self.refetched:
+            self._saves, self._between = self._readings(0)
         self.floor = max(self._saves + self._between, default=0)
         self.kept = self._tail() if keep else 0
         if self.kept:
@@ -132,7 +144,37 @@ class Room:
         before = [0, *after]
         saves = [max(at + held[j] - (sizes[j] if j >= n - kept else 0), before[j]) for j, at in enumerate(p.saves)]
         between = after[-1:] + [at + h + rise for at, h, rise in zip(p.unpacks, held[n:], rises[n:])]
+        for save in self.refetched:
+            if save < n - kept:  # a kept one is never fetched
+                first, last = self._spans[save]
+                for u in range(first + 1, last):
+                    if p.unpack_saves[u] != save:
+                        between[1 + u] -= sizes[save]
         return saves, between
+
+    def _refetches(self) -> frozenset[int]:
+        """The saves backward unpacks more than once (a storage several ops saved: T5's decoder
+        layers each save the position bias the first of them made) whose bytes, fetched at their first
+        unpack, are better fetched again at each: held from the first to the last they sit under every
+        reading in between, and where the step's highest reading is one of those, they are its floor's.
+        Picked one at a time, the largest under the highest reading, until none is under it."""
+        p, n = self.profile, len(self.profile.saves)
+        if len(p.unpack_saves) != len(p.unpacks) or len(p.unpack_sizes) != len(p.unpacks):
+            return frozenset()
+        held = {save for save, (first, last) in self._spans.items()
+                if last > first + 1 and p.unpack_sizes[first] > 0 and 0 <= save < n}  # brought back at its first
+        chosen: set[int] = set()
+        readings = self._saves + self._between
+        while True:
+            top = readings.index(max(readings, default=0)) - n - 1 if readings else -1  # its unpack, if one
+            under = [save for save in held - chosen if self._spans[save][0] < top < self._spans[save][1]
+                     and p.unpack_saves[top] != save]
+            if not under:
+                return frozenset(chosen)
+            chosen.add(max(under, key=lambda save: (p.sizes[save], save)))
+            self.refetched = frozenset(chosen)
+            saves, between = self._readings(0)
+            readings = saves + between
 
     def _kept_rises(self, kept: int) -> list[int]:
         """How far the step's memory rises after each reading with the last ``kept`` saves kept:
@@ -167,6 +209,11 @@ class Room:
         """Whether a step's ``made``-th offloaded or kept save (1 = its first), of ``nbytes``, is the profile's."""
         sizes = self.profile.sizes
         return made <= len(sizes) and sizes[made - 1] == nbytes
+
+    def refetches(self, index: int) -> bool:
+        """Whether the save at ``index`` of a step's saving order is fetched again at each of its
+        unpacks rather than held from its first to its last (``_refetches``)."""
+        return index in self.refetched and index < len(self.profile.sizes) - self.kept
 
     def keeps(self, made: int, nbytes: int) -> bool:
         """Whether a step's ``made``-th save, of ``nbytes``, stays on the device: one of the last
@@ -216,7 +263,9 @@ class Room:
                 f"{min(queue_limit, forward) / mib:.1f} MiB during forward and "
                 f"{min(queue_limit, self.queue(len(self._saves))) / mib:.1f} MiB as it ends, the window "
                 f"{self.window(0, window_limit) / mib:.1f} MiB at backward's first unpack "
-                f"(max_held_bytes {queue_limit / mib:.0f} MiB, prefetch_bytes {window_limit / mib:.0f} MiB)")
+                f"(max_held_bytes {queue_limit / mib:.0f} MiB, prefetch_bytes {window_limit / mib:.0f} MiB)"
+                + (f"; {len(self.refetched)} saves that backward unpacks more than once are fetched again at each "
+                   f"unpack rather than held between them" if self.refetched else ""))
 
     def window(self, unpacked: int, limit: int) -> int:
         """Bytes backward may fetch ahead once ``unpacked`` offloaded saves are unpacked, at most
