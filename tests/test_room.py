@@ -54,12 +54,15 @@ def test_a_storage_unpacked_again_later_is_fetched_again_where_holding_it_would_
     between it is under the step's highest reading (100, at the third). Fetched again at its second
     unpack instead, that reading is 60 and so is the floor; where its own unpack is the highest,
     nothing is fetched again."""
-    def profile(unpacks: list[int]) -> Profile:
-        return Profile(sizes=[8, 40, 8, 8], saves=[10, 20, 30, 40], unpack_sizes=[8, 40, 8, 0, 8],
+    def profile(unpacks: list[int], size: int = 40) -> Profile:
+        return Profile(sizes=[8, size, 8, 8], saves=[10, 20, 30, 40], unpack_sizes=[8, size, 8, 0, 8],
                        unpacks=unpacks, unpack_saves=[3, 1, 2, 1, 0])
     r = Room(profile([30, 60, 100, 60, 20]), keep=False)
     assert r.refetched == {1} and r.refetches(1) and not r.refetches(2)
     assert r.floor == 60
+    few = Room(profile([30, 60, 500, 60, 20], size=4), keep=False)  # it would take less than 1% off the floor
+    assert few.refetched == set() and few.floor == 500
+    assert Room(profile([30, 60, 400, 60, 20], size=4), keep=False).floor == 396  # 1%: fetched again
     own = Room(profile([30, 120, 100, 60, 20]), keep=False)
     assert own.refetched == set() and own.floor == 120
     kept = Room(profile([30, 60, 100, 60, 20]))  # the last saves kept: save 1 is fetched, not kept

@@ -35,6 +35,9 @@ from typing import Callable
 
 import torch
 
+# the least share of the floor a save fetched again at each unpack must take off it (Room._refetches):
+# the tolerance a full offload's peak is judged by against torch's own
+REFETCH_GAIN = 0.01
 Reader = Callable[[torch.device], "int | None"]  # bytes the allocator holds on a device now; None: unknown
 
 
@@ -157,7 +160,9 @@ class Room:
         layers each save the position bias the first of them made) whose bytes, fetched at their first
         unpack, are better fetched again at each: held from the first to the last they sit under every
         reading in between, and where the step's highest reading is one of those, they are its floor's.
-        Picked one at a time, the largest under the highest reading, until none is under it."""
+        Picked one at a time, the largest under the highest reading, while each lowers the floor by
+        REFETCH_GAIN of it at least: a model's rotary tables, saved by every layer, are under every
+        reading of backward, and fetched again they would make each layer wait for a few bytes."""
         p, n = self.profile, len(self.profile.saves)
         if len(p.unpack_saves) != len(p.unpacks) or len(p.unpack_sizes) != len(p.unpacks):
             return frozenset()
@@ -171,10 +176,12 @@ class Room:
                      and p.unpack_saves[top] != save]
             if not under:
                 return frozenset(chosen)
-            chosen.add(max(under, key=lambda save: (p.sizes[save], save)))
-            self.refetched = frozenset(chosen)
+            self.refetched = frozenset(chosen | {max(under, key=lambda save: (p.sizes[save], save))})
             saves, between = self._readings(0)
-            readings = saves + between
+            if max(readings) - max(saves + between) < max(readings) * REFETCH_GAIN:
+                self.refetched = frozenset(chosen)
+                return self.refetched
+            chosen, readings = set(self.refetched), saves + between
 
     def _kept_rises(self, kept: int) -> list[int]:
         """How far the step's memory rises after each reading with the last ``kept`` saves kept:
