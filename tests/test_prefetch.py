@@ -105,3 +105,18 @@ def test_the_room_a_marker_reports_off_cuda_is_what_was_saved_since_the_marker_b
     step.fetch_allowance = 3 * KIB
     p, _ = prefetcher()
     assert p.allowance_at(step, Marker(torch.empty(1), step, 5 * KIB)) == 8 * KIB
+
+
+def test_a_storage_the_unpack_fetches_itself_is_not_fetched_ahead_again():
+    """Backward's unpack of a storage several ops saved fetches it on demand and then looks ahead:
+    the prefetcher must not start a second fetch of the same storage (its later unpacks find the
+    first one's bytes)."""
+    step = step_of([State.OFFLOADED] * 3, window=64 * KIB)
+    step.fetching = True
+    shared = step.order[2]
+    shared.handles, shared.unpacks = 3, 1  # its first unpack, the fetch on its way
+    p, fetched = prefetcher()
+    p.ahead(step, 3, now=shared)
+    assert fetched == [2, 1]  # the two before it, not it
+
+

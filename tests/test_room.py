@@ -95,8 +95,7 @@ def test_what_the_allocator_record_saw_rise_between_readings_bounds_the_queue_an
 
 def test_rises_replay_the_step_own_memory_between_marks():
     """The record's events between marks: allocations on the marks' stream count, those on others
-    (STORM's copies) do not, nor their frees before the next mark, nor a mark's own free; a copy's
-    block that a reading found allocated is freed below it."""
+    (STORM's copies) and their frees do not, nor does a mark's own free."""
     own, copy = 7, 9
 
     mark = allocator_record.RECORD_MARK_BYTES
@@ -111,28 +110,37 @@ def test_rises_replay_the_step_own_memory_between_marks():
               ev("alloc", 500), ev("free_requested", 500),  # mark 500 again
               ev("free_requested", 3, 1000, copy), ev("alloc", 7, 50), ev("free_requested", 1, 100),
               ev("alloc", 5, 20), ev("free_completed", 4, 30)]
-    # 40 + 30 before a free; then 50 + 20 over the 1000 the second reading counted and the 100 freed
-    assert allocator_record.replay(events, [500, 500]).rises == [70, 0]
+    assert allocator_record.replay(events, [500, 500]).rises == [70, 50]  # 40 + 30 before a free; then 50
     assert allocator_record.replay(events, [500, 600]) is None  # a mark the record lost
     assert allocator_record.replay(events, []).rises == []
 
 
 def test_a_fetched_storage_freed_once_its_op_ran_is_no_rise_under_the_gradient_it_made():
-    """Backward unpacks a storage fetched ahead on STORM's stream: the unpack's reading counts it,
-    its op frees it and allocates a gradient as large. What the step holds did not rise; a storage
-    fetched after the reading is the copies' own to its free."""
+    """Backward unpacks a storage fetched on STORM's stream, ahead of its reading or on demand after
+    it: the unpack's reading counts it (``fetched``), its op frees it and allocates a gradient as
+    large. What the step holds did not rise. A block fetched ahead that no reading counted (the
+    window, which the readings take off) and a queued save made on another stream are the copies'
+    own to their frees."""
     own, copy, mark = 7, 9, allocator_record.RECORD_MARK_BYTES
 
     def ev(action: str, addr: int, size: int = mark, stream: int = own) -> dict:
         return {"action": action, "addr": addr, "size": size, "stream": stream}
 
-    events = [ev("alloc", 500), ev("free_requested", 500),            # a reading
-              ev("alloc", 3, 1000, copy),                              # fetched ahead
-              ev("alloc", 500), ev("free_requested", 500),            # the unpack's reading counts it
+    events = [ev("alloc", 500), ev("free_requested", 500),                # a reading
+              ev("alloc", 3, 1000, copy), ev("alloc", 8, 300, copy),       # fetched ahead: 3, and 8 (the window)
+              ev("alloc", 500), ev("free_requested", 500),                # the unpack's reading counts 3
               ev("free_requested", 3, 1000, copy), ev("alloc", 4, 1000),  # its op ran: the gradient
-              ev("alloc", 500), ev("free_requested", 500),
-              ev("alloc", 5, 600, copy), ev("free_requested", 5, 600, copy), ev("alloc", 6, 10)]
-    assert allocator_record.replay(events, [500] * 3).rises == [0, 0, 10]
+              ev("alloc", 500), ev("free_requested", 500),                # an unpack's reading, fetched on demand:
+              ev("alloc", 5, 600, copy), ev("free_requested", 5, 600, copy), ev("alloc", 6, 600),
+              ev("free_requested", 8, 300, copy), ev("alloc", 9, 10)]
+    fetched = [[], [3], [5]]
+    assert allocator_record.replay(events, [500] * 3, fetched=fetched).rises == [0, 0, 10]
+    assert allocator_record.replay(events, [500] * 3).rises == [0, 1000, 610]  # as each were the copies' own
+    queued = [ev("alloc", 500), ev("free_requested", 500),
+              ev("alloc", 20, 1000, copy),                                # a save made on another stream
+              ev("alloc", 500), ev("free_requested", 500),                # its reading: in the queue
+              ev("free_requested", 20, 1000, copy), ev("alloc", 21, 1000)]  # copied and freed
+    assert allocator_record.replay(queued, [500, 500], [[], [20]], fetched=[[], []]).rises == [0, 1000]
 
 
 def test_a_step_peak_counts_every_stream_from_its_mark_to_the_record_end():
@@ -1023,3 +1031,30 @@ def test_a_storage_the_room_fetches_again_comes_back_at_each_unpack_with_the_sam
     saves_of_a = 3  # tanh's output, the first sin's input, the mul's other operand
     fetched = results[-1][1].fetched
     assert fetched == (results[-1][1].offloaded + (saves_of_a - 1 if refetch else 0)), (fetched, results[-1][1])
+
+
+def test_a_profiled_unpack_says_which_block_its_reading_counted_once_the_storage_is_on_the_device(monkeypatch):
+    """Each unpack's reading counts the storage it unpacks: its block's address goes with the
+    reading's mark (Profile.fetched), fetched now or alive since an earlier unpack, so that the
+    record's replay counts that block's free; a save's reading counts none."""
+    session = storm.registry.session_for("embedded", None, None)
+    queue, rooms = session.copy_queue, session.rooms
+    monkeypatch.setattr(rooms, "memory", lambda device: queue.nbytes + session.restorer.prefetch.nbytes + MiB)
+    monkeypatch.setattr(rooms, "room", None)
+    monkeypatch.setattr(rooms, "profiling", None)
+    monkeypatch.setattr(rooms, "record", RisingRecord({}))
+    x = torch.randn(256, 256, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0):
+        a = x.tanh()
+        b = (a * a).sin().sum()
+    session.synchronize()
+    session.poll()
+    profile = rooms.profiling
+    b.backward()
+    assert profile is not None and len(profile.marks) == len(profile.saves) + len(profile.unpacks) == 2 + 4
+    saves, unpacks = profile.fetched[:2], profile.fetched[2:]
+    assert saves == [[], []]
+    assert all(len(addresses) == 1 for addresses in unpacks), unpacks
+    assert profile.unpack_saves == [1, 0, 0, 0]  # sin's input, then tanh's output: by mul twice, by tanh
+    assert unpacks[1] == unpacks[2] == unpacks[3]  # one block, fetched at mul's first unpack
+    assert not rooms._landing

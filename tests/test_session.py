@@ -406,3 +406,27 @@ def test_a_frame_that_overflowed_is_learned_though_no_handle_holds_its_save_any_
     finally:
         session.close()
         store.close()
+
+
+def test_backward_fetches_a_storage_several_ops_saved_once(monkeypatch):
+    """mul saves tanh's output twice and tanh once more: backward's first unpack fetches it on
+    demand, and the look ahead that follows starts no second fetch of it."""
+    session = storm.registry.session_for("embedded", None, None)
+    keys: list[int] = []
+    real = session.restorer._fetch
+
+    def fetch(stored):
+        keys.append(stored.key)
+        return real(stored)
+
+    monkeypatch.setattr(session.restorer, "_fetch", fetch)
+    monkeypatch.setattr(session.restorer.prefetch, "fetch", fetch)
+    x = torch.randn(256, 256, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0, prefetch_bytes="64MiB") as ctx:
+        b = (x.tanh() * x.tanh().detach()).sum()
+        a = x.tanh()
+        c = (a * a).sum()
+    session.synchronize()
+    session.poll()  # every copy in: backward fetches from the store
+    (b + c).backward()
+    assert ctx.stats.offloaded == len(set(keys)) and len(keys) == len(set(keys)), keys

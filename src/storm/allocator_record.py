@@ -12,14 +12,11 @@ per reading how far the step's own memory rose above it before the next.
 
 The step's own memory is what its ops allocate on the streams the readings are made on (the
 training thread's, and backward's): allocations on other streams are STORM's copies (fetched
-buffers, frames) that the room paces itself, and are left out with their frees while they are
-newer than the last reading. One that a reading found allocated was counted by it (a storage
-fetched for an unpack, which the reading counts as the step's), so its free lowers what the step
-holds: counted as held to the next reading, a storage freed once its op ran would read as a rise
-as high as itself under the gradient that op allocates next. The one block a reading found that
-it did not count is a prefetched one not yet unpacked (the window, which the reading takes off),
-and such a block is freed before its unpack only where backward never unpacks it, as the step
-ends. A reading leaves out the saves waiting in the copy queue: when one
+buffers, frames) that the room paces itself, and are left out with their frees, except the
+storage an unpack's reading counts as the step's (``fetched``: fetched ahead before the reading
+or on demand after it): its free lowers what the step holds, or a storage freed once its op ran
+would read as a rise as high as itself under the gradient that op allocates next. A reading
+leaves out the saves waiting in the copy queue: when one
 of them is freed (its copy done) before the next reading, its free is left out too, or the rise
 would count its bytes off twice, and a loss's gradients allocated after a logits-sized save went
 out would read as no rise at all. Where someone else records already, their record is read and
@@ -100,11 +97,13 @@ class Replay:
 
 
 def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Collection[int]] | None = None,
-           addresses: Sequence[int] = ()) -> Replay | None:
+           addresses: Sequence[int] = (), fetched: Sequence[Collection[int]] | None = None) -> Replay | None:
     """Replays the record between ``marks``. ``left_out``: per mark, the addresses of the blocks
     its reading did not count (the copy queue's saves), whose frees before the next mark are not
     counted either. ``addresses``: per save, its block's address; the first marks are the saves'
-    readings, one each, in order. None where a mark is not in the record (its ring wrapped, or
+    readings, one each, in order. ``fetched``: per mark, the addresses of blocks on other streams
+    that its reading counted (the storage an unpack brought back, there at the mark or allocated
+    after it), whose frees from there on are counted. None where a mark is not in the record (its ring wrapped, or
     the record began after it). The marks are the last of their addresses in the record, in
     order: the allocator hands each mark the block the one before freed, so a record begun
     earlier (someone else's) holds older marks at the same addresses."""
@@ -120,7 +119,9 @@ def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Co
     if not at:
         return Replay([], [], [range(0) for _ in addresses])
     own = {events[i]["stream"] for i in at}  # the streams the readings were made on
-    others: dict[int, int] = {}  # live allocations on other streams (STORM's copies): the mark each followed
+    others: set[int] = set()  # live allocations on other streams: STORM's copies
+    counted: set[int] = set()  # those of them a reading counted as the step's
+    coming: set[int] = set()  # addresses a reading counted whose blocks are not yet allocated (fetched on demand)
     live: set[int] = set()  # the step's own blocks allocated since the record began, not yet freed
     saved: dict[int, int] = {}  # address -> the save whose block it is, from its reading until its free
     first = [len(marks)] * len(addresses)  # per save, the first mark whose reading counted it
@@ -131,6 +132,11 @@ def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Co
         if k < len(addresses) and addresses[k] in live:  # a block from before the record: never counted
             saved[addresses[k]] = k
         uncounted = set(left_out[k]) if left_out is not None else set()
+        for address in fetched[k] if fetched is not None else ():
+            if address in others:
+                counted.add(address)
+            elif address not in live:  # the step's own block (its free counts anyway), or one to come
+                coming.add(address)
         for address, save in saved.items():
             if address not in uncounted and first[save] == len(marks):
                 first[save] = k
@@ -144,8 +150,12 @@ def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Co
                 if e["stream"] in own:
                     level += e["size"]
                     live.add(address)
+                    coming.discard(address)  # the storage came on the step's stream
                 else:
-                    others[address] = k
+                    others.add(address)
+                    if address in coming:
+                        coming.discard(address)
+                        counted.add(address)
             elif action == "free_requested":
                 live.discard(address)
                 save = saved.pop(address, -1)
@@ -153,11 +163,14 @@ def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Co
                     freed[save] = k + 1
                 if address == pending:  # the mark, freed at once: it never counted
                     pending = None
-                elif address in others:
-                    if others.pop(address) < k:  # live at this mark's reading, which counted it
-                        level -= e["size"]
                 elif address in uncounted:  # its block is free now: a later one at its address counts
                     uncounted.discard(address)
+                    others.discard(address)  # a queued save made on another stream
+                elif address in others:
+                    others.discard(address)
+                    if address in counted:
+                        counted.discard(address)
+                        level -= e["size"]
                 else:
                     level -= e["size"]
                     if save >= 0:

@@ -45,9 +45,10 @@ class Prefetcher:
         freed = step.level - allocated(marker.device)
         return max(0, freed) + self.nbytes  # the bytes prefetched are allocated already
 
-    def ahead(self, step: Step, index: int) -> None:
+    def ahead(self, step: Step, index: int, now: Stored | None = None) -> None:
         """Start fetching the storages saved before ``index``, within the allowance backward has made
-        plus, once it unpacks offloaded saves, the byte window.
+        plus, once it unpacks offloaded saves, the byte window; not ``now``, which the unpack that
+        calls this fetches itself (a storage several ops saved: its later unpacks will find it here).
 
         ``step.cursor`` only moves down, so each storage is looked at about once per
         backward: O(1) per unpack. It waits at a storage whose copy to the store is
@@ -61,7 +62,7 @@ class Prefetcher:
             if s.state == State.HELD:
                 return
             ref = self.restored.get(s.key)
-            if (s.state != State.OFFLOADED or s.unpacks >= s.handles or s.key in self.copies
+            if (s is now or s.state != State.OFFLOADED or s.unpacks >= s.handles or s.key in self.copies
                     or (ref is not None and ref() is not None)):
                 step.cursor -= 1
                 continue  # not in the store, already unpacked, on its way, or here

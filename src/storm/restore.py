@@ -74,13 +74,15 @@ class Restorer:
             if stored.unpacks >= stored.handles:
                 self._awaited.pop(stored.key, None)  # every save of it has been unpacked once
             fetch = None
-            if base is None:
+            if base is not None:
+                self._rooms.landed(stored, base)
+            else:
                 fetch = self.prefetch.take(stored)
                 if fetch is not None:
                     step.stats.record(stored.layer, prefetch_hits=1)
                 else:
                     fetch = self._fetch(stored)
-            self.prefetch.ahead(step, handle.index)
+            self.prefetch.ahead(step, handle.index, stored if fetch is not None else None)
         if fetch is not None:
             base = self._landed(stored, step, fetch)
         assert base is not None  # here already, or fetched now
@@ -88,7 +90,8 @@ class Restorer:
 
     def _landed(self, stored: Stored, step: Step, fetch: Copy) -> torch.Tensor:
         """The bytes ``fetch`` brings back, waited for (on CUDA: the compute stream waits for the copy,
-        the host does not), kept for the views of ``stored`` still to be unpacked."""
+        the host does not), kept for the views of ``stored`` still to be unpacked unless its step's
+        room fetches it again for each."""
         t0 = time.perf_counter()
         landed = fetch.result()  # raises what the fetch raised
         base = landed.tensor
@@ -98,6 +101,7 @@ class Restorer:
         if base.is_cuda:
             consume(base, stored.read)
         with self._lock:
+            self._rooms.landed(stored, base)
             self._restored[stored.key] = weakref.ref(base)
             if stored.unpacks < stored.handles and stored.state != State.FREED \
                     and not (step.room is not None and step.room.refetches(stored.index)):

@@ -43,18 +43,19 @@ Reader = Callable[[torch.device], "int | None"]  # bytes the allocator holds on 
 
 @dataclasses.dataclass
 class Profile:
-    """What one step read: per offloaded save, its bytes and what was held besides the copy
-    queue as it was saved (the save counted); per unpack of an offloaded save (in backward's
-    order), what was held besides the queue and the window (the unpacked storage counted), the
-    bytes it brought back (the storage's, or none where an earlier unpack brought it) and which
-    save it unpacked (its place in ``sizes``), on ``device``. ``marks``: each reading's mark in
-    the allocator's record (allocator_record.py), saves' then unpacks', where one is kept, and
-    ``left_out``: per reading, the addresses of the saves it did not count (those in the queue);
-    ``addresses``: per save, its storage's. Read from that record once the step has ended
-    (allocator_record.Replay; empty: not known): ``rises``, how far the step's own memory rose
-    above each reading before the next; ``frees``, the saves freed after a reading counted them,
-    each with how far it rose after that free; ``counted``, per save, the readings that counted
-    it (its copy done, the step still holding it)."""
+    """What one step read: per offloaded save, its bytes and what was held besides the copy queue as
+    it was saved (the save counted); per unpack of an offloaded save (in backward's order), what was
+    held besides the queue and the window (the unpacked storage counted), the bytes it brought back
+    (the storage's, or none where an earlier unpack brought it) and which save it unpacked (its
+    place in ``sizes``), on ``device``. ``marks``: each reading's mark in the allocator's record
+    (allocator_record.py), saves' then unpacks', where one is kept, and ``left_out``: per reading,
+    the addresses of the saves it did not count (those in the queue); ``fetched``: per reading, the
+    address of the storage an unpack's reading counted, once it is known (brought back then, or
+    before); ``addresses``: per save, its storage's. Read from that record once the step has ended
+    (allocator_record.Replay; empty: not known): ``rises``, how far the step's own memory rose above
+    each reading before the next; ``frees``, the saves freed after a reading counted them, each with
+    how far it rose after that free; ``counted``, per save, the readings that counted it (its copy
+    done, the step still holding it)."""
 
     sizes: list[int] = dataclasses.field(default_factory=list)
     saves: list[int] = dataclasses.field(default_factory=list)
@@ -64,6 +65,7 @@ class Profile:
     device: torch.device | None = None  # where the readings were made
     marks: list[int] = dataclasses.field(default_factory=list)
     left_out: list[list[int]] = dataclasses.field(default_factory=list)
+    fetched: list[list[int]] = dataclasses.field(default_factory=list)
     addresses: list[int] = dataclasses.field(default_factory=list)
     rises: list[int] = dataclasses.field(default_factory=list)
     frees: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)

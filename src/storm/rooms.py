@@ -117,6 +117,8 @@ class Rooms:
         self._measure: Measure | None = None  # the trial step being measured
         self.memory: Reader = allocated_or_none  # what the allocator holds on a device, None where unknown
         self.record: Record = AllocatorRecord()  # the allocator's history while a step profiles
+        # per save a profiled unpack counted and that is not yet on the device, where its address goes
+        self._landing: dict[int, list[int]] = {}
 
     def start_step(self, step: Step) -> None:
         """A full-offload step follows the room it followed last (one a profiled step found); with
@@ -365,7 +367,15 @@ class Rooms:
                 step.profile.unpacks.append(held - self.queue.allocated - prefetched
                                             + (0 if counted else stored.nbytes))
                 step.profile.unpack_saves.append(stored.index)
-                self._mark(step.profile, stored.device)
+                if self._mark(step.profile, stored.device) and stored.state not in (State.HELD, State.KEPT):
+                    self._landing[stored.key] = step.profile.fetched[-1]  # its storage's address, once known
+
+    def landed(self, stored: Stored, base: torch.Tensor) -> None:
+        """The storage ``stored``'s unpack counted is on the device, in ``base``'s block (fetched
+        now, or earlier and still alive): a profiled step's record counts that block's free."""
+        fetched = self._landing.pop(stored.key, None)
+        if fetched is not None:
+            fetched.append(base.untyped_storage().data_ptr())
 
     def close(self) -> None:
         """The session closes: a profile's or a trial step's record, if one runs, stops."""
@@ -374,23 +384,27 @@ class Rooms:
         if self._measure is not None:
             self._read_peak(self._measure)
 
-    def _mark(self, profile: Profile, device: torch.device, saving: list[int] | None = None) -> None:
+    def _mark(self, profile: Profile, device: torch.device, saving: list[int] | None = None) -> bool:
         """A reading was just made, leaving out the queue's saves (and the one ``saving``, the
         address of a save about to join it): leave its mark in the allocator's record (started at
-        the first), with what the reading left out."""
+        the first), with what the reading left out. False: no mark (no record)."""
         if profile.device is None:
             profile.device = device
             self.record.start(device)
         mark = self.record.mark(device)
-        if mark is not None:
-            profile.marks.append(mark)
-            profile.left_out.append(self.queue.addresses() + (saving or []))
+        if mark is None:
+            return False
+        profile.marks.append(mark)
+        profile.left_out.append(self.queue.addresses() + (saving or []))
+        profile.fetched.append([])
+        return True
 
     def _read_record(self, profile: Profile) -> None:
         """The profiled step has ended: how far its memory rose after each reading, where the record
         kept a mark of each."""
+        self._landing.clear()  # unpacks that never landed (a save modified in place, or freed)
         events = self.record.finish(profile.device) if profile.device is not None else None
         if events is not None and len(profile.marks) == len(profile.saves) + len(profile.unpacks):
-            found = replay(events, profile.marks, profile.left_out, profile.addresses)
+            found = replay(events, profile.marks, profile.left_out, profile.addresses, profile.fetched)
             if found is not None:
                 profile.rises, profile.frees, profile.counted = found.rises, found.frees, found.counted
