@@ -141,6 +141,16 @@ def test_a_fetched_storage_freed_once_its_op_ran_is_no_rise_under_the_gradient_i
               ev("alloc", 500), ev("free_requested", 500),                # its reading: in the queue
               ev("free_requested", 20, 1000, copy), ev("alloc", 21, 1000)]  # copied and freed
     assert allocator_record.replay(queued, [500, 500], [[], [20]], fetched=[[], []]).rises == [0, 1000]
+    # a storage an unpack counted that a later reading finds in the queue (saved again in backward)
+    # and that is freed there: a window block at its address after it is the copies' own
+    again = [ev("alloc", 500), ev("free_requested", 500),
+             ev("alloc", 30, 400, copy),
+             ev("alloc", 500), ev("free_requested", 500),  # an unpack's reading counts 30
+             ev("alloc", 500), ev("free_requested", 500),  # in the queue at this one
+             ev("free_requested", 30, 400, copy), ev("alloc", 30, 800, copy),  # a window block at its address
+             ev("alloc", 500), ev("free_requested", 500),
+             ev("free_requested", 30, 800, copy), ev("alloc", 31, 800)]
+    assert allocator_record.replay(again, [500] * 4, [[], [], [30], []], fetched=[[], [30], [], []]).rises[3] == 800
 
 
 def test_a_step_peak_counts_every_stream_from_its_mark_to_the_record_end():

@@ -166,6 +166,7 @@ def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Co
                 elif address in uncounted:  # its block is free now: a later one at its address counts
                     uncounted.discard(address)
                     others.discard(address)  # a queued save made on another stream
+                    counted.discard(address)  # a storage an unpack counted, in the queue again since
                 elif address in others:
                     others.discard(address)
                     if address in counted:
