@@ -103,8 +103,8 @@ def replay(events: list[dict[str, Any]], marks: list[int], left_out: Sequence[Co
     counted either. ``addresses``: per save, its block's address; the first marks are the saves'
     readings, one each, in order. ``fetched``: per mark, the addresses of blocks on other streams
     that its reading counted (the storage an unpack brought back, there at the mark or allocated
-    after it), whose frees from there on are counted. None where a mark is not in the record (its ring wrapped, or
-    the record began after it). The marks are the last of their addresses in the record, in
+    after it), whose frees from there on are counted. None where a mark is not in the record (its
+    ring wrapped, or the record began after it). The marks are the last of their addresses in the record, in
     order: the allocator hands each mark the block the one before freed, so a record begun
     earlier (someone else's) holds older marks at the same addresses."""
     at: list[int] = []

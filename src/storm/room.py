@@ -97,19 +97,16 @@ class Room:
         self._frees = profile.frees if measured and len(profile.frees) == readings else [[] for _ in range(readings)]
         self._counted = profile.counted if len(profile.counted) == n else [range(0)] * n
         self._first_unpack: dict[int, int] = {}  # per save backward unpacks, its first unpack
-        self._spans: dict[int, tuple[int, int]] = {}  # and its first unpack with its last
+        self._last_unpack: dict[int, int] = {}  # and its last
         for u, save in enumerate(profile.unpack_saves):
             self._first_unpack.setdefault(save, u)
-            self._spans[save] = (self._first_unpack[save], u)
-        self.refetched: frozenset[int] = frozenset()
-        self._saves, self._between = self._readings(0)
+            self._last_unpack[save] = u
         self.refetched = self._refetches()
-        if self.refetched:
-            self._saves, self._between = self._readings(0)
+        self._saves, self._between = self._readings(0, self.refetched)
         self.floor = max(self._saves + self._between, default=0)
         self.kept = self._tail() if keep else 0
         if self.kept:
-            self._saves, self._between = self._readings(self.kept)
+            self._saves, self._between = self._readings(self.kept, self.refetched)
         # the profile's place of each unpack of a save not kept, in backward's order: the steps after
         # it count only those (a kept save's unpacks fetch nothing, wherever they come)
         of_kept = {u for u, save in enumerate(profile.unpack_saves) if save >= n - self.kept} if self.kept else set()
@@ -127,7 +124,7 @@ class Room:
             tails += 1
         return tails
 
-    def _readings(self, kept: int) -> tuple[list[int], list[int]]:
+    def _readings(self, kept: int, refetched: frozenset[int]) -> tuple[list[int], list[int]]:
         """What is held at each save while the queue waits (at it and since the save before), and
         from forward's last save until backward's first unpack, then from each unpack to the next,
         with the last ``kept`` saves on the device from their save to their first unpack (whose
@@ -149,10 +146,9 @@ class Room:
         before = [0, *after]
         saves = [max(at + held[j] - (sizes[j] if j >= n - kept else 0), before[j]) for j, at in enumerate(p.saves)]
         between = after[-1:] + [at + h + rise for at, h, rise in zip(p.unpacks, held[n:], rises[n:])]
-        for save in self.refetched:
+        for save in refetched:
             if save < n - kept:  # a kept one is never fetched
-                first, last = self._spans[save]
-                for u in range(first + 1, last):
+                for u in range(self._first_unpack[save] + 1, self._last_unpack[save]):
                     if p.unpack_saves[u] != save:
                         between[1 + u] -= sizes[save]
         return saves, between
@@ -168,22 +164,22 @@ class Room:
         p, n = self.profile, len(self.profile.saves)
         if len(p.unpack_saves) != len(p.unpacks) or len(p.unpack_sizes) != len(p.unpacks):
             return frozenset()
-        held = {save for save, (first, last) in self._spans.items()
-                if last > first + 1 and p.unpack_sizes[first] > 0 and 0 <= save < n}  # brought back at its first
-        chosen: set[int] = set()
-        readings = self._saves + self._between
+        first, last = self._first_unpack, self._last_unpack
+        held = {save for save in first if last[save] > first[save] + 1 and p.unpack_sizes[first[save]] > 0
+                and 0 <= save < n}  # brought back at its first
+        chosen: frozenset[int] = frozenset()
+        saves, between = self._readings(0, chosen)
+        readings = saves + between
         while True:
             top = readings.index(max(readings, default=0)) - n - 1 if readings else -1  # its unpack, if one
-            under = [save for save in held - chosen if self._spans[save][0] < top < self._spans[save][1]
-                     and p.unpack_saves[top] != save]
+            under = [save for save in held - chosen if first[save] < top < last[save] and p.unpack_saves[top] != save]
             if not under:
-                return frozenset(chosen)
-            self.refetched = frozenset(chosen | {max(under, key=lambda save: (p.sizes[save], save))})
-            saves, between = self._readings(0)
+                return chosen
+            more = chosen | {max(under, key=lambda save: (p.sizes[save], save))}
+            saves, between = self._readings(0, more)
             if max(readings) - max(saves + between) < max(readings) * REFETCH_GAIN:
-                self.refetched = frozenset(chosen)
-                return self.refetched
-            chosen, readings = set(self.refetched), saves + between
+                return chosen
+            chosen, readings = more, saves + between
 
     def _kept_rises(self, kept: int) -> list[int]:
         """How far the step's memory rises after each reading with the last ``kept`` saves kept:
@@ -207,7 +203,7 @@ class Room:
         best, low, high = 0, 1, self._tails()
         while low <= high:
             middle = (low + high) // 2
-            saves, between = self._readings(middle)
+            saves, between = self._readings(middle, self.refetched)
             if max(saves + between) <= self.floor:
                 best, low = middle, middle + 1
             else:
