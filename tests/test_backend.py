@@ -117,3 +117,37 @@ def test_stats_names_the_store_it_reports(daemon, env_without_socket):
     assert storm.stats(socket=daemon.endpoint)["store"].startswith(f"stormd at {daemon.endpoint} (session ")
     store = storm.stats()["store"]  # no daemon at $STORMD_SOCKET
     assert store.startswith("embedded store (") and "pool" in store and "in place of" not in store, store
+
+
+def test_mode_auto_looks_for_a_daemon_again_only_once_the_probe_interval_has_passed(tmp_path):
+    """Without a daemon, each step of mode='auto' would check the socket's directory and file
+    again (a daemon started later is used): after a look that found none, the next is
+    PROBE_INTERVAL_S later, on the clock given."""
+    from conftest import start_daemon, stop_daemon
+    from storm import backend
+
+    socket, now = str(tmp_path / "run" / "stormd.sock"), [100.0]
+    clock = lambda: now[0]  # noqa: E731
+    d = None
+    try:
+        assert backend.open_backend("auto", socket, clock=clock).store.startswith("embedded store")
+        d = start_daemon(tmp_path, "--pool-size", "1MiB")
+        now[0] += backend.PROBE_INTERVAL_S - 0.5
+        assert backend.open_backend("auto", socket, clock=clock).store.startswith("embedded store")
+        # mode='daemon' looks whenever asked: it would raise rather than fall back
+        assert backend.open_backend("daemon", socket, clock=clock).store.startswith("stormd at ")
+        storm.close_all()
+        assert backend.open_backend("auto", socket, clock=clock).store.startswith("stormd at ")  # none absent now
+        storm.close_all()
+        d.proc.kill()
+        d.proc.wait()
+        d = None
+        assert backend.open_backend("auto", socket, clock=clock).store.startswith("embedded store")  # a stale socket
+        d = start_daemon(tmp_path, "--pool-size", "1MiB")
+        assert backend.open_backend("auto", socket, clock=clock).store.startswith("embedded store")
+        now[0] += backend.PROBE_INTERVAL_S
+        assert backend.open_backend("auto", socket, clock=clock).store.startswith("stormd at ")
+    finally:
+        storm.close_all()
+        if d is not None:
+            stop_daemon(d)

@@ -12,14 +12,20 @@ restarted, since when), ``mode='auto'`` says it once at WARNING and goes on
 with the embedded store. The connection itself is the session's that used it
 to close (storm/session.py): a draining daemon still hands back what that
 session stored in it.
+
+``mode='auto'`` looks for a daemon as each step begins, so that one started
+later is used; where none was there, it looks again only PROBE_INTERVAL_S
+later: each look checks the socket's directory and file, a cost every step
+of a process without a daemon would pay.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from stormd.wire.endpoint import ipc_path, socket_is_live
 from stormd.wire.pool import SharedPool
@@ -51,10 +57,16 @@ _lock = threading.Lock()
 _backends: dict[tuple, Backend] = {}
 _losses: dict[str, DaemonLoss] = {}  # endpoint -> how its daemon stopped, until one answers there again
 _announced: set[object] = set()
+# mode='auto': endpoint -> when a look found no daemon there (clock's seconds) and what it found, until
+# PROBE_INTERVAL_S later
+_absent: dict[str, tuple[float, str]] = {}
+PROBE_INTERVAL_S = 5.0
 
 
-def open_backend(mode: str, socket: str | None = None, pool_size: str | int | None = None) -> Backend:
-    """The process's backend for this mode and endpoint, created on first use."""
+def open_backend(mode: str, socket: str | None = None, pool_size: str | int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> Backend:
+    """The process's backend for this mode and endpoint, created on first use. ``clock``: seconds,
+    for how long ago mode='auto' last found no daemon at the endpoint."""
     mode = mode_option(mode)
     endpoint = socket_option(mode, socket)
     size = pool_size_option(pool_size)
@@ -63,6 +75,9 @@ def open_backend(mode: str, socket: str | None = None, pool_size: str | int | No
             b = _backends.get(("daemon", endpoint))
             if b is not None and b.alive and b.loss is None:
                 return b
+            absent = _absent.get(endpoint)
+            if mode == "auto" and b is None and absent is not None and clock() - absent[0] < PROBE_INTERVAL_S:
+                return _embedded(size, absent[1], logging.INFO)  # the line said once already
             if b is not None:  # its daemon stopped: try afresh (it may have been restarted)
                 del _backends[("daemon", endpoint)]
                 if b.loss is not None:
@@ -74,6 +89,8 @@ def open_backend(mode: str, socket: str | None = None, pool_size: str | int | No
                 if loss is None or isinstance(e, StormUntrusted):
                     if mode == "daemon":
                         raise
+                    if isinstance(e, StormNoDaemon) and loss is None:
+                        _absent[endpoint] = (clock(), str(e))
                     # quiet only when no daemon is there: one that answered and cannot be used (its pool
                     # cannot be mapped, it refused the session, it is not trusted) is worth a warning
                     level = logging.INFO if isinstance(e, StormNoDaemon) else logging.WARNING
@@ -83,6 +100,7 @@ def open_backend(mode: str, socket: str | None = None, pool_size: str | int | No
                     raise loss.error() from None
                 return _embedded(size, loss, logging.WARNING)
             _backends[("daemon", endpoint)] = b
+            _absent.pop(endpoint, None)
             if loss is None:
                 _announce(f"storm: offloading through {b.name}")
             else:
@@ -138,5 +156,6 @@ def close_backends() -> None:
             b.close()
         _backends.clear()
         _losses.clear()
+        _absent.clear()
         _announced.clear()
 
