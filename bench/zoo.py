@@ -41,6 +41,7 @@ cut a run (one cell per device call, a run spanning calls). Without CUDA it exit
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import random
@@ -175,6 +176,7 @@ def duel(specs: list[tuple[HF | Variant, str, dict]], args: argparse.Namespace, 
 
 HOST_SHARE = 0.9  # of the host memory available, what a duel's methods may take together: the rest is the process's
 PROCESS = uuid.uuid4().hex  # names the rows this process measured: what they kept, it still holds (host_short)
+KEPT: collections.Counter[str] = collections.Counter()  # per process: GiB of the host its rows kept, so far
 
 
 def host_short(rows: list[dict], available: int | None, process: str = PROCESS) -> str | None:
@@ -184,14 +186,21 @@ def host_short(rows: list[dict], available: int | None, process: str = PROCESS) 
     host killed the process). What ``process`` (this one) kept after a row it measured
     (``host_kept_GiB``: the embedded store's pool, which its later stores use again) is out of
     ``available`` already and counts no more; a row measured by an earlier process (--resume)
-    counts whole, as its memory went with that process. Rows that did not record it (from
-    before, no /proc) count nothing, and none counts less than nothing (memory freed while its
-    row ran)."""
-    need = sum(max(0.0, (r.get("host_GiB") or 0.0)
-                   - max(0.0, r.get("host_kept_GiB") or 0.0) * (r.get("process") == process)) for r in rows) * GiB
-    if available is None or need <= HOST_SHARE * available:
+    counts whole, as its memory went with that process, and with what that process had kept
+    before the row began (``host_held_GiB``): a plan's row grew a pool that the full-offload row
+    before it had grown, and this process would grow it from nothing (t5-long's least cap, which
+    took the host). Rows that did not record it (from before, no /proc) count nothing, and none
+    counts less than nothing (memory freed while its row ran)."""
+    def need(r: dict) -> float:
+        took = r.get("host_GiB") or 0.0
+        if r.get("process") == process:
+            return max(0.0, took - max(0.0, r.get("host_kept_GiB") or 0.0))
+        return max(0.0, took) + max(0.0, r.get("host_held_GiB") or 0.0)
+
+    need_bytes = sum(need(r) for r in rows) * GiB
+    if available is None or need_bytes <= HOST_SHARE * available:
         return None
-    return (f"host memory: {' + '.join(r['label'] for r in rows)} need {need / GiB:.1f} GiB more of the host at "
+    return (f"host memory: {' + '.join(r['label'] for r in rows)} need {need_bytes / GiB:.1f} GiB more of the host at "
             f"once (what their rows took, less what this process kept of it), over the {HOST_SHARE:.0%} of the "
             f"{available / GiB:.1f} GiB available a duel may take; so the duel was not run")
 
@@ -236,9 +245,11 @@ def measure_cell(w: HF, cell: dict, args: argparse.Namespace, device: torch.devi
             def more(t: Trainer) -> dict:  # while its trainer holds what it took
                 return {**read_more(t), "host_GiB": taken()}
 
+            held = round(KEPT[process], 3)  # what the rows before it left this process: a pool it may grow
             row.update(measure_row(workload, method, args.steps, args.warmup, opts, device, more=more))
             # its trainer closed: what the process keeps of it (an embedded store's pool)
-            row.update(host_kept_GiB=taken(), process=process)
+            row.update(host_kept_GiB=taken(), process=process, host_held_GiB=held)
+            KEPT[process] += max(0.0, row["host_kept_GiB"] or 0.0)
             row["peak_GiB"] = row.pop("peak_extra_GiB", None)
             print(f"{w.name} {row['label']}: {_brief(row)}", flush=True)
         cell["rows"].append(done.get(row["label"], row))

@@ -386,6 +386,25 @@ def test_what_an_earlier_process_kept_counts_whole_on_resume():
     assert "over the 90% of the 80.0 GiB available" in cell["full_duel"]["error"]
 
 
+def test_a_resumed_duel_counts_what_a_rows_process_had_kept_before_it():
+    """t5-long's least-cap plan grew the pool its full-offload row had left the first process
+    (it took 12.9 GiB more, over 50.6 kept); resumed, a fresh process would grow it from nothing,
+    and the duel beside save_on_cpu took the host. Each row records what its process had kept
+    before it began, and a resumed duel counts it with the row."""
+    args = argparse.Namespace(**{**vars(ARGS), "full_only": True})
+    host, first = SimpleNamespace(available=200 * GiB), {}
+    zoo.measure_cell(hf.tiny("llama"), first, args, CPU, lambda: None, measure_row=KeepingPool(host),
+                     dueling=fake_duel([]), host=lambda: host.available, process="kept-first")
+    assert [r["host_held_GiB"] for r in first["rows"]] == [0.0, 0.0]  # nothing kept before them
+    second = {}  # another cell in the same process: its rows begin over the 40 GiB pool
+    zoo.measure_cell(hf.tiny("llama"), second, args, CPU, lambda: None, measure_row=KeepingPool(host),
+                     dueling=fake_duel([]), host=lambda: host.available, process="kept-first")
+    assert [r["host_held_GiB"] for r in second["rows"]] == [40.0, 40.0]
+    rows = second["rows"]  # 40 GiB each, run from over 40 kept: 160 GiB in a fresh process, 40 in this one
+    assert zoo.host_short(rows, 150 * GiB, "kept-later").startswith("host memory: torchtune + storm-enable need 160.0")
+    assert zoo.host_short(rows, 50 * GiB, "kept-first") is None
+
+
 def test_a_row_that_freed_host_memory_as_it_ran_takes_nothing_from_the_others():
     rows = [{"label": "a", "host_GiB": 80.0}, {"label": "b", "host_GiB": -30.0}, {"label": "c"}]
     assert zoo.host_short(rows, 80 * GiB).startswith("host memory: a + b + c need 80.0 GiB")
