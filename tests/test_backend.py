@@ -151,3 +151,33 @@ def test_mode_auto_looks_for_a_daemon_again_only_once_the_probe_interval_has_pas
         storm.close_all()
         if d is not None:
             stop_daemon(d)
+
+
+def test_mode_auto_looks_again_after_the_interval_where_a_daemon_could_not_be_used_either(caplog):
+    """A tcp:// endpoint where nothing answers fails a look only at the connect timeout (2 s), and a
+    daemon that refuses the session counts as none: neither is looked for at each step; the
+    warning is said once."""
+    from storm import backend
+    from storm.errors import StormUnavailable
+
+    looks, now = [], [0.0]
+
+    def connect(endpoint: str):
+        looks.append(endpoint)
+        raise StormUnavailable(f"no stormd answered at {endpoint} within 2 s")
+
+    endpoint = "tcp://127.0.0.1:9"
+    try:
+        with caplog.at_level(logging.INFO, logger="storm"):
+            for t in (0.0, 1.0, backend.PROBE_INTERVAL_S - 0.01, backend.PROBE_INTERVAL_S, 7.0):
+                now[0] = t
+                assert backend.open_backend("auto", endpoint, clock=lambda: now[0], connect=connect).store \
+                    .startswith("embedded store")
+        assert looks == [endpoint, endpoint]  # at 0 and at the interval's end, none between
+        said = [r for r in caplog.records if r.name == "storm"]
+        assert len(said) == 1 and said[0].levelno == logging.WARNING and "no stormd answered" in said[0].getMessage()
+        with pytest.raises(StormUnavailable, match="no stormd answered"):  # mode='daemon' looks whenever asked
+            backend.open_backend("daemon", endpoint, clock=lambda: now[0], connect=connect)
+        assert len(looks) == 3
+    finally:
+        storm.close_all()

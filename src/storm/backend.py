@@ -14,9 +14,10 @@ to close (storm/session.py): a draining daemon still hands back what that
 session stored in it.
 
 ``mode='auto'`` looks for a daemon as each step begins, so that one started
-later is used; where none was there, it looks again only PROBE_INTERVAL_S
-later: each look checks the socket's directory and file, a cost every step
-of a process without a daemon would pay.
+later is used; where none was there to use, it looks again only
+PROBE_INTERVAL_S later: each look checks the socket's directory and file (a
+tcp:// one waits for an answer), a cost every step of a process without a
+daemon would pay.
 """
 
 from __future__ import annotations
@@ -57,16 +58,18 @@ _lock = threading.Lock()
 _backends: dict[tuple, Backend] = {}
 _losses: dict[str, DaemonLoss] = {}  # endpoint -> how its daemon stopped, until one answers there again
 _announced: set[object] = set()
-# mode='auto': endpoint -> when a look found no daemon there (clock's seconds) and what it found, until
-# PROBE_INTERVAL_S later
-_absent: dict[str, tuple[float, str]] = {}
+# mode='auto': endpoint -> when a look found no daemon there to use (clock's seconds), what it found and
+# at which level it was said, until PROBE_INTERVAL_S later
+_absent: dict[str, tuple[float, str, int]] = {}
 PROBE_INTERVAL_S = 5.0
 
 
 def open_backend(mode: str, socket: str | None = None, pool_size: str | int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> Backend:
+                 clock: Callable[[], float] = time.monotonic,
+                 connect: Callable[[str], Backend] | None = None) -> Backend:
     """The process's backend for this mode and endpoint, created on first use. ``clock``: seconds,
-    for how long ago mode='auto' last found no daemon at the endpoint."""
+    for how long ago mode='auto' last found no daemon it could use at the endpoint; ``connect``:
+    how a daemon's endpoint is reached (by default, as stormd serves it)."""
     mode = mode_option(mode)
     endpoint = socket_option(mode, socket)
     size = pool_size_option(pool_size)
@@ -77,23 +80,23 @@ def open_backend(mode: str, socket: str | None = None, pool_size: str | int | No
                 return b
             absent = _absent.get(endpoint)
             if mode == "auto" and b is None and absent is not None and clock() - absent[0] < PROBE_INTERVAL_S:
-                return _embedded(size, absent[1], logging.INFO)  # the line said once already
+                return _embedded(size, absent[1], absent[2])  # the line said once already
             if b is not None:  # its daemon stopped: try afresh (it may have been restarted)
                 del _backends[("daemon", endpoint)]
                 if b.loss is not None:
                     _losses[endpoint] = b.loss
             loss = _losses.pop(endpoint, None)
             try:
-                b = _connect(endpoint)
+                b = (connect or _connect)(endpoint)
             except StormUnavailable as e:
                 if loss is None or isinstance(e, StormUntrusted):
                     if mode == "daemon":
                         raise
-                    if isinstance(e, StormNoDaemon) and loss is None:
-                        _absent[endpoint] = (clock(), str(e))
                     # quiet only when no daemon is there: one that answered and cannot be used (its pool
                     # cannot be mapped, it refused the session, it is not trusted) is worth a warning
                     level = logging.INFO if isinstance(e, StormNoDaemon) else logging.WARNING
+                    if loss is None:  # none here to use (a tcp:// look waits out its timeout): not each step
+                        _absent[endpoint] = (clock(), str(e), level)
                     return _embedded(size, str(e), level)
                 _losses[endpoint] = loss  # what the user needs to hear: the daemon stopped, not that its socket is gone
                 if mode == "daemon":
