@@ -1067,4 +1067,4 @@ def test_a_profiled_unpack_says_which_block_its_reading_counted_once_the_storage
     assert all(len(addresses) == 1 for addresses in unpacks), unpacks
     assert profile.unpack_saves == [1, 0, 0, 0]  # sin's input, then tanh's output: by mul twice, by tanh
     assert unpacks[1] == unpacks[2] == unpacks[3]  # one block, fetched at mul's first unpack
-    assert not rooms._landing
+    assert not profile.landing

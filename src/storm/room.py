@@ -51,11 +51,12 @@ class Profile:
     (allocator_record.py), saves' then unpacks', where one is kept, and ``left_out``: per reading,
     the addresses of the saves it did not count (those in the queue); ``fetched``: per reading, the
     address of the storage an unpack's reading counted, once it is known (brought back then, or
-    before); ``addresses``: per save, its storage's. Read from that record once the step has ended
-    (allocator_record.Replay; empty: not known): ``rises``, how far the step's own memory rose above
-    each reading before the next; ``frees``, the saves freed after a reading counted them, each with
-    how far it rose after that free; ``counted``, per save, the readings that counted it (its copy
-    done, the step still holding it)."""
+    before), and ``landing``: per save (by key) an unpack's reading counted whose storage is not on
+    the device yet, where its address goes; ``addresses``: per save, its storage's. Read from that
+    record once the step has ended (allocator_record.Replay; empty: not known): ``rises``, how far
+    the step's own memory rose above each reading before the next; ``frees``, the saves freed after
+    a reading counted them, each with how far it rose after that free; ``counted``, per save, the
+    readings that counted it (its copy done, the step still holding it)."""
 
     sizes: list[int] = dataclasses.field(default_factory=list)
     saves: list[int] = dataclasses.field(default_factory=list)
@@ -66,6 +67,7 @@ class Profile:
     marks: list[int] = dataclasses.field(default_factory=list)
     left_out: list[list[int]] = dataclasses.field(default_factory=list)
     fetched: list[list[int]] = dataclasses.field(default_factory=list)
+    landing: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     addresses: list[int] = dataclasses.field(default_factory=list)
     rises: list[int] = dataclasses.field(default_factory=list)
     frees: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)

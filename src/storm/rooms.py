@@ -117,8 +117,6 @@ class Rooms:
         self._measure: Measure | None = None  # the trial step being measured
         self.memory: Reader = allocated_or_none  # what the allocator holds on a device, None where unknown
         self.record: Record = AllocatorRecord()  # the allocator's history while a step profiles
-        # per save a profiled unpack counted and that is not yet on the device, where its address goes
-        self._landing: dict[int, list[int]] = {}
 
     def start_step(self, step: Step) -> None:
         """A full-offload step follows the room it followed last (one a profiled step found); with
@@ -368,12 +366,13 @@ class Rooms:
                                             + (0 if counted else stored.nbytes))
                 step.profile.unpack_saves.append(stored.index)
                 if self._mark(step.profile, stored.device) and stored.state not in (State.HELD, State.KEPT):
-                    self._landing[stored.key] = step.profile.fetched[-1]  # its storage's address, once known
+                    step.profile.landing[stored.key] = step.profile.fetched[-1]  # its storage's address, once known
 
     def landed(self, stored: Stored, base: torch.Tensor) -> None:
         """The storage ``stored``'s unpack counted is on the device, in ``base``'s block (fetched
         now, or earlier and still alive): a profiled step's record counts that block's free."""
-        fetched = self._landing.pop(stored.key, None)
+        profile = stored.step.profile if stored.step is not None else None  # None once its step was read
+        fetched = profile.landing.pop(stored.key, None) if profile is not None else None
         if fetched is not None:
             fetched.append(base.untyped_storage().data_ptr())
 
@@ -402,7 +401,7 @@ class Rooms:
     def _read_record(self, profile: Profile) -> None:
         """The profiled step has ended: how far its memory rose after each reading, where the record
         kept a mark of each."""
-        self._landing.clear()  # unpacks that never landed (a save modified in place, or freed)
+        profile.landing.clear()  # unpacks that never landed (a save modified in place, or freed)
         events = self.record.finish(profile.device) if profile.device is not None else None
         if events is not None and len(profile.marks) == len(profile.saves) + len(profile.unpacks):
             found = replay(events, profile.marks, profile.left_out, profile.addresses, profile.fetched)
