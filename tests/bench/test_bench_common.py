@@ -12,7 +12,7 @@ import torch
 import storm
 from helpers import bench_module, bench_result
 from storm.planner import Plan
-from storm.planner.model import BlockTrace, Trace
+from storm.planner.records import BlockTrace, Trace
 
 common = bench_module("common")
 

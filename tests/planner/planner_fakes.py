@@ -15,7 +15,7 @@ import storm.session as session_mod
 from storm.examples.models import GPT
 from storm.kernels.frame import frame_nbytes
 from storm.planner import BlockTrace, Phase, Plan, Scenario, Trace, moments, predicted_peak
-from storm.planner.model import without_backward_extras
+from storm.planner.held import without_backward_extras
 
 MiB = 1 << 20
 

@@ -521,7 +521,7 @@ def test_a_planned_steps_framed_packs_are_weighed_apart_from_its_raw_ones():
     that cost more do not make every raw tensor dearer. Packs are counted as they are timed,
     so a save the store refuses later (which takes back its offloaded count) moves neither."""
     from storm.planner.measure import host_from_packs, packs_ms_per_tensor
-    from storm.planner.model import BlockTrace, Trace
+    from storm.planner.records import BlockTrace, Trace
     from storm.stats import OffloadStats
 
     trace = Trace([BlockTrace(framed=1)], host_ms_per_tensor=0.2, frame_host_ms_per_tensor=0.08)
@@ -550,8 +550,8 @@ def test_the_host_check_puts_a_framed_steps_figures_in_the_trace_each_apart():
     """Checked.check_host with a step's framed and raw packs: a frame's dearer figure replaces the
     trace's frame figure alone (the raw one as traced), the trace's is kept for explain(), and the
     plan is to be made again; then a step whose raw packs alone are dearer replaces only those."""
-    from storm.planner.model import BlockTrace, Trace
     from storm.planner.phases import CheckHost
+    from storm.planner.records import BlockTrace, Trace
     from storm.planner.state import TraceState
     from storm.stats import OffloadStats
 

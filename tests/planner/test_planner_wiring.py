@@ -156,7 +156,7 @@ def test_what_prefetch_may_fetch_at_each_block_stays_within_the_plan_s_peak(monk
     plan with a window could fetch one window more than its predicted peak at its peak block."""
     from planner_fakes import gpt, grads_of
     from storm.planner import Plan, Scenario, predicted_peak
-    from storm.planner.model import kept_bytes
+    from storm.planner.held import kept_bytes
     from storm.restore import Restorer
 
     window = 64 << 10

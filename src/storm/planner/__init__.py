@@ -11,17 +11,20 @@ recompute with its inputs offloaded, and whether offloaded tensors go raw or com
     print(plan.explain())
 
 The planner traces a step that offloads everything and one that recomputes everything
-(trace.py), chooses from them by a cost model (model.py), measures what the plan's steps take
-(measure.py), tries the best plan against an alternative (trial.py), and says why
+(trace.py), chooses from them by a cost model (model.py, held.py its arithmetic of memory),
+measures what the plan's steps take (measure.py), tries the best plan against an alternative
+(trial.py), and says why
 (explain.py); driver.py runs those phases a step at a time (phases.py: one object each, state.py:
 what a trace has taught), wiring.py holds the blocks' hooks.
 docs/planner.md explains the model.
 """
 
 from .driver import Planner, plan
+from .held import kept_bytes, moments, predicted_peak
 from .measure import CudaPeakMemory, PeakMemory, frame_costs, frames_of, link_bandwidth
-from .model import BlockTrace, Offloading, Plan, Scenario, Trace, choose, kept_bytes, moments, predicted_peak
+from .model import Offloading, Plan, Scenario, choose
 from .phases import Phase
+from .records import BlockTrace, Trace
 from .trial import Clock, Trial
 
 __all__ = ["Planner", "plan", "Phase", "Clock", "Trial", "PeakMemory", "CudaPeakMemory", "link_bandwidth",

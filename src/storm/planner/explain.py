@@ -12,7 +12,9 @@ from stormd.wire.sizes import format_size
 
 from ..frames import FRAME_MIN_BYTES
 from ..policy import DEFAULT_MIN_BYTES
-from .model import Offloading, Plan, Trace, after_kept, fetched_inputs, full_codec, offloaded_per_block
+from .held import after_kept, fetched_inputs, offloaded_per_block
+from .model import Offloading, Plan, full_codec
+from .records import Trace
 from .trial import Trial
 
 MiB = 1 << 20

@@ -15,7 +15,7 @@ from storm.kernels.frame import decode_frame, encode_frame, frame_nbytes
 
 from ..frames import FRAME_MIN_BYTES, frame_bytes, frame_codec
 from ..stats import OffloadStats
-from .model import Trace
+from .records import Trace
 
 if TYPE_CHECKING:  # wiring.py's hooks are handed in: measure.py needs their type alone
     from .wiring import BlockHooks

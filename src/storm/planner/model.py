@@ -7,7 +7,7 @@ the blocks go with the first that offloads; of those after them (the head's and 
 once the last block's saves or inputs go, those saved before the largest (not that one: a
 language model's log-softmax of its logits, which the loss's backward takes at once, so that
 offloading it would lower no moment).
-``predicted_peak`` says what the device holds at backward's worst moment under a plan,
+held.py's ``predicted_peak`` says what the device holds at backward's worst moment under a plan,
 ``Offloading.of`` what offloading costs, and ``choose`` the plan of least predicted cost whose
 peak fits a budget. docs/planner.md ("How a plan is chosen") explains the model in full.
 """
@@ -15,80 +15,16 @@ peak fits a budget. docs/planner.md ("How a plan is chosen") explains the model 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
+import itertools
 from typing import Mapping
 
 from ..frames import FRAME_CODECS
+from .held import Figures, after_kept, moments_of, offloaded_per_block
+from .records import Trace
 
 GiB = 1 << 30
-
-
-@dataclasses.dataclass
-class BlockTrace:
-    """One block in the traced steps."""
-
-    saved_bytes: int = 0     # offloadable bytes its forward saved: what offloading or recomputing it removes
-    tensors: int = 0         # how many storages that was
-    input_bytes: int = 0     # tensors it was called with: what recomputing it keeps
-    forward_ms: float = 0.0  # what recomputing it costs
-    grad_bytes: int = 0      # parameter gradients its backward allocates (none where they outlive the step)
-    framed: int = 0          # of its storages, how many a frame codec puts in frames
-    framed_bytes: int = 0    # their bytes
-    frame_bytes: int = 0     # and their frames': what the link carries for them when compressed
-    input_tensors: int = 0   # storages it was called with that no other block was
-    # of its inputs, the storages (an identity: bytes) other blocks were called with too (a position
-    # bias, a mask): offloading its inputs leaves them there, and blocks that keep them keep one storage
-    shared_inputs: dict[int, int] = dataclasses.field(default_factory=dict)
-    # what its backward held beyond the besides (CUDA, the compute trace's moment: measure.StepPeak),
-    # where blocks differ (a block that computes a position bias and runs its embedding's backward);
-    # 0 where not measured
-    backward_extra: int = 0
-
-    @property
-    def shared_input_bytes(self) -> int:
-        """Of input_bytes, the storages other blocks were called with too."""
-        return sum(self.shared_inputs.values())
-
-
-@dataclasses.dataclass
-class Trace:
-    """What the plan is made from."""
-
-    blocks: list[BlockTrace]
-    before_bytes: int = 0           # offloadable bytes saved before the first block (e.g. embeddings)
-    after_bytes: int = 0            # and after the last (e.g. the loss)
-    offloaded_before: list[int] = dataclasses.field(default_factory=list)  # bytes offloaded when block i started
-    host_ms_per_tensor: float = 0.0  # pack + unpack on the training thread, per offloaded tensor
-    frame_host_ms_per_tensor: float = 0.0  # and what encoding and decoding its frame adds, per framed tensor
-    frame_device_ms_per_GiB: float = 0.0   # the device's time encoding and decoding frames, per GiB framed
-    forward_host_ms: float = 0.0     # forward of the blocks, on the host, nothing offloaded
-    forward_device_ms: float = 0.0   # and on the compute stream
-    # the blocks' backward on the compute stream, their recomputes left out (the compute trace's);
-    # None where not measured. Offloading's link model takes twice their forward instead (explain()
-    # shows both): measured on models it was not fitted to, it says whether that holds
-    backward_device_ms: float | None = None
-    lead_ms: list[float] = dataclasses.field(default_factory=list)  # host ahead of the stream at block i, at the end
-    d2h_GBps: float = 0.0
-    h2d_GBps: float = 0.0
-    store_bytes: int | None = None   # what the store took of the offload trace's saves when it refused some
-    below_min_bytes: int = 0         # the offload trace's saves that stayed on the device as under min_bytes
-    after_early_bytes: int = 0       # of after_bytes, those saved before the largest of them (after_kept)
-    between_bytes: int = 0           # saved between blocks, outside them (a step's forwards but its last end there)
-    # what saved them, per module outside the blocks ((name, bytes), largest first), where the planner
-    # knows the model (trace.OutsideSaves): before the first block, between blocks, after the last
-    before_modules: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    between_modules: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    after_modules: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    # forwards a step ran before its backward, each calling every block: a block's figures are all its calls'
-    forwards: int = 1
-
-    @property
-    def total_bytes(self) -> int:
-        return self.before_bytes + sum(b.saved_bytes for b in self.blocks) + self.between_bytes + self.after_bytes
-
-    @property
-    def blocks_forward_ms(self) -> float:
-        """The blocks' forward on the compute stream, all of them: what recomputing every one costs."""
-        return sum(b.forward_ms for b in self.blocks)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,108 +62,6 @@ class Plan:
     def offloads(self) -> bool:
         """Whether the plan's step offloads anything: blocks' saves or recomputed blocks' inputs."""
         return self.offloaded + self.inputs_offloaded > 0
-
-
-def kept_bytes(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
-               inputs_offloaded: int = 0) -> list[int]:
-    """Per block, what it keeps on the device from forward to its backward: nothing offloaded,
-    of a block recomputed with its inputs offloaded the inputs other blocks were called with too,
-    a recomputed block's inputs, a kept block's saves. A storage that several blocks keep (a
-    position bias every layer is called with) counts once, at the first of them: it stays until
-    backward, which reaches the blocks last to first, is done with that one."""
-    return holdings(trace, offloaded, recomputed, inputs_offloaded)[0]
-
-
-def holdings(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
-              inputs_offloaded: int) -> tuple[list[int], list[int]]:
-    """Per block, kept_bytes, and of that the shared inputs it is the first block to keep (there
-    through its own backward too)."""
-    end, seen = offloaded + inputs_offloaded, set()
-    kept, first = [], []
-    for i, b in enumerate(trace.blocks):
-        holds = offloaded <= i and (i < end or i in recomputed)  # it keeps (some of) its inputs
-        first.append(sum(n for key, n in b.shared_inputs.items() if key not in seen) if holds else 0)
-        kept.append(0 if i < offloaded else fetched_inputs(b) * (i >= end) + first[i] if holds else b.saved_bytes)
-        if holds:
-            seen.update(b.shared_inputs)
-    return kept, first
-
-
-def without_backward_extras(trace: Trace) -> Trace:
-    """``trace`` as the offload trace made it, before the compute trace measured each block's
-    backward_extra: what the model predicts from the saves and one figure of besides alone."""
-    return dataclasses.replace(trace, blocks=[dataclasses.replace(b, backward_extra=0) for b in trace.blocks])
-
-
-def fetched_inputs(b: BlockTrace) -> int:
-    """What offloading a recomputed block's inputs sends and fetches back: those no other block
-    was called with."""
-    return b.input_bytes - b.shared_input_bytes
-
-
-def offloaded_per_block(trace: Trace, offloaded: int, inputs_offloaded: int = 0) -> list[int]:
-    """What each offloading block sends: the saves of blocks[:offloaded], the fetched inputs of the
-    next ``inputs_offloaded`` (recomputed); one block's worth of these is the plans' smaller copy
-    queue (Offloading.of) and their prefetch window where one is given (_plans)."""
-    blocks = trace.blocks
-    return ([b.saved_bytes for b in blocks[:offloaded]]
-            + [fetched_inputs(b) for b in blocks[offloaded:offloaded + inputs_offloaded]])
-
-
-def after_kept(trace: Trace, offloaded: int, inputs_offloaded: int = 0) -> int:
-    """What of the saves after the blocks, and between them, stays on the device: of those after,
-    all but the early ones where every block offloads its saves or inputs, else all; those between
-    (in a step of more forwards, the earlier forwards' heads and losses, the later ones' embeddings)
-    are counted as kept, which a plan that offloads them only lowers."""
-    return (trace.between_bytes + trace.after_bytes
-            - trace.after_early_bytes * (offloaded + inputs_offloaded == len(trace.blocks)))
-
-
-def predicted_peak(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int, *,
-                   grads: bool = True, kept_extra: int = 0, inputs_offloaded: int = 0, start_extra: int = 0,
-                   prefetch: int = 0) -> int:
-    """Saved bytes (and with ``grads`` parameter gradients) on the device at the worst moment of
-    backward when blocks[:offloaded] are offloaded, the next ``inputs_offloaded`` recomputed with
-    their inputs offloaded and ``recomputed`` recomputed; a kept block's backward also holds
-    ``kept_extra``, and backward's start ``start_extra`` (moments)."""
-    return max(moments(trace, offloaded, recomputed, in_flight_bytes, grads=grads, kept_extra=kept_extra,
-                       inputs_offloaded=inputs_offloaded, start_extra=start_extra, prefetch=prefetch))
-
-
-def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int, *,
-            grads: bool, kept_extra: int = 0, inputs_offloaded: int = 0, start_extra: int = 0,
-            prefetch: int = 0) -> list[int]:
-    """What the device holds as backward reaches each block i (what the blocks before i keep,
-    block i's own saves, kept, rebuilt or fetched, and the gradients of blocks i.. by then,
-    plus ``kept_extra`` where block i is kept: autograd holds a kept block's saves until each
-    node that saved them ends, beside the node's temporaries, where a recomputed or offloaded
-    block's are handed over and dropped as the node takes them; a block recomputed with its
-    inputs offloaded also holds its fetched inputs, and with ``grads`` (peak=, which counts the
-    step's temporaries too; a budget counts saves alone) each block its ``backward_extra``), and
-    last at backward's start, forward's end
-    included (every kept save, offloaded bytes still in flight, and ``start_extra``: what the
-    loss's and the head's backward hold beyond what a block's backward holds besides its saves,
-    which may be less: the logits' gradients of a language model are larger than any block's
-    temporaries). ``prefetch``, the prefetch window's part of ``in_flight_bytes``, is not there
-    at backward's start unless the early saves after the blocks went (every block offloaded or
-    recomputed with its inputs offloaded, and some such saves: wiring.py lets them go then), whose
-    unpacks come first: prefetch waits for backward's first unpack of an offloaded save."""
-    blocks, end = trace.blocks, offloaded + inputs_offloaded
-    kept, first = holdings(trace, offloaded, recomputed, inputs_offloaded)
-    before = trace.before_bytes * (end == 0) + in_flight_bytes
-    head_offloaded = end == len(blocks) and trace.after_early_bytes > 0  # after_kept's and wiring.py's rule
-    start = (before - prefetch * (not head_offloaded) + sum(kept) + after_kept(trace, offloaded, inputs_offloaded)
-             + blocks[-1].grad_bytes * grads + start_extra)
-    allocated = sum(b.grad_bytes for b in blocks) * grads
-    held = []
-    for i, b in enumerate(blocks):
-        # a kept block's kept_extra; a block recomputed with its inputs offloaded, its fetched inputs
-        extra = (fetched_inputs(b) if i < end else kept_extra * (i not in recomputed)) if i >= offloaded else 0
-        # the shared inputs it is the first to keep are there through its own backward too
-        held.append(before + first[i] + b.saved_bytes + allocated + extra + b.backward_extra * grads)
-        before += kept[i]
-        allocated -= b.grad_bytes * grads
-    return held + [start]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,9 +174,28 @@ class Scenario:
     def moments(self, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int, *,
                 inputs_offloaded: int = 0, prefetch: int = 0) -> list[int]:
         """model.moments of a plan's shape, likewise."""
-        return moments(self.trace, offloaded, recomputed, in_flight_bytes, grads=self.grads,
-                       kept_extra=self.kept_extra, inputs_offloaded=inputs_offloaded, start_extra=self.start_extra,
-                       prefetch=prefetch)
+        return moments_of(self.trace, self.figures, offloaded, recomputed, in_flight_bytes, grads=self.grads,
+                        kept_extra=self.kept_extra, inputs_offloaded=inputs_offloaded, start_extra=self.start_extra,
+                        prefetch=prefetch)
+
+    @functools.cached_property
+    def recompute_gains(self) -> tuple[list[int], list[int]]:
+        """Per block, what recomputing it takes off every later moment (its saves less its inputs),
+        and its place among those that gain, the least forward ms per byte first (the earlier block
+        on ties): the order _recompute_until recomputes them in."""
+        blocks = self.trace.blocks
+        gain = [b.saved_bytes - b.input_bytes for b in blocks]
+        rank = [0] * len(blocks)
+        gaining = sorted((j for j in range(len(blocks)) if gain[j] > 0),
+                         key=lambda j: (blocks[j].forward_ms / gain[j], j))
+        for place, j in enumerate(gaining):
+            rank[j] = place
+        return gain, rank
+
+    @functools.cached_property
+    def figures(self) -> Figures:
+        """The trace's figures, read once per scenario: choose() runs while the trace stays as it is."""
+        return Figures.of(self.trace)
 
 
 def choose(scenario: Scenario) -> Plan | None:
@@ -424,8 +277,8 @@ def _least_peak(s: Scenario, k: int, m: int) -> int:
     block keeps the less of its saves and its inputs, nothing is in flight, nothing beside."""
     blocks = s.trace.blocks
     rest = {j for j in range(k + m, len(blocks)) if blocks[j].saved_bytes >= blocks[j].input_bytes}
-    return predicted_peak(s.trace, k, set(range(k, k + m)) | rest, 0, grads=s.grads, inputs_offloaded=m,
-                          start_extra=s.start_extra)
+    return max(moments_of(s.trace, s.figures, k, set(range(k, k + m)) | rest, 0, grads=s.grads, kept_extra=0,
+                        inputs_offloaded=m, start_extra=s.start_extra, prefetch=0))
 
 
 def _plans(s: Scenario, k: int, m: int) -> list[tuple[Plan, int]]:
@@ -494,6 +347,11 @@ def _measured_within(s: Scenario, plan: Plan, off: Offloading) -> list[Plan]:
     return out
 
 
+def _running_max(at: list[int]) -> tuple[list[int], list[int]]:
+    """Per i, the most of at[:i + 1], and the most of at[i:]."""
+    return list(itertools.accumulate(at, max)), list(itertools.accumulate(reversed(at), max))[::-1]
+
+
 def _recompute_until(s: Scenario, k: int, m: int, budget: int, off: Offloading,
                      window: int) -> tuple[set[int], int, float]:
     """Blocks past the first k + m (the next m of which are recomputed with their inputs
@@ -513,33 +371,37 @@ def _recompute_until(s: Scenario, k: int, m: int, budget: int, off: Offloading,
     blocks, n, kept_extra = s.trace.blocks, len(s.trace.blocks), s.kept_extra
     in_flight = off.leftover + off.frames + window
     inputs = set(range(k, k + m))  # recomputed with their inputs offloaded
-    gain = [b.saved_bytes - b.input_bytes for b in blocks]
-    order = sorted((j for j in range(k + m, n) if gain[j] > 0), key=lambda j: (blocks[j].forward_ms / gain[j], j))
+    gain, rank = s.recompute_gains
     # block i's, for i < n (every block past k + m kept, so each with kept_extra), then backward's start
     held_at = s.moments(k, inputs, in_flight, inputs_offloaded=m, prefetch=window)
     recomputed: set[int] = set()
     gained = 0  # of the blocks recomputed so far: each was chosen at a moment no later than this one
+    # the blocks a moment may recompute (cheapest first: by rank), each let in at the first moment it lowers
+    candidates: list[tuple[int, int]] = []
     for i, held in enumerate(held_at):
+        for j in (i, i - 1):
+            if k + m <= j < n and gain[j] > 0 and (j == i - 1) != bool(kept_extra):
+                heapq.heappush(candidates, (rank[j], j))
         lowered = held - gained
-        for j in order:
-            if lowered <= budget:
-                break
-            if j <= i and j not in recomputed and (j < i or kept_extra):
-                recomputed.add(j)
-                gained += gain[j]
-                lowered -= gain[j] if j < i else kept_extra
+        while lowered > budget and candidates:
+            j = heapq.heappop(candidates)[1]
+            recomputed.add(j)
+            gained += gain[j]
+            lowered -= gain[j] if j < i else kept_extra
     at = s.moments(k, inputs | recomputed, in_flight, inputs_offloaded=m, prefetch=window)
     peak = max(at)
     if peak <= budget:
+        f = s.figures
+        upto, past = _running_max(at)
         for j in sorted(recomputed, key=lambda j: (-blocks[j].forward_ms, -j)):
             # keeping block j adds its kept_extra to its own moment and at most its saves less its own
             # inputs to every later one (backward's start among them; inputs it shares may stay, kept
             # by another block): the moments before it stay
-            without = max(max(at[:j], default=0), at[j] + kept_extra,
-                          max(at[j + 1:]) + blocks[j].saved_bytes - fetched_inputs(blocks[j]))
+            without = max(upto[j - 1] if j else 0, at[j] + kept_extra, past[j + 1] + f.saved[j] - f.fetched[j])
             if without <= budget:
                 recomputed.discard(j)
                 at = s.moments(k, inputs | recomputed, in_flight, inputs_offloaded=m, prefetch=window)
                 peak = max(at)
+                upto, past = _running_max(at)
     recomputed |= inputs
     return recomputed, peak, off.cost_ms + sum(blocks[j].forward_ms for j in recomputed)

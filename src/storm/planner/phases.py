@@ -24,8 +24,10 @@ from typing import Any, Protocol
 from torch import nn
 
 from ..hooks import Offload
+from .held import moments, without_backward_extras
 from .measure import PeakMemory, StepPeak, checks_for, host_from_packs, widened_margin
-from .model import Plan, Trace, full_codec, moments, without_backward_extras
+from .model import Plan, full_codec
+from .records import Trace
 from .state import TraceState
 from .trace import ComputeTrace, Frames, OffloadTrace, PlanStep
 from .trial import Clock, Trial

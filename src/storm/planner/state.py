@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from .measure import HOST_CHECK_STEP
-from .model import Plan, Trace
+from .model import Plan
+from .records import Trace
 from .trial import Trial
 
 

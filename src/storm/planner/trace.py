@@ -25,7 +25,7 @@ from ..hooks import Offload
 from ..policy import Keep
 from ..recompute import Recompute
 from .measure import frame_costs, link_bandwidth
-from .model import BlockTrace, Trace
+from .records import BlockTrace, Trace
 from .trial import Clock
 from .wiring import BlockHooks, device_of, grad_tensor, input_signature, warn_blocks_whole_graph
 

@@ -23,7 +23,9 @@ from torch.utils._pytree import tree_leaves
 from ..compiled import compiled, optimized, probe_compiling, warn_whole_graph
 from ..hooks import Offload
 from ..recompute import Recompute
-from .model import Plan, Trace, fetched_inputs, holdings
+from .held import fetched_inputs, holdings
+from .model import Plan
+from .records import Trace
 
 
 class BlockHooks:
