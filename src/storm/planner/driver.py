@@ -120,7 +120,7 @@ class Planner:
 
     @property
     def start_extra(self) -> int:
-        """What backward's start holds beyond the besides (start_extra in model.moments)."""
+        """What backward's start holds beyond the besides (start_extra in held.moments)."""
         return self.state.start_extra
 
     @property
@@ -240,14 +240,14 @@ class Planner:
         return max(self._held(plan))
 
     def _held(self, plan: Plan) -> list[int]:
-        """model.moments of ``plan``'s step: its saves and parameter gradients at each moment."""
+        """held.moments of ``plan``'s step: its saves and parameter gradients at each moment."""
         assert self.trace is not None
         return moments(self.trace, plan.offloaded, plan.recomputed, plan.in_flight_bytes, grads=True,
                        kept_extra=self.kept_extra, inputs_offloaded=plan.inputs_offloaded,
                        start_extra=self.start_extra, prefetch=plan.prefetch_bytes)
 
     def peak_moments(self, plan: Plan | None = None) -> list[tuple[int, int | None]] | None:
-        """Per moment of ``plan``'s step (the plan in force by default; model.moments' layout:
+        """Per moment of ``plan``'s step (the plan in force by default; held.moments' layout:
         each block's backward, then backward's start), what the cost model predicts the step
         holds there above its start (the besides included) and what its first measured step
         held (None where it did not read that moment): where a prediction missed, and by how

@@ -83,7 +83,7 @@ class StepPeak:
     """A step's peak memory, reset now and read as backward reaches each block and when the
     step's backward ends (before the optimizer and whatever else the caller does between steps):
     ``measured``; apart (``parts``) until backward reached the blocks (forward, the loss's and the
-    head's backward) and from there; and ``moments``, laid out as model.moments predicts them: per
+    head's backward) and from there; and ``moments``, laid out as held.moments predicts them: per
     block i, the peak from backward reaching it until it reaches the next block (block 0's until
     backward ends), then the part before the blocks, which ends as backward reaches the last block
     (a block reached before it, of blocks listed in another order than they run, has no moment of
@@ -107,7 +107,7 @@ class StepPeak:
             hooks.at_backward_end(whole)
             return
         n = len(hooks.blocks)
-        peaks: list[int | None] = [None] * (n + 1)  # model.moments' layout: backward's start last
+        peaks: list[int | None] = [None] * (n + 1)  # held.moments' layout: backward's start last
         now = n  # the part the step is in: before the blocks until backward reaches the last one
 
         def close() -> None:

@@ -166,14 +166,14 @@ class Scenario:
 
     def predicted_peak(self, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int, *,
                        inputs_offloaded: int = 0, prefetch: int = 0) -> int:
-        """model.predicted_peak of a plan's shape, with what the scenario says a step holds
+        """held.predicted_peak of a plan's shape, with what the scenario says a step holds
         besides it (gradients, kept_extra, start_extra)."""
         return max(self.moments(offloaded, recomputed, in_flight_bytes, inputs_offloaded=inputs_offloaded,
                                 prefetch=prefetch))
 
     def moments(self, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int, *,
                 inputs_offloaded: int = 0, prefetch: int = 0) -> list[int]:
-        """model.moments of a plan's shape, likewise."""
+        """held.moments of a plan's shape, likewise."""
         return moments_of(self.trace, self.figures, offloaded, recomputed, in_flight_bytes, grads=self.grads,
                         kept_extra=self.kept_extra, inputs_offloaded=inputs_offloaded, start_extra=self.start_extra,
                         prefetch=prefetch)

@@ -25,7 +25,7 @@ class TraceState:
     # what a step holds besides its saves (activations' gradients, temporaries) at a recomputed or
     # offloaded block's backward, measured on CUDA in the compute trace; None before it (or off CUDA)
     besides: int | None = None
-    start_extra: int = 0  # and what backward's start holds beyond that (start_extra in model.moments)
+    start_extra: int = 0  # and what backward's start holds beyond that (start_extra in held.moments)
     kept_besides: int | None = None  # the same where each block's saves stay to their nodes' ends
     # measured peak beyond predicted, for plans that (do not) offload
     margins: dict[bool, int] = dataclasses.field(default_factory=lambda: {False: 0, True: 0})

@@ -141,7 +141,7 @@ class OffloadTrace:
                                                                        if k in (Keep.POOL_FULL, Keep.QUOTA,
                                                                                 Keep.STORE_ERROR)))
         after = [stored.nbytes for stored in order[marks[-1][1]:]]
-        early = sum(after[:after.index(max(after))]) if after else 0  # before the largest (model.after_kept)
+        early = sum(after[:after.index(max(after))]) if after else 0  # before the largest (held.after_kept)
         # between the first block's start and the last one's end, outside the blocks
         inside = sum(offset[end[1]] - offset[start[1]] for start, end in calls)
         between = offset[marks[-1][1]] - offset[marks[0][1]] - inside

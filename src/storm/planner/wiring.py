@@ -208,7 +208,7 @@ class BlockHooks:
         gradients grow. The blocks recomputed with their
         inputs offloaded pass them through STORM's hooks as the offloaded blocks' saves do: the
         hooks come off after the last of them, unless that is the last block: then the early
-        saves after the blocks (model.after_kept) go too, as the plan counts."""
+        saves after the blocks (held.after_kept) go too, as the plan counts."""
         p, blocks = plan, trace.blocks
         end = p.offloaded + p.inputs_offloaded  # the blocks whose saves (or inputs) are offloaded
         grad = [b.grad_bytes * grads for b in blocks]  # in the plan's peak with peak= only
