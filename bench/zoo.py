@@ -34,8 +34,10 @@ method reaches, it fits within 1% at most 1.10x checkpointing's step; full offlo
 1% of torchtune's at most 0.65x its step; and each plan's predicted step peak within 3% (or 64
 MiB) of its measured peak. Every row and duel records its error (OOM, a missing import) instead
 of ending the run; the JSON is rewritten after each row, so --resume goes on where a time limit
-cut a run (one cell per device call, a run spanning calls). Without CUDA it exits 2, except
---list and --summary.
+cut a run (one cell per device call, a run spanning calls). A run's rows compare only at one
+commit: to go on with one while the code moves, measure from an export of its commit (``git
+archive COMMIT | tar -x -C .base-COMMIT``, then ``cd .base-COMMIT && STORM_COMMIT=COMMIT python
+bench/zoo.py ... --resume``). Without CUDA it exits 2, except --list and --summary.
 """
 
 from __future__ import annotations
