@@ -68,6 +68,24 @@ def test_of_the_queue_the_allocator_counts_the_saves_and_not_their_frames():
     assert (queue.nbytes, queue.frame_nbytes, queue.allocated) == (20, 0, 20)
 
 
+def test_the_step_s_own_memory_is_what_the_allocator_holds_less_the_saves_waiting_here():
+    """A save waiting for its copy is the queue's, not the step's: what the step holds of its own
+    does not fall as the copy finishes (the allocator's count does), and a frame, which the
+    allocator no longer counts, is not taken off it."""
+    queue, waited = queue_and_waits()
+    held = {"bytes": 500}
+    queue.memory = lambda device: held["bytes"]
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30))
+    save(queue, step, 40, waited, frame=30)
+    save(queue, step, 20, waited)
+    assert queue.step_memory(torch.device("cpu")) == 440
+    queue.drain(0)
+    held["bytes"] = 440  # the two copies done, the step's own memory as it was
+    assert queue.step_memory(torch.device("cpu")) == 440
+    queue.memory = lambda device: None
+    assert queue.step_memory(torch.device("cpu")) is None  # off CUDA: unknown
+
+
 def test_drain_waits_oldest_first_until_the_queue_is_within_the_limit():
     queue, waited = queue_and_waits()
     step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30))

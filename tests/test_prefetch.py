@@ -3,12 +3,15 @@ starts ahead of backward, within which room, where it waits, and what ``take`` h
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from helpers import Put
 from storm.copies.base import Copy, Landed
+from storm.copy_queue import CopyQueue
 from storm.prefetch import Prefetcher
 from storm.replies import Resolved
 from storm.room import Profile, Room
@@ -30,7 +33,8 @@ def step_of(states: list[str], nbytes: int = 4 * KIB, window: int = 0) -> Step:
 
 def prefetcher(restored: dict | None = None) -> tuple[Prefetcher, list[int]]:
     fetched: list[int] = []
-    return Prefetcher(lambda s: fetched.append(s.key) or Copy(Resolved(Landed())), restored or {}), fetched
+    return Prefetcher(lambda s: fetched.append(s.key) or Copy(Resolved(Landed())), restored or {},
+                      lambda device: None), fetched
 
 
 def test_backward_fetches_the_saves_before_it_newest_first_within_the_window_once_it_is_open():
@@ -105,6 +109,34 @@ def test_the_room_a_marker_reports_off_cuda_is_what_was_saved_since_the_marker_b
     step.fetch_allowance = 3 * KIB
     p, _ = prefetcher()
     assert p.allowance_at(step, Marker(torch.empty(1), step, 5 * KIB)) == 8 * KIB
+
+
+def test_a_marker_s_allowance_is_what_backward_freed_and_not_the_copies_finished_since_forward():
+    """Past a budget, what forward's end held (Step.level) and what a marker reads are the step's
+    own memory, the copy queue's saves left out of both: a language model's loss unpacks its first
+    marker at the step's peak, by when the copies of forward's last saves have finished, and their
+    bytes counted as freed had the prefetcher bring as many back on top of that peak."""
+    def poll() -> None:  # the session's: a save whose copy finished leaves the queue
+        while queue.copied() is not None:
+            queue.pop()
+
+    held = {"bytes": 0}
+    queue = CopyQueue(poll, threading.RLock())
+    queue.memory = lambda device: held["bytes"]
+    step = step_of([State.OFFLOADED] * 3, nbytes=40 * KIB)
+    step.options = StepOptions(max_held_bytes=1 << 30)
+    waiting = step.order[2]
+    waiting.copy_in = Put(waiting.key)
+    queue.add(waiting, step)  # forward's last offloaded save, its copy still running as forward ends
+    held["bytes"] = 140 * KIB  # the step's own 100 KiB and that save's 40
+    step.level = queue.step_memory(torch.device("cpu"))
+    queue.drain(0)  # its copy done, the save let go: the allocator holds the step's own alone
+    held["bytes"] = 100 * KIB
+    p = Prefetcher(lambda s: Copy(Resolved(Landed())), {}, queue.step_memory)
+    marker = Marker(torch.empty(1), step, 0)
+    assert p.allowance_at(step, marker) == 0  # backward freed nothing yet
+    held["bytes"] = 76 * KIB  # the loss's backward freed 24 KiB of its own
+    assert p.allowance_at(step, marker) == 24 * KIB
 
 
 def test_a_storage_the_unpack_fetches_itself_is_not_fetched_ahead_again():

@@ -25,7 +25,11 @@ import collections
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
+import torch
+
 from .copies.base import Copy
+from .gpu import allocated_or_none
+from .room import Reader
 from .saved import State, Step, Stored
 
 
@@ -41,6 +45,7 @@ class CopyQueue:
         self._saves: collections.deque[tuple[Stored, int, int]] = collections.deque()
         self.nbytes = 0  # the device bytes of those saves, their frames counted
         self.frame_nbytes = 0  # their frames' bytes among them
+        self.memory: Reader = allocated_or_none  # what the allocator holds on a device, None where unknown
 
     def add(self, stored: Stored, step: Step, frame_bytes: int = 0) -> int | None:
         """``stored``, saved in ``step``, waits for its put, just begun, encoded into a frame of
@@ -63,6 +68,12 @@ class CopyQueue:
         """The queue's bytes that the caching allocator counts as allocated: its saves' tensors, not
         their frames (module docstring)."""
         return self.nbytes - self.frame_nbytes
+
+    def step_memory(self, device: torch.device) -> int | None:
+        """What the allocator holds on ``device`` less the saves waiting here (``allocated``): the
+        step's own memory, which a copy finishing does not lower. None where unknown (off CUDA)."""
+        held = self.memory(device)
+        return None if held is None else held - self.allocated
 
     def limit(self, step: Step) -> int:
         """Bytes that may wait for their copy. Forward's peak is at its end, and past the budget

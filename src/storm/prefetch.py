@@ -14,17 +14,19 @@ import weakref
 from typing import Callable
 
 from .copies.base import Copy
-from .gpu import allocated
+from .room import Reader
 from .saved import Marker, State, Step, Stored
 
 
 class Prefetcher:
     """``fetch``: start fetching a Stored (the mover's get); ``restored``: the session's fetched
-    bytes by key, still alive or not (what is here needs no fetch)."""
+    bytes by key, still alive or not (what is here needs no fetch); ``memory``: the step's own
+    memory on a device now, as Step.level counts it (CopyQueue.step_memory), None where unknown."""
 
-    def __init__(self, fetch: Callable[[Stored], Copy], restored: dict[int, weakref.ref]):
+    def __init__(self, fetch: Callable[[Stored], Copy], restored: dict[int, weakref.ref], memory: Reader):
         self.fetch = fetch
         self.restored = restored
+        self.memory = memory
         self.copies: dict[int, Copy] = {}  # key -> its fetch, started ahead and not yet unpacked
         self.nbytes = 0  # the bytes of those fetches
 
@@ -37,13 +39,15 @@ class Prefetcher:
 
     def allowance_at(self, step: Step, marker: Marker) -> int:
         """The allowance backward has made when it reaches ``marker``: the bytes it freed. On CUDA
-        that is the memory allocated now below what was when forward ended (backward frees saves but
-        allocates gradients, which can take most of it); elsewhere, the bytes saved since the marker
-        before, about to be freed."""
-        if step.level is None:
+        that is the step's own memory now below what it was when forward ended (backward frees saves
+        but allocates gradients, which can take most of it); the copy queue's saves are counted in
+        neither: their copies finishing free nothing backward may fill, since a language model's
+        first unpacks come at its peak. Elsewhere, the bytes saved since the marker before, about to
+        be freed."""
+        now = self.memory(marker.device) if step.level is not None else None
+        if step.level is None or now is None:
             return step.fetch_allowance + marker.nbytes
-        freed = step.level - allocated(marker.device)
-        return max(0, freed) + self.nbytes  # the bytes prefetched are allocated already
+        return max(0, step.level - now) + self.nbytes  # the bytes prefetched are allocated already
 
     def ahead(self, step: Step, index: int, now: Stored | None = None) -> None:
         """Start fetching the storages saved before ``index``, within the allowance backward has made

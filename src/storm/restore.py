@@ -40,7 +40,7 @@ class Restorer:
         self._stores, self._rooms, self._copy_queue = stores, rooms, copy_queue
         self._restored: dict[int, weakref.ref] = {}  # key -> weak ref to the fetched bytes
         self._awaited: dict[int, torch.Tensor] = {}   # fetched bytes that more handles will unpack
-        self.prefetch = Prefetcher(self._fetch, self._restored)
+        self.prefetch = Prefetcher(self._fetch, self._restored, copy_queue.step_memory)
 
     def restore(self, handle: Handle) -> torch.Tensor:
         """The saved view ``handle`` stands for: from its tensor while the session holds it, else from

@@ -77,7 +77,8 @@ class Step:
         self.past_budget_bytes = 0        # saves past the budget (views counted by their own size)
         self.past_budget_before = 0       # the last completed step's past_budget_bytes, where it had a budget
         self.marked_bytes = 0             # past_budget_bytes at the last marker
-        self.level: int | None = None     # CUDA bytes allocated when forward ended (with saves past the budget)
+        # the step's own CUDA bytes when forward ended (with saves past the budget): allocated less the copy queue
+        self.level: int | None = None
         self.flush_queued = False         # a poll is queued for the end of the running backward
         self.order: list[Stored] = []
         self.by_storage: dict[int, Stored] = {}

@@ -34,7 +34,7 @@ from .copies.base import PutRequest, Route
 from .copy_queue import CopyQueue
 from .errors import StormUnavailable
 from .frames import frame_bytes
-from .gpu import IpcEvent, allocated, pack_range, record_ready, unpack_range, wait_on_compute
+from .gpu import IpcEvent, pack_range, record_ready, unpack_range, wait_on_compute
 from .mover import Mover, Stores, next_key
 from .policy import Keep, Policy, Refusals
 from .restore import Restorer
@@ -145,8 +145,8 @@ class ClientSession:
             self.last_past_budget_bytes = step.past_budget_bytes
         self.poll()
         self.copy_queue.end_step(step)
-        if step.budget_reached and step.order and step.order[0].device.type == "cuda":
-            step.level = allocated(step.order[0].device)
+        if step.budget_reached and step.order:
+            step.level = self.copy_queue.step_memory(step.order[0].device)
 
     # --- saving -------------------------------------------------------------
 

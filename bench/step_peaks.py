@@ -1,0 +1,130 @@
+"""Each step's peak under ``storm.enable(model, peak=X)`` on a zoo cell, from its first step: which
+phase the planner was in, what it read of the steps it measured, and what each step peaked at as
+bench/zoo.py's rows read it (above the step's start, the optimizer's step counted); for the
+steps asked for, what was alive on the device at the step's peak, by where it was allocated.
+For a plan whose settled steps peak above what the planner measured of it.
+
+    python bench/step_peaks.py --cell mistral-wide --peak 2.93GiB --out FILE   # CUDA
+    python bench/step_peaks.py --cell mistral-wide --peak 2.93GiB --record 1 3 --out FILE
+
+``--record N...``: the settled steps (1 = the first) whose allocator history is recorded
+(torch.cuda.memory._record_memory_history with Python stacks: it slows the host, so those steps
+run later than the others) and replayed to the step's highest moment; what was alive there and
+allocated in the step is grouped by the innermost frame of STORM, the model's library or this
+script. Without CUDA it exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from typing import Any
+
+import torch
+from zoo import CELLS
+
+from common import GiB, Trainer, cuda_device, plan_summary, write
+from stormd.wire.sizes import parse_size
+
+MiB = 1 << 20
+OURS = ("/storm/", "/transformers/", "/bench/", "torch/utils/checkpoint")  # frames that say where, innermost first
+
+
+def where(frames: list[dict[str, Any]]) -> str:
+    """The innermost frame of STORM, the model's library or a bench script (else the innermost)."""
+    for f in frames:
+        if any(part in f["filename"] for part in OURS):
+            return f"{'/'.join(f['filename'].rsplit('/', 2)[-2:])}:{f['line']} {f['name']}"
+    return f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['line']} {frames[0]['name']}" if frames else "?"
+
+
+def at_peak(events: list[dict[str, Any]], top: int = 12) -> dict:
+    """Replays a recorded step (the allocator's device trace, begun at the step's start): the most
+    it held above its start, the event where it did, and the blocks allocated in the step and
+    alive there, summed by stream and ``where`` they were allocated, the largest ``top`` groups."""
+    level = high = 0
+    at = -1
+    alive: dict[int, tuple[int, int, str]] = {}  # address -> size, stream, where
+    peak_alive: dict[int, tuple[int, int, str]] = {}
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            level += e["size"]
+            alive[e["addr"]] = (e["size"], e["stream"], where(e.get("frames", [])))
+            if level > high:
+                high, at, peak_alive = level, i, dict(alive)
+        elif e["action"] == "free_requested":
+            level -= e["size"]
+            alive.pop(e["addr"], None)
+    groups: collections.Counter[tuple[int, str]] = collections.Counter()
+    counts: collections.Counter[tuple[int, str]] = collections.Counter()
+    for size, stream, place in peak_alive.values():
+        groups[stream, place] += size
+        counts[stream, place] += 1
+    return {"peak_MiB": round(high / MiB, 1), "event": at, "events": len(events),
+            "alive_MiB": round(sum(s for s, _, _ in peak_alive.values()) / MiB, 1),
+            "groups": [{"stream": stream, "where": place, "MiB": round(b / MiB, 1), "blocks": counts[stream, place]}
+                       for (stream, place), b in groups.most_common(top)]}
+
+
+def recorded_step(t: Trainer, device: torch.device) -> tuple[float, dict]:
+    """One step of ``t`` with the allocator's history recorded: its seconds, and at_peak of it."""
+    torch.cuda.memory._record_memory_history("all", context="alloc", stacks="python", max_entries=1 << 20)
+    try:
+        seconds = t.step()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        events = torch.cuda.memory._snapshot()["device_traces"][index]
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    return seconds, at_peak(events)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cell", required=True, choices=list(CELLS))
+    p.add_argument("--peak", required=True, type=parse_size, help="storm.enable's peak=, e.g. 2.93GiB")
+    p.add_argument("--steps", type=int, default=8, help="settled steps after the planner settles")
+    p.add_argument("--record", nargs="*", type=int, default=[], metavar="N",
+                   help="settled steps (1 = the first) whose allocator history is replayed at their peak")
+    p.add_argument("--max-steps", type=int, default=60, help="steps before giving up on settling")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    device = cuda_device("step_peaks.py")
+    if device is None:
+        return 2
+    t = Trainer(CELLS[args.cell], "enable", {"mode": "embedded", "peak": args.peak}, device)
+    rows, settled = [], 0
+    try:
+        while settled < args.steps and len(rows) < args.max_steps:
+            planner = t.planner
+            phase = planner.phase.value if planner is not None else None
+            read_before = planner.measured_peak if planner is not None else None
+            record = phase == "settled" and settled + 1 in args.record
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            if record:
+                seconds, alive = recorded_step(t, device)
+            else:
+                seconds, alive = t.step(), None
+            row = {"step": len(rows) + 1, "phase": phase, "ms": round(seconds * 1e3, 2),
+                   "peak_MiB": round((torch.cuda.max_memory_allocated(device) - base) / MiB, 1)}
+            read = t.planner.measured_peak if t.planner is not None else None
+            if read is not None and read != read_before:
+                row["planner_read_MiB"] = round(read / MiB, 1)
+            if alive is not None:
+                row["at_peak"] = alive
+            rows.append(row)
+            settled += phase == "settled"
+            print(row, flush=True)
+        summary = plan_summary(t.planner) if t.planner is not None else None
+        explain = t.planner.explain() if t.planner is not None else None
+    finally:
+        t.close()
+    write(args.out, {"cell": args.cell, "peak_GiB": round(args.peak / GiB, 3), "steps": rows, "plan": summary,
+                     "explain": explain}, device, command=" ".join(sys.argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

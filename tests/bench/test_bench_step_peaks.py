@@ -1,0 +1,36 @@
+"""bench/step_peaks.py replays a recorded step to its highest moment: what it held above the
+step's start there, and what was alive then, by where it was allocated."""
+
+from __future__ import annotations
+
+from helpers import bench_module
+
+for sibling in ("hf", "zoo_verdicts", "zoo"):  # the zoo's cells: the script imports them as siblings
+    bench_module(sibling)
+step_peaks = bench_module("step_peaks")
+MiB = 1 << 20
+
+
+def frame(filename: str, line: int, name: str) -> dict:
+    return {"filename": filename, "line": line, "name": name}
+
+
+def test_the_peak_is_the_highest_moment_and_what_was_alive_there_is_grouped_by_where():
+    queue = [frame("/usr/lib/torch/autograd/graph.py", 10, "pack"), frame("/src/storm/session.py", 250, "save")]
+    model = [frame("/x/transformers/models/mistral/modeling_mistral.py", 90, "forward")]
+    events = [
+        {"action": "free_requested", "addr": 1, "size": 8 * MiB, "stream": 0},  # held before the step
+        {"action": "alloc", "addr": 2, "size": 64 * MiB, "stream": 0, "frames": model},
+        {"action": "alloc", "addr": 3, "size": 32 * MiB, "stream": 7, "frames": queue},
+        {"action": "alloc", "addr": 4, "size": 32 * MiB, "stream": 7, "frames": queue},
+        {"action": "free_requested", "addr": 3, "size": 32 * MiB, "stream": 7},
+        {"action": "alloc", "addr": 5, "size": 48 * MiB, "stream": 0, "frames": model},  # the peak: 136 MiB
+        {"action": "free_requested", "addr": 5, "size": 48 * MiB, "stream": 0},
+        {"action": "alloc", "addr": 6, "size": 40 * MiB, "stream": 0, "frames": []},
+    ]
+    out = step_peaks.at_peak(events)
+    assert out["peak_MiB"] == 136.0 and out["event"] == 5 and out["alive_MiB"] == 144.0
+    assert out["groups"] == [
+        {"stream": 0, "where": "mistral/modeling_mistral.py:90 forward", "MiB": 112.0, "blocks": 2},
+        {"stream": 7, "where": "storm/session.py:250 save", "MiB": 32.0, "blocks": 1},
+    ]
