@@ -7,11 +7,14 @@ For a plan whose settled steps peak above what the planner measured of it.
     python bench/step_peaks.py --cell mistral-wide --peak 2.93GiB --out FILE   # CUDA
     python bench/step_peaks.py --cell mistral-wide --peak 2.93GiB --record 1 3 --out FILE
 
+A step's own peak is read for settled steps alone: the planner resets the allocator's peak
+statistics within the steps it measures or tries (its reading of them is ``planner_read_MiB``).
 ``--record N...``: the settled steps (1 = the first) whose allocator history is recorded
 (torch.cuda.memory._record_memory_history with Python stacks: it slows the host, so those steps
 run later than the others) and replayed to the step's highest moment; what was alive there and
 allocated in the step is grouped by the innermost frame of STORM, the model's library or this
-script. Without CUDA it exits 2.
+script. ``--record-phases P...``: every step of these planner phases too (e.g. measure). Without
+CUDA it exits 2.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8, help="settled steps after the planner settles")
     p.add_argument("--record", nargs="*", type=int, default=[], metavar="N",
                    help="settled steps (1 = the first) whose allocator history is replayed at their peak")
+    p.add_argument("--record-phases", nargs="*", default=[], metavar="PHASE",
+                   help="planner phases (storm.planner.Phase values) whose steps are recorded too")
     p.add_argument("--max-steps", type=int, default=60, help="steps before giving up on settling")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -99,7 +104,7 @@ def main() -> int:
             planner = t.planner
             phase = planner.phase.value if planner is not None else None
             read_before = planner.measured_peak if planner is not None else None
-            record = phase == "settled" and settled + 1 in args.record
+            record = phase == "settled" and settled + 1 in args.record or phase in args.record_phases
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
@@ -108,7 +113,8 @@ def main() -> int:
             else:
                 seconds, alive = t.step(), None
             row = {"step": len(rows) + 1, "phase": phase, "ms": round(seconds * 1e3, 2),
-                   "peak_MiB": round((torch.cuda.max_memory_allocated(device) - base) / MiB, 1)}
+                   "peak_MiB": round((torch.cuda.max_memory_allocated(device) - base) / MiB, 1)
+                   if phase == "settled" else None}
             read = t.planner.measured_peak if t.planner is not None else None
             if read is not None and read != read_before:
                 row["planner_read_MiB"] = round(read / MiB, 1)
