@@ -98,12 +98,20 @@ def main() -> int:
     if device is None:
         return 2
     t = Trainer(CELLS[args.cell], "enable", {"mode": "embedded", "peak": args.peak}, device)
-    rows, settled = [], 0
+    rows: list[dict] = []
+    settled, checks = 0, 0
     try:
         while settled < args.steps and len(rows) < args.max_steps:
+            phase, plan = None, None
             planner = t.planner
-            phase = planner.phase.value if planner is not None else None
-            read_before = planner.measured_peak if planner is not None else None
+            if planner is not None:
+                planner.settled  # reads the last step: what it measured, and so this step's phase and plan
+                if planner.checks > checks and rows and planner.measured_peak is not None:
+                    rows[-1]["planner_read_MiB"] = round(planner.measured_peak / MiB, 1)
+                checks = planner.checks
+                phase, plan = planner.phase.value, planner.plan
+            if rows:
+                print(rows[-1], flush=True)
             record = phase == "settled" and settled + 1 in args.record or phase in args.record_phases
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -115,14 +123,17 @@ def main() -> int:
             row = {"step": len(rows) + 1, "phase": phase, "ms": round(seconds * 1e3, 2),
                    "peak_MiB": round((torch.cuda.max_memory_allocated(device) - base) / MiB, 1)
                    if phase == "settled" else None}
-            read = t.planner.measured_peak if t.planner is not None else None
-            if read is not None and read != read_before:
-                row["planner_read_MiB"] = round(read / MiB, 1)
+            if plan is not None:
+                row["plan"] = {"full": plan.full, "offloaded": plan.offloaded, "recomputed": len(plan.recomputed),
+                               "inputs_offloaded": plan.inputs_offloaded,
+                               "max_held_MiB": round(plan.max_held_bytes / MiB, 1),
+                               "prefetch_MiB": round(plan.prefetch_bytes / MiB, 1)}
             if alive is not None:
                 row["at_peak"] = alive
             rows.append(row)
             settled += phase == "settled"
-            print(row, flush=True)
+        if rows:
+            print(rows[-1], flush=True)
         summary = plan_summary(t.planner) if t.planner is not None else None
         explain = t.planner.explain() if t.planner is not None else None
     finally:
