@@ -42,32 +42,39 @@ def where(frames: list[dict[str, Any]]) -> str:
     return f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['line']} {frames[0]['name']}" if frames else "?"
 
 
+def storm_path(frames: list[dict[str, Any]], most: int = 8) -> str:
+    """STORM's frames of a stack, innermost first: which of its paths allocated a block."""
+    return " < ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
+                      for f in frames if "/storm/" in f["filename"])[:most * 40]
+
+
 def at_peak(events: list[dict[str, Any]], top: int = 12) -> dict:
     """Replays a recorded step (the allocator's device trace, begun at the step's start): the most
     it held above its start, the event where it did, and the blocks allocated in the step and
     alive there, summed by stream and ``where`` they were allocated, the largest ``top`` groups."""
     level = high = 0
     at = -1
-    alive: dict[int, tuple[int, int, str]] = {}  # address -> size, stream, where
-    peak_alive: dict[int, tuple[int, int, str]] = {}
+    alive: dict[int, tuple[int, int, str, str]] = {}  # address -> size, stream, where, STORM's path
+    peak_alive: dict[int, tuple[int, int, str, str]] = {}
     for i, e in enumerate(events):
         if e["action"] == "alloc":
             level += e["size"]
-            alive[e["addr"]] = (e["size"], e["stream"], where(e.get("frames", [])))
+            frames = e.get("frames", [])
+            alive[e["addr"]] = (e["size"], e["stream"], where(frames), storm_path(frames))
             if level > high:
                 high, at, peak_alive = level, i, dict(alive)
         elif e["action"] == "free_requested":
             level -= e["size"]
             alive.pop(e["addr"], None)
-    groups: collections.Counter[tuple[int, str]] = collections.Counter()
-    counts: collections.Counter[tuple[int, str]] = collections.Counter()
-    for size, stream, place in peak_alive.values():
-        groups[stream, place] += size
-        counts[stream, place] += 1
+    groups: collections.Counter[tuple[int, str, str]] = collections.Counter()
+    counts: collections.Counter[tuple[int, str, str]] = collections.Counter()
+    for size, *key in peak_alive.values():
+        groups[tuple(key)] += size  # type: ignore[index]
+        counts[tuple(key)] += 1  # type: ignore[index]
     return {"peak_MiB": round(high / MiB, 1), "event": at, "events": len(events),
-            "alive_MiB": round(sum(s for s, _, _ in peak_alive.values()) / MiB, 1),
-            "groups": [{"stream": stream, "where": place, "MiB": round(b / MiB, 1), "blocks": counts[stream, place]}
-                       for (stream, place), b in groups.most_common(top)]}
+            "alive_MiB": round(sum(s for s, *_ in peak_alive.values()) / MiB, 1),
+            "groups": [{"stream": key[0], "where": key[1], "MiB": round(b / MiB, 1), "blocks": counts[key]}
+                       | ({"storm": key[2]} if key[2] else {}) for key, b in groups.most_common(top)]}
 
 
 def recorded_step(t: Trainer, device: torch.device) -> tuple[float, dict]:

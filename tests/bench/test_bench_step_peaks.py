@@ -32,5 +32,5 @@ def test_the_peak_is_the_highest_moment_and_what_was_alive_there_is_grouped_by_w
     assert out["peak_MiB"] == 136.0 and out["event"] == 5 and out["alive_MiB"] == 144.0
     assert out["groups"] == [
         {"stream": 0, "where": "mistral/modeling_mistral.py:90 forward", "MiB": 112.0, "blocks": 2},
-        {"stream": 7, "where": "storm/session.py:250 save", "MiB": 32.0, "blocks": 1},
+        {"stream": 7, "where": "storm/session.py:250 save", "MiB": 32.0, "blocks": 1, "storm": "session.py:250 save"},
     ]
