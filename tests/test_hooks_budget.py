@@ -151,6 +151,27 @@ def test_markers_past_the_budget_pace_prefetch(monkeypatch):
     assert same_bits(x.grad, chain_grad(x, 12))
 
 
+def test_a_paced_context_s_markers_fetch_nothing_ahead(monkeypatch):
+    """storm.plan's steps pace prefetch from their start (PlanStep.paced): past their budget the
+    markers measure nothing, and until the plan's hooks allow it only the unpacks fetch (the
+    saves of test_markers_past_the_budget_pace_prefetch, whose markers fetched four ahead)."""
+    from storm.planner.trace import PlanStep
+
+    one = 128 * 128 * 4
+    monkeypatch.setattr(session_mod, "MARKER_SPACING", 2 * one)
+    x = torch.randn(128, 128, requires_grad=True)
+    with PlanStep(mode="embedded", min_bytes=0, budget=4 * one, prefetch_bytes=0) as ctx:
+        h = [x]
+        for _ in range(12):
+            h.append(h[-1].tanh())
+        loss = h[-1].sum()
+    ctx.synchronize()
+    loss.backward()
+    assert ctx.stats.fetched == ctx.stats.offloaded == 4
+    assert ctx.stats.prefetch_hits == 0
+    assert same_bits(x.grad, chain_grad(x, 12))
+
+
 def test_copies_may_run_behind_by_what_the_last_step_saved_past_its_budget():
     """Forward's peak is at its end: until the saves past the budget that the last step made
     have come, copies may wait beyond max_held_bytes without raising it. Forward's end waits

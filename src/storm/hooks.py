@@ -61,6 +61,10 @@ class Offload(contextlib.ContextDecorator):
     # recomputing every block) follow their plan instead: a room an earlier full offload left in the
     # session kept the trace's last saves out of its count (planner/trace.py's PlanStep).
     full_offload = True
+    # Past a budget, backward's markers measure what it has freed and prefetch within that
+    # (prefetch.py), unless the caller paces prefetch itself from the step's start (allow_prefetch):
+    # storm.plan's steps, whose figures count no fetch before backward reaches the blocks
+    paced = False
 
     def __init__(self, *, mode: str = "auto", socket: str | None = None, min_bytes: int | str = DEFAULT_MIN_BYTES,
                  prefetch_bytes: int | str = DEFAULT_PREFETCH_BYTES, pool_size: str | int | None = None,
@@ -107,6 +111,7 @@ class Offload(contextlib.ContextDecorator):
             o = self._options
             self._session = session_for(o["mode"], o["socket"], o["pool_size"])
             self._step = self._session.new_step(self._budget, self._step_options, self.full_offload)
+            self._step.paced = self.paced
         self._thread = threading.get_ident()
         if self._budget == 0:  # nothing may go: no hooks, so saves cost nothing (storm.plan's recompute-only plans)
             self._hooks = contextlib.nullcontext()

@@ -73,6 +73,7 @@ class Step:
         self.changed_room = False         # full offload: it went on in another room past its first save
         self.first_size: int | None = None  # full offload: its first save's bytes (what a room begins with)
         self.paced = False                # the caller sets fetch_allowance (allow_prefetch), not the markers
+                                          # (from the start where its context says: hooks.Offload.paced)
         self.budget_reached = False       # a save did not fit: the rest of forward stays on the device
         self.past_budget_bytes = 0        # saves past the budget (views counted by their own size)
         self.past_budget_before = 0       # the last completed step's past_budget_bytes, where it had a budget

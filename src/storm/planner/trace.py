@@ -160,9 +160,13 @@ class OffloadTrace:
 class PlanStep(Offload):
     """The storm.offload context of a step storm.plan runs other than a full offload's: one that offloads
     every save (its budget None) does so within the limits the plan gives it, not following a room of
-    full offload's (hooks.Offload.full_offload)."""
+    full offload's (hooks.Offload.full_offload), and prefetches what the plan's hooks allow as backward
+    reaches each block, not what the markers past its budget measure before (hooks.Offload.paced):
+    a language model's loss unpacks its first marker at the step's peak, after the model's output
+    was let go of, and the marker read that as room backward had made."""
 
     full_offload = False
+    paced = True
 
 
 class TracedStep(PlanStep):
