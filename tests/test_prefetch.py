@@ -139,30 +139,6 @@ def test_a_marker_s_allowance_is_what_backward_freed_and_not_the_copies_finished
     assert p.allowance_at(step, marker) == 24 * KIB
 
 
-def test_prefetch_within_the_step_s_own_memory_counts_what_backward_still_holds():
-    """allow_prefetch's ``within``: the allowance is cut to what brings the step's own memory
-    (the allocator's count less the copy queue) to it, the bytes fetched ahead and not yet
-    unpacked counted once; with memory to spare the caller's room stands."""
-    from storm.restore import Restorer
-
-    held = {"bytes": 0}
-    queue = CopyQueue(lambda: None, threading.RLock())
-    queue.memory = lambda device: held["bytes"]
-    restorer = Restorer(lambda: None, threading.RLock(), None, None, queue)
-    fetched: list[int] = []
-    restorer.prefetch.fetch = lambda s: fetched.append(s.key) or Copy(Resolved(Landed()))
-    step = step_of([State.OFFLOADED] * 6, nbytes=10 * KIB)
-    held["bytes"] = 300 * KIB  # a loss's buffers still held as backward reaches the blocks
-    restorer.allow_prefetch(step, 40 * KIB, within=325 * KIB)
-    assert fetched == [6, 5]  # 25 KiB to spare: two of the four the room allowed
-    held["bytes"] = 320 * KIB  # the two fetched, allocated
-    restorer.allow_prefetch(step, 40 * KIB, within=330 * KIB)
-    assert fetched == [6, 5, 4]  # 10 KiB more beside them
-    held["bytes"] = 100 * KIB  # the buffers gone
-    restorer.allow_prefetch(step, 40 * KIB, within=1 << 30)
-    assert fetched == [6, 5, 4, 3]  # the room, and no more: 4 in flight
-
-
 def test_a_storage_the_unpack_fetches_itself_is_not_fetched_ahead_again():
     """Backward's unpack of a storage several ops saved fetches it on demand and then looks ahead:
     the prefetcher must not start a second fetch of the same storage (its later unpacks find the

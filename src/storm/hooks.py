@@ -284,24 +284,15 @@ class Offload(contextlib.ContextDecorator):
         if self._session is not None:
             self._session.copy_queue.drain(limit)
 
-    def allow_prefetch(self, nbytes: int | str, within: int | None = None) -> None:
+    def allow_prefetch(self, nbytes: int | str) -> None:
         """Backward has freed ``nbytes`` now (bytes, or a size such as '128MiB'): as many
         offloaded bytes may be fetched ahead, on top of the prefetch window (storm.plan calls it as
-        backward reaches each block). ``within``: where given, no more than brings the step's own
-        memory (``memory``, on the device of its offloaded saves) to that many bytes: what backward
-        holds as it gets here can be more than the caller reckoned (a loss's buffers still held as
-        backward reaches the blocks), and fetches are allocated on top of it."""
+        backward reaches each block)."""
         # checked first: the step keeps the allowance (Step.fetch_allowance), and backward's prefetch reads it
         nbytes = bytes_option("allow_prefetch's nbytes", nbytes)
         if self._session is None or self._step is None:
             raise RuntimeError("storm.offload has not been entered yet")
-        self._session.restorer.allow_prefetch(self._step, nbytes, within)
-
-    def memory(self, device: torch.device) -> int | None:
-        """The step's own memory on ``device`` now: the bytes the CUDA caching allocator holds, less
-        the saves waiting for their copy to the host (they go as their copies finish, not as the
-        step frees them); None off CUDA or outside the context."""
-        return self._session.copy_queue.step_memory(device) if self._session is not None else None
+        self._session.restorer.allow_prefetch(self._step, nbytes)
 
     def synchronize(self) -> None:
         """Wait for this session's copies in flight; after it, saved tensors may be modified in place."""

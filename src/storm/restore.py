@@ -121,18 +121,12 @@ class Restorer:
                 step.fetch_allowance = self.prefetch.allowance_at(step, marker)
             self.prefetch.ahead(step, marker.index)
 
-    def allow_prefetch(self, step: Step, nbytes: int, within: int | None = None) -> None:
+    def allow_prefetch(self, step: Step, nbytes: int) -> None:
         """Backward has freed ``nbytes`` for fetches now (a caller that knows the model's blocks, such as
         storm.plan, says so as backward reaches each): as many offloaded bytes of ``step`` may
-        come back ahead, on top of the prefetch window; with ``within``, no more than brings the
-        step's own memory (CopyQueue.step_memory, on the device of its saves) to it, the bytes
-        fetched ahead and not yet unpacked counted in it once."""
+        come back ahead, on top of the prefetch window."""
         self._poll()
         with self._lock:
-            if within is not None and step.order:
-                now = self._copy_queue.step_memory(step.order[0].device)
-                if now is not None:
-                    nbytes = min(nbytes, max(0, within - now + self.prefetch.nbytes))
             step.paced = step.fetching = True
             step.fetch_allowance = nbytes  # may shrink: what backward frees can be taken by gradients
             self.prefetch.ahead(step, len(step.order))

@@ -173,9 +173,9 @@ def test_what_prefetch_may_fetch_at_each_block_stays_within_the_plan_s_peak(monk
     allowed: list[int] = []
     allow = Restorer.allow_prefetch
 
-    def recorded(self, step, nbytes, within=None):
+    def recorded(self, step, nbytes):
         allowed.append(nbytes)
-        allow(self, step, nbytes, within)
+        allow(self, step, nbytes)
 
     model, idx = gpt()
     planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0, chooser=offload_two,
@@ -195,16 +195,10 @@ def test_what_prefetch_may_fetch_at_each_block_stays_within_the_plan_s_peak(monk
 
 class Paced:
     """What a planned step's pacing hooks tell storm.offload, recorded: the room each block's
-    backward allows prefetch, and what the step's own memory may reach with it (``within``);
-    ``held``: what memory() reads, the step's own memory (None: off CUDA)."""
+    backward allows prefetch."""
 
-    def __init__(self, held: int | None = None) -> None:
+    def __init__(self) -> None:
         self.rooms: list[int] = []
-        self.within: list[int | None] = []
-        self.held = held
-
-    def memory(self, device: torch.device) -> int | None:
-        return self.held
 
     def drain(self, limit: int) -> None:
         pass
@@ -215,9 +209,8 @@ class Paced:
     def offload_at_most(self, n: int) -> None:
         pass
 
-    def allow_prefetch(self, room: int, within: int | None = None) -> None:
+    def allow_prefetch(self, room: int) -> None:
         self.rooms.append(room)
-        self.within.append(within)
 
 
 def test_a_blocks_measured_backward_extra_moves_the_room_prefetch_takes_there_and_nowhere_else():
@@ -241,31 +234,3 @@ def test_a_blocks_measured_backward_extra_moves_the_room_prefetch_takes_there_an
     assert [r for i, r in enumerate(heavier) if i != 2] == [r for i, r in enumerate(plain) if i != 2]
     assert [r for i, r in enumerate(lighter) if i != 2] == [r for i, r in enumerate(plain) if i != 2]
     assert rooms(8 * MiB, grads=False) == rooms(0, grads=False)  # budget=: saves alone, as its plan counts them
-
-
-def test_with_peak_fetches_at_each_block_stay_within_what_the_plan_s_peak_leaves_beside_the_block():
-    """With peak=, each block's allowance also says what the step's own memory may reach with the
-    fetches: its memory as block 0 began plus the plan's peak, less the window, the block's own
-    saves and its gradients yet to come. What backward holds as it gets there is read then (the
-    restorer's part: test_prefetch_within_the_step_s_own_memory_counts_what_backward_still_holds):
-    a loss's buffers still held as backward reaches the last block had the plan's room fetched on
-    top of the step's peak. Off CUDA (no reading) and with budget= there is no such bound."""
-    model, idx = gpt()
-    n = len(model.blocks)
-    grad = 2 * MiB
-
-    def told(held: int | None, grads: bool = True) -> Paced:
-        blocks = [BlockTrace(saved_bytes=10 * MiB, input_bytes=MiB, grad_bytes=grad) for _ in range(n)]
-        trace = Trace(blocks=blocks, offloaded_before=[10 * MiB * i for i in range(n + 1)])
-        plan = Plan(offloaded=2, recomputed=frozenset(), offload_budget=20 * MiB, max_held_bytes=0,
-                    prefetch_bytes=4 * MiB, predicted_peak=100 * MiB, predicted_cost_ms=0.0, fits=True)
-        hooks, paced = BlockHooks(list(model.blocks), reentrant=True), Paced(held)
-        hooks.apply(plan, trace, grads=grads, on_new_shapes=lambda: None, signature=(), ctx=lambda: paced)
-        grads_of(model, idx)
-        hooks.close()
-        return paced
-
-    paced = told(held=500 * MiB)
-    assert paced.within[::-1] == [500 * MiB + 100 * MiB - 4 * MiB - 10 * MiB - grad] * n
-    assert told(held=None).within == [None] * n
-    assert told(held=500 * MiB, grads=False).within == [None] * n

@@ -205,11 +205,7 @@ class BlockHooks:
         saves (with its fetched inputs, where they were offloaded) or the largest rebuild still
         to come, and (where the plan's peak counts them, with peak=) the parameter gradients
         allocated from there on, so fetches start as early as memory allows and hold back as
-        gradients grow. With peak=, the fetches must also fit beside what the step holds as
-        backward gets there, read then (the step's own memory since block 0 began, which the
-        plan's figures add up otherwise): backward's start may still hold a loss's buffers as it
-        reaches the last block, and fetching what the plan leaves free at that block then would
-        put those bytes on the step's peak. The blocks recomputed with their
+        gradients grow. The blocks recomputed with their
         inputs offloaded pass them through STORM's hooks as the offloaded blocks' saves do: the
         hooks come off after the last of them, unless that is the last block: then the early
         saves after the blocks (held.after_kept) go too, as the plan counts."""
@@ -217,10 +213,6 @@ class BlockHooks:
         end = p.offloaded + p.inputs_offloaded  # the blocks whose saves (or inputs) are offloaded
         grad = [b.grad_bytes * grads for b in blocks]  # in the plan's peak with peak= only
         room = [0] * len(blocks)
-        # with peak=: the step's own memory above block 0's start that fetches may bring it to as
-        # backward reaches block i: the plan's peak less the window, the block's own saves and its
-        # gradients yet to come (the besides its backward adds are the plan's peak's besides)
-        ceiling: list[int | None] = [None] * len(blocks)
         kept, first = holdings(trace, p.offloaded, p.recomputed, p.inputs_offloaded)
         rebuild = 0  # the largest saves (and fetched inputs) of a recomputed block before i: rebuilt later in backward
         for i, b in enumerate(blocks):
@@ -233,8 +225,6 @@ class BlockHooks:
             # less the prefetch window, which the peak counts (in flight) and prefetch adds once it fetches
             held = sum(kept[:i]) + first[i]  # with the shared inputs it is the first block to keep
             room[i] = max(0, p.predicted_peak - p.prefetch_bytes - held - in_use - sum(grad[i:]))
-            if grads:
-                ceiling[i] = p.predicted_peak - p.prefetch_bytes - in_use - grad[i]
             if i in p.recomputed:
                 rebuild = max(rebuild, own)
         # after block i, the copies still running may use what the blocks after the next will
@@ -243,17 +233,6 @@ class BlockHooks:
         # that moment: backward's start also holds the loss's and the last block's temporaries,
         # which the model leaves out and which can take a tight plan over its cap
         limit = [p.in_flight_bytes + sum(kept[i + 2:]) for i in range(len(blocks))]
-        device = device_of(self.blocks)
-        start: list[int | None] = [None]  # the step's own memory as block 0's first call began
-
-        def began(m: nn.Module, args: Any) -> None:
-            step = ctx()
-            if step is not None and self.calls[0] == 1 and grads:
-                start[0] = step.memory(device)
-
-        def within(i: int) -> int | None:
-            bound, at = ceiling[i], start[0]
-            return None if bound is None or at is None else at + bound
 
         def reached(i: int, m: nn.Module, args: Any, out: Any) -> None:
             step = ctx()
@@ -268,9 +247,8 @@ class BlockHooks:
                     step.offload_at_most(trace.after_early_bytes)
             t = grad_tensor(out)
             if t is not None:
-                t.register_hook(lambda grad: step.allow_prefetch(room[i], within(i)))
+                t.register_hook(lambda grad: step.allow_prefetch(room[i]))
 
-        self._hooks.append(self._pre_hook(0, self._training(began)))
         for i in range(len(self.blocks)):
             self._hooks.append(self._post_hook(i, self._training(functools.partial(reached, i))))
 
