@@ -552,13 +552,19 @@ def percentile(values: list[float], q: float) -> float:
 
 # Results with their provenance
 
-def commit() -> str:
+def commit(repo: Path = REPO) -> str:
     """$STORM_COMMIT when set (the lent GPU machine gets a copy of the tree whose .git, if any, is
-    not this checkout's), else the checkout's HEAD, else "unknown"."""
+    not this checkout's), else the checkout's HEAD, with "+uncommitted" where tracked files differ
+    from it (code that no commit holds: on the lent machine, a .git older than the tree it was
+    copied with), else "unknown"."""
     if os.environ.get("STORM_COMMIT"):
         return os.environ["STORM_COMMIT"]
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return git.stdout.strip() if git.returncode == 0 and git.stdout.strip() else "unknown"
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
+    head = git.stdout.strip()
+    if git.returncode != 0 or not head:
+        return "unknown"
+    changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=repo, capture_output=True).returncode
+    return head + "+uncommitted" * (changed != 0)
 
 
 def meta(device: torch.device | str | None = None, **extra: object) -> dict:

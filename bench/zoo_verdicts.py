@@ -128,11 +128,18 @@ def _prediction(c: dict, mine: dict) -> dict:
             "holds": abs(p - m) <= max(0.03 * m, 64 * MiB)}
 
 
+def short_commit(commit: object) -> str:
+    """A commit as the tables name it: its first 7 digits, and what common.commit() added to it
+    (+uncommitted: code that no commit holds)."""
+    head, plus, rest = str(commit or "?").partition("+")
+    return head[:7] + plus + rest
+
+
 def table(name: str, cell: dict, markdown: bool = False) -> str:
     """A cell's rows (method, step, peak), its duels and verdicts: plain text, or the Markdown of
     docs/results.md."""
     w = cell["workload"]
-    where = "; ".join(sorted({f"{m.get('device', '?')}, {m.get('date', '?')[:10]}, {str(m.get('commit', '?'))[:7]}"
+    where = "; ".join(sorted({f"{m.get('device', '?')}, {m.get('date', '?')[:10]}, {short_commit(m.get('commit'))}"
                               for m in cell.get("calls", [cell.get("meta", {})])}))
     head = (f"{name}: {w['arch']} {w['layers']} layers, hidden {w['hidden']}, batch {w['batch']} x {w['seq']} "
             f"({where})")

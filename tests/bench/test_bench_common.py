@@ -4,6 +4,7 @@ their stormd, which says BYE for the benchmark's own sessions first."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -33,7 +34,28 @@ def test_results_carry_their_provenance_and_stormd_commit_names_the_code(tmp_pat
 def test_without_stormd_commit_the_checkouts_head_is_recorded(monkeypatch):
     monkeypatch.delenv("STORM_COMMIT", raising=False)
     head = common.commit()
-    assert head == "unknown" or len(head) == 40
+    assert head == "unknown" or len(head.removesuffix("+uncommitted")) == 40
+
+
+def test_a_tree_that_differs_from_its_head_is_recorded_as_such(tmp_path, monkeypatch):
+    """A tree whose tracked files differ from HEAD ran code no commit holds (the lent machine's copy
+    of a tree came with an older .git): its HEAD alone would name other code. Untracked files
+    (results, carried wheels) change nothing."""
+    monkeypatch.delenv("STORM_COMMIT", raising=False)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path,
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("a = 1\n")
+    git("add", "code.py")
+    git("commit", "-q", "-m", "one")
+    head = git("rev-parse", "HEAD")
+    (tmp_path / "result.json").write_text("{}")
+    assert common.commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("a = 2\n")
+    assert common.commit(tmp_path) == head + "+uncommitted"
 
 
 def test_percentile_is_the_nearest_rank():

@@ -565,6 +565,7 @@ def test_the_summary_prints_a_runs_tables_and_without_cuda_it_measures_nothing(t
     printed = capsys.readouterr().out
     assert "| enable peak=2.500GiB | 140.00 | 2.490 |" in printed and "full_offload: " in printed
     assert "NVIDIA H100 80GB HBM3, 2026-12-01, abcdef0" in printed
+    assert zoo_verdicts.short_commit("abcdef0123+uncommitted") == "abcdef0+uncommitted"  # code no commit holds
     if not torch.cuda.is_available():  # as a user runs it
         r = run_bench("zoo.py", "--cells", "llama-wide", "--out", str(tmp_path / "new.json"))
         assert r.returncode == 2 and "CUDA" in r.stderr and not (tmp_path / "new.json").exists()
