@@ -13,8 +13,12 @@ statistics within the steps it measures or tries (its reading of them is ``plann
 (torch.cuda.memory._record_memory_history with Python stacks: it slows the host, so those steps
 run later than the others) and replayed to the step's highest moment; what was alive there and
 allocated in the step is grouped by the innermost frame of STORM, the model's library or this
-script. ``--record-phases P...``: every step of these planner phases too (e.g. measure). Without
-CUDA it exits 2.
+script. ``--record-phases P...``: every step of these planner phases too (e.g. measure).
+``--profile``: the last settled step runs under torch.profiler (host and device, Python frames
+included), and the entries that took the most host time of their own are kept; with ``--baseline
+METHOD`` (a method of common.Trainer, such as checkpoint), a step of that method on the same cell
+too, once STORM's trainer is closed: where a plan's step time goes against the method it competes
+with. Without CUDA it exits 2.
 """
 
 from __future__ import annotations
@@ -89,6 +93,34 @@ def recorded_step(t: Trainer, device: torch.device) -> tuple[float, dict]:
     return seconds, at_peak(events)
 
 
+def profile_summary(averages: list[Any], top: int = 30) -> list[dict]:
+    """torch.profiler's key averages, the ``top`` that took the most host time of their own (an op,
+    a Python function, a CUDA runtime call such as a host wait): calls, host ms of their own and in
+    all, and the device ms of their own."""
+    rows = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"name": e.key, "calls": e.count, "self_host_ms": round(e.self_cpu_time_total / 1e3, 3),
+             "host_ms": round(e.cpu_time_total / 1e3, 3),
+             "self_device_ms": round(getattr(e, "self_device_time_total", 0) / 1e3, 3)} for e in rows]
+
+
+def profiled_step(t: Trainer) -> dict:
+    """One step of ``t`` under torch.profiler: its ms, and profile_summary of it."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        seconds = t.step()
+    return {"ms": round(seconds * 1e3, 2), "top": profile_summary(list(prof.key_averages()))}
+
+
+def baseline_profile(cell: str, method: str, device: torch.device, warmup: int = 3) -> dict:
+    """A step of ``method`` on ``cell`` under torch.profiler, after ``warmup`` steps."""
+    t = Trainer(CELLS[cell], method, {}, device)
+    try:
+        t.warm(warmup)
+        return {"method": method, **profiled_step(t)}
+    finally:
+        t.close()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cell", required=True, choices=list(CELLS))
@@ -98,6 +130,8 @@ def main() -> int:
                    help="settled steps (1 = the first) whose allocator history is replayed at their peak")
     p.add_argument("--record-phases", nargs="*", default=[], metavar="PHASE",
                    help="planner phases (storm.planner.Phase values) whose steps are recorded too")
+    p.add_argument("--profile", action="store_true", help="the last settled step under torch.profiler")
+    p.add_argument("--baseline", metavar="METHOD", help="with --profile: a step of this method profiled too")
     p.add_argument("--max-steps", type=int, default=60, help="steps before giving up on settling")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -120,13 +154,18 @@ def main() -> int:
             if rows:
                 print(rows[-1], flush=True)
             record = phase == "settled" and settled + 1 in args.record or phase in args.record_phases
+            profile = args.profile and phase == "settled" and settled + 1 == args.steps
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
+            alive = profiled = None
             if record:
                 seconds, alive = recorded_step(t, device)
+            elif profile:
+                profiled = profiled_step(t)
+                seconds = profiled["ms"] / 1e3
             else:
-                seconds, alive = t.step(), None
+                seconds = t.step()
             row = {"step": len(rows) + 1, "phase": phase, "ms": round(seconds * 1e3, 2),
                    "peak_MiB": round((torch.cuda.max_memory_allocated(device) - base) / MiB, 1)
                    if phase == "settled" else None}
@@ -137,6 +176,8 @@ def main() -> int:
                                "prefetch_MiB": round(plan.prefetch_bytes / MiB, 1)}
             if alive is not None:
                 row["at_peak"] = alive
+            if profiled is not None:
+                row["profile"] = profiled["top"]
             rows.append(row)
             settled += phase == "settled"
         if rows:
@@ -145,8 +186,9 @@ def main() -> int:
         explain = t.planner.explain() if t.planner is not None else None
     finally:
         t.close()
+    baseline = baseline_profile(args.cell, args.baseline, device) if args.profile and args.baseline else None
     write(args.out, {"cell": args.cell, "peak_GiB": round(args.peak / GiB, 3), "steps": rows, "plan": summary,
-                     "explain": explain}, device, command=" ".join(sys.argv))
+                     "explain": explain, "baseline": baseline}, device, command=" ".join(sys.argv))
     return 0
 
 

@@ -3,6 +3,8 @@ step's start there, and what was alive then, by where it was allocated."""
 
 from __future__ import annotations
 
+import torch
+
 from helpers import bench_module
 
 for sibling in ("hf", "zoo_verdicts", "zoo"):  # the zoo's cells: the script imports them as siblings
@@ -34,3 +36,22 @@ def test_the_peak_is_the_highest_moment_and_what_was_alive_there_is_grouped_by_w
         {"stream": 0, "where": "mistral/modeling_mistral.py:90 forward", "MiB": 112.0, "blocks": 2},
         {"stream": 7, "where": "storm/session.py:250 save", "MiB": 32.0, "blocks": 1, "storm": "session.py:250 save"},
     ]
+
+
+def test_a_profile_keeps_what_took_the_most_host_time_of_its_own():
+    """profile_summary over a real torch.profiler run (on the CPU): the entries that took the most
+    host time of their own, most first, each with its calls; Python functions are among them."""
+    x = torch.randn(256, 256)
+
+    def matmuls() -> None:
+        for _ in range(5):
+            x.mm(x)
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        matmuls()
+    top = step_peaks.profile_summary(list(prof.key_averages()), top=50)
+    assert [r["self_host_ms"] for r in top] == sorted((r["self_host_ms"] for r in top), reverse=True)
+    mm = next(r for r in top if r["name"] == "aten::mm")
+    assert mm["calls"] == 5 and mm["host_ms"] >= mm["self_host_ms"] > 0
+    assert any("matmuls" in r["name"] for r in top)
+    assert len(step_peaks.profile_summary(list(prof.key_averages()), top=2)) == 2
