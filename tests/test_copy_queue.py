@@ -152,7 +152,7 @@ def test_a_profiled_unpack_brings_back_the_storage_once_and_leaves_its_mark_in_t
     queue, waited = queue_and_waits()
     rooms = Rooms(queue)
     rooms.record = record = ScriptedRecord()
-    rooms.memory = lambda device: 100
+    rooms.queue.memory = lambda device: 100
     step = Step(1, float("inf"), StepOptions())
     rooms.start_step(step)
     assert step.profile is not None
@@ -186,7 +186,7 @@ def test_closing_stops_the_record_of_a_step_still_profiling():
     queue, waited = queue_and_waits()
     rooms = Rooms(queue)
     rooms.record = record = ScriptedRecord()
-    rooms.memory = lambda device: 100
+    rooms.queue.memory = lambda device: 100
     step = Step(1, float("inf"), StepOptions())
     rooms.start_step(step)
     stored, _ = save(queue, step, 10, waited)
@@ -206,7 +206,7 @@ def test_the_profiled_step_record_is_read_once_though_budget_steps_come_between(
     size = allocator_record.RECORD_MARK_BYTES
     rooms.record = record = ScriptedRecord([{"action": "alloc", "addr": mark, "size": size, "stream": 0}
                                             for mark in (1, 2)])
-    rooms.memory = lambda device: 100
+    rooms.queue.memory = lambda device: 100
     step = Step(1, float("inf"), StepOptions())
     rooms.start_step(step)
     stored, _ = save(queue, step, 10, waited)

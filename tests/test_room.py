@@ -399,7 +399,7 @@ def test_a_room_that_keeps_saves_is_tried_against_keeping_none_and_the_lower_pea
     import logging
 
     rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
-    rooms.memory = lambda device: 100
+    rooms.queue.memory = lambda device: 100
     rooms.record = record = PeakRecord(rises)
     rooms.profiling = lm_room().profile
     storage = torch.empty(2).untyped_storage()
@@ -432,7 +432,7 @@ def test_a_trial_step_without_backward_measures_nothing_and_the_next_tries_the_r
     from storm.rooms import MAX_TRIAL_STEPS
 
     rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
-    rooms.memory = lambda device: 100
+    rooms.queue.memory = lambda device: 100
     rooms.record = PeakRecord([10] * (MAX_TRIAL_STEPS + 8))
     rooms.profiling = lm_room().profile
     storage = torch.empty(2).untyped_storage()
@@ -476,10 +476,10 @@ def test_a_step_is_settled_once_it_follows_to_its_end_the_room_no_trial_weighs()
         s.unpacked = 1
         return s
 
-    rooms.memory = lambda device: None  # nothing read
+    rooms.queue.memory = lambda device: None  # nothing read
     unread = step(1)
     assert unread.profile is not None and rooms.settled(unread)
-    rooms.memory = lambda device: 100
+    rooms.queue.memory = lambda device: 100
     profiled = step(2)
     assert profiled.profile.saves and not rooms.settled(profiled)
     rooms.record = PeakRecord([50, 50])
@@ -496,7 +496,7 @@ def test_a_step_is_settled_once_it_follows_to_its_end_the_room_no_trial_weighs()
 def test_a_room_that_keeps_every_save_is_measured_from_its_first_kept_save():
     """Kept saves make no put: a trial step whose room keeps its first save starts the record there."""
     rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
-    rooms.memory = lambda device: 100
+    rooms.queue.memory = lambda device: 100
     rooms.record = record = PeakRecord([10, 10])
     rooms.profiling = Room(Profile(sizes=[8], saves=[10], unpack_sizes=[8], unpacks=[18],
                                    unpack_saves=[0], rises=[0, 0])).profile
@@ -512,7 +512,7 @@ def test_a_profiled_step_without_backward_gives_no_room_and_the_next_step_profil
     a backward) gives none, so it makes no room; the next full-offload step profiles again, and
     what the abandoned step does later is not the new profile's."""
     rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
-    rooms.memory = lambda device: 100
+    rooms.queue.memory = lambda device: 100
     storage = torch.empty(2).untyped_storage()
     first = Step(1, float("inf"), StepOptions())
     rooms.start_step(first)
@@ -529,7 +529,7 @@ def test_a_trial_step_that_leaves_its_room_measures_nothing_and_the_next_tries_t
     """A trial step whose first save is not its room's (another kind of step, as two kinds in turn
     make) follows another room: its peak is not the tried room's, so the next step tries it again."""
     rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
-    rooms.memory = lambda device: 100
+    rooms.queue.memory = lambda device: 100
     rooms.record = record = PeakRecord([10])
     other = Room(Profile(sizes=[16, 16], saves=[10, 20]))
     rooms.follow(other)
@@ -551,7 +551,7 @@ def test_a_profile_of_another_kind_made_while_a_trial_runs_starts_its_own_trial_
     kind's room is tried: its room, which would keep saves, is tried in its place, and the first
     kind's room keeps what its profile said, untried (a trial's steps are one kind's)."""
     rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
-    rooms.memory = lambda device: 100
+    rooms.queue.memory = lambda device: 100
     rooms.record = PeakRecord([10])
     rooms.profiling = lm_room().profile
     rooms.start_step(Step(1, float("inf"), StepOptions()))
@@ -657,7 +657,7 @@ def test_full_offload_profiles_one_step_then_keeps_its_queue_and_window_under_th
         made.append(current[0].made)
         real_drain(limit)
 
-    monkeypatch.setattr(rooms, "memory", reader)
+    monkeypatch.setattr(rooms.queue, "memory", reader)
     monkeypatch.setattr(session, "new_step", new_step)
     monkeypatch.setattr(queue, "drain", drain)
     monkeypatch.setattr(rooms, "room", None)
@@ -715,7 +715,7 @@ def fresh_rooms():
     storm.close_all()
     session = storm.registry.session_for("embedded", None, None)
     queue, rooms = session.copy_queue, session.rooms
-    rooms.memory = lambda device: queue.nbytes + session.restorer.prefetch.nbytes + MiB
+    rooms.queue.memory = lambda device: queue.nbytes + session.restorer.prefetch.nbytes + MiB
     yield rooms
     storm.close_all()
 
@@ -847,7 +847,7 @@ def test_a_profiled_unpack_of_a_save_the_store_refused_counts_it_once():
 
     rooms = Rooms(CopyQueue(lambda: None, threading.RLock()))
     t = torch.empty(400, dtype=torch.uint8)
-    rooms.memory = lambda device: 1000 + t.untyped_storage().nbytes()
+    rooms.queue.memory = lambda device: 1000 + t.untyped_storage().nbytes()
     step = Step(1, float("inf"), StepOptions())
     step.profile = Profile(sizes=[400], saves=[1400])
     stored = Stored(1, step, t, StorageWeakRef(t.untyped_storage()), 400)
@@ -879,7 +879,7 @@ def test_profiles_that_gave_no_room_count_towards_the_bound_too(monkeypatch):
     from storm import rooms as rooms_mod
     monkeypatch.setattr(rooms_mod, "MAX_PROFILES", 2)
     rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
-    rooms.memory = lambda device: 100
+    rooms.queue.memory = lambda device: 100
     storage = torch.empty(2).untyped_storage()
     profiled = []
     for number in range(6):
@@ -895,7 +895,7 @@ def test_a_full_offload_step_with_a_room_computes_the_same_gradients(monkeypatch
     """The room changes when copies are waited for, never what is saved or restored."""
     session = storm.registry.session_for("embedded", None, None)
     queue, rooms = session.copy_queue, session.rooms
-    monkeypatch.setattr(rooms, "memory", lambda device: queue.nbytes + session.restorer.prefetch.nbytes + MiB)
+    monkeypatch.setattr(rooms.queue, "memory", lambda device: queue.nbytes + session.restorer.prefetch.nbytes + MiB)
     monkeypatch.setattr(rooms, "room", None)
     monkeypatch.setattr(rooms, "profiling", None)
     grads = []
@@ -948,7 +948,7 @@ def framed_saves(sizes_and_frames: list[tuple[int, int]], own: list[int]) -> tup
     queue = CopyQueue(lambda: None, threading.RLock())
     rooms = Rooms(queue)
     now = {"own": 0}
-    rooms.memory = lambda device: now["own"] + sum(s.nbytes for s, *_ in queue._saves)
+    rooms.queue.memory = lambda device: now["own"] + sum(s.nbytes for s, *_ in queue._saves)
     step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 40))
     rooms.start_step(step)
     for (nbytes, frame), held in zip(sizes_and_frames, own):
@@ -1004,7 +1004,7 @@ def test_a_storage_the_room_fetches_again_comes_back_at_each_unpack_with_the_sam
     gradients are the same bits."""
     session = storm.registry.session_for("embedded", None, None)
     queue, rooms = session.copy_queue, session.rooms
-    monkeypatch.setattr(rooms, "memory", lambda device: queue.nbytes + session.restorer.prefetch.nbytes + MiB)
+    monkeypatch.setattr(rooms.queue, "memory", lambda device: queue.nbytes + session.restorer.prefetch.nbytes + MiB)
     monkeypatch.setattr(rooms, "room", None)
     monkeypatch.setattr(rooms, "profiling", None)
     monkeypatch.setattr(Room, "refetches", lambda self, index: refetch)
@@ -1049,7 +1049,7 @@ def test_a_profiled_unpack_says_which_block_its_reading_counted_once_the_storage
     record's replay counts that block's free; a save's reading counts none."""
     session = storm.registry.session_for("embedded", None, None)
     queue, rooms = session.copy_queue, session.rooms
-    monkeypatch.setattr(rooms, "memory", lambda device: queue.nbytes + session.restorer.prefetch.nbytes + MiB)
+    monkeypatch.setattr(rooms.queue, "memory", lambda device: queue.nbytes + session.restorer.prefetch.nbytes + MiB)
     monkeypatch.setattr(rooms, "room", None)
     monkeypatch.setattr(rooms, "profiling", None)
     monkeypatch.setattr(rooms, "record", RisingRecord({}))

@@ -43,8 +43,7 @@ import torch
 from . import allocator_record
 from .allocator_record import AllocatorRecord, Record, replay
 from .copy_queue import CopyQueue
-from .gpu import allocated_or_none
-from .room import Profile, Reader, Room
+from .room import Profile, Room
 from .saved import State, Step, Stored
 
 MAX_ROOMS = 8  # rooms kept, one per kind of step, the least recently followed dropped first
@@ -115,7 +114,6 @@ class Rooms:
         self._profiled_step: weakref.ref[Step] | None = None
         self.trial: Trial | None = None  # a room that keeps saves, tried against keeping none
         self._measure: Measure | None = None  # the trial step being measured
-        self.memory: Reader = allocated_or_none  # what the allocator holds on a device, None where unknown
         self.record: Record = AllocatorRecord()  # the allocator's history while a step profiles
 
     def start_step(self, step: Step) -> None:
@@ -289,7 +287,7 @@ class Rooms:
         tries, the allocator's record runs from here with a mark, and what is held now."""
         measure = self._measure
         if measure is not None and measure.step is step and step.room is measure.room:
-            held = self.memory(storage.device)
+            held = self.queue.memory(storage.device)
             if held is not None:
                 self.record.start(storage.device)
                 measure.device, measure.start, measure.mark = storage.device, held, self.record.mark(storage.device)
@@ -316,12 +314,12 @@ class Rooms:
                 self._profile_kind(step, nbytes)
             self._measure_from(step, storage)
         if step.profile is not None:
-            held = self.memory(storage.device)
+            held = self.queue.step_memory(storage.device)
             if held is not None:
                 address = storage.data_ptr()
                 step.profile.sizes.append(nbytes)
                 step.profile.addresses.append(address)
-                step.profile.saves.append(held - self.queue.allocated)
+                step.profile.saves.append(held)
                 self._mark(step.profile, storage.device, [address])
 
     def frame_fits(self, step: Step, frame: int) -> bool:
@@ -353,7 +351,7 @@ class Rooms:
                 step.room, self._profile_next = None, True
         step.unpacked += 1  # the room's place in backward (Step.window)
         if step.profile is not None and step.profile.saves:
-            held = self.memory(stored.device)
+            held = self.queue.step_memory(stored.device)
             if held is not None:
                 # the bytes this unpack brings back: none where the storage is still on the device
                 # (its copy not yet let go of) or an earlier unpack brought it
@@ -362,7 +360,7 @@ class Rooms:
                 # the unpacked storage added, unless the allocator counts it already: brought back by
                 # an earlier unpack, or refused by the store and kept by the step all along
                 counted = restored or stored.state == State.KEPT
-                step.profile.unpacks.append(held - self.queue.allocated - prefetched
+                step.profile.unpacks.append(held - prefetched
                                             + (0 if counted else stored.nbytes))
                 step.profile.unpack_saves.append(stored.index)
                 if self._mark(step.profile, stored.device) and stored.state not in (State.HELD, State.KEPT):

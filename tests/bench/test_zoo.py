@@ -129,13 +129,13 @@ def test_t5s_full_offload_keeps_its_loss_saves_though_an_early_save_comes_back_b
         if handle is not None:
             session = storm.registry.session_for(STORM["mode"], None, STORM["pool_size"])
             queue, rooms = session.copy_queue, session.rooms
-            allocator = rooms.memory
+            allocator = queue.memory
 
             def reader(device: torch.device) -> int:
                 gradients = (4 << 10) * min(handle.last._step.unpacked, 10)  # growing as backward goes on
                 return (1 << 30) + gradients + queue.nbytes + session.restorer.prefetch.nbytes
 
-            rooms.memory = reader
+            queue.memory = reader
         steps, kept = [], []
         try:
             for _ in range(4):
@@ -150,7 +150,7 @@ def test_t5s_full_offload_keeps_its_loss_saves_though_an_early_save_comes_back_b
         finally:
             if handle is not None:
                 handle.disable()
-                rooms.memory, rooms.room = allocator, None
+                queue.memory, rooms.room = allocator, None
         if not enable:
             plain = steps
     assert kept[0] == 0 and min(kept[1:]) >= 2, kept  # the profile's step, then the room's

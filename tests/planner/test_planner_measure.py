@@ -341,7 +341,7 @@ def read_rooms():
     queue and the window: the CPU has no allocator to read), so that they profile and follow rooms."""
     storm.close_all()
     session = storm.registry.session_for("embedded", None, None)
-    session.rooms.memory = lambda device: session.copy_queue.nbytes + session.restorer.prefetch.nbytes + MiB
+    session.copy_queue.memory = lambda device: session.copy_queue.nbytes + session.restorer.prefetch.nbytes + MiB
     yield session.rooms
     storm.close_all()
 
