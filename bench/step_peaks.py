@@ -48,8 +48,8 @@ def where(frames: list[dict[str, Any]]) -> str:
 
 def storm_path(frames: list[dict[str, Any]], most: int = 8) -> str:
     """STORM's frames of a stack, innermost first: which of its paths allocated a block."""
-    return " < ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
-                      for f in frames if "/storm/" in f["filename"])[:most * 40]
+    ours = [f for f in frames if "/storm/" in f["filename"]][:most]
+    return " < ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in ours)
 
 
 def at_peak(events: list[dict[str, Any]], top: int = 12) -> dict:

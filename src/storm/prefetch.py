@@ -44,10 +44,9 @@ class Prefetcher:
         neither: their copies finishing free nothing backward may fill, since a language model's
         first unpacks come at its peak. Elsewhere, the bytes saved since the marker before, about to
         be freed."""
-        now = self.memory(marker.device) if step.level is not None else None
-        if step.level is None or now is None:
-            return step.fetch_allowance + marker.nbytes
-        return max(0, step.level - now) + self.nbytes  # the bytes prefetched are allocated already
+        if step.level is not None and (now := self.memory(marker.device)) is not None:
+            return max(0, step.level - now) + self.nbytes  # the bytes prefetched are allocated already
+        return step.fetch_allowance + marker.nbytes
 
     def ahead(self, step: Step, index: int, now: Stored | None = None) -> None:
         """Start fetching the storages saved before ``index``, within the allowance backward has made
