@@ -152,3 +152,26 @@ def test_a_storage_the_unpack_fetches_itself_is_not_fetched_ahead_again():
     assert fetched == [2, 1]  # the two before it, not it
 
 
+
+
+def test_a_storage_saved_again_later_is_fetched_where_it_was_last_saved():
+    """A model's rotary tables, made before the first layer and saved by every layer: the last
+    layer's recompute needs them first. Fetched where the first layer saved them, they came
+    behind every other fetch on the copy stream, and the last layer waited for all of them."""
+    step = step_of([State.OFFLOADED] * 4, window=8 * KIB)
+    table = step.order[0]
+    table.handles = 3
+    step.saved_again = [(2, table), (3, table)]  # saved again after the second save and after the third
+    step.fetching = True
+    p, fetched = prefetcher()
+    p.ahead(step, 4)
+    assert fetched == [4, 1]  # the table before the third save, not the third save
+    p.take(step.order[3])
+    p.ahead(step, 3)
+    assert fetched == [4, 1, 3]  # its place after the second save is passed: it is on its way
+    p.take(table)  # unpacked, and kept for its later unpacks (restore.py)
+    table.unpacks, here = 1, torch.empty(1)
+    p.restored[table.key] = weakref.ref(here)
+    p.take(step.order[2])
+    p.ahead(step, 2)
+    assert fetched == [4, 1, 3, 2]  # its place after the first save: here already

@@ -52,22 +52,27 @@ class Prefetcher:
         """Start fetching the storages saved before ``index``, within the allowance backward has made
         plus, once it unpacks offloaded saves, the byte window; not ``now``, which the unpack that
         calls this fetches itself (a storage several ops saved: its later unpacks will find it here).
+        A storage saved again after other saves comes at the latest place it was saved at
+        (Step.saved_again): backward unpacks it there first.
 
         ``step.cursor`` only moves down, so each storage is looked at about once per
         backward: O(1) per unpack. It waits at a storage whose copy to the store is
         still running (it may yet be needed from the device) and goes on once that
         copy is done. A second pass (retain_graph) fetches on demand."""
         step.cursor = min(step.cursor, index)
+        step.again_cursor = min(step.again_cursor, len(step.saved_again))
         window = step.window() if step.fetching else 0
         limit = step.fetch_allowance + window
-        while step.cursor > 0 and self.nbytes < limit:
-            s = step.order[step.cursor - 1]
+        while self.nbytes < limit:
+            s, again = self._next(step)
+            if s is None:
+                return
             if s.state == State.HELD:
                 return
             ref = self.restored.get(s.key)
             if (s is now or s.state != State.OFFLOADED or s.unpacks >= s.handles or s.key in self.copies
                     or (ref is not None and ref() is not None)):
-                step.cursor -= 1
+                self._pass(step, again)
                 continue  # not in the store, already unpacked, on its way, or here
             # the allowance is memory backward has freed (storm.plan's is its peak's slack): a fetch
             # must fit in it, with the frame it comes in, which the get holds beside the tensor it
@@ -76,6 +81,24 @@ class Prefetcher:
             # step's floor
             if self.nbytes + s.nbytes + s.frame_bytes > limit and (self.nbytes or not window or step.room is not None):
                 return
-            step.cursor -= 1
+            self._pass(step, again)
             self.copies[s.key] = self.fetch(s)
             self.nbytes += s.nbytes
+
+    @staticmethod
+    def _next(step: Step) -> tuple[Stored | None, bool]:
+        """The storage backward needs next before the cursors, and whether it is one saved again
+        (a place in Step.saved_again) rather than in the saving order; None where none is left."""
+        if step.again_cursor:
+            at, stored = step.saved_again[step.again_cursor - 1]
+            if at >= step.cursor:  # saved again after order[:cursor]: unpacked before them
+                return stored, True
+        return (step.order[step.cursor - 1] if step.cursor else None), False
+
+    @staticmethod
+    def _pass(step: Step, again: bool) -> None:
+        """Move past the storage _next gave."""
+        if again:
+            step.again_cursor -= 1
+        else:
+            step.cursor -= 1

@@ -85,6 +85,11 @@ class Step:
         self.by_storage: dict[int, Stored] = {}
         self.kept_by_room: set[int] = set()  # storages a room keeps on the device (by _cdata)
         self.cursor = 1 << 62  # order[cursor:] has been considered for prefetch
+        # storages saved again after other offloaded saves (a model's rotary tables, saved by every
+        # layer), each with the place of that save (Handle.index): backward needs such a storage at
+        # the latest of them, long before it reaches the place it was first saved at
+        self.saved_again: list[tuple[int, Stored]] = []
+        self.again_cursor = 1 << 62  # saved_again[again_cursor:] has been considered for prefetch
         self.stats = OffloadStats()
         self.modules: list[str] | None = None  # with named layers: the modules running now, innermost last
 

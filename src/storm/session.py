@@ -171,6 +171,8 @@ class ClientSession:
                         and (stored.version == t._version if stored.version is not None
                              else not stored.let_go):  # compiled: its memory unchanged until let go
                     step.stats.record(step.layer, saved=1, deduplicated=1)
+                    if len(step.order) > stored.index + 1:  # other offloaded saves came between
+                        step.saved_again.append((len(step.order), stored))
                     return self._handle(stored, t, len(step.order))
         step.candidate_bytes += nbytes
         if step.room is not None and self._kept_by_room(step, storage, nbytes, compiled):
