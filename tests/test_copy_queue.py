@@ -112,6 +112,17 @@ def test_past_a_budget_copies_may_run_behind_by_what_the_last_step_saved_past_it
     assert queue.limit(second) == 100
 
 
+def test_a_step_whose_forward_has_room_below_its_peak_lets_copies_run_behind_by_it():
+    """storm.plan says what forward holds below the plan's peak before each block (allow_queued):
+    saves wait for no copy within it, and from the allowance's end on the queue keeps to its own."""
+    queue, waited = queue_and_waits()
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=60), full_offload=False)
+    step.queue_allowance = 120
+    assert [save(queue, step, 60, waited)[1] for _ in range(3)] == [None, None, None]
+    step.queue_allowance = 0  # the last block's end
+    assert save(queue, step, 60, waited)[1] == 180 and queue.limit(step) == 60
+
+
 def test_a_look_without_the_lock_at_a_save_another_thread_just_released_finds_no_finished_copy():
     """poll looks at the oldest save without the session's lock: another thread may pop it and
     release it (its copy_in set to None) between that look's two reads. The look says no copy has

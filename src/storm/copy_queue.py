@@ -80,11 +80,13 @@ class CopyQueue:
         every save stays: until as many as in the last step have come (``step.past_budget_before``),
         the copies may run behind by that much more without raising the peak, and forward need not wait for the
         link (a budget that fits in forward's link time then costs forward nothing). A
-        full-offload step with a room holds no more than fits under its floor."""
+        full-offload step with a room holds no more than fits under its floor. A step whose caller
+        knows what forward holds below its peak (storm.plan, Offload.allow_queued) may run behind by
+        that much more, so the host does not wait on each block's copy and lose its lead on the GPU."""
         most = step.options.max_held_bytes
         if step.full_offload:
             return most if step.room is None else min(most, step.room.queue(step.made))
-        return most + max(0, step.past_budget_before - step.past_budget_bytes)
+        return most + max(0, step.past_budget_before - step.past_budget_bytes) + step.queue_allowance
 
     def copied(self) -> Stored | None:
         """The oldest save if its copy has finished, else None."""

@@ -284,6 +284,15 @@ class Offload(contextlib.ContextDecorator):
         if self._session is not None:
             self._session.copy_queue.drain(limit)
 
+    def allow_queued(self, nbytes: int | str) -> None:
+        """Forward has ``nbytes`` below the step's peak now (bytes, or a size such as '128MiB'): as
+        many more saved bytes may wait for their copy, on top of ``max_held_bytes``, until the next
+        call (storm.plan calls it before each block's forward, and with 0 after the last)."""
+        nbytes = bytes_option("allow_queued's nbytes", nbytes)
+        if self._step is None:
+            raise RuntimeError("storm.offload has not been entered yet")
+        self._step.queue_allowance = nbytes
+
     def allow_prefetch(self, nbytes: int | str) -> None:
         """Backward has freed ``nbytes`` now (bytes, or a size such as '128MiB'): as many
         offloaded bytes may be fetched ahead, on top of the prefetch window (storm.plan calls it as

@@ -66,6 +66,8 @@ class Step:
         self.full_offload = budget_bytes == float("inf") if full_offload is None else full_offload
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
         self.fetch_allowance = 0          # memory backward has freed: prefetch may run this far past its window
+        self.queue_allowance = 0          # memory forward has below the step's peak: copies may run this far
+                                          # behind past max_held_bytes (a caller that knows the blocks says so)
         self.fetching = False             # backward has unpacked an offloaded save: the window is open
         self.unpacked = 0                 # unpacks of offloaded saves so far (a room's place in backward)
         self.room: Room | None = None     # full offload: the limits an earlier step's profile gives (room.py)

@@ -199,9 +199,14 @@ class Paced:
 
     def __init__(self) -> None:
         self.rooms: list[int] = []
+        self.queued: list[int] = []  # the copy queue's allowance after each block's forward
+        self.drains: list[int] = []
 
     def drain(self, limit: int) -> None:
-        pass
+        self.drains.append(limit)
+
+    def allow_queued(self, nbytes: int) -> None:
+        self.queued.append(nbytes)
 
     def stop_offloading(self) -> None:
         pass
@@ -234,3 +239,34 @@ def test_a_blocks_measured_backward_extra_moves_the_room_prefetch_takes_there_an
     assert [r for i, r in enumerate(heavier) if i != 2] == [r for i, r in enumerate(plain) if i != 2]
     assert [r for i, r in enumerate(lighter) if i != 2] == [r for i, r in enumerate(plain) if i != 2]
     assert rooms(8 * MiB, grads=False) == rooms(0, grads=False)  # budget=: saves alone, as its plan counts them
+
+
+def test_forward_lets_copies_run_behind_by_its_room_below_the_peak_and_drains_after_the_last_block():
+    """Where backward's start is a plan's peak, forward holds much less: the copies may run behind
+    by the difference, so the host does not wait on each block's copy (losing its lead on the GPU,
+    a gap in the compute stream per block). After the last block the queue drains to what the plan
+    counts in flight, and allows nothing more: the loss comes next."""
+    model, idx = gpt()
+    n = len(model.blocks)
+
+    def paced_by(plan: Plan, blocks: list[BlockTrace]) -> Paced:
+        trace = Trace(blocks=blocks, offloaded_before=[10 * MiB * i for i in range(n + 1)])
+        hooks, paced = BlockHooks(list(model.blocks), reentrant=True), Paced()
+        hooks.apply(plan, trace, grads=False, on_new_shapes=lambda: None, signature=(), ctx=lambda: paced)
+        grads_of(model, idx)
+        hooks.close()
+        return paced
+
+    blocks = [BlockTrace(saved_bytes=10 * MiB, input_bytes=MiB) for _ in range(n)]
+    every = frozenset(range(n))  # every block recomputed with its inputs offloaded
+    inputs = Plan(offloaded=0, recomputed=every, offload_budget=None, max_held_bytes=MiB, prefetch_bytes=MiB,
+                  predicted_peak=100 * MiB, predicted_cost_ms=0.0, fits=True, in_flight_bytes=MiB,
+                  inputs_offloaded=n)
+    paced = paced_by(inputs, blocks)
+    # the peak less what is in flight, the block's saves and its output: nothing kept before it
+    assert paced.queued == [88 * MiB] * (n - 1) + [0]
+    assert paced.drains == [MiB]  # after the last block alone: to the plan's in flight bytes
+    # blocks 2.. kept: each keeps its saves, so the room shrinks block by block, never below none
+    kept = Plan(offloaded=2, recomputed=frozenset(), offload_budget=20 * MiB, max_held_bytes=MiB, prefetch_bytes=0,
+                predicted_peak=50 * MiB, predicted_cost_ms=0.0, fits=True)
+    assert paced_by(kept, blocks).queued == [max(0, 50 - 11 - 10 * max(0, i - 2)) * MiB for i in range(1, n)] + [0]

@@ -233,14 +233,24 @@ class BlockHooks:
         # that moment: backward's start also holds the loss's and the last block's temporaries,
         # which the model leaves out and which can take a tight plan over its cap
         limit = [p.in_flight_bytes + sum(kept[i + 2:]) for i in range(len(blocks))]
+        # as block i runs forward, the copies may run behind by what forward holds below the plan's
+        # peak there: the peak less what the plan counts in flight, the saves kept before block i
+        # (and the shared inputs it keeps first), its own saves and output as it makes them, and
+        # parameter gradients an earlier backward may have left (where the peak counts them). So the
+        # host need not wait on each block's copy, losing its lead on the GPU where backward's start
+        # is the peak. None after the last block: the loss and backward's start come next
+        before = trace.before_bytes * (end == 0) + sum(grad)
+        ahead = [max(0, p.predicted_peak - p.in_flight_bytes - before - sum(kept[:i]) - first[i]
+                     - b.saved_bytes - b.input_bytes) for i, b in enumerate(blocks)] + [0]
 
         def reached(i: int, m: nn.Module, args: Any, out: Any) -> None:
             step = ctx()
             if step is None:
                 return
-            if i >= end:
-                step.drain(limit[i])
-            elif i == end - 1 and self.calls[i] >= trace.forwards:  # earlier forwards offload by the budget alone
+            step.allow_queued(ahead[i + 1])
+            if i >= end - 1:  # past the offloading blocks no save of the step polls the copy queue
+                step.drain(max(limit[i], ahead[i + 1]))
+            if i == end - 1 and self.calls[i] >= trace.forwards:  # earlier forwards offload by the budget alone
                 if end < len(blocks) or not trace.after_early_bytes:
                     step.stop_offloading()  # the later saves stay: no hooks for them to pass through
                 else:  # the last block's saves or inputs went: the early saves after it go too
