@@ -55,3 +55,27 @@ def test_a_profile_keeps_what_took_the_most_host_time_of_its_own():
     assert mm["calls"] == 5 and mm["host_ms"] >= mm["self_host_ms"] > 0
     assert any("matmuls" in r["name"] for r in top)
     assert len(step_peaks.profile_summary(list(prof.key_averages()), top=2)) == 2
+
+
+def kernel(tid: int, ts: float, dur: float, name: str = "gemm", cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "tid": tid, "ts": ts, "dur": dur, "name": name}
+
+
+def test_a_timeline_finds_where_the_compute_stream_sat_idle_and_when_each_copy_ran():
+    """From a chrome trace's GPU events: the compute stream (the one of most kernels), its idle
+    time in all, before the loss's first kernel, and per bucket of the span; the copy streams."""
+    trace = {"traceEvents": [
+        kernel(7, 0, 1000), kernel(7, 1500, 1000), kernel(7, 3000, 1000),  # two gaps of 500 us in forward
+        kernel(7, 9000, 1000, "cunn_SoftMaxForward"),  # 5 ms waiting on the copy below: before the loss
+        kernel(7, 10000, 6000),
+        kernel(13, 1000, 600, "Memcpy DtoH", "gpu_memcpy"),
+        kernel(17, 4000, 5000, "Memcpy HtoD", "gpu_memcpy"),
+        {"ph": "X", "cat": "cpu_op", "tid": 1, "ts": 0, "dur": 99999, "name": "aten::mm"},  # host: left out
+    ]}
+    out = step_peaks.timeline(trace, bucket_ms=4.0)
+    assert out["span_ms"] == 16.0 and out["loss_at_ms"] == 9.0
+    assert out["compute"] == {"busy_ms": 10.0, "idle_ms": 6.0, "idle_before_loss_ms": 6.0,
+                              "idle_per_4_ms": [1.0, 5.0, 0.0, 0.0, 0.0]}
+    assert out["copies"] == {"13": {"busy_ms": 0.6, "count": 1, "at_ms": [[1.0, 0.6]]},
+                             "17": {"busy_ms": 5.0, "count": 1, "at_ms": [[4.0, 5.0]]}}
+    assert step_peaks.timeline({"traceEvents": []}) == {}
