@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from storm.policy import Keep, Policy
 from storm.session import ClientSession
 from stormd.growth import GROWTH_ALIGNMENT, GROWTH_SHARE
 from stormd.limits import host_room
+from stormd.wire.cuda import locking_s, record_locking
 
 MiB = 1 << 20
 PUT = dict(step=1, dtype="uint8", shape=[1], strides=[1], storage_offset=0, codec="raw")
@@ -234,6 +236,7 @@ def test_on_cuda_each_growth_of_the_page_locked_pool_is_page_locked_and_unlocked
             model.zero_grad(set_to_none=True)
             stats = run_step(session, model, x)
             assert set(stats.kept) == {Keep.PARAMETER} and stats.offloaded > 0, stats
+            assert stats.lock_s > 0  # the packs' page-locking, on the training thread: counted apart
             assert pool.cuda_registered and len(pool.cuda_ranges) > 1, pool.cuda_ranges
             assert sum(n for _, n in pool.cuda_ranges) == pool.size
         finally:
@@ -354,4 +357,49 @@ def test_without_a_ledger_of_its_own_a_store_keeps_its_own_cap_and_says_why(tmp_
         if ledger == "symlink":
             assert list(elsewhere.iterdir()) == []
     finally:
+        e.close()
+
+
+
+def locking_extend(pool, size):
+    """A growth whose page-locking says it took 3 s, on the thread that grows the pool."""
+    pool.grow(size)
+    record_locking(3.0)
+
+
+def test_page_locking_is_counted_per_thread_as_it_grows_the_pool():
+    """A client leaves a growth's page-locking out of the host time it reads per save (a cold
+    process's first step grows the pool at nearly every block, about a second per GiB, and
+    storm.plan's trace read the host's time per save many times too high): the counter is the
+    thread's own, so the mover's growths are not taken off the training thread's time."""
+    e = store(cap=64 * MiB, extend=locking_extend)
+    try:
+        before = locking_s()
+        put(e, 1, 4 * MiB)  # grows the 2 MiB pool, on this thread
+        assert locking_s() - before == 3.0
+        elsewhere = ThreadPoolExecutor(1)
+        assert elsewhere.submit(lambda: (put(e, 2, 16 * MiB), locking_s())[1]).result() == 3.0
+        elsewhere.shutdown()
+        assert locking_s() - before == 3.0
+    finally:
+        e.close()
+
+
+def test_a_cpu_save_s_pack_takes_nothing_off_for_the_mover_s_growths():
+    """CPU saves are PUT on the mover's thread: the growths there are not the packs' (lock_s stays
+    0) and take nothing off their time."""
+    e = store(cap=64 * MiB, extend=locking_extend)
+    session = ClientSession(e)
+    try:
+        step = session.new_step()
+        x = torch.randn(1 << 20, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: session.save(t, step, Policy(0)), session.load):
+            y = (x.exp() * 2).exp().sum()
+        session.end_step(step)
+        session.synchronize()
+        assert e.pool.size > 2 * MiB  # grown, on the mover's thread
+        assert step.stats.packs == step.stats.offloaded > 0 and step.stats.lock_s == 0 and step.stats.pack_s > 0
+        y.backward()
+    finally:
+        session.close()
         e.close()

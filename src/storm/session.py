@@ -29,6 +29,8 @@ from typing import Any, Callable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from stormd.wire.cuda import locking_s
+
 from .backend import Backend
 from .copies.base import PutRequest, Route
 from .copy_queue import CopyQueue
@@ -221,6 +223,7 @@ class ClientSession:
     def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, nbytes: int, step: Step,
                  compiled: bool) -> Handle:
         t0 = time.perf_counter()
+        locked = locking_s()
         self.poll()
         dtype = str(t.dtype).removeprefix("torch.")
         meta = {"dtype": dtype, "shape": list(t.shape), "strides": list(t.stride()),
@@ -251,7 +254,7 @@ class ClientSession:
             handle = self._handle(stored, t, stored.index)
             step.stats.record(stored.layer, saved=1, offloaded=1, offloaded_bytes=nbytes)
             drain_to = self.copy_queue.add(stored, step, frame)
-        step.stats.add_pack(time.perf_counter() - t0, framed=bool(frame))
+        step.stats.add_pack(time.perf_counter() - t0, framed=bool(frame), locking=locking_s() - locked)
         if drain_to is not None:  # bound what waits on the mover; wait outside the lock
             self.copy_queue.drain(drain_to)
         return handle

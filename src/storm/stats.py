@@ -30,7 +30,9 @@ class OffloadStats(Counters):
     saved. Fetch counters grow during its backward."""
 
     layers: dict[str, Counters] = field(default_factory=dict)
-    pack_s: float = 0.0  # training-thread time spent offloading saves, waits on the mover excluded
+    # training-thread time spent offloading saves, waits on the mover and the pool's page-locking excluded
+    pack_s: float = 0.0
+    lock_s: float = 0.0  # the packs' time page-locking the pool (its first CUDA copy, its growths): once per byte
     packs: int = 0       # the offloading packs that pack_s times (a refusal later takes none back)
     framed: int = 0      # of them, those of saves sent in frames
     frame_pack_s: float = 0.0  # of pack_s, their time
@@ -50,8 +52,13 @@ class OffloadStats(Counters):
             if keep is not None:
                 c.kept[keep] = c.kept.get(keep, 0) + 1
 
-    def add_pack(self, seconds: float, framed: bool) -> None:
-        """An offloaded save's pack took ``seconds`` on the training thread; ``framed``: it went in a frame."""
+    def add_pack(self, seconds: float, framed: bool, locking: float = 0.0) -> None:
+        """An offloaded save's pack took ``seconds`` on the training thread, ``locking`` of them
+        page-locking the pool (counted apart: a cost of the pool's size, which a step of the same
+        saves does not pay again, and which made a cold process's trace read the host's time per
+        save many times too high); ``framed``: it went in a frame."""
+        seconds -= locking
+        self.lock_s += locking
         self.pack_s += seconds
         self.packs += 1
         if framed:

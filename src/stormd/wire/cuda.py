@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from typing import Any
 
 import torch
@@ -80,6 +81,20 @@ def device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+_locking = threading.local()  # per thread: a client times its training thread's saves apart from its mover's
+
+
+def record_locking(seconds: float) -> None:
+    """This thread spent ``seconds`` page-locking a pool (or growing it, which page-locks what it adds)."""
+    _locking.s = locking_s() + seconds
+
+
+def locking_s() -> float:
+    """Seconds this thread has spent page-locking pools: a cost of a pool's bytes, paid once, which a
+    client leaves out of the host time it reads per save (storm.stats.OffloadStats.lock_s)."""
+    return getattr(_locking, "s", 0.0)
+
+
 def register_pool(pool: SharedPool) -> None:
     """Page-lock the pool once per process (cudaHostRegister, portable: usable from every device's
     context), so copies to and from it are DMA at link speed. It pins every page, about a second per
@@ -104,7 +119,9 @@ def grow_pool(pool: SharedPool, size: int) -> None:
 def _register(pool: SharedPool, offset: int, nbytes: int) -> None:
     runtime, _ = bindings()
     base = pool.address(0, 0)  # the start of the mapping, which reaches past pool.size when it may grow
+    t0 = time.perf_counter()
     err = runtime.cudaHostRegister(base + offset, nbytes, runtime.cudaHostRegisterPortable)[0]
+    record_locking(time.perf_counter() - t0)
     if int(err) != 0:
         raise CudaError(f"cudaHostRegister of {nbytes} bytes of the pool failed with CUDA error {int(err)}; "
                         f"check RLIMIT_MEMLOCK (ulimit -l) and free memory")
