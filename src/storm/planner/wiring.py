@@ -213,6 +213,14 @@ class BlockHooks:
         end = p.offloaded + p.inputs_offloaded  # the blocks whose saves (or inputs) are offloaded
         grad = [b.grad_bytes * grads for b in blocks]  # in the plan's peak with peak= only
         room = [0] * len(blocks)
+        # as block i runs forward, the copies may run behind by what forward holds below the plan's
+        # peak there: the peak less what the plan counts in flight, the saves kept before block i
+        # (and the shared inputs it keeps first), its own saves and output as it makes them, and
+        # parameter gradients an earlier backward may have left (where the peak counts them). So the
+        # host need not wait on each block's copy, losing its lead on the GPU where backward's start
+        # is the peak. None after the last block: the loss and backward's start come next
+        ahead = [0] * (len(blocks) + 1)
+        before = trace.before_bytes * (end == 0) + sum(grad)
         kept, first = holdings(trace, p.offloaded, p.recomputed, p.inputs_offloaded)
         rebuild = 0  # the largest saves (and fetched inputs) of a recomputed block before i: rebuilt later in backward
         for i, b in enumerate(blocks):
@@ -225,6 +233,7 @@ class BlockHooks:
             # less the prefetch window, which the peak counts (in flight) and prefetch adds once it fetches
             held = sum(kept[:i]) + first[i]  # with the shared inputs it is the first block to keep
             room[i] = max(0, p.predicted_peak - p.prefetch_bytes - held - in_use - sum(grad[i:]))
+            ahead[i] = max(0, p.predicted_peak - p.in_flight_bytes - before - held - b.saved_bytes - b.input_bytes)
             if i in p.recomputed:
                 rebuild = max(rebuild, own)
         # after block i, the copies still running may use what the blocks after the next will
@@ -233,15 +242,6 @@ class BlockHooks:
         # that moment: backward's start also holds the loss's and the last block's temporaries,
         # which the model leaves out and which can take a tight plan over its cap
         limit = [p.in_flight_bytes + sum(kept[i + 2:]) for i in range(len(blocks))]
-        # as block i runs forward, the copies may run behind by what forward holds below the plan's
-        # peak there: the peak less what the plan counts in flight, the saves kept before block i
-        # (and the shared inputs it keeps first), its own saves and output as it makes them, and
-        # parameter gradients an earlier backward may have left (where the peak counts them). So the
-        # host need not wait on each block's copy, losing its lead on the GPU where backward's start
-        # is the peak. None after the last block: the loss and backward's start come next
-        before = trace.before_bytes * (end == 0) + sum(grad)
-        ahead = [max(0, p.predicted_peak - p.in_flight_bytes - before - sum(kept[:i]) - first[i]
-                     - b.saved_bytes - b.input_bytes) for i, b in enumerate(blocks)] + [0]
 
         def reached(i: int, m: nn.Module, args: Any, out: Any) -> None:
             step = ctx()
