@@ -33,7 +33,8 @@ def step_of(states: list[str], nbytes: int = 4 * KIB, window: int = 0) -> Step:
 
 def prefetcher(restored: dict | None = None) -> tuple[Prefetcher, list[int]]:
     fetched: list[int] = []
-    return Prefetcher(lambda s: fetched.append(s.key) or Copy(Resolved(Landed())), restored or {},
+    return Prefetcher(lambda s: fetched.append(s.key) or Copy(Resolved(Landed())),
+                      restored if restored is not None else {},
                       lambda device: None), fetched
 
 
