@@ -26,19 +26,21 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
+import contextlib
 import os
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from zoo import CELLS
 
+import trace_gaps
 from common import GiB, Trainer, cuda_device, plan_summary, write
 from stormd.wire.sizes import parse_size
 
 MiB = 1 << 20
+FORWARD = "step_peaks.forward"  # the host annotation of a profiled step's forward (trace_gaps.steps)
 OURS = ("/storm/", "/transformers/", "/bench/", "torch/utils/checkpoint")  # frames that say where, innermost first
 
 
@@ -107,59 +109,39 @@ def profile_summary(averages: list[Any], top: int = 30) -> list[dict]:
              "self_device_ms": round(getattr(e, "self_device_time_total", 0) / 1e3, 3)} for e in rows]
 
 
-def timeline(trace: dict[str, Any], bucket_ms: float = 8.0, listed: int = 40) -> dict:
-    """The device side of a profiled step, from its chrome trace: the span from its first GPU
-    activity to its last; per stream (the compute stream is the one of most kernels) its busy ms and
-    what ran there; the compute stream's idle time between activities, in all, before the loss's
-    first kernel (a softmax's or nll's: where forward ends), and per ``bucket_ms`` of the span; and
-    each copy stream's copies (start and ms, the first ``listed``). Where the GPU waited: for the
-    host (gaps while the host is the slower), or for a copy it was made to wait on."""
-    gpu = sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
-                  and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
-    if not gpu:
-        return {}
-    t0 = gpu[0]["ts"]
-    span = max(e["ts"] + e["dur"] for e in gpu) - t0
-    streams: dict[Any, list[dict]] = collections.defaultdict(list)
-    for e in gpu:
-        streams[e["tid"]].append(e)
-    compute = max(streams, key=lambda tid: sum(e["cat"] == "kernel" for e in streams[tid]))
-    ops = streams[compute]
-    loss = next((e["ts"] - t0 for e in ops if any(k in e["name"].lower() for k in ("softmax", "nll"))), None)
-    idle, before_loss = 0.0, 0.0
-    buckets = [0.0] * (int(span / 1e3 / bucket_ms) + 1)
-    for a, b in zip(ops, ops[1:]):
-        end = a["ts"] + a["dur"]
-        gap = b["ts"] - end
-        if gap > 0:
-            idle += gap
-            before_loss += gap if loss is not None and end - t0 < loss else 0
-            buckets[int((end - t0) / 1e3 / bucket_ms)] += gap
-    ms = lambda us: round(us / 1e3, 2)  # noqa: E731
-    out: dict[str, Any] = {
-        "span_ms": ms(span), "loss_at_ms": None if loss is None else ms(loss),
-        "compute": {"busy_ms": ms(sum(e["dur"] for e in ops)), "idle_ms": ms(idle),
-                    "idle_before_loss_ms": ms(before_loss), f"idle_per_{bucket_ms:g}_ms": [ms(g) for g in buckets]},
-        "copies": {}}
-    for tid, events in streams.items():
-        if tid != compute:
-            out["copies"][str(tid)] = {"busy_ms": ms(sum(e["dur"] for e in events)), "count": len(events),
-                                       "at_ms": [[ms(e["ts"] - t0), ms(e["dur"])] for e in events[:listed]]}
-    return out
+@contextlib.contextmanager
+def forward_annotated(model: torch.nn.Module) -> Iterator[None]:
+    """Within: each forward of ``model`` is a host annotation named FORWARD in a profile, which
+    bench/trace_gaps.py splits a step's idle time at (forward against backward)."""
+    opened: list[Any] = []
+
+    def enter(m: torch.nn.Module, args: Any) -> None:
+        opened.append(torch.profiler.record_function(FORWARD).__enter__())
+
+    def leave(m: torch.nn.Module, args: Any, out: Any) -> None:
+        opened.pop().__exit__(None, None, None)
+
+    hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def profiled_step(t: Trainer) -> dict:
-    """One step of ``t`` under torch.profiler: its ms, profile_summary of it, and its timeline."""
+    """One step of ``t`` under torch.profiler: its ms, profile_summary of it, and its timeline as
+    bench/trace_gaps.py reads the trace: where the compute stream sat idle, in forward and in
+    backward, waiting for the host or for another stream, and when each copy ran."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+    with forward_annotated(t.model), torch.profiler.profile(activities=activities, with_stack=True) as prof:
         seconds = t.step()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        with open(path) as f:
-            device_side = timeline(json.load(f))
+        events = trace_gaps.load(path)
     return {"ms": round(seconds * 1e3, 2), "top": profile_summary(list(prof.key_averages())),
-            "timeline": device_side}
+            "timeline": {"steps": trace_gaps.steps(events, FORWARD), "copies": trace_gaps.copies(events)}}
 
 
 def baseline_profile(cell: str, method: str, device: torch.device, warmup: int = 3) -> dict:

@@ -51,10 +51,9 @@ def steps(events: list[dict], forward: str) -> list[dict]:
     launches = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") in HOST_CALLS and "correlation" in e.get("args", {})}
     gpu = [e for e in events if e.get("cat") in GPU_OPS]
-    kernels = collections.Counter(e["args"]["stream"] for e in gpu if e["cat"] == "kernel")
-    if not kernels:
+    compute = compute_stream(gpu)
+    if compute is None:
         return []
-    compute = kernels.most_common(1)[0][0]
     stream = sorted((e for e in gpu if e["args"]["stream"] == compute), key=lambda e: e["ts"])
     out = []
     for start in starts:
@@ -78,6 +77,30 @@ def steps(events: list[dict], forward: str) -> list[dict]:
                     "busy_ms": round(sum(e["dur"] for e in ops) / 1e3, 2),
                     "idle_ms": {p: {k: round(v / 1e3, 2) for k, v in d.items()} for p, d in idle.items()}})
     return out
+
+
+def compute_stream(gpu: list[dict]) -> object | None:
+    """Of a trace's GPU operations, the stream that ran the most kernels; None where none ran."""
+    kernels = collections.Counter(e["args"]["stream"] for e in gpu if e["cat"] == "kernel")
+    return kernels.most_common(1)[0][0] if kernels else None
+
+
+def copies(events: list[dict], listed: int = 40) -> dict:
+    """What ran on each stream but the compute stream (a step's copies to and from the host): per
+    stream its busy ms, its operations and when the first ``listed`` of them began (ms from the
+    trace's first GPU operation) and how long each took: whether a fetch came when it was needed."""
+    gpu = sorted((e for e in events if e.get("cat") in GPU_OPS), key=lambda e: e["ts"])
+    compute = compute_stream(gpu)
+    if compute is None:
+        return {}
+    by_stream: dict = collections.defaultdict(list)
+    for e in gpu:
+        if e["args"]["stream"] != compute:
+            by_stream[e["args"]["stream"]].append(e)
+    t0 = gpu[0]["ts"]
+    return {str(stream): {"busy_ms": round(sum(e["dur"] for e in ops) / 1e3, 2), "count": len(ops),
+                          "at_ms": [[round((e["ts"] - t0) / 1e3, 2), round(e["dur"] / 1e3, 2)] for e in ops[:listed]]}
+            for stream, ops in by_stream.items()}
 
 
 def backward_host(events: list[dict]) -> dict:

@@ -7,9 +7,10 @@ import torch
 
 from helpers import bench_module
 
-for sibling in ("hf", "zoo_verdicts", "zoo"):  # the zoo's cells: the script imports them as siblings
+for sibling in ("hf", "zoo_verdicts", "zoo", "trace_gaps"):  # the zoo's cells: the script imports them as siblings
     bench_module(sibling)
 step_peaks = bench_module("step_peaks")
+trace_gaps = bench_module("trace_gaps")
 MiB = 1 << 20
 
 
@@ -57,25 +58,19 @@ def test_a_profile_keeps_what_took_the_most_host_time_of_its_own():
     assert len(step_peaks.profile_summary(list(prof.key_averages()), top=2)) == 2
 
 
-def kernel(tid: int, ts: float, dur: float, name: str = "gemm", cat: str = "kernel") -> dict:
-    return {"ph": "X", "cat": cat, "tid": tid, "ts": ts, "dur": dur, "name": name}
 
-
-def test_a_timeline_finds_where_the_compute_stream_sat_idle_and_when_each_copy_ran():
-    """From a chrome trace's GPU events: the compute stream (the one of most kernels), its idle
-    time in all, before the loss's first kernel, and per bucket of the span; the copy streams."""
-    trace = {"traceEvents": [
-        kernel(7, 0, 1000), kernel(7, 1500, 1000), kernel(7, 3000, 1000),  # two gaps of 500 us in forward
-        kernel(7, 9000, 1000, "cunn_SoftMaxForward"),  # 5 ms waiting on the copy below: before the loss
-        kernel(7, 10000, 6000),
-        kernel(13, 1000, 600, "Memcpy DtoH", "gpu_memcpy"),
-        kernel(17, 4000, 5000, "Memcpy HtoD", "gpu_memcpy"),
-        {"ph": "X", "cat": "cpu_op", "tid": 1, "ts": 0, "dur": 99999, "name": "aten::mm"},  # host: left out
-    ]}
-    out = step_peaks.timeline(trace, bucket_ms=4.0)
-    assert out["span_ms"] == 16.0 and out["loss_at_ms"] == 9.0
-    assert out["compute"] == {"busy_ms": 10.0, "idle_ms": 6.0, "idle_before_loss_ms": 6.0,
-                              "idle_per_4_ms": [1.0, 5.0, 0.0, 0.0, 0.0]}
-    assert out["copies"] == {"13": {"busy_ms": 0.6, "count": 1, "at_ms": [[1.0, 0.6]]},
-                             "17": {"busy_ms": 5.0, "count": 1, "at_ms": [[4.0, 5.0]]}}
-    assert step_peaks.timeline({"traceEvents": []}) == {}
+def test_a_profiled_forward_is_annotated_for_trace_gaps_to_split_the_step_at(tmp_path):
+    """forward_annotated opens a host annotation at the model's forward and closes it at its end: a
+    real CPU profile's trace holds it around forward's operations and not backward's."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    x = torch.randn(4, 8)
+    with step_peaks.forward_annotated(model), \
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x).sum().backward()
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    events = trace_gaps.load(tmp_path / "t.json")
+    (forward,) = [e for e in events if e.get("name") == step_peaks.FORWARD and e.get("ph") == "X"]
+    inside = {e["name"] for e in events if e.get("cat") == "cpu_op"
+              and forward["ts"] <= e["ts"] < forward["ts"] + forward["dur"]}
+    assert "aten::linear" in inside and "aten::tanh" in inside and not any("Backward" in n for n in inside)
+    assert not model._forward_pre_hooks and not model._forward_hooks  # taken off on leaving

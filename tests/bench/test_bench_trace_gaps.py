@@ -62,3 +62,13 @@ def test_backward_host_time_outside_the_operations_inside_its_nodes():
     found = trace_gaps.backward_host([node, *inside])
     assert found["nodes_ms"] == 0.1 and found["outside_ops_ms"] == 0.06  # 100 us less mm's 30 and the launch's 10
     assert found["ops_ms"] == {"aten::mm": 0.53, "aten::empty": 0.01, "cudaLaunchKernel": 0.01, "cuLaunchKernelEx": 0.0}
+
+
+def test_copies_are_what_ran_beside_the_compute_stream_and_when():
+    """The streams other than the compute stream (the one of most kernels), each with its busy
+    time and when each operation began, from the trace's first GPU operation."""
+    copy = dict(kernel(170, 500, 5, stream=9), cat="gpu_memcpy")
+    assert trace_gaps.copies([*events(), copy]) == {
+        "9": {"busy_ms": 1.0, "count": 2, "at_ms": [[0.16, 0.5], [0.16, 0.5]]}}
+    assert trace_gaps.copies([*events(), copy], listed=1)["9"]["at_ms"] == [[0.16, 0.5]]
+    assert trace_gaps.copies([launch(1, 1)]) == {}
