@@ -231,3 +231,31 @@ def test_a_zero_budget_installs_no_hooks_and_keeps_fractions_of_the_last_full_st
     with storm.offload(mode="embedded", min_bytes=0, budget=0.5) as half:
         forward().backward()
     assert half.stats.offloaded_bytes == 3 * one
+
+
+def test_keep_leaves_those_storages_on_the_device_and_offloads_the_rest():
+    """keep(tensors): saves of those storages, views included, stay (Keep.SHARED) for the rest of
+    the step, and the step's other saves go as before; the next step keeps nothing; gradients are
+    bit-exact. Anything but tensors is refused."""
+    x = torch.randn(128, 128, requires_grad=True)
+    with pytest.raises(RuntimeError, match="not been entered"):
+        storm.offload(mode="embedded").keep([x])
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        with pytest.raises(TypeError, match="keep\\(\\) takes tensors; got int"):
+            ctx.keep([1])
+        shared = x * 2           # saves nothing itself
+        ctx.keep([shared[:64]])  # a view: its storage is kept
+        h = shared * shared      # saves shared twice: both kept
+        for _ in range(2):
+            h = h.tanh()         # two saves offloaded
+    assert ctx.stats.offloaded == 2 and ctx.stats.kept == {storm.Keep.SHARED: 2}
+    assert shared.untyped_storage()._cdata not in {s.weak.cdata for s in ctx.saves}
+    ctx.synchronize()
+    h.sum().backward()
+    ref = x.detach().requires_grad_()
+    s = ref * 2
+    (s * s).tanh().tanh().sum().backward()
+    assert same_bits(x.grad, ref.grad)
+    with storm.offload(mode="embedded", min_bytes=0) as again:
+        (shared.detach() * 2).requires_grad_().tanh()
+    assert again.stats.offloaded == 1 and storm.Keep.SHARED not in again.stats.kept

@@ -284,6 +284,19 @@ class Offload(contextlib.ContextDecorator):
         if self._session is not None:
             self._session.copy_queue.drain(limit)
 
+    def keep(self, tensors: Iterable[torch.Tensor]) -> None:
+        """The storages of ``tensors`` stay on the device for the rest of this step: a save of one
+        of them (or of a view of one) is kept where it is, not offloaded. For tensors that stay
+        alive anyway while backward needs them, whose copy would cost the link and the host and
+        free nothing: storm.plan calls it before a block whose inputs it offloads, with those of
+        its inputs that later blocks are called with too (a mask, rotary tables)."""
+        if self._step is None:
+            raise RuntimeError("storm.offload has not been entered yet")
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"storm.offload's keep() takes tensors; got {type(t).__name__}")
+            self._step.kept_storages.add(t.untyped_storage()._cdata)
+
     def allow_queued(self, nbytes: int | str) -> None:
         """Forward has ``nbytes`` below the step's peak now (bytes, or a size such as '128MiB'): as
         many more saved bytes may wait for their copy, on top of ``max_held_bytes``, until the next

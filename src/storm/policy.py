@@ -31,6 +31,8 @@ class Keep:
     QUOTA = "over quota"           # this client's share of the daemon's pool is used up
     STORE_ERROR = "store error"    # the store refused or went away: the tensor stays
     ROOM = "fits for backward"     # full offload: forward's last saves fit under the step's floor until their unpacks
+    SHARED = "shared input"        # a block's input later blocks are called with too: alive until they are done
+                                   # with it, so offloading it frees nothing (storm.plan: Offload.keep)
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,9 @@ class ClientSession:
             return Kept(t)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
+        if step.kept_storages and storage._cdata in step.kept_storages:
+            step.stats.record_kept(step.layer, Keep.SHARED, nbytes)
+            return Kept(t)
         stored = step.by_storage.get(storage._cdata)
         if stored is not None:
             with self._lock:  # another thread's poll may forget it between a look and the handle

@@ -17,6 +17,7 @@ import storm
 from planner_fakes import FakeClock, below_checkpointing, gpt, grads_of
 from storm.examples.models import same_bits
 from storm.planner import Plan, Scenario, kept_bytes
+from storm.planner.held import fetched_inputs
 from storm.recompute import Recompute
 
 
@@ -108,6 +109,37 @@ def test_a_plan_offloads_the_inputs_of_its_blocks_and_nothing_of_the_kept_ones()
     assert storm.Keep.BUDGET not in st.kept  # the hooks came off after block 2: no save went past the budget
     assert st.fetched == st.offloaded and st.prefetch_hits == st.offloaded  # fetched ahead of their recompute
     assert "blocks 1-2 recomputed with their inputs offloaded" in planner.explain()
+    planner.close()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("inputs", [2, 6])
+def test_a_shared_input_a_later_block_keeps_stays_on_the_device(inputs, reentrant):
+    """Blocks 0-1 recomputed with their inputs offloaded, 2-3 recomputed, 4-5 kept: the position
+    tensor every block is called with stays alive for blocks 2-3 anyway, so blocks 0-1 keep it on
+    the device (Keep.SHARED) and offload their hidden states alone, as the model counts them. Where
+    every block offloads its inputs, it goes, stored once."""
+    model, idx = pos_model()
+    ref = grads_of(copy.deepcopy(model), idx)
+    n = len(model.blocks)
+    planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock(),
+                            chooser=fixed(0, inputs, {2, 3} if inputs < n else set()), form_trial=False,
+                            reentrant=reentrant)
+    for _ in range(2):
+        grads_of(model, idx, planner.step())
+    t = planner.trace
+    positions = []
+    model.pos.register_forward_hook(lambda m, args, out: positions.append(out))
+    ctx = planner.step()
+    got = grads_of(model, idx, ctx)
+    assert all(same_bits(a, b) for a, b in zip(ref, got))
+    st, pos = ctx.stats, positions[-1].untyped_storage()._cdata
+    if inputs < n:
+        assert pos not in {s.weak.cdata for s in ctx.saves} and st.kept[storm.Keep.SHARED] == inputs
+        assert st.offloaded_bytes == t.before_bytes + sum(fetched_inputs(b) for b in t.blocks[:inputs])
+    else:
+        assert pos in {s.weak.cdata for s in ctx.saves} and storm.Keep.SHARED not in st.kept
+    assert st.fetched == st.offloaded
     planner.close()
 
 
@@ -215,6 +247,11 @@ def test_a_hugging_face_llama_below_checkpointings_peak_trains_bit_exact():
         assert all(same_bits(a, b) for a, b in zip(want, got)), f"gradients differ in step {step}"
     p = planner.plan
     assert p.fits and p.inputs_offloaded > 0, planner.explain()
-    # offloaded with the first recomputed block's inputs, not held by torch's checkpoint
-    assert {t.untyped_storage()._cdata for t in tables[-1]} <= {s.weak.cdata for s in ctx.saves}
+    # saved through STORM's hooks with the first recomputed block's inputs, not held by torch's
+    # checkpoint: kept on the device where a later layer keeps them anyway, else offloaded
+    given, saved = {t.untyped_storage()._cdata for t in tables[-1]}, {s.weak.cdata for s in ctx.saves}
+    if p.offloaded + p.inputs_offloaded < len(model.model.layers):
+        assert given.isdisjoint(saved) and ctx.stats.kept[storm.Keep.SHARED] >= len(given) * p.inputs_offloaded
+    else:
+        assert given <= saved
     planner.close()

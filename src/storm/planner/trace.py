@@ -62,6 +62,7 @@ class OffloadTrace:
         self.called: list[int] = []
         self.inputs, self.grads = [0] * n, [0] * n
         self.arg_storages: list[dict[int, int]] = [{} for _ in range(n)]  # per block: its tensors' storages (Shared)
+        self.arg_keys: list[list[int | None]] = [[] for _ in range(n)]  # per block: its first call's, by position
         self.shared = Shared()
 
         def mark() -> None:
@@ -75,6 +76,8 @@ class OffloadTrace:
             # each forward's call keeps its own inputs where the block is recomputed
             self.inputs[i] += sum(a.untyped_storage().nbytes() for a in given if isinstance(a, torch.Tensor))
             self.arg_storages[i].update(self.shared.called_with(given))
+            if not self.arg_keys[i]:
+                self.arg_keys[i] = self.shared.keys_of(given)
             # gradients already there (not set to None between steps) are not allocated by the step,
             # and a second forward's call allocates none of its own
             if hooks.calls[i] <= 1:
@@ -124,7 +127,9 @@ class OffloadTrace:
                                      self.inputs[i], grad_bytes=self.grads[i], framed=framed,
                                      framed_bytes=framed_bytes, frame_bytes=frame_bytes,
                                      input_tensors=sum(key not in self.shared for key in storages),
-                                     shared_inputs={key: n for key, n in storages.items() if key in self.shared}))
+                                     shared_inputs={key: n for key, n in storages.items() if key in self.shared},
+                                     shared_at={j: key for j, key in enumerate(self.arg_keys[i])
+                                                if key is not None and key in self.shared}))
         device = device_of(self.hooks.blocks)
         d2h, h2d = link_bandwidth(device)
         # frames are timed only where some tensor would be framed: their kernels compile at first use
@@ -345,6 +350,12 @@ class Shared:
                 self._seen[ptr] = (weakref.ref(base), key)
             storages[key] = nbytes
         return storages
+
+    def keys_of(self, args: Any) -> list[int | None]:
+        """Each of a call's arguments' storage identity, as called_with noted it for that call (None: not
+        a tensor, or one without bytes)."""
+        return [self._seen[a.untyped_storage().data_ptr()][1]
+                if isinstance(a, torch.Tensor) and a.untyped_storage().nbytes() else None for a in args]
 
     def __contains__(self, key: int) -> bool:
         return key in self._shared

@@ -206,9 +206,11 @@ class BlockHooks:
         to come, and (where the plan's peak counts them, with peak=) the parameter gradients
         allocated from there on, so fetches start as early as memory allows and hold back as
         gradients grow. The blocks recomputed with their
-        inputs offloaded pass them through STORM's hooks as the offloaded blocks' saves do: the
-        hooks come off after the last of them, unless that is the last block: then the early
-        saves after the blocks (held.after_kept) go too, as the plan counts."""
+        inputs offloaded pass them through STORM's hooks as the offloaded blocks' saves do, but for
+        those a block after them is called with too (a mask, rotary tables), which stay on the
+        device (Offload.keep), as the plan counts them; the hooks come off after the last of them,
+        unless that is the last block: then the early saves after the blocks (held.after_kept) go
+        too, as the plan counts."""
         p, blocks = plan, trace.blocks
         end = p.offloaded + p.inputs_offloaded  # the blocks whose saves (or inputs) are offloaded
         grad = [b.grad_bytes * grads for b in blocks]  # in the plan's peak with peak= only
@@ -259,7 +261,23 @@ class BlockHooks:
             if t is not None:
                 t.register_hook(lambda grad: step.allow_prefetch(room[i]))
 
+        # an offloading block's inputs that a block after the offloading ones is called with too (a
+        # mask, rotary tables) stay alive for it anyway: their copies would free nothing, and cost the
+        # link and the host each step. Where every block using one offloads it, it goes (stored once)
+        last_user = {key: i for i, b in enumerate(blocks) for key in b.shared_inputs}
+        keeps = {i: [j for j, key in blocks[i].shared_at.items() if last_user[key] >= end]
+                 for i in range(p.offloaded, end)}
+
+        def keep_shared(i: int, m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            step = ctx()
+            if step is not None:
+                given = [*args, *tree_leaves(kwargs)]
+                step.keep([given[j] for j in keeps[i] if j < len(given) and isinstance(given[j], torch.Tensor)])
+
         for i in range(len(self.blocks)):
+            if keeps.get(i):
+                self._hooks.append(self._pre_hook(i, self._training(functools.partial(keep_shared, i)),
+                                                  with_kwargs=True))
             self._hooks.append(self._post_hook(i, self._training(functools.partial(reached, i))))
 
     def close(self) -> None:
