@@ -134,11 +134,14 @@ def test_a_shared_input_a_later_block_keeps_stays_on_the_device(inputs, reentran
     got = grads_of(model, idx, ctx)
     assert all(same_bits(a, b) for a, b in zip(ref, got))
     st, pos = ctx.stats, positions[-1].untyped_storage()._cdata
+    said = planner.explain()
     if inputs < n:
         assert pos not in {s.weak.cdata for s in ctx.saves} and st.kept[storm.Keep.SHARED] == inputs
         assert st.offloaded_bytes == t.before_bytes + sum(fetched_inputs(b) for b in t.blocks[:inputs])
+        assert "16 KiB of inputs a later block is called with too stay on the device" in said, said
     else:
         assert pos in {s.weak.cdata for s in ctx.saves} and storm.Keep.SHARED not in st.kept
+        assert "16 KiB of inputs these blocks alone share offloaded once" in said, said
     assert st.fetched == st.offloaded
     planner.close()
 

@@ -12,7 +12,7 @@ from stormd.wire.sizes import format_size
 
 from ..frames import FRAME_MIN_BYTES
 from ..policy import DEFAULT_MIN_BYTES
-from .held import after_kept, fetched_inputs, offloaded_per_block
+from .held import after_kept, fetched_inputs, offloaded_per_block, shared_staying
 from .model import Offloading, Plan, full_codec
 from .records import Trace
 from .trial import Trial
@@ -301,10 +301,14 @@ def _inputs_offloaded(t: Trace, p: Plan) -> str:
     first, last = p.offloaded, p.offloaded + p.inputs_offloaded - 1
     blocks = t.blocks[first:last + 1]
     which = f"block {first}" if first == last else f"blocks {first}-{last}"
-    shared = sum({key: n for b in blocks for key, n in b.shared_inputs.items()}.values())  # each storage once
+    shared = {key: n for b in blocks for key, n in b.shared_inputs.items()}  # each storage once
+    staying = shared_staying(t, last + 1)
+    stay = sum(n for key, n in shared.items() if key in staying)
+    once = sum(shared.values()) - stay
     return (f"{which} recomputed with their inputs offloaded: {_size(sum(map(fetched_inputs, blocks)))} in "
             f"{sum(b.input_tensors for b in blocks)} tensors fetched back when backward recomputes them"
-            + (f"; {_size(shared)} of inputs other blocks are called with too stay" if shared else ""))
+            + (f"; {_size(stay)} of inputs a later block is called with too stay on the device" if stay else "")
+            + (f"; {_size(once)} of inputs these blocks alone share offloaded once" if once else ""))
 
 
 def _codec(t: Trace, p: Plan, given: bool, apart: float | None = None) -> str:

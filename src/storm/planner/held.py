@@ -82,6 +82,15 @@ def fetched_inputs(b: BlockTrace) -> int:
     return b.input_bytes - b.shared_input_bytes
 
 
+def shared_staying(trace: Trace, end: int) -> set[int]:
+    """Of the storages several blocks are called with (shared_inputs' keys), those a block from
+    ``end`` on is called with too: the blocks before ``end`` that offload their inputs keep them on
+    the device, since that block keeps them alive anyway (wiring.py). The others, used by
+    offloading blocks alone, are offloaded once."""
+    last = {key: i for i, b in enumerate(trace.blocks) for key in b.shared_inputs}
+    return {key for key, i in last.items() if i >= end}
+
+
 def offloaded_per_block(trace: Trace, offloaded: int, inputs_offloaded: int = 0) -> list[int]:
     """What each offloading block sends: the saves of blocks[:offloaded], the fetched inputs of the
     next ``inputs_offloaded`` (recomputed); one block's worth of these is the plans' smaller copy

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 from ..compiled import compiled, optimized, probe_compiling, warn_whole_graph
 from ..hooks import Offload
 from ..recompute import Recompute
-from .held import fetched_inputs, holdings
+from .held import fetched_inputs, holdings, shared_staying
 from .model import Plan
 from .records import Trace
 
@@ -264,9 +264,8 @@ class BlockHooks:
         # an offloading block's inputs that a block after the offloading ones is called with too (a
         # mask, rotary tables) stay alive for it anyway: their copies would free nothing, and cost the
         # link and the host each step. Where every block using one offloads it, it goes (stored once)
-        last_user = {key: i for i, b in enumerate(blocks) for key in b.shared_inputs}
-        keeps = {i: [j for j, key in blocks[i].shared_at.items() if last_user[key] >= end]
-                 for i in range(p.offloaded, end)}
+        staying = shared_staying(trace, end)
+        keeps = {i: [j for j, key in blocks[i].shared_at.items() if key in staying] for i in range(p.offloaded, end)}
 
         def keep_shared(i: int, m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             step = ctx()
