@@ -48,8 +48,9 @@ def test_cpu_blocks_are_planned_raw_and_explained():
     assert t.frame_host_ms_per_tensor == t.frame_device_ms_per_GiB == 0.0 and not p.compressed
     # whether offloading (saves or recomputed blocks' inputs) or recomputing wins depends on this
     # machine's speed; either way, no frames
-    assert ("offloaded tensors go raw (codec): none would be compressed" if p.offloads else "nothing is offloaded") \
-        in planner.explain()
+    said = ("none of the offloaded blocks' saves would be compressed" if p.offloaded else
+            "no block's saves are offloaded, the only ones frames are weighed for")
+    assert (f"offloaded tensors go raw (codec): {said}" if p.offloads else "nothing is offloaded") in planner.explain()
     planner.close()
 
 

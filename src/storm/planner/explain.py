@@ -316,9 +316,13 @@ def _codec(t: Trace, p: Plan, given: bool, apart: float | None = None) -> str:
     (``apart``: a frame's host time as measured apart, where a planned step measured more)."""
     offloaded, given_text = t.blocks[:p.offloaded], ", as given" if given else ""
     framed_bytes, frame_bytes = sum(b.framed_bytes for b in offloaded), sum(b.frame_bytes for b in offloaded)
+    if not offloaded:  # inputs and saves outside the blocks go by the codec chosen for the blocks' saves
+        return (f"offloaded tensors go raw (codec{given_text}): no block's saves are offloaded, the only ones "
+                f"frames are weighed for")
     if frame_bytes >= framed_bytes:
-        return (f"offloaded tensors go raw (codec{given_text}): none would be compressed (compression is for "
-                f"CUDA bf16, bool and float32 tensors of at least {FRAME_MIN_BYTES / MiB:g} MiB)")
+        return (f"offloaded tensors go raw (codec{given_text}): none of the offloaded blocks' saves would be "
+                f"compressed (compression is for CUDA bf16, bool and float32 tensors of at least "
+                f"{FRAME_MIN_BYTES / MiB:g} MiB)")
     raw, compressed = (Offloading.of(t, p.offloaded, p.max_held_bytes, c, p.inputs_offloaded)[0] for c in (False, True))
     framed = sum(b.framed for b in offloaded)
     return (f"offloaded tensors go {'compressed' if p.compressed else 'raw'} (codec{given_text}): predicted link "
