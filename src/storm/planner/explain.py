@@ -317,8 +317,8 @@ def _codec(t: Trace, p: Plan, given: bool, apart: float | None = None) -> str:
     offloaded, given_text = t.blocks[:p.offloaded], ", as given" if given else ""
     framed_bytes, frame_bytes = sum(b.framed_bytes for b in offloaded), sum(b.frame_bytes for b in offloaded)
     if not offloaded:  # inputs and saves outside the blocks go by the codec chosen for the blocks' saves
-        return (f"offloaded tensors go raw (codec{given_text}): no block's saves are offloaded, the only ones "
-                f"frames are weighed for")
+        how = "by the codec given" if given else "raw (codec)"
+        return f"offloaded tensors go {how}: no block's saves are offloaded, the only ones frames are weighed for"
     if frame_bytes >= framed_bytes:
         return (f"offloaded tensors go raw (codec{given_text}): none of the offloaded blocks' saves would be "
                 f"compressed (compression is for CUDA bf16, bool and float32 tensors of at least "
