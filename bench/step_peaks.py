@@ -132,7 +132,8 @@ def forward_annotated(model: torch.nn.Module) -> Iterator[None]:
 def profiled_step(t: Trainer) -> dict:
     """One step of ``t`` under torch.profiler: its ms, profile_summary of it, and its timeline as
     bench/trace_gaps.py reads the trace: where the compute stream sat idle, in forward and in
-    backward, waiting for the host or for another stream, and when each copy ran."""
+    backward, waiting for the host or for another stream, when each copy ran, and what the host was
+    doing in the longest stretches it was late for."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with forward_annotated(t.model), torch.profiler.profile(activities=activities, with_stack=True) as prof:
         seconds = t.step()
@@ -141,7 +142,8 @@ def profiled_step(t: Trainer) -> dict:
         prof.export_chrome_trace(path)
         events = trace_gaps.load(path)
     return {"ms": round(seconds * 1e3, 2), "top": profile_summary(list(prof.key_averages())),
-            "timeline": {"steps": trace_gaps.steps(events, FORWARD), "copies": trace_gaps.copies(events)}}
+            "timeline": {"steps": trace_gaps.steps(events, FORWARD), "copies": trace_gaps.copies(events),
+                         "late": trace_gaps.late(events)}}
 
 
 def baseline_profile(cell: str, method: str, device: torch.device, warmup: int = 3) -> dict:

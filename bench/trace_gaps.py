@@ -15,7 +15,8 @@ forward annotation ended). A step whose backward idles mostly "wait" is bound by
 backward's nodes (``*Backward0``), the part of it outside every operation recorded inside them (an
 unpack hook's Python, and its waits for replies, locks or the GIL), and the host time of a few
 operations every node runs (aten::mm, aten::empty, kernel launches): slower there, the thread
-was short of CPU.
+was short of CPU. And it lists the longest stretches the host was late for, with what the launching
+thread was inside then (``late``; Python functions where the profiler ran with_stack).
 """
 
 from __future__ import annotations
@@ -103,6 +104,38 @@ def copies(events: list[dict], listed: int = 40) -> dict:
             for stream, ops in by_stream.items()}
 
 
+def late(events: list[dict], top: int = 10, depth: int = 8) -> list[dict]:
+    """The ``top`` longest stretches the compute stream sat idle for the host (the operation after
+    one was launched only after it began), longest first: when it began (ms from the stream's first
+    operation), how long it lasted, and what the launching thread was inside halfway between the
+    stretch's start and that launch: its innermost ``depth`` host events, outermost first (Python
+    functions, where torch.profiler ran with_stack, operations and annotations). Where the host's
+    time went when the GPU had nothing queued: a hook's Python, a wait, a lock."""
+    gpu = [e for e in events if e.get("cat") in GPU_OPS]
+    compute = compute_stream(gpu)
+    if compute is None:
+        return []
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in HOST_CALLS and "correlation" in e.get("args", {})}
+    stream = sorted((e for e in gpu if e["args"]["stream"] == compute), key=lambda e: e["ts"])
+    gaps = []
+    for before, after in zip(stream, stream[1:]):
+        idle_from = before["ts"] + before["dur"]
+        launched = launches.get(after["args"].get("correlation"))
+        if launched is not None and after["ts"] > idle_from and launched["ts"] > idle_from:
+            gaps.append((after["ts"] - idle_from, idle_from, launched))
+    kinds = ("python_function", "cpu_op", "user_annotation")
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in kinds]
+    out = []
+    for gap, idle_from, launched in sorted(gaps, key=lambda g: -g[0])[:top]:
+        at = (idle_from + launched["ts"]) / 2
+        inside = sorted((e for e in host if e.get("tid") == launched.get("tid") and e["ts"] <= at < e["ts"] + e["dur"]),
+                        key=lambda e: (e["ts"], -e["dur"]))
+        out.append({"at_ms": round((idle_from - stream[0]["ts"]) / 1e3, 2), "idle_ms": round(gap / 1e3, 2),
+                    "inside": [e["name"] for e in inside][-depth:]})
+    return out
+
+
 def backward_host(events: list[dict]) -> dict:
     """The host side of backward's nodes over the whole trace: the time of the ``*Backward0`` operations,
     the part of it outside every operation recorded inside them (an unpack hook's Python and its waits),
@@ -145,6 +178,8 @@ def main() -> int:
     p.add_argument("--forward", default="DistributedDataParallel.forward",
                    help="the host annotation that opens each step's forward")
     p.add_argument("--source", help="the run the traces come from (its JSON), kept in --out")
+    p.add_argument("--late", type=int, default=10, metavar="N",
+                   help="the N longest stretches the compute stream waited for the host, with what it was doing")
     p.add_argument("--out")
     a = p.parse_args()
     results = {"forward": a.forward, "source": a.source, "traces": {}}
@@ -152,13 +187,16 @@ def main() -> int:
         events = load(path)
         found = steps(events, a.forward)
         nodes = backward_host(events)
-        results["traces"][Path(path).name] = {"steps": found, "backward_host": nodes}
+        waits = late(events, a.late)
+        results["traces"][Path(path).name] = {"steps": found, "backward_host": nodes, "late": waits}
         print(f"{Path(path).name}: backward's nodes {nodes['nodes_ms']} ms on the host, {nodes['outside_ops_ms']} ms "
               f"of it outside their operations; {nodes['ops_ms']}")
         for i, s in enumerate(found):
             f, b = s["idle_ms"]["forward"], s["idle_ms"]["backward"]
             print(f"{Path(path).name} step {i}: {s['step_ms']} ms, compute busy {s['busy_ms']} ms; idle forward "
                   f"host {f['host']} wait {f['wait']}, backward host {b['host']} wait {b['wait']}")
+        for w in waits:
+            print(f"  idle {w['idle_ms']} ms at {w['at_ms']} ms, the host in: {' > '.join(w['inside'])}")
     if a.out:
         write(a.out, results)
     return 0

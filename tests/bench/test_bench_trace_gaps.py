@@ -72,3 +72,30 @@ def test_copies_are_what_ran_beside_the_compute_stream_and_when():
         "9": {"busy_ms": 1.0, "count": 2, "at_ms": [[0.16, 0.5], [0.16, 0.5]]}}
     assert trace_gaps.copies([*events(), copy], listed=1)["9"]["at_ms"] == [[0.16, 0.5]]
     assert trace_gaps.copies([launch(1, 1)]) == {}
+
+
+def test_late_lists_the_longest_stretches_the_host_was_late_for_and_what_it_was_in():
+    """Of the stretches the compute stream idled because the next operation came late, the longest
+    first, each with the launching thread's host events at its middle, outermost first: here a
+    pack hook's Python inside a block's forward, on the thread that launched, not another's."""
+    def on(e: dict, tid: int) -> dict:
+        return {**e, "tid": tid}
+
+    def python(name: str, ts: float, dur: float, tid: int = 1) -> dict:
+        return {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    trace = [
+        on(launch(5, 1), 1), kernel(10, 10, 1),
+        on(launch(40, 2), 1), kernel(50, 10, 2),       # idle 20-50 for the host: 30 us, middle 30
+        on(launch(150, 3), 1), kernel(200, 10, 3),     # idle 60-200: 140 us, middle (60 + 150) / 2
+        on(launch(205, 4), 1), kernel(300, 10, 4),     # launched before the stream went idle: a wait
+        python("step", 0, 400), python("block.forward", 20, 30), python("hooks.py: pack", 25, 10),
+        python("backward", 100, 100), {"ph": "X", "cat": "cpu_op", "name": "MulBackward0", "ts": 100, "dur": 10,
+                                       "tid": 1},
+        python("elsewhere", 0, 400, tid=2),
+    ]
+    assert trace_gaps.late(trace) == [
+        {"at_ms": 0.05, "idle_ms": 0.14, "inside": ["step", "backward", "MulBackward0"]},
+        {"at_ms": 0.01, "idle_ms": 0.03, "inside": ["step", "block.forward", "hooks.py: pack"]}]
+    assert trace_gaps.late(trace, top=1, depth=1) == [{"at_ms": 0.05, "idle_ms": 0.14, "inside": ["MulBackward0"]}]
+    assert trace_gaps.late([launch(1, 1)]) == []
