@@ -23,7 +23,7 @@ class BlockTrace:
     # of its inputs, the storages (an identity: bytes) other blocks were called with too (a position
     # bias, a mask): offloading its inputs leaves them there, and blocks that keep them keep one storage
     shared_inputs: dict[int, int] = dataclasses.field(default_factory=dict)
-    # where those are in its call ([*args, *tree_leaves(kwargs)]), each position's storage: a planned
+    # where those are in its call (a place in wiring.call_leaves), each position's storage: a planned
     # step that offloads its inputs keeps on the device those a later block keeps anyway (wiring.py)
     shared_at: dict[int, int] = dataclasses.field(default_factory=dict)
     # what its backward held beyond the besides (CUDA, the compute trace's moment: measure.StepPeak),

@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from ..frames import FRAME_CODECS
 from ..hooks import Offload
@@ -27,7 +26,7 @@ from ..recompute import Recompute
 from .measure import frame_costs, link_bandwidth
 from .records import BlockTrace, Trace
 from .trial import Clock
-from .wiring import BlockHooks, device_of, grad_tensor, input_signature, warn_blocks_whole_graph
+from .wiring import BlockHooks, call_leaves, device_of, grad_tensor, input_signature, warn_blocks_whole_graph
 
 log = logging.getLogger("storm")
 
@@ -72,7 +71,7 @@ class OffloadTrace:
             mark()
             self.called.append(i)
             self.outside.block_starts()
-            given = [*args, *tree_leaves(kwargs)]  # keyword arguments' tensors too: Recompute saves them
+            given = call_leaves(args, kwargs)  # keyword arguments' tensors too: Recompute saves them
             # each forward's call keeps its own inputs where the block is recomputed
             self.inputs[i] += sum(a.untyped_storage().nbytes() for a in given if isinstance(a, torch.Tensor))
             self.arg_storages[i].update(self.shared.called_with(given))

@@ -270,7 +270,7 @@ class BlockHooks:
         def keep_shared(i: int, m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             step = ctx()
             if step is not None:
-                given = [*args, *tree_leaves(kwargs)]
+                given = call_leaves(args, kwargs)
                 step.keep([given[j] for j in keeps[i] if j < len(given) and isinstance(given[j], torch.Tensor)])
 
         for i in range(len(self.blocks)):
@@ -332,7 +332,15 @@ def grad_tensor(out: Any) -> torch.Tensor | None:
     return next((o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad), None)
 
 
+def call_leaves(args: Any, kwargs: dict[str, Any]) -> list[Any]:
+    """A block's call as the planner numbers its arguments: the positional ones, then the leaves of
+    the keyword ones (a Hugging Face layer takes its mask and rotary tables by name). The trace's
+    positions (BlockTrace.shared_at) are places in this list, so the trace and the planned step's
+    hooks both read a call through it."""
+    return [*args, *tree_leaves(kwargs)]
+
+
 def input_signature(args: Any, kwargs: dict[str, Any]) -> tuple:
     """The shapes and dtypes of a block's tensor arguments, keyword ones too (a Hugging Face layer
     may take its hidden states by name): a trace holds while block 0's stay."""
-    return tuple((tuple(a.shape), a.dtype) for a in (*args, *tree_leaves(kwargs)) if isinstance(a, torch.Tensor))
+    return tuple((tuple(a.shape), a.dtype) for a in call_leaves(args, kwargs) if isinstance(a, torch.Tensor))
