@@ -28,6 +28,7 @@ import gzip
 import json
 import sys
 from pathlib import Path
+from typing import Any, Iterator
 
 from common import write
 
@@ -49,30 +50,22 @@ def steps(events: list[dict], forward: str) -> list[dict]:
     # an annotation nested in another of the same name (a module calling itself) is not a new step
     starts = [e for i, e in enumerate(starts) if i == 0 or e["ts"] >= starts[i - 1]["ts"] + starts[i - 1]["dur"]]
     syncs = sorted(e["ts"] for e in events if e.get("cat") in HOST_CALLS and e["name"] == "cudaDeviceSynchronize")
-    launches = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") in HOST_CALLS and "correlation" in e.get("args", {})}
-    gpu = [e for e in events if e.get("cat") in GPU_OPS]
-    compute = compute_stream(gpu)
-    if compute is None:
-        return []
-    stream = sorted((e for e in gpu if e["args"]["stream"] == compute), key=lambda e: e["ts"])
+    launches = launched_by(events)
+    stream = compute_ops(events)
     out = []
     for start in starts:
         ends = [t for t in syncs if t > start["ts"]]
         if not ends:
             break
         forward_end = start["ts"] + start["dur"]
-        ops = [e for e in stream if start["ts"] <= launches.get(e["args"].get("correlation"), -1) < ends[0]]
+        ops = [e for e in stream
+               if start["ts"] <= launches.get(e["args"].get("correlation"), {"ts": -1})["ts"] < ends[0]]
         if not ops:
             continue
         idle = {phase: {"host": 0.0, "wait": 0.0} for phase in ("forward", "backward")}
-        for before, after in zip(ops, ops[1:]):
-            gap = after["ts"] - (before["ts"] + before["dur"])
-            if gap <= 0:
-                continue
-            launched = launches[after["args"]["correlation"]]
-            phase = "forward" if launched < forward_end else "backward"
-            idle[phase]["host" if launched > before["ts"] + before["dur"] else "wait"] += gap
+        for gap, idle_from, launched in idle_stretches(ops, launches):
+            phase = "forward" if launched["ts"] < forward_end else "backward"
+            idle[phase]["host" if launched["ts"] > idle_from else "wait"] += gap
         last = max(e["ts"] + e["dur"] for e in ops)
         out.append({"step_ms": round((last - start["ts"]) / 1e3, 2),
                     "busy_ms": round(sum(e["dur"] for e in ops) / 1e3, 2),
@@ -84,6 +77,31 @@ def compute_stream(gpu: list[dict]) -> object | None:
     """Of a trace's GPU operations, the stream that ran the most kernels; None where none ran."""
     kernels = collections.Counter(e["args"]["stream"] for e in gpu if e["cat"] == "kernel")
     return kernels.most_common(1)[0][0] if kernels else None
+
+
+def compute_ops(events: list[dict]) -> list[dict]:
+    """The compute stream's operations in the order they ran; none where no kernel ran."""
+    gpu = [e for e in events if e.get("cat") in GPU_OPS]
+    compute = compute_stream(gpu)
+    return sorted((e for e in gpu if e["args"]["stream"] == compute), key=lambda e: e["ts"]) if compute is not None \
+        else []
+
+
+def launched_by(events: list[dict]) -> dict[Any, dict]:
+    """Each GPU operation's correlation id -> the host call that launched it."""
+    return {e["args"]["correlation"]: e for e in events
+            if e.get("cat") in HOST_CALLS and "correlation" in e.get("args", {})}
+
+
+def idle_stretches(ops: list[dict], launches: dict[Any, dict]) -> Iterator[tuple[float, float, dict]]:
+    """Each stretch a stream sat idle between two of its operations (``ops``, in order), as (us idle,
+    when it began, the host call that launched the operation after it): the host was late where
+    that call came after the stretch began, else the stream waited."""
+    for before, after in zip(ops, ops[1:]):
+        idle_from = before["ts"] + before["dur"]
+        launched = launches.get(after["args"].get("correlation"))
+        if after["ts"] > idle_from and launched is not None:
+            yield after["ts"] - idle_from, idle_from, launched
 
 
 def copies(events: list[dict], listed: int = 40) -> dict:
@@ -111,19 +129,11 @@ def late(events: list[dict], top: int = 10, depth: int = 8) -> list[dict]:
     stretch's start and that launch: its innermost ``depth`` host events, outermost first (Python
     functions, where torch.profiler ran with_stack, operations and annotations). Where the host's
     time went when the GPU had nothing queued: a hook's Python, a wait, a lock."""
-    gpu = [e for e in events if e.get("cat") in GPU_OPS]
-    compute = compute_stream(gpu)
-    if compute is None:
+    stream = compute_ops(events)
+    if not stream:
         return []
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") in HOST_CALLS and "correlation" in e.get("args", {})}
-    stream = sorted((e for e in gpu if e["args"]["stream"] == compute), key=lambda e: e["ts"])
-    gaps = []
-    for before, after in zip(stream, stream[1:]):
-        idle_from = before["ts"] + before["dur"]
-        launched = launches.get(after["args"].get("correlation"))
-        if launched is not None and after["ts"] > idle_from and launched["ts"] > idle_from:
-            gaps.append((after["ts"] - idle_from, idle_from, launched))
+    gaps = [(gap, idle_from, launched) for gap, idle_from, launched in idle_stretches(stream, launched_by(events))
+            if launched["ts"] > idle_from]
     kinds = ("python_function", "cpu_op", "user_annotation")
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") in kinds]
     out = []
