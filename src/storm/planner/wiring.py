@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from typing import Any, Callable
 
 import torch
@@ -204,8 +205,9 @@ class BlockHooks:
         it fetches), what the blocks before keep (and the shared inputs it keeps first), the block's own
         saves (with its fetched inputs, where they were offloaded) or the largest rebuild still
         to come, and (where the plan's peak counts them, with peak=) the parameter gradients
-        allocated from there on, so fetches start as early as memory allows and hold back as
-        gradients grow. The blocks recomputed with their
+        allocated from there on; and no more than any block after it down to block 1 leaves, since
+        what is fetched stays until its own block's backward. So fetches start as early as memory
+        allows and never take a later block over the peak. The blocks recomputed with their
         inputs offloaded pass them through STORM's hooks as the offloaded blocks' saves do, but for
         those a block after them is called with too (a mask, rotary tables), which stay on the
         device (Offload.keep), as the plan counts them; the hooks come off after the last of them,
@@ -238,6 +240,11 @@ class BlockHooks:
             ahead[i] = max(0, p.predicted_peak - p.in_flight_bytes - before - held - b.saved_bytes - b.input_bytes)
             if i in p.recomputed:
                 rebuild = max(rebuild, own)
+        # what is fetched ahead at block i stays until its own block's backward, below i: through
+        # every block between, which may have less room (the parameter gradients grow as backward
+        # goes on; a kept block after recomputed ones holds more). So no more than the least room
+        # from block i down to block 1 (block 0's fetches are its own saves, which its room counts)
+        room = room[:1] + list(itertools.accumulate(room[1:], min))
         # after block i, the copies still running may use what the blocks after the next will
         # keep (they stay until the next block's end, while it allocates its own saves), plus
         # what the plan counts as still in flight when forward ends. Not the plan's slack at
