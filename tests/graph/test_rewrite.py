@@ -49,7 +49,9 @@ def mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return h.sum()
 
 
-def traced(partition: Partitioner | None, dynamic: bool = False) -> tuple[Any, dict[str, fx.GraphModule]]:
+def traced(partition: Partitioner | None, dynamic: bool = False,
+           fn: Any = None) -> tuple[Any, dict[str, fx.GraphModule]]:
+    """``fn`` (mlp by default) through AOTAutograd with ``partition``, its graphs kept by name."""
     graphs: dict[str, fx.GraphModule] = {}
 
     def compiler(name: str) -> Any:
@@ -59,7 +61,7 @@ def traced(partition: Partitioner | None, dynamic: bool = False) -> tuple[Any, d
         return compile_graph
 
     kwargs = {} if partition is None else {"partition_fn": partition}
-    return aot_function(mlp, compiler("fw"), compiler("bw"), dynamic=dynamic, **kwargs), graphs
+    return aot_function(fn or mlp, compiler("fw"), compiler("bw"), dynamic=dynamic, **kwargs), graphs
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,11 +151,51 @@ def test_without_room_in_the_store_the_saves_stay_as_copies_and_gradients_are_un
 
 @pytest.mark.parametrize("options, named", [({"mode": "local"}, "mode"), ({"socket": "ftp://host"}, "socket"),
                                             ({"held_bytes": -1}, "held_bytes"),
-                                            ({"budget": "lots"}, "budget"), ({"min_bytes": 1.5}, "min_bytes")])
+                                            ({"budget": "lots"}, "budget"), ({"min_bytes": 1.5}, "min_bytes"),
+                                            ({"memory_budget": 0}, "memory_budget"),
+                                            ({"memory_budget": 1.5}, "memory_budget"),
+                                            ({"memory_budget": "half"}, "memory_budget"),
+                                            ({"memory_budget": True}, "memory_budget")])
 def test_bad_options_are_named_with_what_is_accepted(options, named):
     with pytest.raises(ValueError, match=named):
         storm.partitioner(**options)
 
+
+
+def ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return (torch.relu(x @ w1) @ w2).sin().sum()
+
+
+def test_memory_budget_is_torch_s_selective_recompute_for_these_graphs_alone_then_storm_offloads_what_it_saves():
+    """memory_budget runs torch's min-cut at that activation_memory_budget for this partitioner's
+    graphs only (the global config untouched), and is in its cache key; storm offloads what that
+    min-cut saves. Gradients bit for bit those of the graphs without storm."""
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(64, 64, generator=g), torch.randn(64, 512, generator=g), torch.randn(512, 64, generator=g)]
+
+    def run(partition: Partitioner | None) -> tuple[list[torch.Tensor], fx.GraphModule]:
+        f, graphs = traced(partition, fn=ffn)
+        leaves = [a.clone().requires_grad_() for a in args]
+        f(*leaves).backward()
+        return [a.grad for a in leaves], graphs["fw"]
+
+    def saved(fw: fx.GraphModule) -> int:
+        return len(fw.graph.find_nodes(op="output")[0].args[0]) - 1  # less the loss
+
+    default = torch._functorch.config.activation_memory_budget
+    ref, plain = run(None)
+    got, low = run(storm.partitioner(mode="embedded", min_bytes=0, budget=0, memory_budget=0.1))
+    assert torch._functorch.config.activation_memory_budget == default
+    assert saved(low) < saved(plain) and not ops_in(low, SAVE)  # recomputed more, offloaded nothing
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    # at 0.1 it saves the inputs alone; at 0.5 also what it made, each memory of which storm offloads
+    got, both = run(storm.partitioner(mode="embedded", min_bytes=0, held_bytes=0, memory_budget=0.5))
+    made = {_root(n) for n in both.graph.find_nodes(op="output")[0].args[0][1:]} - set(both.graph.find_nodes(
+        op="placeholder"))
+    assert saved(low) < saved(both) < saved(plain) and len(ops_in(both, SAVE)) == len(made) > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    uuids = {storm.partitioner(memory_budget=m).uuid() for m in (None, 0.1, 0.5)}
+    assert len(uuids) == 3
 
 
 def test_a_graph_of_symbolic_shapes_keeps_its_saves_and_says_so_once(caplog):

@@ -24,7 +24,7 @@ __all__ = ["partitioner", "Partitioner", "GraphOptions"]
 
 def partitioner(*, mode: str = "auto", socket: str | None = None, pool_size: int | str | None = None,
                 min_bytes: int | str = DEFAULT_MIN_BYTES, held_bytes: int | str = DEFAULT_MAX_HELD_BYTES,
-                budget: int | str | None = None) -> Partitioner:
+                budget: int | str | None = None, memory_budget: float | None = None) -> Partitioner:
     """Inductor's partitioner with storm's offloading, for ``custom_partitioner_fn``.
 
     ``mode``, ``socket``, ``pool_size``, ``min_bytes``: as storm.offload's. ``held_bytes``: how many
@@ -32,9 +32,20 @@ def partitioner(*, mode: str = "auto", socket: str | None = None, pool_size: int
     ``held_bytes`` of a forward's saves stay on the device (backward needs them first).
     ``budget``: offload at most this many bytes a forward of each compiled graph (a model split by
     graph breaks has several), the earliest saves first (None: all but the last ``held_bytes``).
+    ``memory_budget``: torch's ``activation_memory_budget`` (a fraction in (0, 1]) for these graphs'
+    min-cut alone, whose selective recompute then chooses what is saved, of which storm offloads
+    ``budget``: torch's recompute and storm's offload in one compiled graph (``budget=0``: torch's
+    alone). None: the global ``torch._functorch.config``'s, which is not part of a compiled graph's
+    cache key: a second model of the same code compiled under another global budget reuses the
+    first one's graph, where this one's is.
     Saves are stored raw (no codec) and only those of static shape."""
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                      or not 0 < memory_budget <= 1):
+        raise ValueError(f"memory_budget must be a fraction in (0, 1] (torch's activation_memory_budget) or None, "
+                         f"got {memory_budget!r}")
     mode = mode_option(mode)
     return Partitioner(GraphOptions(
         mode=mode, socket=socket_option(mode, socket), pool_size=pool_size_option(pool_size),
         min_bytes=bytes_option("min_bytes", min_bytes), held_bytes=bytes_option("held_bytes", held_bytes),
-        budget=None if budget is None else bytes_option("budget", budget)))
+        budget=None if budget is None else bytes_option("budget", budget),
+        memory_budget=None if memory_budget is None else float(memory_budget)))

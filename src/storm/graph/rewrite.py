@@ -20,6 +20,7 @@ rewritten.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -45,7 +46,9 @@ log = logging.getLogger("storm")
 class GraphOptions:
     """``mode``, ``socket``, ``pool_size``: the store, as storm.offload's options say; ``min_bytes``:
     smaller saves stay; ``held_bytes``: how far copies may run behind forward (and the last saves
-    that stay); ``budget``: offload at most this many bytes a forward, earliest saves first."""
+    that stay); ``budget``: offload at most this many bytes a forward, earliest saves first;
+    ``memory_budget``: torch's activation_memory_budget for this partitioner's min-cut (None: the
+    global config's)."""
 
     mode: str = "auto"
     socket: str | None = None
@@ -53,6 +56,7 @@ class GraphOptions:
     min_bytes: int = DEFAULT_MIN_BYTES
     held_bytes: int = DEFAULT_MAX_HELD_BYTES  # storm.offload's bound on bytes waiting for their copy
     budget: int | None = None
+    memory_budget: float | None = None
 
 
 class Partitioner(CustomPartitionerFn):
@@ -64,7 +68,14 @@ class Partitioner(CustomPartitionerFn):
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
                  ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        # torch's selective recompute at this partitioner's own budget: being in the options, it is
+        # in uuid(), so the compiled graph is cached under it, where a global config change is not
+        # (dynamo reuses a graph compiled under another budget for a second model of the same code)
+        budget = self.options.memory_budget
+        within = contextlib.nullcontext() if budget is None else \
+            torch._functorch.config.patch(activation_memory_budget=budget)
+        with within:
+            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         offload_saves(fw, bw, kwargs["num_fwd_outputs"], self.options)
         return fw, bw
 

@@ -1,0 +1,230 @@
+"""torch.compile's own memory answers against STORM's, at each of them (issue 52) (CUDA).
+
+    python bench/compiled.py --workloads W3 --modes graph --out bench/results/compiled.json --resume
+    python bench/compiled.py --summary bench/results/compiled.json      # any machine: tables, verdicts
+
+Per workload (W1 to W3 of bench/common.py, or a bench/zoo.py cell) and compile mode ("graph": the
+model compiled as one graph; "blocks": each block compiled by itself), rows measured one after
+the other (common.run: median step, peak above the step's start):
+
+- "compiled": no offload;
+- "amb B" for each --memory-budgets B: torch's activation_memory_budget=B, its selective
+  recompute. Each row compiles with it through storm.partitioner(memory_budget=B, budget=0), which
+  offloads nothing: a global config change is not part of dynamo's cache key, so a row's model
+  could run a graph another row compiled under another budget;
+- at each amb row's measured peak P, STORM's candidates: torch's recompute at the next larger
+  budget and at none, with STORM taking off the rest. As one graph, storm.partitioner at that
+  budget offloading the bytes its row peaked above P (the earliest saves); per block,
+  storm.enable(model, peak=P) over the blocks compiled at that budget. The fastest that fits P is
+  STORM's at P;
+- STORM's least: full offload (storm.partitioner's every save but the last held_bytes; per block,
+  storm.enable(model)) over torch's recompute at the least budget and at none; the lower peak.
+
+Then duels in alternation (zoo.duel: both on the device at once, warmed, --rounds rounds of
+--round-steps steps each): STORM at each P against amb B, and STORM's least against the least
+budget's row. The verdicts are issue 52's must-show: STORM fits each amb peak at most at 1.00x its
+step, and its least peak is at least 15% under the least budget's at most at 1.20x its step.
+--resume keeps the rows and duels an earlier call wrote to --out, so that a workload whose compiles
+take longer than a device call goes on in the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from zoo import CELLS, duel
+
+from common import WORKLOADS, GiB, Variant, cuda_device, run, workloads, write
+
+STORM = {"mode": "embedded", "min_bytes": 1 << 20}
+MEMORY_BUDGETS = (0.7, 0.5, 0.3, 0.1)
+MODES = ("graph", "blocks")
+FITS_X = 1.00  # STORM at an amb row's peak: at most its step
+LEAST_UNDER, LEAST_X = 0.15, 1.20  # STORM's least peak: this much under the least budget's, at most this x its step
+
+
+@dataclass(frozen=True)
+class Row:
+    """One method on one workload, as common.run and zoo.duel take it."""
+
+    label: str
+    variant: Variant
+    method: str
+    opts: dict
+
+    @property
+    def spec(self) -> tuple[Variant, str, dict]:
+        return self.variant, self.method, self.opts
+
+
+def amb(b: float | None) -> str:
+    return "compiled" if b is None else f"amb {b:g}"
+
+
+def torch_rows(w, mode: str, budgets: list[float]) -> list[Row]:
+    """No offload, and torch's selective recompute at each budget."""
+    return [Row(amb(b), Variant(w, compile=mode, memory_budget=b), "none", {}) for b in [None, *budgets]]
+
+
+def storm_at(w, mode: str, at: float | None, cap: int, above: int) -> Row:
+    """STORM within ``cap`` bytes over torch's recompute at budget ``at`` (None: none), whose own row
+    peaked ``above`` bytes over the cap."""
+    label = f"storm {cap / GiB:.3f}GiB over {amb(at)}"
+    if mode == "graph":
+        return Row(label, Variant(w, compile="graph", memory_budget=at, partitioner={**STORM, "budget": above}),
+                   "none", {})
+    return Row(label, Variant(w, compile="blocks", memory_budget=at), "enable", {**STORM, "peak": cap})
+
+
+def storm_full(w, mode: str, at: float | None) -> Row:
+    """STORM's full offload over torch's recompute at budget ``at``."""
+    label = f"storm full over {amb(at)}"
+    if mode == "graph":
+        return Row(label, Variant(w, compile="graph", memory_budget=at, partitioner=dict(STORM)), "none", {})
+    return Row(label, Variant(w, compile="blocks", memory_budget=at), "enable", dict(STORM))
+
+
+def fitting(rows: dict, labels: list[str], cap: int) -> str | None:
+    """Of ``labels``, the fastest row whose peak fits ``cap``; None where none does."""
+    fit = [lb for lb in labels if "peak_bytes" in rows[lb] and rows[lb]["peak_bytes"] <= cap]
+    return min(fit, key=lambda lb: rows[lb]["step_ms"], default=None)
+
+
+def measure(w, mode: str, budgets: list[float], sec: dict, run_row: Callable[[Row], dict],
+            duel_rows: Callable[[list[Row]], dict], save: Callable[[], None]) -> None:
+    """Fill ``sec`` (one workload and mode; rows and duels already there are kept): the rows, STORM's
+    choice at each amb peak and its least, and their duels against torch's rows."""
+    rows: dict = sec.setdefault("rows", {})
+    made: dict[str, Row] = {}
+
+    def add(row: Row) -> str:
+        made[row.label] = row
+        if row.label not in rows:
+            rows[row.label] = run_row(row)
+            save()
+        return row.label
+
+    for row in torch_rows(w, mode, budgets):
+        add(row)
+    order = sorted(budgets)
+    chosen: dict = sec.setdefault("chosen", {})
+    for b in order:
+        if "peak_bytes" not in rows[amb(b)]:
+            continue
+        cap = rows[amb(b)]["peak_bytes"]
+        labels = [add(storm_at(w, mode, at, cap, max(0, rows[amb(at)]["peak_bytes"] - cap)))
+                  for at in [x for x in order if x > b][:1] + [None] if "peak_bytes" in rows[amb(at)]]
+        chosen[amb(b)] = fitting(rows, labels, cap)
+    least = [lb for lb in (add(storm_full(w, mode, at)) for at in (order[0], None)) if "peak_bytes" in rows[lb]]
+    chosen["least"] = min(least, key=lambda lb: rows[lb]["peak_bytes"], default=None)
+    save()
+    duels: dict = sec.setdefault("duels", {})
+    pairs = [(mine, theirs) for theirs, mine in chosen.items() if theirs != "least" and mine is not None]
+    if chosen["least"] is not None:
+        pairs.append((chosen["least"], amb(order[0])))
+    for mine, theirs in pairs:
+        key = f"{mine} | {theirs}"
+        if key not in duels:
+            duels[key] = duel_rows([made[mine], made[theirs]])
+            save()
+
+
+def verdicts(sec: dict) -> dict:
+    """Issue 52's must-show on one workload and mode, from its rows and duels (a duel's median
+    decides where there is one)."""
+    rows, chosen, duels = sec.get("rows", {}), sec.get("chosen", {}), sec.get("duels", {})
+
+    def ratio(mine: str, theirs: str) -> tuple[float | None, list | None]:
+        d = duels.get(f"{mine} | {theirs}", {})
+        if "first_over" in d:
+            return d["first_over"][0], d["first_over_95"][0]
+        if "step_ms" in rows.get(mine, {}) and "step_ms" in rows.get(theirs, {}):
+            return round(rows[mine]["step_ms"] / rows[theirs]["step_ms"], 3), None
+        return None, None
+
+    at_peaks = []
+    for theirs, mine in chosen.items():
+        if theirs == "least":
+            continue
+        x, x95 = ratio(mine, theirs) if mine else (None, None)
+        at_peaks.append({"amb": theirs, "cap_GiB": round(rows[theirs]["peak_bytes"] / GiB, 3), "storm": mine,
+                         "x_amb": x, "x_amb_95": x95, "holds": x is not None and x <= FITS_X})
+    out: dict = {"at_amb_peaks": {"holds": bool(at_peaks) and all(v["holds"] for v in at_peaks), "caps": at_peaks}}
+    lowest = min((k for k in rows if k.startswith("amb ")), key=lambda k: float(k.split()[1]), default=None)
+    mine = chosen.get("least")
+    if mine and lowest and "peak_bytes" in rows.get(lowest, {}):
+        under = 1 - rows[mine]["peak_bytes"] / rows[lowest]["peak_bytes"]
+        x, x95 = ratio(mine, lowest)
+        out["least"] = {"storm": mine, "versus": lowest, "under": round(under, 3), "x": x, "x_95": x95,
+                        "holds": under >= LEAST_UNDER and x is not None and x <= LEAST_X}
+    return out
+
+
+def table(name: str, sec: dict) -> str:
+    lines = [f"{name}", f"{'row':44} {'step ms':>9} {'peak GiB':>9}"]
+    for label, r in sec.get("rows", {}).items():
+        shown = (f"{r['step_ms']:9.2f} {r['peak_bytes'] / GiB:9.3f}" if "step_ms" in r else f"  {r.get('error')}")
+        lines.append(f"{label:44} {shown}")
+    v = verdicts(sec)
+    for c in v["at_amb_peaks"]["caps"]:
+        lines.append(f"at {c['amb']}'s peak {c['cap_GiB']} GiB: {c['storm'] or 'nothing of STORM fits'}, "
+                     f"{c['x_amb']}x {c['x_amb_95'] or ''}: {'holds' if c['holds'] else 'FAILS'}")
+    if "least" in v:
+        lc = v["least"]
+        lines.append(f"least: {lc['storm']} {lc['under']:.1%} under {lc['versus']}, {lc['x']}x {lc['x_95'] or ''}: "
+                     f"{'holds' if lc['holds'] else 'FAILS'}")
+    return "\n".join(lines)
+
+
+def workload(name: str, layers: int | None):
+    return workloads([name], layers=layers)[0] if name in WORKLOADS else CELLS[name]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", nargs="+", default=["W3"], choices=[*WORKLOADS, *CELLS], metavar="NAME",
+                   help="W1, W2, W3 or a bench/zoo.py cell")
+    p.add_argument("--layers", type=int, help="W1 to W3 at this many layers (W3 compiles faster at 8)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--memory-budgets", nargs="+", type=float, default=list(MEMORY_BUDGETS))
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3, help="steps before timing (a plan also until it settles)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of each duel")
+    p.add_argument("--round-steps", type=int, default=3, help="steps of each method per round")
+    p.add_argument("--out", help="results JSON, rewritten after each row and duel")
+    p.add_argument("--resume", action="store_true", help="keep what --out holds and measure the rest")
+    p.add_argument("--summary", metavar="RESULTS.json", help="measure nothing: the tables and verdicts of a run")
+    args = p.parse_args()
+    if args.summary:
+        for name, sec in json.loads(Path(args.summary).read_text())["workloads"].items():
+            print(table(name, sec), end="\n\n")
+        return 0
+    if not args.out:
+        p.error("--out is required to measure")
+    device = cuda_device("compiled.py")
+    if device is None:
+        return 2
+    results = {"workloads": {}}
+    if args.resume and Path(args.out).exists():
+        results["workloads"] = json.loads(Path(args.out).read_text()).get("workloads", {})
+    order = random.Random(0)
+    for name in args.workloads:
+        w = workload(name, args.layers)
+        for mode in args.modes:
+            sec = results["workloads"].setdefault(f"{w.name} {mode}", {})
+            measure(w, mode, args.memory_budgets, sec,
+                    run_row=lambda row: run(row.variant, row.method, args.steps, args.warmup, row.opts, device),
+                    duel_rows=lambda these: duel([r.spec for r in these], args, device, order),
+                    save=lambda: write(args.out, results, device))
+            print(table(f"{w.name} {mode}", sec), end="\n\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
