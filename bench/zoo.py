@@ -64,6 +64,7 @@ from common import (
     alternate,
     cuda_device,
     failure,
+    fresh_dynamo,
     host_available,
     link_bandwidth,
     meta,
@@ -158,6 +159,7 @@ def duel(specs: list[tuple[HF | Variant, str, dict]], args: argparse.Namespace, 
     may differ from its row's). An error (OOM) is recorded, not raised."""
     trainers: list[Trainer] = []
     try:
+        fresh_dynamo(w for w, _, _ in specs)
         for spec in specs:
             trainers.append(Trainer(*spec, device))
             trainers[-1].warm(args.warmup)

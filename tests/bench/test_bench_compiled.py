@@ -26,9 +26,10 @@ class Fake:
     partitioner's budget; per block, down to its cap) and pays 2 ms per GiB; its full offload
     peaks at 3 GiB over none and 2.5 over 0.1. A duel's ratio is the rows' steps'."""
 
-    def __init__(self) -> None:
+    def __init__(self, lowers: float = 1.0) -> None:
         self.runs: list = []
         self.duels: list = []
+        self.lowers = lowers  # of the bytes the partitioner sends, what comes off the peak
 
     def run(self, row) -> dict:
         self.runs.append(row)
@@ -38,7 +39,7 @@ class Fake:
             peak, step = (2.5 if at else 3.0) * GiB, 140.0
         elif row.label.startswith("storm"):
             sent = v.partitioner["budget"] if v.compile == "graph" else max(0, PEAK[at] - row.opts["peak"])
-            peak, step = PEAK[at] - sent, STEP[at] + 2.0 * sent / GiB
+            peak, step = PEAK[at] - sent * (self.lowers if v.compile == "graph" else 1), STEP[at] + 2.0 * sent / GiB
         else:
             peak, step = PEAK[at], STEP[at]
         return {"step_ms": step, "peak_bytes": int(peak)}
@@ -82,6 +83,16 @@ def test_storm_at_each_budget_s_peak_runs_over_the_next_budget_and_none_and_the_
     assert v["least"]["under"] == 0.375 and v["least"]["x"] == 1.12 and v["least"]["holds"]
 
 
+def test_as_one_graph_a_candidate_whose_peak_fell_short_is_tried_again_sending_twice_the_miss_more():
+    sec, fake = measured("graph", fake=Fake(lowers=0.75))  # a quarter of what goes stays on the peak
+    first = next(r for r in fake.runs if r.label == "storm 4.000GiB over amb 0.3")
+    again = next(r for r in fake.runs if r.label == "storm 4.000GiB over amb 0.3 (again)")
+    miss = sec["rows"][first.label]["peak_bytes"] - 4 * GiB
+    assert miss == GiB // 4 and again.variant.partitioner["budget"] == GiB + 2 * miss
+    assert sec["rows"][again.label]["peak_bytes"] <= 4 * GiB
+    assert sec["chosen"]["amb 0.1"] in {again.label, "storm 4.000GiB over compiled (again)"}
+
+
 def test_per_block_storm_is_storm_enable_at_the_cap_over_blocks_compiled_at_the_budget():
     sec, fake = measured("blocks")
     over = next(r for r in fake.runs if r.label == "storm 4.000GiB over amb 0.3")
@@ -93,8 +104,9 @@ def test_per_block_storm_is_storm_enable_at_the_cap_over_blocks_compiled_at_the_
 
 def test_nothing_of_storm_fitting_a_peak_is_said_and_fails_and_a_resumed_run_measures_nothing_again():
     sec, fake = measured("graph")
-    sec["rows"]["storm 6.000GiB over amb 0.7"]["peak_bytes"] = 7 * GiB  # neither candidate at 0.5's peak fits
-    sec["rows"]["storm 6.000GiB over compiled"]["peak_bytes"] = 7 * GiB
+    for label in ("storm 6.000GiB over amb 0.7", "storm 6.000GiB over compiled"):  # none at 0.5's peak fits
+        sec["rows"][label]["peak_bytes"] = 7 * GiB
+        sec["rows"][f"{label} (again)"] = {"step_ms": 110.0, "peak_bytes": 7 * GiB}  # nor when tried again
     sec["duels"].clear()
     again = Fake()
     measured("graph", sec, again)
@@ -118,3 +130,37 @@ def test_a_least_peak_not_far_enough_under_the_least_budget_s_fails(tmp_path):
 def test_without_cuda_it_says_so_and_exits_2(tmp_path):
     done = run_bench("compiled.py", "--workloads", "W3", "--out", str(tmp_path / "x.json"))
     assert done.returncode == 2 and "CUDA" in done.stdout + done.stderr
+
+
+def test_a_duel_of_compiled_rows_clears_dynamo_once_before_building_them(monkeypatch):
+    """Each row carries its budget in what it compiles with, so the duel's models need no reset
+    between them; a reset after the first was built made it compile again in the timed rounds."""
+    import argparse
+    import random
+
+    import torch
+
+    zoo = bench_module("zoo")
+    events: list[str] = []
+
+    class Built:
+        def __init__(self, w, method, opts, device):
+            w.build(device)
+            events.append(f"built {w.memory_budget}")
+            self.planner = None
+
+        def warm(self, steps):
+            pass
+
+        def step(self):
+            return 0.01
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
+    monkeypatch.setattr(zoo, "Trainer", Built)
+    specs = [(common.Variant(common.W3_TINY, compile="graph", memory_budget=b), "none", {}) for b in (0.5, 0.1)]
+    args = argparse.Namespace(warmup=0, rounds=1, round_steps=1)
+    out = zoo.duel(specs, args, common.torch.device("cpu"), random.Random(0))
+    assert "first_over" in out and events == ["reset", "built 0.5", "built 0.1"]

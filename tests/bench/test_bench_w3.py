@@ -1,6 +1,6 @@
 """Issue 40's W3 (a Hugging Face Llama) through the benchmarks' code on the CPU: the workloads as
-built, every method's row trained for real on the tiny variant, torch's activation_memory_budget in
-force while a compiled variant runs, torchtune's OffloadActivations imported without torchtune's
+built, every method's row trained for real on the tiny variant, each compiled variant at its own
+activation_memory_budget, torchtune's OffloadActivations imported without torchtune's
 dataset stack, and frontier.py's W3 rows, caps and must-show verdicts from fake measurements."""
 
 from __future__ import annotations
@@ -72,21 +72,28 @@ def test_each_eager_w3_row_trains_on_the_cpu(row):
         t.close()
 
 
-def test_a_variant_runs_its_forward_under_its_activation_memory_budget():
-    seen = []
+@pytest.mark.parametrize("compile", ["graph", "blocks"])
+def test_a_variant_compiles_at_its_own_activation_memory_budget(monkeypatch, compile):
+    """A row's budget goes into what it compiles with (storm.partitioner's memory_budget, nothing
+    offloaded unless the row offloads), not into torch's global config while its forward runs:
+    dynamo would reuse the graph an earlier row's model of the same class compiled under another
+    budget (tests/graph/test_rewrite.py shows the partitioner's budget at work)."""
+    compiled: list[dict] = []
 
-    class Recorder(common.Workload):
-        @staticmethod
-        def forward(model, x):
-            seen.append(torch._functorch.config.activation_memory_budget)
-            return model(x)
+    def recording(model, options=None):
+        compiled.append(options["custom_partitioner_fn"].options)
+        return model
 
-    base = Recorder(**dataclasses.asdict(common.TINY))
-    model, x = base.build(CPU)
-    default = torch._functorch.config.activation_memory_budget
-    common.Variant(base, memory_budget=0.1).forward(model, x)
-    common.Variant(base).forward(model, x)
-    assert seen == [0.1, default] and torch._functorch.config.activation_memory_budget == default
+    monkeypatch.setattr(torch, "compile", recording)
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, options=None: recording(self, options))
+    base = common.TINY
+    common.Variant(base, compile=compile, memory_budget=0.1).build(CPU)
+    common.Variant(base, compile=compile, memory_budget=0.5, partitioner={**STORM, "budget": 1 << 20}).build(CPU)
+    per_build = 1 if compile == "graph" else len(base.blocks(base.build(CPU)[0]))
+    first, second = compiled[0], compiled[per_build]
+    assert (first.memory_budget, first.budget) == (0.1, 0)
+    assert (second.memory_budget, second.budget, second.mode) == (0.5, 1 << 20, STORM["mode"])
+    assert len(compiled) == 2 * per_build
 
 
 @pytest.mark.slow  # inductor compiles the tiny Llama three times: about a minute on 2 cores
