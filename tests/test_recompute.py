@@ -548,6 +548,52 @@ def test_keyword_tensors_are_saved_through_the_hooks_as_the_positional_ones():
     assert all(same_bits(a, b) for a, b in zip(grads(False), grads(True)))
 
 
+class DeepKeywords(torch.nn.Module):
+    """A block given a tensor nested deeper: in a list in a dict, beside a flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, *, extra: dict, flag: bool) -> torch.Tensor:
+        return torch.tanh(self.lin(x) + extra["bias"][0] * flag)
+
+
+def test_keyword_tensors_flat_or_nested_come_back_in_their_places_bit_for_bit(monkeypatch):
+    """A Hugging Face layer's keyword arguments (tensors, tuples of them, flags, None) are taken
+    apart by hand as a block's forward starts and again as it is recomputed, where torch's pytree
+    took several times as long; what nests deeper (a list in a dict) goes through the pytree. Both
+    come back in their places: gradients bit for bit, the nested tensor saved through the hooks."""
+    import storm.recompute as recompute
+
+    flattened = []
+    flatten = recompute.tree_flatten
+    monkeypatch.setattr(recompute, "tree_flatten", lambda tree: flattened.append(tree) or flatten(tree))
+
+    def grads(block: torch.nn.Module, recompute: bool, **kwargs) -> tuple[list[torch.Tensor], list]:
+        torch.manual_seed(0)
+        block = type(block)()
+        if recompute:
+            block.forward = Recompute(type(block).forward.__get__(block), torch.device("cpu"), reentrant=False)
+        x = torch.randn(4, 32, requires_grad=True)
+        seen: list = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+            y = block(x, **kwargs)
+        y.sum().backward()
+        leaves = [t for t in pytree.tree_leaves(kwargs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        return [x.grad, *(t.grad for t in leaves), *(p.grad for p in block.parameters())], seen
+
+    cos, sin = torch.randn(4, 32), torch.randn(4, 32, requires_grad=True)
+    flat = {"tables": (cos, sin), "mask": None}
+    assert all(same_bits(a, b) for a, b in zip(grads(Rotary(), False, **flat)[0], grads(Rotary(), True, **flat)[0]))
+    assert flattened == []
+    bias = torch.randn(32, requires_grad=True)
+    nested = {"extra": {"bias": [bias]}, "flag": True}
+    (plain, _), (got, seen) = grads(DeepKeywords(), False, **nested), grads(DeepKeywords(), True, **nested)
+    assert all(same_bits(a, b) for a, b in zip(plain, got)) and bias.grad is not None
+    assert len(flattened) == 1 and bias.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in seen}
+
+
 class Positional(Rotary):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return super().forward(x, tables=(cos, sin))

@@ -57,7 +57,7 @@ import functools
 import inspect
 import logging
 from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
@@ -121,18 +121,13 @@ class Recompute:
             # as it saves the positional ones (through the saved-tensor hooks: STORM may offload
             # them) instead of holding them in its closure: a Hugging Face layer's rotary tables
             # (and `call` refers to none of the tensors: its closure lives as long as the graph)
-            leaves, spec = tree_flatten(self._without_cache(kwargs))
-            at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-            rest = [None if i in at else leaf for i, leaf in enumerate(leaves)]
+            tensors, rebuild = _tensors_apart(self._without_cache(kwargs))
             n = len(args)
 
             def call(*flat: Any) -> Any:
-                given = list(rest)
-                for i, t in zip(at, flat[n:]):
-                    given[i] = t
-                return self.forward(*flat[:n], **tree_unflatten(given, spec))
+                return self.forward(*flat[:n], **rebuild(flat[n:]))
 
-            return checkpoint(call, *args, *(leaves[i] for i in at), use_reentrant=False, **contexts)
+            return checkpoint(call, *args, *tensors, use_reentrant=False, **contexts)
         out = _Reentrant.apply(self, self._grad, *args)
         return tree_unflatten(list(out[1:]), out[0].spec) if type(out) is tuple and out and type(out[0]) is _Nested \
             else out
@@ -257,6 +252,63 @@ def _statistics(m: _NormBase) -> list[torch.Tensor]:
     kept = [m.num_batches_tracked] if isinstance(m, _BatchNorm) else [m.running_mean, m.running_var,
                                                                        m.num_batches_tracked]
     return [b for b in kept if b is not None]
+
+
+# values that hold no tensor, as torch's pytree would find none in them
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+# keyword arguments' tensors, and what puts tensors in their places again
+Apart = tuple[list[torch.Tensor], Callable[[Sequence[torch.Tensor]], dict]]
+
+
+def _tensors_apart(kwargs: dict[str, Any]) -> Apart:
+    """``kwargs``' tensors, and how to put tensors in their places again: a dict like ``kwargs``.
+    By hand where each value is a tensor, a tuple of tensors (rotary tables) or holds none (a
+    Hugging Face layer's keyword arguments): it runs as a block's forward starts and again as it
+    is recomputed, and torch's pytree took several times as long there; otherwise through the
+    pytree, which finds tensors in nested containers too."""
+    tensors: list[torch.Tensor] = []
+    # per keyword: -1 one tensor, k >= 0 a tuple of k tensors, -2 the value itself (no tensor:
+    # rebuild's closure lives as long as the graph, and must hold none)
+    shape: list[tuple[str, int, Any]] = []
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            shape.append((name, -1, None))
+            tensors.append(value)
+        elif type(value) is tuple and all(isinstance(t, torch.Tensor) for t in value):
+            shape.append((name, len(value), None))
+            tensors.extend(value)
+        elif isinstance(value, _PLAIN):
+            shape.append((name, -2, value))
+        else:
+            return _tensors_apart_by_pytree(kwargs)
+
+    def rebuild(given: Sequence[torch.Tensor]) -> dict:
+        out, j = {}, 0
+        for name, k, value in shape:
+            if k == -1:
+                out[name], j = given[j], j + 1
+            elif k >= 0:
+                out[name], j = tuple(given[j:j + k]), j + k
+            else:
+                out[name] = value
+        return out
+
+    return tensors, rebuild
+
+
+def _tensors_apart_by_pytree(kwargs: dict[str, Any]) -> Apart:
+    """_tensors_apart through torch's pytree."""
+    leaves, spec = tree_flatten(kwargs)
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    rest = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+
+    def rebuild(given: Sequence[torch.Tensor]) -> dict:
+        out = list(rest)
+        for i, t in zip(at, given):
+            out[i] = t
+        return tree_unflatten(out, spec)
+
+    return [leaves[i] for i in at], rebuild
 
 
 def _holds_tensor(a: Any) -> bool:
