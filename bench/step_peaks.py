@@ -27,9 +27,12 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import math
 import os
+import re
 import sys
 import tempfile
+from fractions import Fraction
 from typing import Any, Iterator
 
 import torch
@@ -156,10 +159,20 @@ def baseline_profile(cell: str, method: str, device: torch.device, warmup: int =
         t.close()
 
 
+def cap(text: str) -> int:
+    """A peak as bench/zoo.py prints caps: bytes, or a size in a unit with decimals that need not
+    make whole bytes ('2.93GiB', rounded down to a byte), which parse_size refuses."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    try:
+        return math.floor(Fraction(m.group(1)) * parse_size(f"1{m.group(2)}")) if m else parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cell", required=True, choices=list(CELLS))
-    p.add_argument("--peak", required=True, type=parse_size, help="storm.enable's peak=, e.g. 2.93GiB")
+    p.add_argument("--peak", required=True, type=cap, help="storm.enable's peak=, e.g. 2.93GiB or bytes")
     p.add_argument("--steps", type=int, default=8, help="settled steps after the planner settles")
     p.add_argument("--record", nargs="*", type=int, default=[], metavar="N",
                    help="settled steps (1 = the first) whose allocator history is replayed at their peak")
