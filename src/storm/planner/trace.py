@@ -31,8 +31,9 @@ from .wiring import BlockHooks, call_leaves, device_of, grad_tensor, input_signa
 log = logging.getLogger("storm")
 
 MiB = 1 << 20
-# A compute trace whose forward took this many times the blocks' own recomputes (and FIRST_CALL_MS more)
-# paid first calls: traced again, once
+# A compute trace whose forward took this many times the blocks' own recomputes, or one of whose
+# blocks' recompute took this many times the blocks' median (and FIRST_CALL_MS more), paid first
+# calls: traced again, once
 FIRST_CALL_RATIO = 2.0
 FIRST_CALL_MS = 1.0
 
@@ -380,7 +381,7 @@ class ComputeTrace:
                 Recompute(lambda t: t * 2, device, reentrant)(warm).sum().backward()
         hooks.recompute(set(range(len(hooks.blocks))), hand_over)
         self.hooks, self.clock, self.hand_over = hooks, clock, hand_over
-        self.first_calls = False  # collect() found the traced forward paid the blocks' first calls
+        self.first_calls = False  # collect() found the traced forward, or a recompute, paid first calls
         self.other_shapes = False
         n = len(hooks.blocks)
         self.starts: list[Any] = [None] * n  # as each block's first call starts
@@ -429,7 +430,7 @@ class ComputeTrace:
     def collect(self, trace: Trace, may_repeat: bool) -> bool:
         """Write the traced times into ``trace``; False where this step is to be traced again: it
         did not run every block once, or (``may_repeat``, on a clock where first calls load) its
-        forward paid the blocks' first calls (``first_calls``)."""
+        forward or a block's recompute paid the process's first calls (``first_calls``)."""
         self.release()
         starts, ends, host, clock, n = self.starts, self.ends, self.host, self.clock, len(self.starts)
         if any(s is None for s in starts + ends):
@@ -445,15 +446,22 @@ class ComputeTrace:
         done = self.first_done[-1:] or self.ended  # the last to fire: the first forward's block 0
         if self.reached and done:  # from the last block's backward to the first's end, recomputes left out
             trace.backward_device_ms = max(0.0, clock.elapsed_ms(self.reached[0], done[0]) - recomputing_ms)
-        if (clock.first_calls_load and may_repeat
-                and trace.forward_device_ms > FIRST_CALL_RATIO * recomputing_ms + FIRST_CALL_MS):
+        times = sorted(b.forward_ms for b in trace.blocks)
+        typical, dearest = times[len(times) // 2], times[-1]
+        first_forward = trace.forward_device_ms > FIRST_CALL_RATIO * recomputing_ms + FIRST_CALL_MS
+        first_recompute = dearest > FIRST_CALL_RATIO * typical + FIRST_CALL_MS
+        if clock.first_calls_load and may_repeat and (first_forward or first_recompute):
             # The traced forward was the blocks' first calls in the recompute form (no autograd in
-            # the reentrant one): kernels loaded then, not in later steps, which would make the host
-            # look as slow as the stream and hide its lead. The planner calls no block of its own
-            # to warm them (a block may have side effects), so the next step traces again.
+            # the reentrant one), or backward's first recompute (the last block's) was the process's
+            # first such call in backward: kernels loaded then, not in later steps. The forward's
+            # would make the host look as slow as the stream and hide its lead; the recompute's
+            # would charge that block many times its like blocks' cost, and plans weighed by it
+            # offload where recomputing is cheaper. The planner calls no block of its own to warm
+            # them (a block may have side effects), so the next step traces again.
             self.first_calls = True
-            log.info("storm.plan: the traced forward took %.2f ms against %.2f ms of recomputes "
-                     "(first calls); tracing again", trace.forward_device_ms, recomputing_ms)
+            log.info("storm.plan: the traced forward took %.2f ms against %.2f ms of recomputes, the dearest "
+                     "recompute %.2f ms against a median of %.2f (first calls); tracing again",
+                     trace.forward_device_ms, recomputing_ms, dearest, typical)
             return False
         # the stream's time from block 0 to block i less the host's: how far ahead the host
         # is (at least: the stream may start block 0 after the host reached it)
