@@ -39,13 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from hf import HF
 from zoo import CELLS, duel
 
-from common import WORKLOADS, GiB, Variant, cuda_device, run, workloads, write
+from common import WORKLOADS, GiB, Llama, Variant, Workload, cuda_device, run, workloads, write
 
 STORM = {"mode": "embedded", "min_bytes": 1 << 20}
 MEMORY_BUDGETS = (0.7, 0.5, 0.3, 0.1)
 MODES = ("graph", "blocks")
+Base = Workload | Llama | HF  # what a Variant builds on
 FITS_X = 1.00  # STORM at an amb row's peak: at most its step
 LEAST_UNDER, LEAST_X = 0.15, 1.20  # STORM's least peak: this much under the least budget's, at most this x its step
 
@@ -68,12 +70,12 @@ def amb(b: float | None) -> str:
     return "compiled" if b is None else f"amb {b:g}"
 
 
-def torch_rows(w, mode: str, budgets: list[float]) -> list[Row]:
+def torch_rows(w: Base, mode: str, budgets: list[float]) -> list[Row]:
     """No offload, and torch's selective recompute at each budget."""
     return [Row(amb(b), Variant(w, compile=mode, memory_budget=b), "none", {}) for b in [None, *budgets]]
 
 
-def storm_at(w, mode: str, at: float | None, cap: int, send: int, again: bool = False) -> Row:
+def storm_at(w: Base, mode: str, at: float | None, cap: int, send: int, again: bool = False) -> Row:
     """STORM within ``cap`` bytes over torch's recompute at budget ``at`` (None: none); as one graph,
     offloading ``send`` bytes of its saves (``again``: a second try, sending more)."""
     label = f"storm {cap / GiB:.3f}GiB over {amb(at)}" + " (again)" * again
@@ -83,7 +85,7 @@ def storm_at(w, mode: str, at: float | None, cap: int, send: int, again: bool = 
     return Row(label, Variant(w, compile="blocks", memory_budget=at), "enable", {**STORM, "peak": cap})
 
 
-def storm_full(w, mode: str, at: float | None) -> Row:
+def storm_full(w: Base, mode: str, at: float | None) -> Row:
     """STORM's full offload over torch's recompute at budget ``at``."""
     label = f"storm full over {amb(at)}"
     if mode == "graph":
@@ -97,7 +99,7 @@ def fitting(rows: dict, labels: list[str], cap: int) -> str | None:
     return min(fit, key=lambda lb: rows[lb]["step_ms"], default=None)
 
 
-def measure(w, mode: str, budgets: list[float], sec: dict, run_row: Callable[[Row], dict],
+def measure(w: Base, mode: str, budgets: list[float], sec: dict, run_row: Callable[[Row], dict],
             duel_rows: Callable[[list[Row]], dict], save: Callable[[], None]) -> None:
     """Fill ``sec`` (one workload and mode; rows and duels already there are kept): the rows, STORM's
     choice at each amb peak and its least, and their duels against torch's rows."""
@@ -190,7 +192,8 @@ def table(name: str, sec: dict) -> str:
     return "\n".join(lines)
 
 
-def workload(name: str, layers: int | None):
+def workload(name: str, layers: int | None) -> Base:
+    """W1 to W3 (at ``layers`` where given) or a zoo cell, by name."""
     return workloads([name], layers=layers)[0] if name in WORKLOADS else CELLS[name]
 
 
