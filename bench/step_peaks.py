@@ -29,10 +29,8 @@ import collections
 import contextlib
 import math
 import os
-import re
 import sys
 import tempfile
-from fractions import Fraction
 from typing import Any, Iterator
 
 import torch
@@ -40,7 +38,7 @@ from zoo import CELLS
 
 import trace_gaps
 from common import GiB, Trainer, cuda_device, plan_summary, write
-from stormd.wire.sizes import parse_size
+from stormd.wire.sizes import exact_size
 
 MiB = 1 << 20
 FORWARD = "step_peaks.forward"  # the host annotation of a profiled step's forward (trace_gaps.steps)
@@ -162,9 +160,8 @@ def baseline_profile(cell: str, method: str, device: torch.device, warmup: int =
 def cap(text: str) -> int:
     """A peak as bench/zoo.py prints caps: bytes, or a size in a unit with decimals that need not
     make whole bytes ('2.93GiB', rounded down to a byte), which parse_size refuses."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     try:
-        return math.floor(Fraction(m.group(1)) * parse_size(f"1{m.group(2)}")) if m else parse_size(text)
+        return math.floor(exact_size(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
