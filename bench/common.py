@@ -592,4 +592,6 @@ def write(out: str | Path, results: dict, device: torch.device | str | None = No
     run goes, so what is done survives a time limit."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**results, "meta": meta(device, **extra)}, indent=1) + "\n")
+    part = out.with_name(out.name + ".part")  # a run killed mid-write leaves the last whole file to --resume from
+    part.write_text(json.dumps({**results, "meta": meta(device, **extra)}, indent=1) + "\n")
+    part.replace(out)
