@@ -15,7 +15,7 @@ the other (common.run: median step, peak above the step's start):
 - at each amb row's measured peak P, STORM's candidates: torch's recompute at the next larger
   budget and at none, with STORM taking off the rest. As one graph, storm.partitioner at that
   budget offloading the bytes its row peaked above P (the earliest saves), and where that peaked
-  above P, once more sending twice the miss more; per block,
+  above P, once more sending twice the miss more (at least an eighth more); per block,
   storm.enable(model, peak=P) over the blocks compiled at that budget. The fastest that fits P is
   STORM's at P;
 - STORM's least: full offload (storm.partitioner's every save but the last held_bytes; per block,
@@ -128,8 +128,10 @@ def measure(w: Base, mode: str, budgets: list[float], sec: dict, run_row: Callab
             send = max(0, rows[amb(at)]["peak_bytes"] - cap)  # what torch's row at `at` peaked above the cap
             labels.append(add(storm_at(w, mode, at, cap, send)))
             miss = rows[labels[-1]].get("peak_bytes", cap) - cap
-            if mode == "graph" and miss > 0:  # the peak fell less than the bytes sent: send twice the miss more
-                labels.append(add(storm_at(w, mode, at, cap, send + 2 * miss, again=True)))
+            if mode == "graph" and miss > 0:  # the peak fell less than the bytes sent: send more, twice the
+                # miss and at least an eighth of what went (the partitioner sends whole saves: a miss of a
+                # few MB moves nothing until the next save goes too)
+                labels.append(add(storm_at(w, mode, at, cap, send + max(2 * miss, send // 8), again=True)))
         return fitting(rows, labels, cap)
 
     for row in torch_rows(w, mode, budgets):

@@ -98,6 +98,15 @@ def test_as_one_graph_a_candidate_whose_peak_fell_short_is_tried_again_sending_t
     assert sec["chosen"]["amb 0.1"] in {again.label, "storm 4.000GiB over compiled (again)"}
 
 
+def test_a_miss_of_a_few_bytes_is_tried_again_sending_at_least_an_eighth_more():
+    sec, fake = measured("graph", fake=Fake(lowers=0.999))  # a thousandth of what goes stays on the peak
+    first = next(r for r in fake.runs if r.label == "storm 4.000GiB over compiled")
+    again = next(r for r in fake.runs if r.label == "storm 4.000GiB over compiled (again)")
+    miss = sec["rows"][first.label]["peak_bytes"] - 4 * GiB
+    sent = first.variant.partitioner["budget"]
+    assert 0 < 2 * miss < sent // 8 and again.variant.partitioner["budget"] == sent + sent // 8
+
+
 def test_per_block_storm_is_storm_enable_at_the_cap_over_blocks_compiled_at_the_budget():
     sec, fake = measured("blocks")
     over = next(r for r in fake.runs if r.label == "storm 4.000GiB over amb 0.3")
