@@ -335,9 +335,10 @@ def test_a_storage_at_a_freed_ones_address_is_another_storage():
     memory = bytearray(1024)
     shared = Shared()
     first = torch.frombuffer(memory, dtype=torch.float32)
-    a = shared.called_with([first])
-    b = shared.called_with([first[:8]])
+    a, a_keys = shared.called_with([first, 3])
+    b, b_keys = shared.called_with([first[:8]])
     assert a == b and all(key in shared for key in a)
+    assert a_keys == [*a, None] and b_keys == a_keys[:1]  # each argument's identity by position
     del first
-    c = shared.called_with([torch.frombuffer(memory, dtype=torch.float32)])
+    c, _ = shared.called_with([torch.frombuffer(memory, dtype=torch.float32)])
     assert c.keys().isdisjoint(a.keys()) and not any(key in shared for key in c)

@@ -75,9 +75,10 @@ class OffloadTrace:
             given = call_leaves(args, kwargs)  # keyword arguments' tensors too: Recompute saves them
             # each forward's call keeps its own inputs where the block is recomputed
             self.inputs[i] += sum(a.untyped_storage().nbytes() for a in given if isinstance(a, torch.Tensor))
-            self.arg_storages[i].update(self.shared.called_with(given))
+            storages, keys = self.shared.called_with(given)
+            self.arg_storages[i].update(storages)
             if not self.arg_keys[i]:
-                self.arg_keys[i] = self.shared.keys_of(given)
+                self.arg_keys[i] = keys
             # gradients already there (not set to None between steps) are not allocated by the step,
             # and a second forward's call allocates none of its own
             if hooks.calls[i] <= 1:
@@ -331,14 +332,16 @@ class Shared:
         self._shared: set[int] = set()
         self._ids = itertools.count()
 
-    def called_with(self, args: Any) -> dict[int, int]:
-        """A block's call: its arguments' storages (identity: bytes), noted."""
+    def called_with(self, args: Any) -> tuple[dict[int, int], list[int | None]]:
+        """A block's call, noted: its arguments' storages (identity: bytes), and each argument's
+        storage identity by position (None: not a tensor, or one without bytes)."""
         bases: dict[int, tuple[torch.Tensor, int]] = {}
         for a in args:
             if isinstance(a, torch.Tensor) and a.untyped_storage().nbytes():
                 base = a if a._base is None else a._base
                 bases[a.untyped_storage().data_ptr()] = (base, a.untyped_storage().nbytes())
         storages: dict[int, int] = {}
+        keys: dict[int, int] = {}  # storage address: identity
         for ptr, (base, nbytes) in bases.items():
             seen = self._seen.get(ptr)
             earlier = seen[0]() if seen is not None else None
@@ -349,13 +352,9 @@ class Shared:
                 key = next(self._ids)
                 self._seen[ptr] = (weakref.ref(base), key)
             storages[key] = nbytes
-        return storages
-
-    def keys_of(self, args: Any) -> list[int | None]:
-        """Each of a call's arguments' storage identity, as called_with noted it for that call (None: not
-        a tensor, or one without bytes)."""
-        return [self._seen[a.untyped_storage().data_ptr()][1]
-                if isinstance(a, torch.Tensor) and a.untyped_storage().nbytes() else None for a in args]
+            keys[ptr] = key
+        return storages, [keys[a.untyped_storage().data_ptr()]
+                          if isinstance(a, torch.Tensor) and a.untyped_storage().nbytes() else None for a in args]
 
     def __contains__(self, key: int) -> bool:
         return key in self._shared
