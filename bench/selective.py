@@ -1,5 +1,6 @@
-"""What selective recompute would free of each zoo architecture's blocks, and what it costs: the
-measurement the planner's next action rests on (docs/planner.md, "Next: selective recompute").
+"""What selective recompute by an op-by-op policy would free of each zoo architecture's blocks, and
+what it costs: whether such a policy could be the planner's per-block selective-recompute action
+(docs/planner.md, "Next: selective recompute").
 
     python bench/selective.py --out bench/results/selective.json                        # CUDA: bytes and times
     python bench/selective.py --device cpu --layers 2 --batch 1 --seq 256 --out X.json  # bytes only
