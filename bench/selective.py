@@ -25,6 +25,7 @@ times are left out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import statistics
@@ -118,20 +119,12 @@ def one_step(w: HF, device: torch.device, how: str) -> tuple[str, dict[str, int]
             b.forward = selective(b.forward)
     counted, policy_saves = BlockSaves(model, blocks), PolicySaves()
     torch.manual_seed(1)  # dropout's masks: both ways draw the same
-    with policy_saves if how == "selective" else _nothing():
+    with policy_saves if how == "selective" else contextlib.nullcontext():
         loss = w.objective(w.forward(model, ids))
     counted.close()
     loss.backward()
     own = sum(policy_saves.bytes.values())
     return step_digest(loss, model), {"saved_bytes": sum(counted.bytes.values()) + own, "policy_bytes": own}
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *_: Any) -> None:
-        return None
 
 
 def timed(w: HF, device: torch.device, how: str, steps: int, warmup: int) -> dict[str, float]:
