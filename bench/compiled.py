@@ -3,6 +3,11 @@
     python bench/compiled.py --workloads W3 --modes graph --out bench/results/compiled.json --resume
     python bench/compiled.py --summary bench/results/compiled.json      # any machine: tables, verdicts
 
+Two runs on two GPUs of one host at once (one per GPU, each its own --out) share its CPUs, and a
+graph run's compiles take many of them (inductor's compile workers): give each run its own, e.g.
+``TORCHINDUCTOR_COMPILE_THREADS=8 CUDA_VISIBLE_DEVICES=1 taskset -c 16-31 python bench/compiled.py ...``,
+since STORM's rows do host work each step that a busy host slows.
+
 Per workload (W1 to W3 of bench/common.py, or a bench/zoo.py cell) and compile mode ("graph": the
 model compiled as one graph; "blocks": each block compiled by itself), rows measured one after
 the other (common.run: median step, peak above the step's start):
