@@ -52,6 +52,10 @@ What the daemon buys, per rank count:
 (--daemon-pool-size), the daemon row still offloads it all, where each embedded store, its pool
 --pool-size, keeps on the GPU what does not fit (kept "pool full", and its peak_bytes).
 
+--switch-interval S sets each rank's sys.setswitchinterval (the JSON's switch_interval_s, per rank):
+how long the thread taking stormd's replies may wait for the GIL while the training thread runs
+Python, a launch against one with Python's default telling whether that wait costs the daemon row.
+
 --profile DIR writes per rank, model and row a torch.profiler key_averages table and trace of two more steps
 (read at the end by bench/trace_gaps.py into the JSON's "profile": where the compute stream idled)
 and the training thread's cProfile of two after them, and runs stormd under cProfile (its stats in
@@ -177,7 +181,8 @@ def summarize_launch(ranks: list[dict], daemon: dict) -> dict:
                              "create": start["create"], "page_lock": start["page_lock"]},
                 "daemon": {"start": daemon["start_s"], "page_lock": daemon["page_lock_s"],
                            "connect_per_rank": start["connect"]}},
-            "proc_status_kB": [r["proc_status_kB"] for r in ranks]}
+            "proc_status_kB": [r["proc_status_kB"] for r in ranks],
+            "switch_interval_s": [r["switch_interval_s"] for r in ranks]}
 
 
 def passed(run: dict) -> bool:
@@ -407,6 +412,8 @@ def pool_stats(session: object) -> dict[str, int]:
 
 def worker(a: argparse.Namespace) -> None:
     torch.use_deterministic_algorithms(True)
+    if a.switch_interval:  # how soon the thread taking stormd's replies gets the GIL from the one training
+        sys.setswitchinterval(a.switch_interval)
     cuda = a.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
@@ -424,7 +431,7 @@ def worker(a: argparse.Namespace) -> None:
         models[w.name] = run_model(w, a, opts, device, link["link_together_GBps"])
         if cuda:  # the model's memory, gone with run_model's frame, back before the next one's
             torch.cuda.empty_cache()
-    row = {"rank": rank, **link, "startup_s": startup, "models": models,
+    row = {"rank": rank, **link, "startup_s": startup, "models": models, "switch_interval_s": sys.getswitchinterval(),
            "pools": {mode: pool_stats(s) for mode, s in sessions.items()}, "proc_status_kB": locked_kib()}
     rows: list = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
@@ -535,6 +542,9 @@ def main() -> int:
     p.add_argument("--spill", action="store_true",
                    help="stormd spills to disk when its pool is full (the embedded stores have no spill: what does "
                         "not fit their pools stays on the GPU, rows' kept and peak_bytes say how much)")
+    p.add_argument("--switch-interval", type=float, metavar="SECONDS",
+                   help="each rank's sys.setswitchinterval (Python's default 0.005): a thread waiting for the GIL "
+                        "(the one taking stormd's replies) gets it from the busy one after at most this long")
     p.add_argument("--profile", help="a folder for torch.profiler tables per rank and stormd's cProfile stats")
     p.add_argument("--out")
     p.add_argument("--resume", action="store_true",

@@ -70,8 +70,9 @@ def test_with_a_daemon_per_rank_each_rank_has_its_own_and_its_share_of_the_pool_
     # four ranks: the all-reduce's order of addition then follows DDP's buckets, which the first
     # backward lays out again; every row steps identically all the same
     result = tiny_cpu_run(tmp_path, "--ranks", "4", "--models", "W1", "--rounds", "2", "--daemons", "2", "--spill",
-                          "--profile", str(tmp_path / "profile"))
+                          "--profile", str(tmp_path / "profile"), "--switch-interval", "0.0005")
     assert result["daemon"]["daemons"] == 2
+    assert result["runs"]["4"]["switch_interval_s"] == [0.0005] * 4  # each rank set it
     # --profile: per rank and row, torch.profiler's table and the training thread's cProfile; the first daemon's
     made = {p.name for p in (tmp_path / "profile").iterdir()}
     assert {f"ranks4-tiny-{row}-rank{r}{kind}" for row in ("none", "embedded", "daemon") for r in range(4)
