@@ -119,7 +119,8 @@ def test_daemon_over_embedded_is_each_ranks_step_ratio_their_median_and_each_rou
                 "daemon": {"step_ms": daemon_ms, "round_ms": daemon_rounds, "steps": 2, "identical_steps": 2}}
         pool = {"pool_bytes": 8, "peak_bytes": 4, "page_locked_bytes": 8}
         return {"link_alone_GBps": [1, 1], "link_together_GBps": [1, 1], "proc_status_kB": {},
-                "models": {"W1": {"workload": {}, "rows": rows}}, "pools": {"embedded": pool, "daemon": pool},
+                "switch_interval_s": 0.005, "models": {"W1": {"workload": {}, "rows": rows}},
+                "pools": {"embedded": pool, "daemon": pool},
                 "startup_s": {"create": 0.5, "page_lock": 1.0, "connect": 0.1}}
 
     run = ddp.summarize_launch([rank(10.0, 12.0, [13.0, 11.0]), rank(10.0, 11.0, [12.0, 10.0])],
