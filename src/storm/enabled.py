@@ -116,10 +116,10 @@ class Enabled:
         scopes = self._scopes()
         if self._on_forward:
             depth = _depth()
+            if scopes and depth <= self._threads.depth:
+                self._end_interrupted()  # empties scopes: this call opens the next step, at its own depth
             if not scopes:
                 self._threads.depth = depth
-            elif depth <= self._threads.depth:
-                self._end_interrupted()
         with self._open_lock:
             self._open += 1
         if not torch.is_grad_enabled() or any(scopes):

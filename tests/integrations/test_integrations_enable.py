@@ -311,6 +311,29 @@ def test_a_forward_interrupted_by_keyboard_interrupt_ends_its_step(then, caplog)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
+def test_after_a_forward_interrupted_deeper_in_the_stack_a_nested_call_joins_the_next_step(caplog):
+    """The next step is measured from its own call's depth, not the interrupted one's: a forward
+    interrupted further down the stack than the next is called from left its depth behind, and the
+    next step's nested call, between the two depths, was taken as interrupting it too."""
+    torch.manual_seed(0)
+    model = Interrupted()
+    handle = storm.enable(model, mode="embedded", min_bytes=0)
+    x = torch.randn(8, 32)
+
+    def deep(n: int) -> torch.Tensor:
+        return model(x) if n == 0 else deep(n - 1)
+
+    model.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        deep(20)
+    model.interrupt, model.nested = False, True
+    with caplog.at_level(logging.WARNING, logger="storm"):
+        model(x).sum().backward()
+    assert sum("KeyboardInterrupt" in r.getMessage() for r in caplog.records) == 1  # the real one alone
+    assert not handle._open and handle.last.stats.offloaded > 0
+    handle.disable()
+
+
 class BadBatch(nn.Module):
     """Raises in its stem, after a save and before any block, on a batch that is not finite."""
 
