@@ -18,8 +18,10 @@ def test_bad_options_are_refused():
         for bad in (-1, "lots", None, True):
             with pytest.raises(ValueError, match=f"{name} must be bytes.*got {bad!r}"):
                 storm.offload(**{name: bad})
-    sized = storm.offload(min_bytes="1KiB", prefetch_bytes="64MiB", max_held_bytes=1 << 20)
-    assert [sized.options[k] for k in ("min_bytes", "prefetch_bytes", "max_held_bytes")] == [1024, 64 << 20, 1 << 20]
+    sized = storm.offload(min_bytes="1KiB", prefetch_bytes="64MiB", max_held_bytes=1 << 20, budget="8GiB")
+    assert [sized.options[k] for k in ("min_bytes", "prefetch_bytes", "max_held_bytes", "budget")] == \
+        [1024, 64 << 20, 1 << 20, 8 << 30]
+    assert storm.offload(budget=0.25).options["budget"] == 0.25  # a fraction stays one
     with pytest.raises(ValueError, match="size"):
         with storm.offload(mode="embedded", pool_size="lots"):
             pass

@@ -82,10 +82,10 @@ class Offload(contextlib.ContextDecorator):
         if not isinstance(verify, bool):
             raise ValueError(f"verify must be True or False; got {verify!r}")
         modules = modules_option(modules)
-        self._options = dict(mode=mode, socket=socket, min_bytes=min_bytes, prefetch_bytes=prefetch_bytes,
-                             pool_size=pool_size, modules=modules, budget=budget, max_held_bytes=max_held_bytes,
-                             verify=verify, codec=codec)
         self._budget = parse_budget(budget)
+        self._options = dict(mode=mode, socket=socket, min_bytes=min_bytes, prefetch_bytes=prefetch_bytes,
+                             pool_size=pool_size, modules=modules, budget=self._budget,
+                             max_held_bytes=max_held_bytes, verify=verify, codec=codec)
         self._step_options = StepOptions(prefetch_bytes, max_held_bytes, verify, codec)
         self._policy = Policy.protecting(modules, min_bytes)
         self._names = _module_names(modules)
