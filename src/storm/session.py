@@ -113,8 +113,9 @@ class ClientSession:
             limit = budget * self.last_candidate_bytes
         else:
             limit = budget
-        if self._stores.gone():
-            self._retire()
+        gone = self._stores.gone()
+        if gone:
+            self._retire(gone)
         step = Step(next(_steps), limit, options, full_offload=budget is None and full_offload)
         # past a budget set mid-step too (Offload.offload_at_most); not for storm.plan's steps, whose copy
         # queue is the plan's
@@ -124,9 +125,8 @@ class ClientSession:
             self.rooms.start_step(step)
         return step
 
-    def _retire(self) -> None:
-        """Let go of the stores whose daemon is gone, once no copy reads or writes their pool (it goes)."""
-        gone = self._stores.gone()
+    def _retire(self, gone: list[Mover]) -> None:
+        """Let go of ``gone``, the stores whose daemon is gone, once no copy reads or writes their pool (it goes)."""
         self.synchronize()
         for copy in [c for key, c in list(self.restorer.prefetch.copies.items()) if self._stores.of(key) in gone]:
             copy.wait()
