@@ -59,9 +59,9 @@ def test_a_kind_whose_frame_overflowed_takes_the_next_frame_or_none():
     """A float16 widened (its low halves not 0) overflows its upcast frame: its kind takes float32
     frames; a kind whose float32 frame overflowed too, or a bf16 one whose frame did, goes raw."""
     wide = ("auto", "cuda", "float32", FRAME_MIN_BYTES, "ToCopyBackward0")
-    assert frame_codec(*wide, refused={UPCAST_FRAME_CODEC}) == FLOAT32_FRAME_CODEC
-    assert frame_codec(*wide, refused={UPCAST_FRAME_CODEC, FLOAT32_FRAME_CODEC}) is None
-    assert frame_codec("auto", "cuda", "bfloat16", FRAME_MIN_BYTES, refused={FRAME_CODEC}) is None
+    assert frame_codec(*wide, overflowed={UPCAST_FRAME_CODEC}) == FLOAT32_FRAME_CODEC
+    assert frame_codec(*wide, overflowed={UPCAST_FRAME_CODEC, FLOAT32_FRAME_CODEC}) is None
+    assert frame_codec("auto", "cuda", "bfloat16", FRAME_MIN_BYTES, overflowed={FRAME_CODEC}) is None
 
 
 @pytest.mark.parametrize("codec", [UPCAST_FRAME_CODEC, FLOAT32_FRAME_CODEC])

@@ -67,16 +67,16 @@ def frame_bytes(codec: str, nbytes: int) -> int:
 
 
 def frame_codec(setting: str | None, device_type: str, dtype: str, nbytes: int, producer: str = "",
-                refused: Collection[str] = ()) -> str | None:
+                overflowed: Collection[str] = ()) -> str | None:
     """The frame a storage goes in under codec ``setting``, of this device type, saved view dtype,
     size and producer (the op that made its bytes: saved.producer_of), or None (raw): CUDA, at
     least FRAME_MIN_BYTES, whole words of the dtype; an upcast frame for a conversion's output, a
     float32 frame for the rest (and for a conversion from float16, whose upcast frame overflowed:
-    ``refused``, the frames that overflowed for saves of its kind, which it does not take again)."""
+    ``overflowed``, the frames that overflowed for saves of its kind, which it does not take again)."""
     if device_type != "cuda" or nbytes < FRAME_MIN_BYTES:
         return None
     for codec, (settings, takes, word) in _TAKES.items():
-        if setting in settings and dtype == takes and nbytes % word == 0 and codec not in refused \
+        if setting in settings and dtype == takes and nbytes % word == 0 and codec not in overflowed \
                 and (codec != UPCAST_FRAME_CODEC or producer == WIDENING):
             return codec
     return None

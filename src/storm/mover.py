@@ -96,16 +96,16 @@ class Mover:
         return s
 
     def route(self, source: torch.UntypedStorage, dtype: str, codec: str, producer: str = "",
-              refused: Collection[str] = ()) -> tuple[Route, str, tuple[bytes, int] | None]:
+              overflowed: Collection[str] = ()) -> tuple[Route, str, tuple[bytes, int] | None]:
         """A put's route: which handler copies ``source`` (of the saved view's ``dtype``
         name, its bytes made by ``producer``: saved.producer_of) both ways, the codec it stores it
-        with, given the step's codec setting and the codecs whose encoding did not hold a save of
-        its kind (``refused``: not taken again), and for stormd's
+        with, given the step's codec setting and the frames that overflowed for saves of its kind
+        (``overflowed``: not taken again), and for stormd's
         copies the memory's IPC handle and offset. CPU tensors take the codec setting; CUDA tensors a
         frame where a frame codec takes them (this process encodes and copies those), else raw."""
         if not source.is_cuda:
-            return Route.HOST, "raw" if codec in refused else codec, None
-        framed = frame_codec(codec, "cuda", dtype, source.nbytes(), producer, refused)
+            return Route.HOST, codec, None
+        framed = frame_codec(codec, "cuda", dtype, source.nbytes(), producer, overflowed)
         if framed is not None:
             return Route.OWN, framed, None
         device = source.device
