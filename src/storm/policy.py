@@ -26,7 +26,7 @@ class Keep:
     LAYOUT = "not strided"         # sparse, mkldnn, nested: no single storage to copy
     DEVICE = "unsupported device"  # only cpu and cuda memory is copied
     LAZY_VIEW = "lazy conj/neg view"  # the conj/neg bit is not in the storage
-    BUDGET = "over budget"         # later saves of a step beyond storm.offload(budget=...)
+    BUDGET = "over budget"         # the first save of a step past storm.offload(budget=...); later ones uncounted
     POOL_FULL = "pool full"        # the store had no room: the tensor stays, the step goes on
     QUOTA = "over quota"           # this client's share of the daemon's pool is used up
     STORE_ERROR = "store error"    # the store refused or went away: the tensor stays

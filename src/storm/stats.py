@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Counters:
-    saved: int = 0                 # pack calls
+    saved: int = 0                 # pack calls, past a step's budget only the first (the rest cost no count)
     offloaded: int = 0             # storages sent to the store
     offloaded_bytes: int = 0
     stored_bytes: int = 0          # what the store holds for them (after compression)
