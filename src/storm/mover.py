@@ -104,7 +104,7 @@ class Mover:
         copies the memory's IPC handle and offset. CPU tensors take the codec setting; CUDA tensors a
         frame where a frame codec takes them (this process encodes and copies those), else raw."""
         if not source.is_cuda:
-            return Route.HOST, codec, None
+            return Route.HOST, "raw" if codec in overflowed else codec, None
         framed = frame_codec(codec, "cuda", dtype, source.nbytes(), producer, overflowed)
         if framed is not None:
             return Route.OWN, framed, None
