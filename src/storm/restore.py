@@ -22,7 +22,7 @@ import torch
 
 from .copies.base import Copy
 from .copy_queue import CopyQueue
-from .errors import StormError, StormInPlaceError
+from .errors import StormInPlaceError
 from .gpu import consume
 from .mover import Stores
 from .prefetch import Prefetcher
@@ -68,8 +68,6 @@ class Restorer:
                 raise StormInPlaceError(f"a saved {stored.describe()} was modified in place after autograd saved "
                                         f"it and before STORM finished copying it, so its saved value is gone; "
                                         f"{IN_PLACE_FIX}")
-            if stored.state == State.FREED:
-                raise StormError(f"saved {stored.describe()} was already freed (its graph was released)")
             stored.unpacks += 1
             if stored.unpacks >= stored.handles:
                 self._awaited.pop(stored.key, None)  # every save of it has been unpacked once
