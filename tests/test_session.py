@@ -367,6 +367,9 @@ def test_copies_past_a_budget_run_behind_by_the_last_completed_forward_s_saves_p
         assert session.new_step(1000).past_budget_before == 50
         assert session.new_step().past_budget_before == 50  # a budget may come mid-step: offload_at_most
         assert session.new_step(full_offload=False).past_budget_before == 0  # storm.plan's: the plan's queue
+        within = session.new_step(1000)  # a smaller batch: its forward stays within the budget
+        session.end_step(within)
+        assert session.new_step(1000).past_budget_before == 0  # it saved nothing past it: no leeway from before
     finally:
         session.close()
         store.close()

@@ -143,7 +143,7 @@ class ClientSession:
         memory peak."""
         if completed and not step.budget_reached and step.candidate_bytes:
             self.last_candidate_bytes = step.candidate_bytes
-        if completed and step.budget_reached:
+        if completed and step.budget_bytes != float("inf"):  # one within its budget saved nothing past it
             self.last_past_budget_bytes = step.past_budget_bytes
         self.poll()
         self.copy_queue.end_step(step)
