@@ -572,6 +572,25 @@ def test_the_host_check_puts_a_framed_steps_figures_in_the_trace_each_apart():
     assert not checked(OffloadStats(offloaded=10, packs=10, pack_s=1e-3))[0]  # as traced: nothing to replan
 
 
+def test_dearer_packs_found_in_a_step_whose_reading_goes_on_in_the_next_still_make_the_plan_again(monkeypatch):
+    """A Measure step whose peak was not read (a batch skipped after its forward) is read again in
+    the next step; the host check, once per trace, ran in the first: what it found makes the plan
+    again when the reading ends without a plan of its own."""
+    from storm.planner import phases
+
+    hosts = iter([True, False])  # the check's step is the first; the next is not counted again
+    made = []
+    planner = SimpleNamespace(state=SimpleNamespace(count_host_step=lambda: next(hosts)),
+                              make_plan=lambda: made.append(1) or "made again")
+    monkeypatch.setattr(phases, "after_checks", lambda planner, alternative: "settled")
+    phase = phases.Measure(None)
+    monkeypatch.setattr(phase, "check_host", lambda planner: True)
+    readings = iter([phase, None])  # unread, then read within the target with nothing else to try
+    monkeypatch.setattr(phase, "read", lambda planner: next(readings))
+    assert phase.end(planner) is phase and not made
+    assert phase.end(planner) == "made again" and made == [1]
+
+
 def test_the_phases_follow_the_steps_to_settled():
     """With peak= (the reentrant form): the offload trace, the compute trace, the compute trace
     without the hand-over, the plan's measured step, the host check of its second offloading

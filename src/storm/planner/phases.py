@@ -222,6 +222,8 @@ class Checked(StepPhase):
     is made again; once per trace.
     ``alternative``: the plan to try against this one once its steps are read (Try)."""
 
+    dearer = False  # the host check found dearer packs: kept while read() goes on with this phase
+
     def __init__(self, alternative: Plan | None):
         self.alternative = alternative
 
@@ -231,10 +233,12 @@ class Checked(StepPhase):
 
     def end(self, planner: Driver) -> StepPhase:
         # counted as it ends: a step begun and never entered timed no pack. The host time first,
-        # so that a plan made again from this step's peak is made once, with it
-        dearer = planner.state.count_host_step() and self.check_host(planner)
+        # so that a plan made again from this step's peak is made once, with it. A step whose
+        # reading goes on in the next (read() returns this phase) keeps what the check found: the
+        # check runs once per trace, and the plan must still be made again with it
+        self.dearer = bool(planner.state.count_host_step() and self.check_host(planner)) or self.dearer
         replanned = self.read(planner)
-        if replanned is None and dearer:
+        if replanned is None and self.dearer:
             replanned = planner.make_plan()
         return replanned or after_checks(planner, self.alternative)
 
