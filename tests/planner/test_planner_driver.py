@@ -152,12 +152,16 @@ def test_reentrant_false_recomputes_for_torch_autograd_grad():
 
 
 def test_a_block_with_its_own_forward_attribute_is_refused_clearly():
+    """Refused as the compute trace begins; the step that raised is no step to read, so asking
+    again says the same, and close() comes off cleanly (it read a phase whose begin had raised)."""
     model, idx = gpt()
     model.blocks[3].forward = model.blocks[3].forward  # e.g. wrapped by another tool
     planner = storm.plan(model.blocks, budget=0.3, mode="embedded", min_bytes=0)
     grads_of(model, idx, planner.step())
-    with pytest.raises(RuntimeError, match="block 3 .*own forward"):
-        planner.step()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="block 3 .*own forward"):
+            planner.step()
+    planner.close()
 
 
 def fixed_plan(offloaded: int, recomputed: set[int], compressed: bool = False) -> Callable[[Scenario], Plan]:

@@ -204,9 +204,11 @@ class Planner:
         if self.state.stale:
             self.state, self._phase = TraceState(), TraceOffload()
             self.replans += 1
-        self._begun = self._phase
-        self._ctx = self._phase.begin(self)
-        return self._ctx
+        # a phase whose begin raised began no step: nothing of it is read, and the next step begins it again
+        self._begun = self._ctx = None
+        ctx = self._phase.begin(self)
+        self._begun, self._ctx = self._phase, ctx
+        return ctx
 
     def _finish_last_step(self) -> None:
         """Read the last step begun, where not yet: its phase's end gives the next step's. A step
