@@ -164,13 +164,6 @@ class Scenario:
     start_extra: int = 0
     measured: Mapping[tuple, int] = dataclasses.field(default_factory=dict)
 
-    def predicted_peak(self, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int, *,
-                       inputs_offloaded: int = 0, prefetch: int = 0) -> int:
-        """held.predicted_peak of a plan's shape, with what the scenario says a step holds
-        besides it (gradients, kept_extra, start_extra)."""
-        return max(self.moments(offloaded, recomputed, in_flight_bytes, inputs_offloaded=inputs_offloaded,
-                                prefetch=prefetch))
-
     def moments(self, offloaded: int, recomputed: set[int] | frozenset[int], in_flight_bytes: int, *,
                 inputs_offloaded: int = 0, prefetch: int = 0) -> list[int]:
         """held.moments of a plan's shape, likewise."""
