@@ -591,6 +591,32 @@ def test_dearer_packs_found_in_a_step_whose_reading_goes_on_in_the_next_still_ma
     assert phase.end(planner) == "made again" and made == [1]
 
 
+@pytest.mark.parametrize("kind", ["form", "other kind"])
+def test_the_plan_kept_once_the_measures_run_out_is_tried_against_its_own_other_form(monkeypatch, kind):
+    """Measured over its target MAX_CHECKS times, the planner keeps the plan of least measured peak;
+    the trial that may follow is of that plan against its own other recompute form, not against the
+    other form of the plan measured last (another shape: a "form" trial of two shapes). An
+    alternative of the other kind (tests/planner/test_planner_phases.py) stays the alternative."""
+    from storm.planner import phases
+
+    last = Plan(offloaded=0, recomputed=frozenset({1}), offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
+                predicted_peak=0, predicted_cost_ms=1.0, fits=True)
+    kept = dataclasses.replace(last, recomputed=frozenset({0, 1}), measured_over=5)
+    state = SimpleNamespace(checks=MAX_CHECKS - 1, plan=last, besides=0, stale=False, measured_moments={},
+                            record=lambda plan, over: plan, least_measured=lambda: kept, count_host_step=lambda: False)
+    applied, tried = [], []
+    planner = SimpleNamespace(state=state, target=100, apply=applied.append,
+                              other_form=lambda plan: ("other form of", plan))
+    monkeypatch.setattr(phases, "measure_full", lambda planner: None)
+    monkeypatch.setattr(phases, "after_checks", lambda planner, alternative: tried.append(alternative) or "next")
+    other_kind = dataclasses.replace(last, offloaded=2, recomputed=frozenset())
+    alternative = dataclasses.replace(last, reentrant=False) if kind == "form" else other_kind  # chosen for `last`
+    phase = phases.Measure(alternative)
+    phase.peak = SimpleNamespace(measured=200, moments=None)  # 100 over
+    assert phase.end(planner) == "next"
+    assert applied == [kept] and tried == [("other form of", kept) if kind == "form" else other_kind]
+
+
 def test_the_phases_follow_the_steps_to_settled():
     """With peak= (the reentrant form): the offload trace, the compute trace, the compute trace
     without the hand-over, the plan's measured step, the host check of its second offloading

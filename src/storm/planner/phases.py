@@ -333,6 +333,8 @@ class Measure(Checked):
                         target / MiB, state.checks, max(0, kept.measured_over) / MiB)
             if kept.shape != plan.shape:
                 planner.apply(kept)
+                if self.alternative is not None and self.alternative.shape == plan.shape:
+                    self.alternative = planner.other_form(kept)  # this plan's other form: the kept one's instead
             return None
         if plan.fits:  # predicted to: what the step took beyond its prediction: a margin for plans of its kind
             beyond = measured - state.besides - planner.step_peak(plan)
