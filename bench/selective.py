@@ -17,9 +17,9 @@ same weights and tokens:
   inputs and those outputs. The step's loss and gradients against the kept step's, bit for bit;
 - "whole": what checkpointing each block whole keeps, its inputs.
 
-On CUDA each way also runs --steps timed steps (after --warmup) and records its median step
-("whole" through transformers' own checkpointing) and its peak above the step's start; on the CPU
-times are left out.
+On CUDA each way also trains --steps timed steps after --warmup (common.run: the median step with
+its SGD step, the peak above the step's start; "whole" through transformers' own checkpointing);
+on the CPU times are left out.
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import statistics
 import sys
-import time
 from typing import Any, Callable
 
 import torch
@@ -41,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from zoo import CELLS
 
-from common import GiB, step_digest, synchronize, write
+from common import run, step_digest, write
 
 # the ops whose outputs the policy saves: matrix products and attention, whose recompute costs
 # what their forward did; every other op is recomputed (those that exist in this torch)
@@ -110,13 +108,25 @@ class BlockSaves:
             h.remove()
 
 
+@dataclasses.dataclass(frozen=True)
+class Selective(HF):
+    """A zoo workload whose blocks each run under the policy."""
+
+    @classmethod
+    def of(cls, w: HF) -> "Selective":
+        return cls(**{f.name: getattr(w, f.name) for f in dataclasses.fields(w)})
+
+    def build(self, device: torch.device, ckpt: bool = False, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+        model, ids = super().build(device, ckpt=ckpt, seed=seed)
+        for b in self.blocks(model):
+            b.forward = selective(b.forward)
+        return model, ids
+
+
 def one_step(w: HF, device: torch.device, how: str) -> tuple[str, dict[str, int]]:
     """One step of ``w`` kept or selective, from its seed: the step's digest and what its blocks saved."""
-    model, ids = w.build(device)
+    model, ids = (Selective.of(w) if how == "selective" else w).build(device)
     blocks = w.blocks(model)
-    if how == "selective":
-        for b in blocks:
-            b.forward = selective(b.forward)
     counted, policy_saves = BlockSaves(model, blocks), PolicySaves()
     torch.manual_seed(1)  # dropout's masks: both ways draw the same
     with policy_saves if how == "selective" else contextlib.nullcontext():
@@ -125,27 +135,6 @@ def one_step(w: HF, device: torch.device, how: str) -> tuple[str, dict[str, int]
     loss.backward()
     own = sum(policy_saves.bytes.values())
     return step_digest(loss, model), {"saved_bytes": sum(counted.bytes.values()) + own, "policy_bytes": own}
-
-
-def timed(w: HF, device: torch.device, how: str, steps: int, warmup: int) -> dict[str, float]:
-    """--steps timed steps of ``w`` one way: the median step and the peak above the step's start."""
-    model, ids = w.build(device, ckpt=how == "whole")
-    if how == "selective":
-        for b in w.blocks(model):
-            b.forward = selective(b.forward)
-    times = []
-    for i in range(warmup + steps):
-        synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start_bytes = torch.cuda.memory_allocated(device)
-        t = time.perf_counter()
-        w.objective(w.forward(model, ids)).backward()
-        synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-        peak = torch.cuda.max_memory_allocated(device) - start_bytes
-        model.zero_grad(set_to_none=True)
-    return {"step_ms": round(statistics.median(times) * 1e3, 2), "peak_GiB": round(peak / GiB, 3)}
 
 
 def measure(w: HF, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
@@ -160,8 +149,10 @@ def measure(w: HF, device: torch.device, steps: int, warmup: int) -> dict[str, A
         "whole_frees": round(1 - inputs / kept["saved_bytes"], 3),
         "bit_exact": kept_digest == sel_digest,
     }
-    if device.type == "cuda":
-        out.update({how: timed(w, device, how, steps, warmup) for how in ("kept", "selective", "whole")})
+    if device.type == "cuda":  # common.run: the median step and its peak above the start
+        out.update(kept=run(w, "none", steps, warmup, {}, device),
+                   selective=run(Selective.of(w), "none", steps, warmup, {}, device),
+                   whole=run(w, "checkpoint", steps, warmup, {}, device))
     return out
 
 
@@ -190,7 +181,7 @@ def main() -> int:
         write(args.out, results, device)
         print(f"{name:15} kept {r['kept_MiB']:9.1f} MiB  selective {r['selective_MiB']:9.1f} "
               f"({r['selective_frees']:.0%} freed)  whole {r['whole_MiB']:8.1f} ({r['whole_frees']:.0%})  "
-              f"bit-exact {r['bit_exact']}" + "".join(f"  {h} {r[h]['step_ms']} ms {r[h]['peak_GiB']} GiB"
+              f"bit-exact {r['bit_exact']}" + "".join(f"  {h} {r[h].get('step_ms')} ms {r[h].get('peak_extra_GiB')} GiB"
                                                       for h in ("kept", "selective", "whole") if h in r),
               flush=True)
     return 0 if all(r["bit_exact"] for r in results["cells"].values()) else 1
