@@ -85,6 +85,31 @@ def test_two_forwards_before_one_backward_plan_as_one_step_that_settles_bit_exac
     assert len(joined) == (0 if marked else 1), [r.getMessage() for r in joined]  # said once, where it was seen
 
 
+def test_a_step_of_fewer_forwards_than_traced_unsettles_the_plan_as_it_is_read():
+    """A settled plan of two-forward steps, then a step of one forward: ``settled`` and ``phase``,
+    read before the next step begins, already say that step traces again (step() finds the same)."""
+    from storm.planner import Phase
+
+    model, idx = gpt()
+    a, b = idx, idx.flip(0)
+    handle = storm.enable(model, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock())
+    planner = handle.planner
+    try:
+        for step in range(STEPS):
+            two_forward_step(model, a, b, step)
+            if planner.settled:
+                break
+        assert planner.settled and planner.trace.forwards == 2
+        model.zero_grad(set_to_none=True)
+        model.loss(a[:, :-1], a[:, 1:]).backward()  # one forward
+        assert not planner.settled
+        assert planner.phase is Phase.TRACE_OFFLOAD
+        two_forward_step(model, a, b, STEPS)
+        assert planner.replans == 1
+    finally:
+        handle.disable()
+
+
 def test_a_backward_between_forwards_makes_them_steps_of_their_own():
     """Gradient accumulation (forward, backward, forward, backward): each forward is a step."""
     model, idx = gpt()

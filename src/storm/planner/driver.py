@@ -197,9 +197,6 @@ class Planner:
         """The storm.offload context of the next step, with the plan (or the trace) applied."""
         self._finish_last_step()
         self.hooks.remove_end_hooks()  # the last step's, where it never ran a backward
-        forwards = self.hooks.calls[0]
-        if self.trace is not None and forwards and forwards != self.trace.forwards:
-            self.state.stale = True  # the last step ran the blocks more or fewer times than the traced one
         self.hooks.new_step()
         if self.state.stale:
             self.state, self._phase = TraceState(), TraceOffload()
@@ -213,14 +210,19 @@ class Planner:
     def _finish_last_step(self) -> None:
         """Read the last step begun, where not yet: its phase's end gives the next step's. A step
         begun but never entered (a batch skipped after step()) ran nothing to read: the next step
-        begins the same phase again."""
+        begins the same phase again. A step that ran the blocks more or fewer times than the traced
+        one makes the trace stale: the next step traces again, which ``settled`` and ``phase`` say
+        as soon as it is read."""
         if self._begun is not None:
             begun, self._begun = self._begun, None
             if self._ctx is not None and not _entered(self._ctx):
                 begun.abandon()
                 self._phase = begun
-                return
-            self._phase = begun.end(self)
+            else:
+                self._phase = begun.end(self)
+        forwards = self.hooks.calls[0]  # this step's, until the next begins (hooks.new_step)
+        if self.trace is not None and forwards and forwards != self.trace.forwards:
+            self.state.stale = True
 
     # --- planning -------------------------------------------------------------
 
