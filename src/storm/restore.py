@@ -7,7 +7,7 @@ unless a full-offload step's room fetches it again at each unpack (room.py: held
 would be under the step's highest reading). The
 session (storm/session.py) owns the state of every save; this module reads and changes it under
 the session's lock, as the session does, and waits for bytes outside it; what only the
-thread unpacking a save touches (its step's ``fetching`` and ``flush_queued``, its ``read``) is
+thread unpacking a save touches (its step's ``fetching`` and ``flush_task``, its ``read``) is
 written without the lock, its handle alive meanwhile.
 """
 
@@ -61,16 +61,16 @@ class Restorer:
                 held = stored.tensor
                 assert held is not None  # held until its copy is released, kept for good
                 if stored.version is not None and held._version != stored.version:
-                    stored.state = State.MODIFIED
-                else:
-                    return handle.view_of(held.untyped_storage())
+                    if stored.state == State.HELD:  # its copy may have read the change: the value is gone
+                        stored.state = State.MODIFIED
+                    raise StormInPlaceError(_modified(stored))
+                # counted as a fetched unpack is: the views unpacked after its copy lands must not keep
+                # the fetched bytes for it (``awaited``), nor prefetch fetch it again
+                self._unpacked(stored)
+                return handle.view_of(held.untyped_storage())
             if stored.state == State.MODIFIED:
-                raise StormInPlaceError(f"a saved {stored.describe()} was modified in place after autograd saved "
-                                        f"it and before STORM finished copying it, so its saved value is gone; "
-                                        f"{IN_PLACE_FIX}")
-            stored.unpacks += 1
-            if stored.unpacks >= stored.handles:
-                self._awaited.pop(stored.key, None)  # every save of it has been unpacked once
+                raise StormInPlaceError(_modified(stored))
+            self._unpacked(stored)
             fetch = None
             if base is not None:
                 self._rooms.landed(stored, base)
@@ -85,6 +85,13 @@ class Restorer:
             base = self._landed(stored, step, fetch)
         assert base is not None  # here already, or fetched now
         return handle.view_of(base.untyped_storage())
+
+    def _unpacked(self, stored: Stored) -> None:
+        """One more view of ``stored`` unpacked (under the lock): once every view has been, its fetched
+        bytes are no longer awaited."""
+        stored.unpacks += 1
+        if stored.unpacks >= stored.handles:
+            self._awaited.pop(stored.key, None)
 
     def _landed(self, stored: Stored, step: Step, fetch: Copy) -> torch.Tensor:
         """The bytes ``fetch`` brings back, waited for (on CUDA: the compute stream waits for the copy,
@@ -139,19 +146,30 @@ class Restorer:
     def free_at_backward_end(self, step: Step) -> None:
         """Free what this backward released once it ends: without it the last handles to die
         would wait in the store for the next step's first save."""
-        if step.flush_queued:
+        task = torch._C._current_graph_task_id()
+        # outside backward (grad_fn._saved_*) the next poll frees; queued once per backward, by its own
+        # id: a backward that raised runs no callback, and the next must queue its own
+        if task == -1 or step.flush_task == task:
             return
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ended(step))
-            step.flush_queued = True
-        except RuntimeError:  # unpacked outside backward (grad_fn._saved_*): the next poll frees
-            pass
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ended(step, task))
+        step.flush_task = task
 
-    def _backward_ended(self, step: Step) -> None:
-        step.flush_queued = False
+    def _backward_ended(self, step: Step, task: int) -> None:
+        if step.flush_task == task:
+            step.flush_task = -1
         self._poll()
         self._stores.flush_frees()  # the keys gathered for a FREE (mover.FREE_BATCH) go now too
 
     def _fetch(self, stored: Stored) -> Copy:
         assert stored.step is not None
         return self._stores.get(stored.route, stored.key, stored.nbytes, stored.device, stored.step.options.verify)
+
+
+def _modified(stored: Stored) -> str:
+    """What StormInPlaceError says of ``stored``, changed in place after autograd saved it: before its
+    copy finished, or where the store refused it and the step kept it on its device."""
+    if stored.state == State.KEPT:
+        return (f"a saved {stored.describe()} was modified in place after autograd saved it; the store refused "
+                f"it, so it stayed on its device as saved, and that change is in it now; {IN_PLACE_FIX}")
+    return (f"a saved {stored.describe()} was modified in place after autograd saved it and before STORM "
+            f"finished copying it, so its saved value is gone; {IN_PLACE_FIX}")

@@ -354,8 +354,8 @@ class Rooms:
             held = self.queue.step_memory(stored.device)
             if held is not None:
                 # the bytes this unpack brings back: none where the storage is still on the device
-                # (its copy not yet let go of) or an earlier unpack brought it
-                brought = stored.nbytes if stored.tensor is None and not stored.unpacks else 0
+                # (its copy not yet let go of) or an earlier unpack brought it and it is still alive
+                brought = stored.nbytes if stored.tensor is None and not restored else 0
                 step.profile.unpack_sizes.append(brought)
                 # the unpacked storage added, unless the allocator counts it already: brought back by
                 # an earlier unpack, or refused by the store and kept by the step all along

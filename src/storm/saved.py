@@ -82,7 +82,7 @@ class Step:
         self.marked_bytes = 0             # past_budget_bytes at the last marker
         # the step's own CUDA bytes when forward ended (with saves past the budget): allocated less the copy queue
         self.level: int | None = None
-        self.flush_queued = False         # a poll is queued for the end of the running backward
+        self.flush_task = -1              # the backward (autograd's graph task id) whose end has a poll queued
         self.order: list[Stored] = []
         self.by_storage: dict[int, Stored] = {}
         self.kept_by_room: set[int] = set()  # storages a room keeps on the device (by _cdata)
