@@ -82,6 +82,8 @@ def test_roundtrip_and_garbage():
     ({"op": "GET", "id": 1, "session": 1, "token": 5, "key": 1}, ErrorCode.BAD_FIELD, "'token'"),
     ({"op": "FREE", "id": 1, **AUTH}, ErrorCode.BAD_FIELD, "exactly one"),
     ({"op": "FREE", "id": 1, **AUTH, "step": 1, "all": True}, ErrorCode.BAD_FIELD, "exactly one"),
+    # the handler frees every key where 'all' is given: 'all: false' freed the whole session
+    ({"op": "FREE", "id": 1, **AUTH, "all": False}, ErrorCode.BAD_FIELD, "'all' must be true"),
     ({"op": "FREE", "id": 1, **AUTH, "keys": [1, -2]}, ErrorCode.BAD_FIELD, "'keys'"),
     ({"op": "SEAL", "id": 1, **AUTH, "key": 1, "checksum": 1 << 64}, ErrorCode.BAD_FIELD, "'checksum'"),
 ])

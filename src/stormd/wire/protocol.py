@@ -46,7 +46,7 @@ GET    key:int cuda?:CUDA
                                  from its PUT, has not finished: wait for that PUT's ``done``.
                                  SPILL_FAILED: reading the key back from the spill file
                                  failed; its bytes are lost (that key's only): FREE it)
-FREE   keys?:[int] step?:int all?:bool   (exactly one of them)
+FREE   keys?:[int] step?:int all?:true   (exactly one of them)
        -> freed:int
 STATS  -> session:{...} node:{...}
        session: keys puts gets bytes_in raw_bytes_in bytes_out pool_full quota_refused held_bytes
@@ -458,6 +458,9 @@ def parse_request(msg: Any) -> Request:
         check_view(fields)
     if op == "FREE" and sum(k in fields for k in ("keys", "step", "all")) != 1:
         raise ProtocolError(ErrorCode.BAD_FIELD, "FREE takes exactly one of 'keys', 'step', 'all'")
+    if op == "FREE" and fields.get("all") is False:  # the handler frees every key where 'all' is given
+        raise ProtocolError(ErrorCode.BAD_FIELD, "FREE's 'all' must be true (every key of the session); "
+                                                 "to free some keys, give 'keys' or 'step'")
     return Request(op, rid, fields)
 
 
