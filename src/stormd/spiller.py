@@ -62,21 +62,25 @@ class Spiller:
         if self.failure is not None:
             return (f"spilling to make room failed: {self.failure}; the tensors stay in the pool "
                     f"until the spill file takes writes again (free space there, or set spill_dir to another disk)")
-        if self.file.space.stats().largest_free < nbytes:
+        free = self.file.space.stats().largest_free
+        if free < nbytes:
             return f"the spill file is full too (spill_limit {self.file.space.capacity} bytes; raise it)"
+        if len(self.eviction):
+            return (f"the tensors that could leave the pool are larger than the spill file has room for "
+                    f"({free} bytes free in one piece, spill_limit {self.file.space.capacity} bytes; raise it)")
         return ("every tensor left in the pool is being written or was fetched and not yet freed "
                 "(lower the client's prefetch_bytes so fetched tensors fit)")
 
     def spill_one(self, wait: bool) -> bool:
-        """Start spilling the first victim (and wait for it, and any write in flight, when asked).
-        False when nothing can move: spill off, no victim, no room in the spill file, or (waiting)
-        the write failed."""
+        """Start spilling the first victim the spill file has room for (and wait for it, and any write
+        in flight, when asked). False when nothing can move: spill off, no victim that fits, or
+        (waiting) the write failed."""
         if self.file is None:
             return False
         if wait and any(e.where == Where.SPILLING for _, e in self._in_flight):
             self.reap(block=True)  # writes already under way free their extents first
             return True
-        victim = self.eviction.pop_victim()
+        victim = self.eviction.pop_victim(self.file.space.stats().largest_free)
         if victim is None:
             return False
         session, key = victim

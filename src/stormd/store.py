@@ -46,7 +46,7 @@ class Store:
         self.pool = pool
         self.growth = growth  # the embedded store's: the pool grows when a PUT does not fit; None: fixed
         self.options = options or StoreOptions()
-        self.eviction = eviction or SpillOrder()
+        self.eviction = eviction if eviction is not None else SpillOrder()  # an empty policy is falsy (len)
         self.node = NodeCounters()
         self._placement = placement
         self._sessions: dict[int, SessionEntries] = {}
