@@ -110,6 +110,27 @@ def test_a_step_of_fewer_forwards_than_traced_unsettles_the_plan_as_it_is_read()
         handle.disable()
 
 
+def test_reading_settled_between_a_steps_forward_and_its_backward_leaves_the_step_to_be_read_whole():
+    """storm.enable begins a step at the model's forward: a loop that reads ``settled`` right after
+    the loss (to log it) must not have the step read before its backward ran, or a trial's steps are
+    never timed and the plan never settles."""
+    model, idx = gpt()
+    handle = storm.enable(model, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock())
+    planner = handle.planner
+    try:
+        for _ in range(STEPS):
+            model.zero_grad(set_to_none=True)
+            loss = model.loss(idx[:, :-1], idx[:, 1:])
+            mid = planner.settled
+            loss.backward()
+            if planner.settled:
+                break
+        assert planner.settled, handle.explain()
+        assert not mid  # read before the settling step's backward, it told that step's phase
+    finally:
+        handle.disable()
+
+
 def test_a_backward_between_forwards_makes_them_steps_of_their_own():
     """Gradient accumulation (forward, backward, forward, backward): each forward is a step."""
     model, idx = gpt()

@@ -87,6 +87,7 @@ class Planner:
         self._phase: StepPhase = TraceOffload()  # the next step's, or the one running now
         self._begun: StepPhase | None = None     # the phase of the last step begun, until its end reads it
         self._ctx: Offload | None = None  # the step running now, or the last begun (a trace's too)
+        self._backward_ended = False  # the last step begun ran its backward through the blocks to its end
         self.replans = 0
         self.traced_again = False  # a compute trace that paid first calls was repeated (ComputeTrace)
 
@@ -187,8 +188,12 @@ class Planner:
     @property
     def settled(self) -> bool:
         """True once a plan is in force that no further step will measure or change (until the
-        inputs' shapes change). Reading it between steps finishes reading the last step."""
-        self._finish_last_step()
+        inputs' shapes change). Reading it after a step's backward finishes reading that step;
+        read while a step runs (between its forward and its backward), it tells the phase that step
+        runs in, and leaves the step to be read whole."""
+        if not (self._begun is not None and self._ctx is not None and _entered(self._ctx)
+                and not self._backward_ended):
+            self._finish_last_step()
         return self.phase is Phase.SETTLED
 
     # --- each step ----------------------------------------------------------
@@ -204,8 +209,12 @@ class Planner:
         # a phase whose begin raised began no step: nothing of it is read, and the next step begins it again
         self._begun = self._ctx = None
         ctx = self._phase.begin(self)
-        self._begun, self._ctx = self._phase, ctx
+        self._begun, self._ctx, self._backward_ended = self._phase, ctx, False
+        self.hooks.at_backward_end(self._ended)
         return ctx
+
+    def _ended(self) -> None:
+        self._backward_ended = True
 
     def _finish_last_step(self) -> None:
         """Read the last step begun, where not yet: its phase's end gives the next step's. A step
