@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import storm
-from planner_fakes import FakeClock, gpt
+from planner_fakes import FakeClock, gpt, grads_of
 
 STEPS = 30  # more than a budget=0.5 plan of the CPU GPT takes to settle on a clock standing still
 
@@ -129,6 +129,37 @@ def test_reading_settled_between_a_steps_forward_and_its_backward_leaves_the_ste
         assert not mid  # read before the settling step's backward, it told that step's phase
     finally:
         handle.disable()
+
+
+def test_a_step_whose_forward_raised_past_the_blocks_is_traced_again():
+    """The head raises (an out-of-memory a loop catches to skip the batch) after every block ran:
+    that step saved less than a step does, so it is no offload trace; the next step traces again,
+    a whole step's saves as another planner traces them."""
+    def planner_of(model) -> storm.Planner:
+        return storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock())
+
+    other, idx = gpt()
+    model, _ = gpt()
+    whole, planner = planner_of(other), planner_of(model)
+    try:
+        grads_of(other, idx, whole.step())
+        whole.settled
+        head = model.head.forward
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("out of memory (in the head)")
+
+        model.head.forward = out_of_memory
+        with pytest.raises(torch.OutOfMemoryError), planner.step():
+            model.loss(idx[:, :-1], idx[:, 1:])
+        model.head.forward = head
+        grads_of(model, idx, planner.step())
+        planner.settled
+        assert (planner.trace.total_bytes, planner.trace.after_bytes) == (whole.trace.total_bytes,
+                                                                           whole.trace.after_bytes)
+    finally:
+        planner.close()
+        whole.close()
 
 
 def test_a_backward_between_forwards_makes_them_steps_of_their_own():

@@ -342,3 +342,32 @@ def test_a_storage_at_a_freed_ones_address_is_another_storage():
     del first
     c, _ = shared.called_with([torch.frombuffer(memory, dtype=torch.float32)])
     assert c.keys().isdisjoint(a.keys()) and not any(key in shared for key in c)
+
+
+def test_a_compute_trace_step_whose_backward_did_not_run_is_traced_again(monkeypatch):
+    """Off CUDA too: a compute-trace step that ran its forward alone (a batch skipped after it) has no
+    recomputes, its blocks' last calls being the forward's (without autograd, in the reentrant form);
+    the next step traces again and each block's recompute is timed as it runs in backward. Here a
+    block's call takes 5 ms with autograd and 1 ms without."""
+    from storm.examples.models import GPTBlock
+
+    clock = FakeClock()
+    own = GPTBlock.forward
+
+    def timed(self, x):
+        clock.now += (5.0 if torch.is_grad_enabled() else 1.0) / 1e3
+        return own(self, x)
+
+    monkeypatch.setattr(GPTBlock, "forward", timed)
+    model, idx = gpt()
+    planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0, clock=clock)
+    try:
+        grads_of(model, idx, planner.step())  # the offload trace
+        with planner.step():                  # the compute trace's forward, and no backward
+            model.loss(idx[:, :-1], idx[:, 1:])
+        grads_of(model, idx, planner.step())
+        planner.settled
+        assert [b.forward_ms for b in planner.trace.blocks] == pytest.approx([5.0] * len(model.blocks))
+        assert planner.trace.backward_device_ms is not None
+    finally:
+        planner.close()

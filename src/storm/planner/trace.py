@@ -100,13 +100,17 @@ class OffloadTrace:
 
     def collect(self) -> Trace | None:
         """The Trace; None where the step did not run every block once in each of its forwards,
-        in order (trace again). Of a step of more forwards, each block's figures are its calls'
-        together: the plan decides per block, for all of them."""
+        in order, or its forward raised (a batch skipped after an error past the blocks saved
+        less than a step does): trace again. Of a step of more forwards, each block's figures are
+        its calls' together: the plan decides per block, for all of them."""
         self.release()
         ctx, marks, n = self.ctx, self.marks, len(self.hooks.blocks)
+        if not ctx.completed:
+            log.warning("storm.plan: the traced step's forward raised; tracing again")
+            return None
         st = ctx.stats
-        if not marks and ctx.saves and ctx.completed:  # the blocks ran without their hooks, inside a graph
-            warn_blocks_whole_graph()                      # compiled before them (not: a forward that raised)
+        if not marks and ctx.saves:  # the blocks ran without their hooks, inside a graph compiled before them
+            warn_blocks_whole_graph()
         forwards = len(self.called) // n
         if not forwards or self.called != list(range(n)) * forwards:
             log.warning("storm.plan: the traced step did not run every block once in each forward, in order; "
@@ -428,8 +432,9 @@ class ComputeTrace:
 
     def collect(self, trace: Trace, may_repeat: bool) -> bool:
         """Write the traced times into ``trace``; False where this step is to be traced again: it
-        did not run every block once, or (``may_repeat``, on a clock where first calls load) its
-        forward or a block's recompute paid the process's first calls (``first_calls``)."""
+        did not run every block once, its backward did not reach them, or (``may_repeat``, on a
+        clock where first calls load) its forward or a block's recompute paid the process's first
+        calls (``first_calls``)."""
         self.release()
         starts, ends, host, clock, n = self.starts, self.ends, self.host, self.clock, len(self.starts)
         if any(s is None for s in starts + ends):
@@ -437,6 +442,9 @@ class ComputeTrace:
             return False
         if not self.hand_over:
             return True
+        if not self.reached:  # a forward alone (a batch skipped after it): its last calls are no recomputes
+            log.warning("storm.plan: the traced step's backward did not reach the blocks; tracing again")
+            return False
         for b, calls in zip(trace.blocks, self.recomputes):  # the times of the form plans take
             b.forward_ms = sum(clock.elapsed_ms(*marks) for marks in calls[-trace.forwards:])
         trace.forward_host_ms = (host[n] - host[0]) * 1e3
