@@ -157,6 +157,34 @@ def test_a_slow_stretch_of_the_host_does_not_decide_a_trial():
     planner.close()
 
 
+def test_a_trial_step_without_backward_is_run_again_so_its_pairs_stay_steps_run_one_after_the_other():
+    """The non-reentrant form takes 3 ms less than the reentrant one at every moment while every
+    step takes 2 ms more than the last; the alternative's first step runs its forward alone (a batch
+    skipped after it). That step is not timed and the same plan runs next: each pair compared is of
+    two steps run one after the other, and the faster form is kept."""
+    clock = FakeClock()
+    model, idx, ref, planner = traced_gpt_planner(clock, chooser=recompute_two)
+    forms, k = [], 0
+    while not planner.settled:
+        assert k <= 2 * TRIAL_MAX_STEPS + 2, planner.explain()
+        trying = planner.phase is Phase.TRY
+        ctx = planner.step()
+        if trying:
+            forms.append(planner.plan.reentrant)
+        if trying and k == 1:
+            with ctx:
+                model.loss(idx[:, :-1], idx[:, 1:])
+        else:
+            if trying:
+                clock.now += ((100.0 if planner.plan.reentrant else 97.0) + 2.0 * k) / 1e3
+            grads_of(model, idx, ctx)
+        k += trying
+    assert forms[:4] == [True, False, False, True]  # the skipped alternative's step runs again
+    assert planner.trial.gain_ms == pytest.approx(1.0)  # 3 ms faster, 2 ms later: the adjacent pairs
+    assert not planner.plan.reentrant
+    planner.close()
+
+
 def test_no_form_trial_where_the_user_asked_for_the_non_reentrant_form():
     model, idx = gpt()
     planner = storm.plan(model.blocks, budget=0.05, mode="embedded", min_bytes=0, reentrant=False)

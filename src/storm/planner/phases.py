@@ -442,10 +442,12 @@ class Try(StepPhase):
 
     def end(self, planner: Driver) -> StepPhase:
         trial = self.trial
-        trial.turn += 1
         state = planner.state
-        if len(self.marks) < 2 or state.stale:  # no backward, or a step unlike the traced one
+        # no backward, or a step unlike the traced one: untimed, so the same plan runs again and the
+        # pairs compared (gain_ms) stay of steps run one after the other
+        if len(self.marks) < 2 or state.stale:
             return self
+        trial.turn += 1
         trial.ms[self.turn % 2].append(planner.clock.elapsed_ms(*self.marks))
         measured = self.peak.measured if self.peak is not None else None
         target = planner.target
