@@ -13,6 +13,7 @@ from conftest import start_daemon, stop_daemon
 from helpers import RawClient, put_fields
 from storm.examples.models import GPT, same_bits
 from stormd.allocator import ExtentAllocator
+from stormd.entries import Where
 from stormd.store import Store
 from stormd.store_options import ClientLimits, StoreOptions
 from stormd.wire.pool import SharedPool
@@ -106,6 +107,26 @@ def test_quota_and_priority_come_from_the_client_name(spill_dir):
     store.drop_session(1)
     store.drop_session(2)
     assert store.node_stats()["used"] == 0 and store.spiller.file.space.stats().used == 0
+    store.close()
+
+
+def test_a_session_s_spilled_tensors_take_of_the_spill_file_what_its_quota_counts(spill_dir):
+    """A session of one-byte tensors at its quota (each charged a pool extent) spills them all: they
+    take as much of the spill file, which every session shares, and no more, so a trainer without a
+    quota still finds spill room (before: each took a page of the file, 16 times its charge)."""
+    quota = 16 * KIB
+    store = store_with(64 * KIB, spill_dir=spill_dir, spill_limit=256 * KIB,
+                       clients={"small": ClientLimits(quota=quota)})
+    store.open_session(1, "small")
+    store.open_session(2)
+    for key in range(64):  # 64 extents of the pool's alignment: the quota
+        put_sealed(store, 1, key, 1, step=0)
+    assert store.held_bytes(1) == quota
+    for key in range(12):  # 192 KiB through a 64 KiB pool
+        put_sealed(store, 2, key, 16 * KIB)
+    store.spiller.reap(block=True)
+    assert all(store.find(1, key).where == Where.SPILLED for key in range(64))
+    assert store.spiller.file.space.stats().used <= quota + store.held_bytes(2)
     store.close()
 
 

@@ -18,9 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .allocator import ExtentAllocator
-
-SPILL_ALIGNMENT = 4096  # page-aligned file offsets keep reads and writes whole pages
+from .allocator import DEFAULT_ALIGNMENT, ExtentAllocator
 
 
 class SpillError(RuntimeError):
@@ -47,7 +45,11 @@ class SpillIO:
 
 
 class SpillFile:
-    def __init__(self, directory: str, limit: int, io: SpillIO | None = None):
+    """``alignment``: the pool's. A spilled tensor then takes in the file the extent it took in the
+    pool, which is what a session's quota counts: with page-aligned extents a session of small
+    tensors held many times its quota of the file every session shares."""
+
+    def __init__(self, directory: str, limit: int, io: SpillIO | None = None, alignment: int = DEFAULT_ALIGNMENT):
         try:
             fd = _unnamed_file(directory)
             os.ftruncate(fd, limit)  # sparse: disk blocks are used only where extents are written
@@ -56,7 +58,7 @@ class SpillFile:
                              f"set spill_dir to a writable local disk, lower spill_limit, or turn spill off") from None
         self.fd = fd
         self.directory = directory
-        self.space = ExtentAllocator(limit, alignment=SPILL_ALIGNMENT)
+        self.space = ExtentAllocator(limit, alignment=alignment)
         self.io = io or SpillIO()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="stormd-spill")
 

@@ -52,8 +52,9 @@ class Store:
         self._sessions: dict[int, SessionEntries] = {}
         self._keys = 0  # held by all sessions: at most options.max_keys
         self.extents = PoolExtents(allocator, ExtentLedger(self._ceiling()) if self.options.check_extents else None)
-        spill = SpillFile(self.options.spill_dir, self.options.spill_limit, self.options.spill_io) \
-            if self.options.spill_dir and pool is not None else None
+        # the file's extents in the pool's unit (aligned(1)): a spilled tensor takes there what its quota counts
+        spill = SpillFile(self.options.spill_dir, self.options.spill_limit, self.options.spill_io,
+                          alignment=allocator.aligned(1)) if self.options.spill_dir and pool is not None else None
         self.spiller = Spiller(spill, pool, self.extents, self.eviction, self._sessions, self.node)
 
     def open_session(self, session: int, name: str = "") -> None:
