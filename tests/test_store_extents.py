@@ -136,8 +136,8 @@ class MisplacingPlacement(StepPlacement):
         self.wrong: int | None = None
         self.given_back: list[int] = []
 
-    def place(self, step: int, slot: int, size: int) -> int | None:
-        return self.wrong if self.wrong is not None else super().place(step, slot, size)
+    def place(self, step: int, slot: int, size: int, room: int | None = None) -> int | None:
+        return self.wrong if self.wrong is not None else super().place(step, slot, size, room)
 
     def release(self, offset: int) -> None:
         if self.wrong is not None:

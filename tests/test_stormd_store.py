@@ -96,6 +96,28 @@ def test_the_quota_counts_what_each_extent_takes_not_the_bytes_asked_for():
     assert stored == 4096 // allocator.aligned(1) and allocator.stats().used <= 4096 == store.held_bytes(1)
 
 
+def test_the_quota_counts_the_planned_region_a_session_holds_not_only_its_tensors_in_it():
+    """A planned step takes a region of the recorded step's footprint at its first PUT and holds it
+    while a tensor lives there: small tensors at their planned offsets hold the whole region, so a
+    tensor outside it that fits the quota by the tensors' count is refused, naming the region
+    (before: the session took the region and that tensor too, about twice its quota of the pool)."""
+    quota = 8 * 1024
+    allocator = RecordingAllocator(1 << 20)
+    store = Store(allocator, options=StoreOptions(default_limits=ClientLimits(quota=quota)))
+    store.put(1, put_fields(1, 4096, step=1))  # the recorded step: two 4 KiB tensors at once
+    store.put(1, put_fields(2, 4096, step=1))
+    store.free(1, step=1)
+    store.put(1, put_fields(3, 1, step=2))  # planned: the 8 KiB region is taken
+    store.put(1, put_fields(4, 1, step=2))
+    with pytest.raises(ProtocolError) as refused:
+        store.put(1, put_fields(5, quota - 512, step=2))  # no gap of the region takes it
+    assert refused.value.code == ErrorCode.QUOTA and "planned region" in refused.value.message
+    assert allocator.stats().used <= quota
+    store.free(1, step=2)
+    store.put(1, put_fields(6, quota - 512, step=3))  # no region held: the tensor fits the quota
+    assert allocator.stats().used <= quota
+
+
 def test_keys_past_max_keys_are_pool_full_whatever_room_the_pool_has():
     """Each key costs daemon memory beside its pool bytes: without a bound, 1-byte PUTs grew the
     daemon by the pool's size over 256 entries."""

@@ -125,6 +125,7 @@ class StepPlacement:
         self._plan: dict[int, tuple[int, int]] | None = None  # slot -> (size, offset in region)
         self._region: int | None = None             # offset of the reserved region in the pool
         self._live: SortedDict = SortedDict()       # region offset -> end, of placed tensors alive
+        self.inside_bytes = 0                       # what the tensors alive in the region take of it
         self._step: int | None = None               # the step PUTs arrive for now
         self._slots = 0                             # PUTs seen in that step
         self._step_hits = self._step_misses = 0
@@ -146,8 +147,14 @@ class StepPlacement:
         if self._plan is None and self._recording is None:
             self._recording, self._trace, self._open = step, {}, set()
 
-    def place(self, step: int, slot: int, size: int) -> int | None:
-        """The pool offset planned for this tensor, or None to use the general allocator."""
+    @property
+    def region_bytes(self) -> int:
+        """What the region takes of the pool while a tensor holds it (0 when none does)."""
+        return self.allocator.size_of(self._region) if self._region is not None else 0
+
+    def place(self, step: int, slot: int, size: int, room: int | None = None) -> int | None:
+        """The pool offset planned for this tensor, or None to use the general allocator. ``room``:
+        the most a region taken now may be (what the session's quota leaves), None for any."""
         self._clock += 1
         if step == self._recording and slot < MAX_PLANNED_TENSORS:
             self._trace[slot] = [size, self._clock, -1]
@@ -157,8 +164,9 @@ class StepPlacement:
         if self._region is None:
             # Taken when a planned step places its first tensor and given back when its last one
             # goes (so the region exists exactly while it holds a tensor and an idle session holds
-            # no pool memory). None: no room for the whole region now.
-            self._region = self.allocator.alloc(self.stats.planned_footprint)
+            # no pool memory). None: no room for the whole region now, in the pool or the quota.
+            fits = room is None or self.allocator.aligned(self.stats.planned_footprint) <= room
+            self._region = self.allocator.alloc(self.stats.planned_footprint) if fits else None
             if self._region is None:
                 self._miss()
                 return None
@@ -175,6 +183,7 @@ class StepPlacement:
             self.stats.plan_hits += 1
             self._step_hits += 1
         self._live[start] = start + size
+        self.inside_bytes += size
         return start
 
     def _planned_start(self, slot: int, size: int) -> int | None:
@@ -209,7 +218,7 @@ class StepPlacement:
 
     def release(self, offset: int) -> None:
         """A planned tensor left its offset (freed or spilled)."""
-        del self._live[offset]
+        self.inside_bytes -= self._live.pop(offset) - offset
         if not self._live and self._region is not None:
             self.allocator.free(self._region)
             self._region = None

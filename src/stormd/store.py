@@ -86,15 +86,17 @@ class Store:
         # the alignment's worth of pool each past the quota
         charge = self.allocator.aligned(f["nbytes"])
         if quota and c.held_bytes + charge > quota:
-            c.quota_refused += 1
-            who = f"client {s.name!r}" if s.name else "this client"
-            raise ProtocolError(ErrorCode.QUOTA,
-                                f"{who} holds {c.held_bytes} bytes and its quota is {quota}; {charge} more "
-                                f"do not fit: raise its quota (client_quota, or clients.{s.name or 'NAME'}.quota "
-                                f"in stormd.toml) or offload less (storm.offload(budget=...))")
+            raise self._over_quota(s, f"holds {c.held_bytes} bytes", charge)
+        # what the session takes of the pool (and the spill file) now: its tensors, but of those in its
+        # step's planned region the whole region, which it holds while one of them lives
+        taken = c.held_bytes - s.placement.inside_bytes + s.placement.region_bytes
         slot = s.placement.slot(f["step"])
-        offset = s.placement.place(f["step"], slot, charge)
+        offset = s.placement.place(f["step"], slot, charge, room=quota - taken if quota else None)
         planned = offset is not None
+        if not planned and quota and taken + charge > quota:
+            s.placement.cancel(f["step"], slot)
+            raise self._over_quota(s, f"takes {taken} bytes of the pool, {s.placement.region_bytes} of them its "
+                                      f"step's planned region,", charge)
         try:
             if offset is None:
                 offset = self._alloc(f["nbytes"], s)
@@ -112,6 +114,16 @@ class Store:
         c.held_bytes += charge
         c.peak_held_bytes = max(c.peak_held_bytes, c.held_bytes)
         return e
+
+    @staticmethod
+    def _over_quota(s: SessionEntries, holds: str, charge: int) -> ProtocolError:
+        """QUOTA for a PUT of ``charge`` more bytes by ``s``, which ``holds`` (what it has, in words)."""
+        s.counters.quota_refused += 1
+        who = f"client {s.name!r}" if s.name else "this client"
+        return ProtocolError(ErrorCode.QUOTA,
+                             f"{who} {holds} and its quota is {s.limits.quota}; {charge} more do not fit: raise "
+                             f"its quota (client_quota, or clients.{s.name or 'NAME'}.quota in stormd.toml) or "
+                             f"offload less (storm.offload(budget=...))")
 
     def _alloc(self, nbytes: int, s: SessionEntries) -> int:
         """A general-allocator extent; when the pool is full, spill (waiting for the writes) until one fits."""
