@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 
 import pytest
@@ -281,6 +282,32 @@ async def test_a_request_whose_signal_a_send_took_is_still_answered(monkeypatch)
     serving_task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await serving_task
+    sock.close()
+    pool.close()
+
+
+@pytest.mark.asyncio
+async def test_flushing_the_replies_of_a_client_found_gone_drops_them_quietly(caplog):
+    """The flusher's send finds the client's socket gone: its sessions end and its waiting replies go,
+    with nothing logged as a failure (before: the emptied backlog's pop raised, logged as one)."""
+    from stormd.server import _Backlog
+
+    class GoneSocket(FakeSocket):
+        def send(self, frame: bytes, flags: int = 0) -> None:
+            raise zmq.ZMQError(zmq.EHOSTUNREACH)
+
+    pool = SharedPool.anonymous(1 << 20)
+    srv = Server(Service(pool), DaemonConfig(socket="ipc:///unused"))
+    sock = GoneSocket()
+    srv._sync = sock
+    backlog = _Backlog()
+    for frame in (b"one", b"two"):
+        backlog.append(frame)
+    srv._backlog[b"gone"] = backlog
+    caplog.set_level(logging.ERROR, logger="stormd")
+    await asyncio.wait_for(srv._flush_backlogs(), 5)
+    assert not srv._backlog and len(backlog) == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
     sock.close()
     pool.close()
 

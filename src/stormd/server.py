@@ -324,7 +324,8 @@ class Server:
             for peer, backlog in list(self._backlog.items()):
                 try:
                     while backlog and self._try_send(peer, backlog.frames[0]):
-                        backlog.popleft()
+                        if backlog:  # sent; not where the peer was found gone (_peer_gone emptied it)
+                            backlog.popleft()
                 except Exception:  # ending a gone peer's sessions failed: that peer's replies go, the others' wait
                     log.exception("flushing a client's replies failed; they are dropped")
                     backlog.clear()
