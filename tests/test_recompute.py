@@ -4,7 +4,9 @@ saved tensors handed over once."""
 
 from __future__ import annotations
 
+import collections
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -510,6 +512,37 @@ def test_tensors_passed_within_a_tuple_get_their_gradients_bit_for_bit():
             pair = b(pair)
         (pair[0].sum() + pair[1].pow(2).sum()).backward()
         return [x.grad, skip.grad, *(p.grad for b in blocks for p in b.parameters())]
+
+    assert all(same_bits(a, b) for a, b in zip(grads(False), grads(True)))
+
+
+Pair = collections.namedtuple("Pair", "scale shift")
+
+
+class Affine(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, p: Any) -> torch.Tensor:
+        return self.lin(x) * p.scale + p.shift if isinstance(p, Pair) else self.lin(x) * p["scale"] + p["shift"]
+
+
+@pytest.mark.parametrize("container", ["namedtuple", "OrderedDict"])
+def test_tensors_passed_within_a_namedtuple_or_an_ordered_dict_get_their_gradients_bit_for_bit(container):
+    """As within a tuple: the reentrant Function would leave them attached, and its nested backward
+    ran on into the outer graph ("backward through the graph a second time" where the tensor is also
+    used outside the block)."""
+    def grads(recompute: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        block = Affine()
+        x, w = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+        scale = w * 2
+        p = Pair(scale, w.sin()) if container == "namedtuple" else \
+            collections.OrderedDict(scale=scale, shift=w.sin())
+        f = Recompute(block.forward, torch.device("cpu")) if recompute else block
+        (f(x, p).sum() + (scale * scale).sum()).backward()  # scale is used outside the block too
+        return [x.grad, w.grad, *(q.grad for q in block.parameters())]
 
     assert all(same_bits(a, b) for a, b in zip(grads(False), grads(True)))
 

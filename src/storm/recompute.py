@@ -41,10 +41,11 @@ running statistics: the replay normalizes by the batch's statistics as forward d
 the running ones as forward left them (``Recompute.replaying``), or each step would count every
 batch twice.
 
-The reentrant form takes a block's top-level tensors: a block given tensors within a tuple, list
-or dict takes the non-reentrant form. Under ``backward(create_graph=True)`` the reentrant form
-raises (its gradients would not carry the graph back through the block's inputs): the
-non-reentrant form differentiates twice as the block run plainly does. Its nested backward sums
+The reentrant form takes a block's top-level tensors: a block given tensors within a container (a
+tuple, a namedtuple, a list, a dict of any kind) takes the non-reentrant form. Under
+``backward(create_graph=True)`` the reentrant form raises (its gradients would not carry the graph
+back through the block's inputs): the non-reentrant form differentiates twice as the block run
+plainly does. Its nested backward sums
 the gradients of an input's uses within the block before autograd adds those of its uses
 outside (``x = x + block(x)``, one encoder output given to every decoder block), where autograd
 alone adds each as it comes: the last bits may differ, and only ``reentrant=False`` is exact
@@ -112,10 +113,10 @@ class Recompute:
             return self.forward(*args, **kwargs)
         if self._caches_positionally(args):
             args, kwargs = (), {**dict(zip(self._positional, args)), **kwargs}
-        # the reentrant Function takes only top-level tensors: tensors within a tuple, list or dict
-        # argument would not be detached and their gradients not returned
+        # the reentrant Function takes only top-level tensors: tensors within any container argument
+        # (a tuple, a namedtuple, a dict of any kind) would not be detached and their gradients not returned
         if kwargs or not self.reentrant or any(not m.training for m in self._grad_mode_paths) \
-                or any(type(a) in (tuple, list, dict) and _holds_tensor(a) for a in args):
+                or any(not isinstance(a, (torch.Tensor, *_PLAIN)) and _holds_tensor(a) for a in args):
             contexts = {"context_fn": lambda: (nullcontext(), self.replaying())} if self._stateful else {}
             # the keyword arguments' tensors go positionally, so that torch's checkpoint saves them
             # as it saves the positional ones (through the saved-tensor hooks: STORM may offload
