@@ -182,6 +182,26 @@ def test_print_config_prints_toml_that_reads_back_to_the_same_config(tmp_path):
     assert to_toml(again) == r.stdout
 
 
+def test_a_client_name_with_a_dot_prints_as_a_key_that_reads_back(tmp_path):
+    """The clients setting takes names with '.'; printed as a bare key, "team.a" read back as a table
+    "team" holding "a", which the setting refused."""
+    config = parse("--clients", "team.a=1GiB:1,solo=2GiB")
+    assert config.clients == {"team.a": {"quota": 1 << 30, "priority": 1}, "solo": {"quota": 2 << 30, "priority": 0}}
+    assert parse("--config", write(tmp_path, to_toml(config))).clients == config.clients
+
+
+@pytest.mark.parametrize("value", ["ipc://", "ipc://  "])
+def test_an_ipc_socket_without_a_path_is_refused_saying_what_is_accepted(value):
+    """It was taken as the current directory, which stormd then took for a stale socket to remove."""
+    with pytest.raises(ConfigError, match="names no path: give a path, ipc://PATH or tcp://127.0.0.1:PORT"):
+        parse("--socket", value)
+
+
+def test_a_relative_ipc_socket_is_made_absolute_as_a_plain_path_is(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse("--socket", "ipc://s.sock").socket == parse("--socket", "s.sock").socket == f"ipc://{tmp_path}/s.sock"
+
+
 @pytest.mark.parametrize("n,text", [(8_000_000_000, "8GB"), (1 << 30, "1GiB"), (1000, "1KB"), (1 << 40, "1TiB"),
                                     (10**12, "1TB"), (1536, "1536"), (1_500_000, "1500KB"), (0, "0")])
 def test_a_size_prints_in_the_largest_unit_that_divides_it_and_reads_back(n, text):

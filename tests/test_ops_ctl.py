@@ -41,6 +41,15 @@ def test_a_wide_terminal_gets_rich_table():
     assert "trainer-rank-0" in text and "…" not in text
 
 
+@pytest.mark.parametrize("name, host", [("[/x]", "node-a"), ("[red]trainer", "[bold]node-b")])
+def test_a_wide_terminal_shows_names_and_hosts_as_the_clients_gave_them(name, host):
+    """A HELLO's name and host are any text a client chose: drawn as rich markup, a closing tag
+    crashed stormctl and an opening one was drawn, not shown."""
+    report = ctl.clients_report({"clients": [{**CLIENT, "name": name, "host": host}], "total": 1}, "ipc:///[s]")
+    text = printed(report, terminal=True, width=400)
+    assert name in text and host in text and "ipc:///[s]" in text, text
+
+
 # a STATUS reply as a stormd of before its start-up and page-lock figures sent it
 OLDER_STATUS = {"server": "stormd 1", "draining": False, "uptime_s": 3.0,
                 "node": {"clients": 1, "used": 1 << 20, "capacity": 1 << 30, "peak": 2 << 20, "keys": 1,

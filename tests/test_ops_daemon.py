@@ -76,6 +76,17 @@ def test_notify_socket_sees_ready_status_and_watchdog(tmp_path, monkeypatch):
         listener.close()
 
 
+@pytest.mark.parametrize("usec", ["-1000000", "0", "ten"])
+def test_a_watchdog_usec_that_is_no_positive_integer_turns_no_watchdog_on(usec, caplog):
+    """As systemd's sd_watchdog_enabled refuses it: a negative one made an interval under zero, and
+    the watchdog task pinged without pause on the loop that serves every client."""
+    from stormd.notify import Notifier
+
+    caplog.set_level(logging.WARNING, logger="stormd")
+    assert Notifier({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": usec}).watchdog_interval is None
+    assert any("WATCHDOG_USEC" in r.getMessage() for r in caplog.records)
+
+
 def test_sigterm_drains_gets_are_answered_puts_refused_then_exit_0(tmp_path):
     d = start_daemon(tmp_path, "--pool-size", "1MiB", "--no-metrics", "--drain-timeout", "30")
     try:

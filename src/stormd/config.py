@@ -219,8 +219,9 @@ class _ClientTable(_Kind):
         return self.from_toml(table)
 
     def to_toml(self, v: dict) -> str:
-        rows = ", ".join(f"{n} = {{ quota = {json.dumps(format_size(r['quota']))}, priority = {r['priority']} }}"
-                         for n, r in v.items())
+        # names quoted: a bare "team.a" is a dotted key, which reads back as a table "team" holding "a"
+        rows = ", ".join(f"{json.dumps(n)} = {{ quota = {json.dumps(format_size(r['quota']))}, "
+                         f"priority = {r['priority']} }}" for n, r in v.items())
         return f"{{ {rows} }}" if rows else "{}"
 
 

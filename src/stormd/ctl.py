@@ -28,6 +28,7 @@ from typing import Any
 import zmq
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .wire.curve import CurveKeyError, client_curve_options
 from .wire.endpoint import normalize_endpoint
@@ -86,12 +87,15 @@ class Report:
     header: bool = True
 
     def table(self) -> Table:
-        t = Table(title=self.title, caption=self.caption or None, show_header=self.header)
+        # Text, not markup: cells hold what clients chose (their HELLO's name and host), and the title
+        # an endpoint's path; as markup, "[/x]" in a name crashed stormctl and "[red]" was drawn, not shown
+        t = Table(title=Text(self.title), caption=Text(self.caption) if self.caption else None,
+                  show_header=self.header)
         for i, col in enumerate(self.columns):
             t.add_column(col, justify="right" if i and self.header and col not in TEXT_COLUMNS else "left",
                          style=None if self.header or i else "bold")
         for row in self.rows:
-            t.add_row(*row)
+            t.add_row(*map(Text, row))
         return t
 
     def widths(self) -> list[int]:

@@ -50,7 +50,10 @@ def _watchdog_interval(env: Mapping[str, str]) -> float | None:
     if not usec or (pid and pid != str(os.getpid())):  # the watchdog is meant for another process
         return None
     try:
-        return int(usec) / 2e6
+        interval = int(usec) / 2e6
     except ValueError:
-        log.warning("ignoring WATCHDOG_USEC that is not an integer", extra={"value": usec})
+        interval = 0.0
+    if interval <= 0:  # as sd_watchdog_enabled refuses it: a negative one pinged without pause
+        log.warning("ignoring WATCHDOG_USEC that is not a positive integer", extra={"value": usec})
         return None
+    return interval

@@ -52,7 +52,10 @@ def normalize_endpoint(value: object, environ: Mapping[str, str] | None = None) 
         except ValueError as e:
             raise ValueError(f"{SOCKET_ENV}: {e}") from None
     if value.startswith("ipc://"):
-        return _fits_unix_socket(value)
+        path = value[len("ipc://"):]
+        if not path.strip():
+            raise ValueError(f"socket {value!r} names no path: give {ACCEPTED}")
+        return _fits_unix_socket(f"ipc://{os.path.abspath(path)}")  # absolute, as a plain path is made
     if value.startswith("tcp://"):
         u = urlsplit(value)
         try:
