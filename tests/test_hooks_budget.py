@@ -259,3 +259,19 @@ def test_keep_leaves_those_storages_on_the_device_and_offloads_the_rest():
     with storm.offload(mode="embedded", min_bytes=0) as again:
         (shared.detach() * 2).requires_grad_().tanh()
     assert again.stats.offloaded == 1 and storm.Keep.SHARED not in again.stats.kept
+
+
+def test_a_storage_made_where_a_kept_one_was_freed_is_offloaded():
+    """keep() holds its storages by a weak reference: one freed, a new storage the allocator makes at
+    its address is no kept one (before: its saves stayed on the device as a shared input)."""
+    x = torch.randn(256, 256, requires_grad=True)
+    with storm.offload(mode="embedded", min_bytes=0) as ctx:
+        h = x
+        for _ in range(8):
+            mask = torch.randn(256, 256)
+            ctx.keep([mask])  # a block's own mask, then freed
+            del mask
+            h = torch.tanh(h)  # a fresh storage, saved by tanh
+    assert ctx.stats.offloaded == 8 and storm.Keep.SHARED not in ctx.stats.kept
+    ctx.synchronize()
+    h.sum().backward()

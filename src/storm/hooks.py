@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from stormd.wire.protocol import CODECS
 from stormd.wire.sizes import parse_size
@@ -295,7 +296,9 @@ class Offload(contextlib.ContextDecorator):
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"storm.offload's keep() takes tensors; got {type(t).__name__}")
-            self._step.kept_storages.add(t.untyped_storage()._cdata)
+            storage = t.untyped_storage()
+            # by a weak reference, not the address alone: one freed, a new storage could be made there
+            self._step.kept_storages[storage._cdata] = StorageWeakRef(storage)
 
     def allow_queued(self, nbytes: int | str) -> None:
         """Forward has ``nbytes`` below the step's peak now (bytes, or a size such as '128MiB'): as

@@ -86,7 +86,8 @@ class Step:
         self.order: list[Stored] = []
         self.by_storage: dict[int, Stored] = {}
         self.kept_by_room: set[int] = set()  # storages a room keeps on the device (by _cdata)
-        self.kept_storages: set[int] = set()  # storages the caller keeps on the device (Offload.keep; by _cdata)
+        # storages the caller keeps on the device (Offload.keep), by _cdata
+        self.kept_storages: dict[int, StorageWeakRef] = {}
         self.cursor = 1 << 62  # order[cursor:] has been considered for prefetch
         # storages saved again after other offloaded saves (a model's rotary tables, saved by every
         # layer), each with the place of that save (Handle.index): backward needs such a storage at

@@ -166,7 +166,8 @@ class ClientSession:
             return Kept(t)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
-        if step.kept_storages and storage._cdata in step.kept_storages:
+        kept = step.kept_storages.get(storage._cdata) if step.kept_storages else None
+        if kept is not None and not kept.expired():
             step.stats.record_kept(step.layer, Keep.SHARED, nbytes)
             return Kept(t)
         stored = step.by_storage.get(storage._cdata)
