@@ -310,7 +310,9 @@ class _Awaiting:
         self.reached = False
         self._hooks: list[weakref.ref] = []
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+            # made by this forward: a leaf returned as it is (a learned temperature) is in no graph of
+            # it, and a hook there would stay for good, one more each step, holding its step
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                 hook = _Reached(self)
                 t.register_hook(hook)
                 self._hooks.append(weakref.ref(hook))

@@ -418,6 +418,40 @@ class Recursive(nn.Module):
         return self(h, depth - 1) if depth else h
 
 
+class Scaled(nn.Module):
+    """Returns a parameter as it is beside its output, as a model with a learned temperature does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.lin(x)), self.scale
+
+
+def test_a_parameter_the_forward_returns_gets_no_hook_and_joins_no_later_forward():
+    """A step watches its forward's outputs until backward reaches them; a leaf returned as it is
+    belongs to no graph of that forward: hooked, it gained one hook a step for good, and after a
+    forward whose graph was dropped the next forward was joined into that dead step."""
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(32, 64)
+    handle = storm.enable(model, mode="embedded", min_bytes=0)
+    try:
+        for _ in range(5):
+            out, scale = model(x)
+            (out.square().sum() * scale).backward()
+        assert not model.scale._backward_hooks
+        dropped = model(x)[0].sum()  # a forward whose graph goes unused
+        evaluated = handle.last
+        del dropped
+        out, scale = model(x)
+        assert handle.last is not evaluated
+        (out.sum() * scale).backward()
+    finally:
+        handle.disable()
+
+
 def test_a_forward_called_inside_the_models_own_forward_belongs_to_the_open_step():
     x = torch.randn(4, 16)
     with storm.offload(mode="embedded", min_bytes=0) as whole:
