@@ -131,8 +131,25 @@ def test_a_copy_that_cannot_start_stores_nothing(pool):
     _, auth = hello(service)
     r = call(service, auth, "PUT", **put_fields(1, 4096), cuda={**FORGED, "handle": b"\xff" * 64})
     assert r["error"] == ErrorCode.BAD_HANDLE, r
-    assert used(service) == 0 and call(service, auth, "STATS")["session"]["keys"] == 0
+    session = call(service, auth, "STATS")["session"]
+    assert used(service) == 0 and session["keys"] == 0
+    # nor counted as stored (before: STATS and stormctl counted it)
+    assert (session["puts"], session["bytes_in"], session["peak_held_bytes"]) == (0, 0, 0), session
     assert call(service, auth, "PUT", **put_fields(1, 4096), cuda=FORGED)["ok"]  # the key is free to use
+
+
+def test_a_copy_out_that_cannot_start_hands_nothing_back_and_leaves_the_tensor_free_to_spill(pool):
+    """A GET whose copy is refused counts no GET, and its tensor is not taken for fetched (which
+    keeps a tensor in the pool until FREE: before, one refused GET kept it from spilling for good)."""
+    service = Service(pool, cuda=ScriptedCopier())
+    r, auth = hello(service)
+    assert call(service, auth, "PUT", **put_fields(1, 4096))["ok"] and call(service, auth, "SEAL", key=1)["ok"]
+    got = call(service, auth, "GET", key=1, cuda={**FORGED, "handle": b"\xff" * 64})
+    assert got["error"] == ErrorCode.BAD_HANDLE, got
+    session = call(service, auth, "STATS")["session"]
+    assert (session["gets"], session["bytes_out"]) == (0, 0), session
+    assert service.store.find(r["session"], 1).fetched is False
+    assert call(service, auth, "GET", key=1, cuda=FORGED)["ok"] and service.store.find(r["session"], 1).fetched
 
 
 def test_no_extent_is_sealed_freed_or_reused_while_its_copy_runs(pool):

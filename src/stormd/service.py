@@ -9,7 +9,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from .allocator import ExtentAllocator
 from .copier import CudaCopier
@@ -132,13 +132,10 @@ class Service:
         if req.op == "PUT":
             if self.draining:
                 raise ProtocolError(ErrorCode.DRAINING, "the daemon is shutting down and takes no new tensors")
-            e = self.store.put(s.id, f)
+            # the daemon's copy queued within the store's PUT: one refused (NO_CUDA, BAD_HANDLE) stores nothing
+            # and counts nothing
+            e = self.store.put(s.id, f, self._copy(s.id, f, to_host=True))
             if "cuda" in f:
-                try:
-                    self._copier().to_host(s.id, e.key, f["cuda"], self._address(e), e.nbytes)
-                except BaseException:
-                    self._free(s.id, [e.key])  # a PUT that fails stores nothing
-                    raise
                 self._unsealed.setdefault(s.id, collections.OrderedDict())[e.key] = e
             self.traffic.puts += 1
             self.traffic.bytes_in += e.raw_nbytes
@@ -152,9 +149,8 @@ class Service:
             return ok(req.id)
         if req.op == "GET":
             self._seal_copied(s.id, f["key"])
-            e = self.store.get(s.id, f["key"])
-            if "cuda" in f:
-                self._copier().to_device(s.id, e.key, f["cuda"], self._address(e), e.nbytes)
+            # queued within the store's GET: one refused leaves the tensor unfetched (free to spill) and uncounted
+            e = self.store.get(s.id, f["key"], self._copy(s.id, f, to_host=False))
             self.traffic.gets += 1
             self.traffic.bytes_out += e.nbytes
             return ok(req.id, **e.describe())
@@ -181,6 +177,18 @@ class Service:
         return ok(req.id, session=s.id, token=s.token, pool=self.pool.descriptor.to_wire(),
                   server=SERVER_NAME, version=PROTOCOL_VERSION, codec=self.codec,
                   cuda_devices=self.cuda.devices if self.cuda is not None else [])
+
+    def _copy(self, session: int, f: dict[str, Any], to_host: bool) -> Callable[[Entry], None] | None:
+        """Where the request ``f`` names CUDA memory (its ``cuda`` field): what queues the daemon's
+        copy of an entry into the pool (``to_host``) or out of it; None where the client copies."""
+        cuda = f.get("cuda")
+        if cuda is None:
+            return None
+
+        def copy(e: Entry) -> None:
+            copier = self._copier()
+            (copier.to_host if to_host else copier.to_device)(session, e.key, cuda, self._address(e), e.nbytes)
+        return copy
 
     def _copier(self) -> CudaCopier:
         if self.cuda is None:

@@ -68,7 +68,10 @@ class Store:
             s = self._sessions[session]
         return s
 
-    def put(self, session: int, f: dict[str, Any]) -> Entry:
+    def put(self, session: int, f: dict[str, Any], deliver: Callable[[Entry], None] | None = None) -> Entry:
+        """Store the PUT ``f``'s tensor: its extent taken, and ``deliver``, where given, called with the
+        entry (the daemon's own copy into it queued); what ``deliver`` raises leaves nothing stored and
+        nothing counted."""
         self.spiller.reap()
         s = self._of(session)
         if f["key"] in s.entries:
@@ -108,10 +111,16 @@ class Store:
                   f["storage_offset"], f["codec"], f.get("raw_nbytes", f["nbytes"]), slot=slot, planned=planned)
         s.entries[e.key] = e
         self._keys += 1
+        c.held_bytes += charge
+        if deliver is not None:
+            try:
+                deliver(e)
+            except BaseException:
+                self.free(session, keys=[e.key])
+                raise
         c.puts += 1
         c.bytes_in += e.nbytes
         c.raw_bytes_in += e.raw_nbytes
-        c.held_bytes += charge
         c.peak_held_bytes = max(c.peak_held_bytes, c.held_bytes)
         return e
 
@@ -171,9 +180,11 @@ class Store:
                 self.eviction.add(session, s.limits.priority, e)
         self.spiller.spill_in_background()
 
-    def get(self, session: int, key: int) -> Entry:
+    def get(self, session: int, key: int, deliver: Callable[[Entry], None] | None = None) -> Entry:
         """The entry, in the pool: a spilled one is read back first (the reply's offset may differ
-        from PUT's). From now on it stays where it is until FREE."""
+        from PUT's). From now on it stays where it is until FREE. ``deliver``, where given, is called
+        with it first (the daemon's own copy out of it queued): what it raises leaves the entry as it
+        was, free to move, and nothing counted."""
         self.spiller.reap()
         s = self._of(session)
         e = self._entry(session, key)
@@ -188,6 +199,8 @@ class Store:
             raise ProtocolError(ErrorCode.SPILL_FAILED,
                                 f"key {key}: {e.lost}; its bytes are lost (this key's only: the session's other "
                                 f"tensors are intact); FREE it")
+        if deliver is not None:
+            deliver(e)
         if not e.fetched:
             e.fetched = True
             self.eviction.discard(session, s.limits.priority, e)
