@@ -447,10 +447,11 @@ def chosen(a: argparse.Namespace) -> list[Workload | Llama]:
 
 # The node: its stormd (one, or --daemons), a torchrun per rank count
 
-def start(workdir: Path, pool_size: str, profile: Path | None, spill: bool = False
+def start(workdir: Path, pool_size: str, profile: Path | None, spill: bool = False, spill_limit: str | None = None
           ) -> tuple[subprocess.Popen, str, dict]:
     """A stormd logging to workdir/stormd.log, under cProfile with --profile, spilling to
-    workdir/spill with --spill: the process, its endpoint, and what its STATUS says of its start:
+    workdir/spill with --spill (at most ``spill_limit``, None: stormd's default, which the disk must
+    have free as it starts): the process, its endpoint, and what its STATUS says of its start:
     the seconds from its process start to serving, the bytes it page-locked and the seconds that
     took (None where it locked none)."""
     profiler = ["-m", "cProfile", "-o", str(profile / "stormd.prof")] if profile is not None else []
@@ -458,14 +459,16 @@ def start(workdir: Path, pool_size: str, profile: Path | None, spill: bool = Fal
     if spill:
         (workdir / "spill").mkdir()
         flags = ("--spill", "--spill-dir", str(workdir / "spill"))
+        if spill_limit is not None:
+            flags += ("--spill-limit", spill_limit)
     proc, endpoint = start_daemon(workdir, pool_size, *flags, log=workdir / "stormd.log", python_args=profiler)
     status = request(endpoint, "STATUS", timeout=30)
     return proc, endpoint, {"start_s": status["startup_s"], "page_lock_s": status["page_lock_s"],
                             "page_locked_bytes": status["node"]["page_locked_bytes"]}
 
 
-def start_all(workdir: Path, pool_size: str, count: int, profile: Path | None, spill: bool = False
-              ) -> tuple[list[subprocess.Popen], list[str], dict]:
+def start_all(workdir: Path, pool_size: str, count: int, profile: Path | None, spill: bool = False,
+              spill_limit: str | None = None) -> tuple[list[subprocess.Popen], list[str], dict]:
     """``count`` stormd (--daemons), each with its share of ``pool_size``, the first under cProfile with
     --profile: the processes, their endpoints and their start's figures together (the bytes
     page-locked summed, the longest start and page-lock)."""
@@ -473,7 +476,7 @@ def start_all(workdir: Path, pool_size: str, count: int, profile: Path | None, s
     started = []
     for i in range(count):
         (workdir / f"d{i}").mkdir()
-        started.append(start(workdir / f"d{i}", share, profile if i == 0 else None, spill))
+        started.append(start(workdir / f"d{i}", share, profile if i == 0 else None, spill, spill_limit))
     figures = [f for _, _, f in started]
     return [p for p, _, _ in started], [e for _, e, _ in started], {
         "start_s": max(f["start_s"] for f in figures),
@@ -542,6 +545,8 @@ def main() -> int:
     p.add_argument("--spill", action="store_true",
                    help="stormd spills to disk when its pool is full (the embedded stores have no spill: what does "
                         "not fit their pools stays on the GPU, rows' kept and peak_bytes say how much)")
+    p.add_argument("--spill-limit", metavar="SIZE",
+                   help="with --spill, each stormd's spill_limit (default stormd's: the disk must have it free)")
     p.add_argument("--switch-interval", type=float, metavar="SECONDS",
                    help="each rank's sys.setswitchinterval (Python's default 0.005): a thread waiting for the GIL "
                         "(the one taking stormd's replies) gets it from the busy one after at most this long")
@@ -570,7 +575,7 @@ def main() -> int:
         # rank counts measured by that run are kept as they were; each call starts its own stormd
         results["runs"], results["resumed_from"] = prior["runs"], prior["meta"]
     with tempfile.TemporaryDirectory() as tmp:
-        procs, endpoints, daemon = start_all(Path(tmp), pool, a.daemons, profile, a.spill)
+        procs, endpoints, daemon = start_all(Path(tmp), pool, a.daemons, profile, a.spill, a.spill_limit)
         try:
             for n in (n for n in a.ranks if str(n) not in results["runs"]):
                 results["runs"][str(n)] = summarize_launch(launch(a, n, endpoints, tmp), daemon)

@@ -70,6 +70,7 @@ def test_with_a_daemon_per_rank_each_rank_has_its_own_and_its_share_of_the_pool_
     # four ranks: the all-reduce's order of addition then follows DDP's buckets, which the first
     # backward lays out again; every row steps identically all the same
     result = tiny_cpu_run(tmp_path, "--ranks", "4", "--models", "W1", "--rounds", "2", "--daemons", "2", "--spill",
+                          "--spill-limit", "64MiB",  # stormd's default would need 16 GiB of free disk
                           "--profile", str(tmp_path / "profile"), "--switch-interval", "0.0005")
     assert result["daemon"]["daemons"] == 2
     assert result["runs"]["4"]["switch_interval_s"] == [0.0005] * 4  # each rank set it
