@@ -18,6 +18,7 @@ from planner_fakes import FakeClock, below_checkpointing, gpt, grads_of
 from storm.examples.models import same_bits
 from storm.planner import Plan, Scenario, kept_bytes
 from storm.planner.held import fetched_inputs
+from storm.planner.model import Offloading
 from storm.recompute import Recompute
 
 
@@ -195,8 +196,30 @@ def test_recomputed_blocks_called_with_one_tensor_keep_it_once():
     t, n, pos, hidden = planner.trace, len(model.blocks), 64 * 64 * 4, 8 * 64 * 64 * 4
     every = set(range(n))
     assert kept_bytes(t, 0, every) == [hidden + pos] + [hidden] * (n - 1)
-    assert kept_bytes(t, 0, every, inputs_offloaded=n) == [pos] + [0] * (n - 1)
+    # every block's inputs offloaded: no block after them is called with it, so the step offloads it
+    # once (shared_staying) and the model sends it once and keeps nothing
+    assert kept_bytes(t, 0, every, inputs_offloaded=n) == [0] * n
+    # all but the last: it keeps its inputs, so the storage stays, counted once, at block 0
+    assert kept_bytes(t, 0, every, inputs_offloaded=n - 1) == [pos] + [0] * (n - 2) + [hidden]
     planner.close()
+
+
+def test_a_storage_the_input_offloading_blocks_alone_share_is_sent_once_as_the_step_does():
+    """Every block recomputed with its inputs offloaded: the position tensor they are all called
+    with is offloaded once by the step (no later block keeps it alive), and the model sends it once
+    too, where it counted it kept on the device and never sent (its peaks one storage over)."""
+    model, idx = pos_model()
+    n = len(model.blocks)
+    planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock(),
+                            chooser=fixed(0, n, set()), form_trial=False)
+    try:
+        for _ in range(2):
+            grads_of(model, idx, planner.step())
+        ctx = planner.step()
+        grads_of(model, idx, ctx)
+        assert Offloading.of(planner.trace, 0, None, m=n)[0].sent == ctx.stats.offloaded_bytes
+    finally:
+        planner.close()
 
 
 @pytest.mark.parametrize("model_of", [gpt, pos_model], ids=["gpt", "shared-pos"])

@@ -207,9 +207,10 @@ def test_the_codecs_device_time_can_make_raw_the_cheaper():
     t.forward_device_ms = t.forward_host_ms + 50
     t.lead_ms = [0.0] + [50.0] * len(t.blocks)
     budget = 300 * MiB
-    assert choose(Scenario(t, budget)).compressed
+    assert choose(Scenario(t, budget, inputs_offloaded=False)).compressed
     t.frame_device_ms_per_GiB = 30.0
-    p, forced = choose(Scenario(t, budget)), choose(Scenario(t, budget, codec="ancf_exp"))
+    p = choose(Scenario(t, budget, inputs_offloaded=False))
+    forced = choose(Scenario(t, budget, codec="ancf_exp", inputs_offloaded=False))
     assert p.fits and p.offloaded > 0 and not p.compressed
     assert forced.compressed and forced.predicted_cost_ms > p.predicted_cost_ms
     off = Offloading.of(t, forced.offloaded, forced.max_held_bytes, True)[0]
@@ -220,13 +221,14 @@ def test_the_codecs_device_time_can_make_raw_the_cheaper():
 
 def test_a_host_bound_step_offloads_raw():
     # 200 tensors a block, frames that save 1 MiB of its 100 and cost 150 us each, nothing hidden
-    # (the blocks' inputs shared, as above: plans must offload saves)
+    # (the blocks' inputs shared, as above, and no plan offloads them: plans must offload saves)
     t = shared_inputs(framed(trace(inputs=60 * MiB, host_ms=0.02, tensors=200), per_block=200, frame_ms=0.15,
                              saved_by_frames=MiB), each_its_own=True)
     budget = 300 * MiB
-    p = choose(Scenario(t, budget))
+    p = choose(Scenario(t, budget, inputs_offloaded=False))
     assert p.fits and p.offloaded > 0 and not p.compressed
-    forced = choose(Scenario(t, budget, codec="ancf_exp"))  # the user's frame codec is respected, at its cost
+    # the user's frame codec is respected, at its cost
+    forced = choose(Scenario(t, budget, codec="ancf_exp", inputs_offloaded=False))
     assert forced.compressed and forced.predicted_cost_ms > p.predicted_cost_ms
     off_raw, off_compressed = (Offloading.of(t, forced.offloaded, forced.max_held_bytes, c)[0] for c in (False, True))
     assert off_compressed.host_ms - off_raw.host_ms == pytest.approx(forced.offloaded * 200 * 0.15)
@@ -276,10 +278,12 @@ def test_a_block_recomputed_with_its_inputs_offloaded_keeps_nothing_until_its_ba
     assert moments(t, 0, {0, 1}, 0, grads=False, inputs_offloaded=2) == [110 * MiB, 110 * MiB, 110 * MiB,
                                                                     210 * MiB, 212 * MiB]
     assert kept_bytes(t, 0, {0, 1}, inputs_offloaded=2) == [10 * MiB, 0, 100 * MiB, 100 * MiB]
-    # a storage of each block's own, which other blocks are called with too, is kept per block
+    # a storage of each block's own, listed as shared but used by that block alone: blocks 0-1's are
+    # offloaded once (shared_staying, as the step does) and fetched for their backward, as inputs are
     shared_inputs(t, each_its_own=True)
-    assert moments(t, 0, {0, 1}, 0, grads=False, inputs_offloaded=2) == [110 * MiB, 120 * MiB, 120 * MiB,
-                                                                    220 * MiB, 222 * MiB]
+    assert moments(t, 0, {0, 1}, 0, grads=False, inputs_offloaded=2) == [110 * MiB, 110 * MiB, 100 * MiB,
+                                                                    200 * MiB, 202 * MiB]
+    assert kept_bytes(t, 0, {0, 1}, inputs_offloaded=2) == [0, 0, 100 * MiB, 100 * MiB]
 
 
 def test_where_the_last_blocks_inputs_are_offloaded_the_early_saves_after_the_blocks_go_too():

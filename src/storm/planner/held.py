@@ -62,6 +62,8 @@ def _holdings(f: Figures, offloaded: int, recomputed: set[int] | frozenset[int],
     holds = [offloaded <= i and (i < end or i in recomputed) for i in range(n)]  # it keeps (some of) its inputs
     first = [0] * n
     for having in f.sharing.values():
+        if having[-1][0] < end:  # used by offloading blocks alone: offloaded once (shared_staying), not kept
+            continue
         i, nbytes = next(((i, nbytes) for i, nbytes in having if holds[i]), (None, 0))
         if i is not None:
             first[i] += nbytes
@@ -89,6 +91,17 @@ def shared_staying(trace: Trace, end: int) -> set[int]:
     offloading blocks alone, are offloaded once."""
     last = {key: i for i, b in enumerate(trace.blocks) for key in b.shared_inputs}
     return {key for key, i in last.items() if i >= end}
+
+
+def shared_offloaded(trace: Trace, offloaded: int, inputs_offloaded: int) -> tuple[int, int]:
+    """The storages several blocks are called with that the step offloads once, as inputs of blocks
+    recomputed with their inputs offloaded, those blocks alone being called with them
+    (shared_staying): how many, and their bytes. One an offloaded block is called with too is
+    among that block's saves, and sent there."""
+    end = offloaded + inputs_offloaded
+    once = [having[0][1] for having in Figures.of(trace).sharing.values()
+            if offloaded <= having[0][0] and having[-1][0] < end]
+    return len(once), sum(once)
 
 
 def offloaded_per_block(trace: Trace, offloaded: int, inputs_offloaded: int = 0) -> list[int]:
@@ -158,6 +171,12 @@ def moments_of(trace: Trace, f: Figures, offloaded: int, recomputed: set[int] | 
     # a kept block's kept_extra; a block recomputed with its inputs offloaded, its fetched inputs
     extra = [0] * offloaded + list(f.fetched[offloaded:end]) + [
         0 if i in recomputed else kept_extra for i in range(max(offloaded, end), n)]
+    # a storage such blocks alone are called with, offloaded once (shared_offloaded): fetched as backward
+    # reaches the last of them, there until the first of them is done
+    for having in f.sharing.values():
+        if offloaded <= having[0][0] and having[-1][0] < end:
+            for i in range(having[0][0], having[-1][0] + 1):
+                extra[i] += having[0][1]
     backward_extra = f.backward_extra if grads else itertools.repeat(0)
     # the shared inputs it is the first to keep are there through its own backward too
     held = [b + fi + sv + a + e + x

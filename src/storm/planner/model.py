@@ -21,7 +21,7 @@ import itertools
 from typing import Mapping
 
 from ..frames import FRAME_CODECS
-from .held import Figures, after_kept, moments_of, offloaded_per_block
+from .held import Figures, after_kept, moments_of, offloaded_per_block, shared_offloaded
 from .records import Trace
 
 GiB = 1 << 30
@@ -88,8 +88,9 @@ class Offloading:
         everything sent)."""
         blocks = trace.blocks
         per_block = offloaded_per_block(trace, k, m)
-        sent = (trace.before_bytes * (k + m > 0) + sum(per_block) + trace.between_bytes + trace.after_bytes
-                - after_kept(trace, k, m))
+        shared, shared_bytes = shared_offloaded(trace, k, m)
+        sent = (trace.before_bytes * (k + m > 0) + sum(per_block) + shared_bytes + trace.between_bytes
+                + trace.after_bytes - after_kept(trace, k, m))
         if not sent:
             return [Offloading(0, 0, 0.0, 0.0, 0)]
         offloaded = blocks[:k] if compressed else []
@@ -104,7 +105,7 @@ class Offloading:
         # The other half, its unpack, comes at backward's end, behind as much as forward's slack
         slack_ms = max(0.0, trace.forward_device_ms - trace.forward_host_ms)
         lead_ms = max(0.0, trace.lead_ms[k + m]) if k + m < len(trace.lead_ms) else 0.0
-        tensors = sum(b.tensors for b in blocks[:k]) + sum(b.input_tensors for b in blocks[k:k + m])
+        tensors = sum(b.tensors for b in blocks[:k]) + sum(b.input_tensors for b in blocks[k:k + m]) + shared
         framed = sum(b.framed for b in offloaded)
         half = (tensors * trace.host_ms_per_tensor + framed * trace.frame_host_ms_per_tensor) / 2
         host_ms = max(0.0, half - lead_ms) + max(0.0, half - slack_ms)
