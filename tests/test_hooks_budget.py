@@ -275,3 +275,49 @@ def test_a_storage_made_where_a_kept_one_was_freed_is_offloaded():
     assert ctx.stats.offloaded == 8 and storm.Keep.SHARED not in ctx.stats.kept
     ctx.synchronize()
     h.sum().backward()
+
+
+def chain_of(n: int, width: int) -> torch.Tensor:
+    """A forward of ``n`` saves of 64 x ``width`` floats each."""
+    h = torch.randn(64, width, requires_grad=True)
+    for _ in range(n):
+        h = torch.tanh(h * 1.5)
+    return h.sum()
+
+
+def test_two_models_trained_in_turn_each_go_by_their_own_steps_for_a_fraction_budget():
+    """A fraction budget is of the last step of the same kind (by its first save): with two models
+    in turn, each offloads half of its own saves (before: of the other model's, so the large one
+    offloaded nothing after the small one's step)."""
+    got: dict[str, list[int]] = {"large": [], "small": []}
+    for _ in range(3):
+        for name, n, width in (("large", 8, 1024), ("small", 2, 256)):
+            with storm.offload(mode="embedded", min_bytes=0, budget=0.5) as ctx:
+                loss = chain_of(n, width)
+            loss.backward()
+            got[name].append(ctx.stats.offloaded_bytes)
+    one_large, one_small = 64 * 1024 * 4, 64 * 256 * 4
+    assert got == {"large": [8 * one_large] + [4 * one_large] * 2, "small": [2 * one_small] + [one_small] * 2}
+
+
+def test_the_copy_queue_past_a_budget_goes_by_the_last_step_of_the_same_kind():
+    """A step's copies may run behind by what the last step saved past its budget: that of its own
+    kind, not another model's (before: a model that saved nothing past its budget had the other's
+    bytes as room, its copy queue holding many times max_held_bytes)."""
+    session = storm.registry.session_for("embedded", None, None)
+    one = 128 * 128 * 4
+
+    def limit_of(n: int, width: int, budget: int) -> int:
+        with storm.offload(mode="embedded", min_bytes=0, budget=budget, max_held_bytes=one) as ctx:
+            h = torch.randn(128, width, requires_grad=True)
+            for i in range(n):
+                h = h.tanh()
+                if i == 0:
+                    limit = session.copy_queue.limit(ctx._step)
+            loss = h.sum()
+        loss.backward()
+        return limit
+
+    limit_of(18, 128, 2 * one)  # saves 16 past its budget
+    assert limit_of(2, 64, 4 * one) == one  # another kind, nothing past its budget
+    assert limit_of(18, 128, 2 * one) > one  # the first kind again: its own past-budget bytes

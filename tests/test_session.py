@@ -12,6 +12,7 @@ import storm.session as session_mod
 from storm.copies.base import Landed
 from storm.embedded import EmbeddedStore
 from storm.policy import Policy
+from storm.saved import Step
 
 
 def test_close_all_before_backward_is_storm_unavailable_saying_what_happened():
@@ -356,20 +357,33 @@ def test_a_step_starts_its_room_under_the_session_s_lock():
 
 def test_copies_past_a_budget_run_behind_by_the_last_completed_forward_s_saves_past_it():
     """The copy queue past a budget may hold what the step before saved past its own (CopyQueue.limit):
-    that is the last forward that completed, as for fraction budgets, not one that raised part-way."""
+    that is the last forward of its kind (its first save: here a tensor's shape) that completed, as
+    for fraction budgets, not one that raised part-way."""
     store = EmbeddedStore(4 << 20)
     session = session_mod.ClientSession(store)
+    first = torch.randn(16, 16)
+
+    def begun(*args, **kwargs) -> Step:
+        """A step, its kind told by its first save."""
+        step = session.new_step(*args, **kwargs)
+        session.save(first, step, Policy(0))
+        return step
+
     try:
         for completed, past in ((True, 50), (False, 7)):
-            step = session.new_step(1000)
+            step = begun(1 << 20)
             step.budget_reached, step.past_budget_bytes = True, past
             session.end_step(step, completed=completed)
-        assert session.new_step(1000).past_budget_before == 50
-        assert session.new_step().past_budget_before == 50  # a budget may come mid-step: offload_at_most
-        assert session.new_step(full_offload=False).past_budget_before == 0  # storm.plan's: the plan's queue
-        within = session.new_step(1000)  # a smaller batch: its forward stays within the budget
+        assert begun(1 << 20).past_budget_before == 50
+        assert begun().past_budget_before == 50  # a budget may come mid-step: offload_at_most
+        assert begun(full_offload=False).past_budget_before == 0  # storm.plan's: the plan's queue
+        other = session.new_step(1 << 20)
+        session.save(torch.randn(8, 8), other, Policy(0))
+        assert other.past_budget_before == 0  # another kind's step saved nothing past a budget
+        within = begun(1 << 20)  # a smaller batch: its forward stays within the budget
         session.end_step(within)
-        assert session.new_step(1000).past_budget_before == 0  # it saved nothing past it: no leeway from before
+        assert begun(1 << 20).past_budget_before == 0  # it saved nothing past it: no leeway from before
+        session.synchronize()
     finally:
         session.close()
         store.close()

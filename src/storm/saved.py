@@ -21,6 +21,11 @@ IN_PLACE_FIX = ("make the op out of place (e.g. relu instead of relu_, x = x + y
         "or clone the tensor before modifying it")
 
 
+# a kind of step, by its first save the policy would offload (shape, dtype, device type): what
+# fraction budgets and the copy queue past a budget go by (session.py)
+StepKind = tuple[tuple[int, ...], torch.dtype, str]
+
+
 class State:
     HELD = "held"            # copy in flight; the tensor is still referenced
     OFFLOADED = "offloaded"  # in the store; the tensor was let go
@@ -65,6 +70,9 @@ class Step:
         # storm.plan's steps: planner/trace.py's PlanStep); None: where the budget is infinite
         self.full_offload = budget_bytes == float("inf") if full_offload is None else full_offload
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
+        self.fraction: float | None = None  # a fraction budget, of the last step of its kind (session.py)
+        self.kind: StepKind | None = None  # known at its first save the policy would offload
+        self.queue_past_budget = False    # its copy queue may hold what the last step of its kind saved past its budget
         self.fetch_allowance = 0          # memory backward has freed: prefetch may run this far past its window
         self.queue_allowance = 0          # memory forward has below the step's peak: copies may run this far
                                           # behind past max_held_bytes (a caller that knows the blocks says so)

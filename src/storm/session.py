@@ -41,9 +41,10 @@ from .mover import Mover, Stores, next_key
 from .policy import Keep, Policy, Refusals
 from .restore import Restorer
 from .rooms import Rooms
-from .saved import Handle, Kept, Marker, State, Step, StepOptions, Stored, copy_of
+from .saved import Handle, Kept, Marker, State, Step, StepKind, StepOptions, Stored, copy_of
 
 MARKER_SPACING = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
+MAX_KINDS = 64  # kinds of step whose figures fraction budgets go by, the most recent
 _steps = itertools.count(1)  # for the whole process, as keys are (mover.next_key): sessions may share a store
 
 
@@ -66,10 +67,12 @@ class ClientSession:
         self.restorer = Restorer(self.poll, self._lock, self._stores, self.rooms, self.copy_queue)  # backward's side
         # (copies out of the store: Copy objects or CUDA events, key to free once they are done)
         self._reading: collections.deque[tuple[list[Any], int]] = collections.deque()
-        # what fraction budgets and the copy queue past a budget go by: the last completed forward's
-        # offloadable bytes (of one that stayed within its budget) and bytes saved past its budget
-        self.last_candidate_bytes: int | None = None
-        self.last_past_budget_bytes = 0
+        # what fraction budgets and the copy queue past a budget go by, per kind of step (StepKind):
+        # the last completed forward's offloadable bytes (of one that stayed within its budget) and
+        # bytes saved past its budget. Per kind, not per process: two models trained in turn would
+        # each go by the other's
+        self._candidate_bytes: collections.OrderedDict[StepKind, int] = collections.OrderedDict()
+        self._past_budget_bytes: collections.OrderedDict[StepKind, int] = collections.OrderedDict()
         self._refusals = Refusals()
         # Stored.kind -> the codecs whose frame overflowed for it: its saves take the next frame
         # that takes them, or go raw (mover.route, frames.frame_codec)
@@ -102,24 +105,20 @@ class ClientSession:
 
     def new_step(self, budget: int | float | None = None, options: StepOptions = StepOptions(),
                  full_offload: bool = True) -> Step:
-        """A step; ``budget``: bytes, or a fraction of the offloadable bytes of the last step
-        that stayed within its budget (the first step, with nothing to go by, offloads all);
-        ``options``: the step's own, served with each of its saves; ``full_offload``: whether a step
-        without a budget follows full offload's rooms (rooms.py), or offloads every save within
-        ``options`` alone (storm.plan's steps)."""
-        if budget is None or (isinstance(budget, float) and self.last_candidate_bytes is None):
-            limit = float("inf")
-        elif isinstance(budget, float):
-            limit = budget * self.last_candidate_bytes
-        else:
-            limit = budget
+        """A step; ``budget``: bytes, or a fraction of the offloadable bytes of the last step of
+        its kind that stayed within its budget (the first, with nothing to go by, offloads all;
+        the kind is known at its first save: _begin_kind); ``options``: the step's own, served with
+        each of its saves; ``full_offload``: whether a step without a budget follows full offload's
+        rooms (rooms.py), or offloads every save within ``options`` alone (storm.plan's steps)."""
         gone = self._stores.gone()
         if gone:
             self._retire(gone)
-        step = Step(next(_steps), limit, options, full_offload=budget is None and full_offload)
+        step = Step(next(_steps), budget if isinstance(budget, int) else float("inf"), options,
+                    full_offload=budget is None and full_offload)
+        step.fraction = budget if isinstance(budget, float) else None
         # past a budget set mid-step too (Offload.offload_at_most); not for storm.plan's steps, whose copy
         # queue is the plan's
-        step.past_budget_before = self.last_past_budget_bytes if budget is not None or full_offload else 0
+        step.queue_past_budget = budget is not None or full_offload
         self.last_step = step.number
         with self._lock:  # another thread's save may be following a room meanwhile
             self.rooms.start_step(step)
@@ -141,10 +140,11 @@ class ClientSession:
         budget and completed, what it saved past it (CopyQueue.limit). Prefetch waits for
         backward's first unpack: fetching at the end of forward would bring bytes back at the
         memory peak."""
-        if completed and not step.budget_reached and step.candidate_bytes:
-            self.last_candidate_bytes = step.candidate_bytes
-        if completed and step.budget_bytes != float("inf"):  # one within its budget saved nothing past it
-            self.last_past_budget_bytes = step.past_budget_bytes
+        if step.kind is not None and completed:
+            if not step.budget_reached and step.candidate_bytes:
+                _remember(self._candidate_bytes, step.kind, step.candidate_bytes)
+            if step.budget_bytes != float("inf"):  # one within its budget saved nothing past it
+                _remember(self._past_budget_bytes, step.kind, step.past_budget_bytes)
         self.poll()
         self.copy_queue.end_step(step)
         if step.budget_reached and step.order:
@@ -180,6 +180,8 @@ class ClientSession:
                     if len(step.order) > stored.index + 1:  # other offloaded saves came between
                         step.saved_again.append((len(step.order), stored))
                     return self._handle(stored, t, len(step.order))
+        if step.kind is None:
+            self._begin_kind(step, t)
         step.candidate_bytes += nbytes
         if step.room is not None and self._kept_by_room(step, storage, nbytes, compiled):
             return Kept(t)
@@ -195,6 +197,16 @@ class ClientSession:
             raise loss.error()
         with pack_range(t.device):
             return self._offload(t, storage, nbytes, step, compiled)
+
+    def _begin_kind(self, step: Step, t: torch.Tensor) -> None:
+        """``step``'s first save the policy would offload, ``t``, tells its kind: what its fraction
+        budget and its copy queue past a budget go by, from the last step of that kind."""
+        step.kind = (tuple(t.shape), t.dtype, t.device.type)
+        last = self._candidate_bytes.get(step.kind)
+        if step.fraction is not None and last is not None:
+            step.budget_bytes = min(step.budget_bytes, step.fraction * last)  # offload_at_most may have set one
+        if step.queue_past_budget:
+            step.past_budget_before = self._past_budget_bytes.get(step.kind, 0)
 
     def _kept_by_room(self, step: Step, storage: torch.UntypedStorage, nbytes: int, compiled: bool) -> bool:
         """Whether a full-offload step's room keeps this save on the device (forward's last saves):
@@ -470,3 +482,12 @@ class ClientSession:
         self.closed = True
         self.rooms.close()
         self._stores.close()
+
+
+def _remember(figures: collections.OrderedDict[StepKind, int], kind: StepKind, nbytes: int) -> None:
+    """``nbytes`` for ``kind``, the most recent; at most MAX_KINDS kinds (shapes that change every step
+    would add one each)."""
+    figures[kind] = nbytes
+    figures.move_to_end(kind)
+    while len(figures) > MAX_KINDS:
+        figures.popitem(last=False)
