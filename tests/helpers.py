@@ -3,6 +3,7 @@ stormd, gradients with and without storm.offload, small models, a fake put, and 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import itertools
@@ -11,14 +12,17 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 import torch
 import zmq
 from torch import nn
 
 import storm
+from storm.copies.base import Route
 from storm.examples.models import same_bits
 from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
 
@@ -175,3 +179,22 @@ class Put:
     def wait(self) -> None:
         self.finished = True
         self.waited.append(self.key)
+
+
+@contextlib.contextmanager
+def puts_held_back(session) -> Iterator[threading.Event]:
+    """Within: the session's puts to the host wait until the yielded event is set (their saves stay
+    HELD, on the device, until then)."""
+    handler = session.mover._handlers[Route.HOST]
+    gate, real = threading.Event(), handler._put
+
+    def held_back(req):
+        gate.wait(timeout=60)
+        return real(req)
+
+    handler._put = held_back
+    try:
+        yield gate
+    finally:
+        gate.set()
+        handler._put = real

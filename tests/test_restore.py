@@ -4,34 +4,11 @@ in-place change gets."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Iterator
-
 import pytest
 import torch
 
 import storm
-from storm.copies.base import Route
-
-
-@contextlib.contextmanager
-def puts_held_back(session) -> Iterator[threading.Event]:
-    """Within: the session's puts to the host wait until the yielded event is set (their saves stay
-    HELD, on the device, until then)."""
-    handler = session.mover._handlers[Route.HOST]
-    gate, real = threading.Event(), handler._put
-
-    def held_back(req):
-        gate.wait(timeout=60)
-        return real(req)
-
-    handler._put = held_back
-    try:
-        yield gate
-    finally:
-        gate.set()
-        handler._put = real
+from helpers import puts_held_back
 
 
 def test_a_view_unpacked_from_its_held_tensor_counts_so_no_fetched_bytes_wait_for_it():

@@ -9,6 +9,7 @@ import torch
 
 import storm
 import storm.session as session_mod
+from helpers import puts_held_back
 from storm.copies.base import Landed
 from storm.embedded import EmbeddedStore
 from storm.policy import Policy
@@ -205,20 +206,8 @@ def test_a_save_found_modified_while_its_put_runs_frees_its_key_once_the_put_lan
     """An in-place change found at unpack while the save's put still runs: the error is raised, and
     once the handles are gone and the put lands, its key is freed (it was forgotten as if its put
     had been cancelled, and the store kept the key for good)."""
-    import threading
-
-    from storm.copies.base import Route
-
     session = storm.registry.session_for("embedded", None, None)
-    handler = session.mover._handlers[Route.HOST]
-    gate, real = threading.Event(), handler._put
-
-    def held_back(req):
-        gate.wait(timeout=60)
-        return real(req)
-
-    handler._put = held_back
-    try:
+    with puts_held_back(session):
         a = torch.randn(4096, requires_grad=True)
         with storm.offload(mode="embedded", min_bytes=0, max_held_bytes=1 << 30):
             b = a * 2
@@ -229,9 +218,6 @@ def test_a_save_found_modified_while_its_put_runs_frees_its_key_once_the_put_lan
             loss.backward()
         del loss, c, b
         session.poll()  # the handles are gone while the put still runs
-    finally:
-        gate.set()
-        handler._put = real
     session.synchronize()
     assert session.mover.request("STATS").result(timeout=30)["session"]["keys"] == 0
 
