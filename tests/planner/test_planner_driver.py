@@ -13,7 +13,7 @@ import torch
 
 import storm
 import storm.session as session_mod
-from planner_fakes import MiB, gpt, grads_of, traced_gpt_planner
+from planner_fakes import FakeClock, MiB, gpt, grads_of, traced_gpt_planner
 from storm.examples.models import same_bits
 from storm.planner import Phase, Plan, Scenario, choose
 from storm.recompute import _warn_cache_off
@@ -283,7 +283,7 @@ def test_a_step_begun_and_never_entered_leaves_its_phase_to_the_next_step(steps)
     raised (reading a step that never ran) in the trace and check phases; it begins that phase again."""
     model, idx = gpt()
     plain = copy.deepcopy(model)
-    planner = storm.plan(model.blocks, budget=0.3, mode="embedded", min_bytes=0)
+    planner = storm.plan(model.blocks, budget=0.3, mode="embedded", min_bytes=0, clock=FakeClock())
     for _ in range(steps):
         grads_of(model, idx, planner.step())
     planner.step()  # never entered
@@ -299,7 +299,7 @@ def test_a_step_skipped_in_the_compute_trace_leaves_no_timing_on_the_recomputes(
     there and never entered left its wrapper on, the next trace wrapped that one, and the stale
     one timed every recompute of the settled plan for good (its marks grew without end)."""
     model, idx = gpt()
-    planner = storm.plan(model.blocks, budget=0.01, mode="embedded", min_bytes=0)
+    planner = storm.plan(model.blocks, budget=0.01, mode="embedded", min_bytes=0, clock=FakeClock())
     grads_of(model, idx, planner.step())  # the offload trace
     planner.step()  # never entered
     assert planner.phase == Phase.TRACE_COMPUTE
