@@ -45,11 +45,10 @@ The reentrant form takes a block's top-level tensors: a block given tensors with
 tuple, a namedtuple, a list, a dict of any kind) takes the non-reentrant form. Under
 ``backward(create_graph=True)`` the reentrant form raises (its gradients would not carry the graph
 back through the block's inputs): the non-reentrant form differentiates twice as the block run
-plainly does. Its nested backward sums
-the gradients of an input's uses within the block before autograd adds those of its uses
-outside (``x = x + block(x)``, one encoder output given to every decoder block), where autograd
-alone adds each as it comes: the last bits may differ, and only ``reentrant=False`` is exact
-there (README says so).
+plainly does. Its nested backward sums the gradients of an input's uses within the block before
+autograd adds those of its uses outside (``x = x + block(x)``, one encoder output given to every
+decoder block), where autograd alone adds each as it comes: the last bits may differ, and only
+``reentrant=False`` is exact there (README says so).
 """
 
 from __future__ import annotations

@@ -54,6 +54,15 @@ class Figures:
         return Figures(tuple(b.saved_bytes for b in blocks), tuple(fetched_inputs(b) for b in blocks), sharing,
                        tuple(b.grad_bytes for b in blocks), tuple(b.backward_extra for b in blocks))
 
+    def offloaded_once(self, offloaded: int, end: int) -> list[tuple[int, int, int]]:
+        """The storages several blocks are called with that only blocks recomputed with their inputs
+        offloaded (blocks[offloaded:end]) are: the step offloads each once (shared_staying), and
+        fetches it as backward reaches the last of those blocks, there until the first is done.
+        (first block, last block, bytes) of each. One an offloaded block is called with too is
+        among that block's saves, and sent there."""
+        return [(having[0][0], having[-1][0], having[0][1]) for having in self.sharing.values()
+                if offloaded <= having[0][0] and having[-1][0] < end]
+
 
 def _holdings(f: Figures, offloaded: int, recomputed: set[int] | frozenset[int],
               inputs_offloaded: int) -> tuple[list[int], list[int]]:
@@ -91,17 +100,6 @@ def shared_staying(trace: Trace, end: int) -> set[int]:
     offloading blocks alone, are offloaded once."""
     last = {key: i for i, b in enumerate(trace.blocks) for key in b.shared_inputs}
     return {key for key, i in last.items() if i >= end}
-
-
-def shared_offloaded(trace: Trace, offloaded: int, inputs_offloaded: int) -> tuple[int, int]:
-    """The storages several blocks are called with that the step offloads once, as inputs of blocks
-    recomputed with their inputs offloaded, those blocks alone being called with them
-    (shared_staying): how many, and their bytes. One an offloaded block is called with too is
-    among that block's saves, and sent there."""
-    end = offloaded + inputs_offloaded
-    once = [having[0][1] for having in Figures.of(trace).sharing.values()
-            if offloaded <= having[0][0] and having[-1][0] < end]
-    return len(once), sum(once)
 
 
 def offloaded_per_block(trace: Trace, offloaded: int, inputs_offloaded: int = 0) -> list[int]:
@@ -171,12 +169,9 @@ def moments_of(trace: Trace, f: Figures, offloaded: int, recomputed: set[int] | 
     # a kept block's kept_extra; a block recomputed with its inputs offloaded, its fetched inputs
     extra = [0] * offloaded + list(f.fetched[offloaded:end]) + [
         0 if i in recomputed else kept_extra for i in range(max(offloaded, end), n)]
-    # a storage such blocks alone are called with, offloaded once (shared_offloaded): fetched as backward
-    # reaches the last of them, there until the first of them is done
-    for having in f.sharing.values():
-        if offloaded <= having[0][0] and having[-1][0] < end:
-            for i in range(having[0][0], having[-1][0] + 1):
-                extra[i] += having[0][1]
+    for first_block, last_block, nbytes in f.offloaded_once(offloaded, end):  # fetched once, for them all
+        for i in range(first_block, last_block + 1):
+            extra[i] += nbytes
     backward_extra = f.backward_extra if grads else itertools.repeat(0)
     # the shared inputs it is the first to keep are there through its own backward too
     held = [b + fi + sv + a + e + x

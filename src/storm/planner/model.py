@@ -21,7 +21,7 @@ import itertools
 from typing import Mapping
 
 from ..frames import FRAME_CODECS
-from .held import Figures, after_kept, moments_of, offloaded_per_block, shared_offloaded
+from .held import Figures, after_kept, moments_of, offloaded_per_block
 from .records import Trace
 
 GiB = 1 << 30
@@ -83,14 +83,15 @@ class Offloading:
         return self.host_ms + self.link_ms + self.codec_ms
 
     @staticmethod
-    def of(trace: Trace, k: int, held: int | None, compressed: bool = False, m: int = 0) -> list["Offloading"]:
+    def of(trace: Trace, k: int, held: int | None, compressed: bool = False, m: int = 0,
+           figures: Figures | None = None) -> list["Offloading"]:
         """Per copy queue size to consider (``held``, or: one block's offloaded bytes, and
-        everything sent)."""
+        everything sent). ``figures``: the trace's, where already read (a Scenario's)."""
         blocks = trace.blocks
         per_block = offloaded_per_block(trace, k, m)
-        shared, shared_bytes = shared_offloaded(trace, k, m)
-        sent = (trace.before_bytes * (k + m > 0) + sum(per_block) + shared_bytes + trace.between_bytes
-                + trace.after_bytes - after_kept(trace, k, m))
+        once = (figures or Figures.of(trace)).offloaded_once(k, k + m)  # the inputs these blocks alone share
+        sent = (trace.before_bytes * (k + m > 0) + sum(per_block) + sum(nbytes for *_, nbytes in once)
+                + trace.between_bytes + trace.after_bytes - after_kept(trace, k, m))
         if not sent:
             return [Offloading(0, 0, 0.0, 0.0, 0)]
         offloaded = blocks[:k] if compressed else []
@@ -105,7 +106,7 @@ class Offloading:
         # The other half, its unpack, comes at backward's end, behind as much as forward's slack
         slack_ms = max(0.0, trace.forward_device_ms - trace.forward_host_ms)
         lead_ms = max(0.0, trace.lead_ms[k + m]) if k + m < len(trace.lead_ms) else 0.0
-        tensors = sum(b.tensors for b in blocks[:k]) + sum(b.input_tensors for b in blocks[k:k + m]) + shared
+        tensors = sum(b.tensors for b in blocks[:k]) + sum(b.input_tensors for b in blocks[k:k + m]) + len(once)
         framed = sum(b.framed for b in offloaded)
         half = (tensors * trace.host_ms_per_tensor + framed * trace.frame_host_ms_per_tensor) / 2
         host_ms = max(0.0, half - lead_ms) + max(0.0, half - slack_ms)
@@ -287,7 +288,7 @@ def _plans(s: Scenario, k: int, m: int) -> list[tuple[Plan, int]]:
     # compressed where allowed and the link would carry fewer bytes (else it is raw by another name)
     frameable = any(b.frame_bytes < b.framed_bytes for b in blocks[:k])
     offloading = [off for compressed in sorted({c and frameable for c in allowed})
-                  for off in Offloading.of(trace, k, s.held_bytes, compressed, m)]
+                  for off in Offloading.of(trace, k, s.held_bytes, compressed, m, s.figures)]
     # the step offloads every save before block k + m (budget None where that is every block: the
     # early saves after it go too, as wiring.py limits it there); the inputs' bytes may count a
     # tensor twice, but the hooks come off after block k + m - 1 anyway
