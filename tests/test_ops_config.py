@@ -190,6 +190,24 @@ def test_a_client_name_with_a_dot_prints_as_a_key_that_reads_back(tmp_path):
     assert parse("--config", write(tmp_path, to_toml(config))).clients == config.clients
 
 
+@pytest.mark.parametrize("value", ["trainer", "trainer=", "trainer=:1", "eval=1GiB,trainer"])
+def test_a_client_named_without_a_quota_is_refused_naming_the_accepted_form(value):
+    """A name without its size was taken as quota 0, no limit, in place of client_quota: a client
+    meant to be held to a quota held the pool unbounded, without a word at start."""
+    with pytest.raises(ConfigError, match=r"--clients: clients: client 'trainer' names no quota; allowed: .*name=SIZE"):
+        parse("--client-quota", "1GiB", "--clients", value)
+
+
+def test_a_client_row_without_a_quota_in_the_file_is_refused_and_quota_0_means_none(tmp_path):
+    with pytest.raises(ConfigError, match=r"clients: client 'trainer' names no quota; allowed: .*quota = SIZE"):
+        parse("--config", write(tmp_path, "clients = { trainer = { priority = 1 } }\n"))
+    config = parse("--config", write(tmp_path, 'clients = { trainer = { quota = 0, priority = 1 } }\n'),
+                   "--clients", "eval=0:2")
+    assert config.clients == {"eval": {"quota": 0, "priority": 2}}  # the flag's table replaces the file's
+    assert parse("--config", write(tmp_path, 'clients = { trainer = { quota = "0", priority = 1 } }\n')).clients \
+        == {"trainer": {"quota": 0, "priority": 1}}
+
+
 @pytest.mark.parametrize("value", ["ipc://", "ipc://  "])
 def test_an_ipc_socket_without_a_path_is_refused_saying_what_is_accepted(value):
     """It was taken as the current directory, which stormd then took for a stale socket to remove."""

@@ -192,8 +192,9 @@ class _Flag(_Kind):
 
 
 class _ClientTable(_Kind):
-    allowed = ("a table of client name -> { quota = SIZE, priority = INT } (in the environment or a flag: "
-               "name=SIZE:PRIORITY, comma separated)")
+    allowed = ("a table of client name -> { quota = SIZE, priority = INT }, the quota required (0: no limit) and "
+               "the priority optional (in the environment or a flag: name=SIZE or name=SIZE:PRIORITY, comma "
+               "separated)")
     NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
     def from_toml(self, v: Any) -> dict:
@@ -203,7 +204,9 @@ class _ClientTable(_Kind):
         for name, row in v.items():
             if not self.NAME.match(name) or not isinstance(row, dict) or set(row) - {"quota", "priority"}:
                 raise _Invalid(f"client {name!r}: {row!r} is not allowed; allowed: {self.allowed}")
-            out[name] = {"quota": _Size(0).from_toml(row.get("quota", 0)),
+            if "quota" not in row:  # taken as 0, it held the client to no quota at all, not to client_quota
+                raise _Invalid(f"client {name!r} names no quota; allowed: {self.allowed}")
+            out[name] = {"quota": _Size(0).from_toml(row["quota"]),
                          "priority": _Number(-1000, 1000, integer=True).from_toml(row.get("priority", 0))}
         return out
 
@@ -213,9 +216,12 @@ class _ClientTable(_Kind):
             name, _, rest = item.partition("=")
             quota, _, priority = rest.partition(":")
             try:
-                table[name.strip()] = {"quota": quota.strip() or 0, "priority": int(priority or 0)}
+                row: dict[str, Any] = {"priority": int(priority or 0)}
             except ValueError:
                 raise _Invalid(f"{item!r}: priority {priority!r} is not an integer; allowed: {self.allowed}") from None
+            if quota.strip():  # else from_toml refuses the row, naming the client
+                row["quota"] = quota.strip()
+            table[name.strip()] = row
         return self.from_toml(table)
 
     def to_toml(self, v: dict) -> str:
@@ -308,7 +314,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("client_priority", _Number(-1000, 1000, integer=True),
             "clients with a lower priority are spilled first"),
     Setting("clients", _ClientTable(), "per-client quota and priority by the name a client gives in HELLO "
-            "(TOML: clients = { trainer = { quota = \"8GiB\", priority = 1 } }; env/flag: trainer=8GiB:1,eval=1GiB:0)"),
+            "(TOML: clients = { trainer = { quota = \"8GiB\", priority = 1 } }; env/flag: trainer=8GiB:1,eval=1GiB:0); "
+            "each names its quota (0: no limit), the priority may be left out (0)"),
     Setting("codec", _Choice("auto", *CODECS),
             "how clients encode tensors before storing them: raw, auto (per CPU tensor the best "
             "lossless codec that saves at least 5%) or one codec of storm.kernels; CUDA tensors: "
