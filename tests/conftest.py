@@ -100,7 +100,8 @@ def start_daemon(tmp_path: Path, *args: str, timeout: float = 60.0) -> Daemon:
     log = tmp_path / "stormd.log"
     # every test daemon refuses a tensor placed over another's bytes, so a placement bug fails loudly
     env = {**os.environ, "STORMD_CHECK_EXTENTS": "1"}
-    proc = popen_stormd(["--socket", str(sock), *args], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    with log.open("w") as out:  # the child writes to its own copy of the descriptor
+        proc = popen_stormd(["--socket", str(sock), *args], stdout=out, stderr=subprocess.STDOUT, env=env)
     launch.wait_until_serving(proc, sock, timeout, log)
     return Daemon(sock, proc, log)
 

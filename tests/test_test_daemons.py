@@ -6,12 +6,14 @@ without metrics."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pstats
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,25 @@ def test_a_daemon_that_exits_before_answering_is_reported_with_its_output(tmp_pa
     log = tmp_path / "stormd.log"
     with pytest.raises(RuntimeError, match=r"stormd exited with \d+: (?s:.*)pool-size"):
         start_stormd(tmp_path, "not-a-size", log=log)
+
+
+@pytest.mark.parametrize("helper", ["launch.start_stormd", "conftest.start_daemon"])
+def test_the_log_file_a_daemon_is_started_with_is_closed_in_the_process_that_started_it(tmp_path, helper):
+    """The child writes to its own copy of the descriptor: this process's file was left open (a
+    descriptor held until collected, then a ResourceWarning), one per daemon a job started."""
+    log = tmp_path / "stormd.log"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        if helper == "launch.start_stormd":
+            proc, _ = start_stormd(tmp_path, "1MiB", log=log)
+        else:
+            proc = start_daemon(tmp_path, "--pool-size", "1MiB").proc
+        try:
+            gc.collect()
+        finally:
+            stop_process(proc)
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning) and str(log) in str(w.message)], \
+        [str(w.message) for w in caught]
 
 
 def test_python_args_run_stormd_under_a_profiler_that_writes_its_stats_when_stormd_drains(tmp_path):

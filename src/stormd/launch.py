@@ -74,8 +74,11 @@ def start_stormd(workdir: Path, pool_size: str, *flags: str, log: Path | None = 
     of ``pool_size``; returns the process and its endpoint once it answers. ``log``: a file for its
     output (default: this process's)."""
     sock = workdir / "run" / "stormd.sock"
-    if log is not None:
-        popen = {"stdout": log.open("w"), "stderr": subprocess.STDOUT, **popen}
-    proc = popen_stormd(["--socket", str(sock), "--pool-size", pool_size, *flags], python_args, **popen)
+    args = ["--socket", str(sock), "--pool-size", pool_size, *flags]
+    if log is None:
+        proc = popen_stormd(args, python_args, **popen)
+    else:
+        with log.open("w") as out:  # the child writes to its own copy of the descriptor
+            proc = popen_stormd(args, python_args, **{"stdout": out, "stderr": subprocess.STDOUT, **popen})
     wait_until_serving(proc, sock, timeout, log)
     return proc, f"ipc://{sock}"
