@@ -412,6 +412,31 @@ def test_a_frame_that_overflowed_is_learned_though_no_handle_holds_its_save_any_
         store.close()
 
 
+def test_the_kinds_whose_frames_overflowed_are_the_most_recent_few(monkeypatch):
+    """A kind is an op's output shape: with shapes that change every step (a new sequence length each)
+    each overflow added one, kept for the process's life. The least recently overflowed goes first
+    (at worst it overflows once more, and is learned again)."""
+    monkeypatch.setattr(session_mod, "MAX_OVERFLOWED_KINDS", 3)
+    store = EmbeddedStore(4 << 20)
+    session = session_mod.ClientSession(store)
+    kinds = []
+    try:
+        for n in (8, 9, 10, 8, 11, 12):  # 8 again: the most recent once more
+            step = session.new_step()
+            handle = session.save(torch.randn(8, n), step, Policy(0))
+            stored = handle.stored
+            stored.copy_in = Begun(stored.copy_in, unfinished=True, overflowed=True)
+            kinds.append(stored.kind)
+            del handle
+            session.poll()
+            session.synchronize()
+            session.end_step(step)
+        assert list(session._overflowed) == [kinds[3], kinds[4], kinds[5]]  # n = 8, 11, 12
+    finally:
+        session.close()
+        store.close()
+
+
 def test_backward_fetches_a_storage_several_ops_saved_once(monkeypatch):
     """mul saves tanh's output twice and tanh once more: backward's first unpack fetches it on
     demand, and the look ahead that follows starts no second fetch of it."""

@@ -45,6 +45,7 @@ from .saved import Handle, Kept, Marker, State, Step, StepKind, StepOptions, Sto
 
 MARKER_SPACING = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
 MAX_KINDS = 64  # kinds of step whose figures fraction budgets go by, the most recent
+MAX_OVERFLOWED_KINDS = 4096  # kinds of save whose frames overflowed, the most recent: shapes that change add one each
 _steps = itertools.count(1)  # for the whole process, as keys are (mover.next_key): sessions may share a store
 
 
@@ -359,7 +360,10 @@ class ClientSession:
         """``stored``'s frame had more escapes than slots: saves of its kind take the next frame that
         takes them, or go raw (mover.route, frames.frame_codec)."""
         assert stored.request is not None and stored.step is not None
-        self._overflowed[stored.kind] = self._overflowed.get(stored.kind, frozenset()) | {stored.request.codec}
+        kinds = self._overflowed
+        kinds[stored.kind] = kinds.pop(stored.kind, frozenset()) | {stored.request.codec}  # the most recent last
+        while len(kinds) > MAX_OVERFLOWED_KINDS:  # the one forgotten overflows once more if it comes again
+            del kinds[next(iter(kinds))]
         stored.step.stats.record(stored.layer, frame_overflows=1)
 
     def _handles_dropped(self) -> list[int]:
