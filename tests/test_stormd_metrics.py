@@ -4,11 +4,13 @@ of the test's own (SpillIO) failed."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 from test_faults_spill import FailingDisk
 
+import stormd.metrics as metrics_module
 from helpers import put_fields
 from stormd.entries import Where
 from stormd.metrics import Metrics
@@ -88,5 +90,47 @@ def test_the_page_locked_pool_and_the_start_up_are_gauges():
         assert gauge("stormd_pool_page_locked_bytes") == 64 * KIB == service.node_stats()["page_locked_bytes"]
     finally:
         pool.cuda_ranges.clear()
+        service.store.close()
+        pool.close()
+
+
+async def _scrape(port: int) -> bytes:
+    """One GET /metrics: the whole response, the server closing the connection after it (b"": closed
+    unanswered, which a request the server did not read makes a reset)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    try:
+        return await asyncio.wait_for(reader.read(), 30)
+    except ConnectionResetError:
+        return b""
+    finally:
+        writer.close()
+
+
+@pytest.mark.asyncio
+async def test_the_endpoint_answers_at_most_max_connections_at_once_and_closes_the_rest_at_once(monkeypatch):
+    """Any local user reaches the endpoint (docs/security.md), and each connection held the daemon's
+    descriptor and a read buffer until its request head came (REQUEST_HEAD_TIMEOUT): without a cap,
+    connections opened faster than that took descriptors stormd needs for its clients."""
+    monkeypatch.setattr(metrics_module, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(metrics_module, "REQUEST_HEAD_TIMEOUT", 600.0)  # no idle connection is let go meanwhile
+    pool = SharedPool.anonymous(64 * KIB)
+    service = Service(pool)
+    http = await Metrics(service).serve("127.0.0.1", 0)
+    port = http.sockets[0].getsockname()[1]
+    idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]  # send nothing
+    try:
+        assert await _scrape(port) == b""  # closed at once: the read's 30 s are not waited for
+        idle[0][1].close()  # its place is given back once the endpoint sees it closed
+        deadline = asyncio.get_running_loop().time() + 30
+        while not (answer := await _scrape(port)).startswith(b"HTTP/1.1 200 "):
+            assert asyncio.get_running_loop().time() < deadline, answer[:200]
+            await asyncio.sleep(0.01)
+        assert b"stormd_keys" in answer
+    finally:
+        for _, writer in idle:
+            writer.close()
+        http.close()
+        await http.wait_closed()
         service.store.close()
         pool.close()

@@ -27,6 +27,10 @@ log = logging.getLogger("stormd")
 # Requests are answered in microseconds to milliseconds; the top buckets catch a stalled loop.
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3, 1.0)
 REQUEST_HEAD_TIMEOUT = 5.0
+# Connections answered at once; one more is closed at once, unanswered. Any local user can connect,
+# and each connection holds a descriptor of the daemon's (which its clients' sockets need too) and a
+# read buffer until its request head comes: uncapped, connections opened faster than that took them all.
+MAX_CONNECTIONS = 64
 
 
 class Metrics:
@@ -40,6 +44,7 @@ class Metrics:
             self.latency.labels(op)
         self.registry.register(_ServiceCollector(service))
         ProcessCollector(registry=self.registry)
+        self._open = 0  # connections being answered
 
     def observe(self, op: str, seconds: float) -> None:
         self.latency.labels(op).observe(seconds)
@@ -52,6 +57,10 @@ class Metrics:
         return await asyncio.start_server(self._handle, host, port)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= MAX_CONNECTIONS:
+            writer.close()  # unanswered: a reply would wait for its request head, as a connection in the cap does
+            return
+        self._open += 1
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_HEAD_TIMEOUT)
             method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ") + ["", ""]
@@ -69,6 +78,7 @@ class Metrics:
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass  # a client that sends no complete request head gets nothing
         finally:
+            self._open -= 1
             writer.close()
 
 
