@@ -312,6 +312,73 @@ async def test_flushing_the_replies_of_a_client_found_gone_drops_them_quietly(ca
     pool.close()
 
 
+class FullPipeSocket(FakeSocket):
+    """A socket whose pipe to its one client is full (sends fail with zmq.Again, as ZeroMQ's do) until
+    ``full`` is cleared: the client reads. Closing it records the linger asked for."""
+
+    def __init__(self):
+        super().__init__()
+        self.full = True
+        self.linger: int | None = None
+
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        if self.full:
+            self._take_signal()
+            raise zmq.Again
+        super().send(frame, flags)
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        """The asyncio socket's (the STOPPING notices): a send that fails stays in its future."""
+        with contextlib.suppress(zmq.Again):
+            for frame in frames:
+                self.send(frame, flags)
+
+    def close(self, linger: int | None = None) -> None:
+        self.linger = linger
+
+    def release(self) -> None:
+        super().close()
+
+
+async def _forever() -> None:
+    await asyncio.Event().wait()
+
+
+@pytest.mark.asyncio
+async def test_replies_waiting_for_a_slow_client_reach_it_as_the_daemon_stops_then_the_stopping_notice(
+        monkeypatch):
+    """Replies a client had not made room for yet waited in its backlog, and stopping dropped them
+    (the flusher cancelled at once), the STOPPING notice going without them: the client, reading on,
+    got that notice in place of the answers to requests stormd had served. They are sent, in order
+    and before the notice, while the client reads within STOP_LINGER_MS."""
+    import stormd.server as server_module
+
+    monkeypatch.setattr(server_module, "STOP_LINGER_MS", 600_000)  # the client reads well within it
+    pool = SharedPool.anonymous(1 << 20)
+    srv = Server(Service(pool), DaemonConfig(socket="ipc:///unused"))
+    sock = FullPipeSocket()
+    srv._sock, srv._sync = sock, sock
+    monkeypatch.setattr(srv, "_end_sessions_on_disconnect", _forever)  # no monitor without bind()
+    serving_task = asyncio.create_task(srv.serve())
+    hello = {"op": "HELLO", "id": 1, "version": PROTOCOL_VERSION, "pid": os.getpid(), "host": "test"}
+    assert srv.service.handle_message(hello, b"peer")["ok"]
+    for rid in (2, 3, 4):
+        srv._send(b"peer", {"id": rid, "ok": True})  # the client reads none yet: they wait, in order
+    assert len(srv._backlog[b"peer"]) == 3
+    srv.service.start_draining("test")
+    await asyncio.sleep(0.01)  # the flusher tries (the pipe is full)
+    serving_task.cancel()
+    await asyncio.sleep(0)  # serve() stops: its finally runs
+    sock.full = False  # the client reads on
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(serving_task, 60)
+    replies = [unpack(frame) for frame in sock.sent if frame != b"peer"]
+    assert [r["id"] for r in replies] == [2, 3, 4, 0] and replies[-1]["stopping"], replies
+    assert sock.linger == 600_000 and not srv._backlog
+    sock.release()
+    pool.close()
+
+
 async def _until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.005)

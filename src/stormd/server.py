@@ -9,10 +9,11 @@ own pipe (``hwm`` messages each way): ZeroMQ then stops reading that
 connection, so the client's sends block, while the ROUTER keeps taking the
 other clients' messages in turn. A reply the socket cannot take now (the
 client does not read its replies) waits in that client's backlog, in order,
-and is sent when the client reads; nothing is dropped. A client whose backlog
-grows past ``client_max_backlog`` replies or ``client_max_backlog_bytes`` is
-cut off: its session ends (logged at ERROR, its tensors freed) rather than
-letting it hold the daemon's memory. Frames larger than ``max_message_size``
+and is sent when the client reads; nothing is dropped (as the daemon stops,
+the replies still waiting have STOP_LINGER_MS to go, before the STOPPING
+notice). A client whose backlog grows past ``client_max_backlog`` replies or
+``client_max_backlog_bytes`` is cut off: its session ends (logged at ERROR,
+its tensors freed) rather than letting it hold the daemon's memory. Frames larger than ``max_message_size``
 are dropped by ZeroMQ as their header arrives (ZMQ_MAXMSGSIZE; it closes that
 connection), so no client makes the daemon buffer a frame of any size.
 tcp:// sockets are served only with CURVE (auth.py).
@@ -55,8 +56,9 @@ DISCONNECT_PROBES = (0.0, 0.01, 0.04, 0.1, 0.25, 0.5, 1.0)
 # look costs a send per client socket, and a HELLO loop must not turn into a send storm.
 PROBE_INTERVAL = 0.1
 _AFTER_A_STORM = next(i for i, delay in enumerate(DISCONNECT_PROBES) if delay >= PROBE_INTERVAL)
-# How long the last messages queued as the daemon stops (the STOPPING notices) may take to reach
-# their clients: bounded, so a client that reads nothing cannot hold the exit up.
+# How long the last messages as the daemon stops (replies waiting in backlogs, then the STOPPING
+# notices) may each take to reach their clients: bounded, so a client that reads nothing cannot hold
+# the exit up.
 STOP_LINGER_MS = 1000
 
 
@@ -182,7 +184,18 @@ class Server:
             loop.remove_reader(fd)
             reaper.cancel()
             watcher.cancel()
-            self.close()
+            try:
+                await self._send_waiting_replies()
+            finally:  # a second signal cancels the wait: the socket still closes
+                self.close()
+
+    async def _send_waiting_replies(self) -> None:
+        """As the daemon stops: the replies clients have not made room for yet go, in order, as they
+        read, for at most STOP_LINGER_MS (a client that reads nothing does not hold the exit up).
+        Dropped at once, a client reading on got the STOPPING notice in place of answers to requests
+        stormd had served."""
+        if self._flusher is not None and not self._flusher.done():
+            await asyncio.wait({self._flusher}, timeout=STOP_LINGER_MS / 1000)
 
     def _next_queued(self) -> list[bytes] | None:
         """The next request ZeroMQ has already received, or None."""
