@@ -146,9 +146,9 @@ def moments(trace: Trace, offloaded: int, recomputed: set[int] | frozenset[int],
     loss's and the head's backward hold beyond what a block's backward holds besides its saves,
     which may be less: the logits' gradients of a language model are larger than any block's
     temporaries). ``prefetch``, the prefetch window's part of ``in_flight_bytes``, is not there
-    at backward's start unless the early saves after the blocks went (every block offloaded or
-    recomputed with its inputs offloaded, and some such saves: wiring.py lets them go then), whose
-    unpacks come first: prefetch waits for backward's first unpack of an offloaded save."""
+    at backward's start: prefetch waits for backward's first unpack of an offloaded save, and
+    backward's start peaks before it, also where the head's early saves went (measured on every
+    zoo cell whose plans offload every block's saves or inputs; docs/planner.md)."""
     return moments_of(trace, Figures.of(trace), offloaded, recomputed, in_flight_bytes, grads=grads,
                     kept_extra=kept_extra, inputs_offloaded=inputs_offloaded, start_extra=start_extra,
                     prefetch=prefetch)
@@ -160,8 +160,7 @@ def moments_of(trace: Trace, f: Figures, offloaded: int, recomputed: set[int] | 
     n, end = len(f.saved), offloaded + inputs_offloaded
     kept, first = _holdings(f, offloaded, recomputed, inputs_offloaded)
     before = trace.before_bytes * (end == 0) + in_flight_bytes
-    head_offloaded = end == n and trace.after_early_bytes > 0  # after_kept's and wiring.py's rule
-    start = (before - prefetch * (not head_offloaded) + sum(kept) + after_kept(trace, offloaded, inputs_offloaded)
+    start = (before - prefetch + sum(kept) + after_kept(trace, offloaded, inputs_offloaded)
              + f.grad[-1] * grads + start_extra)
     # as backward reaches block i: what the blocks before it keep, and the gradients of blocks i..
     held_before = itertools.accumulate(kept[:-1], initial=before)
