@@ -52,6 +52,7 @@ class DaemonConfig:
     max_sessions_per_peer: int = 16  # HELLOs one socket connection may hold open (a process needs one)
     max_sessions: int = 1024  # sessions of the whole daemon
     max_keys: int = 1 << 18  # tensors the daemon holds at once, all sessions together
+    client_max_keys: int = 1 << 15  # tensors one session may hold; not given: max_keys // KEY_SHARES (load)
     curve_secret_key: str = ""  # tcp:// only: the server's CURVE secret key file (zmq.auth format)
     curve_authorized_keys: str = ""  # tcp:// only: directory of the clients' CURVE public key files
     spill: bool = False  # move the oldest tensors to spill_dir when the pool is full
@@ -66,6 +67,9 @@ class DaemonConfig:
 
 
 CONFIG_ENV = "STORMD_CONFIG"
+# client_max_keys unless given is this share of max_keys: one rank's on a node of eight GPUs, so that
+# one session cannot take the keys the others need.
+KEY_SHARES = 8
 ENV_PREFIX = "STORMD_"
 
 
@@ -298,6 +302,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_keys", _Number(1, 100_000_000, integer=True),
             "tensors the daemon holds at once, all clients together (each costs daemon memory beside its pool "
             "bytes); a PUT beyond it is refused with POOL_FULL and its tensor stays on the client's device"),
+    Setting("client_max_keys", _Number(0, 100_000_000, integer=True),
+            f"tensors one session may hold at once (not given: max_keys / {KEY_SHARES}, so that one client cannot "
+            "take the keys the others need; 0: no limit but max_keys); a PUT beyond it is refused with QUOTA"),
     Setting("curve_secret_key", _Text("empty, or an absolute path", _optional_path),
             "tcp:// only (required there): the server's CURVE secret key file, as zmq.auth.create_certificates "
             "writes it"),
@@ -384,6 +391,7 @@ def load(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> 
         if v is not None:
             values[s.name] = v if isinstance(v, bool) else _parse(s.name, v, s.flag, from_text=True)
     values.setdefault("socket", normalize_endpoint(None, env))
+    values.setdefault("client_max_keys", max(values.get("max_keys", DaemonConfig.max_keys) // KEY_SHARES, 1))
     config = DaemonConfig(**values)
     check_curve(config)
     return config
@@ -391,11 +399,16 @@ def load(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> 
 
 def setting_warnings(config: DaemonConfig) -> list[str]:
     """Settings allowed (tests and odd setups use them) that would not work as an operator means."""
+    warnings = []
+    if not 0 < config.client_max_keys < config.max_keys:  # fine for one client alone on the node
+        warnings.append(f"client_max_keys {config.client_max_keys} lets one session hold every key of the daemon "
+                        f"(max_keys {config.max_keys}): one client can have every other client's PUT refused "
+                        f"POOL_FULL; leave client_max_keys out (max_keys / {KEY_SHARES}) or give less")
     if config.client_timeout < 3 * CLIENT_HEARTBEAT:
-        return [f"client_timeout {config.client_timeout:g} s leaves room for fewer than three of the clients' "
-                f"heartbeats (one each {CLIENT_HEARTBEAT:g} s): a live client idle between steps may be dropped "
-                f"and its tensors freed; give at least {3 * CLIENT_HEARTBEAT:g}"]
-    return []
+        warnings.append(f"client_timeout {config.client_timeout:g} s leaves room for fewer than three of the "
+                        f"clients' heartbeats (one each {CLIENT_HEARTBEAT:g} s): a live client idle between steps "
+                        f"may be dropped and its tensors freed; give at least {3 * CLIENT_HEARTBEAT:g}")
+    return warnings
 
 
 def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:

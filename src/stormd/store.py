@@ -10,9 +10,10 @@ pool grows (growth.py: the embedded store's), and when the pool is full the
 spiller (spiller.py) moves sealed, not yet fetched extents, in the order the
 eviction policy (eviction.py) gives, to the spill file and back. A GET reply
 therefore carries the offset the bytes have now, which may differ from PUT's.
-Budgets: a node-wide pool, and per client (by the name it gives in HELLO) a
-quota on the bytes it holds and a priority that orders what is spilled first
-(store_options.py).
+Budgets: a node-wide pool and bound on keys, and per client (by the name it
+gives in HELLO) a quota on the bytes it holds, a bound on its keys (so that one
+client cannot take the keys the others need) and a priority that orders what
+is spilled first (store_options.py).
 
 The allocator, the eviction policy, each session's placement, the pool's
 growth and the spill disk (``StoreOptions.spill_io``) are parameters, so a
@@ -76,6 +77,12 @@ class Store:
         s = self._of(session)
         if f["key"] in s.entries:
             raise ProtocolError(ErrorCode.DUPLICATE_KEY, f"key {f['key']} is already stored in this session")
+        held = len(s.entries)
+        if s.limits.max_keys and held >= s.limits.max_keys:  # before max_keys: the keys left are the others'
+            s.counters.quota_refused += 1
+            raise ProtocolError(ErrorCode.QUOTA, f"{self._who(s)} holds {held} tensors, its limit (client_max_keys "
+                                                 f"{s.limits.max_keys}); free some, or raise client_max_keys in "
+                                                 f"stormd.toml")
         if self._keys >= self.options.max_keys:
             s.counters.pool_full += 1
             raise ProtocolError(ErrorCode.POOL_FULL, f"the store holds {self._keys} tensors, its max_keys; free some "
@@ -128,11 +135,15 @@ class Store:
     def _over_quota(s: SessionEntries, holds: str, charge: int) -> ProtocolError:
         """QUOTA for a PUT of ``charge`` more bytes by ``s``, which ``holds`` (what it has, in words)."""
         s.counters.quota_refused += 1
-        who = f"client {s.name!r}" if s.name else "this client"
+        who = Store._who(s)
         return ProtocolError(ErrorCode.QUOTA,
                              f"{who} {holds} and its quota is {s.limits.quota}; {charge} more do not fit: raise "
                              f"its quota (client_quota, or clients.{s.name or 'NAME'}.quota in stormd.toml) or "
                              f"offload less (storm.offload(budget=...))")
+
+    @staticmethod
+    def _who(s: SessionEntries) -> str:
+        return f"client {s.name!r}" if s.name else "this client"
 
     def _alloc(self, nbytes: int, s: SessionEntries) -> int:
         """A general-allocator extent; when the pool is full, spill (waiting for the writes) until one fits."""

@@ -1,4 +1,4 @@
-"""What a Store is built with: spill on or off, the check_extents ledger, per-client quota and priority.
+"""What a Store is built with: spill on or off, the check_extents ledger, per-client quota, key limit and priority.
 
 stormd takes them from its settings (``StoreOptions.from_config``); the
 embedded store builds its own (no spill).
@@ -16,6 +16,7 @@ from .spill import SpillIO
 class ClientLimits:
     quota: int = 0      # bytes a session may hold (pool + spill); 0: no limit but the pool
     priority: int = 0   # higher stays in the pool longer; lower is spilled first
+    max_keys: int = 0   # tensors a session may hold at once; 0: no limit but the store's max_keys
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class StoreOptions:
     @classmethod
     def from_config(cls, config: DaemonConfig) -> "StoreOptions":
         return cls(config.spill_dir if config.spill else None, config.spill_limit,
-                   ClientLimits(config.client_quota, config.client_priority),
-                   {name: ClientLimits(row["quota"], row["priority"]) for name, row in config.clients.items()},
+                   ClientLimits(config.client_quota, config.client_priority, config.client_max_keys),
+                   {name: ClientLimits(row["quota"], row["priority"], config.client_max_keys)
+                    for name, row in config.clients.items()},
                    check_extents=config.check_extents, max_keys=config.max_keys)
