@@ -20,3 +20,10 @@ def test_each_refusal_has_its_reason_and_each_kind_is_logged_once(caplog):
                        Keep.STORE_ERROR]
     assert len(caplog.records) == 5  # the second POOL_FULL is not logged again
     assert "pool_size" in caplog.records[0].getMessage()
+
+
+def test_a_quota_refusal_names_both_settings_that_bound_a_client(caplog):
+    """stormd refuses QUOTA past a client's bytes (client_quota) or its tensors (client_max_keys)."""
+    with caplog.at_level(logging.WARNING, logger="storm"):
+        Refusals().reason(StormRequestError("QUOTA", "refused"))
+    assert "client_quota" in caplog.text and "client_max_keys" in caplog.text

@@ -82,7 +82,7 @@ _REFUSED = {
                     "A larger pool takes them: storm.offload(pool_size=...) for the embedded store, stormd's "
                     "pool_size for a daemon; .stats.kept counts what stayed",
     Keep.QUOTA: "storm: this client's quota in stormd is used up: saved tensors stay on their device (%s). "
-                "stormd's client_quota or clients table sets it",
+                "stormd's client_quota or clients table sets its bytes, client_max_keys its tensors",
     Keep.STORE_ERROR: "storm: saved tensors stay where they are while the store refuses them: %s",
 }
 _REFUSAL_CODES: dict[str | None, str] = {"POOL_FULL": Keep.POOL_FULL, "TOO_LARGE": Keep.POOL_FULL, "QUOTA": Keep.QUOTA}
