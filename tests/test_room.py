@@ -343,6 +343,24 @@ def test_a_compiled_graph_save_is_never_kept_and_its_step_follows_a_room_that_ke
     assert eager.made == 4
 
 
+def test_a_storage_made_where_a_kept_one_was_freed_is_no_kept_one():
+    """A room holds the storages it keeps by a weak reference, as Offload.keep does: one freed (a
+    branch of forward dropped), a new storage the allocator makes at its address is a save of its
+    own, which the room keeps or not by its place and size (before: it was taken for the kept one,
+    stayed on the device whatever its size, and the step's count of saves fell behind the room's)."""
+    rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
+    rooms.room = lm_room()
+    step = Step(1, float("inf"), StepOptions())
+    rooms.start_step(step)
+    step.order += [object()] * 3  # three saves offloaded: the fourth (40) and fifth (1) are the room's to keep
+    kept = torch.empty(10).untyped_storage()
+    assert rooms.keeps(step, kept, 40) and step.made == 4
+    del kept
+    made = [torch.empty(10).untyped_storage() for _ in range(64)]  # one at its address, where it was freed
+    assert not any(rooms.keeps(step, s, 8) for s in made)  # none is the room's fifth save (1 byte)
+    assert step.made == 4
+
+
 def test_a_step_that_may_go_on_past_its_room_keeps_none_of_its_last_saves():
     """Two forwards before one backward, after steps of one: the first forward's saves are the
     one-forward room's, so their last would be kept and then sit beside the second forward's.

@@ -39,6 +39,7 @@ import logging
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import allocator_record
 from .allocator_record import AllocatorRecord, Record, replay
@@ -273,13 +274,15 @@ class Rooms:
                 self.follow(Room(step.room.profile, keep=False))
                 step.room = self.room
             return False
-        if storage._cdata in step.kept_by_room:
+        kept = step.kept_by_room.get(storage._cdata)
+        if kept is not None and not kept.expired():
             return True
         if not step.room.keeps(step.made + 1, nbytes) or self._goes_on(step.room, step.made + 1):
             return False
         if step.made == 0:  # a room that keeps every save: its trial is measured from its first
             self._measure_from(step, storage)
-        step.kept_by_room.add(storage._cdata)
+        step.kept_by_room[storage._cdata] = StorageWeakRef(storage)
+        step.room_kept += 1
         return True
 
     def _measure_from(self, step: Step, storage: torch.UntypedStorage) -> None:

@@ -93,7 +93,10 @@ class Step:
         self.flush_task = -1              # the backward (autograd's graph task id) whose end has a poll queued
         self.order: list[Stored] = []
         self.by_storage: dict[int, Stored] = {}
-        self.kept_by_room: set[int] = set()  # storages a room keeps on the device (by _cdata)
+        # storages a room keeps on the device, by _cdata, each by a weak reference (one freed, a new
+        # storage made at its address is not it), and how many it kept
+        self.kept_by_room: dict[int, StorageWeakRef] = {}
+        self.room_kept = 0
         # storages the caller keeps on the device (Offload.keep), by _cdata
         self.kept_storages: dict[int, StorageWeakRef] = {}
         self.cursor = 1 << 62  # order[cursor:] has been considered for prefetch
@@ -108,7 +111,7 @@ class Step:
     @property
     def made(self) -> int:
         """The saves a room follows so far: those offloaded, and those it kept."""
-        return len(self.order) + len(self.kept_by_room)
+        return len(self.order) + self.room_kept
 
     def window(self) -> int:
         """How far ahead backward may fetch now: the prefetch window, within the room where there is one."""
