@@ -246,6 +246,28 @@ def test_a_trial_keeps_the_alternative_measured_within_its_target_where_the_plan
     planner.close()
 
 
+def test_a_trial_that_keeps_the_alternative_because_the_plan_measured_over_says_so():
+    """The trial above, on a clock standing still (neither plan faster): its account, which
+    explain() prints, names the alternative as kept and why (before: "kept offload 2 blocks:
+    neither was faster", while the plan in force recomputed 4 blocks)."""
+    model, idx = gpt()
+    memory = ScriptedMemory(extra=500 * MiB)
+    planner = memory.planner = storm.Planner(model.blocks, budget=0.9, mode="embedded", min_bytes=0, memory=memory,
+                                             chooser=other_kind, form_trial=False,
+                                             host_check_tolerance=float("inf"), clock=FakeClock())
+    for _ in range(40):
+        if planner.settled:
+            break
+        grads_of(model, idx, planner.step())
+    trial = planner.trial
+    assert planner.settled and trial.gain_ms == 0 and trial.kept is trial.plans[1]
+    said = trial.describe()
+    assert "kept recompute 4 blocks" in said and "kept offload 2 blocks" not in said, said
+    assert "offload 2 blocks measured" in said and "over its target" in said, said
+    assert said in planner.explain()
+    planner.close()
+
+
 def test_a_compute_trace_of_other_shapes_than_the_offload_traces_traces_again():
     """The compute trace's block 0 takes a batch of another size than the offload trace's: its
     recompute times are not the traced step's, so the planner traces again (before: the plan was

@@ -115,6 +115,10 @@ class Trial:
                     f"timed so far)")
         tried = (f"tried {what} in alternation, {n} steps each, forward and backward timed: median step "
                  f"{_ms(self.median(0))} against {_ms(self.median(1))} ms")
+        over = self.plans[0].measured_over
+        if self.kept is self.plans[1] and over is not None and over > 0:  # phases.Try.decide: kept whatever the times
+            return (f"{tried}; kept {names[1]}: {names[0]} measured {over / MiB:.1f} MiB over its target, "
+                    f"{names[1]} within its own")
         if self.gain_ms == 0:
             return f"{tried}; kept {names[0]}: neither was faster in the median of the {n} pairs of steps"
         kept = self.plans.index(self.kept)
