@@ -371,3 +371,34 @@ def test_a_compute_trace_step_whose_backward_did_not_run_is_traced_again(monkeyp
         assert planner.trace.backward_device_ms is not None
     finally:
         planner.close()
+
+
+def test_a_traced_step_that_skipped_or_reordered_blocks_says_which_and_what_a_plan_needs(caplog):
+    """A traced step that left a block out, or ran the blocks in another order, is traced again
+    with a warning that names what ran otherwise (before: only that some block had not run once,
+    which a model that never calls one of the blocks given repeats at every step, naming none)."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+    x = torch.randn(8, 16)
+
+    def step(ctx, order) -> None:
+        with ctx:
+            y = x
+            for i in order:
+                y = torch.tanh(blocks[i](y))
+        y.sum().backward()
+        planner.settled  # reads the step
+
+    planner = storm.plan(blocks, budget=0.5, mode="embedded", min_bytes=0, clock=FakeClock())
+    with caplog.at_level(logging.WARNING, logger="storm"):
+        step(planner.step(), [0, 1, 3])  # the offload trace, block 2 left out
+        assert planner.trace is None and "block 2 never ran" in caplog.text, caplog.text
+        caplog.clear()
+        step(planner.step(), [0, 2, 1, 3])
+        assert planner.trace is None and "block 2 ran where block 1 was due" in caplog.text, caplog.text
+        assert "once in each forward, in the order given" in caplog.text
+        caplog.clear()
+        step(planner.step(), [0, 1, 2, 3])  # traced
+        step(planner.step(), [0, 1, 3])  # the compute trace, block 2 left out
+        assert planner.plan is None and "block 2 never ran" in caplog.text, caplog.text
+    planner.close()

@@ -113,8 +113,9 @@ class OffloadTrace:
             warn_blocks_whole_graph()
         forwards = len(self.called) // n
         if not forwards or self.called != list(range(n)) * forwards:
-            log.warning("storm.plan: the traced step did not run every block once in each forward, in order; "
-                        "tracing again")
+            log.warning("storm.plan: the traced step did not run every block once in each forward, in the order "
+                        "given (%s); a plan needs each of them called so, with grad enabled; tracing again",
+                        _how_ran(self.called, n))
             return None
         ctx.synchronize()  # every copy settled: the store's refusals are counted
         order = ctx.saves
@@ -438,7 +439,9 @@ class ComputeTrace:
         self.release()
         starts, ends, host, clock, n = self.starts, self.ends, self.host, self.clock, len(self.starts)
         if any(s is None for s in starts + ends):
-            log.warning("storm.plan: the traced step did not run every block once; tracing again")
+            log.warning("storm.plan: the traced step did not run every block once (%s); a plan needs each of them "
+                        "called in every forward, with grad enabled; tracing again",
+                        _never_ran([i for i in range(n) if starts[i] is None or ends[i] is None]))
             return False
         if not self.hand_over:
             return True
@@ -475,6 +478,23 @@ class ComputeTrace:
         trace.lead_ms = [clock.elapsed_ms(starts[0], starts[i]) - (host[i] - host[0]) * 1e3 for i in range(n)]
         trace.lead_ms.append(trace.forward_device_ms - trace.forward_host_ms)
         return True
+
+
+def _never_ran(missing: list[int]) -> str:
+    return f"block{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} never ran"
+
+
+def _how_ran(called: list[int], n: int) -> str:
+    """How a traced step's calls of the ``n`` blocks (``called``, in order) differ from each
+    block once per forward, in order: the blocks never called, else the first call out of place,
+    else the forward left unfinished."""
+    missing = [i for i in range(n) if i not in called]
+    if missing:
+        return _never_ran(missing)
+    at = next((c for c, i in enumerate(called) if i != c % n), None)
+    if at is not None:
+        return f"call {at} of the step: block {called[at]} ran where block {at % n} was due"
+    return f"its last forward ended after block {called[-1]}"
 
 
 def _timing(forward: Callable[..., Any], clock: Clock, marks: list[list[Any]], i: int) -> Callable[..., Any]:
