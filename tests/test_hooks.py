@@ -468,3 +468,17 @@ def test_a_put_whose_frame_overflowed_is_stored_again_raw(monkeypatch):
         assert ctx.stats.stored_bytes == ctx.stats.offloaded_bytes == 256 * 256 * 4
     assert [r.codec for r in requests] == ["auto", "raw", "raw"]
     assert requests[0].key != requests[1].key
+
+
+def test_a_context_used_as_a_decorator_reports_its_latest_calls_step():
+    """Each decorated call is its own step (contextlib's _recreate_cm); the decorating context's
+    stats are the latest call's, where they said it had never been entered."""
+    lin = nn.Linear(64, 64)
+    ctx = storm.offload(mode="embedded", min_bytes=0)
+    with pytest.raises(RuntimeError, match="not been entered"):
+        ctx.stats
+    forward = ctx(lambda n: lin(torch.randn(n, 64)).sigmoid().sum())
+    forward(128).backward()
+    first = ctx.stats
+    forward(256).backward()
+    assert ctx.stats is not first and ctx.stats.offloaded_bytes > first.offloaded_bytes > 0

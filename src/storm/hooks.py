@@ -99,9 +99,11 @@ class Offload(contextlib.ContextDecorator):
         self._module_hooks: list[Any] = []
         self._thread: int | None = None  # the entering thread's: torch keeps saved-tensor hooks per thread
         self._resuming = False  # resume(): the next entry goes on with this context's step
+        self._last_call: Offload | None = None  # used as a decorator: the latest call's own context
 
     def _recreate_cm(self) -> "Offload":
-        return Offload(**self._options)  # each decorated call is its own step
+        self._last_call = Offload(**self._options)  # each decorated call is its own step
+        return self._last_call
 
     def __enter__(self) -> "Offload":
         if self._hooks is not None:
@@ -185,7 +187,10 @@ class Offload(contextlib.ContextDecorator):
 
     @property
     def stats(self) -> OffloadStats:
-        """Counters of this step (fetch counters grow as its backward runs)."""
+        """Counters of this step (fetch counters grow as its backward runs); of a context used as a
+        decorator, those of its latest call's step."""
+        if self._step is None and self._last_call is not None:
+            return self._last_call.stats
         if self._step is None:
             raise RuntimeError("storm.offload has not been entered yet")
         return self._step.stats
