@@ -14,8 +14,8 @@ The planner traces a step that offloads everything and one that recomputes every
 (trace.py), chooses from them by a cost model (model.py, held.py its arithmetic of memory),
 measures what the plan's steps take (measure.py), tries the best plan against an alternative
 (trial.py), and says why
-(explain.py); driver.py runs those phases a step at a time (phases.py: one object each, state.py:
-what a trace has taught), wiring.py holds the blocks' hooks.
+(explain.py); driver.py runs those phases a step at a time (phases.py and traced.py: one object
+each, state.py: what a trace has taught), wiring.py holds the blocks' hooks.
 docs/planner.md explains the model.
 """
 

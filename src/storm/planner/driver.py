@@ -21,10 +21,11 @@ from .held import moments, without_backward_extras
 from .measure import HOST_CHECK_TOLERANCE, MAX_CHECKS, CudaPeakMemory, PeakMemory, checks_for, frames_of, near_slack
 from .model import Plan, Scenario, choose, full_offloads
 from .options import plan_options
-from .phases import Measure, Phase, StepPhase, TraceOffload, Try, after_checks, measure_full
+from .phases import Measure, Phase, StepPhase, Try, after_checks, measure_full
 from .records import Trace
 from .state import TraceState
 from .trace import Frames
+from .traced import TraceOffload
 from .trial import Clock, Trial
 from .wiring import BlockHooks, device_of
 
