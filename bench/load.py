@@ -7,7 +7,11 @@ and compare / FREE, with random tensor sizes; every byte fetched is compared wit
 
 Clients speak the protocol directly (no torch), so the figures are the daemon's and the socket's,
 not autograd's. Throughput counts the tensors stored and the bytes copied in plus out, over the wall
-time of the whole run; latency is one request's round trip, seen by the client.
+time of the whole run; latency is one request's round trip, seen by the client. ``daemon`` is the
+daemon's own cost per request over the run: ``busy_us`` what its loop spent answering one (STATUS'
+traffic, from request received to reply sent); where this run started the daemon, ``cpu_us`` its
+whole process's CPU time over the requests (ZeroMQ's I/O thread, the loop's waits and wakeups
+included) and ``loop_cpu_us`` its main thread's, the event loop's, alone.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import mmap
 import multiprocessing
 import os
 import platform
+import queue
 import random
 import sys
 import tempfile
@@ -35,7 +40,7 @@ from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
 MAX_BYTES = 1 << 16
 
 
-def client(endpoint: str, seed: int, steps: int, start: Any) -> dict[str, Any]:
+def client(endpoint: str, seed: int, steps: int, ready: Any, start: Any) -> dict[str, Any]:
     """One client process: ``steps`` tensors through the daemon, every one checked byte for byte."""
     sock = zmq.Context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -62,6 +67,7 @@ def client(endpoint: str, seed: int, steps: int, start: Any) -> dict[str, Any]:
     rng = random.Random(seed)
     noise = rng.randbytes(2 * MAX_BYTES)
     mismatches = nbytes = 0
+    ready.put(seed)  # connected, its session open
     start.wait()
     with open(hello["pool"]["path"], "r+b") as f, mmap.mmap(f.fileno(), 0) as pool:
         for step in range(steps):
@@ -84,16 +90,60 @@ def client(endpoint: str, seed: int, steps: int, start: Any) -> dict[str, Any]:
     return {"mismatches": mismatches, "errors": errors, "tensors": steps, "bytes": nbytes, "latencies": latencies}
 
 
-def run(procs: int, steps: int, endpoint: str) -> dict[str, Any]:
+def status(endpoint: str) -> dict[str, Any]:
+    """The daemon's STATUS reply (an admin verb: no session)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    try:
+        sock.connect(endpoint)
+        sock.send(pack({"op": "STATUS", "id": 1}))
+        while (r := unpack(sock.recv())).get("probe"):
+            pass
+        return r
+    finally:
+        sock.close()
+
+
+def cpu_seconds(pid: int | None) -> tuple[float, float] | None:
+    """User plus system CPU seconds so far of process ``pid`` (all its threads) and of its main
+    thread; None without a process."""
+    if pid is None:
+        return None
+
+    def seconds(stat: str) -> float:
+        fields = Path(stat).read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+    return seconds(f"/proc/{pid}/stat"), seconds(f"/proc/{pid}/task/{pid}/stat")
+
+
+def wait_ready(ready: Any, pending: list[Any]) -> None:
+    """Until every client has said it is connected (its HELLO answered): the daemon's figures count
+    from then on. A client that ended first (it waits for the start otherwise) raises its error here."""
+    for _ in pending:
+        while True:
+            try:
+                ready.get(timeout=0.1)
+                break
+            except queue.Empty:
+                for p in pending:
+                    if p.ready():
+                        p.get()
+
+
+def run(procs: int, steps: int, endpoint: str, daemon_pid: int | None = None) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no ZeroMQ state shared across fork
-    start = ctx.Manager().Event()
+    manager = ctx.Manager()
+    ready, start = manager.Queue(), manager.Event()
     with ctx.Pool(procs) as pool:
-        pending = [pool.apply_async(client, (endpoint, seed, steps, start)) for seed in range(procs)]
-        time.sleep(0.5)  # let them connect; the clock starts when all are released together
+        pending = [pool.apply_async(client, (endpoint, seed, steps, ready, start)) for seed in range(procs)]
+        wait_ready(ready, pending)  # the clock starts when all are released together
+        before, cpu0 = status(endpoint)["traffic"], cpu_seconds(daemon_pid)
         t0 = time.perf_counter()
         start.set()
         results = [p.get(timeout=600) for p in pending]
         wall = time.perf_counter() - t0
+        cpu1, after = cpu_seconds(daemon_pid), status(endpoint)["traffic"]
     all_lat = {op: [x for r in results for x in r["latencies"][op]] for op in ("PUT", "SEAL", "GET", "FREE")}
     every = [x for v in all_lat.values() for x in v]
     tensors = sum(r["tensors"] for r in results)
@@ -107,9 +157,21 @@ def run(procs: int, steps: int, endpoint: str) -> dict[str, Any]:
                                "p99": round(percentile(every, 0.99) * 1e3, 4)},
                        **{op: {"p50": round(percentile(v, 0.5) * 1e3, 4), "p99": round(percentile(v, 0.99) * 1e3, 4)}
                           for op, v in all_lat.items()}},
+        "daemon": daemon_cost(before, after, cpu0, cpu1),
         "mismatches": sum(r["mismatches"] for r in results),
         "errors": [e for r in results for e in r["errors"]][:20],
     }
+
+
+def daemon_cost(before: dict[str, Any], after: dict[str, Any], cpu0: tuple[float, float] | None,
+                cpu1: tuple[float, float] | None) -> dict[str, Any]:
+    """The daemon's time per request between two STATUS replies (the BYEs and the STATUS itself
+    included), and its process's and its loop thread's CPU time per request where known."""
+    requests = after["requests"] - before["requests"]
+    per = {"busy_us": after["busy_s"] - before["busy_s"]}
+    if cpu0 is not None and cpu1 is not None:
+        per.update(cpu_us=cpu1[0] - cpu0[0], loop_cpu_us=cpu1[1] - cpu0[1])
+    return {"requests": requests, **{k: round(v / requests * 1e6, 2) for k, v in per.items()}}
 
 
 def machine() -> dict[str, Any]:
@@ -132,14 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         flags = ("--no-metrics", "--log-level", "WARNING")
         proc, endpoint = (None, a.socket) if a.socket else start_daemon(Path(tmp), "256MiB", *flags)
         try:
-            result = run(a.procs, a.steps, endpoint)
+            result = run(a.procs, a.steps, endpoint, proc.pid if proc is not None else None)
         finally:
             if proc is not None:
                 proc.terminate()
                 proc.wait(10)
     write(out, {"machine": machine(), **result}, "cpu")
     print(json.dumps({k: result[k] for k in ("tensors", "wall_s", "tensors_per_s", "GB_per_s", "latency_ms",
-                                             "mismatches")}, indent=1))
+                                             "daemon", "mismatches")}, indent=1))
     return 0 if result["mismatches"] == 0 and not result["errors"] else 1
 
 

@@ -18,3 +18,6 @@ def test_two_clients_store_and_fetch_every_byte_back(tmp_path):
     assert result["tensors"] == 100 and result["requests"] == 4 * 100  # PUT, SEAL, GET, FREE each
     assert result["mismatches"] == 0 and result["errors"] == []
     assert 0 < result["latency_ms"]["all"]["p50"] <= result["latency_ms"]["all"]["p99"]
+    daemon = result["daemon"]  # between two STATUS requests: the first, the clients' and their BYEs
+    assert daemon["requests"] == 1 + 4 * 100 + 2 and daemon["busy_us"] > 0
+    assert daemon["cpu_us"] >= daemon["loop_cpu_us"] >= 0  # the process's, of which its loop thread's
