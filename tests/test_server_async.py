@@ -88,6 +88,27 @@ async def test_replies_match_ids_when_requests_are_pipelined(server):
 
 
 @pytest.mark.asyncio
+async def test_requests_queued_by_several_clients_are_all_answered_each_clients_in_order(server):
+    """Requests are answered from ZeroMQ's descriptor callback, ANSWERED_IN_TURN at a time, the rest
+    in later turns: none is left behind, answered twice or out of its client's order."""
+    import stormd.server as server_module
+
+    clients = [AsyncClient(server.config.socket) for _ in range(3)]
+    for c in clients:
+        await c.hello()
+    before = server.service.traffic.requests
+    n = 3 * server_module.ANSWERED_IN_TURN + 5
+    for i in range(n):  # all sent before any reply is read: most are queued at once
+        for c in clients:
+            await c.sock.send(pack({"op": "PING", "id": 1000 + i, **c.auth}))
+    for c in clients:
+        replies = [unpack(await asyncio.wait_for(c.sock.recv(), 5)) for _ in range(n)]
+        assert [r["id"] for r in replies] == list(range(1000, 1000 + n)) and all(r["ok"] for r in replies)
+    assert server.service.traffic.requests - before == 3 * n
+    assert (await clients[0].call("PING"))["ok"]  # and it serves on
+
+
+@pytest.mark.asyncio
 async def test_errors_are_counted_and_the_loop_survives_bad_frames(server):
     c = AsyncClient(server.config.socket)
     await c.sock.send(b"\xc1")
@@ -185,6 +206,7 @@ class FakeSocket:
         self.endless = endless
         self.queued: list[list[bytes]] = []
         self.sent: list[bytes] = []
+        self._frames: list[bytes] = []  # what is left of the message recv reads
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
 
@@ -192,16 +214,21 @@ class FakeSocket:
         with contextlib.suppress(BlockingIOError):
             os.read(self._r, 64)
 
-    def getsockopt(self, option: int) -> int:
+    def get(self, option: int) -> int:
         if option == zmq.FD:
             return self._r
+        if option == zmq.RCVMORE:
+            return int(bool(self._frames))
         assert option == zmq.EVENTS, option
         self._take_signal()
-        return int(zmq.POLLIN) if self.endless or self.queued else 0
+        return int(zmq.POLLIN) if self.endless or self.queued or self._frames else 0
 
-    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+    def recv(self, flags: int = 0) -> bytes:
+        """The next frame: of the message being read, else of the next one queued."""
         self._take_signal()
-        return [b"peer", b"request"] if self.endless else self.queued.pop(0)
+        if not self._frames:
+            self._frames = [b"peer", b"request"] if self.endless else list(self.queued.pop(0))
+        return self._frames.pop(0)
 
     def send(self, frame: bytes, flags: int = 0) -> None:
         self._take_signal()
@@ -256,10 +283,11 @@ async def test_a_steady_stream_of_requests_still_gives_the_loops_other_tasks_a_t
 
 @pytest.mark.asyncio
 async def test_a_request_whose_signal_a_send_took_is_still_answered(monkeypatch):
-    """serve() sleeps until ZeroMQ's descriptor turns readable, but any operation on the socket (a
-    reply sent from another task: the backlog flusher) reads the descriptor's signal of a request
-    that arrived meanwhile, which then stays queued with the descriptor quiet. Every send wakes
-    serve() to look at EVENTS again, so that request is answered without waiting for the next."""
+    """Requests are answered once ZeroMQ's descriptor turns readable, but any operation on the socket
+    (a reply sent from another task: the backlog flusher) reads the descriptor's signal of a request
+    that arrived meanwhile, which then stays queued with the descriptor quiet. Every send outside
+    the answering has the server look at EVENTS again, so that request is answered without waiting
+    for the next."""
     pool = SharedPool.anonymous(1 << 20)
     srv = Server(Service(pool), DaemonConfig(socket="ipc:///unused"))
     sock = FakeSocket()
@@ -282,6 +310,30 @@ async def test_a_request_whose_signal_a_send_took_is_still_answered(monkeypatch)
     serving_task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await serving_task
+    sock.close()
+    pool.close()
+
+
+@pytest.mark.asyncio
+async def test_a_socket_that_fails_ends_serve_with_its_error(monkeypatch):
+    """Requests are read in a callback of the loop's, not in serve()'s task: what reading the socket
+    raises (past a request's answer, which costs that request alone) still ends serve() with it,
+    rather than going to the loop's exception handler while serve() waits on."""
+    class FailingSocket(FakeSocket):
+        def get(self, option: int) -> int:
+            if option == zmq.EVENTS:
+                raise zmq.ZMQError(zmq.ENOTSOCK)
+            return super().get(option)
+
+    pool = SharedPool.anonymous(1 << 20)
+    srv = Server(Service(pool), DaemonConfig(socket="ipc:///unused"))
+    sock = FailingSocket()
+    srv._sock, srv._sync = object(), sock
+    monkeypatch.setattr(srv, "close", lambda: None)
+    monkeypatch.setattr(srv, "_end_sessions_on_disconnect", _forever)  # no monitor without bind()
+    with pytest.raises(zmq.ZMQError) as failed:
+        await asyncio.wait_for(srv.serve(), 5)
+    assert failed.value.errno == zmq.ENOTSOCK
     sock.close()
     pool.close()
 

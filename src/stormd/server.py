@@ -26,8 +26,10 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Callable, cast
 
+import msgpack
 import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
@@ -41,9 +43,10 @@ from .wire.protocol import OPS, ErrorCode, ProtocolError, notice, pack, unpack_r
 log = logging.getLogger("stormd")
 
 _NOBLOCK, _MORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
-# Requests answered back to back before the loop's other tasks get a turn: serve takes the requests
-# already queued without an await, so under a steady load they would wait for a quiet moment
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_OP_NAMES = frozenset(OPS)
+# Requests answered back to back before the loop's other tasks get a turn: _answer_queued takes the
+# requests already queued without an await, so under a steady load they would wait for a quiet moment
 ANSWERED_IN_TURN = 64
 BACKLOG_RETRY = 0.001  # seconds between retries of replies a client has not made room for
 # What the daemon sends a client socket, unasked, to learn whether it is still connected: an id no
@@ -105,13 +108,16 @@ class Server:
         self.observe = observe  # (op, seconds to answer) per request, for the latency histogram
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
-        self._sync: zmq.Socket  # bind() makes it: self._sock without asyncio's futures
+        self._sync: zmq.backend.Socket  # bind() makes it: self._sock without asyncio's futures
+        # the replies' encoder, made once: msgpack.packb makes one (and its buffer) per call
+        self._pack = msgpack.Packer(use_bin_type=True).pack
         self._auth: AsyncioAuthenticator | None = None  # the ZAP authenticator of a tcp:// (CURVE) socket
         self._backlog: dict[bytes, _Backlog] = {}  # by peer
         self._flusher: asyncio.Task | None = None
-        # set when ZeroMQ's descriptor turns readable, and by every send, which may take that
-        # signal while a request waits (serve looks at EVENTS again)
-        self._readable = asyncio.Event()
+        # while serving: what serve() waits on, which only what _answer_queued raises resolves
+        self._stopped: asyncio.Future | None = None
+        self._looked_for: asyncio.Handle | None = None  # _answer_queued's next run, once asked for (_look_again)
+        self._in_turn = False  # _answer_queued runs: it reads EVENTS after each reply it sends
         self._probed = -PROBE_INTERVAL  # time.monotonic() of the last look for closed client sockets
         self._monitor: zmq.asyncio.Socket | None = None  # bind() makes it: the socket's disconnects
         self._disconnects = 0  # disconnects the monitor has reported
@@ -147,8 +153,9 @@ class Server:
         if path is not None:
             path.chmod(0o600)
         self._sock = sock
-        # for what never waits (NOBLOCK receives and sends), which asyncio's futures only slow down
-        self._sync = zmq.Socket.shadow(sock.underlying)
+        # for what never waits (NOBLOCK receives and sends), which asyncio's futures only slow down; the
+        # Cython socket itself, not pyzmq's Python layer over it, which each call went through too
+        self._sync = zmq.backend.Socket(shadow=sock.underlying)
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # _end_sessions_on_disconnect
 
     async def serve(self) -> None:
@@ -157,37 +164,60 @@ class Server:
         reaper = asyncio.create_task(self._reap_silent_clients())
         watcher = asyncio.create_task(self._end_sessions_on_disconnect())
         loop = asyncio.get_running_loop()
-        fd = cast(int, self._sync.getsockopt(zmq.FD))
-        # Requests are taken through the synchronous socket, woken by the loop watching ZeroMQ's
-        # descriptor: an await of the asyncio socket's receive costs the loop more host time than
-        # answering a request does, and with one rank every request waits for it in turn. The
-        # descriptor signals any change of the socket's state, not a message, so EVENTS decides.
-        loop.add_reader(fd, self._readable.set)
+        fd = cast(int, self._sync.get(zmq.FD))
+        # Requests are taken through the synchronous socket by the loop's callback on ZeroMQ's
+        # descriptor itself (_answer_queued), not by a task it wakes: an await per wakeup (a future,
+        # a task step) costs the loop more host time than answering a request does, and with one
+        # rank every request waits for it in turn. The descriptor signals any change of the
+        # socket's state, not a message, so EVENTS decides.
+        self._stopped = loop.create_future()
+        self._looked_for = None
+        loop.add_reader(fd, self._answer_queued)
+        self._look_again()  # what came before the reader was added
         try:
-            answered = 0
-            while True:
-                frames = self._next_queued()
-                if frames is None:
-                    self._readable.clear()
-                    # read after clear: a request that arrives after this read sets it again
-                    if not self._events() & _POLLIN:
-                        await self._readable.wait()
-                    continue
-                try:
-                    self._answer(frames)
-                except Exception:  # a bug in one answer (or in ending a gone peer's sessions) costs that alone
-                    log.exception("answering a request failed; serving on")
-                answered += 1
-                if answered % ANSWERED_IN_TURN == 0:
-                    await asyncio.sleep(0)  # the loop's other tasks (the reaper, backlogs, a drain) get a turn
+            await self._stopped  # resolves only with what the answering raised past _answer
         finally:
             loop.remove_reader(fd)
+            if self._looked_for is not None:
+                self._looked_for.cancel()
+            self._stopped = None
             reaper.cancel()
             watcher.cancel()
             try:
                 await self._send_waiting_replies()
             finally:  # a second signal cancels the wait: the socket still closes
                 self.close()
+
+    def _answer_queued(self) -> None:
+        """Answer the requests ZeroMQ has already received, up to ANSWERED_IN_TURN of them, then
+        give the loop's other callbacks and tasks (the reaper, backlogs, a drain) a turn before the
+        next ones: under a load that never lets the queue empty they would otherwise wait for a quiet
+        moment. Called on ZeroMQ's descriptor turning readable, and by _look_again."""
+        self._looked_for = None
+        self._in_turn = True
+        try:
+            for _ in range(ANSWERED_IN_TURN):
+                frames = self._next_queued()
+                if frames is None:
+                    return  # EVENTS read after the last request: the next one signals the descriptor again
+                try:
+                    self._answer(frames)
+                except Exception:  # a bug in one answer (or in ending a gone peer's sessions) costs that alone
+                    log.exception("answering a request failed; serving on")
+            self._look_again()  # more may be queued: after the others' turn
+        except BaseException as e:  # the socket failed (or a test stops it): serve() raises it
+            if self._stopped is not None and not self._stopped.done():
+                self._stopped.set_exception(e)
+            else:
+                raise
+        finally:
+            self._in_turn = False
+
+    def _look_again(self) -> None:
+        """Have _answer_queued look at the socket once the loop's ready callbacks have run, unless it
+        is asked to already."""
+        if self._looked_for is None and self._stopped is not None:
+            self._looked_for = asyncio.get_running_loop().call_soon(self._answer_queued)
 
     async def _send_waiting_replies(self) -> None:
         """As the daemon stops: the replies clients have not made room for yet go, in order, as they
@@ -198,19 +228,22 @@ class Server:
             await asyncio.wait({self._flusher}, timeout=STOP_LINGER_MS / 1000)
 
     def _next_queued(self) -> list[bytes] | None:
-        """The next request ZeroMQ has already received, or None."""
-        if not self._events() & _POLLIN:
+        """The next request ZeroMQ has already received (its frames, the peer's routing id first), or
+        None. Reading EVENTS takes the descriptor's signal."""
+        sock = self._sync
+        if not sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # an int, as every option but the bytes ones
             return None
-        return self._sync.recv_multipart(_NOBLOCK)
-
-    def _events(self) -> int:
-        """The socket's EVENTS (POLLIN: a request is waiting), which takes the descriptor's signal."""
-        return cast(int, self._sync.getsockopt(_EVENTS))
+        # frame by frame, as recv_multipart would, less its look at RCVMORE after the routing id (a
+        # ROUTER marks it more to follow, always)
+        frames = [sock.recv(_NOBLOCK), sock.recv(_NOBLOCK)]
+        while sock.get(_RCVMORE):
+            frames.append(sock.recv(_NOBLOCK))
+        return frames
 
     def _answer(self, frames: list[bytes]) -> None:
-        started = time.perf_counter()
+        started = perf_counter()
         peer = frames[0]
-        op = "invalid"  # a bounded label set: the known ops and this
+        msg = None
         if len(frames) != 2:
             reply = self.service.refuse(0, ProtocolError(ErrorCode.BAD_MESSAGE,
                                                          f"expected one frame per message, got {len(frames) - 1}"))
@@ -218,23 +251,22 @@ class Server:
             try:
                 # within the largest valid request's limits: no frame holds the loop up for long
                 msg = unpack_request(frames[1])
-                if isinstance(msg, dict) and msg.get("op") in OPS:
-                    op = msg["op"]
-                if op == "HELLO" and self.service.sessions.full():
+                if isinstance(msg, dict) and msg.get("op") == "HELLO" and self.service.sessions.full():
                     self._end_sessions_of_closed_sockets()
                 reply = self.service.handle_message(msg, peer)
             except ProtocolError as e:
                 reply = self.service.refuse(0, e)
         self._send(peer, reply)
-        seconds = time.perf_counter() - started
+        seconds = perf_counter() - started
         traffic = self.service.traffic
         traffic.requests += 1
         traffic.busy_s += seconds
         if self.observe is not None:
-            self.observe(op, seconds)
+            op = msg.get("op") if isinstance(msg, dict) else None
+            self.observe(op if isinstance(op, str) and op in _OP_NAMES else "invalid", seconds)  # a bounded label set
 
     def _send(self, peer: bytes, reply: dict) -> None:
-        frame = pack(reply)
+        frame = self._pack(reply)
         backlog = self._backlog.get(peer)
         if backlog is None:
             if self._try_send(peer, frame):
@@ -249,9 +281,10 @@ class Server:
     def _try_send(self, peer: bytes, frame: bytes) -> bool:
         """Send now if the peer's pipe has room. False: it is full (retry later); True: sent, or the
         peer is gone (its sessions are ended)."""
+        sock = self._sync
         try:  # never waits, so the loop needs no future; the flags as plain ints, as enum arithmetic costs more
-            self._sync.send(peer, _MORE_NOBLOCK)  # a full pipe or a gone peer fails here, before the reply is queued
-            self._sync.send(frame, _NOBLOCK)
+            sock.send(peer, _MORE_NOBLOCK)  # a full pipe or a gone peer fails here, before the reply is queued
+            sock.send(frame, _NOBLOCK)
         except zmq.Again:
             return False
         except zmq.ZMQError as err:
@@ -260,7 +293,8 @@ class Server:
             else:  # nothing else is expected; one lost reply (its client times out) beats a daemon down for all
                 log.error("reply to a client could not be sent", extra={"error": repr(err)})
         finally:
-            self._readable.set()  # the send may have taken the descriptor's signal of a request (serve)
+            if not self._in_turn:  # the send may have taken the descriptor's signal of a request waiting
+                self._look_again()
         return True
 
     def _end_sessions_of_closed_sockets(self) -> None:

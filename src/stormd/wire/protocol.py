@@ -273,6 +273,8 @@ def show(v: Any) -> str:
 
 def _int(lo: int = 0, hi: int = MAX_INT) -> Callable[[str, Any], int]:
     def check(name: str, v: Any) -> int:
+        if type(v) is int and lo <= v <= hi:  # most fields of every request: no isinstance calls
+            return v
         if not isinstance(v, int) or isinstance(v, bool):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"field '{name}' must be an integer, got {type(v).__name__}")
         if not lo <= v <= hi:
@@ -359,6 +361,9 @@ SCHEMAS: dict[str, tuple[dict[str, Callable], dict[str, Callable]]] = {
 }
 OPS = tuple(SCHEMAS)
 ADMIN_OPS = frozenset({"STATUS", "CLIENTS", "DRAIN"})
+# what parse_request walks: op -> its fields, the required first, each (name, check, required)
+_FIELDS = {op: tuple((n, c, f is req) for f in (req, opt) for n, c in f.items()) for op, (req, opt) in SCHEMAS.items()}
+_ID, _ABSENT = _int(), object()
 
 
 @dataclass(frozen=True)
@@ -425,11 +430,8 @@ def unpack_request(frame: bytes) -> Any:
 
 def request_id(msg: Any) -> int:
     """The id to echo in an error reply, or 0 when the message has none usable."""
-    if isinstance(msg, dict):
-        rid = msg.get("id")
-        if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid <= MAX_INT:
-            return rid
-    return 0
+    rid = msg.get("id") if isinstance(msg, dict) else None
+    return rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid <= MAX_INT else 0
 
 
 def parse_request(msg: Any) -> Request:
@@ -439,21 +441,19 @@ def parse_request(msg: Any) -> Request:
     op = msg.get("op")
     if not isinstance(op, str) or op not in SCHEMAS:  # an unhashable op (a list, a map) must not raise TypeError
         raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {show(op)}; known: {', '.join(OPS)}")
-    rid = _int()("id", msg.get("id"))
-    required, optional = SCHEMAS[op]
+    rid = _ID("id", msg.get("id"))
     fields: dict[str, Any] = {}
-    for name, check in required.items():
-        if name not in msg:
+    for name, check, required in _FIELDS[op]:
+        v = msg.get(name, _ABSENT)
+        if v is not _ABSENT:
+            fields[name] = check(name, v)
+        elif required:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{op} needs field '{name}'")
-        fields[name] = check(name, msg[name])
-    for name, check in optional.items():
-        if name in msg:
-            fields[name] = check(name, msg[name])
-    unknown = [name for name in msg if name not in required and name not in optional and name not in ("op", "id")]
-    if unknown:
+    if len(msg) != len(fields) + 2:  # more than op, id and the fields taken: the names only for a refusal
+        unknown = [name for name in msg if name not in fields and name not in ("op", "id")]
         more = f" and {len(unknown) - 4} more" if len(unknown) > 4 else ""
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{op} has unknown field(s) {', '.join(map(show, unknown[:4]))}"
-                                                 f"{more}; it takes {', '.join([*required, *optional])}")
+                                                 f"{more}; it takes {', '.join(SCHEMAS[op][0] | SCHEMAS[op][1])}")
     if op == "PUT":
         check_view(fields)
     if op == "FREE" and sum(k in fields for k in ("keys", "step", "all")) != 1:
@@ -499,11 +499,10 @@ def check_view(f: dict[str, Any]) -> None:
     # the step, a reshape of an empty view its own contiguous strides (at most its extent). Larger
     # ones, which take as_strided or such a slice, are refused: the client keeps that tensor.
     most = max(2 * elements, extent)
-    for i, s in enumerate(strides):
-        if s > most:
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"stride {s} of dim {i} is larger than a view of a storage of {elements} elements "
-                                f"and shape {show(shape)} has (at most {most})")
+    if strides and max(strides) > most:  # at C speed; the first past it named
+        i, s = next((i, s) for i, s in enumerate(strides) if s > most)
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"stride {s} of dim {i} is larger than a view of a storage of "
+                                                 f"{elements} elements and shape {show(shape)} has (at most {most})")
     if f["storage_offset"] > elements:  # an empty view may start just past the end (t[len(t):])
         raise ProtocolError(ErrorCode.BAD_FIELD,
                             f"storage_offset {f['storage_offset']} lies past the storage's {elements} elements")
