@@ -40,14 +40,15 @@ class Metrics:
                                  "Time from receiving a request to sending its reply, by op "
                                  "(op=invalid: not a known op)", ["op"], buckets=LATENCY_BUCKETS,
                                  registry=self.registry)
-        for op in (*OPS, "invalid"):  # every series exists from the start, so rate() has a baseline
-            self.latency.labels(op)
+        # every series exists from the start, so rate() has a baseline; kept by op, as labels() looks
+        # its child up again on each call and observe() runs once per request on the daemon's loop
+        self._latency_of = {op: self.latency.labels(op) for op in (*OPS, "invalid")}
         self.registry.register(_ServiceCollector(service))
         ProcessCollector(registry=self.registry)
         self._open = 0  # connections being answered
 
     def observe(self, op: str, seconds: float) -> None:
-        self.latency.labels(op).observe(seconds)
+        self._latency_of[op].observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
