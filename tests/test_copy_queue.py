@@ -38,7 +38,7 @@ def save(queue: CopyQueue, step: Step, nbytes: int, waited: list[int],
 
 def test_over_its_limit_a_save_drains_the_queue_by_its_oldest_copy():
     queue, waited = queue_and_waits()
-    step = Step(1, float("inf"), StepOptions(max_held_bytes=100))
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=100), full_offload=True)
     assert save(queue, step, 60, waited)[1] is None
     assert save(queue, step, 60, waited)[1] == 60  # over by less than one save: the oldest's wait is enough
     assert queue.nbytes == 120 and waited == []
@@ -48,7 +48,7 @@ def test_a_save_encoded_into_a_frame_holds_its_frame_too_until_its_copy_is_done(
     """The frame the encoder writes stays on the device beside the save until the copy has read it:
     the queue's limit bounds both."""
     queue, waited = queue_and_waits()
-    step = Step(1, float("inf"), StepOptions(max_held_bytes=100))
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=100), full_offload=True)
     assert save(queue, step, 40, waited, frame=30)[1] is None and queue.nbytes == 70
     assert save(queue, step, 40, waited, frame=30)[1] == 70  # 140 held: over by what the oldest holds
     queue.drain(70)
@@ -60,7 +60,7 @@ def test_of_the_queue_the_allocator_counts_the_saves_and_not_their_frames():
     streams keep its memory until they have run): what the queue takes and what the allocator's
     count shows of it differ by the frames waiting."""
     queue, waited = queue_and_waits()
-    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30))
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30), full_offload=True)
     save(queue, step, 40, waited, frame=30)
     save(queue, step, 20, waited)
     assert (queue.nbytes, queue.frame_nbytes, queue.allocated) == (90, 30, 60)
@@ -75,7 +75,7 @@ def test_the_step_s_own_memory_is_what_the_allocator_holds_less_the_saves_waitin
     queue, waited = queue_and_waits()
     held = {"bytes": 500}
     queue.memory = lambda device: held["bytes"]
-    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30))
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30), full_offload=True)
     save(queue, step, 40, waited, frame=30)
     save(queue, step, 20, waited)
     assert queue.step_memory(torch.device("cpu")) == 440
@@ -88,7 +88,7 @@ def test_the_step_s_own_memory_is_what_the_allocator_holds_less_the_saves_waitin
 
 def test_drain_waits_oldest_first_until_the_queue_is_within_the_limit():
     queue, waited = queue_and_waits()
-    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30))
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30), full_offload=True)
     saves = [save(queue, step, 10, waited)[0] for _ in range(3)]
     queue.drain(15)
     assert waited == [1, 2] and queue.nbytes == 10 and queue.copies() == [saves[2].copy_in]
@@ -100,10 +100,10 @@ def test_drain_waits_oldest_first_until_the_queue_is_within_the_limit():
 def test_past_a_budget_copies_may_run_behind_by_what_the_last_step_saved_past_its_own():
     queue, waited = queue_and_waits()
     options = StepOptions(max_held_bytes=100)
-    first = Step(1, 1000, options)
+    first = Step(1, 1000, options, full_offload=False)
     Rooms(queue).start_step(first)
     assert first.room is None and first.profile is None  # a budget: no room, no profile
-    second = Step(2, 1000, options)
+    second = Step(2, 1000, options, full_offload=False)
     second.past_budget_before = 50  # the session's, from the step before (session.end_step)
     assert queue.limit(second) == 100 + 50
     second.past_budget_bytes = 20
@@ -128,7 +128,7 @@ def test_a_look_without_the_lock_at_a_save_another_thread_just_released_finds_no
     release it (its copy_in set to None) between that look's two reads. The look says no copy has
     finished, where it raised AttributeError; the locked pass that follows sees the queue as it is."""
     queue, waited = queue_and_waits()
-    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30))
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 30), full_offload=True)
     stored, _ = save(queue, step, 10, waited)
     stored.copy_in = None  # what the other thread's _release leaves, seen before it pops the queue here
     assert queue.copied() is None
@@ -164,7 +164,7 @@ def test_a_profiled_unpack_brings_back_the_storage_once_and_leaves_its_mark_in_t
     rooms = Rooms(queue)
     rooms.record = record = ScriptedRecord()
     rooms.queue.memory = lambda device: 100
-    step = Step(1, float("inf"), StepOptions())
+    step = Step(1, float("inf"), StepOptions(), full_offload=True)
     rooms.start_step(step)
     assert step.profile is not None
     stored, _ = save(queue, step, 10, waited)
@@ -198,7 +198,7 @@ def test_closing_stops_the_record_of_a_step_still_profiling():
     rooms = Rooms(queue)
     rooms.record = record = ScriptedRecord()
     rooms.queue.memory = lambda device: 100
-    step = Step(1, float("inf"), StepOptions())
+    step = Step(1, float("inf"), StepOptions(), full_offload=True)
     rooms.start_step(step)
     stored, _ = save(queue, step, 10, waited)
     rooms.follow_room(step, stored.tensor.untyped_storage(), 10)
@@ -218,15 +218,16 @@ def test_the_profiled_step_record_is_read_once_though_budget_steps_come_between(
     rooms.record = record = ScriptedRecord([{"action": "alloc", "addr": mark, "size": size, "stream": 0}
                                             for mark in (1, 2)])
     rooms.queue.memory = lambda device: 100
-    step = Step(1, float("inf"), StepOptions())
+    step = Step(1, float("inf"), StepOptions(), full_offload=True)
     rooms.start_step(step)
     stored, _ = save(queue, step, 10, waited)
     rooms.follow_room(step, stored.tensor.untyped_storage(), 10)
     rooms.unpacked(stored, 0)
     profile = step.profile
-    rooms.start_step(Step(2, 1 << 20, StepOptions()))  # a budget: the room waits, the record is read
+    # a budget: the room waits, the record is read
+    rooms.start_step(Step(2, 1 << 20, StepOptions(), full_offload=False))
     assert record.finished == 1 and profile.rises == [0, 0] and step.profile is None  # read: the step's no more
     assert profile.frees == [[], []] and profile.counted == [range(0)]  # its block predates the record
-    after = Step(3, float("inf"), StepOptions())
+    after = Step(3, float("inf"), StepOptions(), full_offload=True)
     rooms.start_step(after)
     assert record.finished == 1 and after.room is not None

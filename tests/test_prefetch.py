@@ -22,7 +22,7 @@ KIB = 1024
 
 def step_of(states: list[str], nbytes: int = 4 * KIB, window: int = 0) -> Step:
     """A step whose saves, in saving order, are in these states (each saved once, not unpacked)."""
-    step = Step(1, float("inf"), StepOptions(prefetch_bytes=window))
+    step = Step(1, float("inf"), StepOptions(prefetch_bytes=window), full_offload=True)
     for key, state in enumerate(states, 1):
         t = torch.empty(nbytes, dtype=torch.uint8)
         s = Stored(key, step, t, StorageWeakRef(t.untyped_storage()), nbytes)

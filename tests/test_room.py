@@ -43,7 +43,7 @@ def test_the_window_fetches_what_fits_under_the_floor_until_those_bytes_are_unpa
     assert r.window(2, 12) == 12      # never more than the user's window
     assert r.window(3, 100) == 8      # the last one, beside 20
     assert r.window(4, 100) == 100    # past the profile: nothing more is held
-    step = Step(1, float("inf"), StepOptions(prefetch_bytes=100))
+    step = Step(1, float("inf"), StepOptions(prefetch_bytes=100), full_offload=True)
     assert step.window() == 100
     step.room, step.unpacked = r, 2
     assert step.window() == 16
@@ -328,14 +328,14 @@ def test_a_compiled_graph_save_is_never_kept_and_its_step_follows_a_room_that_ke
     rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
     rooms.room = lm_room()
     assert rooms.room.kept == 2
-    step = Step(1, float("inf"), StepOptions())
+    step = Step(1, float("inf"), StepOptions(), full_offload=True)
     rooms.start_step(step)
     assert step.room is rooms.room and step.unpacked == 0
     storage = torch.empty(4).untyped_storage()
     assert not rooms.keeps(step, storage, 40, compiled=True)
     assert step.room is rooms.room and (step.room.kept, step.unpacked) == (0, 0)
     assert step.room.floor == lm_room().floor and step.room.queue(5) == Room(lm_room().profile, keep=False).queue(5)
-    eager = Step(2, float("inf"), StepOptions())
+    eager = Step(2, float("inf"), StepOptions(), full_offload=True)
     rooms.room = lm_room()
     rooms.start_step(eager)
     eager.order += [object()] * 3  # three saves offloaded: the fourth and fifth are the room's to keep
@@ -350,7 +350,7 @@ def test_a_storage_made_where_a_kept_one_was_freed_is_no_kept_one():
     stayed on the device whatever its size, and the step's count of saves fell behind the room's)."""
     rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
     rooms.room = lm_room()
-    step = Step(1, float("inf"), StepOptions())
+    step = Step(1, float("inf"), StepOptions(), full_offload=True)
     rooms.start_step(step)
     step.order += [object()] * 3  # three saves offloaded: the fourth (40) and fifth (1) are the room's to keep
     kept = torch.empty(10).untyped_storage()
@@ -370,7 +370,7 @@ def test_a_step_that_may_go_on_past_its_room_keeps_none_of_its_last_saves():
     longer = Room(Profile(sizes=[*short.profile.sizes, 8, 8], saves=[*short.profile.saves, 20, 20]))
 
     def keeps_fourth() -> bool:
-        step = Step(1, float("inf"), StepOptions())
+        step = Step(1, float("inf"), StepOptions(), full_offload=True)
         rooms.start_step(step)
         step.order += [object()] * 3  # three saves offloaded: the fourth is the short room's to keep
         return step.room is short and rooms.keeps(step, torch.empty(4).untyped_storage(), 40)
@@ -423,7 +423,7 @@ def test_a_room_that_keeps_saves_is_tried_against_keeping_none_and_the_lower_pea
     storage = torch.empty(2).untyped_storage()
 
     def step(number: int) -> Step:
-        s = Step(number, float("inf"), StepOptions())
+        s = Step(number, float("inf"), StepOptions(), full_offload=True)
         rooms.start_step(s)
         s.order.append(object())  # its first save, offloaded
         rooms.follow_room(s, storage, 8)
@@ -437,7 +437,7 @@ def test_a_room_that_keeps_saves_is_tried_against_keeping_none_and_the_lower_pea
     assert tried[-1].room.kept == (2 if keeps else 0)
     assert record.started == len(rises) and record.rises == []
     assert any("keeping none" in r.getMessage() for r in caplog.records) == (not keeps)
-    later = Step(len(rises) + 2, float("inf"), StepOptions())
+    later = Step(len(rises) + 2, float("inf"), StepOptions(), full_offload=True)
     rooms.start_step(later)
     assert later.room is tried[-1].room and record.started == len(rises)  # no more steps measured
 
@@ -456,7 +456,7 @@ def test_a_trial_step_without_backward_measures_nothing_and_the_next_tries_the_r
     storage = torch.empty(2).untyped_storage()
 
     def step(number: int, made: int, unpacked: int) -> Step:
-        s = Step(number, float("inf"), StepOptions())
+        s = Step(number, float("inf"), StepOptions(), full_offload=True)
         rooms.start_step(s)
         for _ in range(made):
             s.order.append(object())
@@ -486,7 +486,7 @@ def test_a_step_is_settled_once_it_follows_to_its_end_the_room_no_trial_weighs()
     storage = torch.empty(2).untyped_storage()
 
     def step(number: int, sizes: tuple[int, ...] = (8,)) -> Step:
-        s = Step(number, float("inf"), StepOptions())
+        s = Step(number, float("inf"), StepOptions(), full_offload=True)
         rooms.start_step(s)
         for size in sizes:
             s.order.append(object())
@@ -518,7 +518,7 @@ def test_a_room_that_keeps_every_save_is_measured_from_its_first_kept_save():
     rooms.record = record = PeakRecord([10, 10])
     rooms.profiling = Room(Profile(sizes=[8], saves=[10], unpack_sizes=[8], unpacks=[18],
                                    unpack_saves=[0], rises=[0, 0])).profile
-    s = Step(1, float("inf"), StepOptions())
+    s = Step(1, float("inf"), StepOptions(), full_offload=True)
     rooms.start_step(s)
     assert s.room is rooms.trial.keeping and s.room.kept == 1
     assert rooms.keeps(s, torch.empty(2).untyped_storage(), 8)
@@ -532,12 +532,12 @@ def test_a_profiled_step_without_backward_gives_no_room_and_the_next_step_profil
     rooms = Rooms(CopyQueue(lambda: None, threading.Lock()))
     rooms.queue.memory = lambda device: 100
     storage = torch.empty(2).untyped_storage()
-    first = Step(1, float("inf"), StepOptions())
+    first = Step(1, float("inf"), StepOptions(), full_offload=True)
     rooms.start_step(first)
     assert first.profile is not None
     first.order.append(object())
     rooms.follow_room(first, storage, 8)
-    second = Step(2, float("inf"), StepOptions())
+    second = Step(2, float("inf"), StepOptions(), full_offload=True)
     rooms.start_step(second)
     assert second.room is None and second.profile is not None
     assert first.profile is None  # detached: its backward adds nothing to a profile
@@ -552,14 +552,14 @@ def test_a_trial_step_that_leaves_its_room_measures_nothing_and_the_next_tries_t
     other = Room(Profile(sizes=[16, 16], saves=[10, 20]))
     rooms.follow(other)
     rooms.profiling = lm_room().profile
-    first = Step(1, float("inf"), StepOptions())
+    first = Step(1, float("inf"), StepOptions(), full_offload=True)
     rooms.start_step(first)
     assert first.room is rooms.trial.keeping
     first.order.append(object())
     rooms.follow_room(first, torch.empty(2).untyped_storage(), 16)  # not the profile's first size
     first.unpacked = 1
     assert first.room is other and record.started == 0  # the other kind's room; nothing measured
-    after = Step(2, float("inf"), StepOptions())
+    after = Step(2, float("inf"), StepOptions(), full_offload=True)
     rooms.start_step(after)
     assert rooms.trial is not None and not rooms.trial.peaks and after.room is rooms.trial.keeping
 
@@ -572,13 +572,13 @@ def test_a_profile_of_another_kind_made_while_a_trial_runs_starts_its_own_trial_
     rooms.queue.memory = lambda device: 100
     rooms.record = PeakRecord([10])
     rooms.profiling = lm_room().profile
-    rooms.start_step(Step(1, float("inf"), StepOptions()))
+    rooms.start_step(Step(1, float("inf"), StepOptions(), full_offload=True))
     trial = rooms.trial
     assert trial is not None and trial.keeping.kept == 2
     other = lm_room().profile
     other.sizes = [8, 8, 8, 40, 2]  # its last save of another size: another kind
     rooms.profiling = other
-    after = Step(2, float("inf"), StepOptions())
+    after = Step(2, float("inf"), StepOptions(), full_offload=True)
     rooms.start_step(after)
     assert rooms.trial is not trial and rooms.trial.keeping.profile is other and after.room is rooms.trial.keeping
     assert rooms._rooms[tuple(lm_room().profile.sizes)].kept == 2
@@ -866,7 +866,7 @@ def test_a_profiled_unpack_of_a_save_the_store_refused_counts_it_once():
     rooms = Rooms(CopyQueue(lambda: None, threading.RLock()))
     t = torch.empty(400, dtype=torch.uint8)
     rooms.queue.memory = lambda device: 1000 + t.untyped_storage().nbytes()
-    step = Step(1, float("inf"), StepOptions())
+    step = Step(1, float("inf"), StepOptions(), full_offload=True)
     step.profile = Profile(sizes=[400], saves=[1400])
     stored = Stored(1, step, t, StorageWeakRef(t.untyped_storage()), 400)
     stored.state = State.KEPT
@@ -901,7 +901,7 @@ def test_profiles_that_gave_no_room_count_towards_the_bound_too(monkeypatch):
     storage = torch.empty(2).untyped_storage()
     profiled = []
     for number in range(6):
-        s = Step(number, float("inf"), StepOptions())
+        s = Step(number, float("inf"), StepOptions(), full_offload=True)
         rooms.start_step(s)
         profiled.append(s.profile is not None)
         s.order.append(object())
@@ -967,7 +967,7 @@ def framed_saves(sizes_and_frames: list[tuple[int, int]], own: list[int]) -> tup
     rooms = Rooms(queue)
     now = {"own": 0}
     rooms.queue.memory = lambda device: now["own"] + sum(s.nbytes for s, *_ in queue._saves)
-    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 40))
+    step = Step(1, float("inf"), StepOptions(max_held_bytes=1 << 40), full_offload=True)
     rooms.start_step(step)
     for (nbytes, frame), held in zip(sizes_and_frames, own):
         t = torch.empty(nbytes, dtype=torch.uint8)
@@ -996,7 +996,7 @@ def test_a_frame_is_made_only_where_it_fits_under_the_floor_beside_the_step_and_
     room = Room(Profile(sizes=[100, 1000], saves=[500, 2500], unpack_sizes=[1000, 100], unpacks=[3000, 600]))
     queue = CopyQueue(lambda: None, threading.RLock())
     rooms = Rooms(queue)
-    step = Step(1, float("inf"), StepOptions())
+    step = Step(1, float("inf"), StepOptions(), full_offload=True)
     step.room = room
     step.order = [object(), object()]  # the step has made its second save, the loss's
     assert room.floor == 3000

@@ -59,16 +59,16 @@ class StepOptions:
 class Step:
     """The saves of one ``storm.offload`` context, in saving order (for prefetch)."""
 
-    def __init__(self, number: int, budget_bytes: float, options: StepOptions = StepOptions(),
-                 full_offload: bool | None = None):
+    def __init__(self, number: int, budget_bytes: float, options: StepOptions = StepOptions(), *,
+                 full_offload: bool):
         self.number = number
         self.options = options
         self.budget_bytes = budget_bytes  # offload the earliest saves up to this many bytes
         # every save offloaded within full offload's limits (rooms.py), until something sets a budget
-        # (hooks.Offload.offload_at_most): as session.new_step decides for the steps it makes (not a
+        # (hooks.Offload.offload_at_most): session.new_step decides it for the steps it makes (not a
         # fraction budget's first step, whose limit is infinite only for want of a step before it, nor
-        # storm.plan's steps: planner/trace.py's PlanStep); None: where the budget is infinite
-        self.full_offload = budget_bytes == float("inf") if full_offload is None else full_offload
+        # storm.plan's steps: planner/trace.py's PlanStep)
+        self.full_offload = full_offload
         self.candidate_bytes = 0          # what the policy would have offloaded with no budget
         self.fraction: float | None = None  # a fraction budget, of the last step of its kind (session.py)
         self.kind: StepKind | None = None  # known at its first save the policy would offload
