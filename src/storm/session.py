@@ -24,7 +24,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -46,6 +46,7 @@ from .saved import Handle, Kept, Marker, State, Step, StepKind, StepOptions, Sto
 MARKER_SPACING = 64 << 20  # past the budget, one save in about this many bytes reports backward's progress
 MAX_KINDS = 64  # kinds of step whose figures fraction budgets go by, the most recent
 MAX_OVERFLOWED_KINDS = 4096  # kinds of save whose frames overflowed, the most recent: shapes that change add one each
+K, V = TypeVar("K"), TypeVar("V")
 _steps = itertools.count(1)  # for the whole process, as keys are (mover.next_key): sessions may share a store
 
 
@@ -77,7 +78,7 @@ class ClientSession:
         self._refusals = Refusals()
         # Stored.kind -> the codecs whose frame overflowed for it: its saves take the next frame
         # that takes them, or go raw (mover.route, frames.frame_codec)
-        self._overflowed: dict[tuple[Any, ...], frozenset[str]] = {}
+        self._overflowed: collections.OrderedDict[tuple[Any, ...], frozenset[str]] = collections.OrderedDict()
         self.closed = False  # by close_all(): the store's bytes are gone, and saves have nowhere to go
         self.last_step = 0  # the number of the last step begun (steps are numbered for the whole process)
 
@@ -360,10 +361,8 @@ class ClientSession:
         """``stored``'s frame had more escapes than slots: saves of its kind take the next frame that
         takes them, or go raw (mover.route, frames.frame_codec)."""
         assert stored.request is not None and stored.step is not None
-        kinds = self._overflowed
-        kinds[stored.kind] = kinds.pop(stored.kind, frozenset()) | {stored.request.codec}  # the most recent last
-        while len(kinds) > MAX_OVERFLOWED_KINDS:  # the one forgotten overflows once more if it comes again
-            del kinds[next(iter(kinds))]
+        codecs = self._overflowed.get(stored.kind, frozenset()) | {stored.request.codec}
+        _remember(self._overflowed, stored.kind, codecs, MAX_OVERFLOWED_KINDS)  # one forgotten overflows once more
         stored.step.stats.record(stored.layer, frame_overflows=1)
 
     def _handles_dropped(self) -> list[int]:
@@ -488,10 +487,10 @@ class ClientSession:
         self._stores.close()
 
 
-def _remember(figures: collections.OrderedDict[StepKind, int], kind: StepKind, nbytes: int) -> None:
-    """``nbytes`` for ``kind``, the most recent; at most MAX_KINDS kinds (shapes that change every step
-    would add one each)."""
-    figures[kind] = nbytes
-    figures.move_to_end(kind)
-    while len(figures) > MAX_KINDS:
-        figures.popitem(last=False)
+def _remember(by_kind: collections.OrderedDict[K, V], kind: K, value: V, most: int = MAX_KINDS) -> None:
+    """``value`` for ``kind``, the most recent; at most ``most`` kinds, the least recent forgotten
+    (shapes that change every step would add one each)."""
+    by_kind[kind] = value
+    by_kind.move_to_end(kind)
+    while len(by_kind) > most:
+        by_kind.popitem(last=False)
