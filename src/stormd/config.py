@@ -32,6 +32,11 @@ else:  # Python 3.10 has no tomllib; tomli is the same parser, published separat
     import tomli as tomllib
 
 
+# client_max_keys unless given is this share of max_keys: one rank's on a node of eight GPUs, so that
+# one session cannot take the keys the others need.
+KEY_SHARES = 8
+
+
 @dataclass
 class DaemonConfig:
     socket: str
@@ -52,7 +57,7 @@ class DaemonConfig:
     max_sessions_per_peer: int = 16  # HELLOs one socket connection may hold open (a process needs one)
     max_sessions: int = 1024  # sessions of the whole daemon
     max_keys: int = 1 << 18  # tensors the daemon holds at once, all sessions together
-    client_max_keys: int = 1 << 15  # tensors one session may hold; not given: max_keys // KEY_SHARES (load)
+    client_max_keys: int = max_keys // KEY_SHARES  # tensors one session may hold (load: of the max_keys given)
     curve_secret_key: str = ""  # tcp:// only: the server's CURVE secret key file (zmq.auth format)
     curve_authorized_keys: str = ""  # tcp:// only: directory of the clients' CURVE public key files
     spill: bool = False  # move the oldest tensors to spill_dir when the pool is full
@@ -67,9 +72,6 @@ class DaemonConfig:
 
 
 CONFIG_ENV = "STORMD_CONFIG"
-# client_max_keys unless given is this share of max_keys: one rank's on a node of eight GPUs, so that
-# one session cannot take the keys the others need.
-KEY_SHARES = 8
 ENV_PREFIX = "STORMD_"
 
 
