@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Callable, cast
 
-import msgpack
 import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
@@ -38,7 +37,7 @@ from .auth import secure_server
 from .config import DaemonConfig
 from .service import Service
 from .wire.endpoint import ensure_private_dir, ipc_path, socket_is_live
-from .wire.protocol import OPS, ErrorCode, ProtocolError, notice, pack, unpack_request
+from .wire.protocol import OPS, ErrorCode, ProtocolError, notice, pack, packer, unpack_request
 
 log = logging.getLogger("stormd")
 
@@ -109,8 +108,7 @@ class Server:
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._sync: zmq.backend.Socket  # bind() makes it: self._sock without asyncio's futures
-        # the replies' encoder, made once: msgpack.packb makes one (and its buffer) per call
-        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._pack = packer()  # the replies' encoder: the loop's thread alone packs them
         self._auth: AsyncioAuthenticator | None = None  # the ZAP authenticator of a tcp:// (CURVE) socket
         self._backlog: dict[bytes, _Backlog] = {}  # by peer
         self._flusher: asyncio.Task | None = None

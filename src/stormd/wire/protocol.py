@@ -377,6 +377,11 @@ def pack(msg: dict[str, Any]) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
+def packer() -> Callable[[dict[str, Any]], bytes]:
+    """pack for one thread's many messages: one encoder and its buffer, where packb makes both per call."""
+    return msgpack.Packer(use_bin_type=True).pack
+
+
 _LIMIT_NAMES = {"max_array_len": ("an array", "items", "array_len"), "max_map_len": ("a map", "entries", "map_len"),
                 "max_str_len": ("a string", "bytes", "str_bytes"), "max_bin_len": ("a bin", "bytes", "bin_bytes"),
                 "max_ext_len": ("an ext value", "bytes", "the protocol has no ext types")}
