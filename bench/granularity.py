@@ -59,13 +59,10 @@ class PartsTrainer(Trainer):
         if opts.get("blocks") != "parts":
             super().__init__(w, method, opts, device)
             return
-        self.w, self.method, self.opts, self.device = w, method, opts, device
-        self.model, self.x = w.build(device)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        super().__init__(w, "none", {}, device)  # the model, its inputs and optimizer, nothing enabled
+        self.method, self.opts = method, opts
         units = parts(self.model, find_blocks(self.model).blocks, lambda: w.forward(self.model, self.x))
         self.handle = common.storm.enable(self.model, **{**opts, "blocks": units})
-        self._plan = None
-        self.last = None
 
 
 def main() -> int:
