@@ -35,6 +35,7 @@ import xxhash
 import zmq
 
 from common import REPO, percentile, start_daemon, write
+from stormd.ctl import request
 from stormd.wire.protocol import PROTOCOL_VERSION, pack, unpack
 
 MAX_BYTES = 1 << 16
@@ -90,21 +91,6 @@ def client(endpoint: str, seed: int, steps: int, ready: Any, start: Any) -> dict
     return {"mismatches": mismatches, "errors": errors, "tensors": steps, "bytes": nbytes, "latencies": latencies}
 
 
-def status(endpoint: str) -> dict[str, Any]:
-    """The daemon's STATUS reply (an admin verb: no session)."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 30_000)
-    try:
-        sock.connect(endpoint)
-        sock.send(pack({"op": "STATUS", "id": 1}))
-        while (r := unpack(sock.recv())).get("probe"):
-            pass
-        return r
-    finally:
-        sock.close()
-
-
 def cpu_seconds(pid: int | None) -> tuple[float, float] | None:
     """User plus system CPU seconds so far of process ``pid`` (all its threads) and of its main
     thread; None without a process."""
@@ -138,12 +124,12 @@ def run(procs: int, steps: int, endpoint: str, daemon_pid: int | None = None) ->
     with ctx.Pool(procs) as pool:
         pending = [pool.apply_async(client, (endpoint, seed, steps, ready, start)) for seed in range(procs)]
         wait_ready(ready, pending)  # the clock starts when all are released together
-        before, cpu0 = status(endpoint)["traffic"], cpu_seconds(daemon_pid)
+        before, cpu0 = request(endpoint, "STATUS", timeout=30)["traffic"], cpu_seconds(daemon_pid)
         t0 = time.perf_counter()
         start.set()
         results = [p.get(timeout=600) for p in pending]
         wall = time.perf_counter() - t0
-        cpu1, after = cpu_seconds(daemon_pid), status(endpoint)["traffic"]
+        cpu1, after = cpu_seconds(daemon_pid), request(endpoint, "STATUS", timeout=30)["traffic"]
     all_lat = {op: [x for r in results for x in r["latencies"][op]] for op in ("PUT", "SEAL", "GET", "FREE")}
     every = [x for v in all_lat.values() for x in v]
     tensors = sum(r["tensors"] for r in results)
