@@ -87,6 +87,62 @@ def test_trainer_with_a_plan_settles_bit_identical(tmp_path):
     assert "lm_head" in text.split("after the blocks: ")[1], text
 
 
+class Ragged(torch.utils.data.Dataset):
+    """Sequences of 9 to 16 tokens, half of them 16: batches padded to their longest (a data
+    collator's dynamic padding) come in every length from 9 to 16, mostly 16."""
+
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(3)
+        lengths = [16 if i % 2 else int(torch.randint(9, 16, (), generator=g)) for i in range(n)]
+        self.ids = [torch.randint(1, 128, (k,), generator=g) for k in lengths]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i]}
+
+
+def pad_to_longest(rows: list[dict]) -> dict:
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r["input_ids"])], mask[i, :len(r["input_ids"])] = r["input_ids"], 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_a_plan_of_batches_padded_to_their_longest_settles_bit_identical(tmp_path):
+    """Dynamic padding: each batch as long as its longest sequence. The plan is made for the longest
+    batches and holds for the shorter ones (before: each new length traced again, and the plan never
+    settled); losses and parameters are those of the run without STORM, bit for bit."""
+    steps = 3 * SETTLE_STEPS
+
+    def run(callback: StormCallback | None) -> tuple[transformers.LlamaForCausalLM, list]:
+        model = tiny_llama()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / ("storm" if callback else "plain")), max_steps=steps,
+            per_device_train_batch_size=2, learning_rate=1e-3, logging_strategy="no", save_strategy="no",
+            report_to=[], use_cpu=True, disable_tqdm=True, seed=0, data_seed=0, dataloader_num_workers=0)
+        losses: list = []
+        hook = model.register_forward_hook(lambda m, args, out: losses.append(out.loss.detach().clone()))
+        try:
+            transformers.Trainer(model=model, args=args, train_dataset=Ragged(2 * steps), data_collator=pad_to_longest,
+                                 callbacks=[callback] if callback else []).train()
+        finally:
+            hook.remove()
+        return model, losses
+
+    callback = StormCallback(budget=0.5, mode="embedded", min_bytes=0, clock=StillClock())
+    settled: list[bool] = []
+    callback.on_step_end = lambda *a, **k: settled.append(callback.handle.planner.settled)
+    got = run(callback)
+    assert settled[-1], callback.handle.explain()
+    planner = callback.handle.planner
+    assert planner.replans <= 1 and planner.trace.blocks[0].input_bytes >= 2 * 16 * 64 * 4, planner.explain()
+    assert_same(run(None), got)
+
+
 def test_a_train_that_raised_does_not_keep_the_next_from_enabling(tmp_path):
     """transformers calls no callback when train() raises: the next train begin disables what it left."""
     callback = StormCallback(mode="embedded", min_bytes=0)

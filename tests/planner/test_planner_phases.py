@@ -253,19 +253,25 @@ def test_a_trial_keeps_the_alternative_measured_within_its_target_where_the_plan
     planner.close()
 
 
-def test_a_compute_trace_of_other_shapes_than_the_offload_traces_traces_again():
-    """The compute trace's block 0 takes a batch of another size than the offload trace's: its
-    recompute times are not the traced step's, so the planner traces again (before: the plan was
-    made from a batch of 1's times for steps of 64)."""
+def test_a_compute_trace_of_smaller_inputs_is_not_read_and_of_larger_ones_traces_again():
+    """The compute trace's block 0 takes a batch of 1 where the offload trace's took 64: its
+    recompute times are not the traced step's, so the step is not read and the compute trace runs
+    again (before: the planner traced again, from that batch of 1); a batch of 128 there traces
+    again (before: likewise), for at least 128."""
     model, idx = gpt()
     big = torch.randint(0, 256, (64, 65))
     ref = grads_of(copy.deepcopy(model), big)
     planner = storm.Planner(model.blocks, budget=0.5, mode="embedded", min_bytes=0, form_trial=False)
     grads_of(model, big, planner.step())  # the offload trace, batch 64
-    grads_of(model, big[:1], planner.step())  # the compute trace, batch 1
-    assert not planner.settled and planner.replans == 0 and planner.phase is Phase.TRACE_OFFLOAD
-    for _ in range(3):
+    grads_of(model, big[:1], planner.step())  # the compute trace, batch 1: not read
+    assert not planner.settled  # reads the step
+    assert planner.replans == 0 and planner.phase is Phase.TRACE_COMPUTE and planner.smaller_steps == 1
+    for _ in range(2):
         assert all(same_bits(a, b) for a, b in zip(ref, grads_of(model, big, planner.step())))
-    assert planner.replans == 1 and planner.plan is not None
+    assert planner.replans == 0 and planner.plan is not None
+    grads_of(model, torch.cat([big, big]), planner.step())
+    assert not planner.settled and planner.phase is Phase.TRACE_OFFLOAD
+    planner.step()
+    assert planner.replans == 1 and planner.smaller_steps == 0
     planner.close()
 

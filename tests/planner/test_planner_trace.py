@@ -16,21 +16,59 @@ from storm.examples.models import same_bits
 from storm.planner.trace import Shared
 
 
-def test_new_input_shapes_trace_again():
+def test_larger_inputs_trace_again_for_at_least_their_shapes():
+    """A batch larger than the traced one: the trace no longer holds, and the next trace is made for
+    inputs no smaller than that batch's. A smaller step at the offload trace (before: traced, so
+    padding to each batch's longest sequence made every trace of whatever came next) is not read."""
     model, idx = gpt()
+    larger = torch.randint(0, 256, (16, 65))
     planner = storm.plan(model.blocks, budget=0.3, mode="embedded", min_bytes=0)
     for _ in range(3):
         grads_of(model, idx, planner.step())
     assert planner.plan is not None and planner.replans == 0
-    grads_of(model, idx[:, :33], planner.step())  # a shorter sequence: the trace no longer holds
+    grads_of(model, larger, planner.step())  # a larger batch: the trace no longer holds
     ctx = planner.step()
     assert planner.plan is None and planner.replans == 1
     assert "forward" not in vars(model.blocks[0])  # the offload trace recomputes nothing
-    grads_of(model, idx[:, :33], ctx)
-    grads_of(model, idx[:, :33], planner.step())  # the compute trace
-    grads_of(model, idx[:, :33], planner.step())  # planned from the two
-    assert planner.plan is not None
-    assert planner.trace.blocks[0].input_bytes == 8 * 32 * 64 * 4
+    grads_of(model, idx[:, :33], ctx)  # smaller than the batch that outgrew the trace: not read
+    assert not planner.settled  # reads the step
+    assert planner.trace is None and planner.smaller_steps == 1
+    assert "1 step since this trace began took smaller inputs" in planner.explain()
+    grads_of(model, larger, planner.step())  # the offload trace
+    grads_of(model, larger, planner.step())  # the compute trace
+    grads_of(model, larger, planner.step())  # planned from the two
+    assert planner.plan is not None and planner.replans == 1
+    assert planner.trace.blocks[0].input_bytes == 16 * 64 * 64 * 4
+    planner.close()
+
+
+def test_smaller_inputs_keep_the_settled_plan_and_are_not_read_before():
+    """Steps of smaller inputs than traced (a shorter sequence, a smaller batch) run the plan, which
+    holds for them: the settled plan stays settled (before: each traced again, and inputs padded
+    to their batch's longest never settled); before it settles, they are not read, and the phase
+    they ran in runs again. Every step's gradients are those of the model without STORM, bit for bit."""
+    model, idx = gpt()
+    ref = copy.deepcopy(model)
+    planner = storm.plan(model.blocks, budget=0.3, mode="embedded", min_bytes=0, clock=FakeClock())
+    smaller = [idx[:, :33], idx[:4], idx[:2, :17]]
+    phases = []
+    for step in range(60):
+        batch = smaller[step % 3] if step % 2 else idx  # every other step smaller, in three shapes
+        phase = planner.phase
+        got = grads_of(model, batch, planner.step())
+        assert all(same_bits(a, b) for a, b in zip(grads_of(ref, batch), got)), step
+        phases.append(phase)
+        if planner.settled and step % 2:
+            break
+    assert planner.settled and planner.replans == 0, planner.explain()
+    assert planner.smaller_steps > 0 and planner.trace.blocks[0].input_bytes == 8 * 64 * 64 * 4
+    # the phase a smaller step ran in runs again: each step of idx runs the phase of the step before it
+    assert all(phases[i + 1] is phases[i] for i in range(1, len(phases) - 1, 2)), phases
+    settled_smaller = planner.smaller_steps
+    for batch in smaller:
+        grads_of(model, batch, planner.step())
+        assert planner.settled and planner.replans == 0
+    assert planner.smaller_steps == settled_smaller  # the settled plan's steps are read: nothing to skip
     planner.close()
 
 

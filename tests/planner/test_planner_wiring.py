@@ -233,7 +233,7 @@ def test_a_blocks_measured_backward_extra_moves_the_room_prefetch_takes_there_an
         plan = Plan(offloaded=2, recomputed=frozenset(), offload_budget=20 * MiB, max_held_bytes=0, prefetch_bytes=0,
                     predicted_peak=100 * MiB, predicted_cost_ms=0.0, fits=True)
         hooks, paced = BlockHooks(list(model.blocks), reentrant=True), Paced()
-        hooks.apply(plan, trace, grads=grads, on_new_shapes=lambda: None, signature=(), ctx=lambda: paced)
+        hooks.apply(plan, trace, grads=grads, ctx=lambda: paced)
         grads_of(model, idx)
         hooks.close()
         return paced.rooms[::-1]  # block 0's first
@@ -261,7 +261,7 @@ def test_what_is_fetched_ahead_at_a_block_fits_every_block_backward_reaches_befo
     plan = Plan(offloaded=1, recomputed=recomputed, offload_budget=10 * MiB, max_held_bytes=0, prefetch_bytes=0,
                 predicted_peak=max(held), predicted_cost_ms=0.0, fits=True)
     hooks, paced = BlockHooks(list(model.blocks), reentrant=True), Paced()
-    hooks.apply(plan, trace, grads=True, on_new_shapes=lambda: None, signature=(), ctx=lambda: paced)
+    hooks.apply(plan, trace, grads=True, ctx=lambda: paced)
     grads_of(model, idx)
     hooks.close()
     rooms = paced.rooms[::-1]  # block 0's first
@@ -283,7 +283,7 @@ def test_forward_lets_copies_run_behind_by_its_room_below_the_peak_and_drains_af
     def paced_by(plan: Plan, blocks: list[BlockTrace]) -> Paced:
         trace = Trace(blocks=blocks, offloaded_before=[10 * MiB * i for i in range(n + 1)])
         hooks, paced = BlockHooks(list(model.blocks), reentrant=True), Paced()
-        hooks.apply(plan, trace, grads=False, on_new_shapes=lambda: None, signature=(), ctx=lambda: paced)
+        hooks.apply(plan, trace, grads=False, ctx=lambda: paced)
         grads_of(model, idx)
         hooks.close()
         return paced
@@ -301,3 +301,32 @@ def test_forward_lets_copies_run_behind_by_its_room_below_the_peak_and_drains_af
     kept = Plan(offloaded=2, recomputed=frozenset(), offload_budget=20 * MiB, max_held_bytes=MiB, prefetch_bytes=0,
                 predicted_peak=50 * MiB, predicted_cost_ms=0.0, fits=True)
     assert paced_by(kept, blocks).queued == [max(0, 50 - 11 - 10 * max(0, i - 2)) * MiB for i in range(1, n)] + [0]
+
+
+def test_inputs_compare_call_by_call_and_dimension_by_dimension():
+    """A step's calls of block 0 against the traced step's: smaller where no dimension is larger
+    and the tensors are the same in number, rank and dtype; anything else is other inputs."""
+    from storm.planner.wiring import Inputs, compare_inputs
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    traced = ((((8, 64, 32), f32), ((8, 1, 64, 64), bf16)),)
+    assert compare_inputs([traced[0]], traced) is Inputs.AS_TRACED
+    assert compare_inputs([], traced) is Inputs.AS_TRACED  # no call of block 0
+    assert compare_inputs([traced[0]], ()) is Inputs.AS_TRACED  # nothing traced yet
+    shorter = (((8, 33, 32), f32), ((8, 1, 33, 33), bf16))
+    assert compare_inputs([shorter], traced) is Inputs.SMALLER
+    assert compare_inputs([(((4, 64, 32), f32), ((4, 1, 64, 64), bf16))], traced) is Inputs.SMALLER
+    for other in [(((8, 65, 32), f32), ((8, 1, 65, 65), bf16)),   # longer
+                  (((16, 33, 32), f32), ((16, 1, 33, 33), bf16)),  # more tokens in one dimension, fewer in another
+                  (((8, 64, 32), bf16), ((8, 1, 64, 64), bf16)),   # another dtype
+                  (((8, 64, 32), f32), ((8, 64, 64), bf16)),       # another rank
+                  (((8, 64, 32), f32),)]:                          # another number of tensors
+        assert compare_inputs([other], traced) is Inputs.OTHER, other
+    unmasked = (((8, 64, 32), f32), None)  # no padding in the batch: no mask
+    assert compare_inputs([unmasked], traced) is Inputs.SMALLER
+    assert compare_inputs([traced[0]], (unmasked,)) is Inputs.OTHER  # a mask where the traced step had none
+    two = (traced[0], shorter)  # a step of two forwards, the second smaller
+    assert compare_inputs([traced[0], shorter], two) is Inputs.AS_TRACED
+    assert compare_inputs([shorter, shorter], two) is Inputs.SMALLER
+    assert compare_inputs([shorter, traced[0]], two) is Inputs.OTHER  # the second larger than its own
+    assert compare_inputs([traced[0], traced[0]], traced) is Inputs.OTHER  # more forwards than traced

@@ -27,7 +27,7 @@ from .state import TraceState
 from .trace import Frames
 from .traced import TraceOffload
 from .trial import Clock, Trial
-from .wiring import BlockHooks, device_of
+from .wiring import BlockHooks, Inputs, compare_inputs, device_of
 
 log = logging.getLogger("storm")
 
@@ -90,6 +90,7 @@ class Planner:
         self._ctx: Offload | None = None  # the step running now, or the last begun (a trace's too)
         self._backward_ended = False  # the last step begun ran its backward through the blocks to its end
         self.replans = 0
+        self._outgrown: tuple = ()  # block 0's inputs in the last step that made the trace stale by its inputs
         self.traced_again = False  # a compute trace that paid first calls was repeated (ComputeTrace)
 
     # --- what this trace has taught and decided (TraceState) ------------------
@@ -165,6 +166,12 @@ class Planner:
         return len(self.state.measured)
 
     @property
+    def smaller_steps(self) -> int:
+        """Steps since the last trace began whose block 0 took smaller inputs than the traced step's
+        (wiring.Inputs): each ran as the step before it did, and only the settled plan's were read."""
+        return self.state.smaller_steps
+
+    @property
     def trials(self) -> list[Trial]:
         """This trace's trials, decided, in order."""
         return self.state.trials
@@ -205,7 +212,10 @@ class Planner:
         self.hooks.remove_end_hooks()  # the last step's, where it never ran a backward
         self.hooks.new_step()
         if self.state.stale:
-            self.state, self._phase = TraceState(), TraceOffload()
+            # a trace made for inputs no smaller than those that outgrew the last (a step of smaller
+            # ones is read by none of its phases): steps padded to their batch's longest sequence
+            # are planned for the longest
+            self.state, self._phase = TraceState(signature=self._outgrown), TraceOffload()
             self.replans += 1
         # a phase whose begin raised began no step: nothing of it is read, and the next step begins it again
         self._begun = self._ctx = None
@@ -220,15 +230,27 @@ class Planner:
     def _finish_last_step(self) -> None:
         """Read the last step begun, where not yet: its phase's end gives the next step's. A step
         begun but never entered (a batch skipped after step()) ran nothing to read: the next step
-        begins the same phase again. A step that ran the blocks more or fewer times than the traced
-        one makes the trace stale: the next step traces again, which ``settled`` and ``phase`` say
-        as soon as it is read."""
+        begins the same phase again, as does one whose block 0 took smaller inputs than the traced
+        step's (wiring.Inputs), except the settled plan's, which holds for it. A step whose block 0
+        took larger or other inputs, or that ran the blocks more or fewer times than the traced
+        one, makes the trace stale: the next step traces again, which ``settled`` and ``phase``
+        say as soon as it is read."""
         if self._begun is not None:
             begun, self._begun = self._begun, None
+            inputs = compare_inputs(self.hooks.inputs, self.state.signature)
             if self._ctx is not None and not _entered(self._ctx):
                 begun.abandon()
                 self._phase = begun
+            elif inputs is Inputs.SMALLER and begun.kind is not Phase.SETTLED:
+                # the plan in force (or the trace's step) held for it, but it measured a smaller step
+                # than the traced one: it is not read, and the next step begins the same phase again
+                begun.abandon()
+                self._phase = begun
+                self.state.smaller_steps += 1
             else:
+                if inputs is Inputs.OTHER and self.trace is not None:  # before it, nothing was traced yet
+                    self.state.stale = True
+                    self._outgrown = tuple(self.hooks.inputs)
                 self._phase = begun.end(self)
         forwards = self.hooks.calls[0]  # this step's, until the next begins (hooks.new_step)
         if self.trace is not None and forwards and forwards != self.trace.forwards:
@@ -422,12 +444,7 @@ class Planner:
         state = self.state
         assert state.trace is not None
         state.plan = plan
-        self.hooks.apply(plan, state.trace, self.peak is not None, self._trace_again, state.signature,
-                         lambda: self._ctx)
-
-    def _trace_again(self) -> None:
-        """Block 0 was called with other input shapes than those traced: the trace no longer holds."""
-        self.state.stale = True
+        self.hooks.apply(plan, state.trace, self.peak is not None, lambda: self._ctx)
 
     def explain(self) -> str:
         """Per block what was measured and what the plan does with it, and the predicted totals."""

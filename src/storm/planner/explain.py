@@ -79,6 +79,9 @@ class Explained(Protocol):
     @property
     def measured_plans(self) -> int: ...
 
+    @property
+    def smaller_steps(self) -> int: ...
+
     def peak_moments(self, plan: Plan | None = None) -> list[tuple[int, int | None]] | None: ...
 
 
@@ -86,7 +89,7 @@ def explain(planner: Explained) -> str:
     """Whether the plan is settled, per block what was measured and what the plan does with it,
     what was saved outside the blocks, the predicted totals, the trials and the measured peak."""
     if planner.plan is None or planner.trace is None:
-        return f"storm.plan: no plan yet; the next step {_TRACED[planner.phase.value]}"
+        return "\n".join([f"storm.plan: no plan yet; the next step {_TRACED[planner.phase.value]}", *_smaller(planner)])
     t, p = planner.trace, planner.plan
     want = (f"peak {planner.peak / MiB:.1f} MiB above the step's start" if planner.peak is not None
             else f"budget {_describe_budget(planner.budget, t.total_bytes)}")
@@ -99,6 +102,7 @@ def explain(planner: Explained) -> str:
     lines = [f"storm.plan: {want}; link {t.d2h_GBps:.1f} GB/s to host, {t.h2d_GBps:.1f} back; {host}; "
              f"forward {t.forward_host_ms:.2f} ms host, {t.forward_device_ms:.2f} ms compute stream{backward}",
              _standing(planner),
+             *_smaller(planner),
              *([f"a step is {t.forwards} forwards before one backward: each block's figures are its {t.forwards} "
                 f"calls' together, and the plan decides for all of them"] if t.forwards > 1 else []),
              f"{'block':>5} {'saved MiB':>10} {'tensors':>7} {'input MiB':>10} {'forward ms':>10}  decision"]
@@ -209,6 +213,17 @@ def _standing(planner: Explained) -> str:
     trying = planner.trying
     assert trying is not None  # phase "try"
     return f"not settled yet: {trying.describe()}; the plan below is the last step's"
+
+
+def _smaller(planner: Explained) -> list[str]:
+    """The steps since the last trace began whose block 0 took smaller inputs than traced."""
+    n = planner.smaller_steps
+    if not n:
+        return []
+    return [f"{n} step{'s' * (n != 1)} since this trace began took smaller inputs at block 0 than the traced "
+            "step (a shorter longest sequence, a smaller batch): each ran as the step before it did and was not "
+            "read, so the plan is made, measured and tried on steps of the traced inputs, the largest so far; "
+            "it holds for smaller ones, whose saves and peak only shrink"]
 
 
 def _outside(t: Trace, p: Plan) -> list[str]:

@@ -20,7 +20,9 @@ class TraceState:
     """One trace's course, from its offload trace until it no longer holds (``stale``)."""
 
     trace: Trace | None = None  # the offload trace's, filled in by the compute trace; None until traced
-    signature: tuple = ()       # block 0's inputs' shapes and dtypes in each forward of the offload trace
+    # block 0's inputs' shapes and dtypes in each forward of the offload trace (wiring.input_signature);
+    # before it, those of the step that made the last trace stale, which the offload trace is no smaller than
+    signature: tuple = ()
     plan: Plan | None = None    # the plan in force (in a trial, the last step's); None until planned
     # what a step holds besides its saves (activations' gradients, temporaries) at a recomputed or
     # offloaded block's backward, measured on CUDA in the compute trace; None before it (or off CUDA)
@@ -44,6 +46,7 @@ class TraceState:
     traced_moments: list[int | None] | None = None
     full_tried: set[tuple] = dataclasses.field(default_factory=set)  # Plan.shape of full offloads run, read or not
     stale: bool = False  # the last step ran unlike the traced one: the next step traces again
+    smaller_steps: int = 0  # steps of smaller inputs than traced, which no phase but the settled plan's read
 
     @property
     def kept_extra(self) -> int:

@@ -26,7 +26,7 @@ from ..recompute import Recompute
 from .measure import frame_costs, link_bandwidth
 from .records import BlockTrace, Trace
 from .trial import Clock
-from .wiring import BlockHooks, call_leaves, device_of, grad_tensor, input_signature, warn_blocks_whole_graph
+from .wiring import BlockHooks, call_leaves, device_of, grad_tensor, warn_blocks_whole_graph
 
 log = logging.getLogger("storm")
 
@@ -52,7 +52,6 @@ class OffloadTrace:
         self.frame_setting = options["codec"] if options.get("codec") in FRAME_CODECS else "auto"
         self.outside = OutsideSaves(hooks.blocks, model)
         self.ctx = ctx = TracedStep(self.outside, **{**options, "codec": "raw"})
-        self.signature: tuple = ()  # block 0's inputs' shapes in each forward, which the trace holds for
         n = len(hooks.blocks)
         # (pack s, storages offloaded) when each block call started and ended, and which block each
         # call was: a step may run the blocks in more than one forward before its backward. The
@@ -84,8 +83,6 @@ class OffloadTrace:
             if hooks.calls[i] <= 1:
                 self.grads[i] = sum(q.numel() * q.element_size() for q in m.parameters()
                                     if q.requires_grad and q.grad is None)
-            if i == 0:
-                self.signature += (input_signature(args, kwargs),)
 
         def post(i: int, m: nn.Module, args: Any, out: Any) -> None:
             mark()
@@ -370,11 +367,9 @@ class ComputeTrace:
     (``hand_over``) or, without Recompute's hand-over of saved tensors, a step whose blocks'
     backward holds their saves as a kept block's does (what it holds besides them gives the
     planner's ``kept_extra``). ``ctx`` is the step's storm.offload; ``collect()`` after it
-    writes the times into the Trace. ``signature``: the offload trace's inputs of block 0, per
-    forward; a call of other shapes sets ``other_shapes`` (the trace no longer holds)."""
+    writes the times into the Trace."""
 
-    def __init__(self, hooks: BlockHooks, clock: Clock, options: dict[str, Any], hand_over: bool,
-                 signature: tuple = ()):
+    def __init__(self, hooks: BlockHooks, clock: Clock, options: dict[str, Any], hand_over: bool):
         device = device_of(hooks.blocks)
         # each recompute form's first call in a process sets up its machinery (torch's checkpoint, the
         # non-reentrant form, imports torch._dynamo): paid now on a function of STORM's own, or the
@@ -386,7 +381,6 @@ class ComputeTrace:
         hooks.recompute(set(range(len(hooks.blocks))), hand_over)
         self.hooks, self.clock, self.hand_over = hooks, clock, hand_over
         self.first_calls = False  # collect() found the traced forward, or a recompute, paid first calls
-        self.other_shapes = False
         n = len(hooks.blocks)
         self.starts: list[Any] = [None] * n  # as each block's first call starts
         self.ends: list[Any] = [None] * n    # and its last one ends
@@ -407,8 +401,6 @@ class ComputeTrace:
             hooks.at_backward_end(lambda: self.ended.append(clock.mark()), lambda: self.reached.append(clock.mark()))
 
         def pre(i: int, m: nn.Module, args: Any, kwargs: dict) -> None:
-            if i == 0 and hooks.new_inputs(args, kwargs, signature):
-                self.other_shapes = True
             if i == 0 and hand_over and torch.is_grad_enabled():
                 given = grad_tensor((args, kwargs))
                 if given is not None:

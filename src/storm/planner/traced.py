@@ -27,7 +27,7 @@ class TraceOffload(StepPhase):
         trace = self.tracer.collect()
         if trace is None:
             return self
-        planner.state.trace, planner.state.signature = trace, self.tracer.signature
+        planner.state.trace, planner.state.signature = trace, tuple(planner.hooks.inputs)
         return TraceCompute(hand_over=True)
 
     def abandon(self) -> None:
@@ -45,8 +45,7 @@ class TraceCompute(StepPhase):
         self.kind = Phase.TRACE_COMPUTE if hand_over else Phase.TRACE_COMPUTE_KEPT
 
     def begin(self, planner: Driver) -> Offload:
-        self.tracer = ComputeTrace(planner.hooks, planner.clock, planner.options, self.hand_over,
-                                   planner.state.signature)
+        self.tracer = ComputeTrace(planner.hooks, planner.clock, planner.options, self.hand_over)
         self.peak = StepPeak(planner.memory, planner.hooks)
         return self.tracer.ctx
 
@@ -56,8 +55,7 @@ class TraceCompute(StepPhase):
         if not self.tracer.collect(state.trace, may_repeat=not planner.traced_again):
             planner.traced_again |= self.tracer.first_calls
             return self
-        if self.tracer.other_shapes:  # block 0 took other inputs than the offload trace's: trace again
-            state.stale = True
+        if state.stale:  # block 0 took other inputs than the offload trace's: the planner traces again
             return self
         measured = self.peak.measured is not None
         if not measured and planner.memory.available:

@@ -12,10 +12,11 @@ compiled forward (``own_forward``), built once per block so that no step compile
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import itertools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -50,17 +51,23 @@ class BlockHooks:
         # A step is what runs between backwards: it may call each block more than once (two
         # forwards before one backward, as preference and contrastive training do). Each block's
         # forward calls with grad enabled since the step began (new_step), counted by a hook set
-        # before any other, so that every later hook reads the call it runs in
+        # before any other, so that every later hook reads the call it runs in; and the shapes and
+        # dtypes of block 0's inputs in each (input_signature), which a trace holds for
         self.calls = [0] * len(blocks)
-        self._counting = [self._pre_hook(i, functools.partial(self._count, i)) for i in range(len(blocks))]
+        self.inputs: list[tuple] = []
+        self._counting = [self._pre_hook(i, functools.partial(self._count, i), with_kwargs=True)
+                          for i in range(len(blocks))]
 
-    def _count(self, i: int, m: nn.Module, args: Any) -> None:
+    def _count(self, i: int, m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if torch.is_grad_enabled():  # evaluation between steps calls the blocks too
             self.calls[i] += 1
+            if i == 0:
+                self.inputs.append(input_signature(args, kwargs))
 
     def new_step(self) -> None:
         """A step begins: no block has been called in it yet."""
         self.calls = [0] * len(self.blocks)
+        self.inputs = []
 
     def _pre_hook(self, i: int, fn: Callable, **kwargs: Any) -> Any:
         return self.blocks[i].register_forward_pre_hook(torch.compiler.disable(fn), **kwargs)
@@ -169,27 +176,12 @@ class BlockHooks:
                 b.forward = Recompute(self._own[i], device_of([b]), reentrant, hand_over)
         self._recomputing = set(which)
 
-    def new_inputs(self, args: Any, kwargs: dict[str, Any], signature: tuple) -> bool:
-        """Whether block 0, called now with ``args`` and ``kwargs`` (from a pre-hook, the call
-        counted already: _count runs first), takes other inputs than ``signature`` says the traced
-        step's same call took: the trace no longer holds."""
-        call = self.calls[0] - 1
-        return call >= 0 and (call >= len(signature) or input_signature(args, kwargs) != signature[call])
-
-    def apply(self, plan: Plan, trace: Trace, grads: bool, on_new_shapes: Callable[[], None],
-              signature: tuple, ctx: Callable[[], Offload | None]) -> None:
-        """Put ``plan`` in force from the next step: its recomputed blocks, a hook that calls
-        ``on_new_shapes`` where block 0 is called with inputs unlike ``signature`` (per call of
-        the step: the trace no longer holds), and where it offloads, the hooks that pace the step ``ctx()`` returns
-        (pace). ``grads``: whether the plan's peak counts parameter gradients."""
+    def apply(self, plan: Plan, trace: Trace, grads: bool, ctx: Callable[[], Offload | None]) -> None:
+        """Put ``plan`` in force from the next step: its recomputed blocks, and where it offloads,
+        the hooks that pace the step ``ctx()`` returns (pace). ``grads``: whether the plan's peak
+        counts parameter gradients."""
         self.unhook()
         self.recompute(set(plan.recomputed), reentrant=plan.reentrant)
-
-        def check(m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-            if self.new_inputs(args, kwargs, signature):
-                on_new_shapes()
-
-        self._hooks.append(self._pre_hook(0, self._training(check), with_kwargs=True))
         if plan.offloads and not plan.full:  # full offload's room paces its own
             self._pace(plan, trace, grads, ctx)
 
@@ -349,5 +341,53 @@ def call_leaves(args: Any, kwargs: dict[str, Any]) -> list[Any]:
 
 def input_signature(args: Any, kwargs: dict[str, Any]) -> tuple:
     """The shapes and dtypes of a block's tensor arguments, keyword ones too (a Hugging Face layer
-    may take its hidden states by name): a trace holds while block 0's stay."""
-    return tuple((tuple(a.shape), a.dtype) for a in call_leaves(args, kwargs) if isinstance(a, torch.Tensor))
+    may take its hidden states by name), and None for each argument given as None (a Hugging Face
+    layer's attention mask, where no sequence of the batch is padded): a trace holds while block
+    0's stay, or shrink (Inputs)."""
+    return tuple(None if a is None else (tuple(a.shape), a.dtype) for a in call_leaves(args, kwargs)
+                 if a is None or isinstance(a, torch.Tensor))
+
+
+class Inputs(enum.Enum):
+    """How a step's calls of block 0 compare with the traced step's (compare_inputs)."""
+
+    AS_TRACED = "as traced"
+    # no dimension larger and one smaller at least, or None where a tensor was (a batch padded to a
+    # shorter longest sequence, one with no padding and so no mask, an epoch's last batch): the plan
+    # holds, its saves and their peak only shrink, but the step is no measure of the traced one
+    SMALLER = "smaller"
+    # a dimension larger, a tensor where None was, or other dtypes, ranks or arguments: the trace no
+    # longer holds
+    OTHER = "other"
+
+
+def compare_inputs(step: Sequence[tuple], traced: tuple) -> Inputs:
+    """``step``'s calls of block 0 (input_signature, per forward) against the ``traced`` step's,
+    call by call: OTHER where any call is, else SMALLER where any is, else AS_TRACED (nothing traced
+    yet, or no call: AS_TRACED). More calls than traced are OTHER; fewer, the steps' forwards
+    differing, the planner tells by their count."""
+    if not traced or not step:
+        return Inputs.AS_TRACED
+    if len(step) > len(traced):
+        return Inputs.OTHER
+    verdict = Inputs.AS_TRACED
+    for call, was in zip(step, traced):
+        if call == was:
+            continue
+        if not _within(call, was):
+            return Inputs.OTHER
+        verdict = Inputs.SMALLER
+    return verdict
+
+
+def _within(call: tuple, was: tuple) -> bool:
+    """Whether a call's arguments are those of ``was``, each tensor of its dtype and rank and no
+    larger in any dimension, or None."""
+    return len(call) == len(was) and all(_tensor_within(a, b) for a, b in zip(call, was))
+
+
+def _tensor_within(arg: tuple | None, was: tuple | None) -> bool:
+    if arg is None or was is None:
+        return arg is None
+    (shape, dtype), (was_shape, was_dtype) = arg, was
+    return dtype == was_dtype and len(shape) == len(was_shape) and all(a <= b for a, b in zip(shape, was_shape))
