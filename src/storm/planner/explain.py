@@ -191,9 +191,10 @@ def _standing(planner: Explained) -> str:
     """Whether the plan is settled, and if not, what the next steps do to it."""
     phase = planner.phase.value
     if phase == "settled":
-        return "settled: no further step measures, tries or changes this plan while steps run as the traced one did"
+        return ("settled: no further step measures, tries or changes this plan while steps run as the traced one did, "
+                "or on smaller inputs")
     if phase in _TRACED:  # a plan, and a step traced again
-        return (f"not settled: the last step ran unlike the traced one (block 0's inputs of other shapes, say), so "
+        return (f"not settled: the last step ran unlike the traced one (block 0's inputs larger, say), so "
                 f"the next step {_TRACED[phase]} and the plan is made anew")
     if phase == "measure":
         target = "" if planner.target is None else f" of {planner.target / MiB:.1f} MiB"
