@@ -1,9 +1,10 @@
 """storm.enable(peak=) on batches padded to their longest sequence (a data collator's dynamic
 padding), against no offload and Hugging Face's checkpointing on the same batches.
 
-    python bench/ragged.py --cell llama-wide --out bench/results/ragged-h200-<date>-<commit>.json
+    python bench/ragged.py --cells llama-wide --out bench/results/ragged-h200-<date>-<commit>.json
 
-One zoo cell (bench/zoo.py's CELLS: its batch size, its seq as the longest a sequence may be).
+Zoo cells of causal language models (bench/zoo.py's CELLS: each its batch size, its seq as the
+longest a sequence may be).
 Each sequence's length is the longest with probability --at-max, else uniform from --shortest up;
 each batch is padded to its longest, with its attention mask and labels of -100 on the padding. The
 same --steps batches, in the same order, for every method, each from a fresh model: no offload,
@@ -85,9 +86,12 @@ def measure(w: HF, method: str, opts: dict, data: list, device: torch.device) ->
         torch.cuda.empty_cache()
 
 
+CAUSAL = sorted(name for name, w in CELLS.items() if w.spec.inputs == "causal")  # fed ids, mask and labels
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cell", default="llama-wide", choices=sorted(CELLS))
+    ap.add_argument("--cells", nargs="+", default=["llama-wide"], choices=CAUSAL)
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--settle-by", type=int, default=40, help="steps left out of the time totals")
     ap.add_argument("--at-max", type=float, default=0.03, help="a sequence's chance of the longest length")
@@ -99,31 +103,38 @@ def main(argv: list[str] | None = None) -> int:
     device = cuda_device("bench/ragged.py")
     if device is None:
         return 2
-    w = CELLS[args.cell]
+    results: dict = {"cells": {}}
+    for name in args.cells:
+        cell(CELLS[name], args, results, device)
+    return 0
+
+
+def cell(w: HF, args: argparse.Namespace, results: dict, device: torch.device) -> None:
+    """One cell's rows into results["cells"][w.name], the JSON written after each."""
     data = batches(w, args.steps, args.at_max, args.shortest, args.seed)
-    results: dict = {"cell": w.name, "lengths": [ids.shape[1] for ids, _ in data], "rows": {}}
+    rows: dict = {}
+    results["cells"][w.name] = {"lengths": [ids.shape[1] for ids, _ in data], "rows": rows}
 
     def row(name: str, method: str, opts: dict) -> dict:
-        r = results["rows"][name] = measure(w, method, opts, data, device)
+        r = rows[name] = measure(w, method, opts, data, device)
         write(args.out, results, device, **vars(args))
         return r
 
     none, ckpt = row("none", "none", {}), row("checkpoint", "checkpoint", {})
-    if "error" in none or "error" in ckpt:
-        return 1
-    low, high = ckpt["peak_GiB"] * GiB, none["peak_GiB"] * GiB
-    for f in args.caps:
-        cap = int(low + f * (high - low))
-        r = row(f"enable-peak-{f:g}", "enable", {"peak": cap})
-        if "error" not in r:
-            tail = slice(args.settle_by, None)
-            r.update(cap_GiB=round(cap / GiB, 3), within_cap=max(s["peak_bytes"] for s in r["steps"][tail]) <= cap,
-                     time_vs_checkpoint=round(sum(s["ms"] for s in r["steps"][tail])
-                                              / sum(s["ms"] for s in ckpt["steps"][tail]), 3))
-            write(args.out, results, device, **vars(args))
-    for name, r in results["rows"].items():
-        print(name, {k: v for k, v in r.items() if k not in ("steps", "explain", "plan")})
-    return 0
+    if "error" not in none and "error" not in ckpt:
+        low, high = ckpt["peak_GiB"] * GiB, none["peak_GiB"] * GiB
+        tail = slice(args.settle_by, None)
+        for f in args.caps:
+            cap = int(low + f * (high - low))
+            r = row(f"enable-peak-{f:g}", "enable", {"peak": cap})
+            if "error" not in r:
+                r.update(cap_GiB=round(cap / GiB, 3),
+                         within_cap=max(s["peak_bytes"] for s in r["steps"][tail]) <= cap,
+                         time_vs_checkpoint=round(sum(s["ms"] for s in r["steps"][tail])
+                                                  / sum(s["ms"] for s in ckpt["steps"][tail]), 3))
+                write(args.out, results, device, **vars(args))
+    for name, r in rows.items():
+        print(w.name, name, {k: v for k, v in r.items() if k not in ("steps", "explain", "plan")}, flush=True)
 
 
 if __name__ == "__main__":
