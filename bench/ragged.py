@@ -117,7 +117,7 @@ def cell(w: HF, args: argparse.Namespace, results: dict, device: torch.device) -
 
     def row(name: str, method: str, opts: dict) -> dict:
         r = rows[name] = measure(w, method, opts, data, device)
-        write(args.out, results, device, **vars(args))
+        write(args.out, results, device)
         return r
 
     none, ckpt = row("none", "none", {}), row("checkpoint", "checkpoint", {})
@@ -132,7 +132,7 @@ def cell(w: HF, args: argparse.Namespace, results: dict, device: torch.device) -
                          within_cap=max(s["peak_bytes"] for s in r["steps"][tail]) <= cap,
                          time_vs_checkpoint=round(sum(s["ms"] for s in r["steps"][tail])
                                                   / sum(s["ms"] for s in ckpt["steps"][tail]), 3))
-                write(args.out, results, device, **vars(args))
+                write(args.out, results, device)
     for name, r in rows.items():
         print(w.name, name, {k: v for k, v in r.items() if k not in ("steps", "explain", "plan")}, flush=True)
 
