@@ -122,7 +122,7 @@ def cell(w: HF, args: argparse.Namespace, results: dict, device: torch.device) -
 
     none, ckpt = row("none", "none", {}), row("checkpoint", "checkpoint", {})
     if "error" not in none and "error" not in ckpt:
-        low, high = ckpt["peak_GiB"] * GiB, none["peak_GiB"] * GiB
+        low, high = (max(s["peak_bytes"] for s in r["steps"]) for r in (ckpt, none))  # not peak_GiB: rounded
         tail = slice(args.settle_by, None)
         for f in args.caps:
             cap = int(low + f * (high - low))
