@@ -74,7 +74,9 @@ def measure(w: HF, method: str, opts: dict, data: list, device: torch.device) ->
         r: dict = {"steps": rows, "peak_GiB": round(max(s["peak_bytes"] for s in rows) / GiB, 3)}
         if handle is not None:
             planner = handle.planner
-            r.update(settled_at=settled_at, replans=planner.replans, smaller_steps_unread=planner.smaller_steps,
+            # getattr: a planner before 0707e5e, which traced again at every new shape, has no smaller_steps
+            r.update(settled_at=settled_at, replans=planner.replans,
+                     smaller_steps_unread=getattr(planner, "smaller_steps", None),
                      plan=plan_summary(planner), explain=planner.explain())
         return r
     except Exception as e:  # the row says why (OOM, a method that cannot run here)
