@@ -77,7 +77,7 @@ def measure(w: HF, method: str, opts: dict, data: list, device: torch.device) ->
             # getattr: a planner before 0707e5e, which traced again at every new shape, has no smaller_steps
             r.update(settled_at=settled_at, replans=planner.replans,
                      smaller_steps_unread=getattr(planner, "smaller_steps", None),
-                     plan=plan_summary(planner), explain=planner.explain())
+                     plan=plan_summary(planner) if planner.plan is not None else None, explain=planner.explain())
         return r
     except Exception as e:  # the row says why (OOM, a method that cannot run here)
         return failure(e)
