@@ -33,6 +33,15 @@ def test_bad_budgets_are_refused():
             storm.offload(budget=bad)
 
 
+def test_a_budget_of_1_is_refused_as_one_byte_naming_the_fraction_meant():
+    """budget=0.5 is half a step's bytes, so budget=1 reads as all of them; as an int it was one byte,
+    and every save stayed on the device past it."""
+    for call in (lambda: storm.offload(budget=1), lambda: storm.plan([torch.nn.Linear(2, 2)], budget=1)):
+        with pytest.raises(ValueError, match=r"budget=1 is one byte; give 1.0 for every offloadable byte"):
+            call()
+    assert storm.offload(budget=1.0).options["budget"] == 1.0
+
+
 def test_an_unknown_codec_is_refused():
     with pytest.raises(ValueError, match="codec"):
         storm.offload(codec="gzip")

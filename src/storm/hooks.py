@@ -334,6 +334,9 @@ def parse_budget(budget: int | float | str | None) -> int | float | None:
     """None, bytes (int or '8GiB'), or a fraction in (0, 1] of the step's offloadable bytes."""
     if budget is None:
         return None
+    if budget == 1 and type(budget) is int:  # 0.5 is half the step's bytes, so 1 reads as all of them
+        raise ValueError("budget=1 is one byte; give 1.0 for every offloadable byte of the step (a fraction), "
+                         "or bytes as a size such as '1GiB'")
     if isinstance(budget, float):
         valid = 0.0 < budget <= 1.0
     else:
