@@ -27,7 +27,7 @@ from .state import TraceState
 from .trace import Frames
 from .traced import TraceOffload
 from .trial import Clock, Trial
-from .wiring import BlockHooks, Inputs, compare_inputs, device_of
+from .wiring import BlockHooks, Inputs, device_of
 
 log = logging.getLogger("storm")
 
@@ -167,8 +167,9 @@ class Planner:
 
     @property
     def smaller_steps(self) -> int:
-        """Steps since the last trace began whose block 0 took smaller inputs than the traced step's
-        (wiring.Inputs): each ran as the step before it did, and only the settled plan's were read."""
+        """Steps since the last trace began whose block 0 took smaller inputs than the traced step's,
+        or that left a block out (wiring.Inputs): each ran as the step before it did, and only the
+        settled plan's were read."""
         return self.state.smaller_steps
 
     @property
@@ -231,13 +232,13 @@ class Planner:
         """Read the last step begun, where not yet: its phase's end gives the next step's. A step
         begun but never entered (a batch skipped after step()) ran nothing to read: the next step
         begins the same phase again, as does one whose block 0 took smaller inputs than the traced
-        step's (wiring.Inputs), except the settled plan's, which holds for it. A step whose block 0
-        took larger or other inputs, or that ran the blocks more or fewer times than the traced
-        one, makes the trace stale: the next step traces again, which ``settled`` and ``phase``
-        say as soon as it is read."""
+        step's or that left a block out (wiring.Inputs), except the settled plan's, which holds for
+        it. A step whose block 0 took larger or other inputs, or that ran the blocks in more or
+        fewer forwards than the traced one, makes the trace stale: the next step traces again,
+        which ``settled`` and ``phase`` say as soon as it is read."""
         if self._begun is not None:
             begun, self._begun = self._begun, None
-            inputs = compare_inputs(self.hooks.inputs, self.state.signature)
+            inputs = self.hooks.compare_step(self.trace.forwards if self.trace else 0, self.state.signature)
             if self._ctx is not None and not _entered(self._ctx):
                 begun.abandon()
                 self._phase = begun

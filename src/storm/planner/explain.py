@@ -217,14 +217,16 @@ def _standing(planner: Explained) -> str:
 
 
 def _smaller(planner: Explained) -> list[str]:
-    """The steps since the last trace began whose block 0 took smaller inputs than traced."""
+    """The steps since the last trace began whose block 0 took smaller inputs than traced, or that
+    left a block out."""
     n = planner.smaller_steps
     if not n:
         return []
     return [f"{n} step{'s' * (n != 1)} since this trace began took smaller inputs at block 0 than the traced "
-            "step (a shorter longest sequence, a smaller batch): each ran as the step before it did and was not "
-            "read, so the plan is made, measured and tried on steps of the traced inputs, the largest so far; "
-            "it holds for smaller ones, whose saves and peak only shrink"]
+            "step (a shorter longest sequence, a smaller batch) or left a block out (a layer dropped): each ran "
+            "as the step before it did and was not read, so the plan is made, measured and tried on steps like "
+            "the traced one, of the largest inputs so far; it holds for smaller ones, whose saves and peak only "
+            "shrink"]
 
 
 def _outside(t: Trace, p: Plan) -> list[str]:

@@ -176,6 +176,17 @@ class BlockHooks:
                 b.forward = Recompute(self._own[i], device_of([b]), reentrant, hand_over)
         self._recomputing = set(which)
 
+    def compare_step(self, forwards: int, signature: tuple) -> Inputs:
+        """The step that ran since new_step() against the traced one, of ``forwards`` forwards and
+        block 0's inputs ``signature``: as compare_inputs says, and SMALLER too where some block
+        ran fewer times than traced while another ran as many (a layer dropped for the step, as
+        LayerDrop does): its saves are the traced step's less that block's. Another number of
+        forwards the planner tells by ``calls`` itself."""
+        inputs = compare_inputs(self.inputs, signature)
+        if inputs is Inputs.AS_TRACED and forwards and max(self.calls) == forwards > min(self.calls):
+            return Inputs.SMALLER
+        return inputs
+
     def apply(self, plan: Plan, trace: Trace, grads: bool, ctx: Callable[[], Offload | None]) -> None:
         """Put ``plan`` in force from the next step: its recomputed blocks, and where it offloads,
         the hooks that pace the step ``ctx()`` returns (pace). ``grads``: whether the plan's peak
@@ -353,8 +364,9 @@ class Inputs(enum.Enum):
 
     AS_TRACED = "as traced"
     # no dimension larger and one smaller at least, or None where a tensor was (a batch padded to a
-    # shorter longest sequence, one with no padding and so no mask, an epoch's last batch): the plan
-    # holds, its saves and their peak only shrink, but the step is no measure of the traced one
+    # shorter longest sequence, one with no padding and so no mask, an epoch's last batch), or a
+    # block not run (BlockHooks.compare_step): the plan holds, its saves and their peak only
+    # shrink, but the step is no measure of the traced one
     SMALLER = "smaller"
     # a dimension larger, a tensor where None was, or other dtypes, ranks or arguments: the trace no
     # longer holds
