@@ -195,3 +195,37 @@ def test_bad_options_are_refused_when_the_callback_is_made(options, error, messa
     with pytest.raises(error, match=message):
         StormCallback(**options)
 
+
+
+def test_a_plan_of_wav2vec2_whose_encoder_drops_layers_settles_bit_identical():
+    """Wav2Vec2's encoder drops each layer with a chance in training (LayerDrop, config.layerdrop,
+    0.1 by default): steps that leave a layer out run the plan and are not read until it settles.
+    Every step's gradients are those of the model without STORM, bit for bit."""
+    import copy
+
+    transformers.set_seed(0)
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2,
+        vocab_size=16, layerdrop=0.1, mask_time_prob=0.0)
+    model = transformers.Wav2Vec2ForCTC(config).train()
+    ref = copy.deepcopy(model)
+    handle = storm.enable(model, budget=0.5, mode="embedded", min_bytes=0, clock=StillClock())
+    assert handle.where == "wav2vec2.encoder.layers"
+    g = torch.Generator().manual_seed(1)
+    audio, labels = torch.randn(2, 1000, generator=g), torch.randint(1, 16, (2, 10), generator=g)
+    try:
+        for step in range(3 * SETTLE_STEPS):
+            grads = []
+            for m in (model, ref):
+                m.zero_grad(set_to_none=True)
+                torch.manual_seed(step)  # the same layers dropped, and dropout masks, in both
+                m(audio, labels=labels).loss.backward()
+                grads.append([p.grad for p in m.parameters()])
+            assert all(a is None and b is None or same_bits(a, b) for a, b in zip(*grads)), step
+            if handle.planner.settled:
+                break
+        planner = handle.planner
+        assert planner.settled and planner.replans == 0 and planner.smaller_steps > 0, planner.explain()
+    finally:
+        handle.disable()
