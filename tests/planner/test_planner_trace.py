@@ -482,3 +482,26 @@ def test_steps_that_drop_a_layer_run_the_plan_and_are_not_read_before_it_settles
     assert unread and all(phases[i + 1] is phases[i] for i in unread if i + 1 < len(phases)), (unread, phases)
     assert all(b.saved_bytes > 0 for b in planner.trace.blocks)  # traced on a step that ran every block
     planner.close()
+
+
+def test_a_larger_forward_without_backward_leaves_the_plan_as_it_is():
+    """An evaluation with grad enabled (no torch.no_grad()) of a batch larger than training's: no
+    backward follows, so it is no step to plan for, and the settled plan stays (at 0707e5e it traced
+    again for at least the evaluation's batch, whose steps never came, so every training step after
+    it ran as an offload trace; before that, it traced again once)."""
+    model, idx = gpt()
+    handle = storm.enable(model, budget=0.3, mode="embedded", min_bytes=0, clock=FakeClock())
+    planner = handle.planner
+    try:
+        for _ in range(40):
+            grads_of(model, idx)
+            if planner.settled:
+                break
+        assert planner.settled
+        evaluation = torch.randint(0, 256, (32, 65))
+        model.loss(evaluation[:, :-1], evaluation[:, 1:]).item()  # grad enabled, no backward
+        for _ in range(3):
+            grads_of(model, idx)
+            assert planner.settled and planner.replans == 0, planner.explain()
+    finally:
+        handle.disable()

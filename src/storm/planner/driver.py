@@ -233,9 +233,9 @@ class Planner:
         begun but never entered (a batch skipped after step()) ran nothing to read: the next step
         begins the same phase again, as does one whose block 0 took smaller inputs than the traced
         step's or that left a block out (wiring.Inputs), except the settled plan's, which holds for
-        it. A step whose block 0 took larger or other inputs, or that ran the blocks in more or
-        fewer forwards than the traced one, makes the trace stale: the next step traces again,
-        which ``settled`` and ``phase`` say as soon as it is read."""
+        it. A step whose block 0 took larger or other inputs (and whose backward ran), or that ran
+        the blocks in more or fewer forwards than the traced one, makes the trace stale: the next
+        step traces again, which ``settled`` and ``phase`` say as soon as it is read."""
         if self._begun is not None:
             begun, self._begun = self._begun, None
             inputs = self.hooks.compare_step(self.trace.forwards if self.trace else 0, self.state.signature)
@@ -249,7 +249,9 @@ class Planner:
                 self._phase = begun
                 self.state.smaller_steps += 1
             else:
-                if inputs is Inputs.OTHER and self.trace is not None:  # before it, nothing was traced yet
+                # before the trace nothing was traced yet; and a forward that no backward followed (an
+                # evaluation with grad enabled, of a larger batch say) is no step to plan for
+                if inputs is Inputs.OTHER and self.trace is not None and self._backward_ended:
                     self.state.stale = True
                     self._outgrown = tuple(self.hooks.inputs)
                 self._phase = begun.end(self)
