@@ -222,7 +222,7 @@ def test_an_unsettled_plan_says_what_its_next_step_does_and_a_settled_one_says_s
             seen.setdefault(planner.phase, status(planner))
         step()
     assert status(planner) == ("settled: no further step measures, tries or changes this plan while steps run as "
-                               "the traced one did")
+                               "the traced one did, or on smaller inputs")
     assert seen.keys() == {Phase.MEASURE, Phase.CHECK_HOST, Phase.TRY}
     assert seen[Phase.MEASURE].startswith("not settled yet: the next step measures its peak against the target of ")
     assert seen[Phase.CHECK_HOST].startswith("not settled yet: a coming step that offloads has its host time per "
