@@ -32,6 +32,10 @@ from .wiring import BlockHooks, Inputs, device_of
 log = logging.getLogger("storm")
 
 MiB = 1 << 20
+# steps in a row whose inputs were smaller than the traced step's, left unread, before the planner
+# traces again from the next step's: a trace made for one batch longer than any other would
+# otherwise wait for a step as long, and every step meanwhile run as its phase's (an offload trace)
+SMALLER_RUN = 16
 Chooser = Callable[[Scenario], "Plan | None"]  # model.choose's signature
 
 
@@ -98,7 +102,7 @@ class Planner:
     @property
     def trace(self) -> Trace | None:
         """The traced steps' Trace; None until the offload trace has been read (again, after
-        the inputs' shapes changed)."""
+        block 0's inputs grew)."""
         return self.state.trace
 
     @trace.setter
@@ -217,6 +221,7 @@ class Planner:
             # ones is read by none of its phases): steps padded to their batch's longest sequence
             # are planned for the longest
             self.state, self._phase = TraceState(signature=self._outgrown), TraceOffload()
+            self._outgrown = ()  # for this trace alone: one made stale otherwise waits for no shape
             self.replans += 1
         # a phase whose begin raised began no step: nothing of it is read, and the next step begins it again
         self._begun = self._ctx = None
@@ -231,32 +236,44 @@ class Planner:
     def _finish_last_step(self) -> None:
         """Read the last step begun, where not yet: its phase's end gives the next step's. A step
         begun but never entered (a batch skipped after step()) ran nothing to read: the next step
-        begins the same phase again, as does one whose block 0 took smaller inputs than the traced
-        step's or that left a block out (wiring.Inputs), except the settled plan's, which holds for
-        it. A step whose block 0 took larger or other inputs (and whose backward ran), or that ran
-        the blocks in more or fewer forwards than the traced one, makes the trace stale: the next
-        step traces again, which ``settled`` and ``phase`` say as soon as it is read."""
+        begins the same phase again. So does, outside the settled plan (which holds for it), a step
+        unlike the traced one that its plan still holds for (wiring.Inputs): block 0's inputs
+        smaller, or a block left out; and a forward that no backward followed (an evaluation with
+        grad enabled, a batch skipped after its forward) unlike the traced one, or before any trace:
+        no step to plan for. After SMALLER_RUN such smaller steps in a row (the traced inputs do not
+        come again: one batch longer than any other), the next step traces again. A step with a
+        backward whose block 0 took larger or other inputs, or one that ran the blocks in more or
+        fewer forwards than the traced one, makes the trace stale: the next step traces again,
+        which ``settled`` and ``phase`` say as soon as it is read."""
         if self._begun is not None:
             begun, self._begun = self._begun, None
-            inputs = self.hooks.compare_step(self.trace.forwards if self.trace else 0, self.state.signature)
+            state = self.state
+            inputs = self.hooks.compare_step(self.trace.forwards if self.trace else 0, state.signature)
+            # blocks run and no backward after them (a step that ran none is the offload trace's to tell:
+            # blocks inside a region compiled before the planner hooked them)
+            no_step = (not self._backward_ended and max(self.hooks.calls) > 0
+                       and (inputs is Inputs.OTHER or self.trace is None))
             if self._ctx is not None and not _entered(self._ctx):
                 begun.abandon()
                 self._phase = begun
-            elif inputs is Inputs.SMALLER and begun.kind is not Phase.SETTLED:
-                # the plan in force (or the trace's step) held for it, but it measured a smaller step
-                # than the traced one: it is not read, and the next step begins the same phase again
-                begun.abandon()
+            elif (inputs is Inputs.SMALLER or no_step) and begun.kind is not Phase.SETTLED:
+                begun.abandon()  # not read: the next step begins the same phase again
                 self._phase = begun
-                self.state.smaller_steps += 1
+                if inputs is Inputs.SMALLER:
+                    state.smaller_steps += 1
+                    state.smaller_run += 1
+                    if state.smaller_run >= SMALLER_RUN:
+                        log.info("storm.plan: %d steps in a row took smaller inputs than the traced step; tracing "
+                                 "again from the next step's", state.smaller_run)
+                        state.stale = True
             else:
-                # before the trace nothing was traced yet; and a forward that no backward followed (an
-                # evaluation with grad enabled, of a larger batch say) is no step to plan for
+                state.smaller_run = 0
                 if inputs is Inputs.OTHER and self.trace is not None and self._backward_ended:
-                    self.state.stale = True
+                    state.stale = True
                     self._outgrown = tuple(self.hooks.inputs)
                 self._phase = begun.end(self)
-        forwards = self.hooks.calls[0]  # this step's, until the next begins (hooks.new_step)
-        if self.trace is not None and forwards and forwards != self.trace.forwards:
+        forwards = max(self.hooks.calls)  # this step's, until the next begins (hooks.new_step); not block 0's
+        if self.trace is not None and forwards and forwards != self.trace.forwards:  # alone: LayerDrop may drop it
             self.state.stale = True
 
     # --- planning -------------------------------------------------------------

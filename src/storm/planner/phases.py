@@ -49,7 +49,7 @@ class Phase(enum.Enum):
     MEASURE_FULL = "measure-full"  # full offload, its peak measured once its room has settled (MeasureFull)
     CHECK_HOST = "check-host"  # the plan, offloading: its packs' host time is yet to be read
     TRY = "try"                # the plan or its alternative, in alternation (trial.Trial)
-    SETTLED = "settled"        # the plan, that no step will measure or change until the inputs' shapes do
+    SETTLED = "settled"        # the plan, that no step will measure or change until larger inputs come
 
 
 class Driver(Protocol):
@@ -109,7 +109,8 @@ class StepPhase(abc.ABC):
 
 
 class Settled(StepPhase):
-    """The plan, that no step measures, tries or changes until the inputs' shapes change."""
+    """The plan, that no step measures, tries or changes until block 0's inputs grow (or change
+    otherwise: driver.Planner._finish_last_step)."""
 
     kind = Phase.SETTLED
 

@@ -1,6 +1,6 @@
 """What the planner knows and has decided since it began its last trace: the trace, what a step
 holds besides its saves, the plan, the margins its measured steps left, the host check's count,
-the trials decided. One object, so that tracing again (the inputs' shapes changed) starts from a
+the trials decided. One object, so that tracing again (block 0's inputs grew) starts from a
 new one rather than resetting each field, and what a later phase adds (say, per-plan measured
 peaks) is forgotten with the rest.
 """
@@ -47,6 +47,7 @@ class TraceState:
     full_tried: set[tuple] = dataclasses.field(default_factory=set)  # Plan.shape of full offloads run, read or not
     stale: bool = False  # the last step ran unlike the traced one: the next step traces again
     smaller_steps: int = 0  # steps of smaller inputs than traced, which no phase but the settled plan's read
+    smaller_run: int = 0  # of them, those since the last step read (driver.SMALLER_RUN)
 
     @property
     def kept_extra(self) -> int:
