@@ -186,6 +186,42 @@ def test_a_step_begun_and_never_entered_does_not_count_towards_the_host_check(mo
     planner.close()
 
 
+def test_a_larger_evaluation_forward_at_the_host_check_is_not_read_as_its_step(monkeypatch):
+    """The planned step the host check reads is a grad-enabled evaluation of a batch four times
+    larger, with no backward: no step to plan for, so the check reads the next training step
+    (before: the evaluation's dearer packs, a pack's host time growing with its bytes here, became
+    the trace's host time per tensor)."""
+    clock = FakeClock()
+    monkeypatch.setattr(session_mod, "time", types.SimpleNamespace(perf_counter=clock.host))
+    put = mover.Mover.put
+
+    def by_bytes(self, req):  # a pack's host time grows with its bytes
+        clock.now += 1e-6 + req.source.nbytes() * 1e-11
+        return put(self, req)
+
+    monkeypatch.setattr(mover.Mover, "put", by_bytes)
+
+    def offload_2(s: Scenario) -> Plan:
+        t = s.trace
+        return Plan(offloaded=2, recomputed=frozenset(), offload_budget=t.offloaded_before[2], max_held_bytes=1 << 30,
+                    prefetch_bytes=0, predicted_peak=predicted_peak(t, 2, set(), 0), predicted_cost_ms=0.0, fits=True)
+
+    model, idx = gpt()
+    planner = storm.Planner(model.blocks, budget=0.9, mode="embedded", min_bytes=0, chooser=offload_2,
+                            form_trial=False, clock=FakeClock())
+    while planner.phase is not Phase.CHECK_HOST:
+        grads_of(model, idx, planner.step())
+        planner.settled  # reads the step
+    grads_of(model, idx, planner.step())  # the first planned step: it warms up
+    evaluation = torch.randint(0, 256, (32, 65))
+    with planner.step():
+        model.loss(evaluation[:, :-1], evaluation[:, 1:]).item()  # grad enabled, no backward
+    assert not planner.settled and planner.phase is Phase.CHECK_HOST  # read: not the check's step
+    grads_of(model, idx, planner.step())  # the check's step
+    assert planner.settled and planner.replans == 0 and planner.traced_host_ms_per_tensor is None
+    planner.close()
+
+
 def other_kind(s: Scenario) -> Plan:
     """Offload 2 blocks (a new queue as the margin widens, so that each is measured), and as the
     alternative of the other kind, recompute 4; both predicted to fit."""

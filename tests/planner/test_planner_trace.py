@@ -582,3 +582,35 @@ def test_two_forward_steps_that_drop_block_0_in_one_forward_keep_the_plan():
         step(dropped)
         assert planner.settled and planner.replans == 0, dropped
     planner.close()
+
+
+def test_a_trace_made_stale_by_its_forwards_waits_for_no_earlier_larger_inputs():
+    """Steps of two forwards, then larger ones (traced again for them), then steps of one smaller
+    forward: another number of forwards traces again, on the next step as it comes (before: that
+    trace still waited for the larger inputs, and each step was left unread)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model, idx = GPT(seq_len=32, d_model=32, n_heads=2, n_layers=4), torch.randint(0, 256, (8, 33))
+    planner = storm.Planner(model.blocks, budget=0.3, mode="embedded", min_bytes=0, clock=FakeClock())
+
+    def step(batch, forwards) -> None:
+        model.zero_grad(set_to_none=True)
+        with planner.step():
+            loss = sum(F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+                       for _ in range(forwards))
+        loss.backward()
+        planner.settled  # reads the step
+
+    for batch in (idx[:4], idx):  # two forwards of 4 rows, then of 8: traced again for them
+        for _ in range(80):
+            step(batch, 2)
+            if planner.settled:
+                break
+        assert planner.settled
+    assert planner.replans == 1
+    for _ in range(3):  # one forward of 4 rows: stale, then the two traces, and a plan
+        step(idx[:4], 1)
+    assert planner.replans == 2 and planner.plan is not None and planner.trace.forwards == 1
+    assert planner.smaller_steps == 0
+    planner.close()
