@@ -94,7 +94,6 @@ class Planner:
         self._ctx: Offload | None = None  # the step running now, or the last begun (a trace's too)
         self._backward_ended = False  # the last step begun ran its backward through the blocks to its end
         self.replans = 0
-        self._outgrown: tuple = ()  # block 0's inputs in the last step that made the trace stale by its inputs
         self.traced_again = False  # a compute trace that paid first calls was repeated (ComputeTrace)
 
     # --- what this trace has taught and decided (TraceState) ------------------
@@ -220,8 +219,7 @@ class Planner:
             # a trace made for inputs no smaller than those that outgrew the last (a step of smaller
             # ones is read by none of its phases): steps padded to their batch's longest sequence
             # are planned for the longest
-            self.state, self._phase = TraceState(signature=self._outgrown), TraceOffload()
-            self._outgrown = ()  # for this trace alone: one made stale otherwise waits for no shape
+            self.state, self._phase = TraceState(signature=self.state.outgrown), TraceOffload()
             self.replans += 1
         # a phase whose begin raised began no step: nothing of it is read, and the next step begins it again
         self._begun = self._ctx = None
@@ -269,8 +267,7 @@ class Planner:
             else:
                 state.smaller_run = 0
                 if inputs is Inputs.OTHER and self.trace is not None and self._backward_ended:
-                    state.stale = True
-                    self._outgrown = tuple(self.hooks.inputs)
+                    state.stale, state.outgrown = True, tuple(self.hooks.inputs)
                 self._phase = begun.end(self)
         forwards = max(self.hooks.calls)  # this step's, until the next begins (hooks.new_step); not block 0's
         if self.trace is not None and forwards and forwards != self.trace.forwards:  # alone: LayerDrop may drop it

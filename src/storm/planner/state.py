@@ -46,6 +46,7 @@ class TraceState:
     traced_moments: list[int | None] | None = None
     full_tried: set[tuple] = dataclasses.field(default_factory=set)  # Plan.shape of full offloads run, read or not
     stale: bool = False  # the last step ran unlike the traced one: the next step traces again
+    outgrown: tuple = ()  # where block 0's larger inputs made it stale, those: the next trace's signature
     smaller_steps: int = 0  # steps of smaller inputs than traced, which no phase but the settled plan's read
     smaller_run: int = 0  # of them, those since the last step read (driver.SMALLER_RUN)
 
