@@ -189,7 +189,8 @@ def workloads(names: list[str], batch: int | None = None, layers: int | None = N
 class Variant:
     """A workload built another way: compiled as one graph (``compile="graph"``:
     torch.compile(model), with storm.partitioner(**``partitioner``) where given) or block by block
-    (``"blocks"``: each block's .compile()), at torch's activation_memory_budget ``memory_budget``
+    (``"blocks"``: each block's .compile(); ``"planner"``: none, storm.enable's compile_blocks compiles
+    them), at torch's activation_memory_budget ``memory_budget``
     (through the partitioner's own ``memory_budget``, nothing offloaded unless ``partitioner`` says:
     a global config change is not part of dynamo's cache key, so a second model of the same class,
     compiled under another budget while the first's graph is cached, would run the first's graph),
@@ -366,14 +367,14 @@ class Trainer:
         return self.handle.planner if self.handle is not None else self._plan
 
     def warm(self, steps: int) -> None:
-        """``steps`` steps, and as many more (up to 50) as storm.plan needs to settle: it traces
+        """``steps`` steps, and as many more (up to 80) as storm.plan needs to settle: it traces
         two steps (three with peak=), plans at the next, on CUDA measures planned steps until one
         is within its target (up to 4), resetting the peak statistics, reads a second offloading
         step's host time, and tries its plan against the best of the other kind, then in the
         other recompute form, in alternation (10 to 18 steps each trial)."""
         for _ in range(steps):
             self.step()
-        for _ in range(50):
+        for _ in range(80):  # a planner compiling the blocks traces each budget it weighs
             if self.planner is None or self.planner.settled:
                 break
             self.step()
@@ -444,6 +445,11 @@ def plan_summary(pl: storm.Planner) -> dict:
             "max_held_bytes": p.max_held_bytes, "prefetch_bytes": p.prefetch_bytes,
             "predicted_peak_GiB": round(p.predicted_peak / GiB, 3), "predicted_cost_ms": p.predicted_cost_ms,
             "fits": p.fits, "reentrant": p.reentrant, "settled": pl.settled,
+            # where the planner compiles the blocks (compile_blocks): their partitioner's budget, kept
+            # of the budgets it traced (planners before it had none)
+            "block_budget": getattr(pl, "block_budget", None),
+            "budgets_weighed": [{"budget": t.budget, "cost_ms": round(t.cost_ms, 3), "fits": t.fits}
+                                for t in getattr(getattr(pl, "search", None), "tried", [])],
             "target_GiB": pl.target and round(pl.target / GiB, 3),
             "besides_GiB": pl.besides and round(pl.besides / GiB, 3), "kept_extra_GiB": round(pl.kept_extra / GiB, 3),
             "start_extra_GiB": round(pl.start_extra / GiB, 3),

@@ -21,7 +21,9 @@ the other (common.run: median step, peak above the step's start):
   budget and at none, with STORM taking off the rest. As one graph, storm.partitioner at that
   budget offloading the bytes its row peaked above P (the earliest saves), and where that peaked
   above P, once more sending twice the miss more (at least an eighth more); per block,
-  storm.enable(model, peak=P) over the blocks compiled at that budget. The fastest that fits P is
+  storm.enable(model, peak=P) over the blocks compiled at that budget, and
+  storm.enable(model, peak=P, compile_blocks=True) over the blocks uncompiled, whose planner chooses
+  their budget with the plan (--storm says which of the two kinds run). The fastest that fits P is
   STORM's at P;
 - STORM's least: full offload (storm.partitioner's every save but the last held_bytes; per block,
   storm.enable(model)) over torch's recompute at the least budget and at none; the lower peak;
@@ -95,6 +97,12 @@ def storm_at(w: Base, mode: str, at: float | None, cap: int, send: int, again: b
     return Row(label, Variant(w, compile="blocks", memory_budget=at), "enable", {**STORM, "peak": cap})
 
 
+def storm_planned(w: Base, cap: int) -> Row:
+    """STORM within ``cap`` bytes per block, its planner compiling the blocks and choosing their budget."""
+    return Row(f"storm {cap / GiB:.3f}GiB, planner's budget", Variant(w, compile="planner"), "enable",
+               {**STORM, "peak": cap, "compile_blocks": True})
+
+
 def storm_full(w: Base, mode: str, at: float | None) -> Row:
     """STORM's full offload over torch's recompute at budget ``at``."""
     label = f"storm full over {amb(at)}"
@@ -110,9 +118,11 @@ def fitting(rows: dict, labels: list[str], cap: int) -> str | None:
 
 
 def measure(w: Base, mode: str, budgets: list[float], sec: dict, run_row: Callable[[Row], dict],
-            duel_rows: Callable[[list[Row]], dict], save: Callable[[], None]) -> None:
+            duel_rows: Callable[[list[Row]], dict], save: Callable[[], None], kinds: str = "both") -> None:
     """Fill ``sec`` (one workload and mode; rows and duels already there are kept): the rows, STORM's
-    choice at each amb peak and its least, and their duels against torch's rows."""
+    choice at each amb peak and its least, and their duels against torch's rows. ``kinds``, per
+    block: STORM's candidates over torch's budgets ("over-budgets"), its planner's budgets
+    ("planner"), or both."""
     rows: dict = sec.setdefault("rows", {})
     made: dict[str, Row] = {}
 
@@ -126,8 +136,8 @@ def measure(w: Base, mode: str, budgets: list[float], sec: dict, run_row: Callab
     def fit(cap: int, ats: list[float | None]) -> str | None:
         """STORM within ``cap`` over torch's recompute at each budget of ``ats`` (None: none) whose row
         ran: the fastest that fits, or None."""
-        labels = []
-        for at in ats:
+        labels = [add(storm_planned(w, cap))] if mode == "blocks" and kinds != "over-budgets" else []
+        for at in ats if mode == "graph" or kinds != "planner" else []:
             if "peak_bytes" not in rows[amb(at)]:
                 continue
             send = max(0, rows[amb(at)]["peak_bytes"] - cap)  # what torch's row at `at` peaked above the cap
@@ -222,6 +232,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, help="W1 to W3 at this many layers (W3 compiles faster at 8)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--memory-budgets", nargs="+", type=float, default=list(MEMORY_BUDGETS))
+    p.add_argument("--storm", choices=("over-budgets", "planner", "both"), default="both",
+                   help="per block, STORM's candidates: over torch's budgets, its planner's own, or both")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="steps before timing (a plan also until it settles)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of each duel")
@@ -250,7 +262,7 @@ def main() -> int:
             measure(w, mode, args.memory_budgets, sec,
                     run_row=lambda row: run(row.variant, row.method, args.steps, args.warmup, row.opts, device),
                     duel_rows=lambda these: duel([r.spec for r in these], args, device, order),
-                    save=lambda: write(args.out, results, device))
+                    save=lambda: write(args.out, results, device), kinds=args.storm)
             print(table(f"{w.name} {mode}", sec), end="\n\n", flush=True)
     return 0
 

@@ -48,6 +48,7 @@ from .blocks import CallOrder, Found, find_blocks, unwrap
 from .compiled import compiled, probe_compiling, warn_whole_graph
 from .hooks import Offload
 from .planner import Planner, plan
+from .planner.budgets import LADDER, compile_options, ladder_option
 from .planner.options import plan_options
 
 log = logging.getLogger("storm")
@@ -350,6 +351,8 @@ def check_options(*, blocks: Iterable[nn.Module] | None = None, budget: int | fl
         planner = set(inspect.signature(Planner).parameters) - {"model"}  # enable passes its own model
         plan_options(budget, peak, options.get("reentrant", True), options.get("clock"),
                      {k: v for k, v in options.items() if k not in planner})
+        compile_options(options.get("compile_blocks", False))
+        ladder_option(options.get("block_budgets", LADDER))
 
 
 def on_cuda(model: nn.Module) -> bool:
@@ -364,8 +367,9 @@ def _offload_options(blocks: Iterable[nn.Module] | None, options: dict[str, Any]
     """storm.offload's options for a model enabled without a plan, as checked: refused now, not at
     the first forward, and read once (a generator given as modules= would be used up by the first
     step's context)."""
-    if blocks is not None:
-        raise TypeError("storm.enable's blocks= is for a plan: give budget= or peak= with it")
+    planners = ["blocks"] * (blocks is not None) + [k for k in ("compile_blocks", "block_budgets") if k in options]
+    if planners:
+        raise TypeError(f"storm.enable's {planners[0]}= is for a plan: give budget= or peak= with it")
     checked = Offload(**options).options
     return {k: checked[k] for k in options}
 

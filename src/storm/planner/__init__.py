@@ -15,7 +15,9 @@ The planner traces a step that offloads everything and one that recomputes every
 measures what the plan's steps take (measure.py), tries the best plan against an alternative
 (trial.py), and says why
 (explain.py); driver.py runs those phases a step at a time (phases.py and traced.py: one object
-each, state.py: what a trace has taught), wiring.py holds the blocks' hooks.
+each, state.py: what a trace has taught), wiring.py holds the blocks' hooks. Where the planner
+compiles the blocks (``compile_blocks=True``), budgets.py chooses their partitioner's budget
+(torch's selective recompute inside each block) with the plan.
 docs/planner.md explains the model.
 """
 

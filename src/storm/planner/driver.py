@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from torch import nn
 
 from ..compiled import compiled
 from ..hooks import Offload
 from . import explain as explaining
+from .budgets import LADDER, BlockCompiler, BudgetSearch, Compiler, compile_options, ladder_option
 from .held import moments, without_backward_extras
 from .measure import HOST_CHECK_TOLERANCE, MAX_CHECKS, CudaPeakMemory, PeakMemory, checks_for, frames_of, near_slack
 from .model import Plan, Scenario, choose, full_offloads
@@ -56,6 +57,12 @@ class Planner:
     ``host_check_tolerance`` (how much dearer a planned step's packs must be to plan with them)
     and ``form_trial`` (whether a plan's recompute form is tried against the other).
 
+    ``compile_blocks`` (True, or a dict of torch.compile's keyword arguments): the planner compiles
+    each block's forward with inductor itself, and chooses the activation_memory_budget of the
+    blocks' partitioner (torch's selective recompute inside them) with the plan, from 1.0 down
+    ``block_budgets`` (budgets.py); ``compiler`` compiles them instead, as tests give one. The
+    blocks run their class's forward again once the planner is closed.
+
     Each step is its phase's (phases.py), which works through what phases.Driver names: the
     planner's parts (``hooks``, ``memory``, ``clock``, ...), ``state`` (what this trace has taught
     and decided: a TraceState) and its planning (make_plan(), apply(), other_form(), step_peak())."""
@@ -64,7 +71,9 @@ class Planner:
                  peak: int | str | None = None, reentrant: bool = True, clock: Clock | None = None,
                  memory: PeakMemory | None = None, chooser: Chooser = choose, frames_of: Frames = frames_of,
                  host_check_tolerance: float = HOST_CHECK_TOLERANCE, form_trial: bool = True,
-                 model: nn.Module | None = None, **offload_options: Any):
+                 model: nn.Module | None = None, compile_blocks: bool | dict[str, Any] = False,
+                 block_budgets: Sequence[float] = LADDER, compiler: Compiler | None = None,
+                 **offload_options: Any):
         if isinstance(blocks, nn.Module) and not hasattr(type(blocks), "__iter__"):
             raise TypeError(f"storm.plan takes the model's repeated blocks in the order its forward runs them "
                             f"(such as model.layers), not a {type(blocks).__name__} that holds them; or "
@@ -73,11 +82,15 @@ class Planner:
         if not self.blocks or not all(isinstance(b, nn.Module) for b in self.blocks):
             raise TypeError("storm.plan needs the model's blocks: a non-empty list (or ModuleList) of modules")
         self.budget, self.peak, self.options = plan_options(budget, peak, reentrant, clock, offload_options)
+        compiling, ladder = compile_options(compile_blocks), ladder_option(block_budgets)
+        if compiler is None and compiling is not None:
+            compiler = BlockCompiler(self.blocks, compiling)
+        self.compiler = compiler
         # The reentrant form runs a block's forward without autograd: a compiled block then runs its
         # inference graph, whose kernels need not match the training graph's bit for bit (on CUDA they
         # did not), while the recompute in backward runs the training graph. torch's non-reentrant
         # checkpoint runs the training graph both times, so compiled blocks are recomputed that way.
-        self.compiled = any(compiled(b) for b in self.blocks)
+        self.compiled = compiler is not None or any(compiled(b) for b in self.blocks)
         self.model = model
         self.reentrant = reentrant and not self.compiled
         self.memory = memory or CudaPeakMemory(device_of(self.blocks))
@@ -89,6 +102,13 @@ class Planner:
         self.host_check_tolerance = host_check_tolerance
         self.hooks = BlockHooks(self.blocks, self.reentrant)
         self.state = TraceState()
+        # the blocks' partitioner budget where the planner compiles them: the one traced now, the
+        # descent that chooses it (budgets.py); None where the blocks run as they were given
+        self.block_budget: float | None = None
+        self.search: BudgetSearch | None = None
+        if compiler is not None:
+            self.search = BudgetSearch(ladder)
+            self._use_budget(1.0, self.state)
         self._phase: StepPhase = TraceOffload()  # the next step's, or the one running now
         self._begun: StepPhase | None = None     # the phase of the last step begun, until its end reads it
         self._ctx: Offload | None = None  # the step running now, or the last begun (a trace's too)
@@ -221,6 +241,9 @@ class Planner:
             # are planned for the longest
             self.state, self._phase = TraceState(signature=self.state.outgrown), TraceOffload()
             self.replans += 1
+            if self.search is not None:  # the budgets' costs were the old inputs': the descent again
+                self.search = BudgetSearch(self.search.ladder[1:])
+                self._use_budget(1.0, self.state)
         # a phase whose begin raised began no step: nothing of it is read, and the next step begins it again
         self._begun = self._ctx = None
         ctx = self._phase.begin(self)
@@ -285,7 +308,10 @@ class Planner:
         if isinstance(self.budget, int):
             return self.budget
         assert self.budget is not None and self.trace is not None
-        return int(self.budget * self.trace.total_bytes)
+        # where the planner compiles the blocks, of what a step saves with none recomputed inside (budget 1.0)
+        traced = self.search.tried[0].state.trace if self.search is not None and self.search.tried else self.trace
+        assert traced is not None
+        return int(self.budget * traced.total_bytes)
 
     def step_peak(self, plan: Plan) -> int:
         """The plan's saves and parameter gradients on the device at its predicted peak, with what
@@ -359,6 +385,31 @@ class Planner:
         return plan and dataclasses.replace(plan, reentrant=self.reentrant)
 
     def make_plan(self) -> StepPhase:
+        """The plan in force (``_plan_in_force``) and the phase that follows; where the planner
+        compiles the blocks, the descent over their partitioner's budgets first (budgets.py): the
+        next budget's offload trace, and once it ends, the plan of the budget kept, from its trace."""
+        phase = self._plan_in_force()
+        search = self.search
+        if search is None or search.done:
+            return phase
+        assert self.plan is not None
+        following = search.read(self.state, self.plan, self.scenario().budget)
+        if following is not None:
+            self._use_budget(following, TraceState(signature=self.state.signature))
+            return TraceOffload()
+        best = search.best
+        if best.budget == self.block_budget:
+            return phase
+        self._use_budget(best.budget, best.state)
+        return self._plan_in_force()
+
+    def _use_budget(self, budget: float, state: TraceState) -> None:
+        """The blocks compiled at ``budget`` from the next step, with what ``state`` traced of them."""
+        assert self.compiler is not None
+        self.hooks.use_forwards(self.compiler.forwards(budget))
+        self.block_budget, self.state = budget, state
+
+    def _plan_in_force(self) -> StepPhase:
         """Put the plan of least predicted cost that fits in force (a measured plan fits by its
         measured peak; where none fits, the one of least peak, measured or predicted, once full
         offload has been measured beside them: phases.measure_full);
@@ -490,6 +541,8 @@ def _entered(ctx: Offload) -> bool:
 
 def plan(blocks: Iterable[nn.Module], budget: int | float | str | None = None, *, peak: int | str | None = None,
          reentrant: bool = True, clock: Clock | None = None, model: nn.Module | None = None,
+         compile_blocks: bool | dict[str, Any] = False, block_budgets: Sequence[float] = LADDER,
          **offload_options: Any) -> Planner:
     """A Planner (see its docstring, and docs/planner.md)."""
-    return Planner(blocks, budget, peak=peak, reentrant=reentrant, clock=clock, model=model, **offload_options)
+    return Planner(blocks, budget, peak=peak, reentrant=reentrant, clock=clock, model=model,
+                   compile_blocks=compile_blocks, block_budgets=block_budgets, **offload_options)

@@ -12,6 +12,7 @@ from stormd.wire.sizes import format_size
 
 from ..frames import FRAME_MIN_BYTES
 from ..policy import DEFAULT_MIN_BYTES
+from .budgets import BudgetSearch
 from .held import after_kept, fetched_inputs, offloaded_per_block, shared_staying
 from .model import Offloading, Plan, full_codec
 from .records import Trace
@@ -39,6 +40,8 @@ class Explained(Protocol):
     compiled: bool
     options: dict[str, Any]
     replans: int
+    block_budget: float | None
+    search: BudgetSearch | None
 
     @property
     def traced_host_ms_per_tensor(self) -> float | None: ...
@@ -102,6 +105,7 @@ def explain(planner: Explained) -> str:
     lines = [f"storm.plan: {want}; link {t.d2h_GBps:.1f} GB/s to host, {t.h2d_GBps:.1f} back; {host}; "
              f"forward {t.forward_host_ms:.2f} ms host, {t.forward_device_ms:.2f} ms compute stream{backward}",
              _standing(planner),
+             *_budgets(planner),
              *_smaller(planner),
              *([f"a step is {t.forwards} forwards before one backward: each block's figures are its {t.forwards} "
                 f"calls' together, and the plan decides for all of them"] if t.forwards > 1 else []),
@@ -157,6 +161,20 @@ def explain(planner: Explained) -> str:
         if at is not None:
             lines.append(_moments(at))
     return "\n".join(lines)
+
+
+def _budgets(planner: Explained) -> list[str]:
+    """Where the planner compiles the blocks: their partitioner's budget, and the budgets weighed."""
+    search = planner.search
+    if search is None or planner.block_budget is None:
+        return []
+    weighed = "; ".join(f"{t.budget:g}: {t.cost_ms:.2f} ms, " + ("fits" if t.fits else f"{t.over / MiB:+.1f} MiB over")
+                        for t in search.tried)
+    where = (f"chosen of the budgets traced, by the blocks' forward and backward measured at each plus the plan's "
+             f"predicted cost ({weighed})" if search.done
+             else f"tracing the budgets from 1.0 down ({weighed or 'none yet'})")
+    return [f"blocks compiled by storm.plan (inductor), their partitioner at activation_memory_budget "
+            f"{planner.block_budget:g} (torch's selective recompute inside each block; 1 is none): {where}"]
 
 
 def _moments(at: list[tuple[int, int | None]]) -> str:

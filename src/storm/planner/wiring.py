@@ -48,6 +48,7 @@ class BlockHooks:
         self._end_hooks: list[Any] = []  # at_backward_end's and at_each_backward's, until their step's backward
         self._recomputing: set[int] = set()
         self._own: dict[int, Callable[..., Any]] = {}  # own_forward per block, once recomputed
+        self._given = False  # the blocks run forwards the planner compiled (use_forwards), set as attributes
         # A step is what runs between backwards: it may call each block more than once (two
         # forwards before one backward, as preference and contrastive training do). Each block's
         # forward calls with grad enabled since the step began (new_step), counted by a hook set
@@ -163,11 +164,12 @@ class BlockHooks:
         forward, in the planner's form unless ``reentrant`` says; ``hand_over``: see Recompute)."""
         reentrant = self.reentrant if reentrant is None else reentrant
         for i in which - self._recomputing:
-            self._own.setdefault(i, own_forward(self.blocks[i], i))
+            if i not in self._own:
+                self._own[i] = own_forward(self.blocks[i], i)
         for i in self._recomputing - which:
             b = self.blocks[i]
-            if optimized(b):
-                b.forward = self._own[i]  # its compiled call, as torch.compile set it
+            if optimized(b) or self._given:
+                b.forward = self._own[i]  # its compiled call, as torch.compile or use_forwards set it
             else:
                 del b.forward  # back to the class's forward
         for i in which:
@@ -175,6 +177,20 @@ class BlockHooks:
             if i not in self._recomputing or (b.forward.hand_over, b.forward.reentrant) != (hand_over, reentrant):
                 b.forward = Recompute(self._own[i], device_of([b]), reentrant, hand_over)
         self._recomputing = set(which)
+
+    def use_forwards(self, forwards: Sequence[Callable[..., Any]]) -> None:
+        """Run ``forwards`` (the blocks' forwards as the planner compiled them: budgets.Compiler) as
+        the blocks' own from the next call: as their forward, or inside Recompute where recomputed.
+        ``close()`` takes them off with the rest."""
+        if any(compiled(b) or "forward" in vars(b) for b in self.blocks) and not self._given:
+            raise ValueError("storm.plan: compile_blocks= compiles the blocks itself, and these are compiled already "
+                             "(or have a forward attribute of their own): give the blocks uncompiled, or leave out "
+                             "compile_blocks to plan them as they are")
+        self._given = True
+        for i, (b, forward) in enumerate(zip(self.blocks, forwards)):
+            self._own[i] = forward
+            b.forward = (Recompute(forward, device_of([b]), b.forward.reentrant, b.forward.hand_over)
+                         if i in self._recomputing else forward)
 
     def compare_step(self, forwards: int, signature: tuple) -> Inputs:
         """The step that ran since new_step() against the traced one, of ``forwards`` forwards and
@@ -294,6 +310,10 @@ class BlockHooks:
         self.unhook()
         self.remove_end_hooks()
         self.recompute(set())
+        if self._given:  # the blocks run their class's forward again, uncompiled, as they were given
+            for b in self.blocks:
+                del b.forward
+            self._given = False
         for h in self._counting:
             h.remove()
         self._counting = []
