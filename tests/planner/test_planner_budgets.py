@@ -16,9 +16,10 @@ from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 import storm
-from planner_fakes import FakeClock, grads_of
+from planner_fakes import FakeClock, grads_of, trace
 from storm.examples.models import GPT, same_bits
-from storm.planner.budgets import BudgetSearch, Tried, compile_options, ladder_option
+from storm.planner import Plan
+from storm.planner.budgets import BudgetSearch, Tried, compile_options, cost_of, ladder_option
 
 FORWARD_MS, BACKWARD_MS = 1.0, 2.0  # each block's, at every budget; a budget below 1 adds its inner recompute
 
@@ -45,10 +46,11 @@ class FakeCompiler:
 
     def __init__(self, blocks: nn.ModuleList, clock: FakeClock, inner_ms: float, as_if: float | None = None):
         self.blocks, self.clock, self.inner_ms, self.as_if = blocks, clock, inner_ms, as_if
-        self.compiled: list[float] = []
+        self.used: list[float] = []  # the budgets asked for, in order, each time it changed
 
     def forwards(self, budget: float) -> list[Callable[..., Any]]:
-        self.compiled.append(budget)
+        if not self.used or self.used[-1] != budget:
+            self.used.append(budget)
         budget = budget if self.as_if is None else self.as_if
 
         def forward_of(block: nn.Module) -> Callable[..., Any]:
@@ -86,7 +88,7 @@ def between() -> int:
     return (inner + kept) // 2
 
 
-def run_planner(inner_ms: float, budgets: tuple[float, ...] = (0.5,), steps: int = 14, fraction: bool = False
+def run_planner(inner_ms: float, budgets: tuple[float, ...] = (0.5,), steps: int = 40, fraction: bool = False
                 ) -> tuple[storm.Planner, FakeCompiler]:
     """The planner over the GPT at ``between()`` (``fraction``: given as that fraction of a step's saves
     at 1.0), every step's gradients checked bit for bit."""
@@ -113,26 +115,33 @@ def test_a_cheap_recompute_inside_the_blocks_is_kept_over_recomputing_whole_bloc
     assert planner.settled and planner.block_budget == 0.5
     assert planner.plan is not None and not planner.plan.recomputed and not planner.plan.offloads
     assert planner.search is not None and [t.budget for t in planner.search.tried] == [1.0, 0.5]
+    assert planner.trials[0].plans[1].block_budget == 1.0  # the traced costs' runner-up, tried in alternation
     at_one = planner.search.tried[0]
     # what 0.5 was weighed against: whole blocks recomputed
     assert at_one.fits and at_one.state.plan is not None and at_one.state.plan.recomputed
     assert "activation_memory_budget 0.5" in planner.explain()
+    # each block's backward, its recompute left out, as the compute trace timed it block by block
+    assert planner.trace is not None
+    assert [b.backward_ms for b in planner.trace.blocks] == pytest.approx([BACKWARD_MS + 0.1] * 6)
 
 
 def test_a_dear_recompute_inside_the_blocks_loses_to_recomputing_whole_blocks():
     """Each block's inner recompute costs 5 ms, a whole block's forward 1 ms: the plan at 1.0 is kept,
-    from the trace made at 1.0 (the blocks compiled at it again)."""
+    from the trace made at 1.0 (the blocks compiled at it again), after a trial against 0.5's."""
     planner, compiler = run_planner(inner_ms=5.0)
     assert planner.settled and planner.block_budget == 1.0
     assert planner.plan is not None and planner.plan.recomputed
-    assert compiler.compiled == [1.0, 0.5, 1.0]
+    assert compiler.used[:3] == [1.0, 0.5, 1.0] and compiler.used[-1] == 1.0
     assert planner.trace is planner.search.tried[0].state.trace  # type: ignore[union-attr]
+    trial = planner.trials[0]
+    assert trial.kept is trial.plans[0] and trial.plans[1].block_budget == 0.5
+    assert "at budget 0.5" in trial.describe() and "at budget 0.5" in planner.explain()
 
 
 def test_the_descent_stops_at_the_first_budget_whose_plan_fits_by_itself():
     planner, compiler = run_planner(inner_ms=0.1, budgets=(0.3, 0.7, 0.5))
     assert planner.settled and planner.block_budget == 0.7
-    assert compiler.compiled == [1.0, 0.7]
+    assert planner.search is not None and [t.budget for t in planner.search.tried] == [1.0, 0.7]
 
 
 def test_larger_inputs_make_the_planner_descend_again():
@@ -142,13 +151,15 @@ def test_larger_inputs_make_the_planner_descend_again():
     compiler = FakeCompiler(model.blocks, clock, 0.1)
     planner = storm.Planner(model.blocks, budget=budget, mode="embedded", min_bytes=0, clock=clock,
                             compiler=compiler, block_budgets=(0.5,))
-    for _ in range(10):
+    for _ in range(40):
         grads_of(model, idx, planner.step())
     assert planner.settled and planner.block_budget == 0.5
+    first = planner.search
     larger = torch.randint(0, 256, (12, 65))
-    for _ in range(10):
+    for _ in range(40):
         grads_of(model, larger, planner.step())
-    assert planner.replans == 1 and compiler.compiled == [1.0, 0.5, 1.0, 0.5]
+    assert planner.replans == 1 and planner.search is not first
+    assert planner.search is not None and [t.budget for t in planner.search.tried] == [1.0, 0.5]
     assert planner.settled and planner.block_budget == 0.5  # the larger step's saves fit at 0.5 as well
 
 
@@ -156,6 +167,18 @@ def test_close_gives_the_blocks_their_own_forward_back():
     planner, _ = run_planner(inner_ms=0.1, steps=4)
     planner.close()
     assert all("forward" not in vars(b) for b in planner.blocks)
+
+
+def test_a_budgets_cost_counts_each_block_as_its_like_blocks():
+    """One step's times: a block the host or the allocator slowed in that step counts as the median."""
+    t = trace(n=4, fwd_ms=1.0)
+    for b, ms in zip(t.blocks, (2.0, 2.0, 2.0, 40.0)):
+        b.backward_ms = ms
+    plan = Plan(offloaded=0, recomputed=frozenset(), offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
+                predicted_peak=0, predicted_cost_ms=0.5, fits=True)
+    assert cost_of(t, plan) == pytest.approx(4 * (1.0 + 2.0) + 0.5)
+    t.blocks[0].backward_ms = 0.0  # not measured
+    assert cost_of(t, plan) is None
 
 
 def test_budgets_are_ranked_by_fitting_then_cost_then_how_far_over():
@@ -238,7 +261,7 @@ def test_blocks_compiled_by_the_planner_with_inductor_keep_the_budget_that_fits_
     planner = storm.plan(model.blocks, budget=(kept + inner) // 2, mode="embedded", min_bytes=0,
                          clock=TickingClock(), compile_blocks=True, block_budgets=(0.5,))
     graphs = []
-    for step in range(12):
+    for step in range(30):  # two budgets traced, then tried against each other in alternation
         got = grads_of(model, idx, planner.step())
         assert all(same_bits(a, b) for a, b in zip(ref, got)), f"gradients differ in step {step}"
         graphs.append(counters["stats"]["unique_graphs"])
@@ -288,10 +311,11 @@ def test_blocks_compiled_by_the_planner_on_cuda_settle_within_peak_bit_exact():
         with ctx:
             loss = model.loss(idx[:, :-1], idx[:, 1:])
         loss.backward()
+        peak = torch.cuda.max_memory_allocated() - base  # before the gradients' copies below
         got = [p.grad.clone() for p in model.parameters()]
         assert all(same_bits(a, b) for a, b in zip(refs[budget], got)), f"step {step} at {budget}"
         if settled:
-            peaks.append(torch.cuda.max_memory_allocated() - base)
+            peaks.append(peak)
         if len(peaks) >= 3:
             break
     assert planner.search is not None and [t.budget for t in planner.search.tried] == [1.0, 0.5], planner.explain()

@@ -10,17 +10,19 @@ full; no op-by-op rule in eager mode chooses as well (docs/planner.md, "Selectiv
 How the budget is chosen, from measurements: from 1.0 (no selective recompute) down the ladder,
 the planner traces the blocks compiled at each budget (the offload and compute traces, as any
 trace) and makes the plan for it. A budget's cost is the blocks' forward and backward measured at
-it by the compute trace (torch's recompute inside the blocks runs in their backward) plus the
-plan's predicted cost over them. The descent stops at a budget whose plan fits by the budget
-alone (nothing offloaded or recomputed: a lower budget only recomputes more) or at the ladder's
-end, and the budget kept is the one of least cost whose plan fits (none fitting: the one whose
-plan is predicted least over its target). Its trace is kept, so the plan runs on without tracing
-again.
+it by the compute trace, block by block (torch's recompute inside the blocks runs in their
+backward), plus the plan's predicted cost over them. The descent stops at a budget whose plan
+fits by the budget alone (nothing offloaded or recomputed: a lower budget only recomputes more)
+or at the ladder's end. The budget of least cost whose plan fits (none fitting: the one whose plan
+is predicted least over its target) is kept, with its trace; its costs are one step's times, so
+where another budget's plan fits too, the next least is tried against it in alternation
+(trial.Trial, the plans' own steps timed) and the faster kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -112,11 +114,14 @@ class Tried:
 
 def cost_of(trace: Trace, plan: Plan) -> float | None:
     """The step's blocks at this trace's budget under ``plan``: their forward and backward as the
-    compute trace measured them, plus the plan's predicted cost; None where the backward was not
-    measured."""
-    if trace.backward_device_ms is None:
+    compute trace measured them, each block's median times the blocks (one step's times: a block
+    whose step the host or the allocator slowed counts as its like blocks), plus the plan's predicted
+    cost; None where the blocks' backward was not measured one by one."""
+    if not all(b.backward_ms for b in trace.blocks):
         return None
-    return trace.forward_device_ms + trace.backward_device_ms + plan.predicted_cost_ms
+    n = len(trace.blocks)
+    return n * (statistics.median(b.forward_ms for b in trace.blocks)
+                + statistics.median(b.backward_ms for b in trace.blocks)) + plan.predicted_cost_ms
 
 
 class BudgetSearch:
@@ -132,6 +137,15 @@ class BudgetSearch:
     def best(self) -> Tried:
         """The budget to keep, of those tried (Tried.key)."""
         return min(self.tried, key=lambda t: t.key)
+
+    def runner_up(self) -> Tried | None:
+        """Of the other budgets whose plans fit, the one of least cost; None where none."""
+        best = self.best
+        return min((t for t in self.tried if t is not best and t.fits), key=lambda t: t.key, default=None)
+
+    def state_of(self, budget: float) -> TraceState:
+        """What the trace at ``budget`` taught and decided."""
+        return next(t.state for t in self.tried if t.budget == budget)
 
     def read(self, state: TraceState, plan: Plan, held_to: int) -> float | None:
         """The plan made at the budget traced now, held to ``held_to`` bytes: the next budget to

@@ -382,7 +382,7 @@ class Planner:
 
     def _choose(self, scenario: Scenario) -> Plan | None:
         plan = self._chooser(scenario)
-        return plan and dataclasses.replace(plan, reentrant=self.reentrant)
+        return plan and dataclasses.replace(plan, reentrant=self.reentrant, block_budget=self.block_budget)
 
     def make_plan(self) -> StepPhase:
         """The plan in force (``_plan_in_force``) and the phase that follows; where the planner
@@ -397,11 +397,13 @@ class Planner:
         if following is not None:
             self._use_budget(following, TraceState(signature=self.state.signature))
             return TraceOffload()
-        best = search.best
-        if best.budget == self.block_budget:
-            return phase
-        self._use_budget(best.budget, best.state)
-        return self._plan_in_force()
+        # the traced costs are one step's each: the budget of the next least, where its plan fits, is
+        # tried against the least's in alternation (trial.Trial), the plans' own steps timed
+        best, runner_up = search.best, search.runner_up()
+        if best.budget != self.block_budget or runner_up is not None:
+            self._use_budget(best.budget, best.state)
+            return self._plan_in_force(runner_up and runner_up.state.plan)
+        return phase
 
     def _use_budget(self, budget: float, state: TraceState) -> None:
         """The blocks compiled at ``budget`` from the next step, with what ``state`` traced of them."""
@@ -409,7 +411,7 @@ class Planner:
         self.hooks.use_forwards(self.compiler.forwards(budget))
         self.block_budget, self.state = budget, state
 
-    def _plan_in_force(self) -> StepPhase:
+    def _plan_in_force(self, alternative: Plan | None = None) -> StepPhase:
         """Put the plan of least predicted cost that fits in force (a measured plan fits by its
         measured peak; where none fits, the one of least peak, measured or predicted, once full
         offload has been measured beside them: phases.measure_full);
@@ -419,7 +421,8 @@ class Planner:
         in alternation with once this one's peak is settled, else the same plan in the other
         recompute form (other_form). Against a plan that offloads nothing, one that offloads only
         recomputed blocks' inputs is no such plan: it recomputes as a plan that fits without
-        offloading can, and adds the copies."""
+        offloading can, and adds the copies. An ``alternative`` given (another budget's plan) is the one
+        tried."""
         scenario, state = self.scenario(), self.state
         plan = self._choose(scenario)
         assert plan is not None  # choose() has a plan of either kind
@@ -446,8 +449,7 @@ class Planner:
                     log.warning("storm.plan: no plan keeps the %s under %.1f MiB; of the %d measured, the one of "
                                 "least measured peak is kept, %.1f MiB over its target", held, budget,
                                 len(state.measured), plan.measured_over / MiB)
-        alternative = None
-        if plan.fits and not self.trials:
+        if plan.fits and alternative is None and not self.trials:
             other = self._choose(dataclasses.replace(scenario, offload=not plan.offloads))
             if other is not None and other.fits and other.offloads != plan.offloads \
                     and (other.offloaded or plan.offloads):
@@ -492,7 +494,7 @@ class Planner:
             return None
         tried = self.state.full_tried
         plan = next((p for p in full_offloads(self.scenario()) if p.shape not in tried), None)
-        return plan and dataclasses.replace(plan, reentrant=self.reentrant)
+        return plan and dataclasses.replace(plan, reentrant=self.reentrant, block_budget=self.block_budget)
 
     def other_form(self, plan: Plan) -> Plan | None:
         """``plan`` with its blocks recomputed by torch's non-reentrant checkpoint, to be tried
@@ -508,7 +510,11 @@ class Planner:
         return dataclasses.replace(plan, reentrant=False)
 
     def apply(self, plan: Plan) -> None:
-        """Put ``plan`` in force from the next step: its recomputed blocks and its hooks."""
+        """Put ``plan`` in force from the next step: its recomputed blocks and its hooks, and where it
+        was made for another budget of the blocks' partitioner, the blocks compiled at that budget
+        and what its trace taught (a trial of two budgets: phases.Try)."""
+        if self.search is not None and plan.block_budget not in (None, self.block_budget):
+            self._use_budget(plan.block_budget, self.search.state_of(plan.block_budget))
         state = self.state
         assert state.trace is not None
         state.plan = plan

@@ -47,6 +47,9 @@ class Plan:
     # every save offloaded as storm.offload() does it (full_offload): its own copy queue and prefetch
     # window, paced by full offload's room (storm/rooms.py), not by the plan's figures or hooks
     full: bool = False
+    # the blocks' partitioner budget the plan was made for, where the planner compiles them (budgets.py);
+    # not in its shape: each budget's plans are measured against their own trace (its TraceState)
+    block_budget: float | None = None
     # bytes a step of this plan was measured over its target (negative: under); None: not measured.
     # What was learned of the plan, not what it is: plans compare equal without it
     measured_over: int | None = dataclasses.field(default=None, compare=False)

@@ -371,7 +371,6 @@ class Try(StepPhase):
         where the plan measured over its own (the least measured kept where none fit); then the
         form trial, where it has not run yet (Planner.other_form)."""
         trial = self.trial
-        planner.state.trials.append(trial)
         plan, alternative = trial.plans
         within = trial.over is None and (trial.alternative_read or planner.target is None)
         plan_over = plan.measured_over is not None and plan.measured_over > 0
@@ -380,12 +379,14 @@ class Try(StepPhase):
         if over is not None:  # the alternative as its own step here measured it
             keep = dataclasses.replace(keep, fits=over <= 0, measured_over=over)
             trial.plans = (plan, keep)  # the trial's account of itself names the plan in force
+        trial.kept = keep
+        if keep is not planner.plan:
+            planner.apply(keep)  # of another budget: its trace's state from here (Planner.apply)
+        planner.state.trials.append(trial)
+        if over is not None:
             target = planner.target_of(keep)
             if target is not None:
                 planner.state.measured_peak = target + over
-        trial.kept = keep
-        if keep is not planner.plan:
-            planner.apply(keep)
         log.info("storm.plan: %s", trial.describe())
         return after_checks(planner, planner.other_form(keep))
 

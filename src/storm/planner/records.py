@@ -15,6 +15,9 @@ class BlockTrace:
     tensors: int = 0         # how many storages that was
     input_bytes: int = 0     # tensors it was called with: what recomputing it keeps
     forward_ms: float = 0.0  # what recomputing it costs
+    # its backward on the compute stream, its recompute left out (the compute trace's, of a step of one
+    # forward); 0 where not measured. What the budget of a compiled block's partitioner changes (budgets.py)
+    backward_ms: float = 0.0
     grad_bytes: int = 0      # parameter gradients its backward allocates (none where they outlive the step)
     framed: int = 0          # of its storages, how many a frame codec puts in frames
     framed_bytes: int = 0    # their bytes

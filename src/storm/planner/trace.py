@@ -448,6 +448,10 @@ class ComputeTrace:
         done = self.first_done[-1:] or self.ended  # the last to fire: the first forward's block 0
         if self.reached and done:  # from the last block's backward to the first's end, recomputes left out
             trace.backward_device_ms = max(0.0, clock.elapsed_ms(self.reached[0], done[0]) - recomputing_ms)
+            if trace.forwards == 1:  # backward runs each block's recompute, then its backward, last to first
+                calls = [c[-1] for c in self.recomputes]
+                for i, b in enumerate(trace.blocks):
+                    b.backward_ms = max(0.0, clock.elapsed_ms(calls[i][1], calls[i - 1][0] if i else done[0]))
         times = sorted(b.forward_ms for b in trace.blocks)
         typical, dearest = times[len(times) // 2], times[-1]
         first_forward = trace.forward_device_ms > FIRST_CALL_RATIO * recomputing_ms + FIRST_CALL_MS

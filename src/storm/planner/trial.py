@@ -103,6 +103,8 @@ class Trial:
         steps and which was kept, faster by how much in the median of the pairs of steps run one
         after the other (what decides, where the medians may say otherwise)."""
         names = ([_form_name(p) for p in self.plans] if self.forms else [plan_name(p) for p in self.plans])
+        if self.plans[0].block_budget != self.plans[1].block_budget:  # a trial of two budgets (planner/budgets.py)
+            names = [f"{n} at budget {p.block_budget:g}" for n, p in zip(names, self.plans)]
         what = f"{names[0]} against {names[1]}" + (f" to {plan_name(self.plans[0])}" if self.forms else "")
         if self.over is not None:
             return (f"tried {what}: {names[1]} peaked at {self.over / MiB:.1f} MiB in its first step, over its "
