@@ -367,14 +367,14 @@ class Trainer:
         return self.handle.planner if self.handle is not None else self._plan
 
     def warm(self, steps: int) -> None:
-        """``steps`` steps, and as many more (up to 80) as storm.plan needs to settle: it traces
+        """``steps`` steps, and as many more (up to 160) as storm.plan needs to settle: it traces
         two steps (three with peak=), plans at the next, on CUDA measures planned steps until one
         is within its target (up to 4), resetting the peak statistics, reads a second offloading
         step's host time, and tries its plan against the best of the other kind, then in the
         other recompute form, in alternation (10 to 18 steps each trial)."""
         for _ in range(steps):
             self.step()
-        for _ in range(80):  # a planner compiling the blocks traces each budget it weighs
+        for _ in range(160):  # a planner compiling the blocks traces each budget and tries those near the least
             if self.planner is None or self.planner.settled:
                 break
             self.step()

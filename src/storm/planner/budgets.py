@@ -15,8 +15,9 @@ backward), plus the plan's predicted cost over them. The descent stops at a budg
 fits by the budget alone (nothing offloaded or recomputed: a lower budget only recomputes more)
 or at the ladder's end. The budget of least cost whose plan fits (none fitting: the one whose plan
 is predicted least over its target) is kept, with its trace; its costs are one step's times, so
-where another budget's plan fits too, the next least is tried against it in alternation
-(trial.Trial, the plans' own steps timed) and the faster kept.
+each other budget whose plan fits and whose cost is within TRIAL_BAND of the least's is tried
+against the plan kept in alternation (trial.Trial, the plans' own steps timed), cheapest first,
+and the faster kept each time.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from .records import Trace
 from .state import TraceState
 
 LADDER = (0.9, 0.7, 0.5, 0.3, 0.1)  # the budgets tried below 1.0, in the order tried
+# budgets whose traced cost is within this fraction of the least's are tried against its plan in
+# alternation: one step's times each, they are as far apart as that from step to step and process to process
+TRIAL_BAND = 0.15
 # torch.compile's keyword arguments a compile_blocks dict may give (the function compiled is the block's forward)
 COMPILE_KEYS = ("mode", "options", "dynamic", "fullgraph")
 
@@ -132,16 +136,18 @@ class BudgetSearch:
         self.ladder = (1.0, *ladder)
         self.tried: list[Tried] = []
         self.done = False
+        # once done: the budgets whose plans fit and whose traced cost is within TRIAL_BAND of the
+        # least's, cheapest first, each to be tried in alternation against the plan kept (trial.Trial)
+        self.contenders: list[Tried] = []
 
     @property
     def best(self) -> Tried:
         """The budget to keep, of those tried (Tried.key)."""
         return min(self.tried, key=lambda t: t.key)
 
-    def runner_up(self) -> Tried | None:
-        """Of the other budgets whose plans fit, the one of least cost; None where none."""
-        best = self.best
-        return min((t for t in self.tried if t is not best and t.fits), key=lambda t: t.key, default=None)
+    def next_contender(self) -> Tried | None:
+        """The next budget to try against the plan kept (``contenders``), taken off them; None once none is left."""
+        return self.contenders.pop(0) if self.contenders else None
 
     def state_of(self, budget: float) -> TraceState:
         """What the trace at ``budget`` taught and decided."""
@@ -161,5 +167,9 @@ class BudgetSearch:
         alone = plan.fits and not plan.recomputed and not plan.offloads
         if alone or len(self.tried) == len(self.ladder):
             self.done = True
+            best = self.best
+            self.contenders = sorted((t for t in self.tried if t is not best and t.fits and t.state.plan is not None
+                                      and not t.state.plan.full and t.cost_ms <= (1 + TRIAL_BAND) * best.cost_ms),
+                                     key=lambda t: t.key) if best.fits else []
             return None
         return self.ladder[len(self.tried)]

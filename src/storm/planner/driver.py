@@ -397,12 +397,12 @@ class Planner:
         if following is not None:
             self._use_budget(following, TraceState(signature=self.state.signature))
             return TraceOffload()
-        # the traced costs are one step's each: the budget of the next least, where its plan fits, is
-        # tried against the least's in alternation (trial.Trial), the plans' own steps timed
-        best, runner_up = search.best, search.runner_up()
-        if best.budget != self.block_budget or runner_up is not None:
+        # the traced costs are one step's each: the budgets of costs near the least are tried against
+        # its plan in alternation (trial.Trial), the first now, the others as each trial ends (next_trial)
+        best, contender = search.best, search.next_contender()
+        if best.budget != self.block_budget or contender is not None:
             self._use_budget(best.budget, best.state)
-            return self._plan_in_force(runner_up and runner_up.state.plan)
+            return self._plan_in_force(contender and contender.state.plan)
         return phase
 
     def _use_budget(self, budget: float, state: TraceState) -> None:
@@ -495,6 +495,13 @@ class Planner:
         tried = self.state.full_tried
         plan = next((p for p in full_offloads(self.scenario()) if p.shape not in tried), None)
         return plan and dataclasses.replace(plan, reentrant=self.reentrant, block_budget=self.block_budget)
+
+    def next_trial(self, plan: Plan) -> Plan | None:
+        """What a trial just decided for ``plan`` is tried against next: the plan of the next budget of
+        the blocks' partitioner left to try (budgets.BudgetSearch.contenders), else ``plan`` in the
+        other recompute form (other_form)."""
+        contender = self.search.next_contender() if self.search is not None else None
+        return contender.state.plan if contender is not None else self.other_form(plan)
 
     def other_form(self, plan: Plan) -> Plan | None:
         """``plan`` with its blocks recomputed by torch's non-reentrant checkpoint, to be tried

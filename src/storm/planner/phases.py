@@ -83,6 +83,8 @@ class Driver(Protocol):
 
     def other_form(self, plan: Plan) -> Plan | None: ...
 
+    def next_trial(self, plan: Plan) -> Plan | None: ...
+
     def step_peak(self, plan: Plan) -> int: ...
 
     def full_offload(self) -> Plan | None: ...
@@ -369,7 +371,7 @@ class Try(StepPhase):
         """Keep the plan of the two whose steps took less, the alternative only if it was measured
         within its target (where there is one); the alternative so measured whatever the times
         where the plan measured over its own (the least measured kept where none fit); then the
-        form trial, where it has not run yet (Planner.other_form)."""
+        next budget's trial, or the form trial where it has not run yet (Planner.next_trial)."""
         trial = self.trial
         plan, alternative = trial.plans
         within = trial.over is None and (trial.alternative_read or planner.target is None)
@@ -388,7 +390,7 @@ class Try(StepPhase):
             if target is not None:
                 planner.state.measured_peak = target + over
         log.info("storm.plan: %s", trial.describe())
-        return after_checks(planner, planner.other_form(keep))
+        return after_checks(planner, planner.next_trial(keep))
 
 
 def after_checks(planner: Driver, alternative: Plan | None) -> StepPhase:
