@@ -2,7 +2,7 @@
 holds besides its saves, the plan, the margins its measured steps left, the host check's count,
 the trials decided. One object, so that tracing again (block 0's inputs grew) starts from a
 new one rather than resetting each field, and what a later phase adds (say, per-plan measured
-peaks) is forgotten with the rest.
+peaks) is forgotten with the rest. ``Readings``: the Planner's properties that read it.
 """
 
 from __future__ import annotations
@@ -88,3 +88,97 @@ class TraceState:
             return False
         self.offloading_steps += 1
         return self.offloading_steps == HOST_CHECK_STEP
+
+
+class Readings:
+    """What the Planner's TraceState (``state``) holds, read as the Planner's own: explain(), the
+    phases and the benchmarks read these of the trace in force."""
+
+    state: TraceState
+
+    @property
+    def trace(self) -> Trace | None:
+        """The traced steps' Trace; None until the offload trace has been read (again, after
+        block 0's inputs grew)."""
+        return self.state.trace
+
+    @trace.setter
+    def trace(self, trace: Trace | None) -> None:
+        self.state.trace = trace
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in force (in a trial, the last step's); None until planned."""
+        return self.state.plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        self.state.plan = plan
+
+    @property
+    def besides(self) -> int | None:
+        """What a step holds besides its saves (activations' gradients, temporaries) at a
+        recomputed or offloaded block's backward, measured on CUDA in the compute trace; None
+        before it."""
+        return self.state.besides
+
+    @property
+    def start_extra(self) -> int:
+        """What backward's start holds beyond the besides (start_extra in held.moments)."""
+        return self.state.start_extra
+
+    @property
+    def kept_extra(self) -> int:
+        """What a kept block's backward holds beyond a recomputed one's: autograd keeps a kept
+        block's saves until each node that saved them ends, beside the node's temporaries (a bias
+        gradient's reduction buffer, say), where Recompute hands them over and they go as the node
+        takes them. Measured with peak= in the reentrant form (the second compute trace, without
+        the hand-over); else 0."""
+        return self.state.kept_extra
+
+    @property
+    def margins(self) -> dict[bool, int]:
+        """Bytes that plans which offload (True) or not (False) leave below the budget, from measured steps."""
+        return dict(self.state.margins)
+
+    @property
+    def checks(self) -> int:
+        """Planned steps measured since the last trace."""
+        return self.state.checks
+
+    @property
+    def measured_peak(self) -> int | None:
+        """The last measured planned step's peak above its start, since the last trace."""
+        return self.state.measured_peak
+
+    @property
+    def traced_host_ms_per_tensor(self) -> float | None:
+        """The trace's host time per offloaded tensor, where a planned step measured more."""
+        return self.state.traced_host_ms_per_tensor
+
+    @property
+    def traced_frame_host_ms_per_tensor(self) -> float | None:
+        """The trace's host time a frame adds to a tensor's, where a planned step measured more."""
+        return self.state.traced_frame_host_ms_per_tensor
+
+    @property
+    def measured_plans(self) -> int:
+        """Plans whose step was measured against its target since the last trace."""
+        return len(self.state.measured)
+
+    @property
+    def smaller_steps(self) -> int:
+        """Steps since the last trace began whose block 0 took smaller inputs than the traced step's,
+        or that left a block out (wiring.Inputs): each ran as the step before it did, and only the
+        settled plan's were read."""
+        return self.state.smaller_steps
+
+    @property
+    def trials(self) -> list[Trial]:
+        """This trace's trials, decided, in order."""
+        return self.state.trials
+
+    @property
+    def trial(self) -> Trial | None:
+        """The last trial decided since the last trace."""
+        return self.trials[-1] if self.trials else None
