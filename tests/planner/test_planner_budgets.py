@@ -209,6 +209,43 @@ def test_a_budgets_cost_counts_each_block_as_its_like_blocks():
     assert cost_of(t, plan) is None
 
 
+def test_a_budget_whose_blocks_were_not_timed_one_by_one_is_not_weighed():
+    """Where the compute trace has no block's backward (a step of several forwards), a budget's
+    cost is unknown: not zero. The descent ends with the budgets weighed before it, and where the
+    first is unweighed the blocks stay at 1.0 and explain() says why."""
+    recomputes = Plan(offloaded=0, recomputed=frozenset({0}), offload_budget=0, max_held_bytes=0, prefetch_bytes=0,
+                      predicted_peak=0, predicted_cost_ms=0.0, fits=True)
+
+    def state(timed: bool) -> storm.planner.state.TraceState:
+        t = trace(n=4, fwd_ms=1.0)
+        for b in t.blocks:
+            b.backward_ms = 2.0 if timed else 0.0
+        return storm.planner.state.TraceState(trace=t, plan=recomputes)
+
+    search = BudgetSearch((0.5, 0.1))
+    assert search.read(state(True), recomputes, held_to=1) == 0.5
+    assert search.read(state(False), recomputes, held_to=1) is None
+    assert search.done and [t.budget for t in search.tried] == [1.0] and search.best.budget == 1.0
+    assert not search.unweighed
+    search = BudgetSearch((0.5, 0.1))
+    assert search.read(state(False), recomputes, held_to=1) is None
+    assert search.unweighed and search.best.budget == 1.0
+
+
+def test_steps_of_two_forwards_keep_the_blocks_at_one_and_explain_says_why():
+    model, idx = gpt()
+    clock = FakeClock()
+    planner = storm.Planner(model.blocks, budget=2 * between(), mode="embedded", min_bytes=0, clock=clock,
+                            compiler=FakeCompiler(model.blocks, clock, 0.1), block_budgets=(0.5,))
+    for _ in range(12):
+        model.zero_grad(set_to_none=True)
+        with planner.step():
+            loss = model(idx[:, :-1]).float().mean() + model(idx[:, 1:]).float().mean()
+        loss.backward()
+    assert planner.search is not None and planner.search.unweighed and planner.block_budget == 1.0
+    assert "no budget below 1 weighed" in planner.explain()
+
+
 def test_budgets_are_ranked_by_fitting_then_cost_then_how_far_over():
     search = BudgetSearch((0.5, 0.1))
     state = storm.planner.state.TraceState()

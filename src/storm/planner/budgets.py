@@ -139,6 +139,7 @@ class BudgetSearch:
         # once done: the budgets whose plans fit and whose traced cost is within TRIAL_BAND of the
         # least's, cheapest first, each to be tried in alternation against the plan kept (trial.Trial)
         self.contenders: list[Tried] = []
+        self.unweighed = False  # the first budget's blocks were not timed one by one: none weighed (cost_of)
 
     @property
     def best(self) -> Tried:
@@ -159,17 +160,22 @@ class BudgetSearch:
         assert state.trace is not None and not self.done
         budget = self.ladder[len(self.tried)]
         cost = cost_of(state.trace, plan)
-        if cost is None:  # nothing to weigh budgets by: the plan at this budget stands
-            self.tried.append(Tried(budget, state, 0.0, plan.predicted_peak - held_to, plan.fits))
-            self.done = True
+        if cost is None:  # nothing to weigh this budget by: the descent ends with the budgets weighed before
+            if not self.tried:  # none: the blocks stay at 1.0
+                self.tried.append(Tried(budget, state, 0.0, plan.predicted_peak - held_to, plan.fits))
+                self.unweighed = True
+            self._end()
             return None
         self.tried.append(Tried(budget, state, cost, plan.predicted_peak - held_to, plan.fits))
         alone = plan.fits and not plan.recomputed and not plan.offloads
         if alone or len(self.tried) == len(self.ladder):
-            self.done = True
-            best = self.best
-            self.contenders = sorted((t for t in self.tried if t is not best and t.fits and t.state.plan is not None
-                                      and not t.state.plan.full and t.cost_ms <= (1 + TRIAL_BAND) * best.cost_ms),
-                                     key=lambda t: t.key) if best.fits else []
+            self._end()
             return None
         return self.ladder[len(self.tried)]
+
+    def _end(self) -> None:
+        self.done = True
+        best = self.best
+        self.contenders = sorted((t for t in self.tried if t is not best and t.fits and t.state.plan is not None
+                                  and not t.state.plan.full and t.cost_ms <= (1 + TRIAL_BAND) * best.cost_ms),
+                                 key=lambda t: t.key) if best.fits else []

@@ -170,9 +170,14 @@ def _budgets(planner: Explained) -> list[str]:
         return []
     weighed = "; ".join(f"{t.budget:g}: {t.cost_ms:.2f} ms, " + ("fits" if t.fits else f"{t.over / MiB:+.1f} MiB over")
                         for t in search.tried)
-    where = (f"chosen of the budgets traced, by the blocks' forward and backward measured at each plus the plan's "
-             f"predicted cost ({weighed})" if search.done
-             else f"tracing the budgets from 1.0 down ({weighed or 'none yet'})")
+    if search.unweighed:
+        where = ("no budget below 1 weighed: the compute trace did not time the blocks' backward one by one (a step "
+                 "of several forwards)")
+    elif search.done:
+        where = (f"chosen of the budgets traced, by the blocks' forward and backward measured at each plus the "
+                 f"plan's predicted cost ({weighed})")
+    else:
+        where = f"tracing the budgets from 1.0 down ({weighed or 'none yet'})"
     return [f"blocks compiled by storm.plan (inductor), their partitioner at activation_memory_budget "
             f"{planner.block_budget:g} (torch's selective recompute inside each block; 1 is none): {where}"]
 
