@@ -7,6 +7,7 @@ compiles with inductor for real."""
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any, Callable
 
 import pytest
@@ -244,6 +245,20 @@ def test_steps_of_two_forwards_keep_the_blocks_at_one_and_explain_says_why():
         loss.backward()
     assert planner.search is not None and planner.search.unweighed and planner.block_budget == 1.0
     assert "no budget below 1 weighed" in planner.explain()
+
+
+def test_the_descent_puts_no_budgets_plan_in_force_but_the_one_kept(caplog):
+    """Each budget's plan is weighed, not put in force: where nothing fits, the warning that no plan
+    does comes once, for the budget kept, not once per budget traced."""
+    model, idx = gpt()
+    clock = FakeClock()
+    planner = storm.Planner(model.blocks, budget=2, mode="embedded", min_bytes=0, clock=clock,
+                            compiler=FakeCompiler(model.blocks, clock, 0.1), block_budgets=(0.7, 0.5))
+    with caplog.at_level(logging.WARNING, logger="storm"):
+        for _ in range(7):
+            grads_of(model, idx, planner.step())
+    assert planner.search is not None and [t.budget for t in planner.search.tried] == [1.0, 0.7, 0.5]
+    assert sum("no plan keeps" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_budgets_are_ranked_by_fitting_then_cost_then_how_far_over():

@@ -298,22 +298,24 @@ class Planner(Readings):
         """The plan in force (``_plan_in_force``) and the phase that follows; where the planner
         compiles the blocks, the descent over their partitioner's budgets first (budgets.py): the
         next budget's offload trace, and once it ends, the plan of the budget kept, from its trace."""
-        phase = self._plan_in_force()
         search = self.search
         if search is None or search.done:
-            return phase
-        assert self.plan is not None
-        following = search.read(self.state, self.plan, self.scenario().budget)
+            return self._plan_in_force()
+        # during the descent each budget's plan is only weighed (as chosen, nothing put in force, no
+        # step measured): the budget kept puts its own in force once the descent ends
+        scenario = self.scenario()
+        plan = self.state.plan = self._choose(scenario)
+        assert plan is not None  # choose() has a plan of either kind
+        following = search.read(self.state, plan, scenario.budget)
         if following is not None:
             self._use_budget(following, TraceState(signature=self.state.signature))
             return TraceOffload()
         # the traced costs are one step's each: the budgets of costs near the least are tried against
         # its plan in alternation (trial.Trial), the first now, the others as each trial ends (next_trial)
         best, contender = search.best, search.next_contender()
-        if best.budget != self.block_budget or contender is not None:
+        if best.budget != self.block_budget:
             self._use_budget(best.budget, best.state)
-            return self._plan_in_force(contender and contender.state.plan)
-        return phase
+        return self._plan_in_force(contender and contender.state.plan)
 
     def _use_budget(self, budget: float, state: TraceState) -> None:
         """The blocks compiled at ``budget`` from the next step, with what ``state`` traced of them."""
